@@ -1,0 +1,381 @@
+"""JSON config → typed sections, with DeepSpeed's key names and defaults and strict validation.
+
+`load_config(path_or_dict)` checks every key (unknown keys are errors at every level, naming the
+key path and the closest valid key) and every value (type and range). Features that a later
+release adds are accepted only at their "off" values; anything else says "not supported yet".
+Batch sizes are resolved against the data-parallel world size by `Config.batch_sizes(dp)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engine.config_schema import ConfigError, bounded, closest, parse_section, section, to_dict, unknown_key_error
+
+Auto = Literal["auto"]
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    type: str = "Adam"
+    params: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    type: str = ""
+    params: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    enabled: bool = False
+    loss_scale: float = bounded(0.0, min=0)
+    initial_scale_power: int = bounded(16, min=0, max=127)
+    loss_scale_window: int = bounded(1000, min=1)
+    hysteresis: int = bounded(2, min=1)
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = bounded(1.0, gt=0)
+
+
+@dataclass(frozen=True)
+class BF16Config:
+    enabled: bool = False
+
+
+@dataclass(frozen=True)
+class OffloadOptimizerConfig:
+    device: Literal["none", "cpu", "nvme"] | None = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    ratio: float = bounded(1.0, min=0.0, max=1.0)
+    buffer_count: int = bounded(4, min=1)
+    fast_init: bool = False
+
+
+@dataclass(frozen=True)
+class OffloadParamConfig:
+    device: Literal["none", "cpu", "nvme"] | None = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = bounded(5, min=1)
+    buffer_size: int = bounded(100_000_000, min=1)
+    max_in_cpu: int = bounded(1_000_000_000, min=0)
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    stage: int = bounded(0, min=0, max=3)
+    reduce_bucket_size: int = bounded(500_000_000, min=1)
+    allgather_bucket_size: int = bounded(500_000_000, min=1)
+    overlap_comm: bool | None = None  # None: true for stage 3, as DeepSpeed
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    allgather_partitions: bool = True
+    round_robin_gradients: bool = False
+    ignore_unused_parameters: bool = True
+    load_from_fp32_weights: bool = True
+    stage3_prefetch_bucket_size: int = bounded(50_000_000, min=0)
+    stage3_param_persistence_threshold: int = bounded(100_000, min=0)
+    stage3_max_live_parameters: int = bounded(1_000_000_000, min=0)
+    stage3_max_reuse_distance: int = bounded(1_000_000_000, min=0)
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    offload_optimizer: OffloadOptimizerConfig = section(OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = section(OffloadParamConfig)
+    sub_group_size: int = bounded(1_000_000_000, min=1)
+    chunk_size: int | None = bounded(None, min=1)  # Tiers: elements per chunk
+    placement: Literal["static", "auto"] = "static"  # Tiers
+
+    @property
+    def overlap(self) -> bool:
+        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    block_size: int = bounded(1_048_576, min=1)
+    queue_depth: int = bounded(8, min=1)
+    single_submit: bool = False
+    overlap_events: bool = True
+    thread_count: int | None = bounded(None, min=1)
+    intra_op_parallelism: int | None = bounded(None, min=1)  # DeepSpeed's newer name
+
+    @property
+    def threads(self) -> int:
+        return self.intra_op_parallelism or self.thread_count or 1
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    enabled: bool = False  # Tiers
+    modules: list[str] | None = None  # Tiers
+    every_n: int = bounded(1, min=1)  # Tiers
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = bounded(None, min=1)
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+@dataclass(frozen=True)
+class TensorBoardConfig:
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "TiersJob"
+
+    @property
+    def log_dir(self) -> str:
+        return os.path.join(self.output_path or "runs", self.job_name)
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    size: int = bounded(1, min=1)
+    mode: Literal["1d", "2d"] = "1d"
+    plan: str | dict = "auto"
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    device_budget: int | str | None = None
+    cpu_budget: int | str | None = None
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+
+
+@dataclass(frozen=True)
+class Config:
+    train_batch_size: int | Auto | None = bounded(None, min=1)
+    train_micro_batch_size_per_gpu: int | Auto | None = bounded(None, min=1)
+    gradient_accumulation_steps: int | Auto | None = bounded(None, min=1)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    gradient_clipping: float = bounded(0.0, min=0)
+    fp16: FP16Config = section(FP16Config)
+    bf16: BF16Config = section(BF16Config)
+    zero_optimization: ZeroConfig = section(ZeroConfig)
+    aio: AioConfig = section(AioConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = section(ActivationCheckpointingConfig)
+    tensorboard: TensorBoardConfig = section(TensorBoardConfig)
+    steps_per_print: int = bounded(10, min=1)
+    wall_clock_breakdown: bool = False
+    zero_allow_untested_optimizer: bool = False
+    tensor_parallel: TensorParallelConfig = section(TensorParallelConfig)
+    memory: MemoryConfig = section(MemoryConfig)
+    seed: int | None = None
+
+    def batch_sizes(self, dp_world_size: int) -> BatchSizes:
+        return resolve_batch_sizes(
+            _given(self.train_batch_size),
+            _given(self.train_micro_batch_size_per_gpu),
+            _given(self.gradient_accumulation_steps),
+            dp_world_size,
+        )
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+
+def _given(value: int | str | None) -> int | None:
+    return None if value in (None, "auto") else value
+
+
+def resolve_batch_sizes(total: int | None, micro: int | None, accum: int | None, dp: int) -> BatchSizes:
+    """train_batch_size = micro × accumulation × dp; any two give the third (DeepSpeed's rule)."""
+    rule = "train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps × data-parallel size"
+    shown = f"train_batch_size={total}, train_micro_batch_size_per_gpu={micro}, gradient_accumulation_steps={accum}, data-parallel size={dp}"
+    if total is None and micro is None:
+        raise ConfigError(f"batch size: set train_batch_size or train_micro_batch_size_per_gpu (got {shown}); {rule}.")
+    if total is not None and micro is not None and accum is not None:
+        if total != micro * accum * dp:
+            raise ConfigError(f"batch size: inconsistent values {shown}: {micro}×{accum}×{dp} = {micro * accum * dp} ≠ {total}; {rule}.")
+    elif total is not None and micro is not None:
+        accum, rem = divmod(total, micro * dp)
+        if rem or accum == 0:
+            raise ConfigError(f"batch size: {shown}: train_batch_size is not a multiple of micro × dp = {micro * dp}; {rule}.")
+    elif total is not None:
+        accum = accum or 1
+        micro, rem = divmod(total, accum * dp)
+        if rem or micro == 0:
+            raise ConfigError(f"batch size: {shown}: train_batch_size is not a multiple of accumulation × dp = {accum * dp}; {rule}.")
+    else:
+        accum = accum or 1
+        total = micro * accum * dp
+    return BatchSizes(total, micro, accum)
+
+
+# DeepSpeed keys whose features Tiers does not have yet: accepted only at their "off" value.
+_UNSUPPORTED_TOP_LEVEL_OFF_VALUES: dict[str, Any] = {
+    "prescale_gradients": False,
+    "gradient_predivide_factor": 1.0,
+    "sparse_gradients": False,
+    "memory_breakdown": False,
+    "dump_state": False,
+    "disable_allgather": False,
+    "dataloader_drop_last": False,
+    "communication_data_type": None,
+}
+_UNSUPPORTED_TOP_LEVEL_SECTIONS = (
+    "amp", "flops_profiler", "comms_logger", "wandb", "csv_monitor", "comet", "compression_training",
+    "data_efficiency", "curriculum_learning", "elasticity", "pipeline", "sparse_attention", "autotuning",
+    "checkpoint", "data_types", "hybrid_engine", "eigenvalue", "progressive_layer_drop", "quantize_training",
+    "nebula", "weight_quantization", "compile",
+)
+
+_OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
+    "adam": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "adam_w_mode": True,
+             "torch_adam": False, "bias_correction": True, "amsgrad": False},
+    "adamw": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": False,
+              "bias_correction": True, "amsgrad": False},
+    "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},
+}
+_UNSUPPORTED_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb", "lamb", "lion", "adagrad", "muadam")
+OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
+
+
+def _strip_unsupported(raw: dict) -> dict:
+    raw = dict(raw)
+    for key, off in _UNSUPPORTED_TOP_LEVEL_OFF_VALUES.items():
+        if key in raw:
+            if raw[key] != off:
+                raise ConfigError(f"{key}: {raw[key]!r} is not supported yet by Tiers; remove the key or set it to {json.dumps(off)}.")
+            del raw[key]
+    for key in _UNSUPPORTED_TOP_LEVEL_SECTIONS:
+        if key in raw:
+            value = raw.pop(key)
+            if not (isinstance(value, dict) and value.get("enabled") is False):
+                raise ConfigError(f"{key}: this DeepSpeed feature is not supported yet by Tiers; remove the '{key}' section.")
+    return raw
+
+
+def _validate_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
+    name = opt.type.lower()
+    if name in _UNSUPPORTED_OPTIMIZERS:
+        raise ConfigError(f"optimizer.type: '{opt.type}' is not supported yet; use one of {', '.join(OPTIMIZER_NAMES.values())}.")
+    if name not in _OPTIMIZER_PARAMS:
+        guess = closest(opt.type, OPTIMIZER_NAMES.values())
+        hint = f" Did you mean '{guess}'?" if guess else ""
+        raise ConfigError(f"optimizer.type: unknown optimizer '{opt.type}'.{hint} Allowed: {', '.join(OPTIMIZER_NAMES.values())} (case-insensitive).")
+    allowed = _OPTIMIZER_PARAMS[name]
+    params = dict(allowed)
+    for key, value in opt.params.items():
+        if key not in allowed:
+            raise unknown_key_error("optimizer.params", key, allowed)
+        default = allowed[key]
+        path = f"optimizer.params.{key}"
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{path}: {value!r} is not allowed; expected true/false.")
+        elif isinstance(default, list):
+            if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(_is_number(v) and 0 <= v < 1 for v in value)):
+                raise ConfigError(f"{path}: {value!r} is not allowed; expected two numbers in [0, 1), e.g. [0.9, 0.999].")
+            value = [float(v) for v in value]
+        elif not _is_number(value) or value < 0:
+            raise ConfigError(f"{path}: {value!r} is not allowed; expected a number >= 0.")
+        params[key] = value
+    if not params.get("bias_correction", True):
+        raise ConfigError("optimizer.params.bias_correction: false is not supported yet; remove it or set it to true.")
+    if params.get("amsgrad"):
+        raise ConfigError("optimizer.params.amsgrad: true is not supported (DeepSpeed's Adam has no AMSGrad either); remove it.")
+    return OptimizerConfig(type=OPTIMIZER_NAMES[name], params=params)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _validate_scheduler(sched: SchedulerConfig) -> SchedulerConfig:
+    from engine.lr_schedules import REQUIRED, SCHEDULE_PARAMS
+
+    if sched.type not in SCHEDULE_PARAMS:
+        guess = closest(sched.type, SCHEDULE_PARAMS)
+        hint = f" Did you mean '{guess}'?" if guess else ""
+        raise ConfigError(f"scheduler.type: unknown schedule '{sched.type}'.{hint} Allowed: {', '.join(SCHEDULE_PARAMS)}.")
+    allowed = SCHEDULE_PARAMS[sched.type]
+    for key in sched.params:
+        if key not in allowed:
+            raise unknown_key_error("scheduler.params", key, allowed)
+    missing = [k for k, d in allowed.items() if d is REQUIRED and k not in sched.params]
+    if missing:
+        raise ConfigError(f"scheduler.params: {sched.type} requires {', '.join(repr(m) for m in missing)}.")
+    return sched
+
+
+def _reject_not_yet_supported(cfg: Config) -> None:
+    """Features of later releases: their keys parse, but only their off values are accepted."""
+    zero = cfg.zero_optimization
+    checks = [
+        (zero.stage != 0, "zero_optimization.stage", zero.stage, "ZeRO stages 1-3 are not supported yet; use stage 0"),
+        (zero.offload_optimizer.device not in ("none", None), "zero_optimization.offload_optimizer.device",
+         zero.offload_optimizer.device, "optimizer offload is not supported yet; use \"none\""),
+        (zero.offload_param.device not in ("none", None), "zero_optimization.offload_param.device",
+         zero.offload_param.device, "parameter offload is not supported yet; use \"none\""),
+        (zero.placement != "static", "zero_optimization.placement", zero.placement,
+         "automatic placement is not supported yet; use \"static\""),
+        (cfg.tensor_parallel.size != 1, "tensor_parallel.size", cfg.tensor_parallel.size,
+         "tensor parallelism is not supported yet; use 1"),
+        (cfg.memory.device_budget is not None, "memory.device_budget", cfg.memory.device_budget,
+         "memory budgets are not supported yet; remove the key"),
+        (cfg.memory.cpu_budget is not None, "memory.cpu_budget", cfg.memory.cpu_budget,
+         "memory budgets are not supported yet; remove the key"),
+    ]
+    ac = cfg.activation_checkpointing
+    for key in ("enabled", "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                "synchronize_checkpoint_boundary", "profile"):
+        checks.append((getattr(ac, key), f"activation_checkpointing.{key}", True,
+                       "activation checkpointing is not supported yet; set it to false"))
+    for failed, key, value, why in checks:
+        if failed:
+            raise ConfigError(f"{key}: {json.dumps(value)} — {why}.")
+
+
+def load_config(source: str | os.PathLike | dict | Config) -> Config:
+    """Reads and validates a config from a JSON file path, a dict, or returns a Config as is."""
+    if isinstance(source, Config):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            with open(source, encoding="utf-8") as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {os.fspath(source)!r}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{os.fspath(source)}: not valid JSON: {e}") from None
+    elif isinstance(source, dict):
+        raw = source
+    else:
+        raise ConfigError(f"config must be a JSON file path, a dict or a Config, got {type(source).__name__}.")
+    aio = raw.get("aio") if isinstance(raw, dict) else None
+    if isinstance(aio, dict) and {"thread_count", "intra_op_parallelism"} <= aio.keys() and aio["thread_count"] != aio["intra_op_parallelism"]:
+        raise ConfigError("aio: thread_count and intra_op_parallelism are the same setting (DeepSpeed renamed it); give one.")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: expected a JSON object at the top level, got {type(raw).__name__}.")
+    cfg = parse_section(Config, _strip_unsupported(raw))
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one.")
+    if cfg.optimizer is not None:
+        cfg = _replace(cfg, optimizer=_validate_optimizer(cfg.optimizer))
+    if cfg.scheduler is not None:
+        cfg = _replace(cfg, scheduler=_validate_scheduler(cfg.scheduler))
+    _reject_not_yet_supported(cfg)
+    if _given(cfg.gradient_accumulation_steps) is not None and _given(cfg.train_batch_size) is None and _given(cfg.train_micro_batch_size_per_gpu) is None:
+        raise ConfigError("batch size: gradient_accumulation_steps alone is not enough; also set train_batch_size or train_micro_batch_size_per_gpu.")
+    return cfg
+
+
+def _replace(cfg: Config, **changes: Any) -> Config:
+    import dataclasses
+
+    return dataclasses.replace(cfg, **changes)
+
+
+__all__ = ["Config", "ConfigError", "BatchSizes", "load_config", "resolve_batch_sizes"]

@@ -1,0 +1,247 @@
+"""Engine: a thin orchestrator of forward, backward and step over chunked parameters.
+
+Note [micro-steps and boundaries]
+`step()` is called after every micro-batch, as in DeepSpeed. `micro_step` counts those calls;
+the update happens when `is_gradient_accumulation_boundary()`, i.e. on every
+`gradient_accumulation_steps`-th call. `backward()` divides the loss by the accumulation steps
+(DeepSpeed's convention, so accumulated gradients are a mean) and, on the boundary micro-step
+outside `no_sync()`, arms the reducer so gradient chunks are all-reduced during that backward.
+An overflowing fp16 step is skipped: no update, no LR-schedule step, `global_step` still
+advances and `skipped_steps` counts it (as DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import torch
+from torch import nn
+
+from engine.comm import CommCounter, broadcast_from
+from engine.config import BatchSizes, Config
+from engine.monitor import Monitor
+from engine.precision import LossScaler, PrecisionPolicy
+from engine.topology import Topology
+from engine.zero.chunked_params import ChunkedParams
+from engine.zero.grad_sync import GradReducer
+
+
+class Engine:
+    """Wraps a model and optimizer; built by `engine.initialize`."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: Config,
+        batch: BatchSizes,
+        topology: Topology,
+        chunked: ChunkedParams,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler,
+        loss_scaler: LossScaler,
+        precision: PrecisionPolicy,
+        monitor: Monitor,
+    ):
+        self.module = module
+        self.config = config
+        self.batch = batch
+        self.topology = topology
+        self.chunked = chunked
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.loss_scaler = loss_scaler
+        self.precision = precision
+        self.monitor = monitor
+        self.comm = CommCounter()
+        self.reducer = GradReducer(chunked, topology.dp_group, self.comm) if topology.is_distributed else None
+        self.global_step = 0
+        self.micro_step = 0
+        self.skipped_steps = 0
+        self._global_grad_norm: float | None = None
+        self._inside_no_sync = False
+        self._losses: list[torch.Tensor] = []
+        self._tokens = 0
+        self._last_step_end = time.perf_counter()
+        self._comm_bytes_at_last_step = 0
+        if topology.is_distributed:
+            self._broadcast_initial_state()
+
+    # ---- identity -------------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self.topology.dp_rank
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.topology.dp_world_size
+
+    @property
+    def dp_group(self):
+        return self.topology.dp_group
+
+    @property
+    def device(self) -> torch.device:
+        return self.topology.device
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps
+
+    @property
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch.micro_batch_size
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.batch.train_batch_size
+
+    def _broadcast_initial_state(self) -> None:
+        """Every rank starts from rank 0's parameters and buffers, as DDP does."""
+        with torch.no_grad():
+            for payload in self.chunked.param_payloads():
+                broadcast_from(payload, 0, self.dp_group, self.comm)
+            for buf in self.module.buffers():
+                broadcast_from(buf, 0, self.dp_group, self.comm)
+
+    # ---- training loop --------------------------------------------------------------------
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def __call__(self, *args, **kwargs):
+        self._tokens += _count_token_ids(args, kwargs)
+        with self.precision.autocast(self.device):
+            return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_step + 1) % self.gradient_accumulation_steps == 0
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside skip the gradient all-reduce (gradients accumulate locally)."""
+        previous, self._inside_no_sync = self._inside_no_sync, True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = previous
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Scales the loss (accumulation mean, fp16 loss scale) and runs autograd; see Note [micro-steps and boundaries]."""
+        if loss.dim() != 0:
+            raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it (e.g. .mean()) first")
+        self._losses.append(loss.detach())
+        factor = self.loss_scaler.scale / self.gradient_accumulation_steps
+        scaled = loss.float() * factor if factor != 1.0 else loss
+        reduce_now = self.reducer is not None and self.is_gradient_accumulation_boundary() and not self._inside_no_sync
+        if reduce_now:
+            self.reducer.arm()
+        scaled.backward(retain_graph=retain_graph)
+        if reduce_now:
+            self.reducer.finish_backward()
+        return loss
+
+    def step(self) -> None:
+        """Called after every micro-batch; updates the model at the accumulation boundary."""
+        if self._inside_no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync() would update from unreduced gradients; "
+                               "leave the no_sync() block and run one synchronized backward first")
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_step += 1
+        if not boundary:
+            return
+        if self.reducer is not None:
+            self.reducer.wait()
+        else:
+            self.chunked.adopt_all_foreign_grads()
+        overflow = self._prepare_gradients()
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            self.chunked.rebind_optimizer_grads()
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.loss_scaler.update(overflow)
+        self.chunked.zero_grads()
+        self.global_step += 1
+        self._log_step()
+
+    def _prepare_gradients(self) -> bool:
+        """Averages over dp, unscales, computes the global norm and clips; returns True on overflow."""
+        grads = self.chunked.grad_payloads()
+        inv = 1.0 / (self.loss_scaler.scale * self.dp_world_size)
+        if inv != 1.0:
+            torch._foreach_mul_(grads, inv)
+        norms = torch._foreach_norm(grads, 2.0)
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0).item()
+        self._global_grad_norm = total
+        overflow = not math.isfinite(total)
+        if overflow and not self.loss_scaler.checks_overflow:
+            overflow = False  # bf16/fp32: DeepSpeed does not skip; the update proceeds (and shows the NaN)
+        clip = self.config.gradient_clipping
+        if clip > 0 and not overflow:
+            coef = clip / (total + 1e-6)
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+        return overflow
+
+    def zero_grad(self) -> None:
+        """Clears accumulated gradients (the engine also does this after every update)."""
+        self.chunked.zero_grads()
+
+    # ---- queries ----------------------------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """L2 norm of the full averaged gradient before clipping, at the last update (None before it)."""
+        return self._global_grad_norm
+
+    def get_loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def _log_step(self) -> None:
+        now = time.perf_counter()
+        step_s = now - self._last_step_end
+        self._last_step_end = now
+        comm_bytes = self.comm.total_bytes - self._comm_bytes_at_last_step
+        self._comm_bytes_at_last_step = self.comm.total_bytes
+        losses, self._losses = self._losses, []
+        tokens, self._tokens = self._tokens, 0
+        if not self.monitor.is_writer_rank:
+            return
+        metrics = {
+            "Train/loss": float(torch.stack(losses).float().mean()) if losses else float("nan"),
+            "Train/lr": self.get_lr()[0],
+            "Train/loss_scale": self.loss_scaler.scale,
+            "Train/grad_norm": self._global_grad_norm,
+            "Train/skipped_steps": float(self.skipped_steps),
+            "Throughput/samples_per_sec": self.train_batch_size / step_s,
+            "Time/step_ms": step_s * 1000.0,
+            "Comm/bytes_per_step": float(comm_bytes),
+            **self.monitor.memory_metrics(),
+        }
+        if tokens:
+            metrics["Throughput/tokens_per_sec"] = tokens * self.dp_world_size / step_s
+        self.monitor.log_step(self.global_step, metrics)
+
+    def close(self) -> None:
+        """Flushes the monitor and removes the engine's hooks."""
+        self.monitor.close()
+        if self.reducer is not None:
+            self.reducer.remove_hooks()
+
+
+def _count_token_ids(args: tuple, kwargs: dict) -> int:
+    """Tokens in this micro-batch when the model takes integer token ids (first int tensor found)."""
+    for value in (*args, *kwargs.values(), *(args[0].values() if args and isinstance(args[0], dict) else ())):
+        if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() >= 1 and value.dtype != torch.bool:
+            return value.numel()
+    return 0

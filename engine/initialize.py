@@ -1,0 +1,96 @@
+"""initialize(model, config) → Engine: builds every piece a training run needs, in order."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from engine.config import Config, ConfigError, load_config
+from engine.engine import Engine
+from engine.lr_schedules import build_lr_scheduler
+from engine.monitor import Monitor
+from engine.optim import build_optimizer
+from engine.precision import PrecisionPolicy, build_loss_scaler
+from engine.topology import Topology
+from engine.zero.chunked_params import ChunkedParams
+
+# reduce_bucket_size defaults to 5e8 elements (DeepSpeed); a chunk that large would leave nothing
+# to overlap with backward, so the default chunk is capped (16 MiB of fp32, DDP's bucket scale).
+DEFAULT_CHUNK_CAP = 1 << 22
+
+
+def chunk_capacity(config: Config) -> int:
+    zero = config.zero_optimization
+    if zero.chunk_size is not None:
+        return zero.chunk_size
+    return min(zero.reduce_bucket_size, DEFAULT_CHUNK_CAP)
+
+
+def initialize(
+    model: nn.Module,
+    config: str | os.PathLike | dict | Config,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler=None,
+    model_parameters: Iterable | None = None,
+) -> Engine:
+    """Wraps `model` for training as `config` says.
+
+    optimizer: a torch optimizer over `model`'s parameters, instead of the config's `optimizer`.
+    lr_scheduler: a scheduler, or a callable taking the optimizer, instead of the config's `scheduler`.
+    model_parameters: parameters or param-group dicts for the config's optimizer (default: all).
+    """
+    cfg = load_config(config)
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("optimizer: given both in the config and as initialize(optimizer=...); keep one")
+    if optimizer is None and cfg.optimizer is None:
+        raise ConfigError("optimizer: missing; add an 'optimizer' section to the config or pass initialize(optimizer=...)")
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("scheduler: given both in the config and as initialize(lr_scheduler=...); keep one")
+    if optimizer is not None and model_parameters is not None:
+        raise ValueError("model_parameters is for the config's optimizer; a passed optimizer already names its parameters")
+
+    topology = Topology.from_environment()
+    batch = cfg.batch_sizes(topology.dp_world_size)
+    if cfg.seed is not None:
+        torch.manual_seed(cfg.seed)
+    model.to(topology.device)
+
+    groups = _param_groups(model, optimizer, model_parameters)
+    chunked = ChunkedParams(groups, chunk_capacity(cfg), topology.device)
+    if optimizer is None:
+        optimizer = build_optimizer(cfg.optimizer, chunked.optimizer_param_groups())
+    scheduler = _scheduler(cfg, optimizer, lr_scheduler)
+    monitor = Monitor(cfg.tensorboard, cfg.steps_per_print, is_writer_rank=topology.rank == 0, device=topology.device)
+    return Engine(model, cfg, batch, topology, chunked, optimizer, scheduler, build_loss_scaler(cfg),
+                  PrecisionPolicy.from_config(cfg), monitor)
+
+
+def _param_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:
+    if optimizer is not None:
+        model_ids = {id(p) for p in model.parameters()}
+        groups = [dict(g) for g in optimizer.param_groups]
+        stray = [p for g in groups for p in g["params"] if id(p) not in model_ids]
+        if stray:
+            raise ValueError(f"the optimizer holds {len(stray)} tensor(s) that are not parameters of the model; "
+                             "build it over model.parameters()")
+        return [{"params": list(g["params"])} for g in groups]
+    if model_parameters is None:
+        return [{"params": list(model.parameters())}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [dict(g, params=list(g["params"])) for g in items]
+    return [{"params": items}]
+
+
+def _scheduler(cfg: Config, optimizer: torch.optim.Optimizer, client: Callable | object | None):
+    if cfg.scheduler is not None:
+        return build_lr_scheduler(optimizer, cfg.scheduler.type, cfg.scheduler.params)
+    if client is None:
+        return None
+    if callable(client) and not hasattr(client, "step"):
+        return client(optimizer)
+    return client

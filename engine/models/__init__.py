@@ -1,0 +1,30 @@
+"""Example model (a byte-level GPT) and its data pipeline.
+
+Stands alone: depends only on torch and the Python standard library.
+"""
+
+from engine.models.data import TokenBatches, default_corpus_bytes, load_corpus
+from engine.models.gpt import (
+    GPT,
+    PRESETS,
+    Block,
+    CausalSelfAttention,
+    GPTConfig,
+    MLP,
+    gpt_from_preset,
+    preset_config,
+)
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "Block",
+    "CausalSelfAttention",
+    "MLP",
+    "PRESETS",
+    "preset_config",
+    "gpt_from_preset",
+    "TokenBatches",
+    "default_corpus_bytes",
+    "load_corpus",
+]

@@ -1,0 +1,60 @@
+"""Per-step metrics to TensorBoard (one rank) and to stdout every `steps_per_print` steps.
+
+TensorBoard tags (README lists them):
+  Train/loss, Train/lr, Train/loss_scale, Train/grad_norm, Train/skipped_steps,
+  Throughput/samples_per_sec, Throughput/tokens_per_sec (when token ids are seen),
+  Time/step_ms, Memory/rss_bytes, Memory/device_allocated_bytes and
+  Memory/device_peak_bytes (CUDA), Comm/bytes_per_step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import torch
+
+from engine.config import TensorBoardConfig
+
+
+class Monitor:
+    """Writes metrics only on the rank that owns it; other ranks get a monitor that does nothing."""
+
+    def __init__(self, config: TensorBoardConfig, steps_per_print: int, is_writer_rank: bool, device: torch.device):
+        self.steps_per_print = steps_per_print
+        self.is_writer_rank = is_writer_rank
+        self.device = device
+        self._process = psutil.Process(os.getpid())
+        self._writer = None
+        if config.enabled and is_writer_rank:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.log_dir = config.log_dir
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._writer = SummaryWriter(log_dir=self.log_dir)
+
+    def memory_metrics(self) -> dict[str, float]:
+        metrics = {"Memory/rss_bytes": float(self._process.memory_info().rss)}
+        if self.device.type == "cuda":
+            metrics["Memory/device_allocated_bytes"] = float(torch.cuda.memory_allocated(self.device))
+            metrics["Memory/device_peak_bytes"] = float(torch.cuda.max_memory_allocated(self.device))
+        return metrics
+
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.is_writer_rank:
+            return
+        if self._writer is not None:
+            for tag, value in metrics.items():
+                self._writer.add_scalar(tag, value, step)
+        if step % self.steps_per_print == 0:
+            shown = ", ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items() if not k.startswith("Memory"))
+            print(f"[tiers] step {step}: {shown}", flush=True)
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,117 @@
+"""Dtype policy (autocast) and loss scaling, as DeepSpeed's fp16/bf16 sections describe them."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import Config
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Compute dtype for the forward; master weights, gradients and optimizer states stay fp32."""
+
+    compute_dtype: torch.dtype
+
+    @classmethod
+    def from_config(cls, config: Config) -> "PrecisionPolicy":
+        if config.fp16.enabled:
+            return cls(torch.float16)
+        if config.bf16.enabled:
+            return cls(torch.bfloat16)
+        return cls(torch.float32)
+
+    def autocast(self, device: torch.device):
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.compute_dtype)
+
+
+class LossScaler:
+    """No scaling (fp32, bf16): scale 1 and no step is ever skipped."""
+
+    checks_overflow = False
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+    def update(self, overflow: bool) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+
+
+class StaticLossScaler(LossScaler):
+    """fp16 with a fixed `loss_scale`: overflowing steps are skipped, the scale never moves."""
+
+    checks_overflow = True
+
+    def __init__(self, scale: float) -> None:
+        self.scale = float(scale)
+
+
+class DynamicLossScaler(LossScaler):
+    """DeepSpeed's dynamic scaler.
+
+    On overflow the step is skipped; the scale halves (not below min_scale) once `hysteresis`
+    overflows have been seen, otherwise one unit of hysteresis is spent. After `window` steps
+    without overflow the scale doubles (and, unless consecutive_hysteresis, the hysteresis is
+    refilled then; with it, every clean step refills it).
+    """
+
+    checks_overflow = True
+
+    def __init__(self, initial_scale: float, window: int, hysteresis: int, min_scale: float,
+                 consecutive_hysteresis: bool = False, factor: float = 2.0) -> None:
+        self.scale = float(initial_scale)
+        self.window = window
+        self.hysteresis = hysteresis
+        self.min_scale = float(min_scale)
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.factor = factor
+        self.hysteresis_left = hysteresis
+        self.iteration = 0
+        self.last_overflow_iteration = -1
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            if self.hysteresis == 1 or self.hysteresis_left == 1:
+                self.scale = max(self.scale / self.factor, self.min_scale)
+            else:
+                self.hysteresis_left -= 1
+            self.last_overflow_iteration = self.iteration
+        else:
+            if self.consecutive_hysteresis:
+                self.hysteresis_left = self.hysteresis
+            if (self.iteration - self.last_overflow_iteration) % self.window == 0:
+                if not self.consecutive_hysteresis:
+                    self.hysteresis_left = self.hysteresis
+                self.scale *= self.factor
+        self.iteration += 1
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "hysteresis_left": self.hysteresis_left, "iteration": self.iteration,
+                "last_overflow_iteration": self.last_overflow_iteration}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.hysteresis_left = int(state["hysteresis_left"])
+        self.iteration = int(state["iteration"])
+        self.last_overflow_iteration = int(state["last_overflow_iteration"])
+
+
+def build_loss_scaler(config: Config) -> LossScaler:
+    fp16 = config.fp16
+    if not fp16.enabled:
+        return LossScaler()
+    if fp16.loss_scale > 0:
+        return StaticLossScaler(fp16.loss_scale)
+    return DynamicLossScaler(2.0 ** fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis,
+                             fp16.min_loss_scale, fp16.consecutive_hysteresis)

@@ -1,0 +1,1 @@
+"""Parameters, gradients and optimizer states held in chunks; stage policies over them."""

@@ -1,0 +1,112 @@
+"""The model's trainable parameters packed into chunks, with a gradient chunk for each.
+
+Note [parameters as chunk views]
+Each trainable parameter keeps its identity (the nn.Parameter object the model and user code
+hold), but its `.data` becomes a view into a parameter chunk and its `.grad` a view into the
+matching gradient chunk at the same offset. Autograd accumulates into an existing `.grad` in
+place, so gradients land in the chunk directly and accumulate across micro-steps there. The
+optimizer steps whole chunk payloads (one tensor per chunk), which updates every view.
+If user code replaces a `.grad` (e.g. `model.zero_grad(set_to_none=True)` before a backward),
+`adopt_foreign_grad` copies the new tensor into the chunk and restores the view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from offload.chunk import ChunkList
+
+
+@dataclass
+class ChunkGroup:
+    """One optimizer param group's parameters of one dtype: param chunks and grad chunks."""
+
+    params: list[nn.Parameter]
+    options: dict  # the param group's own options (lr, weight_decay, ...), without "params"
+    param_chunks: ChunkList
+    grad_chunks: ChunkList
+
+
+class ChunkedParams:
+    """Owns the param and grad chunks of every trainable parameter, grouped as the optimizer groups them."""
+
+    def __init__(self, param_groups: list[dict], capacity: int, device: torch.device):
+        self.groups: list[ChunkGroup] = []
+        seen: set[int] = set()
+        for group in param_groups:
+            options = {k: v for k, v in group.items() if k != "params"}
+            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+            for p in group["params"]:
+                if id(p) in seen:
+                    raise ValueError("a parameter appears in more than one param group; list each parameter once")
+                seen.add(id(p))
+                if not p.requires_grad:
+                    continue
+                if not p.is_floating_point():
+                    raise TypeError(f"trainable parameter of dtype {p.dtype} cannot be chunked; only floating dtypes train")
+                by_dtype.setdefault(p.dtype, []).append(p)
+            for dtype, params in by_dtype.items():
+                with torch.no_grad():
+                    param_chunks = ChunkList([p.data for p in params], capacity, dtype, device)
+                    grad_chunks = ChunkList([p.data for p in params], capacity, dtype, device, copy_values=False)
+                for p, pv, gv in zip(params, param_chunks.views, grad_chunks.views):
+                    p.data = pv
+                    p.grad = gv
+                self.groups.append(ChunkGroup(params, options, param_chunks, grad_chunks))
+        if not self.groups:
+            raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
+        self._grad_view = {id(p): gv for g in self.groups for p, gv in zip(g.params, g.grad_chunks.views)}
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for g in self.groups for p in g.params]
+
+    def param_payloads(self) -> list[torch.Tensor]:
+        return [c.payload for g in self.groups for c in g.param_chunks.chunks]
+
+    def grad_payloads(self) -> list[torch.Tensor]:
+        return [c.payload for g in self.groups for c in g.grad_chunks.chunks]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def adopt_foreign_grad(self, p: nn.Parameter) -> None:
+        """Note [parameters as chunk views]: a replaced .grad is copied back into its chunk."""
+        view = self._grad_view[id(p)]
+        if p.grad is view:
+            return
+        if p.grad is None:
+            view.zero_()
+        else:
+            view.copy_(p.grad)
+        p.grad = view
+
+    def adopt_all_foreign_grads(self) -> None:
+        for p in self.params:
+            self.adopt_foreign_grad(p)
+
+    def zero_grads(self) -> None:
+        for payload in self.grad_payloads():
+            payload.zero_()
+        self.adopt_all_foreign_grads()
+
+    def optimizer_param_groups(self) -> list[dict]:
+        """Torch param groups over whole chunk payloads; each payload's .grad is its grad chunk."""
+        groups = []
+        for g in self.groups:
+            payloads = []
+            for pc, gc in zip(g.param_chunks.chunks, g.grad_chunks.chunks):
+                pc.payload.grad = gc.payload
+                payloads.append(pc.payload)
+            groups.append({"params": payloads, **g.options})
+        return groups
+
+    def rebind_optimizer_grads(self) -> None:
+        """Optimizers' zero_grad(set_to_none) drops payload .grad; put the grad chunks back."""
+        for g in self.groups:
+            for pc, gc in zip(g.param_chunks.chunks, g.grad_chunks.chunks):
+                pc.payload.grad = gc.payload

@@ -1,0 +1,126 @@
+"""Chunks: flat buffers of one dtype holding many tensors as views.
+
+Note [chunk packing]
+Tensors are packed into chunks in the order they are registered (the order the model uses
+them), each at the next free offset of the current chunk. A tensor that does not fit in what
+is left of the current chunk opens a new chunk; a tensor larger than the capacity gets a chunk
+of its own, sized to it. The last chunk of a list is trimmed to what it holds (rounded up to
+`align`), so a small model does not pay for a mostly empty chunk. Padding is zero-filled and
+never aliased by a tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor lives: chunk index, element offset inside it, and its shape."""
+
+    chunk: int
+    offset: int
+    shape: torch.Size
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+def plan_slots(shapes: Sequence[torch.Size], capacity: int, align: int = 1) -> tuple[list[Slot], list[int]]:
+    """Packs shapes into chunks (Note [chunk packing]); returns each tensor's slot and each chunk's size."""
+    if capacity < 1:
+        raise ValueError(f"chunk capacity must be >= 1 element, got {capacity}")
+    if align < 1:
+        raise ValueError(f"chunk alignment must be >= 1 element, got {align}")
+    slots: list[Slot] = []
+    sizes: list[int] = []
+    used = capacity  # forces a new chunk for the first tensor
+    for shape in shapes:
+        shape = torch.Size(shape)
+        numel = shape.numel()
+        if numel > capacity:  # oversized: a chunk of its own
+            sizes.append(_round_up(numel, align))
+            slots.append(Slot(len(sizes) - 1, 0, shape))
+            used = capacity
+            continue
+        if used + numel > capacity:
+            sizes.append(capacity)
+            used = 0
+        slots.append(Slot(len(sizes) - 1, used, shape))
+        used += numel
+    if sizes and used < capacity and slots[-1].chunk == len(sizes) - 1:
+        sizes[-1] = max(_round_up(used, align), 1)
+    return slots, sizes
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class Chunk:
+    """One flat payload; tensors are views into it at their slots."""
+
+    def __init__(self, index: int, size: int, dtype: torch.dtype, device: torch.device | str):
+        self.index = index
+        self.payload = torch.zeros(size, dtype=dtype, device=device)
+        self.slots: list[Slot] = []
+
+    @property
+    def size(self) -> int:
+        return self.payload.numel()
+
+    @property
+    def used(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    def view(self, slot: Slot) -> torch.Tensor:
+        return self.payload.narrow(0, slot.offset, slot.numel).view(slot.shape)
+
+
+class ChunkList:
+    """All chunks of one kind and dtype, built from a list of tensors in registration order.
+
+    The tensors' values are copied in; `views[i]` is tensor i's view into its chunk.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        capacity: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        align: int = 1,
+        copy_values: bool = True,
+    ):
+        if not tensors:
+            raise ValueError("a ChunkList needs at least one tensor")
+        dtype = dtype or tensors[0].dtype
+        device = device or tensors[0].device
+        slots, sizes = plan_slots([t.shape for t in tensors], capacity, align)
+        self.capacity = capacity
+        self.dtype = dtype
+        self.chunks = [Chunk(i, size, dtype, device) for i, size in enumerate(sizes)]
+        self.slots = slots
+        self.views: list[torch.Tensor] = []
+        for tensor, slot in zip(tensors, slots):
+            chunk = self.chunks[slot.chunk]
+            chunk.slots.append(slot)
+            view = chunk.view(slot)
+            if copy_values:
+                view.copy_(tensor.detach())
+            self.views.append(view)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def numel(self) -> int:
+        return sum(c.size for c in self.chunks)
+
+    def tensors_of(self, chunk_index: int) -> list[int]:
+        """Indices (registration order) of the tensors held by one chunk."""
+        return [i for i, s in enumerate(self.slots) if s.chunk == chunk_index]
