@@ -63,7 +63,7 @@ class Engine:
         self._inside_no_sync = False
         self._losses: list[torch.Tensor] = []
         self._tokens = 0
-        self._last_step_end = time.perf_counter()
+        self._step_start: float | None = None  # first training forward of the current update
         self._comm_bytes_at_last_step = 0
         if topology.is_distributed:
             self._broadcast_initial_state()
@@ -114,7 +114,10 @@ class Engine:
         return self.train(False)
 
     def __call__(self, *args, **kwargs):
-        self._tokens += _count_token_ids(args, kwargs)
+        if self.module.training and torch.is_grad_enabled():  # eval forwards are not training throughput
+            self._tokens += _count_token_ids(args, kwargs)
+            if self._step_start is None:
+                self._step_start = time.perf_counter()
         with self.precision.autocast(self.device):
             return self.module(*args, **kwargs)
 
@@ -209,8 +212,8 @@ class Engine:
 
     def _log_step(self) -> None:
         now = time.perf_counter()
-        step_s = now - self._last_step_end
-        self._last_step_end = now
+        step_s = now - (self._step_start or now)
+        self._step_start = None
         comm_bytes = self.comm.total_bytes - self._comm_bytes_at_last_step
         self._comm_bytes_at_last_step = self.comm.total_bytes
         losses, self._losses = self._losses, []
@@ -223,13 +226,14 @@ class Engine:
             "Train/loss_scale": self.loss_scaler.scale,
             "Train/grad_norm": self._global_grad_norm,
             "Train/skipped_steps": float(self.skipped_steps),
-            "Throughput/samples_per_sec": self.train_batch_size / step_s,
             "Time/step_ms": step_s * 1000.0,
             "Comm/bytes_per_step": float(comm_bytes),
             **self.monitor.memory_metrics(),
         }
-        if tokens:
-            metrics["Throughput/tokens_per_sec"] = tokens * self.dp_world_size / step_s
+        if step_s > 0:
+            metrics["Throughput/samples_per_sec"] = self.train_batch_size / step_s
+            if tokens:
+                metrics["Throughput/tokens_per_sec"] = tokens * self.dp_world_size / step_s
         self.monitor.log_step(self.global_step, metrics)
 
     def close(self) -> None:

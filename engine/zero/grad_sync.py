@@ -25,7 +25,8 @@ class GradReducer:
         self.chunked = chunked
         self.group = group
         self.counter = counter
-        self.payloads = chunked.grad_payloads()
+        # Note [chunk packing] leaves padding only at a chunk's end: reduce the used prefix alone
+        self.payloads = [c.payload.narrow(0, 0, c.used) for g in chunked.groups for c in g.grad_chunks.chunks]
         self._chunk_of: dict[int, int] = {}
         self._expected = [0] * len(self.payloads)
         base = 0

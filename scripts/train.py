@@ -1,0 +1,155 @@
+"""Train a small byte-level GPT with Tiers: the example job.
+
+    python scripts/train.py                                    # one process
+    torchrun --standalone --nproc_per_node 2 scripts/train.py  # data parallel over 2 processes
+    python scripts/train.py --config configs/bf16.json --model tiny --steps 50
+
+Everything about *how* it trains (batch sizes, optimizer, lr schedule, precision, ZeRO, TensorBoard)
+is in the JSON config; this file is an ordinary PyTorch loop around `engine = initialize(...)`.
+The lr schedule's total_num_steps is set to --steps, so the cosine decay spans the run.
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from engine import initialize
+from engine.models import PRESETS, TokenBatches, gpt_from_preset, load_corpus
+
+REPO = Path(__file__).resolve().parent.parent
+PRINT_EVERY = 10  # optimizer steps between progress lines
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--config", default=str(REPO / "configs" / "dp.json"), help="Tiers JSON config")
+parser.add_argument("--model", default="small", choices=sorted(PRESETS), help="GPT preset")
+parser.add_argument("--data", default=None, help="a text file to train on (default: the Python stdlib's sources)")
+parser.add_argument("--steps", type=int, default=200, help="optimizer steps")
+parser.add_argument("--eval-every", type=int, default=50, help="optimizer steps between eval losses")
+parser.add_argument("--eval-batches", type=int, default=8, help="micro-batches per rank in one eval")
+parser.add_argument("--seed", type=int, default=None, help="default: the config's seed")
+parser.add_argument("--block-size", type=int, default=None, help="context length (default: the preset's)")
+args = parser.parse_args()
+for flag, path in (("--config", args.config), ("--data", args.data)):
+    if path is not None and not os.path.isfile(path):
+        parser.error(f"{flag} {path}: no such file")
+if args.steps < 1 or args.eval_every < 1 or args.eval_batches < 1:
+    parser.error("--steps, --eval-every and --eval-batches must be >= 1")
+
+# ---- config, model, engine -------------------------------------------------------------------
+with open(args.config) as f:
+    config = json.load(f)
+seed = args.seed if args.seed is not None else config.get("seed", 0)
+config["seed"] = seed
+schedule = config.get("scheduler", {}).get("params", {})
+if "total_num_steps" in schedule:
+    schedule["total_num_steps"] = args.steps
+
+torch.manual_seed(seed)
+model = gpt_from_preset(args.model, **({"block_size": args.block_size} if args.block_size else {}))
+engine = initialize(model, config)  # starts torch.distributed itself under torchrun
+master = engine.dp_rank == 0
+device = engine.device
+block_size = model.config.block_size
+
+tokens = load_corpus(args.data)
+batch_args = dict(block_size=block_size, micro_batch_size=engine.train_micro_batch_size_per_gpu,
+                  seed=seed, rank=engine.dp_rank, world_size=engine.dp_world_size)
+train_batches = TokenBatches(tokens, split="train", **batch_args)
+val_batches = TokenBatches(tokens, split="val", **batch_args)
+tokens_per_step = engine.train_batch_size * block_size  # over all dp ranks
+
+if master:
+    print(f"model {args.model}: {model.num_parameters() / 1e6:.2f}M parameters, block size {block_size} | "
+          f"data {args.data or 'Python stdlib sources'}: {tokens.numel() / 1e6:.2f}M tokens")
+    print(f"config {args.config} | {engine.dp_world_size} dp rank(s) on {device} | batch {engine.train_batch_size} = "
+          f"{engine.train_micro_batch_size_per_gpu} micro x {engine.gradient_accumulation_steps} accumulation x "
+          f"{engine.dp_world_size} ranks = {tokens_per_step:,} tokens/step | {args.steps} steps", flush=True)
+
+
+def mean_over_ranks(value: float) -> float:
+    if engine.dp_world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=engine.dp_group)
+    return t.item() / engine.dp_world_size
+
+
+@torch.no_grad()
+def evaluate() -> float:
+    """Mean loss over the same --eval-batches val batches every time (per rank), averaged over ranks."""
+    engine.eval()
+    val_batches.reset()
+    total = 0.0
+    for _ in range(args.eval_batches):
+        batch = val_batches.next_batch()
+        total += engine(batch["input_ids"].to(device), batch["labels"].to(device)).item()
+    engine.train()
+    return mean_over_ranks(total / args.eval_batches)
+
+
+def memory() -> str:
+    shown = f"rss {psutil.Process().memory_info().rss / 2**20:,.0f} MiB"
+    if device.type == "cuda":
+        shown += f", cuda {torch.cuda.memory_allocated(device) / 2**20:,.0f} MiB"
+    return shown
+
+
+def duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+# ---- training loop: one micro-batch per iteration; the engine updates every accumulation boundary ----
+eval_loss = evaluate()
+if master:
+    print(f"step {0:>5}/{args.steps} | eval loss {eval_loss:.4f}", flush=True)
+train_loss = float("nan")
+loss_sum, loss_count = torch.zeros((), device=device), 0
+t_start = t_mark = time.perf_counter()
+step_at_mark = 0
+while engine.global_step < args.steps:
+    batch = train_batches.next_batch()
+    loss = engine(batch["input_ids"].to(device), batch["labels"].to(device))
+    engine.backward(loss)
+    updated = engine.is_gradient_accumulation_boundary()
+    engine.step()
+    loss_sum += loss.detach().float()
+    loss_count += 1
+    if not updated:
+        continue
+
+    step = engine.global_step
+    last = step == args.steps
+    if step % PRINT_EVERY == 0 or last:
+        elapsed = time.perf_counter() - t_mark
+        per_step = elapsed / (step - step_at_mark)
+        train_loss = mean_over_ranks(loss_sum.item() / loss_count)  # mean over the steps since the last line
+        loss_sum.zero_()
+        loss_count = 0
+        if master:
+            print(f"step {step:>5}/{args.steps} | loss {train_loss:.4f} | lr {engine.get_lr()[0]:.2e} | "
+                  f"{tokens_per_step / per_step:,.0f} tok/s | {memory()} | "
+                  f"eta {duration((args.steps - step) * per_step)}", flush=True)
+    if step % args.eval_every == 0 or last:
+        eval_loss = evaluate()
+        if master:
+            print(f"step {step:>5}/{args.steps} | eval loss {eval_loss:.4f}", flush=True)
+    if step % PRINT_EVERY == 0 or step % args.eval_every == 0:
+        t_mark, step_at_mark = time.perf_counter(), step  # throughput and ETA leave eval time out
+
+# ---- summary ------------------------------------------------------------------------------------
+if master:
+    print(f"done: {args.steps} steps in {duration(time.perf_counter() - t_start)} | "
+          f"final train loss {train_loss:.4f} | final eval loss {eval_loss:.4f}")
+    log_dir = getattr(engine.monitor, "log_dir", None)
+    print(f"tensorboard: tensorboard --logdir {log_dir}" if log_dir else "tensorboard: off (enable it in the config)",
+          flush=True)
+engine.close()
+if dist.is_initialized():
+    dist.destroy_process_group()

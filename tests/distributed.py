@@ -1,0 +1,100 @@
+"""The one spawn helper for multi-process tests: gloo on 127.0.0.1, bounded time, any rank's failure fails the test.
+
+    results = run_distributed(worker, world_size=2, args=(...), timeout_s=120)
+
+`worker(rank, world_size, *args)` must be a module-level function (it is pickled by reference
+into freshly spawned processes). It runs with torch.distributed already initialized (gloo) and
+the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) set, with one
+thread per rank. Its return value (picklable; tensors are fine) is collected per rank.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(worker, rank: int, world_size: int, port: int, args: tuple, results) -> None:
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1",
+    })
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = worker(rank, world_size, *args)
+        results.put((rank, "ok", _serialize(out)))
+    except BaseException:  # report every failure, including asserts, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serialize(value) -> bytes:
+    """Plain bytes: tensors put on a queue would share memory with a process that is about to exit."""
+    buffer = io.BytesIO()
+    torch.save(_to_cpu(value), buffer)
+    return buffer.getvalue()
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def run_distributed(worker, world_size: int, args: tuple = (), timeout_s: float = 180.0) -> list:
+    """Runs `worker` on `world_size` fresh processes; returns their results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(worker, r, world_size, port, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    collected: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(collected) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - collected.keys())
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f} s (hang or deadlock?)")
+            try:
+                rank, status, payload = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in collected and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} without reporting")
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            collected[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [collected[r] for r in range(world_size)]

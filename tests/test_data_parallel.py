@@ -1,0 +1,200 @@
+"""Stage 0 data parallelism over chunks equals single-process PyTorch on the same global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine import initialize
+from tests.distributed import run_distributed
+from tests.reference import (assert_close_relative, assert_params_close, param_snapshot, tiny_gpt, token_batches,
+                             train_engine, train_reference)
+
+STEPS = 4
+GLOBAL_BATCH = 8
+
+
+# eps 1e-6, not 1e-8: attention key biases have an exactly-zero true gradient (softmax is
+# shift-invariant), so theirs is rounding noise (~1e-11) that Adam with a tiny eps would turn into
+# full-size updates of random sign; any change of summation order would then move them apart.
+ADAMW = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
+                             weight_decay=ADAMW["weight_decay"])
+
+
+def dp_config(micro: int, accumulation: int, clip: float = 1.0, chunk_size: int = 20_000) -> dict:
+    # a small chunk size so the tiny model spans several chunks and the ordering logic is exercised
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "optimizer": {"type": "AdamW", "params": ADAMW},
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": 0, "chunk_size": chunk_size},
+        "steps_per_print": 10**6,
+    }
+
+
+def _dp_worker(rank, world, accumulation, chunk_size):
+    micro = GLOBAL_BATCH // world // accumulation
+    engine = initialize(tiny_gpt(), dp_config(micro, accumulation, chunk_size=chunk_size))
+    assert len(engine.chunked.grad_payloads()) > 1 or chunk_size > 10**6
+    losses, norms = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, accumulation)
+    return losses, norms, param_snapshot(engine.module), engine.comm.all_reduce_bytes
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = tiny_gpt()
+    losses, norms = train_reference(model, token_batches(STEPS, GLOBAL_BATCH), adamw, clip=1.0)
+    return losses, norms, param_snapshot(model)
+
+
+@pytest.mark.parametrize("world,accumulation", [(2, 1), (2, 2), (4, 1)])
+def test_data_parallel_matches_single_process(reference, world, accumulation):
+    ref_losses, ref_norms, ref_params = reference
+    results = run_distributed(_dp_worker, world, args=(accumulation, 20_000))
+    mean_losses = [sum(r[0][i] for r in results) / world for i in range(STEPS)]
+    assert_close_relative(mean_losses, ref_losses)
+    assert_close_relative(results[0][1], ref_norms)  # global grad norm before clipping
+    for r in results:
+        assert_params_close(r[2], ref_params)
+    n = sum(p.numel() for p in ref_params.values())  # named_parameters lists the tied lm_head once
+    assert results[0][3] == STEPS * n * 4  # one all-reduce of every gradient byte per step
+
+
+def test_accumulation_equals_larger_micro_batch():
+    """micro 2 × accumulation 2 gives the same training as micro 4 × accumulation 1."""
+    runs = []
+    for micro, accumulation in [(2, 2), (4, 1)]:
+        engine = initialize(tiny_gpt(), dp_config(micro, accumulation))
+        runs.append((train_engine(engine, token_batches(STEPS, 4), 0, 1, accumulation)[0], param_snapshot(engine.module)))
+    assert_close_relative(runs[0][0], runs[1][0])
+    assert_params_close(runs[0][1], runs[1][1])
+
+
+def test_single_process_matches_reference(reference):
+    engine = initialize(tiny_gpt(), dp_config(GLOBAL_BATCH, 1))
+    losses, norms = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), 0, 1, 1)
+    assert_close_relative(losses, reference[0])
+    assert_close_relative(norms, reference[1])
+    assert_params_close(param_snapshot(engine.module), reference[2])
+
+
+class PartlyUsed(nn.Module):
+    """A branch that is used only on even steps: its chunk must still be reduced, in the same order on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.unused_sometimes = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x, use_branch: bool):
+        h = torch.tanh(self.a(x))
+        if use_branch:
+            h = h + self.unused_sometimes(h)
+        return self.b(h).pow(2).mean()
+
+
+def _partly_used_worker(rank, world):
+    torch.manual_seed(0)
+    model = PartlyUsed()
+    engine = initialize(model, {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                "zero_optimization": {"chunk_size": 80}, "steps_per_print": 10**6})
+    g = torch.Generator().manual_seed(3)
+    for step in range(4):
+        x = torch.randn(8, 8, generator=g)[rank * 4:(rank + 1) * 4]
+        engine.backward(engine(x, step % 2 == 0))
+        engine.step()
+    return param_snapshot(engine.module)
+
+
+def test_unused_parameters_neither_hang_nor_diverge():
+    torch.manual_seed(0)
+    model = PartlyUsed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    for step in range(4):
+        x = torch.randn(8, 8, generator=g)
+        # the mean over both ranks' halves of the batch: average of the two half-batch losses
+        loss = (model(x[:4], step % 2 == 0) + model(x[4:], step % 2 == 0)) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # the engine keeps zeroed gradients, never None
+    results = run_distributed(_partly_used_worker, 2, timeout_s=120)
+    for r in results:
+        assert_params_close(r, param_snapshot(model))
+
+
+def _no_sync_worker(rank, world):
+    engine = initialize(tiny_gpt(), dp_config(2, 1))
+    batch = token_batches(1, 8)[0]
+    rows = batch[rank * 4:(rank + 1) * 4]
+    with engine.no_sync():
+        loss = engine(rows[:2], rows[:2])
+        engine.backward(loss)
+        with pytest.raises(RuntimeError, match="no_sync"):
+            engine.step()
+        local_grad = engine.module.wte.weight.grad.clone()
+    engine.backward(engine(rows[2:], rows[2:]))
+    engine.step()
+    return param_snapshot(engine.module), local_grad
+
+
+def test_no_sync_accumulates_locally_then_reduces_once():
+    model = tiny_gpt()
+    batch = token_batches(1, 8)[0]
+    # two half-micro-batches per rank, summed (no_sync accumulation has no 1/accumulation factor)
+    loss = sum(model(batch[i:i + 2], batch[i:i + 2]) for i in range(0, 8, 2)) / 2
+    opt = adamw(model.parameters())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    results = run_distributed(_no_sync_worker, 2, timeout_s=120)
+    assert not torch.equal(results[0][1], results[1][1])  # inside no_sync, ranks hold different gradients
+    for params, _ in results:
+        assert_params_close(params, param_snapshot(model))
+
+
+def test_user_optimizer_and_scheduler_objects():
+    model = tiny_gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    engine = initialize(model, {"train_batch_size": 4, "steps_per_print": 10**6}, optimizer=opt, lr_scheduler=sched)
+    assert engine.optimizer is opt and engine.lr_scheduler is sched
+    ref = tiny_gpt()
+    ref_losses, _ = train_reference(ref, token_batches(3, 4), lambda ps: _sgd_with_halving(ps))
+    losses, _ = train_engine(engine, token_batches(3, 4), 0, 1, 1)
+    assert_close_relative(losses, ref_losses)
+    assert_params_close(param_snapshot(engine.module), param_snapshot(ref))
+    assert engine.get_lr() == [0.05 * 0.5**3]
+
+
+class _SGDHalving(torch.optim.SGD):
+    def step(self, closure=None):
+        super().step(closure)
+        for g in self.param_groups:
+            g["lr"] *= 0.5
+
+
+def _sgd_with_halving(params):
+    return _SGDHalving(params, lr=0.05, momentum=0.9)
+
+
+def test_user_zero_grad_set_to_none_is_adopted():
+    """A user who sets .grad to None before a backward still trains correctly (the chunk adopts the new grad)."""
+    engine = initialize(tiny_gpt(), dp_config(4, 1, clip=0.0))
+    ref = tiny_gpt()
+    opt = adamw(ref.parameters())
+    for x in token_batches(2, 4):
+        engine.module.zero_grad(set_to_none=True)
+        engine.backward(engine(x, x))
+        engine.step()
+        ref(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_params_close(param_snapshot(engine.module), param_snapshot(ref))

@@ -1,0 +1,50 @@
+"""The example job, scripts/train.py, run as a user runs it: a subprocess on a tiny model."""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "train.py"
+
+
+def _run(args, cwd, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)  # one process, even when pytest itself runs under torchrun
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_trains_tiny_model_and_reports(tmp_path):
+    data = tmp_path / "corpus.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog; pack my box with five dozen jugs.\n" * 300)
+    config = json.loads((REPO / "configs" / "dp.json").read_text())
+    config["tensorboard"] = {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "test"}
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(config))
+
+    result = _run(["--config", str(config_path), "--model", "tiny", "--data", str(data),
+                   "--steps", "6", "--eval-every", "3", "--eval-batches", "2"], cwd=tmp_path)
+
+    out = result.stdout
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{out}\nstderr:\n{result.stderr}"
+    assert re.search(r"step\s+3/6 \| eval loss \d+\.\d+", out), out
+    assert re.search(r"step\s+6/6 \| loss .* tok/s .* eta", out), out
+    summary = re.search(r"final train loss (\S+) \| final eval loss (\S+)", out)
+    assert summary, out
+    train_loss, eval_loss = (float(v) for v in summary.groups())
+    assert math.isfinite(train_loss) and math.isfinite(eval_loss), summary.group(0)
+    log_dir = tmp_path / "tb" / "test"
+    assert str(log_dir) in out
+    assert any(p.name.startswith("events.out.tfevents") for p in log_dir.iterdir())
+
+
+def test_missing_data_file_is_named(tmp_path):
+    missing = tmp_path / "no_such_corpus.txt"
+    result = _run(["--model", "tiny", "--data", str(missing), "--steps", "1"], cwd=tmp_path)
+    assert result.returncode != 0
+    assert str(missing) in result.stderr, result.stderr
