@@ -8,6 +8,7 @@ Batch sizes are resolved against the data-parallel world size by `Config.batch_s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ class FP16Config:
     loss_scale_window: int = bounded(1000, min=1)
     hysteresis: int = bounded(2, min=1)
     consecutive_hysteresis: bool = False
+    auto_cast: bool = False
     min_loss_scale: float = bounded(1.0, gt=0)
 
 
@@ -69,8 +71,9 @@ class OffloadParamConfig:
 @dataclass(frozen=True)
 class ZeroConfig:
     stage: int = bounded(0, min=0, max=3)
-    reduce_bucket_size: int = bounded(500_000_000, min=1)
-    allgather_bucket_size: int = bounded(500_000_000, min=1)
+    # "auto": derived from the model (DeepSpeed/HF convention); for now the default
+    reduce_bucket_size: int | Auto = bounded(500_000_000, min=1)
+    allgather_bucket_size: int | Auto = bounded(500_000_000, min=1)
     overlap_comm: bool | None = None  # None: true for stage 3, as DeepSpeed
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
@@ -78,8 +81,8 @@ class ZeroConfig:
     round_robin_gradients: bool = False
     ignore_unused_parameters: bool = True
     load_from_fp32_weights: bool = True
-    stage3_prefetch_bucket_size: int = bounded(50_000_000, min=0)
-    stage3_param_persistence_threshold: int = bounded(100_000, min=0)
+    stage3_prefetch_bucket_size: int | Auto = bounded(50_000_000, min=0)
+    stage3_param_persistence_threshold: int | Auto = bounded(100_000, min=0)
     stage3_max_live_parameters: int = bounded(1_000_000_000, min=0)
     stage3_max_reuse_distance: int = bounded(1_000_000_000, min=0)
     stage3_gather_16bit_weights_on_model_save: bool = False
@@ -252,7 +255,7 @@ def _strip_unsupported(raw: dict) -> dict:
     for key in _UNSUPPORTED_TOP_LEVEL_SECTIONS:
         if key in raw:
             value = raw.pop(key)
-            if not (isinstance(value, dict) and value.get("enabled") is False):
+            if not (isinstance(value, dict) and value.get("enabled", False) is False):
                 raise ConfigError(f"{key}: this DeepSpeed feature is not supported yet by Tiers; remove the '{key}' section.")
     return raw
 
@@ -294,6 +297,16 @@ def _is_number(value: Any) -> bool:
 
 
 def _validate_scheduler(sched: SchedulerConfig) -> SchedulerConfig:
+    """Names and required keys here; values by a dry build on a throwaway optimizer (lr_schedules checks them)."""
+    import torch
+
+    from engine.lr_schedules import build_lr_scheduler
+
+    params = dict(sched.params)
+    start = params.pop("last_batch_iteration", -1)  # DeepSpeed's constructor argument; -1 = a fresh run
+    if start != -1:
+        raise ConfigError(f"scheduler.params.last_batch_iteration: {json.dumps(start)} is not supported yet; "
+                          "remove it (-1, a fresh start, is the only value accepted) and resume from a checkpoint")
     from engine.lr_schedules import REQUIRED, SCHEDULE_PARAMS
 
     if sched.type not in SCHEDULE_PARAMS:
@@ -301,19 +314,24 @@ def _validate_scheduler(sched: SchedulerConfig) -> SchedulerConfig:
         hint = f" Did you mean '{guess}'?" if guess else ""
         raise ConfigError(f"scheduler.type: unknown schedule '{sched.type}'.{hint} Allowed: {', '.join(SCHEDULE_PARAMS)}.")
     allowed = SCHEDULE_PARAMS[sched.type]
-    for key in sched.params:
+    for key in params:
         if key not in allowed:
             raise unknown_key_error("scheduler.params", key, allowed)
-    missing = [k for k, d in allowed.items() if d is REQUIRED and k not in sched.params]
+    missing = [k for k, d in allowed.items() if d is REQUIRED and k not in params]
     if missing:
         raise ConfigError(f"scheduler.params: {sched.type} requires {', '.join(repr(m) for m in missing)}.")
-    return sched
+    try:  # values (types, ranges, choices)
+        build_lr_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3), sched.type, params)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return SchedulerConfig(type=sched.type, params=params)
 
 
 def _reject_not_yet_supported(cfg: Config) -> None:
     """Features of later releases: their keys parse, but only their off values are accepted."""
     zero = cfg.zero_optimization
     checks = [
+        (cfg.fp16.auto_cast, "fp16.auto_cast", True, "casting inputs to fp16 is not supported yet; set it to false"),
         (zero.stage != 0, "zero_optimization.stage", zero.stage, "ZeRO stages 1-3 are not supported yet; use stage 0"),
         (zero.offload_optimizer.device not in ("none", None), "zero_optimization.offload_optimizer.device",
          zero.offload_optimizer.device, "optimizer offload is not supported yet; use \"none\""),
@@ -354,11 +372,11 @@ def load_config(source: str | os.PathLike | dict | Config) -> Config:
         raw = source
     else:
         raise ConfigError(f"config must be a JSON file path, a dict or a Config, got {type(source).__name__}.")
-    aio = raw.get("aio") if isinstance(raw, dict) else None
-    if isinstance(aio, dict) and {"thread_count", "intra_op_parallelism"} <= aio.keys() and aio["thread_count"] != aio["intra_op_parallelism"]:
-        raise ConfigError("aio: thread_count and intra_op_parallelism are the same setting (DeepSpeed renamed it); give one.")
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a JSON object at the top level, got {type(raw).__name__}.")
+    aio = raw.get("aio")
+    if isinstance(aio, dict) and None not in (aio.get("thread_count"), aio.get("intra_op_parallelism")) and aio["thread_count"] != aio["intra_op_parallelism"]:
+        raise ConfigError("aio: thread_count and intra_op_parallelism are the same setting (DeepSpeed renamed it); give one.")
     cfg = parse_section(Config, _strip_unsupported(raw))
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one.")
@@ -373,8 +391,6 @@ def load_config(source: str | os.PathLike | dict | Config) -> Config:
 
 
 def _replace(cfg: Config, **changes: Any) -> Config:
-    import dataclasses
-
     return dataclasses.replace(cfg, **changes)
 
 

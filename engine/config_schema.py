@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import types
 import typing
 from typing import Any, Literal
@@ -43,7 +44,7 @@ def describe(annotation: Any) -> str:
     if annotation is type(None):
         return "null"
     if origin is Literal:
-        return " or ".join(repr(a) for a in typing.get_args(annotation))
+        return " or ".join(json.dumps(a) for a in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
         return " or ".join(describe(a) for a in typing.get_args(annotation))
     if origin is list:
@@ -103,15 +104,23 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
     raise TypeError(f"schema annotation {annotation!r} at {path} is not supported")
 
 
+def show(value: Any) -> str:
+    """A value as the user wrote it in JSON (true, null, "text")."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def _check_bounds(value: Any, meta: typing.Mapping[str, Any], path: str) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return
     if "min" in meta and value < meta["min"]:
-        raise ConfigError(f"{path}: {value!r} is out of range; it must be >= {meta['min']}.")
+        raise ConfigError(f"{path}: {show(value)} is out of range; it must be >= {meta['min']}.")
     if "gt" in meta and value <= meta["gt"]:
-        raise ConfigError(f"{path}: {value!r} is out of range; it must be > {meta['gt']}.")
+        raise ConfigError(f"{path}: {show(value)} is out of range; it must be > {meta['gt']}.")
     if "max" in meta and value > meta["max"]:
-        raise ConfigError(f"{path}: {value!r} is out of range; it must be <= {meta['max']}.")
+        raise ConfigError(f"{path}: {show(value)} is out of range; it must be <= {meta['max']}.")
 
 
 def parse_section(cls: type, raw: Any, path: str = "") -> Any:
@@ -119,7 +128,7 @@ def parse_section(cls: type, raw: Any, path: str = "") -> Any:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path or 'config'}: expected an object, got {type(raw).__name__} {raw!r}.")
+        raise ConfigError(f"{path or 'config'}: expected an object, got {show(raw)}.")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
@@ -132,7 +141,7 @@ def parse_section(cls: type, raw: Any, path: str = "") -> Any:
         key_path = f"{path}.{name}" if path else name
         value = _coerce(raw[name], hints[name], key_path)
         if value is _NO_MATCH:
-            raise ConfigError(f"{key_path}: {raw[name]!r} is not allowed; expected {describe(hints[name])}.")
+            raise ConfigError(f"{key_path}: {show(raw[name])} is not allowed; expected {describe(hints[name])}.")
         _check_bounds(value, f.metadata, key_path)
         values[name] = value
     return cls(**values)

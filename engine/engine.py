@@ -182,7 +182,9 @@ class Engine:
         inv = 1.0 / (self.loss_scaler.scale * self.dp_world_size)
         if inv != 1.0:
             torch._foreach_mul_(grads, inv)
-        norms = torch._foreach_norm(grads, 2.0)
+        # per-parameter norms, then the norm of those (as torch's clip_grad_norm_): one fp32
+        # reduction over a whole multi-million-element chunk loses ~1e-5 of relative accuracy
+        norms = torch._foreach_norm([p.grad for p in self.chunked.params], 2.0)
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0).item()
         self._global_grad_norm = total
         overflow = not math.isfinite(total)

@@ -26,6 +26,8 @@ def chunk_capacity(config: Config) -> int:
     zero = config.zero_optimization
     if zero.chunk_size is not None:
         return zero.chunk_size
+    if zero.reduce_bucket_size == "auto":
+        return DEFAULT_CHUNK_CAP
     return min(zero.reduce_bucket_size, DEFAULT_CHUNK_CAP)
 
 

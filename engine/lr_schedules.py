@@ -33,7 +33,7 @@ REQUIRED = _Required()  # default marker for params the config must give
 
 # Integer params and their smallest legal value (0 step sizes would divide by zero).
 _INT_MINIMUMS = {
-    "warmup_num_steps": 1, "total_num_steps": 0, "cycle_first_step_size": 1,
+    "warmup_num_steps": 0, "total_num_steps": 0, "cycle_first_step_size": 1,
     "cycle_second_step_size": 1, "cycle_first_stair_count": 0, "cycle_second_stair_count": 0,
     "decay_step_size": 0,
 }

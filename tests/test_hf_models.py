@@ -1,0 +1,46 @@
+"""A Hugging Face GPT-2 (built from a config, no download) trains through the engine exactly as in plain PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import initialize
+from tests.distributed import run_distributed
+from tests.reference import assert_close_relative, assert_params_close, param_snapshot, token_batches, train_engine, train_reference
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 3
+GLOBAL_BATCH = 8
+ADAMW = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}  # eps: see tests/test_data_parallel.py
+
+
+def hf_gpt2(seed: int = 0):
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def hf_loss(model_or_engine, x):
+    return model_or_engine(input_ids=x, labels=x).loss
+
+
+def _gpt2_worker(rank, world):
+    cfg = {"train_batch_size": GLOBAL_BATCH, "optimizer": {"type": "AdamW", "params": ADAMW},
+           "gradient_clipping": 1.0, "zero_optimization": {"chunk_size": 50_000}, "steps_per_print": 10**6}
+    engine = initialize(hf_gpt2(), cfg)
+    losses, _ = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, 1, loss_fn=hf_loss)
+    return losses, param_snapshot(engine.module)
+
+
+def test_hf_gpt2_data_parallel_matches_plain_pytorch():
+    ref = hf_gpt2()
+    opt = lambda ps: torch.optim.AdamW(ps, lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
+                                       weight_decay=ADAMW["weight_decay"])
+    ref_losses, _ = train_reference(ref, token_batches(STEPS, GLOBAL_BATCH), opt, clip=1.0, loss_fn=hf_loss)
+    results = run_distributed(_gpt2_worker, 2, timeout_s=180)
+    assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
+    for _, params in results:
+        assert_params_close(params, param_snapshot(ref))

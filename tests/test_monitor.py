@@ -1,0 +1,42 @@
+"""TensorBoard event files written by the engine, read back with TensorBoard's own reader."""
+
+from __future__ import annotations
+
+import math
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from engine import initialize
+from tests.reference import tiny_gpt, token_batches, train_engine
+
+EXPECTED_TAGS = {"Train/loss", "Train/lr", "Train/loss_scale", "Train/grad_norm", "Train/skipped_steps",
+                 "Throughput/samples_per_sec", "Throughput/tokens_per_sec", "Time/step_ms", "Memory/rss_bytes",
+                 "Comm/bytes_per_step"}
+
+
+def test_tensorboard_has_one_point_per_step(tmp_path):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "steps_per_print": 10**6,
+           "tensorboard": {"enabled": True, "output_path": str(tmp_path), "job_name": "tb_test"}}
+    engine = initialize(tiny_gpt(), cfg)
+    steps = 5
+    losses, norms = train_engine(engine, token_batches(steps, 4), 0, 1, 2)
+    engine.close()
+    events = EventAccumulator(str(tmp_path / "tb_test"))
+    events.Reload()
+    assert EXPECTED_TAGS <= set(events.Tags()["scalars"])
+    loss_points = events.Scalars("Train/loss")
+    assert [p.step for p in loss_points] == list(range(1, steps + 1))
+    for point, loss in zip(loss_points, losses):
+        assert math.isclose(point.value, loss, rel_tol=1e-6)  # the mean of the step's micro-batch losses
+    assert all(math.isclose(p.value, n, rel_tol=1e-6) for p, n in zip(events.Scalars("Train/grad_norm"), norms))
+    assert all(p.value > 0 for p in events.Scalars("Memory/rss_bytes"))
+    assert all(p.value > 0 for p in events.Scalars("Throughput/tokens_per_sec"))
+
+
+def test_tensorboard_off_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    engine = initialize(tiny_gpt(), {"train_batch_size": 2, "optimizer": {"type": "SGD"}, "steps_per_print": 10**6})
+    train_engine(engine, token_batches(2, 2), 0, 1, 1)
+    engine.close()
+    assert list(tmp_path.iterdir()) == []
