@@ -4,8 +4,10 @@ Note [micro-steps and boundaries]
 `step()` is called after every micro-batch, as in DeepSpeed. `micro_step` counts those calls;
 the update happens when `is_gradient_accumulation_boundary()`, i.e. on every
 `gradient_accumulation_steps`-th call. `backward()` divides the loss by the accumulation steps
-(DeepSpeed's convention, so accumulated gradients are a mean) and, on the boundary micro-step
-outside `no_sync()`, arms the reducer so gradient chunks are all-reduced during that backward.
+(DeepSpeed's convention, so accumulated gradients are a mean) and by the data-parallel size (so
+the all-reduce's sum is already the mean; exact for power-of-two sizes, and one pass over the
+gradients fewer than dividing afterwards) and, on the boundary micro-step outside `no_sync()`,
+arms the reducer so gradient chunks are all-reduced during that backward.
 An overflowing fp16 step is skipped: no update, no LR-schedule step, `global_step` still
 advances and `skipped_steps` counts it (as DeepSpeed).
 """
@@ -140,7 +142,7 @@ class Engine:
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it (e.g. .mean()) first")
         self._losses.append(loss.detach())
-        factor = self.loss_scaler.scale / self.gradient_accumulation_steps
+        factor = self.loss_scaler.scale / (self.gradient_accumulation_steps * self.dp_world_size)
         scaled = loss.float() * factor if factor != 1.0 else loss
         reduce_now = self.reducer is not None and self.is_gradient_accumulation_boundary() and not self._inside_no_sync
         if reduce_now:
@@ -176,12 +178,18 @@ class Engine:
         self.global_step += 1
         self._log_step()
 
+    def _needs_grad_norm(self) -> bool:
+        """The norm costs a pass over every gradient: only when clipping, overflow checks or TensorBoard use it."""
+        return self.config.gradient_clipping > 0 or self.loss_scaler.checks_overflow or self.config.tensorboard.enabled
+
     def _prepare_gradients(self) -> bool:
-        """Averages over dp, unscales, computes the global norm and clips; returns True on overflow."""
+        """Unscales, computes the global norm and clips; returns True on overflow."""
         grads = self.chunked.grad_payloads()
-        inv = 1.0 / (self.loss_scaler.scale * self.dp_world_size)
-        if inv != 1.0:
-            torch._foreach_mul_(grads, inv)
+        if self.loss_scaler.scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / self.loss_scaler.scale)
+        if not self._needs_grad_norm():
+            self._global_grad_norm = None
+            return False
         # per-parameter norms, then the norm of those (as torch's clip_grad_norm_): one fp32
         # reduction over a whole multi-million-element chunk loses ~1e-5 of relative accuracy
         norms = torch._foreach_norm([p.grad for p in self.chunked.params], 2.0)
@@ -206,7 +214,10 @@ class Engine:
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """L2 norm of the full averaged gradient before clipping, at the last update (None before it)."""
+        """L2 norm of the full averaged gradient before clipping, at the last update.
+
+        None before the first update, and when nothing needed it (no clipping, no fp16, no TensorBoard).
+        """
         return self._global_grad_norm
 
     def get_loss_scale(self) -> float:
@@ -226,12 +237,13 @@ class Engine:
             "Train/loss": float(torch.stack(losses).float().mean()) if losses else float("nan"),
             "Train/lr": self.get_lr()[0],
             "Train/loss_scale": self.loss_scaler.scale,
-            "Train/grad_norm": self._global_grad_norm,
             "Train/skipped_steps": float(self.skipped_steps),
             "Time/step_ms": step_s * 1000.0,
             "Comm/bytes_per_step": float(comm_bytes),
             **self.monitor.memory_metrics(),
         }
+        if self._global_grad_norm is not None:
+            metrics["Train/grad_norm"] = self._global_grad_norm
         if step_s > 0:
             metrics["Throughput/samples_per_sec"] = self.train_batch_size / step_s
             if tokens:
