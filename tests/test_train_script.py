@@ -48,3 +48,17 @@ def test_missing_data_file_is_named(tmp_path):
     result = _run(["--model", "tiny", "--data", str(missing), "--steps", "1"], cwd=tmp_path)
     assert result.returncode != 0
     assert str(missing) in result.stderr, result.stderr
+
+
+def test_runs_under_torchrun_on_two_processes(tmp_path):
+    """The README's main command, shortened: torchrun starts 2 ranks and the engine starts gloo itself."""
+    data = tmp_path / "corpus.txt"
+    data.write_text("def f(x):\n    return x * 2\n" * 400)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
+           "--model", "tiny", "--data", str(data), "--steps", "4", "--eval-every", "2", "--eval-batches", "1"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    out = result.stdout
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{out}\nstderr:\n{result.stderr}"
+    assert "2 dp rank(s)" in out, out
+    assert out.count("final train loss") == 1, out  # only rank 0 reports
