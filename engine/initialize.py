@@ -16,19 +16,20 @@ from engine.optim import build_optimizer
 from engine.precision import PrecisionPolicy, build_loss_scaler
 from engine.topology import Topology
 from engine.zero.chunked_params import ChunkedParams
+from offload.chunk import best_capacity
 
 # reduce_bucket_size defaults to 5e8 elements (DeepSpeed); a chunk that large would leave nothing
 # to overlap with backward, so the default chunk is capped (16 MiB of fp32, DDP's bucket scale).
 DEFAULT_CHUNK_CAP = 1 << 22
 
 
-def chunk_capacity(config: Config) -> int:
+def chunk_capacity(config: Config, trainable: list[torch.Size]) -> int:
+    """`zero_optimization.chunk_size` when given; else the padding-minimizing capacity up to the default cap."""
     zero = config.zero_optimization
     if zero.chunk_size is not None:
         return zero.chunk_size
-    if zero.reduce_bucket_size == "auto":
-        return DEFAULT_CHUNK_CAP
-    return min(zero.reduce_bucket_size, DEFAULT_CHUNK_CAP)
+    target = DEFAULT_CHUNK_CAP if zero.reduce_bucket_size == "auto" else min(zero.reduce_bucket_size, DEFAULT_CHUNK_CAP)
+    return best_capacity(trainable, target)
 
 
 def initialize(
@@ -62,7 +63,8 @@ def initialize(
     model.to(topology.device)
 
     groups = _param_groups(model, optimizer, model_parameters)
-    chunked = ChunkedParams(groups, chunk_capacity(cfg), topology.device)
+    trainable = [p.shape for g in groups for p in g["params"] if p.requires_grad]
+    chunked = ChunkedParams(groups, chunk_capacity(cfg, trainable), topology.device)
     if optimizer is None:
         optimizer = build_optimizer(cfg.optimizer, chunked.optimizer_param_groups())
     scheduler = _scheduler(cfg, optimizer, lr_scheduler)

@@ -57,6 +57,32 @@ def plan_slots(shapes: Sequence[torch.Size], capacity: int, align: int = 1) -> t
     return slots, sizes
 
 
+def padded_size(shapes: Sequence[torch.Size], capacity: int, align: int = 1) -> int:
+    """Elements the chunks of `plan_slots` would occupy, tensors plus padding."""
+    return sum(plan_slots(shapes, capacity, align)[1])
+
+
+def best_capacity(shapes: Sequence[torch.Size], max_capacity: int, align: int = 1, candidates: int = 256) -> int:
+    """The capacity in [max_capacity/2, max_capacity] that wastes least padding (ties: the largest).
+
+    A fixed capacity can waste a fifth of every chunk when the model's large tensors do not pack
+    into it; a search over a few hundred evenly spaced capacities finds one that packs well
+    while keeping chunks near the size asked for (communication granularity).
+    """
+    numels = [torch.Size(s).numel() for s in shapes]
+    total = sum(numels)
+    if total <= max_capacity:
+        return max(total, 1)
+    low = max(max_capacity // 2, 1)
+    step = max((max_capacity - low) // candidates, 1)
+    best, best_size = max_capacity, padded_size(shapes, max_capacity, align)
+    for capacity in range(max_capacity - step, low - 1, -step):
+        size = padded_size(shapes, capacity, align)
+        if size < best_size:
+            best, best_size = capacity, size
+    return best
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 

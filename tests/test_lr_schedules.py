@@ -297,7 +297,7 @@ def test_schedule_params_match_the_config_spec():
     ("WarmupLR", {"warmup_type": "cubic"}, ["scheduler.params.warmup_type: 'cubic' is not one of 'log', 'linear'"]),
     ("WarmupLR", {"warmup_max": 0.1}, ["'warmup_max'", "did you mean 'warmup_max_lr'", "WarmupLR"]),
     ("WarmupCosineLR", {"total_num_steps": 10, "cos_min_ration": 0.1}, ["'cos_min_ration'", "'cos_min_ratio'"]),
-    ("WarmupLR", {"warmup_num_steps": 0}, ["scheduler.params.warmup_num_steps", ">= 1"]),
+    ("WarmupLR", {"warmup_num_steps": -1}, ["scheduler.params.warmup_num_steps", ">= 0"]),
     ("WarmupLR", {"warmup_num_steps": 2.5}, ["scheduler.params.warmup_num_steps"]),
     ("OneCycle", {"cycle_min_lr": "x", "cycle_max_lr": 1.0}, ["scheduler.params.cycle_min_lr", "number"]),
     ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_momentum": 1}, ["cycle_momentum"]),
@@ -309,3 +309,10 @@ def test_bad_config_raises_value_error_naming_the_problem(name, params, fragment
         build_lr_scheduler(adamw(), name, params)
     for fragment in fragments:
         assert fragment in str(err.value)
+
+
+def test_zero_warmup_steps_is_accepted_as_deepspeed_does():
+    """DeepSpeed clamps warmup_num_steps to at least 2 (log warmup divides by log(steps)), so 0 is legal."""
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    sched = build_lr_scheduler(opt, "WarmupLR", {"warmup_num_steps": 0, "warmup_max_lr": 0.01})
+    assert sched.warmup_num_steps == 2

@@ -1,0 +1,229 @@
+"""Pieces every benchmark script shares: ranks on 127.0.0.1, loopback byte counts, the machine, tables.
+
+Benchmarks are scripts, never timed assertions (DESIGN.md, Conventions). A script typically:
+
+    port = free_port()
+    results = spawn_ranks(worker, world, args=(port, options))  # worker(rank, world, port, options, results)
+    print(markdown_table(headers, rows))
+    print(machine_line(command_line()))
+
+`worker` runs in a fresh process per rank with one compute thread (as torchrun's OMP_NUM_THREADS=1);
+`init_gloo(rank, world, port)` creates the default process group once, which `engine.initialize`
+then reuses. Whatever a rank puts into `results` (a queue) comes back to the parent as a list.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import socket
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None
+
+LOOPBACK_NAMES = ("lo", "lo0")  # Linux, macOS
+
+
+# ---- processes and process groups ----------------------------------------------------------------
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def one_thread() -> None:
+    """One compute thread per process, as torchrun sets OMP_NUM_THREADS=1."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+def init_gloo(rank: int, world: int, port: int, host: str = "127.0.0.1") -> None:
+    """The default process group over TCP on `host:port`; the torchrun variables are set too."""
+    os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world)
+
+
+def _rank_entry(rank: int, fn: Callable, world: int, args: tuple, queue) -> None:
+    one_thread()
+    fn(rank, world, *args, queue)
+
+
+# Note [malloc in benchmarks]
+# glibc returns freed blocks above its (dynamic) mmap threshold, and heap tops above its trim
+# threshold, to the kernel; the next step's activations then fault fresh zeroed pages in again.
+# How much of that happens depends on allocation-order luck, not on the system being measured,
+# and on these VMs a minor fault costs ~10 us (1e5 faults per step = +1 s on a 4.6 s step).
+# Benchmarks therefore start their processes with fixed, high thresholds (freed memory stays in
+# the process, as with jemalloc/tcmalloc) unless told otherwise, and report faults per step.
+KEEP_FREED_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
+
+
+def spawn_ranks(fn: Callable, world: int, args: tuple = (), env: dict[str, str] | None = None) -> list:
+    """Runs fn(rank, world, *args, results) in `world` fresh processes; returns what they put in `results`.
+
+    fn must be a module-level function (it is pickled into spawned processes). `env` is added to the
+    environment the processes start with (e.g. KEEP_FREED_MEMORY_ENV). The call returns after every
+    rank has exited; a rank that raises makes it raise too.
+    """
+    queue = mp.get_context("spawn").SimpleQueue()
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        procs = mp.start_processes(_rank_entry, args=(fn, world, args, queue), nprocs=world, join=False,
+                                   start_method="spawn")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    out = []
+    done = False
+    while not done:  # drain while waiting: a rank blocks on a full pipe until someone reads it
+        done = procs.join(timeout=0.2)
+        while not queue.empty():
+            out.append(queue.get())
+    return out
+
+
+def barrier_time() -> float:
+    """perf_counter() right after a barrier of the default group (a plain clock without one)."""
+    if dist.is_initialized():
+        dist.barrier()
+    return time.perf_counter()
+
+
+# ---- measurements ---------------------------------------------------------------------------------
+class LoopbackCounter:
+    """Bytes sent over the loopback interface (every process on the machine, both directions counted once)."""
+
+    def __init__(self):
+        nics = psutil.net_io_counters(pernic=True)
+        names = [n for n in LOOPBACK_NAMES if n in nics]
+        self.name = names[0] if names else None
+
+    @property
+    def available(self) -> bool:
+        return self.name is not None
+
+    def read(self) -> int:
+        if self.name is None:
+            return 0
+        return psutil.net_io_counters(pernic=True)[self.name].bytes_sent
+
+
+class CpuMeter:
+    """CPU seconds this process and the whole machine spent, and this process's minor page faults,
+    between start() and stop().
+
+    `foreign_cores(own_total)` tells how many cores other processes kept busy meanwhile (given the
+    CPU seconds of every process of the benchmark): a timing taken while it is well above zero was
+    shared with someone else.
+    """
+
+    def __init__(self):
+        self._proc = psutil.Process()
+        self.minor_faults = 0
+
+    @staticmethod
+    def _busy() -> float:
+        t = psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "steal", 0.0)
+
+    def start(self) -> None:
+        c = self._proc.cpu_times()
+        self._own0, self._busy0, self._wall0 = c.user + c.system, self._busy(), time.perf_counter()
+        self._faults0 = _minor_faults()
+
+    def stop(self) -> None:
+        c = self._proc.cpu_times()
+        self.own_s = c.user + c.system - self._own0
+        self.busy_s = self._busy() - self._busy0
+        self.wall_s = time.perf_counter() - self._wall0
+        self.minor_faults = _minor_faults() - self._faults0
+
+    def foreign_cores(self, own_total_s: float) -> float:
+        return max(self.busy_s - own_total_s, 0.0) / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def _minor_faults() -> int:
+    if resource is None:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+# ---- description and output -----------------------------------------------------------------------
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line() -> str:
+    """CPU model, core counts, memory, torch and Python versions, on one line."""
+    physical = psutil.cpu_count(logical=False)
+    logical = psutil.cpu_count(logical=True)
+    mem_gib = psutil.virtual_memory().total / 2**30
+    return (f"{cpu_model()}, {physical} cores / {logical} threads, {mem_gib:.0f} GiB RAM, "
+            f"torch {torch.__version__}, Python {platform.python_version()}, {platform.system()}")
+
+
+def command_line() -> str:
+    """The command that started this process, with the interpreter path relative to the cwd when inside it."""
+    exe = sys.executable
+    try:
+        rel = os.path.relpath(exe)
+        if not rel.startswith(".."):
+            exe = rel
+    except ValueError:
+        pass
+    return shlex.join([exe, *sys.argv])
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub markdown table; cells are str()-ed, columns padded for reading in a terminal."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r):
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in MB (10^6) with one decimal, e.g. '119.6 MB'."""
+    if n != n:  # nan
+        return "n/a"
+    return f"{n / 1e6:.1f} MB"
+
+
+def write_text(path: str, text: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text if text.endswith("\n") else text + "\n")

@@ -1,0 +1,34 @@
+"""Chunks: views alias their chunk, packing follows registration order, capacity search limits padding."""
+
+from __future__ import annotations
+
+import torch
+
+from offload.chunk import ChunkList, best_capacity, padded_size, plan_slots
+
+
+def test_views_alias_their_chunk_and_keep_values():
+    tensors = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 2)]
+    chunks = ChunkList(tensors, capacity=20)
+    for t, v in zip(tensors, chunks.views):
+        assert torch.equal(t, v)
+    chunks.chunks[0].payload.fill_(7.0)
+    assert all(float(v.flatten()[0]) == 7.0 for v in chunks.views[:2])
+    chunks.views[2].fill_(-1.0)
+    assert float(chunks.chunks[chunks.slots[2].chunk].payload[chunks.slots[2].offset]) == -1.0
+
+
+def test_packing_is_in_registration_order_with_padding_only_at_chunk_ends():
+    slots, sizes = plan_slots([torch.Size([6]), torch.Size([3]), torch.Size([4]), torch.Size([25]), torch.Size([2])], 10)
+    assert [(s.chunk, s.offset) for s in slots] == [(0, 0), (0, 6), (1, 0), (2, 0), (3, 0)]
+    assert sizes == [10, 10, 25, 2]  # oversized tensor gets its own chunk; the last chunk is trimmed
+
+
+def test_capacity_search_reduces_padding_and_respects_bounds():
+    # blocks of 6 + 6 + 3 elements waste a lot at capacity 10 (each chunk holds one 6)
+    shapes = [torch.Size([6]), torch.Size([6]), torch.Size([3])] * 20
+    best = best_capacity(shapes, 20)
+    assert 10 <= best <= 20
+    assert padded_size(shapes, best) < padded_size(shapes, 20)
+    assert padded_size(shapes, best) == min(padded_size(shapes, c) for c in range(10, 21))
+    assert best_capacity([torch.Size([5])], 100) == 5  # a small model: one chunk of its size
