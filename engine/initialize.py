@@ -21,15 +21,20 @@ from offload.chunk import best_capacity
 # reduce_bucket_size defaults to 5e8 elements (DeepSpeed); a chunk that large would leave nothing
 # to overlap with backward, so the default chunk is capped (16 MiB of fp32, DDP's bucket scale).
 DEFAULT_CHUNK_CAP = 1 << 22
+# The first-registered parameters (embeddings) get their gradients last in backward, so the first
+# chunk's all-reduce cannot overlap with compute: it is kept at 1/8 of the others.
+FIRST_CHUNK_FRACTION = 8
 
 
-def chunk_capacity(config: Config, trainable: list[torch.Size]) -> int:
-    """`zero_optimization.chunk_size` when given; else the padding-minimizing capacity up to the default cap."""
+def chunk_layout(config: Config, trainable: list[torch.Size]) -> tuple[int, int | None]:
+    """(capacity, first chunk's capacity): `zero_optimization.chunk_size` for every chunk when given;
+    else a small first chunk and the padding-minimizing capacity up to the default cap."""
     zero = config.zero_optimization
     if zero.chunk_size is not None:
-        return zero.chunk_size
+        return zero.chunk_size, None
     target = DEFAULT_CHUNK_CAP if zero.reduce_bucket_size == "auto" else min(zero.reduce_bucket_size, DEFAULT_CHUNK_CAP)
-    return best_capacity(trainable, target)
+    first = max(target // FIRST_CHUNK_FRACTION, 1)
+    return best_capacity(trainable, target, first_capacity=first), first
 
 
 def initialize(
@@ -64,7 +69,8 @@ def initialize(
 
     groups = _param_groups(model, optimizer, model_parameters)
     trainable = [p.shape for g in groups for p in g["params"] if p.requires_grad]
-    chunked = ChunkedParams(groups, chunk_capacity(cfg, trainable), topology.device)
+    capacity, first_capacity = chunk_layout(cfg, trainable)
+    chunked = ChunkedParams(groups, capacity, topology.device, first_capacity)
     if optimizer is None:
         optimizer = build_optimizer(cfg.optimizer, chunked.optimizer_param_groups())
     scheduler = _scheduler(cfg, optimizer, lr_scheduler)

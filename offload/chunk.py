@@ -4,7 +4,9 @@ Note [chunk packing]
 Tensors are packed into chunks in the order they are registered (the order the model uses
 them), each at the next free offset of the current chunk. A tensor that does not fit in what
 is left of the current chunk opens a new chunk; a tensor larger than the capacity gets a chunk
-of its own, sized to it. The last chunk of a list is trimmed to what it holds (rounded up to
+of its own, sized to it. The first chunk may be given a smaller capacity of its own (see
+`first_capacity`; the engine uses it for the chunk whose reduction cannot overlap backward).
+The last chunk of a list is trimmed to what it holds (rounded up to
 `align`), so a small model does not pay for a mostly empty chunk. Padding is zero-filled and
 never aliased by a tensor.
 """
@@ -30,39 +32,42 @@ class Slot:
         return self.shape.numel()
 
 
-def plan_slots(shapes: Sequence[torch.Size], capacity: int, align: int = 1) -> tuple[list[Slot], list[int]]:
+def plan_slots(shapes: Sequence[torch.Size], capacity: int, align: int = 1,
+               first_capacity: int | None = None) -> tuple[list[Slot], list[int]]:
     """Packs shapes into chunks (Note [chunk packing]); returns each tensor's slot and each chunk's size."""
-    if capacity < 1:
-        raise ValueError(f"chunk capacity must be >= 1 element, got {capacity}")
+    if capacity < 1 or (first_capacity is not None and first_capacity < 1):
+        raise ValueError(f"chunk capacity must be >= 1 element, got {capacity} (first chunk: {first_capacity})")
     if align < 1:
         raise ValueError(f"chunk alignment must be >= 1 element, got {align}")
     slots: list[Slot] = []
     sizes: list[int] = []
-    used = capacity  # forces a new chunk for the first tensor
+    used = limit = 0  # elements used in the open chunk, and its capacity (0: no chunk open)
     for shape in shapes:
         shape = torch.Size(shape)
         numel = shape.numel()
-        if numel > capacity:  # oversized: a chunk of its own
-            sizes.append(_round_up(numel, align))
-            slots.append(Slot(len(sizes) - 1, 0, shape))
-            used = capacity
-            continue
-        if used + numel > capacity:
-            sizes.append(capacity)
+        if used + numel > limit:  # open a new chunk
+            limit = first_capacity if not sizes and first_capacity is not None else capacity
+            if numel > limit:  # oversized: a chunk of its own
+                sizes.append(_round_up(numel, align))
+                slots.append(Slot(len(sizes) - 1, 0, shape))
+                used = limit = 0
+                continue
+            sizes.append(limit)
             used = 0
         slots.append(Slot(len(sizes) - 1, used, shape))
         used += numel
-    if sizes and used < capacity and slots[-1].chunk == len(sizes) - 1:
+    if limit and used < limit:
         sizes[-1] = max(_round_up(used, align), 1)
     return slots, sizes
 
 
-def padded_size(shapes: Sequence[torch.Size], capacity: int, align: int = 1) -> int:
+def padded_size(shapes: Sequence[torch.Size], capacity: int, align: int = 1, first_capacity: int | None = None) -> int:
     """Elements the chunks of `plan_slots` would occupy, tensors plus padding."""
-    return sum(plan_slots(shapes, capacity, align)[1])
+    return sum(plan_slots(shapes, capacity, align, first_capacity)[1])
 
 
-def best_capacity(shapes: Sequence[torch.Size], max_capacity: int, align: int = 1, candidates: int = 256) -> int:
+def best_capacity(shapes: Sequence[torch.Size], max_capacity: int, align: int = 1, candidates: int = 256,
+                  first_capacity: int | None = None) -> int:
     """The capacity in [max_capacity/2, max_capacity] that wastes least padding (ties: the largest).
 
     A fixed capacity can waste a fifth of every chunk when the model's large tensors do not pack
@@ -75,9 +80,9 @@ def best_capacity(shapes: Sequence[torch.Size], max_capacity: int, align: int = 
         return max(total, 1)
     low = max(max_capacity // 2, 1)
     step = max((max_capacity - low) // candidates, 1)
-    best, best_size = max_capacity, padded_size(shapes, max_capacity, align)
+    best, best_size = max_capacity, padded_size(shapes, max_capacity, align, first_capacity)
     for capacity in range(max_capacity - step, low - 1, -step):
-        size = padded_size(shapes, capacity, align)
+        size = padded_size(shapes, capacity, align, first_capacity)
         if size < best_size:
             best, best_size = capacity, size
     return best
@@ -121,12 +126,13 @@ class ChunkList:
         device: torch.device | str | None = None,
         align: int = 1,
         copy_values: bool = True,
+        first_capacity: int | None = None,
     ):
         if not tensors:
             raise ValueError("a ChunkList needs at least one tensor")
         dtype = dtype or tensors[0].dtype
         device = device or tensors[0].device
-        slots, sizes = plan_slots([t.shape for t in tensors], capacity, align)
+        slots, sizes = plan_slots([t.shape for t in tensors], capacity, align, first_capacity)
         self.capacity = capacity
         self.dtype = dtype
         self.chunks = [Chunk(i, size, dtype, device) for i, size in enumerate(sizes)]

@@ -32,3 +32,13 @@ def test_capacity_search_reduces_padding_and_respects_bounds():
     assert padded_size(shapes, best) < padded_size(shapes, 20)
     assert padded_size(shapes, best) == min(padded_size(shapes, c) for c in range(10, 21))
     assert best_capacity([torch.Size([5])], 100) == 5  # a small model: one chunk of its size
+
+
+def test_first_chunk_may_be_smaller():
+    shapes = [torch.Size([3]), torch.Size([3]), torch.Size([8]), torch.Size([2]), torch.Size([5])]
+    slots, sizes = plan_slots(shapes, capacity=10, first_capacity=4)
+    assert [(s.chunk, s.offset) for s in slots] == [(0, 0), (1, 0), (2, 0), (2, 8), (3, 0)]
+    assert sizes == [4, 10, 10, 5]
+    # a first tensor larger than the first chunk gets a chunk of its own, then regular chunks follow
+    slots, sizes = plan_slots([torch.Size([6]), torch.Size([4])], capacity=10, first_capacity=4)
+    assert sizes == [6, 4] and [s.chunk for s in slots] == [0, 1]

@@ -33,7 +33,7 @@ class ChunkGroup:
 class ChunkedParams:
     """Owns the param and grad chunks of every trainable parameter, grouped as the optimizer groups them."""
 
-    def __init__(self, param_groups: list[dict], capacity: int, device: torch.device):
+    def __init__(self, param_groups: list[dict], capacity: int, device: torch.device, first_capacity: int | None = None):
         self.groups: list[ChunkGroup] = []
         seen: set[int] = set()
         for group in param_groups:
@@ -50,8 +50,9 @@ class ChunkedParams:
                 by_dtype.setdefault(p.dtype, []).append(p)
             for dtype, params in by_dtype.items():
                 with torch.no_grad():
-                    param_chunks = ChunkList([p.data for p in params], capacity, dtype, device)
-                    grad_chunks = ChunkList([p.data for p in params], capacity, dtype, device, copy_values=False)
+                    layout = dict(capacity=capacity, dtype=dtype, device=device, first_capacity=first_capacity)
+                    param_chunks = ChunkList([p.data for p in params], **layout)
+                    grad_chunks = ChunkList([p.data for p in params], copy_values=False, **layout)
                 for p, pv, gv in zip(params, param_chunks.views, grad_chunks.views):
                     p.data = pv
                     p.grad = gv
