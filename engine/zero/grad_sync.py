@@ -10,7 +10,6 @@ returns is launched then, in the same order. All ranks thus launch the same sequ
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
