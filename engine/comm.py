@@ -15,7 +15,6 @@ class CommCounter:
 
     all_reduce_bytes: int = 0
     broadcast_bytes: int = 0
-    calls: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -25,7 +24,6 @@ class CommCounter:
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None, counter: CommCounter, *, async_op: bool):
     """Sums `tensor` in place over `group`; returns the Work handle when async_op."""
     counter.all_reduce_bytes += tensor.numel() * tensor.element_size()
-    counter.calls += 1
     with record_function("tiers.comm.all_reduce"):
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
@@ -33,15 +31,6 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None, counte
 def broadcast_from(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup | None, counter: CommCounter) -> None:
     """Overwrites `tensor` on every rank of `group` with the copy on group rank `src_group_rank`."""
     counter.broadcast_bytes += tensor.numel() * tensor.element_size()
-    counter.calls += 1
     src = dist.get_global_rank(group, src_group_rank) if group is not None else src_group_rank
     with record_function("tiers.comm.broadcast"):
         dist.broadcast(tensor, src=src, group=group)
-
-
-def all_reduce_max_scalar(value: float, group: dist.ProcessGroup | None, device: torch.device) -> float:
-    """The largest of one float over the group (small control message; not counted as payload)."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    with record_function("tiers.comm.all_reduce_scalar"):
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())

@@ -333,6 +333,8 @@ def _reject_not_yet_supported(cfg: Config) -> None:
     checks = [
         (cfg.fp16.auto_cast, "fp16.auto_cast", True, "casting inputs to fp16 is not supported yet; set it to false"),
         (zero.stage != 0, "zero_optimization.stage", zero.stage, "ZeRO stages 1-3 are not supported yet; use stage 0"),
+        (not zero.contiguous_gradients, "zero_optimization.contiguous_gradients", False,
+         "Tiers always keeps gradients in contiguous chunks; remove the key or set it to true"),
         (zero.offload_optimizer.device not in ("none", None), "zero_optimization.offload_optimizer.device",
          zero.offload_optimizer.device, "optimizer offload is not supported yet; use \"none\""),
         (zero.offload_param.device not in ("none", None), "zero_optimization.offload_param.device",

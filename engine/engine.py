@@ -8,6 +8,9 @@ the update happens when `is_gradient_accumulation_boundary()`, i.e. on every
 the all-reduce's sum is already the mean; exact for power-of-two sizes, and one pass over the
 gradients fewer than dividing afterwards) and, on the boundary micro-step outside `no_sync()`,
 arms the reducer so gradient chunks are all-reduced during that backward.
+When that backward returns, the gradients are reduced (as with DDP). At most one synchronized
+backward may run per update (a second one would reduce the first loss's gradients twice); if
+none ran (the boundary backward was inside `no_sync()`), `step()` reduces everything itself.
 An overflowing fp16 step is skipped: no update, no LR-schedule step, `global_step` still
 advances and `skipped_steps` counts it (as DeepSpeed).
 """
@@ -57,18 +60,22 @@ class Engine:
         self.precision = precision
         self.monitor = monitor
         self.comm = CommCounter()
-        self.reducer = GradReducer(chunked, topology.dp_group, self.comm) if topology.is_distributed else None
+        overlap = config.zero_optimization.overlap_comm is not False  # stage 0 overlaps unless told not to
+        self.reducer = GradReducer(chunked, topology.dp_group, self.comm, overlap) if topology.is_distributed else None
         self.global_step = 0
         self.micro_step = 0
         self.skipped_steps = 0
         self._global_grad_norm: float | None = None
         self._inside_no_sync = False
+        self._synchronized = False  # a synchronized backward ran since the last update
+        self._phase_s = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # wall_clock_breakdown
         self._losses: list[torch.Tensor] = []
         self._tokens = 0
         self._step_start: float | None = None  # first training forward of the current update
         self._comm_bytes_at_last_step = 0
         if topology.is_distributed:
             self._broadcast_initial_state()
+        self._comm_bytes_at_last_step = self.comm.total_bytes  # the start-up broadcast is not a step's traffic
 
     # ---- identity -------------------------------------------------------------------------
     @property
@@ -100,12 +107,13 @@ class Engine:
         return self.batch.train_batch_size
 
     def _broadcast_initial_state(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers, as DDP does."""
+        """Every rank starts from rank 0's parameters (trainable and frozen) and buffers, as DDP does."""
+        chunked = {id(p) for p in self.chunked.params}
         with torch.no_grad():
             for payload in self.chunked.param_payloads():
                 broadcast_from(payload, 0, self.dp_group, self.comm)
-            for buf in self.module.buffers():
-                broadcast_from(buf, 0, self.dp_group, self.comm)
+            for t in [p for p in self.module.parameters() if id(p) not in chunked] + list(self.module.buffers()):
+                broadcast_from(t.data, 0, self.dp_group, self.comm)
 
     # ---- training loop --------------------------------------------------------------------
     def train(self, mode: bool = True) -> "Engine":
@@ -116,12 +124,28 @@ class Engine:
         return self.train(False)
 
     def __call__(self, *args, **kwargs):
+        """The module's forward under the precision policy; tensor arguments are moved to the engine's device."""
+        args, kwargs = _to_device((args, kwargs), self.device)
         if self.module.training and torch.is_grad_enabled():  # eval forwards are not training throughput
             self._tokens += _count_token_ids(args, kwargs)
             if self._step_start is None:
                 self._step_start = time.perf_counter()
-        with self.precision.autocast(self.device):
+        with self._timed("forward"), self.precision.autocast(self.device):
             return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str):
+        """wall_clock_breakdown: time a phase (synchronizing the device so the time is the work's)."""
+        if not self.config.wall_clock_breakdown:
+            yield
+            return
+        _synchronize(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            _synchronize(self.device)
+            self._phase_s[phase] += time.perf_counter() - start
 
     forward = __call__
 
@@ -146,10 +170,23 @@ class Engine:
         scaled = loss.float() * factor if factor != 1.0 else loss
         reduce_now = self.reducer is not None and self.is_gradient_accumulation_boundary() and not self._inside_no_sync
         if reduce_now:
+            if self._synchronized:
+                raise RuntimeError(
+                    "a second synchronized engine.backward() before engine.step() would all-reduce the first loss's "
+                    "gradients twice; add the losses and call backward once, or run the earlier backward calls "
+                    "inside engine.no_sync()")
             self.reducer.arm()
-        scaled.backward(retain_graph=retain_graph)
-        if reduce_now:
-            self.reducer.finish_backward()
+        with self._timed("backward"):
+            try:
+                scaled.backward(retain_graph=retain_graph)
+            except BaseException:
+                if reduce_now:
+                    self.reducer.disarm()
+                raise
+            if reduce_now:
+                self.reducer.finish_backward()
+                self.reducer.wait()  # gradients are reduced when backward returns, as with DDP
+                self._synchronized = True
         return loss
 
     def step(self) -> None:
@@ -161,20 +198,21 @@ class Engine:
         self.micro_step += 1
         if not boundary:
             return
-        if self.reducer is not None:
-            self.reducer.wait()
-        else:
-            self.chunked.adopt_all_foreign_grads()
-        overflow = self._prepare_gradients()
-        if overflow:
-            self.skipped_steps += 1
-        else:
-            self.chunked.rebind_optimizer_grads()
-            self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        self.loss_scaler.update(overflow)
-        self.chunked.zero_grads()
+        with self._timed("optimizer"):
+            if self.reducer is not None and not self._synchronized:
+                self.reducer.reduce_all()  # the boundary backward ran inside no_sync()
+            self._synchronized = False
+            self.chunked.sync_views()
+            overflow = self._prepare_gradients()
+            if overflow:
+                self.skipped_steps += 1
+            else:
+                self.chunked.rebind_optimizer_grads()
+                self.optimizer.step()
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            self.loss_scaler.update(overflow)
+            self.chunked.zero_grads()
         self.global_step += 1
         self._log_step()
 
@@ -231,8 +269,9 @@ class Engine:
         self._comm_bytes_at_last_step = self.comm.total_bytes
         losses, self._losses = self._losses, []
         tokens, self._tokens = self._tokens, 0
-        if not self.monitor.is_writer_rank:
-            return
+        phases, self._phase_s = self._phase_s, dict.fromkeys(self._phase_s, 0.0)
+        if not self.monitor.wants(self.global_step):
+            return  # reading the loss would synchronize the device for nothing
         metrics = {
             "Train/loss": float(torch.stack(losses).float().mean()) if losses else float("nan"),
             "Train/lr": self.get_lr()[0],
@@ -244,6 +283,8 @@ class Engine:
         }
         if self._global_grad_norm is not None:
             metrics["Train/grad_norm"] = self._global_grad_norm
+        if self.config.wall_clock_breakdown:
+            metrics.update({f"Time/{phase}_ms": s * 1000.0 for phase, s in phases.items()})
         if step_s > 0:
             metrics["Throughput/samples_per_sec"] = self.train_batch_size / step_s
             if tokens:
@@ -255,6 +296,22 @@ class Engine:
         self.monitor.close()
         if self.reducer is not None:
             self.reducer.remove_hooks()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _to_device(value, device: torch.device):
+    """Tensors in (nested tuples, lists, dicts of) forward arguments, moved to `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True) if value.device != device else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
 
 
 def _count_token_ids(args: tuple, kwargs: dict) -> int:

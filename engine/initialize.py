@@ -70,7 +70,8 @@ def initialize(
     groups = _param_groups(model, optimizer, model_parameters)
     trainable = [p.shape for g in groups for p in g["params"] if p.requires_grad]
     capacity, first_capacity = chunk_layout(cfg, trainable)
-    chunked = ChunkedParams(groups, capacity, topology.device, first_capacity)
+    names = {id(p): n for n, p in model.named_parameters()}
+    chunked = ChunkedParams(groups, capacity, topology.device, first_capacity, names)
     if optimizer is None:
         optimizer = build_optimizer(cfg.optimizer, chunked.optimizer_param_groups())
     scheduler = _scheduler(cfg, optimizer, lr_scheduler)
@@ -85,8 +86,9 @@ def _param_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:
         groups = [dict(g) for g in optimizer.param_groups]
         stray = [p for g in groups for p in g["params"] if id(p) not in model_ids]
         if stray:
-            raise ValueError(f"the optimizer holds {len(stray)} tensor(s) that are not parameters of the model; "
-                             "build it over model.parameters()")
+            shapes = ", ".join(str(tuple(p.shape)) for p in stray[:5])
+            raise ValueError(f"the optimizer holds {len(stray)} tensor(s) that are not parameters of the model "
+                             f"(shapes {shapes}); build it over model.parameters()")
         return [{"params": list(g["params"])} for g in groups]
     if model_parameters is None:
         return [{"params": list(model.parameters())}]

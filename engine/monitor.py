@@ -4,7 +4,8 @@ TensorBoard tags (README lists them):
   Train/loss, Train/lr, Train/loss_scale, Train/grad_norm, Train/skipped_steps,
   Throughput/samples_per_sec, Throughput/tokens_per_sec (when token ids are seen),
   Time/step_ms, Memory/rss_bytes, Memory/device_allocated_bytes and
-  Memory/device_peak_bytes (CUDA), Comm/bytes_per_step.
+  Memory/device_peak_bytes (CUDA), Comm/bytes_per_step; with wall_clock_breakdown also
+  Time/forward_ms, Time/backward_ms, Time/optimizer_ms (summed over the update's micro-steps).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class Monitor:
             metrics["Memory/device_peak_bytes"] = float(torch.cuda.max_memory_allocated(self.device))
         return metrics
 
+    def wants(self, step: int) -> bool:
+        """Whether this step's metrics go anywhere (TensorBoard, or a print on this step)."""
+        return self.is_writer_rank and (self._writer is not None or step % self.steps_per_print == 0)
+
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         if not self.is_writer_rank:
             return
@@ -49,10 +54,6 @@ class Monitor:
         if step % self.steps_per_print == 0:
             shown = ", ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in metrics.items() if not k.startswith("Memory"))
             print(f"[tiers] step {step}: {shown}", flush=True)
-
-    def flush(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
 
     def close(self) -> None:
         if self._writer is not None:

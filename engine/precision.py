@@ -83,6 +83,10 @@ class DynamicLossScaler(LossScaler):
     def update(self, overflow: bool) -> None:
         if overflow:
             if self.hysteresis == 1 or self.hysteresis_left == 1:
+                if self.scale <= self.min_scale:
+                    raise FloatingPointError(
+                        f"fp16 gradients overflow even at the minimum loss scale {self.min_scale:g} (DeepSpeed stops "
+                        "here too); lower fp16.min_loss_scale, use bf16, or look for a diverging loss")
                 self.scale = max(self.scale / self.factor, self.min_scale)
             else:
                 self.hysteresis_left -= 1

@@ -16,7 +16,11 @@ import torch.distributed as dist
 def compute_device() -> torch.device:
     """CUDA when present (this process's LOCAL_RANK), else CPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local_rank >= count:
+            raise RuntimeError(f"LOCAL_RANK={local_rank} but this node has {count} CUDA device(s); start at most "
+                               f"{count} processes per node (torchrun --nproc_per_node {count})")
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
@@ -30,8 +34,6 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
             f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} not set; start the job with torchrun "
             "or `tiers launch`, or call torch.distributed.init_process_group yourself before initialize()."
         )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
@@ -54,6 +56,8 @@ class Topology:
     @classmethod
     def from_environment(cls, device: torch.device | None = None) -> "Topology":
         device = device or compute_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # also when the caller created the process group
         init_distributed(device)
         if not dist.is_initialized():
             return cls(1, 0, None, 1, 0, device)

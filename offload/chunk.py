@@ -95,8 +95,7 @@ def _round_up(n: int, multiple: int) -> int:
 class Chunk:
     """One flat payload; tensors are views into it at their slots."""
 
-    def __init__(self, index: int, size: int, dtype: torch.dtype, device: torch.device | str):
-        self.index = index
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device | str):
         self.payload = torch.zeros(size, dtype=dtype, device=device)
         self.slots: list[Slot] = []
 
@@ -133,9 +132,8 @@ class ChunkList:
         dtype = dtype or tensors[0].dtype
         device = device or tensors[0].device
         slots, sizes = plan_slots([t.shape for t in tensors], capacity, align, first_capacity)
-        self.capacity = capacity
         self.dtype = dtype
-        self.chunks = [Chunk(i, size, dtype, device) for i, size in enumerate(sizes)]
+        self.chunks = [Chunk(size, dtype, device) for size in sizes]
         self.slots = slots
         self.views: list[torch.Tensor] = []
         for tensor, slot in zip(tensors, slots):
@@ -152,7 +150,3 @@ class ChunkList:
     @property
     def numel(self) -> int:
         return sum(c.size for c in self.chunks)
-
-    def tensors_of(self, chunk_index: int) -> list[int]:
-        """Indices (registration order) of the tensors held by one chunk."""
-        return [i for i, s in enumerate(self.slots) if s.chunk == chunk_index]

@@ -38,9 +38,12 @@ def dp_config(micro: int, accumulation: int, clip: float = 1.0, chunk_size: int 
     }
 
 
-def _dp_worker(rank, world, accumulation, chunk_size):
+def _dp_worker(rank, world, accumulation, chunk_size, overlap=True):
     micro = GLOBAL_BATCH // world // accumulation
-    engine = initialize(tiny_gpt(), dp_config(micro, accumulation, chunk_size=chunk_size))
+    cfg = dp_config(micro, accumulation, chunk_size=chunk_size)
+    cfg["zero_optimization"]["overlap_comm"] = overlap
+    # each rank builds a differently initialized model: the engine must start all from rank 0's
+    engine = initialize(tiny_gpt(seed=rank), cfg)
     assert len(engine.chunked.grad_payloads()) > 1 or chunk_size > 10**6
     losses, norms = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, accumulation)
     return losses, norms, param_snapshot(engine.module), engine.comm.all_reduce_bytes
@@ -53,10 +56,10 @@ def reference():
     return losses, norms, param_snapshot(model)
 
 
-@pytest.mark.parametrize("world,accumulation", [(2, 1), (2, 2), (4, 1)])
-def test_data_parallel_matches_single_process(reference, world, accumulation):
+@pytest.mark.parametrize("world,accumulation,overlap", [(2, 1, True), (2, 2, True), (4, 1, True), (2, 1, False)])
+def test_data_parallel_matches_single_process(reference, world, accumulation, overlap):
     ref_losses, ref_norms, ref_params = reference
-    results = run_distributed(_dp_worker, world, args=(accumulation, 20_000))
+    results = run_distributed(_dp_worker, world, args=(accumulation, 20_000, overlap))
     mean_losses = [sum(r[0][i] for r in results) / world for i in range(STEPS)]
     assert_close_relative(mean_losses, ref_losses)
     assert_close_relative(results[0][1], ref_norms)  # global grad norm before clipping
@@ -67,10 +70,12 @@ def test_data_parallel_matches_single_process(reference, world, accumulation):
 
 
 def test_accumulation_equals_larger_micro_batch():
-    """micro 2 × accumulation 2 gives the same training as micro 4 × accumulation 1."""
+    """micro 2 × accumulation 2 gives the same training as micro 4 × accumulation 1 (plain SGD, no clipping:
+    an update proportional to the gradient, so a wrong accumulation scale would show)."""
     runs = []
     for micro, accumulation in [(2, 2), (4, 1)]:
-        engine = initialize(tiny_gpt(), dp_config(micro, accumulation))
+        cfg = {**dp_config(micro, accumulation, clip=0.0), "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
+        engine = initialize(tiny_gpt(), cfg)
         runs.append((train_engine(engine, token_batches(STEPS, 4), 0, 1, accumulation)[0], param_snapshot(engine.module)))
     assert_close_relative(runs[0][0], runs[1][0])
     assert_params_close(runs[0][1], runs[1][1])
@@ -104,16 +109,19 @@ def _partly_used_worker(rank, world):
     torch.manual_seed(0)
     model = PartlyUsed()
     engine = initialize(model, {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-                                "zero_optimization": {"chunk_size": 80}, "steps_per_print": 10**6})
+                                "gradient_clipping": 10.0, "zero_optimization": {"chunk_size": 80},
+                                "steps_per_print": 10**6})
     g = torch.Generator().manual_seed(3)
     for step in range(4):
         x = torch.randn(8, 8, generator=g)[rank * 4:(rank + 1) * 4]
-        engine.backward(engine(x, step % 2 == 0))
+        engine.module.zero_grad(set_to_none=True)  # user code dropping .grad: the chunks must adopt the new ones
+        engine.backward(engine(x, use_branch=(rank + step) % 2 == 0))
         engine.step()
     return param_snapshot(engine.module)
 
 
 def test_unused_parameters_neither_hang_nor_diverge():
+    """The branch runs on one rank and not the other, so ranks complete chunks in different orders."""
     torch.manual_seed(0)
     model = PartlyUsed()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -121,8 +129,9 @@ def test_unused_parameters_neither_hang_nor_diverge():
     for step in range(4):
         x = torch.randn(8, 8, generator=g)
         # the mean over both ranks' halves of the batch: average of the two half-batch losses
-        loss = (model(x[:4], step % 2 == 0) + model(x[4:], step % 2 == 0)) / 2
+        loss = (model(x[:4], step % 2 == 0) + model(x[4:], (step + 1) % 2 == 0)) / 2
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
         opt.step()
         opt.zero_grad(set_to_none=False)  # the engine keeps zeroed gradients, never None
     results = run_distributed(_partly_used_worker, 2, timeout_s=120)
@@ -142,7 +151,7 @@ def _no_sync_worker(rank, world):
         local_grad = engine.module.wte.weight.grad.clone()
     engine.backward(engine(rows[2:], rows[2:]))
     engine.step()
-    return param_snapshot(engine.module), local_grad
+    return param_snapshot(engine.module), local_grad, engine.comm.all_reduce_bytes
 
 
 def test_no_sync_accumulates_locally_then_reduces_once():
@@ -156,8 +165,10 @@ def test_no_sync_accumulates_locally_then_reduces_once():
     opt.step()
     results = run_distributed(_no_sync_worker, 2, timeout_s=120)
     assert not torch.equal(results[0][1], results[1][1])  # inside no_sync, ranks hold different gradients
-    for params, _ in results:
+    grad_bytes = 4 * sum(p.numel() for p in model.parameters())
+    for params, _, reduced_bytes in results:
         assert_params_close(params, param_snapshot(model))
+        assert reduced_bytes == grad_bytes  # one all-reduce of the gradients, not two
 
 
 def test_user_optimizer_and_scheduler_objects():
@@ -198,3 +209,74 @@ def test_user_zero_grad_set_to_none_is_adopted():
         opt.step()
         opt.zero_grad()
     assert_params_close(param_snapshot(engine.module), param_snapshot(ref))
+
+
+def _boundary_inside_no_sync_worker(rank, world):
+    """Accumulation 2 with both backward calls inside no_sync(): step() must still reduce."""
+    engine = initialize(tiny_gpt(), {**dp_config(2, 2), "gradient_clipping": 0.0})
+    rows = token_batches(1, 8)[0][rank * 4:(rank + 1) * 4]
+    for micro in (rows[:2], rows[2:]):
+        with engine.no_sync():
+            engine.backward(engine(micro, micro))
+        engine.step()
+    return param_snapshot(engine.module)
+
+
+def test_step_reduces_when_the_boundary_backward_was_inside_no_sync():
+    model = tiny_gpt()
+    batch = token_batches(1, 8)[0]
+    opt = adamw(model.parameters())
+    model(batch, batch).backward()
+    opt.step()
+    results = run_distributed(_boundary_inside_no_sync_worker, 2, timeout_s=120)
+    for params in results:
+        assert_params_close(params, param_snapshot(model))
+
+
+def _second_backward_worker(rank, world):
+    engine = initialize(tiny_gpt(), dp_config(4, 1))
+    x = token_batches(1, 8)[0][rank * 4:(rank + 1) * 4]
+    engine.backward(engine(x, x))
+    with pytest.raises(RuntimeError, match="second synchronized engine.backward"):
+        engine.backward(engine(x, x))
+    return True
+
+
+def test_second_synchronized_backward_before_step_is_an_error():
+    assert run_distributed(_second_backward_worker, 2, timeout_s=120) == [True, True]
+
+
+class SharedAcrossCheckpoint(nn.Module):
+    """`shared` is used inside a reentrant checkpoint and outside it: its gradient arrives twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.other = nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.shared, x, use_reentrant=True)
+        return self.other(self.shared(torch.tanh(h))).pow(2).mean()
+
+
+def _reentrant_worker(rank, world):
+    torch.manual_seed(0)
+    engine = initialize(SharedAcrossCheckpoint(), {"train_batch_size": 4, "optimizer": {"type": "SGD"},
+                                                   "steps_per_print": 10**6})
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"'shared\.(weight|bias)'.*use_reentrant=False"):
+        engine.backward(engine(x))
+    return True
+
+
+def test_gradient_arriving_twice_in_one_backward_is_an_error_naming_the_parameter():
+    assert run_distributed(_reentrant_worker, 2, timeout_s=120) == [True, True]
+
+
+def test_model_converted_after_initialize_is_an_error():
+    engine = initialize(tiny_gpt(), dp_config(4, 1))
+    engine.module.double()
+    x = token_batches(1, 4)[0]
+    engine.backward(engine(x, x))
+    with pytest.raises(RuntimeError, match="no longer lives in its chunk.*before initialize"):
+        engine.step()

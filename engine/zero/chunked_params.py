@@ -7,7 +7,11 @@ matching gradient chunk at the same offset. Autograd accumulates into an existin
 place, so gradients land in the chunk directly and accumulate across micro-steps there. The
 optimizer steps whole chunk payloads (one tensor per chunk), which updates every view.
 If user code replaces a `.grad` (e.g. `model.zero_grad(set_to_none=True)` before a backward),
-`adopt_foreign_grad` copies the new tensor into the chunk and restores the view.
+`adopt_foreign_grad` copies the new tensor into the chunk and restores the view. If it replaces
+a `.data` (`model.to(...)`, `.double()`, `load_state_dict(assign=True)` after initialize), the
+parameter no longer trains; `sync_views` detects that at every update and raises.
+The config's optimizer steps chunk payloads, so `engine.optimizer.zero_grad()` cannot drop the
+gradients; the engine zeroes the chunks itself after every update.
 """
 
 from __future__ import annotations
@@ -33,20 +37,23 @@ class ChunkGroup:
 class ChunkedParams:
     """Owns the param and grad chunks of every trainable parameter, grouped as the optimizer groups them."""
 
-    def __init__(self, param_groups: list[dict], capacity: int, device: torch.device, first_capacity: int | None = None):
+    def __init__(self, param_groups: list[dict], capacity: int, device: torch.device, first_capacity: int | None = None,
+                 names: dict[int, str] | None = None):
         self.groups: list[ChunkGroup] = []
+        self._names = names or {}
         seen: set[int] = set()
         for group in param_groups:
             options = {k: v for k, v in group.items() if k != "params"}
             by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
             for p in group["params"]:
                 if id(p) in seen:
-                    raise ValueError("a parameter appears in more than one param group; list each parameter once")
+                    raise ValueError(f"parameter '{self.name_of(p)}' is listed twice in the param groups; list each parameter once")
                 seen.add(id(p))
                 if not p.requires_grad:
                     continue
                 if not p.is_floating_point():
-                    raise TypeError(f"trainable parameter of dtype {p.dtype} cannot be chunked; only floating dtypes train")
+                    raise TypeError(f"parameter '{self.name_of(p)}' of dtype {p.dtype} requires grad but only floating "
+                                    "dtypes train; set requires_grad=False on it")
                 by_dtype.setdefault(p.dtype, []).append(p)
             for dtype, params in by_dtype.items():
                 with torch.no_grad():
@@ -60,40 +67,45 @@ class ChunkedParams:
         if not self.groups:
             raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
         self._grad_view = {id(p): gv for g in self.groups for p, gv in zip(g.params, g.grad_chunks.views)}
+        self.params = [p for g in self.groups for p in g.params]
+        self._param_views = [pv for g in self.groups for pv in g.param_chunks.views]
+        self._grad_payloads = [c.payload for g in self.groups for c in g.grad_chunks.chunks]
 
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for g in self.groups for p in g.params]
+    def name_of(self, p: nn.Parameter) -> str:
+        return self._names.get(id(p), f"<unnamed {tuple(p.shape)} {p.dtype}>")
 
     def param_payloads(self) -> list[torch.Tensor]:
         return [c.payload for g in self.groups for c in g.param_chunks.chunks]
 
     def grad_payloads(self) -> list[torch.Tensor]:
-        return [c.payload for g in self.groups for c in g.grad_chunks.chunks]
+        return self._grad_payloads
 
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.params)
+    def sync_views(self) -> None:
+        """Before an update: every .data still aliases its chunk (else raise), every .grad is its view again."""
+        for p, view in zip(self.params, self._param_views):
+            if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype or p.device != view.device:
+                raise RuntimeError(
+                    f"parameter '{self.name_of(p)}' no longer lives in its chunk (now {p.dtype} on {p.device}), so it "
+                    "would silently stop training; convert or move the model (.to(), .half(), ...) before initialize(), "
+                    "and load weights with load_state_dict() without assign=True")
+            self.adopt_foreign_grad(p)
 
     def adopt_foreign_grad(self, p: nn.Parameter) -> None:
         """Note [parameters as chunk views]: a replaced .grad is copied back into its chunk."""
         view = self._grad_view[id(p)]
         if p.grad is view:
             return
-        if p.grad is None:
-            view.zero_()
-        else:
+        if p.grad is not None:
             view.copy_(p.grad)
+        # None: no local gradient since the user dropped it; the view already holds what the chunk
+        # has (zeros, or other ranks' contributions after the all-reduce): keep it, never zero it
         p.grad = view
 
-    def adopt_all_foreign_grads(self) -> None:
+    def zero_grads(self) -> None:
+        for payload in self._grad_payloads:
+            payload.zero_()
         for p in self.params:
             self.adopt_foreign_grad(p)
-
-    def zero_grads(self) -> None:
-        for payload in self.grad_payloads():
-            payload.zero_()
-        self.adopt_all_foreign_grads()
 
     def optimizer_param_groups(self) -> list[dict]:
         """Torch param groups over whole chunk payloads; each payload's .grad is its grad chunk."""

@@ -18,12 +18,18 @@ from engine.zero.chunked_params import ChunkedParams
 
 
 class GradReducer:
-    """Sums gradient chunks over the data-parallel group asynchronously as backward fills them."""
+    """Sums gradient chunks over the data-parallel group asynchronously as backward fills them.
 
-    def __init__(self, chunked: ChunkedParams, group: dist.ProcessGroup | None, counter: CommCounter):
+    overlap=False (`zero_optimization.overlap_comm: false`) launches every reduction only after
+    backward returns instead of during it.
+    """
+
+    def __init__(self, chunked: ChunkedParams, group: dist.ProcessGroup | None, counter: CommCounter,
+                 overlap: bool = True):
         self.chunked = chunked
         self.group = group
         self.counter = counter
+        self.overlap = overlap
         # Note [chunk packing] leaves padding only at a chunk's end: reduce the used prefix alone
         self.payloads = [c.payload.narrow(0, 0, c.used) for g in chunked.groups for c in g.grad_chunks.chunks]
         self._chunk_of: dict[int, int] = {}
@@ -35,24 +41,39 @@ class GradReducer:
                 self._expected[base + slot.chunk] += 1
             base += len(g.grad_chunks)
         self._ready = [0] * len(self.payloads)
-        self._next = -1  # next chunk index to launch; -1 when not armed
+        self._fired: set[int] = set()
+        self._armed = False  # inside a synchronized backward
+        self._next = -1  # next chunk index to launch (from the last down); -1: all launched
         self._works: list = []
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in chunked.params]
-
-    @property
-    def armed(self) -> bool:
-        return self._next >= 0
 
     def arm(self) -> None:
         """The coming backward ends the accumulation: reduce chunks as they complete."""
         self._ready = [0] * len(self.payloads)
+        self._fired.clear()
         self._next = len(self.payloads) - 1
+        self._armed = True
+
+    def disarm(self) -> None:
+        """After a failed backward: launch nothing more from hooks."""
+        self._armed = False
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         self.chunked.adopt_foreign_grad(p)
-        if not self.armed:
+        if not self._armed:
             return
-        self._ready[self._chunk_of[id(p)]] += 1
+        chunk = self._chunk_of[id(p)]
+        if id(p) in self._fired or chunk > self._next:
+            self.disarm()
+            raise RuntimeError(
+                f"parameter '{self.chunked.name_of(p)}' received a second gradient in one synchronized backward, "
+                "after its chunk was already being all-reduced (reentrant activation checkpointing, or a parameter "
+                "used inside and outside a checkpointed region, does this); use torch.utils.checkpoint with "
+                "use_reentrant=False")
+        self._fired.add(id(p))
+        self._ready[chunk] += 1
+        if not self.overlap:
+            return
         while self._next >= 0 and self._ready[self._next] >= self._expected[self._next]:
             self._launch(self._next)
             self._next -= 1
@@ -61,10 +82,17 @@ class GradReducer:
         self._works.append(all_reduce_sum(self.payloads[index], self.group, self.counter, async_op=True))
 
     def finish_backward(self) -> None:
-        """Launches the chunks backward did not complete (unused parameters), in order."""
+        """Launches the chunks backward did not complete (unused parameters, or all without overlap), in order."""
+        self._armed = False
         while self._next >= 0:
             self._launch(self._next)
             self._next -= 1
+
+    def reduce_all(self) -> None:
+        """Reduces every chunk now (no synchronized backward ran since the last update)."""
+        self.arm()
+        self.finish_backward()
+        self.wait()
 
     def wait(self) -> None:
         for work in self._works:
