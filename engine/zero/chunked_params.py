@@ -70,6 +70,14 @@ class ChunkedParams:
         self.params = [p for g in self.groups for p in g.params]
         self._param_views = [pv for g in self.groups for pv in g.param_chunks.views]
         self._grad_payloads = [c.payload for g in self.groups for c in g.grad_chunks.chunks]
+        # names come in model order; without them, registration order stands in
+        self._position = {pid: i for i, pid in enumerate(self._names)}
+        for p in self.params:
+            self._position.setdefault(id(p), len(self._position))
+
+    def position_of(self, p: nn.Parameter) -> int:
+        """The parameter's place in the model's parameter order (after named ones, registration order)."""
+        return self._position[id(p)]
 
     def name_of(self, p: nn.Parameter) -> str:
         return self._names.get(id(p), f"<unnamed {tuple(p.shape)} {p.dtype}>")

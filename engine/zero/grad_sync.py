@@ -1,11 +1,15 @@
 """Data-parallel gradient reduction, chunk by chunk, launched during backward.
 
 Note [reduction order]
-Every rank must issue collectives in the same order. Gradient chunks complete in backward
-order, roughly from the last chunk to the first, but not exactly (and a parameter unused in
-this step never completes its chunk). So a chunk's all-reduce is launched only when it and
-every chunk after it are complete, from the last chunk down; whatever is left when backward
-returns is launched then, in the same order. All ranks thus launch the same sequence.
+Every rank must issue collectives in the same order, so chunks are launched in one fixed
+sequence: backward runs roughly in reverse of the model's parameter order, and a chunk is
+complete when its earliest parameter (in model order) has its gradient, so the sequence sorts
+chunks by that parameter's position, last first. With one param group that is simply the last
+chunk down to the first; with several (e.g. decay / no-decay), whose chunks interleave in the
+model, it still follows backward. A chunk is launched only when it and every chunk before it
+in the sequence are complete (completion order varies, and a parameter unused in this step
+never completes its chunk); whatever is left when backward returns is launched then, in the
+same sequence.
 """
 
 from __future__ import annotations
@@ -34,16 +38,26 @@ class GradReducer:
         self.payloads = [c.payload.narrow(0, 0, c.used) for g in chunked.groups for c in g.grad_chunks.chunks]
         self._chunk_of: dict[int, int] = {}
         self._expected = [0] * len(self.payloads)
+        first_use = [float("inf")] * len(self.payloads)
         base = 0
         for g in chunked.groups:
             for p, slot in zip(g.params, g.grad_chunks.slots):
-                self._chunk_of[id(p)] = base + slot.chunk
-                self._expected[base + slot.chunk] += 1
+                chunk = base + slot.chunk
+                self._chunk_of[id(p)] = chunk
+                self._expected[chunk] += 1
+                first_use[chunk] = min(first_use[chunk], chunked.position_of(p))
             base += len(g.grad_chunks)
+        # Note [reduction order]: the launch sequence, and each chunk's place in it
+        self.sequence = sorted(range(len(self.payloads)), key=lambda c: first_use[c], reverse=True)
+        self._place = {c: i for i, c in enumerate(self.sequence)}
         self._ready = [0] * len(self.payloads)
         self._fired: set[int] = set()
         self._armed = False  # inside a synchronized backward
-        self._next = -1  # next chunk index to launch (from the last down); -1: all launched
+        self._cursor = len(self.sequence)  # place in the sequence of the next launch; len: all launched
+        # overlap, for the last synchronized backward: gradients that had arrived when the first
+        # reduction started (small is good), and chunks launched before backward returned
+        self.grads_before_first_launch: int | None = None
+        self.launched_during_backward = 0
         self._works: list = []
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in chunked.params]
 
@@ -51,8 +65,10 @@ class GradReducer:
         """The coming backward ends the accumulation: reduce chunks as they complete."""
         self._ready = [0] * len(self.payloads)
         self._fired.clear()
-        self._next = len(self.payloads) - 1
+        self._cursor = 0
         self._armed = True
+        self.grads_before_first_launch = None
+        self.launched_during_backward = 0
 
     def disarm(self) -> None:
         """After a failed backward: launch nothing more from hooks."""
@@ -63,7 +79,7 @@ class GradReducer:
         if not self._armed:
             return
         chunk = self._chunk_of[id(p)]
-        if id(p) in self._fired or chunk > self._next:
+        if id(p) in self._fired or self._place[chunk] < self._cursor:
             self.disarm()
             raise RuntimeError(
                 f"parameter '{self.chunked.name_of(p)}' received a second gradient in one synchronized backward, "
@@ -74,9 +90,12 @@ class GradReducer:
         self._ready[chunk] += 1
         if not self.overlap:
             return
-        while self._next >= 0 and self._ready[self._next] >= self._expected[self._next]:
-            self._launch(self._next)
-            self._next -= 1
+        before = self._cursor
+        self._launch_while(lambda c: self._ready[c] >= self._expected[c])
+        if self._cursor > before:
+            self.launched_during_backward += self._cursor - before
+            if self.grads_before_first_launch is None:
+                self.grads_before_first_launch = len(self._fired)
 
     def _launch(self, index: int) -> None:
         self._works.append(all_reduce_sum(self.payloads[index], self.group, self.counter, async_op=True))
@@ -84,9 +103,12 @@ class GradReducer:
     def finish_backward(self) -> None:
         """Launches the chunks backward did not complete (unused parameters, or all without overlap), in order."""
         self._armed = False
-        while self._next >= 0:
-            self._launch(self._next)
-            self._next -= 1
+        self._launch_while(lambda c: True)
+
+    def _launch_while(self, may_launch) -> None:
+        while self._cursor < len(self.sequence) and may_launch(self.sequence[self._cursor]):
+            self._launch(self.sequence[self._cursor])
+            self._cursor += 1
 
     def reduce_all(self) -> None:
         """Reduces every chunk now (no synchronized backward ran since the last update)."""
