@@ -18,6 +18,8 @@ from typing import Sequence
 
 import torch
 
+from offload.states import TensorState, check_transition, chunk_state
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -93,11 +95,29 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 class Chunk:
-    """One flat payload; tensors are views into it at their slots."""
+    """One flat payload; tensors are views into it at their slots, each with a state (Note [chunk states])."""
 
     def __init__(self, size: int, dtype: torch.dtype, device: torch.device | str):
         self.payload = torch.zeros(size, dtype=dtype, device=device)
         self.slots: list[Slot] = []
+        self.states: list[TensorState] = []
+
+    def add(self, slot: Slot, state: TensorState = TensorState.HOLD) -> None:
+        self.slots.append(slot)
+        self.states.append(state)
+
+    def set_state(self, index: int, new: TensorState) -> None:
+        """Tensor `index` of this chunk (in registration order) changes state; illegal changes raise."""
+        self.states[index] = check_transition(self.states[index], new, f"tensor {index} of a chunk")
+
+    @property
+    def state(self) -> TensorState:
+        return chunk_state(self.states)
+
+    @property
+    def pinned(self) -> bool:
+        """A chunk with a tensor in COMPUTE must not be moved or evicted."""
+        return self.state is TensorState.COMPUTE
 
     @property
     def size(self) -> int:
@@ -138,7 +158,7 @@ class ChunkList:
         self.views: list[torch.Tensor] = []
         for tensor, slot in zip(tensors, slots):
             chunk = self.chunks[slot.chunk]
-            chunk.slots.append(slot)
+            chunk.add(slot)
             view = chunk.view(slot)
             if copy_values:
                 view.copy_(tensor.detach())

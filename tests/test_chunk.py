@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from offload.chunk import ChunkList, best_capacity, padded_size, plan_slots
@@ -42,3 +43,25 @@ def test_first_chunk_may_be_smaller():
     # a first tensor larger than the first chunk gets a chunk of its own, then regular chunks follow
     slots, sizes = plan_slots([torch.Size([6]), torch.Size([4])], capacity=10, first_capacity=4)
     assert sizes == [6, 4] and [s.chunk for s in slots] == [0, 1]
+
+
+def test_tensor_states_follow_the_legal_transitions():
+    from offload.states import IllegalTransition, TensorState
+
+    chunks = ChunkList([torch.zeros(4), torch.zeros(4)], capacity=8)
+    chunk = chunks.chunks[0]
+    assert chunk.states == [TensorState.HOLD, TensorState.HOLD] and chunk.state is TensorState.HOLD
+    chunk.set_state(0, TensorState.COMPUTE)
+    assert chunk.state is TensorState.COMPUTE and chunk.pinned  # one tensor in use pins the chunk
+    chunk.set_state(0, TensorState.HOLD_AFTER_FWD)
+    assert chunk.state is TensorState.HOLD and not chunk.pinned
+    with pytest.raises(IllegalTransition, match="HOLD_AFTER_FWD → HOLD_AFTER_BWD"):
+        chunk.set_state(0, TensorState.HOLD_AFTER_BWD)  # backward must use it (COMPUTE) first
+    assert chunk.states[0] is TensorState.HOLD_AFTER_FWD  # a rejected change leaves the state as it was
+    chunk.set_state(0, TensorState.COMPUTE)
+    chunk.set_state(0, TensorState.HOLD_AFTER_BWD)
+    for i in (0, 1):
+        chunk.set_state(i, TensorState.FREE)
+    assert chunk.state is TensorState.FREE
+    with pytest.raises(IllegalTransition, match="FREE → HOLD_AFTER_FWD"):
+        chunk.set_state(1, TensorState.HOLD_AFTER_FWD)
