@@ -5,7 +5,8 @@ An `NvmeStore` owns a private directory (mode 0o700) inside the directory it is 
 key's payload is one file in it (mode 0o600). `close()`, garbage collection or interpreter exit
 (a `weakref.finalize`: runs at exit, does not keep the store alive) removes them all.
 A write goes to a temporary name, renamed onto the key's file only once complete: a failed
-write (a full disk) never destroys the previous copy. Files are zero-padded to a multiple of
+write (a full disk) never destroys the previous file; reads of that key refuse it (it is out of
+date) until a write succeeds, so stale data is never handed out. Files are zero-padded to a multiple of
 `block_size`; the true length is kept in memory with the checksum.
 
 Note [nvme direct io]
@@ -165,13 +166,15 @@ class NvmeStore:
         self.queue_depth = queue_depth
         self.direct_io = bool(_O_DIRECT)
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="tiers-nvme")
-        self._finalizer = weakref.finalize(self, _remove_files, self._executor, self.path)
+        # the pid: a forked child inherits the finalizer, and must not delete its parent's files at exit
+        self._finalizer = weakref.finalize(self, _remove_files, self._executor, self.path, os.getpid())
         self._slots = threading.BoundedSemaphore(queue_depth)
         self._pool = _StagingPool(keep=threads)  # a buffer is held only while a job runs
         self._lock = threading.Lock()
         self._names: dict[str, str] = {}  # key -> its swap file (from the first write issued)
         self._records: dict[str, _Record] = {}  # key -> its last complete write
         self._pending: dict[str, Future] = {}  # key -> its last operation issued
+        self._failed: dict[str, str] = {}  # key -> why its last write failed (reads refuse the older file)
         self._seq = itertools.count()
         self._stats = NvmeStats()
         self._closed = False
@@ -221,9 +224,10 @@ class NvmeStore:
 
     def close(self) -> None:
         """Lets the transfers in flight finish, then removes the private directory and every file."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._executor.shutdown(wait=True)
         self._finalizer()
 
@@ -245,13 +249,15 @@ class NvmeStore:
             self._add("throttled_seconds", time.perf_counter() - start)
         try:
             with self._lock:  # issue order per key == execution order (Note [nvme concurrency])
+                self._check_open()  # a close() may have won the race while this caller was throttled
                 prev = self._pending.get(key)
                 future = self._executor.submit(job, *args, prev)
                 self._pending[key] = future
         except BaseException:
             self._slots.release()
             raise
-        future.add_done_callback(lambda _: self._slots.release())
+        release = self._slots.release  # not `self`: a future must not keep its store alive
+        future.add_done_callback(lambda _: release())
         return SwapHandle(key, op, future, lambda seconds: self._add("wait_seconds", seconds))
 
     def _add(self, field: str, value) -> None:
@@ -282,10 +288,14 @@ class NvmeStore:
                     os.replace(tmp, path)
                 except OSError as e:
                     _unlink_quietly(tmp)
-                    raise self._write_error(key, tmp, padded, e) from e
+                    error = self._write_error(key, tmp, padded, e)
+                    with self._lock:
+                        self._failed[key] = str(error)
+                    raise error from e
             finally:
                 self._pool.release(whole)
         with self._lock:
+            self._failed.pop(key, None)
             self._records[key] = _Record(path, tensor.dtype, tensor.numel(), nbytes, padded, crc)
             self._stats.bytes_written += nbytes
             self._stats.writes += 1
@@ -295,7 +305,10 @@ class NvmeStore:
             concurrent.futures.wait([prev])
         with record_function("tiers.nvme.read"):
             with self._lock:
-                rec = self._records.get(key)
+                rec, failed = self._records.get(key), self._failed.get(key)
+            if failed is not None:  # the file holds an older version: never hand it out as the current one
+                raise SwapIntegrityError(f"key {key!r} cannot be read: its last write failed, so its swap file is "
+                                         f"out of date; write it again. The write failed with: {failed}")
             if rec is None:
                 raise SwapIntegrityError(
                     f"key {key!r} has no complete swap file: its writes failed or it was removed; write it again")
@@ -356,7 +369,7 @@ class NvmeStore:
             f"could not swap key {key!r} to NVMe directory {self.directory!r}: {what}; it needs {needed} bytes "
             f"and {free} bytes are free there. Free space on that filesystem, lower the NVMe offload budget, "
             f"or choose another directory. The partial file {os.path.basename(tmp)!r} was removed; the previous "
-            f"copy of the key, if any, is still readable")
+            f"file of the key, if any, is kept, but reads refuse it until the key is written again")
 
 
 def _move_all(fd: int, view: memoryview, write: bool) -> None:
@@ -390,8 +403,10 @@ def _make_private_dir(directory: str) -> str:
         raise SwapDirectoryError(f"{where} is not writable ({e.strerror}): choose a writable directory") from e
 
 
-def _remove_files(executor: ThreadPoolExecutor, path: str) -> None:
+def _remove_files(executor: ThreadPoolExecutor, path: str, owner_pid: int) -> None:
     """Finalizer of a store: holds no reference to it (Note [nvme swap files]); may run on a worker thread."""
+    if os.getpid() != owner_pid:
+        return  # a forked child exiting: the files are its parent's
     executor.shutdown(wait=False)
     shutil.rmtree(path, ignore_errors=True)
 

@@ -311,6 +311,18 @@ def _assert_full_disk_error(store, directory, info, needed):
     assert not [n for n in _swap_files(store) if ".tmp" in n]  # the partial file is gone
 
 
+def _assert_stale_read_refused_until_rewritten(store, key, old):
+    """After a failed write the older file is kept on disk but never read back as current."""
+    assert [n for n in _swap_files(store) if ".tmp" not in n]  # the previous file was not destroyed
+    out = torch.full_like(old, 7)
+    with pytest.raises(SwapIntegrityError, match=f"key '{key}' cannot be read: its last write failed"):
+        store.read(key, out).wait()
+    assert torch.equal(out, torch.full_like(old, 7))  # destination untouched
+    store.write(key, old).wait()  # a successful write makes the key readable again
+    store.read(key, out).wait()
+    assert torch.equal(out, old)
+
+
 def test_full_disk_on_a_real_small_filesystem(tmp_path):
     with _tmpfs(tmp_path / "small", "size=2m") as small:
         store = NvmeStore(small, block_size=4096)
@@ -321,10 +333,8 @@ def test_full_disk_on_a_real_small_filesystem(tmp_path):
             with pytest.raises(SwapWriteError) as info:
                 handle.wait()
             _assert_full_disk_error(store, small, info, 4 << 20)
-            out = torch.zeros(64 * 1024)
-            store.read("a", out).wait()  # the previous complete copy survives
-            assert torch.equal(out, old)
-            assert store.stats.writes == 1
+            _assert_stale_read_refused_until_rewritten(store, "a", old)
+            assert store.stats.writes == 2
         finally:
             store.close()
         assert os.listdir(small) == []
@@ -350,8 +360,53 @@ def test_full_disk_injected_enospc_after_a_partial_write(tmp_path, monkeypatch):
     with pytest.raises(SwapWriteError):  # wait() re-raises every time
         handle.wait()
     monkeypatch.undo()
-    out = torch.empty(2048, dtype=torch.int64)
-    store.read("a", out).wait()
-    assert torch.equal(out, old)
+    _assert_stale_read_refused_until_rewritten(store, "a", old)
     store.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_forked_child_exiting_does_not_delete_the_parents_files(tmp_path):
+    """A child forked from a process with a store runs the store's exit-time cleanup when it exits normally;
+    the files belong to the parent, which must still read them afterwards."""
+    script = textwrap.dedent(f"""
+        import os, sys, torch
+        from offload.nvme import NvmeStore
+        store = NvmeStore({str(tmp_path)!r}, block_size=4096)
+        data = torch.arange(1000, dtype=torch.float32)
+        store.write("k", data).wait()
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # a normal exit: atexit handlers, weakref finalizers run
+        os.waitpid(pid, 0)
+        out = torch.zeros(1000)
+        store.read("k", out).wait()
+        assert torch.equal(out, data)
+        store.close()
+        print("parent ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0 and "parent ok" in result.stdout, result.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def _o_direct_supported(directory) -> bool:
+    probe = os.path.join(directory, "probe")
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | getattr(os, "O_DIRECT", 0), 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return hasattr(os, "O_DIRECT")
+
+
+def test_direct_io_is_used_where_the_filesystem_allows_it(tmp_path):
+    store = NvmeStore(str(tmp_path), block_size=4096)
+    data = torch.randn(3000)
+    store.write("k", data).wait()
+    out = torch.empty(3000)
+    store.read("k", out).wait()
+    assert torch.equal(out, data)
+    assert store.direct_io == _o_direct_supported(str(tmp_path))
+    store.close()
