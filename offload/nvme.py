@@ -16,14 +16,15 @@ O_DIRECT needs the host buffer aligned to the device's logical block (at most a 
 transfer sizes that are multiples of it: every transfer goes through a page-aligned staging
 buffer of the padded size, from a pool keeping one per worker thread (staging costs `threads` x
 the largest padded payload of host memory, outside the CPU tier's budget). Filesystems without
-O_DIRECT (tmpfs on older kernels) answer EINVAL; the store then falls back, silently and for
-good, to buffered I/O (`NvmeStore.direct_io` tells which is in use).
+O_DIRECT (tmpfs on older kernels) answer EINVAL at open; the store then warns once and falls
+back for good to buffered I/O (`NvmeStore.direct_io` tells which is in use).
 
 Note [nvme integrity]
 Every write records the payload's length and its CRC-32, computed in the worker thread.
 zlib.crc32 runs at ~5.8 GB/s here and releases the GIL; adler32 ran at ~3.5 GB/s, blake2b at
 ~1.2; a numpy uint64 sum at ~25 GB/s, but it is blind to reordered blocks. CRC-32 is still ~1/4
-of one worker's time per transfer at disk speed: with `threads=2` it overlaps another's I/O. A read brings the file into the staging buffer, checks its size
+of one worker's time per transfer at disk speed: with `threads=2` it overlaps another's I/O.
+A read brings the file into the staging buffer, checks its size
 and CRC, and only then copies into the destination: a missing, truncated or altered file raises
 `SwapIntegrityError` naming the file, and the destination keeps its previous contents.
 
@@ -54,6 +55,7 @@ import shutil
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -346,18 +348,20 @@ class NvmeStore:
     def _transfer(self, path: str, buf: torch.Tensor, *, write: bool) -> None:
         """Moves all of `buf` to (write) or from the file, with O_DIRECT while it works (Note [nvme direct io])."""
         flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
-        while True:
-            direct, fd = self.direct_io, -1
-            try:
-                fd = os.open(path, flags | (_O_DIRECT if direct else 0), 0o600)
-                return _move_all(fd, _view(buf), write)
-            except OSError as e:
-                if not (direct and e.errno == errno.EINVAL):
-                    raise
-                self.direct_io = False  # this filesystem refuses O_DIRECT: again, buffered, from the start
-            finally:
-                if fd >= 0:
-                    os.close(fd)
+        try:
+            fd = os.open(path, flags | (_O_DIRECT if self.direct_io else 0), 0o600)
+        except OSError as e:
+            if not (self.direct_io and e.errno == errno.EINVAL):
+                raise
+            # only the open decides: an EINVAL during a transfer is an error, not a reason to fall back
+            self.direct_io = False
+            warnings.warn(f"NVMe directory {self.directory!r} refuses O_DIRECT; swapping through the page cache",
+                          RuntimeWarning, stacklevel=2)
+            fd = os.open(path, flags, 0o600)
+        try:
+            return _move_all(fd, _view(buf), write)
+        finally:
+            os.close(fd)
 
     def _write_error(self, key: str, tmp: str, needed: int, e: OSError) -> SwapWriteError:
         try:

@@ -139,9 +139,24 @@ def test_falls_back_to_buffered_io_when_o_direct_is_refused(tmp_path, monkeypatc
     monkeypatch.setattr(os, "open", no_direct)
     with NvmeStore(str(tmp_path), block_size=4096) as store:
         src, out = torch.randn(3001), torch.zeros(3001)
-        store.write("k", src).wait()
+        with pytest.warns(RuntimeWarning, match="refuses O_DIRECT"):
+            store.write("k", src).wait()
         store.read("k", out).wait()
         assert torch.equal(src, out) and store.direct_io is False
+
+
+def test_einval_during_a_transfer_is_an_error_not_a_fallback(tmp_path, monkeypatch):
+    """Seam: O_DIRECT opens fine but the transfer fails with EINVAL (e.g. a misaligned buffer): that must
+    surface as an error, not silently switch the store to buffered I/O."""
+    def einval(*args, **kwargs):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    with NvmeStore(str(tmp_path), block_size=4096) as store:
+        direct = store.direct_io
+        monkeypatch.setattr(os, "pwrite", einval)
+        with pytest.raises(SwapWriteError, match="errno 22"):
+            store.write("k", torch.randn(100)).wait()
+        assert store.direct_io == direct
 
 
 def test_transfers_are_profiler_ranges(tmp_path):
@@ -409,4 +424,32 @@ def test_direct_io_is_used_where_the_filesystem_allows_it(tmp_path):
     store.read("k", out).wait()
     assert torch.equal(out, data)
     assert store.direct_io == _o_direct_supported(str(tmp_path))
+    store.close()
+
+
+def test_at_most_queue_depth_requests_are_in_flight(tmp_path, monkeypatch):
+    """With the workers held at a gate, write number queue_depth + 1 blocks its caller until one finishes."""
+    import threading
+
+    gate = threading.Event()
+    real_pwrite = os.pwrite
+
+    def gated_pwrite(*args):
+        gate.wait(timeout=30)
+        return real_pwrite(*args)
+
+    monkeypatch.setattr(os, "pwrite", gated_pwrite)
+    store = NvmeStore(str(tmp_path), block_size=4096, queue_depth=2, threads=1)
+    handles = [store.write(f"k{i}", torch.randn(100)) for i in range(2)]  # fills the queue
+    issued = threading.Event()
+    extra = []
+    caller = threading.Thread(target=lambda: (extra.append(store.write("k2", torch.randn(100))), issued.set()))
+    caller.start()
+    assert not issued.wait(timeout=0.3), "a third request was accepted while two were in flight"
+    gate.set()
+    caller.join(timeout=30)
+    assert issued.is_set()
+    for h in handles + extra:
+        h.wait()
+    assert store.stats.throttled_seconds > 0.2
     store.close()
