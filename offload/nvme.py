@@ -14,8 +14,9 @@ Files are opened with O_DIRECT: swapped payloads bypass the page cache (which wo
 memory the CPU tier is budgeted to use, and make timings measure RAM, not disk).
 O_DIRECT needs the host buffer aligned to the device's logical block (at most a page) and
 transfer sizes that are multiples of it: every transfer goes through a page-aligned staging
-buffer of the padded size, from a pool keeping one per worker thread (staging costs `threads` x
-the largest padded payload of host memory, outside the CPU tier's budget). Filesystems without
+buffer of the padded size, from a pool. At most `threads` buffers are in use and `threads` kept
+free, each at most twice the payload it serves: up to 4 x `threads` x the largest padded
+payload of host memory, outside the CPU tier's budget (the manager must count it). Filesystems without
 O_DIRECT (tmpfs on older kernels) answer EINVAL at open; the store then warns once and falls
 back for good to buffered I/O (`NvmeStore.direct_io` tells which is in use).
 
