@@ -110,21 +110,14 @@ class ChunkedParams:
         p.grad = view
 
     def zero_grads(self) -> None:
+        """Zeroes the gradient chunks; a .grad replaced by user code is re-adopted by the hooks or sync_views."""
         for payload in self._grad_payloads:
             payload.zero_()
-        for p in self.params:
-            self.adopt_foreign_grad(p)
 
     def optimizer_param_groups(self) -> list[dict]:
         """Torch param groups over whole chunk payloads; each payload's .grad is its grad chunk."""
-        groups = []
-        for g in self.groups:
-            payloads = []
-            for pc, gc in zip(g.param_chunks.chunks, g.grad_chunks.chunks):
-                pc.payload.grad = gc.payload
-                payloads.append(pc.payload)
-            groups.append({"params": payloads, **g.options})
-        return groups
+        self.rebind_optimizer_grads()
+        return [{"params": [c.payload for c in g.param_chunks.chunks], **g.options} for g in self.groups]
 
     def rebind_optimizer_grads(self) -> None:
         """Optimizers' zero_grad(set_to_none) drops payload .grad; put the grad chunks back."""
