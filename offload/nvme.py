@@ -6,28 +6,25 @@ key's payload is one file in it (mode 0o600). `close()`, garbage collection or i
 (a `weakref.finalize`: runs at exit, does not keep the store alive) removes them all.
 A write goes to a temporary name, renamed onto the key's file only once complete: a failed
 write (a full disk) never destroys the previous file; reads of that key refuse it (it is out of
-date) until a write succeeds, so stale data is never handed out. Files are zero-padded to a multiple of
-`block_size`; the true length is kept in memory with the checksum.
-
-Note [nvme direct io]
-Files are opened with O_DIRECT: swapped payloads bypass the page cache (which would evict the
-memory the CPU tier is budgeted to use, and make timings measure RAM, not disk).
-O_DIRECT needs the host buffer aligned to the device's logical block (at most a page) and
-transfer sizes that are multiples of it: every transfer goes through a page-aligned staging
-buffer of the padded size, from a pool. At most `threads` buffers are in use and `threads` kept
-free, each at most twice the payload it serves: up to 4 x `threads` x the largest padded
-payload of host memory, outside the CPU tier's budget (the manager must count it). Filesystems without
-O_DIRECT (tmpfs on older kernels) answer EINVAL at open; the store then warns once and falls
-back for good to buffered I/O (`NvmeStore.direct_io` tells which is in use).
+date) until a write succeeds, so stale data is never handed out. Files are padded to a multiple of
+`block_size` (zeros, or what lies past the tensor in its storage: Note [nvme direct io] in
+offload/direct_io.py, which also says which transfers copy through staging buffers); the true
+length is kept in memory with the checksum.
 
 Note [nvme integrity]
-Every write records the payload's length and its CRC-32, computed in the worker thread.
-zlib.crc32 runs at ~5.8 GB/s here and releases the GIL; adler32 ran at ~3.5 GB/s, blake2b at
-~1.2; a numpy uint64 sum at ~25 GB/s, but it is blind to reordered blocks. CRC-32 is still ~1/4
-of one worker's time per transfer at disk speed: with `threads=2` it overlaps another's I/O.
-A read brings the file into the staging buffer, checks its size
-and CRC, and only then copies into the destination: a missing, truncated or altered file raises
-`SwapIntegrityError` naming the file, and the destination keeps its previous contents.
+Every write records the payload's length and the CRC-32 of the tensor's bytes, computed in the
+worker thread. zlib.crc32 runs at ~5.8 GB/s here and releases the GIL; adler32 ran at ~3.5 GB/s,
+blake2b at ~1.2; a numpy uint64 sum at ~25 GB/s, but it is blind to reordered blocks. CRC-32 is
+still ~1/4 of one worker's time per transfer at disk speed: with `threads=2` it overlaps another's I/O.
+A read brings the file into a staging buffer, checks its size and CRC, and only then copies into
+the destination: a missing, truncated or altered file raises `SwapIntegrityError` naming the
+file, and the destination keeps its previous contents. That is why reads stage even into
+page-aligned tensors: reading in place would overwrite the destination before its CRC can be
+checked, and restoring it on a mismatch needs a copy of the old contents, which costs what the
+staging copy costs. Writes need no copy for integrity (the source is not changed).
+A caller whose destination is scratch (a fresh buffer it will discard if the read fails, as the
+chunk manager's swap-in buffers are) passes `scratch=True`: an aligned destination is then read
+in place, checked, and on failure holds undefined bytes; the error still names the file.
 
 Note [nvme concurrency]
 Transfers run on a pool of `threads` worker threads (os.pwrite/os.preadv release the GIL, as do
@@ -49,14 +46,12 @@ import contextlib
 import errno
 import hashlib
 import itertools
-import mmap
 import os
 import re
 import shutil
 import tempfile
 import threading
 import time
-import warnings
 import weakref
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,12 +60,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch.profiler import record_function
 
+from offload.direct_io import (PAGE, DirectFiles, StagingPool, Truncated, as_buffer, bytes_of, in_place_span,
+                               padded_size, storage_bytes)
 from offload.errors import SwapDirectoryError, SwapIntegrityError, SwapUsageError, SwapWriteError
 
 __all__ = ["NvmeStore", "NvmeStats", "SwapHandle"]
-
-_PAGE = mmap.PAGESIZE
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 @dataclass
@@ -83,6 +77,8 @@ class NvmeStats:
     reads: int = 0
     wait_seconds: float = 0.0  # caller blocked in SwapHandle.wait()
     throttled_seconds: float = 0.0  # caller blocked in write()/read(): queue_depth requests in flight
+    staged_transfers: int = 0  # transfers that copied through a staging buffer (Note [nvme direct io])
+    staged_bytes: int = 0  # bytes those moved through staging (a whole read; an unaligned write's tail)
 
 
 @dataclass(frozen=True)
@@ -125,31 +121,6 @@ class SwapHandle:
         self._future.result()
 
 
-class _StagingPool:
-    """Page-aligned host buffers for O_DIRECT (Note [nvme direct io]), reused; at most `keep` kept free."""
-
-    def __init__(self, keep: int):
-        self._keep = keep
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def acquire(self, nbytes: int) -> torch.Tensor:
-        """A buffer of at least `nbytes` (at most twice as many when reused); slice it, release the whole."""
-        with self._lock:
-            fits = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= 2 * nbytes]
-            if fits:
-                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-        raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
-        start = -raw.data_ptr() % _PAGE
-        return raw[start:start + nbytes]
-
-    def release(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buf)
-            if len(self._free) > self._keep:
-                self._free.pop(0)
-
-
 class NvmeStore:
     """Asynchronous swap of CPU tensors to files under `directory` (Note [nvme swap files]).
 
@@ -159,20 +130,20 @@ class NvmeStore:
     """
 
     def __init__(self, directory: str, *, block_size: int = 1 << 20, queue_depth: int = 8, threads: int = 1):
-        if block_size < _PAGE or block_size % _PAGE:
-            raise SwapUsageError(f"block_size must be a positive multiple of the page size {_PAGE}, got {block_size}")
+        if block_size < PAGE or block_size % PAGE:
+            raise SwapUsageError(f"block_size must be a positive multiple of the page size {PAGE}, got {block_size}")
         if queue_depth < 1 or threads < 1:
             raise SwapUsageError(f"queue_depth and threads must be >= 1, got {queue_depth} and {threads}")
         self.directory = os.path.abspath(os.fspath(directory))
         self.path = _make_private_dir(self.directory)
         self.block_size = block_size
         self.queue_depth = queue_depth
-        self.direct_io = bool(_O_DIRECT)
+        self._files = DirectFiles(self.directory)
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="tiers-nvme")
         # the pid: a forked child inherits the finalizer, and must not delete its parent's files at exit
         self._finalizer = weakref.finalize(self, _remove_files, self._executor, self.path, os.getpid())
         self._slots = threading.BoundedSemaphore(queue_depth)
-        self._pool = _StagingPool(keep=threads)  # a buffer is held only while a job runs
+        self._pool = StagingPool(keep=threads)  # a buffer is held only while a job runs
         self._lock = threading.Lock()
         self._names: dict[str, str] = {}  # key -> its swap file (from the first write issued)
         self._records: dict[str, _Record] = {}  # key -> its last complete write
@@ -192,8 +163,12 @@ class NvmeStore:
             path = self._names.setdefault(key, os.path.join(self.path, _file_name(key)))
         return self._submit(key, "write", self._write_job, key, path, tensor)
 
-    def read(self, key: str, out: torch.Tensor) -> SwapHandle:
-        """Starts reading `key` into `out` (same numel and dtype as written); do not use `out` until done."""
+    def read(self, key: str, out: torch.Tensor, *, scratch: bool = False) -> SwapHandle:
+        """Starts reading `key` into `out` (same numel and dtype as written); do not use `out` until done.
+
+        scratch=True: `out`'s contents need not survive a failed read, so an aligned `out` is read in
+        place without a staging copy (Note [nvme integrity]).
+        """
         self._check_open()
         _check_host_tensor(out, f"read of key {key!r}")
         with self._lock:
@@ -202,7 +177,7 @@ class NvmeStore:
             record, prev = self._records.get(key), self._pending.get(key)
         if record is not None and (prev is None or prev.done()):
             record.check_matches(key, out)  # early, on the caller's thread; checked again in the worker
-        return self._submit(key, "read", self._read_job, key, out)
+        return self._submit(key, "read", self._read_job, key, out, scratch)
 
     def remove(self, key: str) -> None:
         """Waits for the key's operations in flight, then deletes its swap file."""
@@ -219,6 +194,11 @@ class NvmeStore:
         """Keys with a complete swap file."""
         with self._lock:
             return list(self._records)
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether transfers use O_DIRECT (False after the filesystem refused it: Note [nvme direct io])."""
+        return self._files.enabled
 
     @property
     def stats(self) -> NvmeStats:
@@ -277,17 +257,22 @@ class NvmeStore:
         if prev is not None:
             concurrent.futures.wait([prev])
         with record_function("tiers.nvme.write"):
-            nbytes = tensor.numel() * tensor.element_size()
-            padded = -(-nbytes // self.block_size) * self.block_size
-            whole = self._pool.acquire(padded)
+            payload = bytes_of(tensor)
+            nbytes = payload.numel()
+            padded = padded_size(nbytes, self.block_size)
+            direct = in_place_span(tensor, padded)  # the rest is staged (Note [nvme direct io])
+            pieces = [as_buffer(storage_bytes(tensor, direct))] if direct else []
+            whole = self._pool.acquire(padded - direct) if direct < padded else None
             try:
-                buf = whole[:padded]
-                buf[:nbytes].copy_(_bytes_of(tensor))
-                buf[nbytes:].zero_()
-                crc = zlib.crc32(_view(buf[:nbytes]))
+                if whole is not None:
+                    tail, rest = whole[:padded - direct], max(nbytes - direct, 0)
+                    tail[:rest].copy_(payload[direct:])
+                    tail[rest:].zero_()
+                    pieces.append(as_buffer(tail))
+                crc = zlib.crc32(as_buffer(payload))
                 tmp = f"{path}.tmp{next(self._seq)}"
                 try:
-                    self._transfer(tmp, buf, write=True)
+                    self._files.transfer(tmp, pieces, write=True)
                     os.replace(tmp, path)
                 except OSError as e:
                     _unlink_quietly(tmp)
@@ -296,14 +281,18 @@ class NvmeStore:
                         self._failed[key] = str(error)
                     raise error from e
             finally:
-                self._pool.release(whole)
+                if whole is not None:
+                    self._pool.release(whole)
         with self._lock:
             self._failed.pop(key, None)
             self._records[key] = _Record(path, tensor.dtype, tensor.numel(), nbytes, padded, crc)
             self._stats.bytes_written += nbytes
             self._stats.writes += 1
+            if whole is not None:
+                self._stats.staged_transfers += 1
+                self._stats.staged_bytes += padded - direct
 
-    def _read_job(self, key: str, out: torch.Tensor, prev: Future | None) -> None:
+    def _read_job(self, key: str, out: torch.Tensor, scratch: bool, prev: Future | None) -> None:
         if prev is not None:
             concurrent.futures.wait([prev])
         with record_function("tiers.nvme.read"):
@@ -316,53 +305,54 @@ class NvmeStore:
                 raise SwapIntegrityError(
                     f"key {key!r} has no complete swap file: its writes failed or it was removed; write it again")
             rec.check_matches(key, out)
+            if scratch and in_place_span(out, rec.padded) == rec.padded:
+                self._read_in_place(key, rec, out)
+                return
             whole = self._pool.acquire(rec.padded)
             try:
                 buf = whole[:rec.padded]
                 self._read_file(key, rec, buf)
-                crc = zlib.crc32(_view(buf[:rec.nbytes]))
+                crc = zlib.crc32(as_buffer(buf[:rec.nbytes]))
                 if crc != rec.crc:
                     raise SwapIntegrityError(
                         f"swap file {rec.path!r} of key {key!r} is corrupt: CRC-32 {crc:#010x}, written as "
                         f"{rec.crc:#010x}; it was altered outside the store (or the disk is failing); "
                         f"the destination was left unchanged, write the key again from a good copy")
-                _bytes_of(out).copy_(buf[:rec.nbytes])
+                bytes_of(out).copy_(buf[:rec.nbytes])  # only now: Note [nvme integrity]
             finally:
                 self._pool.release(whole)
         with self._lock:
             self._stats.bytes_read += rec.nbytes
             self._stats.reads += 1
+            self._stats.staged_transfers += 1
+            self._stats.staged_bytes += rec.padded
 
-    def _read_file(self, key: str, rec: _Record, buf: torch.Tensor) -> None:
+    def _read_in_place(self, key: str, rec: _Record, out: torch.Tensor) -> None:
+        """A scratch destination that O_DIRECT can fill itself: read, then check (Note [nvme integrity])."""
+        self._read_file(key, rec, storage_bytes(out, rec.padded), scratch=True)
+        crc = zlib.crc32(as_buffer(bytes_of(out)))
+        if crc != rec.crc:
+            raise SwapIntegrityError(
+                f"swap file {rec.path!r} of key {key!r} is corrupt: CRC-32 {crc:#010x}, written as {rec.crc:#010x}; "
+                f"it was altered outside the store (or the disk is failing); the scratch destination holds "
+                f"undefined bytes, write the key again from a good copy")
+        with self._lock:
+            self._stats.bytes_read += rec.nbytes
+            self._stats.reads += 1
+
+    def _read_file(self, key: str, rec: _Record, buf: torch.Tensor, scratch: bool = False) -> None:
         def damaged(what: str) -> SwapIntegrityError:
             return SwapIntegrityError(
                 f"swap file {rec.path!r} of key {key!r} {what}; it was changed outside the store (or the disk is "
-                f"failing); the destination was left unchanged, write the key again from a good copy")
+                f"failing); the {'scratch destination holds undefined bytes' if scratch else 'destination was left unchanged'}"
+                f", write the key again from a good copy")
         try:
-            self._transfer(rec.path, buf, write=False)
+            self._files.transfer(rec.path, [as_buffer(buf)], write=False)
         except FileNotFoundError as e:
             raise damaged("is missing (deleted)") from e
-        except _Truncated as e:
+        except Truncated as e:
             what = "is truncated" if e.size < rec.padded else "has grown"
             raise damaged(f"{what}: {e.size} bytes, written as {rec.padded} ({rec.nbytes} of payload)") from e
-
-    def _transfer(self, path: str, buf: torch.Tensor, *, write: bool) -> None:
-        """Moves all of `buf` to (write) or from the file, with O_DIRECT while it works (Note [nvme direct io])."""
-        flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
-        try:
-            fd = os.open(path, flags | (_O_DIRECT if self.direct_io else 0), 0o600)
-        except OSError as e:
-            if not (self.direct_io and e.errno == errno.EINVAL):
-                raise
-            # only the open decides: an EINVAL during a transfer is an error, not a reason to fall back
-            self.direct_io = False
-            warnings.warn(f"NVMe directory {self.directory!r} refuses O_DIRECT; swapping through the page cache",
-                          RuntimeWarning, stacklevel=2)
-            fd = os.open(path, flags, 0o600)
-        try:
-            return _move_all(fd, _view(buf), write)
-        finally:
-            os.close(fd)
 
     def _write_error(self, key: str, tmp: str, needed: int, e: OSError) -> SwapWriteError:
         try:
@@ -375,23 +365,6 @@ class NvmeStore:
             f"and {free} bytes are free there. Free space on that filesystem, lower the NVMe offload budget, "
             f"or choose another directory. The partial file {os.path.basename(tmp)!r} was removed; the previous "
             f"file of the key, if any, is kept, but reads refuse it until the key is written again")
-
-
-def _move_all(fd: int, view: memoryview, write: bool) -> None:
-    if not write and (size := os.fstat(fd).st_size) != len(view):
-        raise _Truncated(size)
-    moved = 0
-    while moved < len(view):
-        n = os.pwrite(fd, view[moved:], moved) if write else os.preadv(fd, [view[moved:]], moved)
-        if n == 0:
-            raise _Truncated(moved) if not write else OSError(errno.EIO, "a write made no progress")
-        moved += n
-
-
-class _Truncated(Exception):
-    def __init__(self, size: int):
-        super().__init__(size)
-        self.size = size
 
 
 def _make_private_dir(directory: str) -> str:
@@ -430,14 +403,6 @@ def _check_host_tensor(tensor: torch.Tensor, what: str) -> None:
         raise SwapUsageError(f"{what} needs a CPU tensor, got one on {tensor.device}; copy it to host memory")
     if not tensor.is_contiguous():
         raise SwapUsageError(f"{what} needs a contiguous tensor, got strides {tensor.stride()}; pass .contiguous()")
-
-
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().reshape(-1).view(torch.uint8)
-
-
-def _view(buf: torch.Tensor) -> memoryview:
-    return memoryview(buf.numpy()).cast("B")
 
 
 def _unlink_quietly(path: str) -> None:

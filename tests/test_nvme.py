@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import errno
 import gc
+import mmap
 import os
 import shutil
 import stat
@@ -17,6 +18,7 @@ import textwrap
 import pytest
 import torch
 
+from offload.direct_io import PAGE, aligned_empty
 from offload.errors import OffloadError, SwapDirectoryError, SwapIntegrityError, SwapUsageError, SwapWriteError
 from offload.nvme import NvmeStore
 
@@ -171,6 +173,94 @@ def test_transfers_are_profiler_ranges(tmp_path):
     assert {"tiers.nvme.write", "tiers.nvme.read"} <= names
 
 
+# ---- aligned tensors: written in place, read through staging (Note [nvme direct io])
+
+
+def _padding_of(t: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The bytes of t's storage past its end, up to its padded size: not part of the tensor."""
+    nbytes = t.numel() * t.element_size()
+    start = t.storage_offset() * t.element_size() + nbytes
+    size = -(-nbytes // block_size) * block_size - nbytes
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), start, (size,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])
+def test_aligned_empty_is_page_aligned_padded_and_round_trips_without_staging_its_write(tmp_path, dtype):
+    numel, block = 12_345, 1 << 16
+    t = aligned_empty(numel, dtype, block)
+    room = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+    assert (t.dtype, tuple(t.shape), t.is_contiguous(), t.device.type) == (dtype, (numel,), True, "cpu")
+    assert t.data_ptr() % PAGE == 0 and room >= -(-numel * dtype.itemsize // block) * block
+    src = torch.randint(0, 256, (numel,), dtype=torch.uint8) if dtype == torch.uint8 else _odd_tensor(dtype, numel, 5)
+    t.copy_(src)
+    with NvmeStore(str(tmp_path), block_size=block) as store:
+        store.write("k", t).wait()
+        assert store.stats.staged_transfers == 0  # written straight from its memory
+        out = aligned_empty(numel, dtype, block)
+        store.read("k", out).wait()
+    assert _bytes(out) == _bytes(src) and aligned_empty(0, dtype).numel() == 0
+
+
+def test_aligned_write_stages_nothing_and_reads_stage_without_touching_the_padding(tmp_path):
+    """Reads stage even into an aligned tensor: the destination is written only after the CRC check."""
+    block, n = 1 << 20, 300_000  # 1.2 MB: padded to 2 MiB
+    src = aligned_empty(n, torch.float32, block).copy_(torch.randn(n))
+    _padding_of(src, block).fill_(0xCD)  # not payload: goes to the file's padding, never checked
+    out = aligned_empty(n, torch.float32, block).fill_(3.0)
+    _padding_of(out, block).fill_(0xAB)  # e.g. a neighbouring view of the same storage
+    with NvmeStore(str(tmp_path), block_size=block) as store:
+        store.write("k", src).wait()
+        assert (store.stats.staged_transfers, store.stats.staged_bytes) == (0, 0)
+        store.read("k", out).wait()
+        assert (store.stats.staged_transfers, store.stats.staged_bytes) == (1, 2 << 20)
+    assert torch.equal(out, src) and bool((_padding_of(out, block) == 0xAB).all())
+
+
+def test_unaligned_tensors_stage_whole_and_aligned_ones_without_room_only_their_tail(tmp_path):
+    block, n = 1 << 20, 400_000  # 1.6 MB: padded to 2 MiB
+    shifted = aligned_empty(n + 1, torch.float32, block)[1:].copy_(torch.randn(n))  # 4 bytes past a page
+    plain = torch.randn(n)
+    buffer = mmap.mmap(-1, n * 4)  # on a page, and its storage ends with the payload
+    tight = torch.frombuffer(buffer, dtype=torch.float32).copy_(torch.randn(n))
+    with NvmeStore(str(tmp_path), block_size=block) as store:
+        store.write("shifted", shifted).wait()
+        assert (store.stats.staged_transfers, store.stats.staged_bytes) == (1, 2 << 20)
+        store.write("tight", tight).wait()  # its whole pages in place, the rest staged
+        in_place = n * 4 // PAGE * PAGE
+        assert (store.stats.staged_transfers, store.stats.staged_bytes) == (2, (4 << 20) - in_place)
+        store.write("plain", plain).wait()
+        assert store.stats.staged_transfers == 3
+        for key, src in [("shifted", shifted), ("tight", tight), ("plain", plain)]:
+            out = torch.empty(n)
+            store.read(key, out).wait()
+            assert torch.equal(out, src), key
+
+
+def test_aligned_empty_memory_is_freed_with_the_tensor():
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("needs /proc to read the resident set size")
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+
+    before = resident()
+    t = aligned_empty(64 << 20, torch.uint8).fill_(1)
+    assert resident() - before > 60 << 20
+    del t
+    gc.collect()
+    assert resident() - before < 8 << 20
+
+
+def test_aligned_empty_rejects_bad_arguments():
+    with pytest.raises(ValueError, match=f"multiple of the page size {PAGE}, got 1000"):
+        aligned_empty(10, torch.float32, 1000)
+    with pytest.raises(ValueError, match="non-negative int numel, got -1"):
+        aligned_empty(-1, torch.float32)
+    with pytest.raises(TypeError, match="needs a torch.dtype, got 'float32'"):
+        aligned_empty(10, "float32")
+
+
 # ---- privacy and cleanup
 
 
@@ -273,15 +363,26 @@ def test_read_only_directory_says_choose_a_writable_one(tmp_path, monkeypatch):
 # ---- damaged files
 
 
-def _damaged_store(tmp_path):
+@pytest.fixture(params=["staged", "in_place"])
+def aligned(request) -> bool:
+    """Both write paths (Note [nvme direct io]): a plain tensor is staged, an aligned_empty one is not."""
+    return request.param == "in_place"
+
+
+def _host_tensor(aligned: bool, values: torch.Tensor) -> torch.Tensor:
+    return aligned_empty(values.numel(), values.dtype, 4096).copy_(values) if aligned else values.clone()
+
+
+def _damaged_store(tmp_path, aligned):
     store = NvmeStore(str(tmp_path), block_size=4096)
-    store.write("victim", torch.randn(3000)).wait()
+    store.write("victim", _host_tensor(aligned, torch.randn(3000))).wait()
+    assert store.stats.staged_transfers == (0 if aligned else 1)
     [name] = _swap_files(store)
     return store, os.path.join(store.path, name)
 
 
-def _assert_read_refused(store, path, match):
-    out = torch.full((3000,), 42.0)
+def _assert_read_refused(store, path, match, aligned):
+    out = _host_tensor(aligned, torch.full((3000,), 42.0))
     handle = store.read("victim", out)
     with pytest.raises(SwapIntegrityError, match=match) as info:
         handle.wait()
@@ -289,28 +390,28 @@ def _assert_read_refused(store, path, match):
     assert torch.equal(out, torch.full((3000,), 42.0))  # no garbage in the destination
 
 
-def test_truncated_file_is_refused_and_destination_kept(tmp_path):
-    store, path = _damaged_store(tmp_path)
+def test_truncated_file_is_refused_and_destination_kept(tmp_path, aligned):
+    store, path = _damaged_store(tmp_path, aligned)
     os.truncate(path, 4096 // 2)
-    _assert_read_refused(store, path, "is truncated: 2048 bytes, written as 12288")
+    _assert_read_refused(store, path, "is truncated: 2048 bytes, written as 12288", aligned)
     store.close()
 
 
-def test_flipped_byte_is_refused_and_destination_kept(tmp_path):
-    store, path = _damaged_store(tmp_path)
+def test_flipped_byte_is_refused_and_destination_kept(tmp_path, aligned):
+    store, path = _damaged_store(tmp_path, aligned)
     with open(path, "r+b") as f:
         f.seek(5000)
         byte = f.read(1)
         f.seek(5000)
         f.write(bytes([byte[0] ^ 0x10]))
-    _assert_read_refused(store, path, "is corrupt: CRC-32")
+    _assert_read_refused(store, path, "is corrupt: CRC-32", aligned)
     store.close()
 
 
-def test_deleted_file_is_refused_and_destination_kept(tmp_path):
-    store, path = _damaged_store(tmp_path)
+def test_deleted_file_is_refused_and_destination_kept(tmp_path, aligned):
+    store, path = _damaged_store(tmp_path, aligned)
     os.unlink(path)
-    _assert_read_refused(store, path, r"is missing \(deleted\)")
+    _assert_read_refused(store, path, r"is missing \(deleted\)", aligned)
     store.close()
 
 
@@ -452,4 +553,26 @@ def test_at_most_queue_depth_requests_are_in_flight(tmp_path, monkeypatch):
     for h in handles + extra:
         h.wait()
     assert store.stats.throttled_seconds > 0.2
+    store.close()
+
+
+def test_scratch_read_into_an_aligned_tensor_is_in_place_and_still_checked(tmp_path):
+    from offload.direct_io import aligned_empty
+
+    store = NvmeStore(str(tmp_path), block_size=4096)
+    source = aligned_empty(3000, torch.float32, 4096).copy_(torch.randn(3000))
+    store.write("k", source).wait()
+    out = aligned_empty(3000, torch.float32, 4096)
+    store.read("k", out, scratch=True).wait()
+    assert _bytes(out) == _bytes(source) and store.stats.staged_transfers == 0  # no copy either way
+    [name] = _swap_files(store)
+    with open(os.path.join(store.path, name), "r+b") as f:
+        f.seek(10)
+        f.write(b"\x01\x02")
+    with pytest.raises(SwapIntegrityError, match="corrupt.*scratch destination holds undefined bytes"):
+        store.read("k", out, scratch=True).wait()
+    plain = torch.zeros(3000)  # not aligned: scratch or not, it is staged
+    with pytest.raises(SwapIntegrityError, match="destination was left unchanged"):
+        store.read("k", plain, scratch=True).wait()
+    assert torch.equal(plain, torch.zeros(3000))
     store.close()
