@@ -16,11 +16,10 @@ from engine.optim import build_optimizer
 from engine.precision import PrecisionPolicy, build_loss_scaler
 from engine.topology import Topology
 from engine.zero.chunked_params import ChunkedParams
-from offload.chunk import best_capacity
+from offload.chunk import DEFAULT_CHUNK_CAPACITY, best_capacity
 
 # reduce_bucket_size defaults to 5e8 elements (DeepSpeed); a chunk that large would leave nothing
 # to overlap with backward, so the default chunk is capped (16 MiB of fp32, DDP's bucket scale).
-DEFAULT_CHUNK_CAP = 1 << 22
 # The first-registered parameters (embeddings) get their gradients last in backward, so the first
 # chunk's all-reduce cannot overlap with compute: it is kept at 1/8 of the others.
 FIRST_CHUNK_FRACTION = 8
@@ -32,7 +31,9 @@ def chunk_layout(config: Config, trainable: list[torch.Size]) -> tuple[int, int 
     zero = config.zero_optimization
     if zero.chunk_size is not None:
         return zero.chunk_size, None
-    target = DEFAULT_CHUNK_CAP if zero.reduce_bucket_size == "auto" else min(zero.reduce_bucket_size, DEFAULT_CHUNK_CAP)
+    target = DEFAULT_CHUNK_CAPACITY
+    if zero.reduce_bucket_size != "auto":
+        target = min(zero.reduce_bucket_size, target)
     first = max(target // FIRST_CHUNK_FRACTION, 1)
     return best_capacity(trainable, target, first_capacity=first), first
 

@@ -13,12 +13,16 @@ never aliased by a tensor.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from offload.states import TensorState, check_transition, chunk_state
+
+
+DEFAULT_CHUNK_CAPACITY = 1 << 22  # elements: 16 MiB of fp32, large enough for full-speed NVMe and collectives
 
 
 @dataclass(frozen=True)
@@ -94,11 +98,32 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-class Chunk:
-    """One flat payload; tensors are views into it at their slots, each with a state (Note [chunk states])."""
+class Location(enum.Enum):
+    """Where a chunk's payload is: one of the three tiers, or nowhere (RELEASED: no payload)."""
 
-    def __init__(self, size: int, dtype: torch.dtype, device: torch.device | str):
-        self.payload = torch.zeros(size, dtype=dtype, device=device)
+    DEVICE = "device"
+    CPU = "cpu"
+    NVME = "nvme"
+    RELEASED = "released"
+
+    @property
+    def below(self) -> Location | None:
+        """The tier a chunk evicted from here goes to (None: the bottom, or no tier)."""
+        return {Location.DEVICE: Location.CPU, Location.CPU: Location.NVME}.get(self)
+
+
+class Chunk:
+    """One flat payload; tensors are views into it at their slots, each with a state (Note [chunk states]).
+
+    `payload` is None while the chunk is on NVMe or released; `location` says which (a ChunkList's
+    chunks are always on the DEVICE tier; a ChunkManager moves its chunks and keeps `location` true).
+    """
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device | str | None = None,
+                 location: Location = Location.DEVICE):
+        self.numel, self.dtype = size, dtype
+        self.payload: torch.Tensor | None = None if device is None else torch.zeros(size, dtype=dtype, device=device)
+        self.location = location if device is not None else Location.RELEASED
         self.slots: list[Slot] = []
         self.states: list[TensorState] = []
 
@@ -121,14 +146,23 @@ class Chunk:
 
     @property
     def size(self) -> int:
-        return self.payload.numel()
+        return self.numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
 
     @property
     def used(self) -> int:
         return sum(s.numel for s in self.slots)
 
     def view(self, slot: Slot) -> torch.Tensor:
+        if self.payload is None:
+            raise RuntimeError(f"chunk has no payload (it is {self.location.value}); make it resident first")
         return self.payload.narrow(0, slot.offset, slot.numel).view(slot.shape)
+
+    def views(self) -> list[torch.Tensor]:
+        return [self.view(s) for s in self.slots]
 
 
 class ChunkList:

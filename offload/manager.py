@@ -1,0 +1,525 @@
+"""ChunkManager: chunks of registered tensors, moved between device, CPU and NVMe under byte budgets.
+
+Note [chunk manager]
+`register(kind, tensors)` packs tensors into new chunks (Note [chunk packing]) placed on a tier.
+`access(chunk, location)` makes the chunk resident there, marks its tensors COMPUTE (pinned: never
+moved or evicted) and returns their views; `release(chunk, state)` ends the use (HOLD, or one of
+the HOLD_AFTER_* states; FREE drops the payload). `move` puts a chunk on another tier; `free`
+drops it. Views are valid until the chunk next moves: take them from `access` each time.
+
+Budgets: each of the device and CPU tiers has a byte budget (None: unbounded) covering
+everything the manager holds there: chunk payloads, the source buffers of transfers still in
+flight (a chunk being moved is charged to both tiers until its copy completes) and free host
+buffers kept for reuse (Note [host buffer pool]). Before a buffer is allocated on a tier, room
+is made: finished transfers are settled, kept buffers trimmed, then chunks that are not in
+COMPUTE are evicted one tier down (device → CPU → NVMe; Note [eviction order] picks which),
+waiting for transfers in flight if that is what frees the room. If nothing can free enough,
+`BudgetError` names the budget, the demand and what holds the tier. NVMe is bounded by the disk:
+a full disk fails the swap, the chunk stays where it was (nothing lost), the error propagates.
+
+Transfers: CPU↔NVMe through the NvmeStore's worker threads, device↔CPU through the copy engine
+(Note [side-stream copies]); a chunk has at most one transfer in flight, and `access` waits for
+it (counted as a blocking wait). Warm-up, trace-following and prefetch: Note [trace and
+divergence]. A failed transfer is rolled back before its error is raised: the chunk is where it
+was before, with its data.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import psutil
+import torch
+
+from offload.chunk import DEFAULT_CHUNK_CAPACITY, Chunk, Location, best_capacity, plan_slots
+from offload.copy_engine import CopyDone, CopyEngine
+from offload.errors import OffloadError
+from offload.host_pool import HostBufferPool
+from offload.nvme import NvmeStore
+from offload.residency import ChunkEntry, Residency, Transfer, fmt_bytes
+from offload.policy import choose_victim, upcoming
+from offload.stats import ManagerStats
+from offload.states import TensorState
+from offload.tracer import TracePhase, Tracer
+
+_RANK = {Location.DEVICE: 0, Location.CPU: 1, Location.NVME: 2}
+
+
+class BudgetError(OffloadError):
+    """A tier's budget cannot hold what is asked of it, and nothing can be evicted to make room."""
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Byte budgets of the device and CPU tiers (None: unbounded); NVMe is bounded by its disk."""
+
+    device: int | None = None
+    cpu: int | None = None
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A registered tensor: its chunk's id and its index among that chunk's tensors."""
+
+    chunk: int
+    index: int
+
+
+class ChunkManager:
+    """Chunks of registered tensors on device / CPU / NVMe under byte budgets (Note [chunk manager])."""
+
+    def __init__(self, device: torch.device | str = "cpu", budgets: Budgets = Budgets(), *,
+                 nvme_dir: str | None = None, nvme_threads: int = 1, nvme_queue_depth: int = 8,
+                 nvme_block_size: int = 1 << 20,
+                 pin_memory: bool | None = None, prefetch_depth: int = 4, keep_free_bytes: int = 1 << 28,
+                 device_capacity: int | None = None):
+        self.device = torch.device(device)
+        self.budgets = budgets
+        self.prefetch_depth = prefetch_depth
+        self.device_capacity = device_capacity
+        for name, value in (("device", budgets.device), ("cpu", budgets.cpu)):
+            if value is not None and value < 0:
+                raise ValueError(f"the {name} budget must be >= 0 bytes or None (unbounded), got {value}")
+        pinned = self.device.type == "cuda" if pin_memory is None else pin_memory
+        self.store = (NvmeStore(nvme_dir, threads=nvme_threads, queue_depth=nvme_queue_depth,
+                                block_size=nvme_block_size) if nvme_dir else None)
+        self.pool = HostBufferPool(pinned=pinned, block_size=self.store.block_size if self.store else 1 << 20,
+                                   keep_bytes=keep_free_bytes)
+        self.copies = CopyEngine(self.device)
+        self.tracer = Tracer(self._non_chunk_bytes)
+        self._chunks = Residency(self.device, self.pool)
+        self._kinds: dict[str, list[int]] = {}
+        self._last_used: dict[int, int] = {}
+        self._clock = 0
+        self._stats = ManagerStats()
+        self._process = psutil.Process(os.getpid())
+        self._closed = False
+
+    # ---- registration
+
+    def register(self, kind: str, tensors: Sequence[torch.Tensor], *, location: Location = Location.CPU,
+                 capacity: int | None = None, dtype: torch.dtype | None = None) -> list[TensorRef]:
+        """Copies `tensors` (in use order) into new chunks of `kind` on `location`; returns where each went.
+
+        `capacity` (elements) defaults to the one near DEFAULT_CHUNK_CAPACITY that wastes least padding.
+        """
+        self._check_open()
+        if not tensors:
+            raise ValueError(f"register({kind!r}) needs at least one tensor")
+        if location is Location.RELEASED:
+            raise ValueError("register onto a tier (DEVICE, CPU or NVME); RELEASED chunks hold nothing")
+        dtype = dtype or tensors[0].dtype
+        shapes = [t.shape for t in tensors]
+        slots, sizes = plan_slots(shapes, capacity or best_capacity(shapes, DEFAULT_CHUNK_CAPACITY))
+        entries = [self._chunks.add(Chunk(size, dtype), kind) for size in sizes]
+        first = entries[0].id
+        refs = []
+        members: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for tensor, slot in zip(tensors, slots):
+            chunk = entries[slot.chunk].chunk
+            refs.append(TensorRef(first + slot.chunk, len(chunk.slots)))
+            members.setdefault(first + slot.chunk, []).append((len(chunk.slots), tensor))
+            chunk.add(slot, TensorState.HOLD)
+        try:
+            for entry in entries:
+                self._materialize(entry, Location.CPU if location is Location.NVME else location, {entry.id})
+                views = entry.chunk.views()
+                for index, tensor in members[entry.id]:
+                    views[index].copy_(tensor.detach())
+                if location is Location.NVME:
+                    self._move(entry, Location.NVME, protect={entry.id})
+                    self._settle(entry, block=True)
+        except BaseException:
+            for entry in reversed(entries):  # nothing half-registered: the new chunks go away
+                self._drop(entry)
+                self._chunks.forget(entry)
+            raise
+        self._kinds.setdefault(kind, []).extend(e.id for e in entries)
+        return refs
+
+    # ---- use
+
+    def access(self, chunk: int, location: Location = Location.DEVICE,
+               tensors: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """Makes the chunk resident on `location`, marks `tensors` (default all) COMPUTE, returns all views."""
+        self._check_open()
+        entry = self._entry(chunk)
+        if location not in (Location.DEVICE, Location.CPU):
+            raise ValueError(f"access makes a chunk resident for compute: DEVICE or CPU, not {location}")
+        phase = self.tracer.on_access(chunk, location)
+        self._clock += 1
+        self._last_used[chunk] = self._clock
+        self._settle_finished()
+        if entry.prefetched:
+            self._stats.prefetch_hits += 1
+            entry.prefetched = False
+        elif entry.chunk.location is not location and entry.chunk.location is not Location.RELEASED:
+            self._stats.prefetch_misses += 1
+        self._move(entry, location, protect={chunk}, on_demand=True)
+        self._make_room(location, 0, {chunk})  # the budget may have shrunk (device_capacity): shed the excess
+        self._settle(entry, block=True, count_wait=True, on_compute_stream=location is Location.DEVICE)
+        for i in range(len(entry.chunk.slots)) if tensors is None else tensors:
+            entry.chunk.set_state(i, TensorState.COMPUTE)
+        if phase is TracePhase.FOLLOWING and self.prefetch_depth > 0:
+            self._prefetch_ahead(self.tracer.position - 1)
+        return entry.chunk.views()
+
+    def release(self, chunk: int, state: TensorState = TensorState.HOLD, tensors: Sequence[int] | None = None) -> None:
+        """Ends the use of `tensors` (default all) of a chunk; a chunk whose tensors are all FREE drops its payload."""
+        entry = self._entry(chunk)
+        for i in range(len(entry.chunk.slots)) if tensors is None else tensors:
+            entry.chunk.set_state(i, state)
+        if entry.chunk.state is TensorState.FREE:
+            self._drop(entry)
+
+    def move(self, chunk: int, location: Location, *, wait: bool = True) -> None:
+        """Moves a chunk that is not in COMPUTE to `location` (waits for the transfer unless wait=False)."""
+        self._check_open()
+        entry = self._entry(chunk)
+        if location is Location.RELEASED:
+            raise ValueError(f"use free({chunk}) to drop a chunk's payload, not move(..., RELEASED)")
+        if entry.chunk.pinned:
+            raise OffloadError(f"chunk {entry.describe()} is in use (a tensor is in COMPUTE): release it before moving it")
+        if location is Location.NVME and self.store is None:
+            raise OffloadError(f"cannot move chunk {entry.describe()} to NVMe: no nvme_dir was given to the ChunkManager")
+        self._settle_finished()
+        self._move(entry, location, protect={chunk})
+        if wait:
+            self._settle(entry, block=True)
+
+    def prefetch(self, chunk: int, location: Location = Location.DEVICE) -> bool:
+        """Starts bringing a chunk toward `location` without evicting anything in use; False if no room."""
+        self._check_open()
+        entry = self._entry(chunk)
+        self._settle_finished()
+        return self._start_prefetch(entry, location, float("-inf"))
+
+    def free(self, chunk: int) -> None:
+        """Marks every tensor of a chunk FREE and drops its payload (and swap file)."""
+        self.release(chunk, TensorState.FREE)
+
+    def end_iteration(self) -> None:
+        """Marks the end of a training iteration for the tracer (Note [trace and divergence])."""
+        self.tracer.end_iteration()
+
+    # ---- inspection
+
+    def chunk(self, chunk: int) -> Chunk:
+        return self._entry(chunk).chunk
+
+    def chunks_of(self, kind: str) -> list[int]:
+        return list(self._kinds.get(kind, []))
+
+    def used_bytes(self, location: Location) -> int:
+        """Bytes the manager holds on a tier (Note [chunk manager]: payloads, buffers in flight, kept buffers)."""
+        return self._chunks.used(location)
+
+    @property
+    def stats(self) -> ManagerStats:
+        s = self._stats
+        s.resident_bytes = {loc.value: self.used_bytes(loc) for loc in _RANK}
+        s.trace_divergences = self.tracer.divergences
+        if self.tracer.trace is not None:
+            s.peak_non_chunk_bytes = self.tracer.trace.peak_non_chunk_bytes
+        return copy.deepcopy(s)
+
+    def close(self) -> None:
+        """Waits for transfers in flight, frees every payload and removes the swap files."""
+        if self._closed:
+            return
+        for entry in list(self._chunks.in_flight.values()):
+            try:
+                self._settle(entry, block=True)
+            except OffloadError:
+                pass  # closing anyway: the failed transfer was rolled back
+        self._closed = True
+        if self.store is not None:
+            self.store.close()
+        for entry in self._chunks.entries:
+            if entry.chunk.payload is not None:
+                self._chunks.give_back(entry.chunk.location, entry.chunk.payload)
+                self._chunks.place(entry, Location.RELEASED, None)
+        self.pool.trim()
+
+    def __enter__(self) -> ChunkManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- moves (caller's thread)
+
+    def _move(self, entry: ChunkEntry, target: Location, protect: set[int], on_demand: bool = False,
+              only_if_used_after: float | None = None) -> bool:
+        """Steps the chunk tier by tier toward `target`. A prefetch (only_if_used_after given) issues one
+        asynchronous step at most and gives up (False) rather than evict anything needed sooner."""
+        prefetch = only_if_used_after is not None
+        while entry.chunk.location is not target:
+            here = entry.chunk.location
+            if here is Location.RELEASED:
+                if prefetch:
+                    return False  # nothing to bring: access allocates it
+                self._materialize(entry, target if target is not Location.NVME else Location.CPU, protect)
+                continue
+            up = _RANK[target] < _RANK[here]
+            if entry.transfer is not None:
+                if prefetch:
+                    return True  # already moving; the next look-ahead (or the access) continues it
+                if up and here is Location.NVME:
+                    self._reclaim(entry, count_wait=on_demand)
+                else:
+                    self._settle(entry, block=True, count_wait=on_demand)
+                continue
+            step = {Location.NVME: Location.CPU, Location.CPU: Location.DEVICE}[here] if up else here.below
+            if prefetch and not up:
+                return False
+            if step is not Location.NVME and not self._make_room(step, entry.chunk.nbytes, protect, only_if_used_after):
+                return False
+            if step is Location.NVME:
+                self._swap_out(entry)
+            elif here is Location.NVME:
+                self._swap_in(entry)
+            else:
+                self._copy(entry, step)
+            if prefetch:
+                return True
+        return True
+
+    def _materialize(self, entry: ChunkEntry, location: Location, protect: set[int]) -> None:
+        """A RELEASED chunk gets a zeroed payload on `location` (its values were FREE)."""
+        self._make_room(location, entry.chunk.nbytes, protect)
+        self._chunks.place(entry, location, self._chunks.allocate(location, entry.chunk).zero_())
+
+    def _copy(self, entry: ChunkEntry, target: Location) -> None:
+        chunk, source = entry.chunk, entry.chunk.location
+        old = chunk.payload
+        new = self._chunks.allocate(target, chunk)
+        done = self.copies.copy(new, old, f"{source.value}->{target.value}")
+        self._chunks.place(entry, target, new)
+        self._stats.moved_bytes[f"{source.value}->{target.value}"] += chunk.nbytes
+
+        def undo() -> None:
+            raise AssertionError("a device/host copy cannot fail after it was issued")
+
+        self._chunks.set_transfer(entry, Transfer(done, (source, old), undo))
+        self._settle(entry, block=False)
+
+    def _swap_out(self, entry: ChunkEntry) -> None:
+        chunk = entry.chunk
+        buf = chunk.payload
+        handle = self.store.write(entry.key, buf)
+        self._chunks.place(entry, Location.NVME, None)
+        self._stats.moved_bytes["cpu->nvme"] += chunk.nbytes
+
+        def undo() -> None:  # the disk refused it: the chunk stays on the CPU with its data
+            self._chunks.place(entry, Location.CPU, buf)
+            self._chunks.set_transfer(entry, None)
+
+        self._chunks.set_transfer(entry, Transfer(handle, (Location.CPU, buf), undo))
+        entry.on_disk = True
+
+    def _swap_in(self, entry: ChunkEntry) -> None:
+        chunk = entry.chunk
+        buf = self._chunks.allocate(Location.CPU, chunk)
+        handle = self.store.read(entry.key, buf, scratch=True)  # a fresh buffer: read in place
+        self._chunks.place(entry, Location.CPU, buf)
+        self._stats.moved_bytes["nvme->cpu"] += chunk.nbytes
+
+        def undo() -> None:  # unreadable: the chunk stays on NVMe, the buffer goes back
+            self._chunks.place(entry, Location.NVME, None)
+            self._chunks.set_transfer(entry, None)
+            self._chunks.give_back(Location.CPU, buf)
+
+        self._chunks.set_transfer(entry, Transfer(handle, None, undo))
+
+    def _reclaim(self, entry: ChunkEntry, count_wait: bool) -> None:
+        """A chunk wanted back while its swap-out is in flight keeps its host buffer: no read needed."""
+        transfer = entry.transfer
+        self._wait(transfer, count_wait)
+        try:
+            transfer.wait()
+        except OffloadError:
+            transfer.undo()  # back on the CPU with its data; the disk's error still reaches the caller
+            raise
+        self._chunks.set_transfer(entry, None)
+        self._chunks.place(entry, Location.CPU, transfer.frees[1])
+
+    def _drop(self, entry: ChunkEntry) -> None:
+        if entry.transfer is not None:
+            self._settle(entry, block=True)
+        if entry.chunk.payload is not None:
+            self._chunks.give_back(entry.chunk.location, entry.chunk.payload)
+        if entry.on_disk:
+            self.store.remove(entry.key)
+            entry.on_disk = False
+        self._chunks.place(entry, Location.RELEASED, None)
+        entry.prefetched = False
+
+    # ---- settling transfers
+
+    def _settle(self, entry: ChunkEntry, block: bool, count_wait: bool = False, on_compute_stream: bool = False) -> None:
+        transfer = entry.transfer
+        if transfer is None:
+            return
+        if not transfer.done():
+            if not block:
+                return
+            if on_compute_stream and isinstance(transfer.waiter, CopyDone):
+                transfer.waiter.wait_stream()  # the compute stream waits; the host goes on
+                return
+            self._wait(transfer, count_wait)
+        try:
+            transfer.wait()  # finished: re-raises its error, if any
+        except OffloadError:
+            transfer.undo()
+            raise
+        self._chunks.set_transfer(entry, None)
+        if transfer.frees is not None:
+            self._chunks.give_back(*transfer.frees)
+
+    def _wait(self, transfer: Transfer, count_wait: bool) -> None:
+        """Blocks until a transfer finished (its error, if any, is raised by the caller's second wait)."""
+        if transfer.done():
+            return
+        start = time.perf_counter()
+        try:
+            transfer.wait()
+        except OffloadError:
+            pass
+        finally:
+            if count_wait:
+                self._stats.blocking_waits += 1
+            self._stats.io_wait_seconds += time.perf_counter() - start
+
+    def _settle_finished(self) -> None:
+        for entry in list(self._chunks.in_flight.values()):
+            if entry.transfer.done():
+                self._settle(entry, block=False)
+
+    # ---- budgets
+
+    def _budget(self, location: Location) -> float:
+        budget = {Location.DEVICE: self.budgets.device, Location.CPU: self.budgets.cpu}[location]
+        budget = float("inf") if budget is None else budget
+        trace = self.tracer.trace
+        if location is Location.DEVICE and self.device_capacity is not None and trace is not None:
+            now = max(self.tracer.position - 1, 0)
+            non_chunk = max(trace[now].non_chunk_bytes, trace[now + 1].non_chunk_bytes)
+            budget = min(budget, self.device_capacity - non_chunk)
+        return budget
+
+    def _make_room(self, location: Location, nbytes: int, protect: set[int],
+                   only_if_used_after: float | None = None) -> bool:
+        """Frees room for `nbytes` on a tier (Note [chunk manager]); False (prefetch) or BudgetError if impossible."""
+        budget = self._budget(location)
+        prefetch = only_if_used_after is not None
+        following = self.tracer.phase is TracePhase.FOLLOWING
+        while self.used_bytes(location) + nbytes > budget:
+            self._settle_finished()
+            excess = self.used_bytes(location) + nbytes - budget
+            if excess <= 0:
+                break
+            if location is Location.CPU and self.pool.free_bytes:
+                self.pool.trim(excess)
+                continue
+            leaving = [e for e in self._chunks.in_flight.values()
+                       if e.transfer.frees is not None and e.transfer.frees[0] is location]
+            if leaving and sum(e.chunk.nbytes for e in leaving) >= excess:
+                self._settle(leaving[0], block=True)  # room is on its way: wait rather than evict more
+                continue
+            victim = None
+            if nbytes <= budget:
+                victim = choose_victim(self._evictable(location, protect), self._last_used,
+                                       self.tracer.trace if following else None, self.tracer.position - 1,
+                                       only_if_used_after if prefetch else float("-inf"))
+            if victim is not None:
+                if not self._evict(self._chunks.entries[victim], protect, only_if_used_after):
+                    return False
+                continue
+            if leaving and nbytes <= budget:
+                self._settle(leaving[0], block=True)
+                continue
+            if prefetch:
+                return False
+            raise BudgetError(self._budget_message(location, nbytes, budget, protect))
+        self._stats.peak_bytes[location.value] = max(self._stats.peak_bytes.get(location.value, 0),
+                                                     self.used_bytes(location) + nbytes)
+        return True
+
+    def _evictable(self, location: Location, protect: set[int]) -> list[int]:
+        if location is Location.CPU and self.store is None:
+            return []
+        return [e.id for e in self._chunks.at(location)
+                if e.transfer is None and not e.chunk.pinned and e.id not in protect]
+
+    def _evict(self, entry: ChunkEntry, protect: set[int], only_if_used_after: float | None) -> bool:
+        below = entry.chunk.location.below
+        if only_if_used_after is not None and below is not Location.NVME:
+            if not self._make_room(below, entry.chunk.nbytes, protect | {entry.id}, only_if_used_after):
+                return False
+        self._stats.evictions += 1
+        entry.prefetched = False
+        self._move(entry, below, protect | {entry.id})
+        return True
+
+    def _budget_message(self, location: Location, nbytes: int, budget: float, protect: set[int]) -> str:
+        here = self._chunks.at(location)
+        pinned = [e for e in here if e.chunk.pinned]
+        moving = [e for e in here if e.transfer is not None or e.id in protect]
+        what = f"{fmt_bytes(nbytes)} more on the {location.value} tier"
+        if nbytes > budget:
+            return (f"cannot place {what}: a chunk of {fmt_bytes(nbytes)} is larger than the whole {location.value} "
+                    f"budget of {fmt_bytes(budget)}; raise that budget or register with a smaller chunk capacity")
+        lines = [f"cannot place {what}: its budget is {fmt_bytes(budget)} and {fmt_bytes(self.used_bytes(location))} are in use",
+                 f"pinned in COMPUTE: {_list(pinned)}", f"being moved: {_list(moving)}"]
+        if location is Location.CPU and self.store is None:
+            lines.append("chunks on the CPU tier cannot be evicted: no nvme_dir was given")
+        lines.append(f"raise the {location.value} budget, release chunks that are done (release()), "
+                     f"or give a lower tier room")
+        return "; ".join(lines)
+
+    # ---- prefetch
+
+    def _prefetch_ahead(self, now: int) -> None:
+        for position, access in upcoming(self.tracer.trace, now, self.prefetch_depth):
+            entry = self._chunks.entries[access.chunk]
+            if entry.chunk.location is access.location or entry.chunk.pinned:
+                continue
+            if not self._start_prefetch(entry, access.location, position):
+                break  # no room for this one: later ones are needed even later
+
+    def _start_prefetch(self, entry: ChunkEntry, location: Location, position: float) -> bool:
+        if entry.chunk.location is Location.RELEASED or _RANK.get(entry.chunk.location, -1) <= _RANK[location]:
+            return entry.chunk.location is location
+        started = entry.transfer is None
+        if not self._move(entry, location, protect={entry.id}, only_if_used_after=position):
+            return False
+        if started:
+            entry.prefetched = True
+            self._stats.prefetches += 1
+        return True
+
+    def _non_chunk_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device) - self.used_bytes(Location.DEVICE)
+        return self._process.memory_info().rss - self.used_bytes(Location.DEVICE) - self.used_bytes(Location.CPU)
+
+    def _entry(self, chunk: int) -> ChunkEntry:
+        entries = self._chunks.entries
+        if not isinstance(chunk, int) or not 0 <= chunk < len(entries):
+            raise KeyError(f"no chunk {chunk!r}: this manager has chunks 0..{len(entries) - 1}")
+        return entries[chunk]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OffloadError("this ChunkManager is closed; create a new one")
+
+
+def _list(entries: list[ChunkEntry]) -> str:
+    if not entries:
+        return "none"
+    return ", ".join(e.describe() for e in entries) + f" = {fmt_bytes(sum(e.chunk.nbytes for e in entries))}"

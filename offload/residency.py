@@ -1,0 +1,108 @@
+"""Bookkeeping of a ChunkManager: where each chunk is, what each tier holds, which transfers are in flight.
+
+Every change of a chunk's location or payload, every buffer allocated or given back and every
+transfer started or finished goes through `Residency`, so the per-tier byte counts, the
+per-location sets and the in-flight set can never disagree with the chunks themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from offload.chunk import Chunk, Location
+from offload.copy_engine import CopyDone
+from offload.host_pool import HostBufferPool
+from offload.nvme import SwapHandle
+
+
+class Transfer:
+    """The one transfer in flight for a chunk: how to wait for it, what to free or undo after it."""
+
+    def __init__(self, waiter: SwapHandle | CopyDone, frees: tuple[Location, torch.Tensor] | None, undo):
+        self.waiter, self.frees, self.undo = waiter, frees, undo
+
+    def done(self) -> bool:
+        return self.waiter.done()
+
+    def wait(self) -> None:
+        """Blocks until finished; re-raises the transfer's error."""
+        self.waiter.wait() if isinstance(self.waiter, SwapHandle) else self.waiter.wait_host()
+
+
+class ChunkEntry:
+    """A chunk as the manager sees it: its kind, swap key, transfer in flight and prefetch mark."""
+
+    def __init__(self, chunk: Chunk, kind: str, cid: int):
+        self.chunk, self.kind, self.id = chunk, kind, cid
+        self.key = f"{kind}.{cid}"
+        self.transfer: Transfer | None = None
+        self.prefetched = False  # brought by a prefetch and not yet accessed
+        self.on_disk = False  # a swap file of it exists
+
+    def describe(self) -> str:
+        return f"{self.id} ({self.kind}, {fmt_bytes(self.chunk.nbytes)})"
+
+
+class Residency:
+    """Chunks by location, bytes held per tier, transfers in flight; buffers are allocated here."""
+
+    def __init__(self, device: torch.device, pool: HostBufferPool):
+        self.device, self.pool = device, pool
+        self.entries: list[ChunkEntry] = []
+        self._at: dict[Location, dict[int, ChunkEntry]] = {loc: {} for loc in Location}
+        self.in_flight: dict[int, ChunkEntry] = {}
+        self._charged = {Location.DEVICE: 0, Location.CPU: 0}
+
+    def add(self, chunk: Chunk, kind: str) -> ChunkEntry:
+        entry = ChunkEntry(chunk, kind, len(self.entries))
+        self.entries.append(entry)
+        self._at[chunk.location][entry.id] = entry
+        return entry
+
+    def forget(self, entry: ChunkEntry) -> None:
+        """Removes the newest chunk (a registration rolled back); it must hold nothing."""
+        assert entry is self.entries[-1] and entry.chunk.payload is None and entry.transfer is None
+        self.entries.pop()
+        del self._at[entry.chunk.location][entry.id]
+
+    def at(self, location: Location) -> list[ChunkEntry]:
+        return list(self._at[location].values())
+
+    def place(self, entry: ChunkEntry, location: Location, payload: torch.Tensor | None) -> None:
+        del self._at[entry.chunk.location][entry.id]
+        entry.chunk.location, entry.chunk.payload = location, payload
+        self._at[location][entry.id] = entry
+
+    def set_transfer(self, entry: ChunkEntry, transfer: Transfer | None) -> None:
+        entry.transfer = transfer
+        if transfer is None:
+            self.in_flight.pop(entry.id, None)
+        else:
+            self.in_flight[entry.id] = entry
+
+    def used(self, location: Location) -> int:
+        """Bytes held on a tier: payloads, buffers of transfers in flight, kept free host buffers."""
+        if location is Location.NVME:
+            return sum(e.chunk.nbytes for e in self._at[Location.NVME].values())
+        return self._charged[location] + (self.pool.free_bytes if location is Location.CPU else 0)
+
+    def allocate(self, location: Location, chunk: Chunk) -> torch.Tensor:
+        """A buffer for the chunk's payload on a tier (contents undefined); its bytes count from now."""
+        self._charged[location] += chunk.nbytes
+        if location is Location.CPU:
+            return self.pool.acquire(chunk.numel, chunk.dtype)
+        return torch.empty(chunk.numel, dtype=chunk.dtype, device=self.device)
+
+    def give_back(self, location: Location, buf: torch.Tensor) -> None:
+        self._charged[location] -= buf.numel() * buf.element_size()
+        if location is Location.CPU:
+            self.pool.release(buf)
+
+
+def fmt_bytes(nbytes: float) -> str:
+    if nbytes == float("inf"):
+        return "unbounded"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"

@@ -1,0 +1,40 @@
+"""Counters of a ChunkManager, for the monitor (a snapshot; the manager keeps the live one)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ManagerStats:
+    """What the memory manager did.
+
+    resident_bytes / peak_bytes: bytes held per tier ("device", "cpu": payloads, buffers of copies in
+    flight and kept free buffers; "nvme": payloads whose only copy is a swap file).
+    moved_bytes: payload bytes per direction ("cpu->nvme", "nvme->cpu", "device->cpu", ...).
+    prefetch_hits: accesses that found their chunk brought (or being brought) by a prefetch;
+    prefetch_misses: accesses that had to start a transfer themselves.
+    blocking_waits / io_wait_seconds: accesses that waited for a transfer still in flight, and how long.
+    """
+
+    resident_bytes: dict[str, int] = field(default_factory=dict)
+    peak_bytes: dict[str, int] = field(default_factory=dict)
+    moved_bytes: Counter = field(default_factory=Counter)
+    evictions: int = 0
+    prefetches: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    blocking_waits: int = 0
+    io_wait_seconds: float = 0.0
+    trace_divergences: int = 0
+    peak_non_chunk_bytes: int = 0
+
+    def as_scalars(self, prefix: str = "Offload/") -> dict[str, float]:
+        """Flat name → value pairs (TensorBoard scalars)."""
+        out = {f"{prefix}resident_bytes/{k}": v for k, v in self.resident_bytes.items()}
+        out.update({f"{prefix}moved_bytes/{k}": v for k, v in self.moved_bytes.items()})
+        for name in ("evictions", "prefetches", "prefetch_hits", "prefetch_misses", "blocking_waits",
+                     "io_wait_seconds", "trace_divergences", "peak_non_chunk_bytes"):
+            out[f"{prefix}{name}"] = getattr(self, name)
+        return out

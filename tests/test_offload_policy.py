@@ -1,0 +1,163 @@
+"""Tracer and policy: OPT eviction on a recorded trace, LRU without one, prefetch hides NVMe reads,
+and a departure from the trace falls back to on-demand, re-traces, and never gives a wrong result."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from offload.chunk import Location
+from offload.manager import Budgets, ChunkManager
+from offload.policy import choose_victim, upcoming
+from offload.tracer import Access, Trace, TracePhase, Tracer
+
+KIB = 1024
+
+
+def _trace(chunks: list[int]) -> Trace:
+    return Trace([Access(c, Location.DEVICE, 0.0, 0) for c in chunks])
+
+
+def test_next_use_counts_into_the_next_iteration():
+    trace = _trace([0, 1, 2, 0, 1, 3])
+    assert trace.next_use(0, 0) == 3 and trace.next_use(1, 1) == 4
+    assert trace.next_use(2, 2) == 2 + 6  # used once per iteration: next iteration's position
+    assert trace.next_use(3, 5) == 5 + 6 and trace.next_use(9, 0) == float("inf")
+
+
+def test_victim_is_the_farthest_next_use_then_the_least_recently_used():
+    trace = _trace([0, 1, 2, 0, 1, 3])
+    # at position 2 (chunk 2 being accessed): 0 is next used at 3, 1 at 4, 3 at 5
+    assert choose_victim([0, 1, 3], {0: 1, 1: 2, 3: 0}, trace, 2) == 3
+    assert choose_victim([0, 1], {0: 1, 1: 2}, trace, 2) == 1
+    assert choose_victim([0, 1, 7, 8], {7: 5, 8: 4}, trace, 2) == 8  # never used again: LRU among them
+    assert choose_victim([0, 1], {0: 1, 1: 2}, None, 2) == 0  # no trace: least recently used
+    assert choose_victim([0, 1], {}, trace, 2, only_if_used_after=4) is None  # a prefetch for position 4
+    assert upcoming(trace, 4, 4) == [(5, trace[5]), (6, trace[0]), (7, trace[1]), (8, trace[2])]
+    assert upcoming(trace, 0, 4) == [(1, trace[1]), (2, trace[2]), (3, trace[3])]  # 1 again at 4: once only
+
+
+def test_tracer_follows_then_detects_a_divergence_and_retraces():
+    tracer = Tracer(lambda: 123)
+    for c in (0, 1, 2):
+        assert tracer.on_access(c, Location.DEVICE) is TracePhase.RECORDING
+    tracer.end_iteration()
+    assert [a.chunk for a in tracer.trace.accesses] == [0, 1, 2] and tracer.trace.peak_non_chunk_bytes == 123
+    assert tracer.on_access(0, Location.DEVICE) is TracePhase.FOLLOWING
+    assert tracer.on_access(2, Location.DEVICE) is TracePhase.RECORDING  # 1 was skipped
+    tracer.end_iteration()
+    assert [a.chunk for a in tracer.trace.accesses] == [0, 2] and tracer.divergences == 1
+    assert tracer.on_access(0, Location.DEVICE) is TracePhase.FOLLOWING
+    tracer.end_iteration()  # ended early: a divergence too, and the shorter iteration is the trace
+    assert [a.chunk for a in tracer.trace.accesses] == [0] and tracer.divergences == 2
+
+
+def _run_iteration(m: ChunkManager, order: list[int], tensors, compute_seconds: float = 0.0) -> None:
+    for c in order:
+        views = m.access(c, Location.DEVICE)
+        assert torch.equal(views[0], tensors[c])  # every access, whatever the policy did: the right bytes
+        if compute_seconds:
+            time.sleep(compute_seconds)
+        m.release(c)
+    m.end_iteration()
+
+
+def test_after_warm_up_eviction_is_opt_not_lru():
+    tensors = [torch.randn(256) for _ in range(4)]
+    m = ChunkManager("cpu", Budgets(device=2 * KIB), prefetch_depth=0)  # room for 2 chunks of 1 KiB
+    m.register("param", tensors, capacity=256)
+    order = [0, 1, 2, 0, 1, 3]
+    _run_iteration(m, order, tensors)  # warm-up: LRU
+    _run_iteration(m, order, tensors)
+    # replay the start of the trace: at access 2, OPT evicts 1 (used at 4) not 0 (used at 3); LRU would evict 0
+    m.access(0)
+    m.release(0)
+    m.access(1)
+    m.release(1)
+    m.access(2)
+    assert m.chunk(0).location is Location.DEVICE and m.chunk(1).location is Location.CPU
+    m.close()
+
+    lru = ChunkManager("cpu", Budgets(device=2 * KIB), prefetch_depth=0)
+    lru.register("param", tensors, capacity=256)
+    for c in (0, 1, 2):  # warm-up, no trace yet: least recently used goes
+        lru.access(c)
+        lru.release(c)
+    assert lru.chunk(0).location is Location.CPU and lru.chunk(1).location is Location.DEVICE
+    lru.close()
+
+
+def test_prefetch_hides_nvme_reads_when_the_distance_allows(tmp_path):
+    n = 8
+    tensors = [torch.randn(64 * KIB) for _ in range(n)]  # 256 KiB chunks
+    m = ChunkManager("cpu", Budgets(device=3 * 256 * KIB, cpu=3 * 256 * KIB), nvme_dir=str(tmp_path),
+                     prefetch_depth=2, keep_free_bytes=0)
+    m.register("param", tensors, capacity=64 * KIB, location=Location.NVME)
+    order = list(range(n))
+    _run_iteration(m, order, tensors, compute_seconds=0.02)  # warm-up: every access reads on demand
+    warm = m.stats
+    assert warm.blocking_waits == n and warm.prefetch_misses == n and warm.prefetches == 0
+    _run_iteration(m, order, tensors, compute_seconds=0.02)  # the first access has no prefetch yet
+    before = m.stats
+    _run_iteration(m, order, tensors, compute_seconds=0.02)
+    after = m.stats
+    assert after.blocking_waits - before.blocking_waits == 0  # every chunk was ready when asked for
+    assert after.prefetch_misses == before.prefetch_misses  # no access had to start a transfer itself
+    assert after.prefetch_hits - before.prefetch_hits >= n - 3  # the rest were still on the device (room for 3)
+    assert after.moved_bytes["nvme->cpu"] > before.moved_bytes["nvme->cpu"]  # really read from disk each time
+    assert m.used_bytes(Location.DEVICE) <= 3 * 256 * KIB and m.used_bytes(Location.CPU) <= 3 * 256 * KIB
+    m.close()
+
+
+def test_without_prefetch_every_nvme_read_blocks(tmp_path):
+    n = 6
+    tensors = [torch.randn(64 * KIB) for _ in range(n)]
+    m = ChunkManager("cpu", Budgets(device=2 * 256 * KIB, cpu=2 * 256 * KIB), nvme_dir=str(tmp_path),
+                     prefetch_depth=0, keep_free_bytes=0)
+    m.register("param", tensors, capacity=64 * KIB, location=Location.NVME)
+    for _ in range(3):
+        _run_iteration(m, list(range(n)), tensors, compute_seconds=0.005)
+    stats = m.stats
+    assert stats.prefetches == 0 and stats.prefetch_hits == 0
+    # every access that needed its chunk from NVMe waited for the read (OPT kept some on the device)
+    assert stats.blocking_waits == stats.prefetch_misses >= 2 * n
+    m.close()
+
+
+def test_a_departure_from_the_trace_falls_back_and_retraces(tmp_path):
+    n = 6
+    tensors = [torch.randn(64 * KIB) for _ in range(n)]
+    m = ChunkManager("cpu", Budgets(device=2 * 256 * KIB, cpu=3 * 256 * KIB), nvme_dir=str(tmp_path),
+                     prefetch_depth=2)
+    m.register("param", tensors, capacity=64 * KIB, location=Location.NVME)
+    _run_iteration(m, [0, 1, 2, 3, 4, 5], tensors)
+    _run_iteration(m, [0, 1, 2, 3, 4, 5], tensors)
+    # a module skipped (2), one called twice (4), order changed (5 before 3): right bytes every time
+    _run_iteration(m, [0, 1, 4, 4, 5, 3], tensors)
+    assert m.stats.trace_divergences == 1 and m.tracer.phase is TracePhase.FOLLOWING
+    assert [a.chunk for a in m.tracer.trace.accesses] == [0, 1, 4, 4, 5, 3]  # re-traced
+    _run_iteration(m, [0, 1, 4, 4, 5, 3], tensors)
+    assert m.stats.trace_divergences == 1  # the new trace is followed
+    m.close()
+
+
+def test_warm_up_records_non_chunk_memory_and_the_device_budget_leaves_room_for_it():
+    mib16, chunk_bytes = 4 << 20, 16 << 20  # 16 MiB fp32 chunks, far above the RSS jitter between accesses
+    tensors = [torch.full((mib16,), float(i)) for i in range(4)]
+    m = ChunkManager("cpu", Budgets(), prefetch_depth=0, keep_free_bytes=0)
+    m.register("param", tensors, capacity=mib16)
+    _run_iteration(m, [0, 1, 2, 3], tensors)  # warm-up: no capacity known yet, all four on the device
+    assert m.used_bytes(Location.DEVICE) == 4 * chunk_bytes
+    peak = m.tracer.trace.peak_non_chunk_bytes
+    assert peak > 50 << 20  # the interpreter, torch and the test tensors: the process RSS minus the chunks
+    # the device can hold 2.5 chunks beyond what is not chunks: after warm-up at most 2 are resident
+    m.device_capacity = peak + 5 * chunk_bytes // 2
+    for order in ([0, 1, 2, 3], [0, 1, 2, 3]):
+        for c in order:
+            m.access(c, Location.DEVICE)
+            assert m.used_bytes(Location.DEVICE) <= 2 * chunk_bytes
+            m.release(c)
+        m.end_iteration()
+    assert m.stats.peak_non_chunk_bytes == peak
+    m.close()
