@@ -5,8 +5,10 @@ A chunk moving to the CPU tier needs a host buffer of its size; a fresh one cost
 (~4 GB/s here, a third of an NVMe read of the same chunk), and on CUDA a pinned allocation
 costs a driver call and is what lets a copy run on a side stream without blocking. Chunks of a
 list mostly share one capacity, so buffers are reused by exact (numel, dtype). Buffers come from
-`aligned_empty`: page-aligned and padded to the NVMe block size, so the NVMe store transfers
-them with O_DIRECT without a staging copy.
+`aligned_empty` (pinned: a pinned allocation, page-aligned by the driver): page-aligned and
+padded to the NVMe block size, so the NVMe store transfers them with O_DIRECT without a staging
+copy — unless the padding would exceed 1/8 of the payload (a chunk far smaller than a block):
+such a buffer is plain and its transfers are staged. A buffer counts with its whole allocation.
 Free buffers the pool keeps are memory the manager holds: they count against the CPU budget
 (`free_bytes`), and the manager trims the pool before it evicts a chunk to make room.
 """
@@ -17,7 +19,7 @@ from collections import defaultdict
 
 import torch
 
-from offload.direct_io import aligned_empty
+from offload.direct_io import PAGE, aligned_empty
 
 
 class HostBufferPool:
@@ -34,16 +36,32 @@ class HostBufferPool:
         """A host buffer of `numel` elements (contents undefined)."""
         kept = self._free.get((numel, dtype))
         if kept:
-            self.free_bytes -= numel * dtype.itemsize
-            return kept.pop()
-        if self.pinned:
-            # cudaHostAlloc returns page-aligned memory; NVMe transfers of it stage only the padded tail
-            return torch.empty(numel, dtype=dtype, pin_memory=True)
+            buf = kept.pop()
+            self.free_bytes -= buf.untyped_storage().nbytes()
+            return buf
+        padded = self._padded(numel, dtype)
+        if padded is None:
+            return torch.empty(numel, dtype=dtype, pin_memory=self.pinned)
+        if self.pinned:  # cudaHostAlloc memory is page-aligned: padded, it is swapped in place too
+            return torch.empty(padded, dtype=torch.uint8, pin_memory=True).view(dtype)[:numel]
         return aligned_empty(numel, dtype, self.block_size)
+
+    def footprint(self, numel: int, dtype: torch.dtype) -> int:
+        """The bytes a buffer from `acquire(numel, dtype)` holds (its whole allocation)."""
+        padded = self._padded(numel, dtype)
+        if padded is None:
+            return numel * dtype.itemsize
+        return padded if self.pinned else padded + PAGE  # aligned_empty slides the start onto a page
+
+    def _padded(self, numel: int, dtype: torch.dtype) -> int | None:
+        """The padded byte size of an in-place-swappable buffer; None when padding would cost over 1/8."""
+        nbytes = numel * dtype.itemsize
+        padded = -(-nbytes // self.block_size) * self.block_size
+        return None if padded - nbytes > nbytes // 8 else padded
 
     def release(self, buf: torch.Tensor) -> None:
         """Gives a buffer back (the caller keeps no view of it); kept for reuse while within `keep_bytes`."""
-        nbytes = buf.numel() * buf.element_size()
+        nbytes = buf.untyped_storage().nbytes()
         if self.free_bytes + nbytes <= self.keep_bytes:
             self._free[(buf.numel(), buf.dtype)].append(buf)
             self.free_bytes += nbytes
@@ -54,8 +72,7 @@ class HostBufferPool:
         for key in list(self._free):
             bufs = self._free[key]
             while bufs and (nbytes is None or freed < nbytes):
-                buf = bufs.pop()
-                freed += buf.numel() * buf.element_size()
+                freed += bufs.pop().untyped_storage().nbytes()
             if not bufs:
                 del self._free[key]
         self.free_bytes -= freed

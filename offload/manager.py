@@ -40,10 +40,10 @@ from offload.copy_engine import CopyDone, CopyEngine
 from offload.errors import OffloadError
 from offload.host_pool import HostBufferPool
 from offload.nvme import NvmeStore
-from offload.residency import ChunkEntry, Residency, Transfer, fmt_bytes
+from offload.residency import ChunkEntry, Residency, Transfer, fmt_bytes, held_bytes
 from offload.policy import choose_victim, upcoming
 from offload.stats import ManagerStats
-from offload.states import TensorState
+from offload.states import TensorState, check_transition
 from offload.tracer import TracePhase, Tracer
 
 _RANK = {Location.DEVICE: 0, Location.CPU: 1, Location.NVME: 2}
@@ -112,6 +112,8 @@ class ChunkManager:
             raise ValueError(f"register({kind!r}) needs at least one tensor")
         if location is Location.RELEASED:
             raise ValueError("register onto a tier (DEVICE, CPU or NVME); RELEASED chunks hold nothing")
+        if location is Location.NVME and self.store is None:
+            raise OffloadError(f"cannot register {kind!r} onto NVMe: no nvme_dir was given to the ChunkManager")
         dtype = dtype or tensors[0].dtype
         shapes = [t.shape for t in tensors]
         slots, sizes = plan_slots(shapes, capacity or best_capacity(shapes, DEFAULT_CHUNK_CAPACITY))
@@ -150,6 +152,9 @@ class ChunkManager:
         entry = self._entry(chunk)
         if location not in (Location.DEVICE, Location.CPU):
             raise ValueError(f"access makes a chunk resident for compute: DEVICE or CPU, not {location}")
+        if entry.chunk.pinned and entry.chunk.location is not location:
+            raise OffloadError(f"chunk {entry.describe()} is in use on the {entry.chunk.location.value} tier (a tensor "
+                               f"is in COMPUTE): release it before accessing it on the {location.value} tier")
         phase = self.tracer.on_access(chunk, location)
         self._clock += 1
         self._last_used[chunk] = self._clock
@@ -162,17 +167,16 @@ class ChunkManager:
         self._move(entry, location, protect={chunk}, on_demand=True)
         self._make_room(location, 0, {chunk})  # the budget may have shrunk (device_capacity): shed the excess
         self._settle(entry, block=True, count_wait=True, on_compute_stream=location is Location.DEVICE)
-        for i in range(len(entry.chunk.slots)) if tensors is None else tensors:
-            entry.chunk.set_state(i, TensorState.COMPUTE)
+        self._set_states(entry, TensorState.COMPUTE, tensors)
         if phase is TracePhase.FOLLOWING and self.prefetch_depth > 0:
-            self._prefetch_ahead(self.tracer.position - 1)
+            self._prefetch_ahead(self.tracer.position - 1)  # best effort: never raises
         return entry.chunk.views()
 
     def release(self, chunk: int, state: TensorState = TensorState.HOLD, tensors: Sequence[int] | None = None) -> None:
         """Ends the use of `tensors` (default all) of a chunk; a chunk whose tensors are all FREE drops its payload."""
+        self._check_open()
         entry = self._entry(chunk)
-        for i in range(len(entry.chunk.slots)) if tensors is None else tensors:
-            entry.chunk.set_state(i, state)
+        self._set_states(entry, state, tensors)
         if entry.chunk.state is TensorState.FREE:
             self._drop(entry)
 
@@ -192,11 +196,17 @@ class ChunkManager:
             self._settle(entry, block=True)
 
     def prefetch(self, chunk: int, location: Location = Location.DEVICE) -> bool:
-        """Starts bringing a chunk toward `location` without evicting anything in use; False if no room."""
+        """Starts bringing a chunk toward `location` without evicting anything in use or waiting for the disk;
+        False if that is not possible now (no room, or the chunk is in COMPUTE elsewhere)."""
         self._check_open()
         entry = self._entry(chunk)
+        if entry.chunk.pinned:
+            return entry.chunk.location is location
         self._settle_finished()
-        return self._start_prefetch(entry, location, float("-inf"))
+        try:
+            return self._start_prefetch(entry, location, float("-inf"))
+        except OffloadError:
+            return False  # e.g. the eviction it needed hit a full disk: rolled back, a demand access will say so
 
     def free(self, chunk: int) -> None:
         """Marks every tensor of a chunk FREE and drops its payload (and swap file)."""
@@ -277,7 +287,8 @@ class ChunkManager:
             step = {Location.NVME: Location.CPU, Location.CPU: Location.DEVICE}[here] if up else here.below
             if prefetch and not up:
                 return False
-            if step is not Location.NVME and not self._make_room(step, entry.chunk.nbytes, protect, only_if_used_after):
+            if step is not Location.NVME and not self._make_room(step, self._chunks.footprint(step, entry.chunk),
+                                                                 protect, only_if_used_after):
                 return False
             if step is Location.NVME:
                 self._swap_out(entry)
@@ -291,14 +302,18 @@ class ChunkManager:
 
     def _materialize(self, entry: ChunkEntry, location: Location, protect: set[int]) -> None:
         """A RELEASED chunk gets a zeroed payload on `location` (its values were FREE)."""
-        self._make_room(location, entry.chunk.nbytes, protect)
+        self._make_room(location, self._chunks.footprint(location, entry.chunk), protect)
         self._chunks.place(entry, location, self._chunks.allocate(location, entry.chunk).zero_())
 
     def _copy(self, entry: ChunkEntry, target: Location) -> None:
         chunk, source = entry.chunk, entry.chunk.location
         old = chunk.payload
         new = self._chunks.allocate(target, chunk)
-        done = self.copies.copy(new, old, f"{source.value}->{target.value}")
+        try:
+            done = self.copies.copy(new, old, f"{source.value}->{target.value}")
+        except BaseException:
+            self._chunks.give_back(target, new)
+            raise
         self._chunks.place(entry, target, new)
         self._stats.moved_bytes[f"{source.value}->{target.value}"] += chunk.nbytes
 
@@ -343,14 +358,19 @@ class ChunkManager:
         try:
             transfer.wait()
         except OffloadError:
-            transfer.undo()  # back on the CPU with its data; the disk's error still reaches the caller
-            raise
+            self._stats.failed_transfers += 1
+            transfer.undo()  # the write failed: the chunk is back on the CPU with its data, where it is wanted
+            return
         self._chunks.set_transfer(entry, None)
         self._chunks.place(entry, Location.CPU, transfer.frees[1])
 
     def _drop(self, entry: ChunkEntry) -> None:
+        """Frees a chunk's payload and swap file; its data is not wanted, so a failed transfer does not matter."""
         if entry.transfer is not None:
-            self._settle(entry, block=True)
+            try:
+                self._settle(entry, block=True)
+            except OffloadError:
+                pass  # rolled back; dropped below all the same
         if entry.chunk.payload is not None:
             self._chunks.give_back(entry.chunk.location, entry.chunk.payload)
         if entry.on_disk:
@@ -396,9 +416,14 @@ class ChunkManager:
             self._stats.io_wait_seconds += time.perf_counter() - start
 
     def _settle_finished(self) -> None:
+        """Settles the transfers that finished. One that failed is rolled back (the chunk is where it was, with
+        its data) and counted, not raised: its error reaches whoever needs that chunk or that room."""
         for entry in list(self._chunks.in_flight.values()):
             if entry.transfer.done():
-                self._settle(entry, block=False)
+                try:
+                    self._settle(entry, block=False)
+                except OffloadError:
+                    self._stats.failed_transfers += 1
 
     # ---- budgets
 
@@ -428,8 +453,10 @@ class ChunkManager:
                 continue
             leaving = [e for e in self._chunks.in_flight.values()
                        if e.transfer.frees is not None and e.transfer.frees[0] is location]
-            if leaving and sum(e.chunk.nbytes for e in leaving) >= excess:
-                self._settle(leaving[0], block=True)  # room is on its way: wait rather than evict more
+            if leaving and sum(held_bytes(e.transfer.frees[1]) for e in leaving) >= excess:
+                if prefetch:
+                    return False  # room is on its way; a prefetch never waits for the disk: next access retries
+                self._settle(leaving[0], block=True)  # wait rather than evict more
                 continue
             victim = None
             if nbytes <= budget:
@@ -440,11 +467,13 @@ class ChunkManager:
                 if not self._evict(self._chunks.entries[victim], protect, only_if_used_after):
                     return False
                 continue
-            if leaving and nbytes <= budget:
-                self._settle(leaving[0], block=True)
-                continue
             if prefetch:
                 return False
+            arriving = [e for e in self._chunks.in_flight.values()
+                        if e.chunk.location is location and not e.chunk.pinned and e.id not in protect]
+            if (leaving or arriving) and nbytes <= budget:
+                self._settle((leaving or arriving)[0], block=True)  # then it can go, or its room is free
+                continue
             raise BudgetError(self._budget_message(location, nbytes, budget, protect))
         self._stats.peak_bytes[location.value] = max(self._stats.peak_bytes.get(location.value, 0),
                                                      self.used_bytes(location) + nbytes)
@@ -459,7 +488,8 @@ class ChunkManager:
     def _evict(self, entry: ChunkEntry, protect: set[int], only_if_used_after: float | None) -> bool:
         below = entry.chunk.location.below
         if only_if_used_after is not None and below is not Location.NVME:
-            if not self._make_room(below, entry.chunk.nbytes, protect | {entry.id}, only_if_used_after):
+            if not self._make_room(below, self._chunks.footprint(below, entry.chunk), protect | {entry.id},
+                                   only_if_used_after):
                 return False
         self._stats.evictions += 1
         entry.prefetched = False
@@ -489,12 +519,16 @@ class ChunkManager:
             entry = self._chunks.entries[access.chunk]
             if entry.chunk.location is access.location or entry.chunk.pinned:
                 continue
-            if not self._start_prefetch(entry, access.location, position):
-                break  # no room for this one: later ones are needed even later
+            try:
+                if not self._start_prefetch(entry, access.location, position):
+                    break  # no room for this one: later ones are needed even later
+            except OffloadError:
+                self._stats.failed_transfers += 1  # rolled back; a demand access will meet the error
+                break
 
     def _start_prefetch(self, entry: ChunkEntry, location: Location, position: float) -> bool:
-        if entry.chunk.location is Location.RELEASED or _RANK.get(entry.chunk.location, -1) <= _RANK[location]:
-            return entry.chunk.location is location
+        if entry.chunk.location is Location.RELEASED or _RANK[entry.chunk.location] <= _RANK[location]:
+            return True  # nothing to bring: allocated on access, or already there (or above)
         started = entry.transfer is None
         if not self._move(entry, location, protect={entry.id}, only_if_used_after=position):
             return False
@@ -507,6 +541,14 @@ class ChunkManager:
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device) - self.used_bytes(Location.DEVICE)
         return self._process.memory_info().rss - self.used_bytes(Location.DEVICE) - self.used_bytes(Location.CPU)
+
+    def _set_states(self, entry: ChunkEntry, state: TensorState, tensors: Sequence[int] | None) -> None:
+        """All or none: every change is checked (Note [chunk states]) before any is made."""
+        indices = range(len(entry.chunk.slots)) if tensors is None else list(tensors)
+        for i in indices:
+            check_transition(entry.chunk.states[i], state, f"tensor {i} of chunk {entry.describe()}")
+        for i in indices:
+            entry.chunk.set_state(i, state)
 
     def _entry(self, chunk: int) -> ChunkEntry:
         entries = self._chunks.entries
@@ -522,4 +564,4 @@ class ChunkManager:
 def _list(entries: list[ChunkEntry]) -> str:
     if not entries:
         return "none"
-    return ", ".join(e.describe() for e in entries) + f" = {fmt_bytes(sum(e.chunk.nbytes for e in entries))}"
+    return ", ".join(e.describe() for e in entries) + f" = {fmt_bytes(sum(e.held for e in entries))}"

@@ -40,7 +40,12 @@ class ChunkEntry:
         self.on_disk = False  # a swap file of it exists
 
     def describe(self) -> str:
-        return f"{self.id} ({self.kind}, {fmt_bytes(self.chunk.nbytes)})"
+        return f"{self.id} ({self.kind}, {fmt_bytes(self.held)})"
+
+    @property
+    def held(self) -> int:
+        """Bytes its payload buffer holds (with padding), or its payload size when it has none."""
+        return held_bytes(self.chunk.payload) if self.chunk.payload is not None else self.chunk.nbytes
 
 
 class Residency:
@@ -86,17 +91,29 @@ class Residency:
             return sum(e.chunk.nbytes for e in self._at[Location.NVME].values())
         return self._charged[location] + (self.pool.free_bytes if location is Location.CPU else 0)
 
+    def footprint(self, location: Location, chunk: Chunk) -> int:
+        """The bytes `allocate` will hold for this chunk on a tier."""
+        return self.pool.footprint(chunk.numel, chunk.dtype) if location is Location.CPU else chunk.nbytes
+
     def allocate(self, location: Location, chunk: Chunk) -> torch.Tensor:
-        """A buffer for the chunk's payload on a tier (contents undefined); its bytes count from now."""
-        self._charged[location] += chunk.nbytes
+        """A buffer for the chunk's payload on a tier (contents undefined). Its whole allocation counts from now
+        (with any padding for O_DIRECT: Note [host buffer pool]); a failed allocation counts nothing."""
         if location is Location.CPU:
-            return self.pool.acquire(chunk.numel, chunk.dtype)
-        return torch.empty(chunk.numel, dtype=chunk.dtype, device=self.device)
+            buf = self.pool.acquire(chunk.numel, chunk.dtype)
+        else:
+            buf = torch.empty(chunk.numel, dtype=chunk.dtype, device=self.device)
+        self._charged[location] += held_bytes(buf)
+        return buf
 
     def give_back(self, location: Location, buf: torch.Tensor) -> None:
-        self._charged[location] -= buf.numel() * buf.element_size()
+        self._charged[location] -= held_bytes(buf)
         if location is Location.CPU:
             self.pool.release(buf)
+
+
+def held_bytes(buf: torch.Tensor) -> int:
+    """The memory a payload buffer really holds: its whole storage (a padded buffer holds more than its numel)."""
+    return buf.untyped_storage().nbytes()
 
 
 def fmt_bytes(nbytes: float) -> str:

@@ -28,6 +28,7 @@ class ManagerStats:
     blocking_waits: int = 0
     io_wait_seconds: float = 0.0
     trace_divergences: int = 0
+    failed_transfers: int = 0  # rolled back in the background (their error reached a later demand, if any)
     peak_non_chunk_bytes: int = 0
 
     def as_scalars(self, prefix: str = "Offload/") -> dict[str, float]:
@@ -35,6 +36,6 @@ class ManagerStats:
         out = {f"{prefix}resident_bytes/{k}": v for k, v in self.resident_bytes.items()}
         out.update({f"{prefix}moved_bytes/{k}": v for k, v in self.moved_bytes.items()})
         for name in ("evictions", "prefetches", "prefetch_hits", "prefetch_misses", "blocking_waits",
-                     "io_wait_seconds", "trace_divergences", "peak_non_chunk_bytes"):
+                     "io_wait_seconds", "trace_divergences", "failed_transfers", "peak_non_chunk_bytes"):
             out[f"{prefix}{name}"] = getattr(self, name)
         return out

@@ -65,3 +65,15 @@ def test_tensor_states_follow_the_legal_transitions():
     assert chunk.state is TensorState.FREE
     with pytest.raises(IllegalTransition, match="FREE → HOLD_AFTER_FWD"):
         chunk.set_state(1, TensorState.HOLD_AFTER_FWD)
+
+
+def test_fast_padded_size_agrees_with_the_packing_it_summarizes():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        shapes = [torch.Size([rng.choice([1, 3, 7, 20, 64, 100, 300])]) for _ in range(rng.randint(1, 40))]
+        capacity, align = rng.randint(1, 200), rng.choice([1, 4, 16])
+        first = rng.choice([None, rng.randint(1, 100)])
+        assert padded_size(shapes, capacity, align, first) == sum(plan_slots(shapes, capacity, align, first)[1])
+

@@ -34,10 +34,10 @@ def _held_bytes(m: ChunkManager) -> dict[Location, int]:
     for cid in range(len(m._chunks.entries)):
         entry = m._chunks.entries[cid]
         if entry.chunk.payload is not None:
-            held[entry.chunk.location] += entry.chunk.payload.numel() * entry.chunk.payload.element_size()
+            held[entry.chunk.location] += entry.chunk.payload.untyped_storage().nbytes()
         if entry.transfer is not None and entry.transfer.frees is not None:
             location, buf = entry.transfer.frees
-            held[location] += buf.numel() * buf.element_size()
+            held[location] += buf.untyped_storage().nbytes()
     return held
 
 
@@ -46,9 +46,9 @@ def test_random_operations_keep_budgets_and_bytes(tmp_path, seed):
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     chunk_numel = 512
-    # chunks of 1-4 KiB by dtype; up to 3 in use at once; the device has room for
-    # just those 3 at their largest, the CPU for 4: constant eviction
-    budgets = Budgets(device=3 * 4096, cpu=4 * 4096)
+    # chunks of 1-4 KiB by dtype, up to 3 in use at once: the device has room for just 3 of the largest,
+    # the CPU for 4 (a 4 KiB host buffer padded for O_DIRECT holds 8 KiB): constant eviction
+    budgets = Budgets(device=3 * 4096, cpu=4 * 8192)
     m = ChunkManager("cpu", budgets, nvme_dir=str(tmp_path), nvme_block_size=4096, prefetch_depth=2,
                      keep_free_bytes=4096)
     shadow: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, index) -> expected contents
@@ -101,6 +101,6 @@ def test_random_operations_keep_budgets_and_bytes(tmp_path, seed):
         m.release(cid)
     stats = m.stats
     assert operations == 12 * 24
-    assert stats.evictions > 20 and stats.moved_bytes["cpu->nvme"] > 0 and stats.moved_bytes["nvme->cpu"] > 0
+    assert stats.evictions > 10 and stats.moved_bytes["cpu->nvme"] > 0 and stats.moved_bytes["nvme->cpu"] > 0
     assert stats.moved_bytes["device->cpu"] > 0 and stats.prefetches > 0 and stats.trace_divergences > 0
     m.close()
