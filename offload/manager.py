@@ -501,6 +501,9 @@ class ChunkManager:
         pinned = [e for e in here if e.chunk.pinned]
         moving = [e for e in here if e.transfer is not None or e.id in protect]
         what = f"{fmt_bytes(nbytes)} more on the {location.value} tier"
+        if location is Location.DEVICE and self.device_capacity is not None and self.tracer.trace is not None:
+            what += (f" (its budget now is device_capacity {fmt_bytes(self.device_capacity)} minus the "
+                     f"{fmt_bytes(self.device_capacity - budget)} of non-chunk memory the trace recorded here)")
         if nbytes > budget:
             return (f"cannot place {what}: a chunk of {fmt_bytes(nbytes)} is larger than the whole {location.value} "
                     f"budget of {fmt_bytes(budget)}; raise that budget or register with a smaller chunk capacity")

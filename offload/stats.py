@@ -12,7 +12,8 @@ class ManagerStats:
 
     resident_bytes / peak_bytes: bytes held per tier ("device", "cpu": payloads, buffers of copies in
     flight and kept free buffers; "nvme": payloads whose only copy is a swap file).
-    moved_bytes: payload bytes per direction ("cpu->nvme", "nvme->cpu", "device->cpu", ...).
+    moved_bytes: payload bytes per direction ("cpu->nvme", "nvme->cpu", "device->cpu", ...), counted when
+    issued (a transfer that failed and was rolled back is in `failed_transfers` as well).
     prefetch_hits: accesses that found their chunk brought (or being brought) by a prefetch;
     prefetch_misses: accesses that had to start a transfer themselves.
     blocking_waits / io_wait_seconds: accesses that waited for a transfer still in flight, and how long.

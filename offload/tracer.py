@@ -11,7 +11,8 @@ skipped, called twice, reordered, an iteration longer or shorter) is a divergenc
 switches to RECORDING for the rest of the iteration — the manager then works on demand, with LRU
 eviction and no prefetch, so a wrong guess can cost time but never a result — and at the end of
 the iteration the recording replaces the trace. Data is always made resident by `access`
-itself; the trace only decides what to move early and what to evict.
+itself; the trace only decides what to move early and what to evict. The caller marks iteration
+ends (`ChunkManager.end_iteration`); without them the recording would grow without bound.
 """
 
 from __future__ import annotations

@@ -207,3 +207,12 @@ def test_close_removes_the_swap_files(tmp_path):
     assert os.listdir(tmp_path) == []
     with pytest.raises(OffloadError, match="closed"):
         m.access(0)
+
+
+def test_offload_stands_alone_without_engine():
+    import subprocess
+    import sys
+
+    code = ("import sys, offload, offload.manager, offload.nvme, offload.tracer, offload.policy; "
+            "assert not [m for m in sys.modules if m == 'engine' or m.startswith('engine.')], 'engine imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
