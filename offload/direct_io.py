@@ -111,17 +111,20 @@ class DirectFiles:
         fd = self._open(path, write)
         try:
             total = sum(len(p) for p in pieces)
-            if not write and (size := os.fstat(fd).st_size) != total:
+            size = os.fstat(fd).st_size
+            if not write and size != total:
                 raise Truncated(size)
             offset = 0
             for view in pieces:
                 _move_all(fd, view, offset, write)
                 offset += len(view)
+            if write and size > total:  # an existing file overwritten in place (no O_TRUNC: its blocks are reused)
+                os.ftruncate(fd, total)
         finally:
             os.close(fd)
 
     def _open(self, path: str, write: bool) -> int:
-        flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
+        flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
         direct = self.enabled
         try:
             return os.open(path, flags | (O_DIRECT if direct else 0), 0o600)

@@ -17,6 +17,13 @@ waiting for transfers in flight if that is what frees the room. If nothing can f
 `BudgetError` names the budget, the demand and what holds the tier. NVMe is bounded by the disk:
 a full disk fails the swap, the chunk stays where it was (nothing lost), the error propagates.
 
+Note [clean chunks]
+A chunk read back from NVMe and only read since (every `access` said writes=False) still
+matches its swap file: evicting it to NVMe drops the payload instead of writing it again, which
+halves the disk traffic of parameters that forward and backward only read. `disk_current`
+records that: set when a swap-out is issued or the chunk is read back, cleared by an access that
+may write and by a failed swap-out. Registration and materialization leave it False.
+
 Transfers: CPU↔NVMe through the NvmeStore's worker threads, device↔CPU through the copy engine
 (Note [side-stream copies]); a chunk has at most one transfer in flight, and `access` waits for
 it (counted as a blocking wait). Warm-up, trace-following and prefetch: Note [trace and
@@ -73,7 +80,7 @@ class ChunkManager:
     """Chunks of registered tensors on device / CPU / NVMe under byte budgets (Note [chunk manager])."""
 
     def __init__(self, device: torch.device | str = "cpu", budgets: Budgets = Budgets(), *,
-                 nvme_dir: str | None = None, nvme_threads: int = 1, nvme_queue_depth: int = 8,
+                 nvme_dir: str | None = None, nvme_threads: int = 2, nvme_queue_depth: int = 8,
                  nvme_block_size: int = 1 << 20,
                  pin_memory: bool | None = None, prefetch_depth: int = 4, keep_free_bytes: int = 1 << 28,
                  device_capacity: int | None = None):
@@ -146,8 +153,13 @@ class ChunkManager:
     # ---- use
 
     def access(self, chunk: int, location: Location = Location.DEVICE,
-               tensors: Sequence[int] | None = None) -> list[torch.Tensor]:
-        """Makes the chunk resident on `location`, marks `tensors` (default all) COMPUTE, returns all views."""
+               tensors: Sequence[int] | None = None, *, writes: bool = True) -> list[torch.Tensor]:
+        """Makes the chunk resident on `location`, marks `tensors` (default all) COMPUTE, returns all views.
+
+        writes=False promises the caller will not modify the chunk during this use: a chunk whose swap
+        file is then still current is evicted to NVMe by dropping its payload, with no write (Note
+        [clean chunks]). Modifying it anyway loses the change at its next eviction.
+        """
         self._check_open()
         entry = self._entry(chunk)
         if location not in (Location.DEVICE, Location.CPU):
@@ -168,6 +180,8 @@ class ChunkManager:
         self._make_room(location, 0, {chunk})  # the budget may have shrunk (device_capacity): shed the excess
         self._settle(entry, block=True, count_wait=True, on_compute_stream=location is Location.DEVICE)
         self._set_states(entry, TensorState.COMPUTE, tensors)
+        if writes:
+            entry.disk_current = False
         if phase is TracePhase.FOLLOWING and self.prefetch_depth > 0:
             self._prefetch_ahead(self.tracer.position - 1)  # best effort: never raises
         return entry.chunk.views()
@@ -301,7 +315,7 @@ class ChunkManager:
         return True
 
     def _materialize(self, entry: ChunkEntry, location: Location, protect: set[int]) -> None:
-        """A RELEASED chunk gets a zeroed payload on `location` (its values were FREE)."""
+        """A RELEASED chunk gets a zeroed payload on `location` (its values were FREE; it has no swap file)."""
         self._make_room(location, self._chunks.footprint(location, entry.chunk), protect)
         self._chunks.place(entry, location, self._chunks.allocate(location, entry.chunk).zero_())
 
@@ -326,16 +340,22 @@ class ChunkManager:
     def _swap_out(self, entry: ChunkEntry) -> None:
         chunk = entry.chunk
         buf = chunk.payload
-        handle = self.store.write(entry.key, buf)
+        if entry.disk_current:  # Note [clean chunks]: the file already holds these bytes
+            self._chunks.give_back(Location.CPU, buf)
+            self._chunks.place(entry, Location.NVME, None)
+            self._stats.clean_drops += 1
+            return
+        handle = self.store.write(entry.key, buf, keep_previous=False)  # on failure the CPU copy is kept
         self._chunks.place(entry, Location.NVME, None)
         self._stats.moved_bytes["cpu->nvme"] += chunk.nbytes
 
         def undo() -> None:  # the disk refused it: the chunk stays on the CPU with its data
             self._chunks.place(entry, Location.CPU, buf)
             self._chunks.set_transfer(entry, None)
+            entry.disk_current = False
 
         self._chunks.set_transfer(entry, Transfer(handle, (Location.CPU, buf), undo))
-        entry.on_disk = True
+        entry.on_disk = entry.disk_current = True
 
     def _swap_in(self, entry: ChunkEntry) -> None:
         chunk = entry.chunk
@@ -375,7 +395,7 @@ class ChunkManager:
             self._chunks.give_back(entry.chunk.location, entry.chunk.payload)
         if entry.on_disk:
             self.store.remove(entry.key)
-            entry.on_disk = False
+            entry.on_disk = entry.disk_current = False
         self._chunks.place(entry, Location.RELEASED, None)
         entry.prefetched = False
 

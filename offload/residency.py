@@ -38,6 +38,7 @@ class ChunkEntry:
         self.transfer: Transfer | None = None
         self.prefetched = False  # brought by a prefetch and not yet accessed
         self.on_disk = False  # a swap file of it exists
+        self.disk_current = False  # ... and holds exactly its current bytes (Note [clean chunks])
 
     def describe(self) -> str:
         return f"{self.id} ({self.kind}, {fmt_bytes(self.held)})"

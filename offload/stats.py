@@ -23,6 +23,7 @@ class ManagerStats:
     peak_bytes: dict[str, int] = field(default_factory=dict)
     moved_bytes: Counter = field(default_factory=Counter)
     evictions: int = 0
+    clean_drops: int = 0  # evictions to NVMe that needed no write (Note [clean chunks])
     prefetches: int = 0
     prefetch_hits: int = 0
     prefetch_misses: int = 0
@@ -36,7 +37,7 @@ class ManagerStats:
         """Flat name → value pairs (TensorBoard scalars)."""
         out = {f"{prefix}resident_bytes/{k}": v for k, v in self.resident_bytes.items()}
         out.update({f"{prefix}moved_bytes/{k}": v for k, v in self.moved_bytes.items()})
-        for name in ("evictions", "prefetches", "prefetch_hits", "prefetch_misses", "blocking_waits",
+        for name in ("evictions", "clean_drops", "prefetches", "prefetch_hits", "prefetch_misses", "blocking_waits",
                      "io_wait_seconds", "trace_divergences", "failed_transfers", "peak_non_chunk_bytes"):
             out[f"{prefix}{name}"] = getattr(self, name)
         return out

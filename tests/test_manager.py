@@ -216,3 +216,22 @@ def test_offload_stands_alone_without_engine():
     code = ("import sys, offload, offload.manager, offload.nvme, offload.tracer, offload.policy; "
             "assert not [m for m in sys.modules if m == 'engine' or m.startswith('engine.')], 'engine imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_a_chunk_only_read_since_its_swap_in_is_dropped_not_rewritten(tmp_path):
+    m = _manager(tmp_path, cpu=KIB)  # room for one chunk: each access evicts the other
+    tensors = _tensors(2)
+    m.register("param", tensors, capacity=256, location=Location.NVME)
+    writes = m.store.stats.writes
+    for _ in range(3):
+        for c in (0, 1):
+            assert torch.equal(m.access(c, Location.CPU, writes=False)[0], tensors[c])
+            m.release(c)
+    assert m.store.stats.writes == writes and m.stats.clean_drops >= 5  # read back 6 times, never rewritten
+    m.access(0, Location.CPU)[0].fill_(5.0)  # may write (the default): the next eviction writes it
+    m.release(0)
+    m.access(1, Location.CPU, writes=False)
+    m.release(1)
+    assert m.store.stats.writes == writes + 1
+    assert torch.equal(m.access(0, Location.CPU)[0], torch.full((256,), 5.0))
+    m.close()

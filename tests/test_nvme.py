@@ -576,3 +576,32 @@ def test_scratch_read_into_an_aligned_tensor_is_in_place_and_still_checked(tmp_p
         store.read("k", plain, scratch=True).wait()
     assert torch.equal(plain, torch.zeros(3000))
     store.close()
+
+
+def test_overwrite_in_place_reuses_the_file_and_a_failure_refuses_the_key(tmp_path, monkeypatch):
+    store = NvmeStore(str(tmp_path), block_size=4096)
+    big, small = torch.randn(5000), torch.randn(1000)
+    store.write("k", big, keep_previous=False).wait()
+    [name] = _swap_files(store)
+    inode = os.stat(os.path.join(store.path, name)).st_ino
+    store.write("k", small, keep_previous=False).wait()  # shorter: the file is cut to its padded size
+    assert _swap_files(store) == [name] and os.stat(os.path.join(store.path, name)).st_ino == inode
+    assert os.path.getsize(os.path.join(store.path, name)) == 4096
+    out = torch.empty(1000)
+    store.read("k", out).wait()
+    assert torch.equal(out, small)
+
+    def enospc(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", enospc)
+    with pytest.raises(SwapWriteError, match="disk is full.*partly overwritten: reads refuse the key"):
+        store.write("k", big, keep_previous=False).wait()
+    monkeypatch.undo()
+    with pytest.raises(SwapIntegrityError, match="its last write failed"):
+        store.read("k", torch.empty(1000)).wait()  # the last good version is 1000 long, and refused
+    store.write("k", big, keep_previous=False).wait()
+    out = torch.empty(5000)
+    store.read("k", out).wait()
+    assert torch.equal(out, big)
+    store.close()
