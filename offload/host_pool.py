@@ -66,14 +66,24 @@ class HostBufferPool:
             self._free[(buf.numel(), buf.dtype)].append(buf)
             self.free_bytes += nbytes
 
-    def trim(self, nbytes: int | None = None) -> int:
-        """Frees kept buffers, at least `nbytes` of them (all if None); returns the bytes freed."""
+    def has(self, numel: int, dtype: torch.dtype) -> bool:
+        """Whether `acquire(numel, dtype)` would reuse a kept buffer (and so hold no new memory)."""
+        return bool(self._free.get((numel, dtype)))
+
+    def trim(self, nbytes: int | None = None, spare: tuple[int, torch.dtype] | None = None) -> int:
+        """Frees kept buffers, at least `nbytes` of them (all if None), but one of (numel, dtype) `spare`;
+        returns the bytes freed."""
         freed = 0
         for key in list(self._free):
             bufs = self._free[key]
-            while bufs and (nbytes is None or freed < nbytes):
+            while len(bufs) > (key == spare) and (nbytes is None or freed < nbytes):
                 freed += bufs.pop().untyped_storage().nbytes()
             if not bufs:
                 del self._free[key]
         self.free_bytes -= freed
         return freed
+
+    def trimmable_bytes(self, spare: tuple[int, torch.dtype] | None = None) -> int:
+        """What `trim(None, spare)` would free."""
+        kept = self._free.get(spare) if spare is not None else None
+        return self.free_bytes - (kept[0].untyped_storage().nbytes() if kept else 0)

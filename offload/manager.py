@@ -8,14 +8,23 @@ the HOLD_AFTER_* states; FREE drops the payload). `move` puts a chunk on another
 drops it. Views are valid until the chunk next moves: take them from `access` each time.
 
 Budgets: each of the device and CPU tiers has a byte budget (None: unbounded) covering
-everything the manager holds there: chunk payloads, the source buffers of transfers still in
-flight (a chunk being moved is charged to both tiers until its copy completes) and free host
-buffers kept for reuse (Note [host buffer pool]). Before a buffer is allocated on a tier, room
-is made: finished transfers are settled, kept buffers trimmed, then chunks that are not in
-COMPUTE are evicted one tier down (device → CPU → NVMe; Note [eviction order] picks which),
-waiting for transfers in flight if that is what frees the room. If nothing can free enough,
-`BudgetError` names the budget, the demand and what holds the tier. NVMe is bounded by the disk:
-a full disk fails the swap, the chunk stays where it was (nothing lost), the error propagates.
+everything the manager holds there: chunk payload buffers (whole allocations, padding
+included), the source buffers of transfers still in flight (a chunk being moved is charged to
+both tiers until its copy completes) and free host buffers kept for reuse (Note [host buffer
+pool]). Before a buffer is allocated on a tier, room is made: finished transfers are settled,
+kept buffers trimmed, then chunks that are not in COMPUTE are evicted one tier down (device →
+CPU → NVMe; Note [eviction order] picks which), waiting for transfers in flight if that is what
+frees the room. If nothing can free enough, `BudgetError` names the budget, the demand and what
+holds the tier.
+
+Transfers: CPU↔NVMe through the NvmeStore's worker threads, device↔CPU through the copy engine
+(Note [side-stream copies]); a chunk has at most one transfer in flight, and `access` waits for
+it (counted as a blocking wait). Warm-up, trace-following and prefetch: Note [trace and
+divergence]; a prefetch never evicts a chunk needed sooner, never waits for the disk and never
+raises. A failed transfer is rolled back: the chunk is where it was before, with its data (a
+swap-out that hit a full disk leaves it on the CPU). Its error is raised to the caller that
+waited for that transfer; one found finished in the background is counted (`failed_transfers`)
+and its error meets whoever needs that chunk or that room next.
 
 Note [clean chunks]
 A chunk read back from NVMe and only read since (every `access` said writes=False) still
@@ -23,12 +32,6 @@ matches its swap file: evicting it to NVMe drops the payload instead of writing 
 halves the disk traffic of parameters that forward and backward only read. `disk_current`
 records that: set when a swap-out is issued or the chunk is read back, cleared by an access that
 may write and by a failed swap-out. Registration and materialization leave it False.
-
-Transfers: CPU↔NVMe through the NvmeStore's worker threads, device↔CPU through the copy engine
-(Note [side-stream copies]); a chunk has at most one transfer in flight, and `access` waits for
-it (counted as a blocking wait). Warm-up, trace-following and prefetch: Note [trace and
-divergence]. A failed transfer is rolled back before its error is raised: the chunk is where it
-was before, with its data.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from offload.copy_engine import CopyDone, CopyEngine
 from offload.errors import OffloadError
 from offload.host_pool import HostBufferPool
 from offload.nvme import NvmeStore
-from offload.residency import ChunkEntry, Residency, Transfer, fmt_bytes, held_bytes
+from offload.residency import ChunkEntry, Residency, Transfer, budget_message, fmt_bytes, held_bytes
 from offload.policy import choose_victim, upcoming
 from offload.stats import ManagerStats
 from offload.states import TensorState, check_transition
@@ -177,7 +180,7 @@ class ChunkManager:
         elif entry.chunk.location is not location and entry.chunk.location is not Location.RELEASED:
             self._stats.prefetch_misses += 1
         self._move(entry, location, protect={chunk}, on_demand=True)
-        self._make_room(location, 0, {chunk})  # the budget may have shrunk (device_capacity): shed the excess
+        self._make_room(location, None, {chunk})  # the budget may have shrunk (device_capacity): shed the excess
         self._settle(entry, block=True, count_wait=True, on_compute_stream=location is Location.DEVICE)
         self._set_states(entry, TensorState.COMPUTE, tensors)
         if writes:
@@ -301,8 +304,7 @@ class ChunkManager:
             step = {Location.NVME: Location.CPU, Location.CPU: Location.DEVICE}[here] if up else here.below
             if prefetch and not up:
                 return False
-            if step is not Location.NVME and not self._make_room(step, self._chunks.footprint(step, entry.chunk),
-                                                                 protect, only_if_used_after):
+            if step is not Location.NVME and not self._make_room(step, entry.chunk, protect, only_if_used_after):
                 return False
             if step is Location.NVME:
                 self._swap_out(entry)
@@ -316,7 +318,7 @@ class ChunkManager:
 
     def _materialize(self, entry: ChunkEntry, location: Location, protect: set[int]) -> None:
         """A RELEASED chunk gets a zeroed payload on `location` (its values were FREE; it has no swap file)."""
-        self._make_room(location, self._chunks.footprint(location, entry.chunk), protect)
+        self._make_room(location, entry.chunk, protect)
         self._chunks.place(entry, location, self._chunks.allocate(location, entry.chunk).zero_())
 
     def _copy(self, entry: ChunkEntry, target: Location) -> None:
@@ -457,19 +459,23 @@ class ChunkManager:
             budget = min(budget, self.device_capacity - non_chunk)
         return budget
 
-    def _make_room(self, location: Location, nbytes: int, protect: set[int],
+    def _make_room(self, location: Location, chunk: Chunk | None, protect: set[int],
                    only_if_used_after: float | None = None) -> bool:
-        """Frees room for `nbytes` on a tier (Note [chunk manager]); False (prefetch) or BudgetError if impossible."""
+        """Frees room on a tier for a buffer of `chunk` (None: no new buffer, only the budget must hold) (Note
+        [chunk manager]); False (prefetch) or BudgetError if impossible. A kept host buffer the allocation
+        will reuse needs no room, and is trimmed last."""
         budget = self._budget(location)
         prefetch = only_if_used_after is not None
         following = self.tracer.phase is TracePhase.FOLLOWING
+        spare, nbytes = self._demand(location, chunk)
         while self.used_bytes(location) + nbytes > budget:
             self._settle_finished()
+            spare, nbytes = self._demand(location, chunk)  # an eviction may have left a reusable buffer
             excess = self.used_bytes(location) + nbytes - budget
             if excess <= 0:
                 break
-            if location is Location.CPU and self.pool.free_bytes:
-                self.pool.trim(excess)
+            if location is Location.CPU and self.pool.trimmable_bytes(spare):
+                self.pool.trim(excess, spare)  # keeps one buffer the allocation will reuse
                 continue
             leaving = [e for e in self._chunks.in_flight.values()
                        if e.transfer.frees is not None and e.transfer.frees[0] is location]
@@ -494,10 +500,24 @@ class ChunkManager:
             if (leaving or arriving) and nbytes <= budget:
                 self._settle((leaving or arriving)[0], block=True)  # then it can go, or its room is free
                 continue
-            raise BudgetError(self._budget_message(location, nbytes, budget, protect))
+            note = ""
+            if location is Location.DEVICE and self.device_capacity is not None and self.tracer.trace is not None:
+                note = (f"its budget now is device_capacity {fmt_bytes(self.device_capacity)} minus the "
+                        f"{fmt_bytes(self.device_capacity - budget)} of non-chunk memory the trace recorded here")
+            raise BudgetError(budget_message(self._chunks, location, nbytes, budget, protect,
+                                             evictable=location is Location.DEVICE or self.store is not None,
+                                             note=note))
         self._stats.peak_bytes[location.value] = max(self._stats.peak_bytes.get(location.value, 0),
                                                      self.used_bytes(location) + nbytes)
         return True
+
+    def _demand(self, location: Location, chunk: Chunk | None) -> tuple[tuple | None, int]:
+        """(the kept buffer key a new buffer for `chunk` would reuse, or None; the bytes it adds to the tier)."""
+        if chunk is None:
+            return None, 0
+        if location is Location.CPU and self.pool.has(chunk.numel, chunk.dtype):
+            return (chunk.numel, chunk.dtype), 0  # acquire() moves it from kept to charged
+        return None, self._chunks.footprint(location, chunk)
 
     def _evictable(self, location: Location, protect: set[int]) -> list[int]:
         if location is Location.CPU and self.store is None:
@@ -508,32 +528,12 @@ class ChunkManager:
     def _evict(self, entry: ChunkEntry, protect: set[int], only_if_used_after: float | None) -> bool:
         below = entry.chunk.location.below
         if only_if_used_after is not None and below is not Location.NVME:
-            if not self._make_room(below, self._chunks.footprint(below, entry.chunk), protect | {entry.id},
-                                   only_if_used_after):
+            if not self._make_room(below, entry.chunk, protect | {entry.id}, only_if_used_after):
                 return False
         self._stats.evictions += 1
         entry.prefetched = False
         self._move(entry, below, protect | {entry.id})
         return True
-
-    def _budget_message(self, location: Location, nbytes: int, budget: float, protect: set[int]) -> str:
-        here = self._chunks.at(location)
-        pinned = [e for e in here if e.chunk.pinned]
-        moving = [e for e in here if e.transfer is not None or e.id in protect]
-        what = f"{fmt_bytes(nbytes)} more on the {location.value} tier"
-        if location is Location.DEVICE and self.device_capacity is not None and self.tracer.trace is not None:
-            what += (f" (its budget now is device_capacity {fmt_bytes(self.device_capacity)} minus the "
-                     f"{fmt_bytes(self.device_capacity - budget)} of non-chunk memory the trace recorded here)")
-        if nbytes > budget:
-            return (f"cannot place {what}: a chunk of {fmt_bytes(nbytes)} is larger than the whole {location.value} "
-                    f"budget of {fmt_bytes(budget)}; raise that budget or register with a smaller chunk capacity")
-        lines = [f"cannot place {what}: its budget is {fmt_bytes(budget)} and {fmt_bytes(self.used_bytes(location))} are in use",
-                 f"pinned in COMPUTE: {_list(pinned)}", f"being moved: {_list(moving)}"]
-        if location is Location.CPU and self.store is None:
-            lines.append("chunks on the CPU tier cannot be evicted: no nvme_dir was given")
-        lines.append(f"raise the {location.value} budget, release chunks that are done (release()), "
-                     f"or give a lower tier room")
-        return "; ".join(lines)
 
     # ---- prefetch
 
@@ -583,8 +583,3 @@ class ChunkManager:
         if self._closed:
             raise OffloadError("this ChunkManager is closed; create a new one")
 
-
-def _list(entries: list[ChunkEntry]) -> str:
-    if not entries:
-        return "none"
-    return ", ".join(e.describe() for e in entries) + f" = {fmt_bytes(sum(e.held for e in entries))}"

@@ -124,3 +124,28 @@ def fmt_bytes(nbytes: float) -> str:
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{int(nbytes)} B"
+
+
+def budget_message(chunks: Residency, location: Location, nbytes: int, budget: float, protect: set[int], *,
+                   evictable: bool, note: str = "") -> str:
+    """Why a tier cannot take `nbytes` more: its budget, the demand, and what holds it (pinned, moving)."""
+    here = chunks.at(location)
+    pinned = [e for e in here if e.chunk.pinned]
+    moving = [e for e in here if e.transfer is not None or e.id in protect]
+    what = f"{fmt_bytes(nbytes)} more on the {location.value} tier" + (f" ({note})" if note else "")
+    if nbytes > budget:
+        return (f"cannot place {what}: a chunk of {fmt_bytes(nbytes)} is larger than the whole {location.value} "
+                f"budget of {fmt_bytes(budget)}; raise that budget or register with a smaller chunk capacity")
+    lines = [f"cannot place {what}: its budget is {fmt_bytes(budget)} and {fmt_bytes(chunks.used(location))} "
+             f"are in use", f"pinned in COMPUTE: {_listing(pinned)}", f"being moved: {_listing(moving)}"]
+    if not evictable:
+        lines.append(f"chunks on the {location.value} tier cannot be evicted: no nvme_dir was given")
+    lines.append(f"raise the {location.value} budget, release chunks that are done (release()), "
+                 f"or give a lower tier room")
+    return "; ".join(lines)
+
+
+def _listing(entries: list[ChunkEntry]) -> str:
+    if not entries:
+        return "none"
+    return ", ".join(e.describe() for e in entries) + f" = {fmt_bytes(sum(e.held for e in entries))}"

@@ -126,6 +126,36 @@ class LoopbackCounter:
         return psutil.net_io_counters(pernic=True)[self.name].bytes_sent
 
 
+class DiskCounter:
+    """Bytes read + written by the block device holding `path` (every process on the machine), from
+    /proc/diskstats; `device` is None (and read() 0) where there is none: tmpfs, overlay, not Linux."""
+
+    def __init__(self, path: str):
+        self.device = None
+        try:
+            dev = os.stat(path).st_dev
+            with open("/proc/diskstats") as f:
+                for line in f:
+                    major, minor, name = line.split()[:3]
+                    if (int(major), int(minor)) == (os.major(dev), os.minor(dev)):
+                        self.device = name
+        except (OSError, ValueError):
+            pass
+
+    @property
+    def available(self) -> bool:
+        return self.device is not None
+
+    def read(self) -> int:
+        if self.device is not None:
+            with open("/proc/diskstats") as f:
+                for line in f:
+                    fields = line.split()
+                    if fields[2] == self.device:
+                        return (int(fields[5]) + int(fields[9])) * 512  # sectors read, written: 512 B each
+        return 0
+
+
 class CpuMeter:
     """CPU seconds this process and the whole machine spent, and this process's minor page faults,
     between start() and stop().

@@ -13,7 +13,7 @@ import torch
 
 from offload.chunk import Location
 from offload.errors import OffloadError, SwapWriteError
-from offload.manager import BudgetError, Budgets, ChunkManager
+from offload.manager import Budgets, ChunkManager
 from offload.states import TensorState
 from tests.test_manager_async_copies import _LazyCopyEngine
 
