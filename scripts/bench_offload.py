@@ -57,6 +57,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_common import CpuMeter, DiskCounter, command_line, machine_line, markdown_table, median, write_text  # noqa: E402
 
+from offload import Budgets, ChunkManager, Location  # noqa: E402
+from offload.direct_io import aligned_empty  # noqa: E402
 from offload.nvme import NvmeStore  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -100,11 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- buffers and chunk contents ------------------------------------------------------------------
 def chunk_allocator(block_size: int):
-    """(allocate(numel) -> tensor, what it is): offload.direct_io.aligned_empty when importable, else torch.empty."""
-    try:
-        from offload.direct_io import aligned_empty
-    except ImportError as e:
-        return (lambda numel: torch.empty(numel, dtype=DTYPE)), f"torch.empty (offload.direct_io.aligned_empty: {e})"
+    """(allocate(numel) -> tensor, what it is): the host buffers the ChunkManager swaps (page-aligned, padded)."""
     return (lambda numel: aligned_empty(numel, DTYPE, block_size)), "offload.direct_io.aligned_empty"
 
 
@@ -304,8 +302,6 @@ class ManagerPager:
     """
 
     def __init__(self, work: str, args, src: list[torch.Tensor], prefetch_depth: int, resident: int):
-        from offload import Budgets, ChunkManager, Location
-
         self.location = Location.CPU
         probe = ChunkManager("cpu", nvme_dir=work, nvme_block_size=args.block_size)
         footprint = probe.pool.footprint(src[0].numel(), src[0].dtype)
@@ -315,9 +311,6 @@ class ManagerPager:
                                     nvme_block_size=args.block_size, prefetch_depth=prefetch_depth)
         self.refs = [self.manager.register("chunk", [t], capacity=t.numel(), location=Location.NVME)[0] for t in src]
         self.steps = len(src)
-
-    def prefetch(self, i: int) -> None:
-        pass  # the manager reads ahead from its trace
 
     def acquire(self, i: int) -> torch.Tensor:
         return self.manager.access(self.refs[i].chunk, self.location, writes=False)[0]
@@ -340,22 +333,20 @@ def simulate_compute(chunk: torch.Tensor, seconds: float) -> float:
     return time.perf_counter() - t0
 
 
-def train_step(pager, i: int, depth: int, compute_s: float) -> float:
-    """One step of the simulated loop: read ahead chunks i+1..i+depth, wait for chunk i, compute; returns compute s."""
-    for j in range(i + 1, i + 1 + depth):
-        pager.prefetch(j)
+def train_step(pager, i: int, compute_s: float) -> float:
+    """One step of the simulated loop: chunk i (the manager may have read it ahead), compute; returns compute s."""
     chunk = pager.acquire(i)
     spent = simulate_compute(chunk, compute_s)
     pager.release(i)
     return spent
 
 
-def run_loop(pager, depth: int, compute_s: float, disk: DiskCounter, nbytes: int) -> tuple[float, float, Phase]:
+def run_loop(pager, compute_s: float, disk: DiskCounter, nbytes: int) -> tuple[float, float, Phase]:
     """(loop wall seconds, seconds of it spent computing, the loop's phase)."""
     computed = 0.0
     with Meter(disk) as m:
         for i in range(pager.steps):
-            computed += train_step(pager, i, depth, compute_s)
+            computed += train_step(pager, i, compute_s)
     pager.end_iteration()
     return m.seconds, computed, m.phase(nbytes)
 
@@ -368,15 +359,15 @@ def measure_prefetch(work: str, args, src: list[torch.Tensor], disk: DiskCounter
     on_demand = ManagerPager(work, args, src, prefetch_depth=0, resident=2)
     ahead = ManagerPager(work, args, src, prefetch_depth=depth, resident=depth + 1)
     try:
-        run_loop(on_demand, 0, 0.0, disk, total)  # warm-up: the pool's buffers exist afterwards
-        calibration, _, p = run_loop(on_demand, 0, 0.0, disk, total)
+        run_loop(on_demand, 0.0, disk, total)  # warm-up: the pool's buffers exist afterwards
+        calibration, _, p = run_loop(on_demand, 0.0, disk, total)
         compute_s = calibration / on_demand.steps
         phases.append(p)
         print(f"prefetch: one chunk accessed on demand takes {compute_s * 1e3:.1f} ms: the compute per step", flush=True)
-        run_loop(ahead, 0, compute_s, disk, total)  # the warm-up iteration: the manager records its trace
+        run_loop(ahead, compute_s, disk, total)  # the warm-up iteration: the manager records its trace
         for _ in range(args.rounds):
-            od, od_c, p_od = run_loop(on_demand, 0, compute_s, disk, total)
-            pf, pf_c, p_pf = run_loop(ahead, 0, compute_s, disk, total)
+            od, od_c, p_od = run_loop(on_demand, compute_s, disk, total)
+            pf, pf_c, p_pf = run_loop(ahead, compute_s, disk, total)
             phases += [p_od, p_pf]
             runs.append({"od": od, "od_c": od_c, "pf": pf, "pf_c": pf_c, "hiding": 1.0 - (pf - pf_c) / (od - od_c)})
             print(f"prefetch round {len(runs)}/{args.rounds}: on demand {od:.2f} s ({od - od_c:.2f} s reading), "
