@@ -10,9 +10,11 @@ Which bytes move from where:
   of it when its storage reaches the padded size (`aligned_empty` makes such tensors), else its
   whole pages, and only the rest (under a block and a page) is copied to a staging buffer. The
   file's padding is then whatever the storage holds past the tensor: not payload, not checksummed.
-- A read always goes through a staging buffer, even into an aligned tensor: the destination is
-  not touched until the file's size and CRC are verified (Note [nvme integrity]), and no byte
-  past the destination tensor is ever written (it may be a neighbouring view of the storage).
+- A read goes through a staging buffer, even into an aligned tensor: the destination is not
+  touched until the file's size and CRC are verified (Note [nvme integrity]), and no byte past
+  the destination tensor is written (it may be a neighbouring view of the storage). Only a
+  caller that declares the destination scratch (`read(..., scratch=True)`: contents and storage
+  padding its own) has an aligned destination read in place, padding included.
 - A tensor not starting on a page is staged whole, both ways.
 `NvmeStats.staged_transfers` and `staged_bytes` count what went through staging.
 Staging buffers are page-aligned, from a pool: at most `threads` in use and `threads` kept free,

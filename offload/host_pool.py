@@ -11,6 +11,10 @@ copy — unless the padding would exceed 1/8 of the payload (a chunk far smaller
 such a buffer is plain and its transfers are staged. A buffer counts with its whole allocation.
 Free buffers the pool keeps are memory the manager holds: they count against the CPU budget
 (`free_bytes`), and the manager trims the pool before it evicts a chunk to make room.
+Pinned memory comes from torch's caching host allocator, which rounds each block up to a power of
+two (charged as such) and keeps freed blocks for reuse: trimming returns them to torch's cache,
+not to the OS. The NVMe store's staging buffers, used only for chunks too small to pad (under
+8 x the block size), are outside the budget: at most 2 x threads x such a chunk's padded size.
 """
 
 from __future__ import annotations
@@ -50,8 +54,11 @@ class HostBufferPool:
         """The bytes a buffer from `acquire(numel, dtype)` holds (its whole allocation)."""
         padded = self._padded(numel, dtype)
         if padded is None:
-            return numel * dtype.itemsize
-        return padded if self.pinned else padded + PAGE  # aligned_empty slides the start onto a page
+            nbytes = numel * dtype.itemsize
+            return 1 << (nbytes - 1).bit_length() if self.pinned and nbytes else nbytes
+        if self.pinned:  # torch's pinned allocator rounds every block up to a power of two
+            return 1 << (padded - 1).bit_length()
+        return padded + PAGE  # aligned_empty slides the start onto a page
 
     def _padded(self, numel: int, dtype: torch.dtype) -> int | None:
         """The padded byte size of an in-place-swappable buffer; None when padding would cost over 1/8."""

@@ -30,8 +30,8 @@ Note [clean chunks]
 A chunk read back from NVMe and only read since (every `access` said writes=False) still
 matches its swap file: evicting it to NVMe drops the payload instead of writing it again, which
 halves the disk traffic of parameters that forward and backward only read. `disk_current`
-records that: set when a swap-out is issued or the chunk is read back, cleared by an access that
-may write and by a failed swap-out. Registration and materialization leave it False.
+records that: set when a swap-out is issued (a chunk read back from its file keeps it), cleared by
+an access that may write and by a failed swap-out. Registration and materialization leave it False.
 """
 
 from __future__ import annotations

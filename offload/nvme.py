@@ -25,9 +25,10 @@ file, and the destination keeps its previous contents. That is why reads stage e
 page-aligned tensors: reading in place would overwrite the destination before its CRC can be
 checked, and restoring it on a mismatch needs a copy of the old contents, which costs what the
 staging copy costs. Writes need no copy for integrity (the source is not changed).
-A caller whose destination is scratch (a fresh buffer it will discard if the read fails, as the
-chunk manager's swap-in buffers are) passes `scratch=True`: an aligned destination is then read
-in place, checked, and on failure holds undefined bytes; the error still names the file.
+A caller whose destination is scratch (a fresh buffer it will discard if the read fails, whose
+storage padding belongs to no other tensor, as the chunk manager's swap-in buffers are) passes
+`scratch=True`: an aligned destination is then read in place, padding included, checked, and on
+failure holds undefined bytes; the error still names the file.
 
 Note [nvme concurrency]
 Transfers run on a pool of `threads` worker threads (os.pwrite/os.preadv release the GIL, as do
@@ -173,8 +174,9 @@ class NvmeStore:
     def read(self, key: str, out: torch.Tensor, *, scratch: bool = False) -> SwapHandle:
         """Starts reading `key` into `out` (same numel and dtype as written); do not use `out` until done.
 
-        scratch=True: `out`'s contents need not survive a failed read, so an aligned `out` is read in
-        place without a staging copy (Note [nvme integrity]).
+        scratch=True: `out`'s contents need not survive a failed read, and its storage past its end up to
+        the padded size (`aligned_empty`'s padding) is not shared with any other tensor, so an aligned `out`
+        is read in place without a staging copy (Note [nvme integrity]).
         """
         self._check_open()
         _check_host_tensor(out, f"read of key {key!r}")
@@ -283,11 +285,12 @@ class NvmeStore:
                     if keep_previous:
                         os.replace(target, path)
                 except OSError as e:
-                    if keep_previous:
-                        _unlink_quietly(target)
+                    _unlink_quietly(target)  # a partial file: its space may be what the next write needs
                     error = self._write_error(key, target if keep_previous else None, padded, e)
                     with self._lock:
                         self._failed[key] = str(error)
+                        if not keep_previous:
+                            self._records.pop(key, None)  # its file is gone
                     raise error from e
             finally:
                 if whole is not None:
@@ -373,7 +376,8 @@ class NvmeStore:
             left = (f"The partial file {os.path.basename(tmp)!r} was removed; the previous file of the key, if any, "
                     f"is kept, but reads refuse it until the key is written again")
         else:
-            left = "The key's file was partly overwritten: reads refuse the key until it is written again"
+            left = ("The key's file (written in place) was removed with what it held: reads refuse the key until it "
+                    "is written again")
         return SwapWriteError(
             f"could not swap key {key!r} to NVMe directory {self.directory!r}: {what}; it needs {needed} bytes "
             f"and {free} bytes are free there. Free space on that filesystem, lower the NVMe offload budget, "

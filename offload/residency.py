@@ -113,8 +113,10 @@ class Residency:
 
 
 def held_bytes(buf: torch.Tensor) -> int:
-    """The memory a payload buffer really holds: its whole storage (a padded buffer holds more than its numel)."""
-    return buf.untyped_storage().nbytes()
+    """The memory a payload buffer really holds: its whole storage (a padded buffer holds more than its numel);
+    pinned storage as torch's host allocator rounds it (a power of two: Note [host buffer pool])."""
+    nbytes = buf.untyped_storage().nbytes()
+    return 1 << (nbytes - 1).bit_length() if nbytes and buf.device.type == "cpu" and buf.is_pinned() else nbytes
 
 
 def fmt_bytes(nbytes: float) -> str:

@@ -244,12 +244,13 @@ def test_aligned_empty_memory_is_freed_with_the_tensor():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * PAGE
 
+    gc.collect()
     before = resident()
-    t = aligned_empty(64 << 20, torch.uint8).fill_(1)
-    assert resident() - before > 60 << 20
+    t = aligned_empty(256 << 20, torch.uint8).fill_(1)
+    assert resident() - before > 250 << 20
     del t
     gc.collect()
-    assert resident() - before < 8 << 20
+    assert resident() - before < 64 << 20  # freed (other threads of earlier tests may still move a few MB)
 
 
 def test_aligned_empty_rejects_bad_arguments():
@@ -595,11 +596,12 @@ def test_overwrite_in_place_reuses_the_file_and_a_failure_refuses_the_key(tmp_pa
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "pwrite", enospc)
-    with pytest.raises(SwapWriteError, match="disk is full.*partly overwritten: reads refuse the key"):
+    with pytest.raises(SwapWriteError, match="disk is full.*written in place. was removed.*reads refuse the key"):
         store.write("k", big, keep_previous=False).wait()
     monkeypatch.undo()
     with pytest.raises(SwapIntegrityError, match="its last write failed"):
-        store.read("k", torch.empty(1000)).wait()  # the last good version is 1000 long, and refused
+        store.read("k", torch.empty(1000)).wait()  # refused
+    assert _swap_files(store) == []  # the partial file went, with the space it took
     store.write("k", big, keep_previous=False).wait()
     out = torch.empty(5000)
     store.read("k", out).wait()
