@@ -11,14 +11,23 @@ from torch.profiler import record_function
 
 @dataclass
 class CommCounter:
-    """Payload bytes this rank handed to collectives (what DDP's buckets would carry)."""
+    """Payload bytes this rank handed to collectives: the tensor all-reduced or broadcast, the full
+    input of a reduce-scatter, the full output of an all-gather."""
 
     all_reduce_bytes: int = 0
     broadcast_bytes: int = 0
+    reduce_scatter_bytes: int = 0
+    all_gather_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.all_reduce_bytes + self.broadcast_bytes
+        return self.all_reduce_bytes + self.broadcast_bytes + self.reduce_scatter_bytes + self.all_gather_bytes
+
+    def ring_bytes(self, world: int) -> float:
+        """Bytes each rank sends over a ring for these collectives: an all-reduce of n bytes sends
+        2(w-1)/w·n, a reduce-scatter or all-gather of n bytes (w-1)/w·n, a broadcast n (at most)."""
+        part = (world - 1) / world
+        return (2 * self.all_reduce_bytes + self.reduce_scatter_bytes + self.all_gather_bytes) * part + self.broadcast_bytes
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None, counter: CommCounter, *, async_op: bool):
@@ -34,3 +43,24 @@ def broadcast_from(tensor: torch.Tensor, src_group_rank: int, group: dist.Proces
     src = dist.get_global_rank(group, src_group_rank) if group is not None else src_group_rank
     with record_function("tiers.comm.broadcast"):
         dist.broadcast(tensor, src=src, group=group)
+
+
+def reduce_scatter_sum_in_place(chunk: torch.Tensor, group: dist.ProcessGroup | None, rank: int, world: int,
+                                counter: CommCounter, *, async_op: bool):
+    """Sums `chunk` over `group` into this rank's shard of it (chunk[rank*n/w:(rank+1)*n/w]); the other
+    shards keep this rank's own values. numel must divide by `world`."""
+    counter.reduce_scatter_bytes += chunk.numel() * chunk.element_size()
+    shard = chunk.numel() // world
+    with record_function("tiers.comm.reduce_scatter"):
+        return dist.reduce_scatter_single(chunk.narrow(0, rank * shard, shard), chunk, op=dist.ReduceOp.SUM,
+                                          group=group, async_op=async_op)
+
+
+def all_gather_in_place(chunk: torch.Tensor, group: dist.ProcessGroup | None, rank: int, world: int,
+                        counter: CommCounter, *, async_op: bool):
+    """Every rank's shard of `chunk` (chunk[r*n/w:(r+1)*n/w] from rank r) into every rank's chunk."""
+    counter.all_gather_bytes += chunk.numel() * chunk.element_size()
+    shard = chunk.numel() // world
+    with record_function("tiers.comm.all_gather"):
+        return dist.all_gather_single(chunk, chunk.narrow(0, rank * shard, shard), group=group,
+                                           async_op=async_op)

@@ -24,7 +24,7 @@ import time
 import torch
 from torch import nn
 
-from engine.comm import CommCounter, broadcast_from
+from engine.comm import CommCounter, all_gather_in_place, all_reduce_sum, broadcast_from
 from engine.config import BatchSizes, Config
 from engine.monitor import Monitor
 from engine.precision import LossScaler, PrecisionPolicy
@@ -61,7 +61,8 @@ class Engine:
         self.monitor = monitor
         self.comm = CommCounter()
         overlap = config.zero_optimization.overlap_comm is not False  # stage 0 overlaps unless told not to
-        self.reducer = GradReducer(chunked, topology.dp_group, self.comm, overlap) if topology.is_distributed else None
+        self.reducer = (GradReducer(chunked, topology.dp_group, self.comm, overlap, config.zero_optimization.reduce_scatter)
+                        if topology.is_distributed else None)
         self.global_step = 0
         self.micro_step = 0
         self.skipped_steps = 0
@@ -209,6 +210,7 @@ class Engine:
             else:
                 self.chunked.rebind_optimizer_grads()
                 self.optimizer.step()
+                self._gather_updated_params()
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
             self.loss_scaler.update(overflow)
@@ -216,13 +218,22 @@ class Engine:
         self.global_step += 1
         self._log_step()
 
+    def _gather_updated_params(self) -> None:
+        """Sharded optimizer states: each rank updated its shard of every param chunk; all-gather them."""
+        if not self.chunked.sharded:
+            return
+        works = [all_gather_in_place(payload, self.dp_group, self.chunked.shard_rank, self.chunked.shard_count,
+                                     self.comm, async_op=True) for payload in self.chunked.param_payloads()]
+        for work in works:
+            work.wait()
+
     def _needs_grad_norm(self) -> bool:
         """The norm costs a pass over every gradient: only when clipping, overflow checks or TensorBoard use it."""
         return self.config.gradient_clipping > 0 or self.loss_scaler.checks_overflow or self.config.tensorboard.enabled
 
     def _prepare_gradients(self) -> bool:
         """Unscales, computes the global norm and clips; returns True on overflow."""
-        grads = self.chunked.grad_payloads()
+        grads = self.chunked.grad_shards()  # what the optimizer reads: the reduced shards
         if self.loss_scaler.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.loss_scaler.scale)
         if not self._needs_grad_norm():
@@ -230,8 +241,15 @@ class Engine:
             return False
         # per-parameter norms, then the norm of those (as torch's clip_grad_norm_): one fp32
         # reduction over a whole multi-million-element chunk loses ~1e-5 of relative accuracy
-        norms = torch._foreach_norm([p.grad for p in self.chunked.params], 2.0)
-        total = torch.linalg.vector_norm(torch.stack(norms), 2.0).item()
+        pieces = self.chunked.grad_norm_pieces()
+        norms = torch._foreach_norm(pieces, 2.0) if pieces else []
+        if not self.chunked.sharded:
+            total = torch.linalg.vector_norm(torch.stack(norms), 2.0).item()
+        else:  # each rank holds a shard of the gradient: sum the squares over the group
+            square = torch.stack(norms).double().square().sum() if norms else torch.zeros((), dtype=torch.float64)
+            square = square.to(self.device)
+            all_reduce_sum(square, self.dp_group, self.comm, async_op=False)
+            total = math.sqrt(square.item())
         self._global_grad_norm = total
         overflow = not math.isfinite(total)
         if overflow and not self.loss_scaler.checks_overflow:

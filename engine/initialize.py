@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Callable, Iterable
 
@@ -16,6 +17,7 @@ from engine.optim import build_optimizer
 from engine.precision import PrecisionPolicy, build_loss_scaler
 from engine.topology import Topology
 from engine.zero.chunked_params import ChunkedParams
+from engine.zero.policy import ChunkKind, ShardingPolicy
 from offload.chunk import DEFAULT_CHUNK_CAPACITY, best_capacity
 
 # reduce_bucket_size defaults to 5e8 elements (DeepSpeed); a chunk that large would leave nothing
@@ -25,17 +27,22 @@ from offload.chunk import DEFAULT_CHUNK_CAPACITY, best_capacity
 FIRST_CHUNK_FRACTION = 8
 
 
-def chunk_layout(config: Config, trainable: list[torch.Size]) -> tuple[int, int | None]:
+def chunk_layout(config: Config, trainable: list[torch.Size], shards: int = 1) -> tuple[int, int | None]:
     """(capacity, first chunk's capacity): `zero_optimization.chunk_size` for every chunk when given;
-    else a small first chunk and the padding-minimizing capacity up to the default cap."""
+    else a small first chunk and the padding-minimizing capacity up to the default cap. Both are
+    rounded up to a multiple of `shards` (Note [sharding policy])."""
     zero = config.zero_optimization
     if zero.chunk_size is not None:
-        return zero.chunk_size, None
+        return _round_up(zero.chunk_size, shards), None
     target = DEFAULT_CHUNK_CAPACITY
     if zero.reduce_bucket_size != "auto":
         target = min(zero.reduce_bucket_size, target)
-    first = max(target // FIRST_CHUNK_FRACTION, 1)
-    return best_capacity(trainable, target, first_capacity=first), first
+    first = _round_up(max(target // FIRST_CHUNK_FRACTION, 1), shards)
+    return _round_up(best_capacity(trainable, target, first_capacity=first), shards), first
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def initialize(
@@ -68,13 +75,22 @@ def initialize(
         torch.manual_seed(cfg.seed)
     model.to(topology.device)
 
+    policy = ShardingPolicy(cfg.zero_optimization.stage)
+    shards = topology.dp_world_size if policy.shards(ChunkKind.OPTIM) else 1
     groups = _param_groups(model, optimizer, model_parameters)
     trainable = [p.shape for g in groups for p in g["params"] if p.requires_grad]
-    capacity, first_capacity = chunk_layout(cfg, trainable)
+    capacity, first_capacity = chunk_layout(cfg, trainable, shards)
     names = {id(p): n for n, p in model.named_parameters()}
-    chunked = ChunkedParams(groups, capacity, topology.device, first_capacity, names)
+    chunked = ChunkedParams(groups, capacity, topology.device, first_capacity, names,
+                            shard_count=shards, shard_rank=topology.dp_rank if shards > 1 else 0)
     if optimizer is None:
         optimizer = build_optimizer(cfg.optimizer, chunked.optimizer_param_groups())
+    elif chunked.sharded:
+        if lr_scheduler is not None and hasattr(lr_scheduler, "step"):
+            raise ValueError("with ZeRO stage >= 1 the optimizer passed to initialize() is rebuilt over this rank's "
+                             "shards, so a scheduler built on it would drive the old one; pass lr_scheduler as a "
+                             "callable that takes the optimizer (e.g. lambda opt: LambdaLR(opt, f))")
+        optimizer = _rebuilt_over_shards(optimizer, chunked)
     scheduler = _scheduler(cfg, optimizer, lr_scheduler)
     monitor = Monitor(cfg.tensorboard, cfg.steps_per_print, is_writer_rank=topology.rank == 0, device=topology.device)
     return Engine(model, cfg, batch, topology, chunked, optimizer, scheduler, build_loss_scaler(cfg),
@@ -90,13 +106,24 @@ def _param_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:
             shapes = ", ".join(str(tuple(p.shape)) for p in stray[:5])
             raise ValueError(f"the optimizer holds {len(stray)} tensor(s) that are not parameters of the model "
                              f"(shapes {shapes}); build it over model.parameters()")
-        return [{"params": list(g["params"])} for g in groups]
+        return [dict(g, params=list(g["params"])) for g in groups]  # with options: a rebuild over shards keeps them
     if model_parameters is None:
         return [{"params": list(model.parameters())}]
     items = list(model_parameters)
     if items and isinstance(items[0], dict):
         return [dict(g, params=list(g["params"])) for g in items]
     return [{"params": items}]
+
+
+def _rebuilt_over_shards(client: torch.optim.Optimizer, chunked: ChunkedParams) -> torch.optim.Optimizer:
+    """ZeRO shards a client optimizer's states (as DeepSpeed does): the same class and options, over this
+    rank's shards of the chunks, one param group per client group."""
+    if client.state:
+        raise ValueError(f"the {type(client).__name__} passed to initialize() already holds state; with ZeRO "
+                         "stage >= 1 it is rebuilt over this rank's shards, so pass a freshly built optimizer")
+    accepted = inspect.signature(type(client).__init__).parameters  # defaults may hold derived keys
+    options = {k: v for k, v in client.defaults.items() if k in accepted}
+    return type(client)(chunked.optimizer_param_groups(), **options)
 
 
 def _scheduler(cfg: Config, optimizer: torch.optim.Optimizer, client: Callable | object | None):

@@ -353,7 +353,6 @@ def test_float_written_integers_are_accepted_as_ints():
 @pytest.mark.parametrize(
     "raw, key, value",
     [
-        ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage", "1"),
         ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage", "2"),
         ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage", "3"),
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer.device", '"cpu"'),
@@ -374,6 +373,12 @@ def test_float_written_integers_are_accepted_as_ints():
 def test_not_yet_supported_features_say_so(raw, key, value):
     msg = raises(raw, "not supported yet", f"{key}: {value}")
     assert msg.startswith(key)
+
+
+def test_stage_1_loads_and_refuses_what_it_does_not_do():
+    assert load_config({"zero_optimization": {"stage": 1}}).zero_optimization.stage == 1
+    raises({"zero_optimization": {"stage": 1, "allgather_partitions": False}}, "always all-gathers",
+           "zero_optimization.allgather_partitions: false")
 
 
 def test_not_yet_supported_features_load_at_their_off_values():

@@ -12,6 +12,9 @@ a `.data` (`model.to(...)`, `.double()`, `load_state_dict(assign=True)` after in
 parameter no longer trains; `sync_views` detects that at every update and raises.
 The config's optimizer steps chunk payloads, so `engine.optimizer.zero_grad()` cannot drop the
 gradients; the engine zeroes the chunks itself after every update.
+With sharded optimizer states (Note [sharding policy]) every chunk's size is a multiple of the
+shard count and the optimizer steps only this rank's shard of each chunk: a view
+payload[rank*n/w:(rank+1)*n/w] of the param chunk, whose .grad is the same range of the grad chunk.
 """
 
 from __future__ import annotations
@@ -38,7 +41,11 @@ class ChunkedParams:
     """Owns the param and grad chunks of every trainable parameter, grouped as the optimizer groups them."""
 
     def __init__(self, param_groups: list[dict], capacity: int, device: torch.device, first_capacity: int | None = None,
-                 names: dict[int, str] | None = None):
+                 names: dict[int, str] | None = None, shard_count: int = 1, shard_rank: int = 0):
+        for what, value in (("capacity", capacity), ("first chunk capacity", first_capacity or shard_count)):
+            if value % shard_count:
+                raise ValueError(f"chunk {what} {value} is not a multiple of the shard count {shard_count}")
+        self.shard_count, self.shard_rank = shard_count, shard_rank
         self.groups: list[ChunkGroup] = []
         self._names = names or {}
         seen: set[int] = set()
@@ -57,7 +64,8 @@ class ChunkedParams:
                 by_dtype.setdefault(p.dtype, []).append(p)
             for dtype, params in by_dtype.items():
                 with torch.no_grad():
-                    layout = dict(capacity=capacity, dtype=dtype, device=device, first_capacity=first_capacity)
+                    layout = dict(capacity=capacity, dtype=dtype, device=device, first_capacity=first_capacity,
+                                  align=shard_count)
                     param_chunks = ChunkList([p.data for p in params], **layout)
                     grad_chunks = ChunkList([p.data for p in params], copy_values=False, **layout)
                 for p, pv, gv in zip(params, param_chunks.views, grad_chunks.views):
@@ -70,6 +78,10 @@ class ChunkedParams:
         self.params = [p for g in self.groups for p in g.params]
         self._param_views = [pv for g in self.groups for pv in g.param_chunks.views]
         self._grad_payloads = [c.payload for g in self.groups for c in g.grad_chunks.chunks]
+        # what the optimizer steps: whole payloads, or this rank's shards of them (made once: the
+        # optimizer keys its state by these tensor objects)
+        self._stepped = [([self._owned(c.payload) for c in g.param_chunks.chunks],
+                          [self._owned(c.payload) for c in g.grad_chunks.chunks]) for g in self.groups]
         # names come in model order; without them, registration order stands in
         self._position = {pid: i for i, pid in enumerate(self._names)}
         for p in self.params:
@@ -81,6 +93,37 @@ class ChunkedParams:
 
     def name_of(self, p: nn.Parameter) -> str:
         return self._names.get(id(p), f"<unnamed {tuple(p.shape)} {p.dtype}>")
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard_count > 1
+
+    def _owned(self, payload: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a payload (the whole payload when not sharded)."""
+        if not self.sharded:
+            return payload
+        n = payload.numel() // self.shard_count
+        return payload.narrow(0, self.shard_rank * n, n)
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        """The gradient elements this rank updates from: its shard of every grad chunk (all of them unsharded)."""
+        return [grads for _, group_grads in self._stepped for grads in group_grads]
+
+    def grad_norm_pieces(self) -> list[torch.Tensor]:
+        """This rank's owned gradient elements cut at parameter boundaries: norms taken per piece (as
+        torch's clip_grad_norm_ takes them per parameter) keep fp32 accuracy; summing their squares over
+        the shard group gives the global norm."""
+        if not self.sharded:
+            return [p.grad for p in self.params]
+        pieces = []
+        for g in self.groups:
+            for slot in g.grad_chunks.slots:
+                payload = g.grad_chunks.chunks[slot.chunk].payload
+                n = payload.numel() // self.shard_count
+                lo, hi = max(slot.offset, self.shard_rank * n), min(slot.offset + slot.numel, (self.shard_rank + 1) * n)
+                if lo < hi:
+                    pieces.append(payload.narrow(0, lo, hi - lo))
+        return pieces
 
     def param_payloads(self) -> list[torch.Tensor]:
         return [c.payload for g in self.groups for c in g.param_chunks.chunks]
@@ -115,12 +158,12 @@ class ChunkedParams:
             payload.zero_()
 
     def optimizer_param_groups(self) -> list[dict]:
-        """Torch param groups over whole chunk payloads; each payload's .grad is its grad chunk."""
+        """Torch param groups over whole chunk payloads (or this rank's shards); each one's .grad is its grad chunk."""
         self.rebind_optimizer_grads()
-        return [{"params": [c.payload for c in g.param_chunks.chunks], **g.options} for g in self.groups]
+        return [{"params": list(params), **g.options} for g, (params, _) in zip(self.groups, self._stepped)]
 
     def rebind_optimizer_grads(self) -> None:
         """Optimizers' zero_grad(set_to_none) drops payload .grad; put the grad chunks back."""
-        for g in self.groups:
-            for pc, gc in zip(g.param_chunks.chunks, g.grad_chunks.chunks):
-                pc.payload.grad = gc.payload
+        for params, grads in self._stepped:
+            for p, gr in zip(params, grads):
+                p.grad = gr

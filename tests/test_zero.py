@@ -1,0 +1,137 @@
+"""ZeRO over chunks: each stage equals single-process PyTorch on the same global batch, keeps the
+model-state bytes the ZeRO formulas give, and sends what DDP sends (stage 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import initialize
+from tests.distributed import run_distributed
+from tests.reference import (assert_close_relative, assert_params_close, param_snapshot, tiny_gpt, token_batches,
+                             train_engine, train_reference)
+from tests.test_data_parallel import ADAMW, adamw
+
+STEPS = 4
+GLOBAL_BATCH = 8
+
+
+def zero_config(stage: int, micro: int, accumulation: int, chunk_size: int = 20_000, **zero) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "optimizer": {"type": "AdamW", "params": ADAMW},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage, "chunk_size": chunk_size, **zero},
+        "steps_per_print": 10**6,
+    }
+
+
+def model_state_bytes(engine) -> dict[str, int]:
+    """Counted from the tensors themselves, not from the engine: chunk payload storages and optimizer states."""
+    chunked = engine.chunked
+    params = sum(c.payload.untyped_storage().nbytes() for g in chunked.groups for c in g.param_chunks.chunks)
+    grads = sum(c.payload.untyped_storage().nbytes() for g in chunked.groups for c in g.grad_chunks.chunks)
+    states = sum(v.numel() * v.element_size() for s in engine.optimizer.state.values() for v in s.values()
+                 if torch.is_tensor(v) and v.dim() > 0)  # not the scalar step counters
+    return {"param": params, "grad": grads, "optim": states}
+
+
+def _zero_worker(rank, world, stage, accumulation, reduce_scatter=True):
+    micro = GLOBAL_BATCH // world // accumulation
+    engine = initialize(tiny_gpt(seed=rank), zero_config(stage, micro, accumulation, reduce_scatter=reduce_scatter))
+    losses, norms = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, accumulation)
+    comm = engine.comm
+    chunk_numel = sum(c.payload.numel() for g in engine.chunked.groups for c in g.grad_chunks.chunks)
+    return losses, norms, param_snapshot(engine.module), model_state_bytes(engine), comm.ring_bytes(world), \
+        comm.broadcast_bytes, chunk_numel
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = tiny_gpt()
+    losses, norms = train_reference(model, token_batches(STEPS, GLOBAL_BATCH), adamw, clip=1.0)
+    return losses, norms, param_snapshot(model)
+
+
+@pytest.mark.parametrize("world,accumulation", [(2, 2), (4, 1)])
+def test_stage_1_matches_single_process_and_its_memory_and_traffic(reference, world, accumulation):
+    ref_losses, ref_norms, ref_params = reference
+    results = run_distributed(_zero_worker, world, args=(1, accumulation))
+    mean_losses = [sum(r[0][i] for r in results) / world for i in range(STEPS)]
+    assert_close_relative(mean_losses, ref_losses)
+    assert_close_relative(results[0][1], ref_norms)  # the global norm, summed over the shards
+    for r in results:
+        assert_params_close(r[2], ref_params)
+
+    psi = sum(p.numel() for p in ref_params.values())
+    padding = world * 20_000 * 4  # at most a chunk's worth per kind, in bytes
+    for r in results:  # ZeRO-1, fp32 Adam: params 4Ψ + grads 4Ψ + (exp_avg + exp_avg_sq) 8Ψ/N
+        state = r[3]
+        assert abs(state["param"] - 4 * psi) <= 0.05 * 4 * psi + padding
+        assert abs(state["grad"] - 4 * psi) <= 0.05 * 4 * psi + padding
+        assert abs(state["optim"] - 8 * psi / world) <= 0.05 * 8 * psi / world + padding / world
+        assert sum(state.values()) < 8 * psi + 8 * psi / world + 0.05 * 16 * psi + padding
+    # a reduce-scatter and an all-gather of each chunk per step send what one all-reduce of it sends
+    # (DDP: 2(N-1)/N per byte), plus the global norm's sum of squares (one float64 all-reduce)
+    for r in results:
+        chunk_numel = r[6]
+        assert psi <= chunk_numel <= 1.25 * psi  # this test's small fixed chunk size pads up to a fifth
+        per_step = 2 * (world - 1) / world * (4 * chunk_numel + 8)
+        sent = r[4] - r[5]  # without the start-up broadcast of rank 0's parameters
+        assert sent == pytest.approx(STEPS * per_step, rel=1e-12), (sent, STEPS * per_step)
+
+
+def test_stage_1_with_all_reduce_instead_of_reduce_scatter_trains_the_same(reference):
+    ref_losses, _, ref_params = reference
+    results = run_distributed(_zero_worker, 2, args=(1, 1, False))
+    assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
+    for r in results:
+        assert_params_close(r[2], ref_params)
+
+
+def _client_optimizer_worker(rank, world):
+    model = tiny_gpt(seed=0)
+    cfg = zero_config(1, GLOBAL_BATCH // world, 1)
+    del cfg["optimizer"]
+    engine = initialize(model, cfg, optimizer=adamw(model.parameters()),
+                        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0))
+    losses, _ = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, 1)
+    state_numel = sum(v.numel() for s in engine.optimizer.state.values() for v in s.values() if v.dim() > 0)
+    return losses, param_snapshot(engine.module), state_numel
+
+
+def test_stage_1_shards_a_client_optimizer(reference):
+    ref_losses, _, ref_params = reference
+    results = run_distributed(_client_optimizer_worker, 2)
+    assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
+    psi = sum(p.numel() for p in ref_params.values())
+    for r in results:
+        assert_params_close(r[1], ref_params)
+        assert r[2] <= 2 * psi / 2 + 2 * 20_000  # exp_avg + exp_avg_sq of half the elements (plus padding)
+
+
+def _bound_scheduler_worker(rank, world):
+    model = tiny_gpt()
+    opt = adamw(model.parameters())
+    cfg = zero_config(1, 2, 1)
+    del cfg["optimizer"]
+    try:
+        initialize(model, cfg, optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_stage_1_refuses_a_scheduler_bound_to_the_client_optimizer():
+    for message in run_distributed(_bound_scheduler_worker, 2):
+        assert message is not None and "pass lr_scheduler as a callable that takes the optimizer" in message
+
+
+def test_stage_1_in_one_process_keeps_the_client_optimizer():
+    model = tiny_gpt()
+    opt = adamw(model.parameters())
+    cfg = zero_config(1, 2, 1)
+    del cfg["optimizer"]
+    engine = initialize(model, cfg, optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    assert engine.optimizer is opt and not engine.chunked.sharded  # one shard: nothing to rebuild
