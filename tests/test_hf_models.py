@@ -44,3 +44,31 @@ def test_hf_gpt2_data_parallel_matches_plain_pytorch():
     assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
     for _, params in results:
         assert_params_close(params, param_snapshot(ref))
+
+
+def hf_llama(seed: int = 0):
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _llama_zero_worker(rank, world, stage):
+    cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world // 2, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "AdamW", "params": ADAMW}, "gradient_clipping": 1.0,
+           "zero_optimization": {"stage": stage, "chunk_size": 50_000}, "steps_per_print": 10**6}
+    engine = initialize(hf_llama(), cfg)
+    losses, _ = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, 2, loss_fn=hf_loss)
+    return losses, param_snapshot(engine.module)
+
+
+def test_hf_llama_zero_stage_1_matches_plain_pytorch():
+    """LlamaForCausalLM (grouped-query attention) under ZeRO-1 on 2 ranks with accumulation and clipping."""
+    ref = hf_llama()
+    opt = lambda ps: torch.optim.AdamW(ps, lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
+                                       weight_decay=ADAMW["weight_decay"])
+    ref_losses, _ = train_reference(ref, token_batches(STEPS, GLOBAL_BATCH), opt, clip=1.0, loss_fn=hf_loss)
+    results = run_distributed(_llama_zero_worker, 2, args=(1,), timeout_s=180)
+    assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
+    for _, params in results:
+        assert_params_close(params, param_snapshot(ref))
