@@ -1,0 +1,125 @@
+"""ZeRO over chunks vs torch's own peers, 2 ranks, gloo on CPU (built so far: stage 1).
+
+    .venv/bin/python scripts/bench_zero.py                    # stage 1 vs ZeroRedundancyOptimizer + DDP
+    .venv/bin/python scripts/bench_zero.py --rounds 2 --out /tmp/zero.md
+
+Same harness as bench_dp.py (spawned ranks, one thread each, the same model, data and seed, AdamW
+lr 1e-4 fp32 fused, alternating rounds, barrier-timed steps, loopback bytes per rank per step).
+Peer for stage 1: torch.distributed.optim.ZeroRedundancyOptimizer (optimizer states sharded per
+parameter, updated parameters broadcast from their owners) under DistributedDataParallel (which
+all-reduces the gradients). Ours: reduce-scatter of gradient chunks during backward, AdamW over
+this rank's shards, all-gather of the updated shards. Stages 2 and 3 are added here as they are
+built (vs DDP and FSDP2).
+
+This is a benchmark script: it prints what it measured and never asserts on time.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import (KEEP_FREED_MEMORY_ENV, LoopbackCounter, command_line, fmt_bytes, free_port,  # noqa: E402
+                          init_gloo, machine_line, markdown_table, spawn_ranks, write_text)
+from bench_dp import Loop, build_model, engine_config, make_batches, parse_args, summarize, timed_run  # noqa: E402
+
+SYSTEMS = ("ours", "peer")
+LABELS = {"ours": "tiers ZeRO stage 1", "peer": "torch ZeroRedundancyOptimizer + DDP"}
+
+
+def ours_loop(args) -> Loop:
+    from engine import initialize
+
+    cfg = engine_config(args)
+    cfg.setdefault("zero_optimization", {})["stage"] = 1
+    engine = initialize(build_model(args), cfg)
+    return Loop(lambda x, y: engine(x, labels=y), engine.backward, engine.step,
+                close=engine.close, comm_bytes=lambda: engine.comm.total_bytes)
+
+
+def peer_loop(args) -> Loop:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(build_model(args), gradient_as_bucket_view=True)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4,
+                                  weight_decay=0.0, fused=True)
+
+    def optimize():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Loop(lambda x, y: model(x, labels=y), lambda loss: loss.backward(), optimize)
+
+
+def rank_main(rank: int, world: int, port: int, args, results) -> None:
+    init_gloo(rank, world, port)
+    batches = make_batches(args, rank)
+    lo = LoopbackCounter()
+    runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
+    builders = {"ours": ours_loop, "peer": peer_loop}
+    for r in range(args.rounds):
+        for system in SYSTEMS:
+            loop = builders[system](args)
+            runs[system].append(timed_run(loop, batches, args, lo))
+            loop.close()
+            del loop
+            gc.collect()
+            if rank == 0:
+                run = runs[system][-1]
+                print(f"round {r + 1}/{args.rounds} {system}: {run['step_s']:.3f} s/step, loopback "
+                      f"{fmt_bytes(run['lo_per_rank_step'])}/rank/step, other processes "
+                      f"{run['foreign_cores']:.2f} cores", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        results.put(runs)
+
+
+def report(args, psi: int, runs: dict[str, list[dict]], elapsed_s: float) -> str:
+    rows_in = {s: summarize(runs[s]) for s in SYSTEMS}
+    peer = rows_in["peer"]["step_s"]
+    unit = psi * 4
+    rows = [[LABELS[k], f"{s['step_s']:.3f}", f"{s['step_s'] / peer:.3f}", fmt_bytes(s["lo"]), f"{s['lo'] / unit:.2f}",
+             ", ".join(f"{t:.3f}" for t in s["per_round"]), f"{s['foreign']:.2f}", f"{s['loss']:.4f}"]
+            for k, s in rows_in.items()]
+    chunk = f"{args.chunk_size} elements" if args.chunk_size else "engine default"
+    return "\n".join([
+        f"### ZeRO stage 1: tiers vs torch ZeroRedundancyOptimizer + DDP ({args.world} ranks, gloo, CPU, 1 thread/rank)",
+        "",
+        f"Model `{args.model}` (Ψ = {psi:,} parameters, Ψ·4B = {fmt_bytes(unit)}), micro batch {args.micro_batch} × "
+        f"seq {args.seq} per rank, AdamW lr 1e-4 fp32 (fused), chunk size: {chunk}. Median over {args.rounds} "
+        f"alternating rounds of {args.warmup} warm-up + {args.steps} timed steps; ratio target ≤ 1.0.",
+        "",
+        markdown_table(["system", "step time (s)", "ratio vs peer", "loopback bytes/rank/step", "× Ψ·4B",
+                        "per-round s/step", "other cores (max)", "last loss"], rows),
+        "",
+        "Processes started with " + " ".join(f"{k}={v}" for k, v in KEEP_FREED_MEMORY_ENV.items())
+        + " (Note [malloc in benchmarks] in bench_common.py).",
+        f"Machine: {machine_line()}",
+        f"Command: `{command_line()}` (total {elapsed_s:.0f} s)",
+    ])
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    psi = build_model(args).num_parameters()
+    env = None if args.system_malloc else KEEP_FREED_MEMORY_ENV
+    results = spawn_ranks(rank_main, args.world, args=(free_port(), args), env=env)
+    if not results:
+        raise RuntimeError("rank 0 returned no results")
+    text = report(args, psi, results[0], time.perf_counter() - started)
+    print("\n" + text, flush=True)
+    if args.out:
+        write_text(args.out, text)
+
+
+if __name__ == "__main__":
+    main()
