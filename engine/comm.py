@@ -89,5 +89,4 @@ def all_gather_in_place(chunk: torch.Tensor, group: dist.ProcessGroup | None, ra
     counter.all_gather_bytes += chunk.numel() * chunk.element_size()
     shard = chunk.numel() // world
     with record_function("tiers.comm.all_gather"):
-        return dist.all_gather_single(chunk, chunk.narrow(0, rank * shard, shard), group=group,
-                                           async_op=async_op)
+        return dist.all_gather_single(chunk, chunk.narrow(0, rank * shard, shard), group=group, async_op=async_op)
