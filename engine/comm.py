@@ -74,6 +74,9 @@ class _SumShardsWhenDone:
     def __init__(self, work, received: torch.Tensor, out: torch.Tensor):
         self._work, self._received, self._out = work, received, out
 
+    def is_completed(self) -> bool:
+        return self._received is None or self._work.is_completed()
+
     def wait(self) -> None:
         if self._received is None:
             return

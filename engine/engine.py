@@ -156,6 +156,10 @@ class Engine:
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside skip the gradient all-reduce (gradients accumulate locally)."""
+        if self.chunked.sharded_grads is not None:
+            raise RuntimeError("no_sync() is not possible with ZeRO stage 2: gradients are sharded, so every backward "
+                               "reduce-scatters them (Note [sharded gradients]); use stage 0 or 1 for local "
+                               "accumulation, or simply call backward without it")
         previous, self._inside_no_sync = self._inside_no_sync, True
         try:
             yield
@@ -169,9 +173,11 @@ class Engine:
         self._losses.append(loss.detach())
         factor = self.loss_scaler.scale / (self.gradient_accumulation_steps * self.dp_world_size)
         scaled = loss.float() * factor if factor != 1.0 else loss
-        reduce_now = self.reducer is not None and self.is_gradient_accumulation_boundary() and not self._inside_no_sync
+        every_backward = self.chunked.sharded_grads is not None  # Note [sharded gradients]
+        reduce_now = self.reducer is not None and (every_backward or (self.is_gradient_accumulation_boundary()
+                                                                      and not self._inside_no_sync))
         if reduce_now:
-            if self._synchronized:
+            if self._synchronized and not every_backward:
                 raise RuntimeError(
                     "a second synchronized engine.backward() before engine.step() would all-reduce the first loss's "
                     "gradients twice; add the losses and call backward once, or run the earlier backward calls "
@@ -200,7 +206,7 @@ class Engine:
         if not boundary:
             return
         with self._timed("optimizer"):
-            if self.reducer is not None and not self._synchronized:
+            if self.reducer is not None and not self._synchronized and self.chunked.sharded_grads is None:
                 self.reducer.reduce_all()  # the boundary backward ran inside no_sync()
             self._synchronized = False
             self.chunked.sync_views()

@@ -82,7 +82,8 @@ def initialize(
     capacity, first_capacity = chunk_layout(cfg, trainable, shards)
     names = {id(p): n for n, p in model.named_parameters()}
     chunked = ChunkedParams(groups, capacity, topology.device, first_capacity, names,
-                            shard_count=shards, shard_rank=topology.dp_rank if shards > 1 else 0)
+                            shard_count=shards, shard_rank=topology.dp_rank if shards > 1 else 0,
+                            shard_grads=policy.shards(ChunkKind.GRAD))
     if optimizer is None:
         optimizer = build_optimizer(cfg.optimizer, chunked.optimizer_param_groups())
     elif chunked.sharded:

@@ -353,7 +353,6 @@ def test_float_written_integers_are_accepted_as_ints():
 @pytest.mark.parametrize(
     "raw, key, value",
     [
-        ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage", "2"),
         ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage", "3"),
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer.device", '"cpu"'),
         ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}},
@@ -375,8 +374,9 @@ def test_not_yet_supported_features_say_so(raw, key, value):
     assert msg.startswith(key)
 
 
-def test_stage_1_loads_and_refuses_what_it_does_not_do():
+def test_stages_1_and_2_load_and_refuse_what_they_do_not_do():
     assert load_config({"zero_optimization": {"stage": 1}}).zero_optimization.stage == 1
+    assert load_config({"zero_optimization": {"stage": 2}}).zero_optimization.stage == 2
     raises({"zero_optimization": {"stage": 1, "allgather_partitions": False}}, "always all-gathers",
            "zero_optimization.allgather_partitions: false")
 

@@ -105,11 +105,11 @@ class PartlyUsed(nn.Module):
         return self.b(h).pow(2).mean()
 
 
-def _partly_used_worker(rank, world):
+def _partly_used_worker(rank, world, stage):
     torch.manual_seed(0)
     model = PartlyUsed()
     engine = initialize(model, {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-                                "gradient_clipping": 10.0, "zero_optimization": {"chunk_size": 80},
+                                "gradient_clipping": 10.0, "zero_optimization": {"stage": stage, "chunk_size": 80},
                                 "steps_per_print": 10**6})
     g = torch.Generator().manual_seed(3)
     for step in range(4):
@@ -120,7 +120,8 @@ def _partly_used_worker(rank, world):
     return param_snapshot(engine.module)
 
 
-def test_unused_parameters_neither_hang_nor_diverge():
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_unused_parameters_neither_hang_nor_diverge(stage):
     """The branch runs on one rank and not the other, so ranks complete chunks in different orders."""
     torch.manual_seed(0)
     model = PartlyUsed()
@@ -134,7 +135,7 @@ def test_unused_parameters_neither_hang_nor_diverge():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
         opt.step()
         opt.zero_grad(set_to_none=False)  # the engine keeps zeroed gradients, never None
-    results = run_distributed(_partly_used_worker, 2, timeout_s=120)
+    results = run_distributed(_partly_used_worker, 2, args=(stage,), timeout_s=120)
     for r in results:
         assert_params_close(r, param_snapshot(model))
 

@@ -62,13 +62,14 @@ def _llama_zero_worker(rank, world, stage):
     return losses, param_snapshot(engine.module)
 
 
-def test_hf_llama_zero_stage_1_matches_plain_pytorch():
-    """LlamaForCausalLM (grouped-query attention) under ZeRO-1 on 2 ranks with accumulation and clipping."""
+@pytest.mark.parametrize("stage", [1, 2])
+def test_hf_llama_zero_matches_plain_pytorch(stage):
+    """LlamaForCausalLM (grouped-query attention) under ZeRO-1/2 on 2 ranks with accumulation and clipping."""
     ref = hf_llama()
     opt = lambda ps: torch.optim.AdamW(ps, lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
                                        weight_decay=ADAMW["weight_decay"])
     ref_losses, _ = train_reference(ref, token_batches(STEPS, GLOBAL_BATCH), opt, clip=1.0, loss_fn=hf_loss)
-    results = run_distributed(_llama_zero_worker, 2, args=(1,), timeout_s=180)
+    results = run_distributed(_llama_zero_worker, 2, args=(stage,), timeout_s=180)
     assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
     for _, params in results:
         assert_params_close(params, param_snapshot(ref))

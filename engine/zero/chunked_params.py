@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.zero.grad_shards import ShardedGrads
 from offload.chunk import ChunkList
 
 
@@ -41,7 +42,8 @@ class ChunkedParams:
     """Owns the param and grad chunks of every trainable parameter, grouped as the optimizer groups them."""
 
     def __init__(self, param_groups: list[dict], capacity: int, device: torch.device, first_capacity: int | None = None,
-                 names: dict[int, str] | None = None, shard_count: int = 1, shard_rank: int = 0):
+                 names: dict[int, str] | None = None, shard_count: int = 1, shard_rank: int = 0,
+                 shard_grads: bool = False):
         for what, value in (("capacity", capacity), ("first chunk capacity", first_capacity or shard_count)):
             if value % shard_count:
                 raise ValueError(f"chunk {what} {value} is not a multiple of the shard count {shard_count}")
@@ -82,6 +84,18 @@ class ChunkedParams:
         # optimizer keys its state by these tensor objects)
         self._stepped = [([self._owned(c.payload) for c in g.param_chunks.chunks],
                           [self._owned(c.payload) for c in g.grad_chunks.chunks]) for g in self.groups]
+        # stage 2: persistent gradient shards; full gradient chunks only during backward (Note [sharded gradients])
+        self.sharded_grads: ShardedGrads | None = None
+        if shard_grads and self.sharded:
+            members = []
+            for g in self.groups:
+                per_chunk = [[] for _ in g.grad_chunks.chunks]
+                for p, slot, view in zip(g.params, g.grad_chunks.slots, g.grad_chunks.views):
+                    per_chunk[slot.chunk].append((p, view))
+                members += [(c.payload, m) for c, m in zip(g.grad_chunks.chunks, per_chunk)]
+            self.sharded_grads = ShardedGrads(members, shard_rank, shard_count)
+            shards = iter(self.sharded_grads.shards)
+            self._stepped = [(params, [next(shards) for _ in grads]) for params, grads in self._stepped]
         # names come in model order; without them, registration order stands in
         self._position = {pid: i for i, pid in enumerate(self._names)}
         for p in self.params:
@@ -116,13 +130,13 @@ class ChunkedParams:
         if not self.sharded:
             return [p.grad for p in self.params]
         pieces = []
-        for g in self.groups:
+        for g, (_, owned) in zip(self.groups, self._stepped):
             for slot in g.grad_chunks.slots:
-                payload = g.grad_chunks.chunks[slot.chunk].payload
-                n = payload.numel() // self.shard_count
-                lo, hi = max(slot.offset, self.shard_rank * n), min(slot.offset + slot.numel, (self.shard_rank + 1) * n)
+                shard = owned[slot.chunk]  # this rank's elements [rank*n, (rank+1)*n) of the chunk
+                start = self.shard_rank * shard.numel()
+                lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + shard.numel())
                 if lo < hi:
-                    pieces.append(payload.narrow(0, lo, hi - lo))
+                    pieces.append(shard.narrow(0, lo - start, hi - lo))
         return pieces
 
     def param_payloads(self) -> list[torch.Tensor]:
@@ -139,12 +153,13 @@ class ChunkedParams:
                     f"parameter '{self.name_of(p)}' no longer lives in its chunk (now {p.dtype} on {p.device}), so it "
                     "would silently stop training; convert or move the model (.to(), .half(), ...) before initialize(), "
                     "and load weights with load_state_dict() without assign=True")
-            self.adopt_foreign_grad(p)
+            if self.sharded_grads is None:  # stage 2: .grad is None between backward passes
+                self.adopt_foreign_grad(p)
 
     def adopt_foreign_grad(self, p: nn.Parameter) -> None:
         """Note [parameters as chunk views]: a replaced .grad is copied back into its chunk."""
         view = self._grad_view[id(p)]
-        if p.grad is view:
+        if p.grad is view or (self.sharded_grads is not None and p.grad is None):
             return
         if p.grad is not None:
             view.copy_(p.grad)
@@ -154,6 +169,9 @@ class ChunkedParams:
 
     def zero_grads(self) -> None:
         """Zeroes the gradient chunks; a .grad replaced by user code is re-adopted by the hooks or sync_views."""
+        if self.sharded_grads is not None:
+            self.sharded_grads.zero()
+            return
         for payload in self._grad_payloads:
             payload.zero_()
 

@@ -64,8 +64,11 @@ class GradReducer:
         # reduction started (small is good), and chunks launched before backward returned
         self.grads_before_first_launch: int | None = None
         self.launched_during_backward = 0
-        self._works: list = []
+        self._works: list[tuple[int, object]] = []  # (chunk, its collective in flight)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in chunked.params]
+        self._sharded_grads = chunked.sharded_grads
+        if self._sharded_grads is not None:  # Note [sharded gradients]: a chunk gets its buffer before its first gradient
+            self._handles += [p.register_hook(self._materialize_for(p)) for p in chunked.params]
 
     def arm(self) -> None:
         """The coming backward ends the accumulation: reduce chunks as they complete."""
@@ -103,13 +106,25 @@ class GradReducer:
             if self.grads_before_first_launch is None:
                 self.grads_before_first_launch = len(self._fired)
 
+    def _materialize_for(self, p: nn.Parameter):
+        chunk = self._chunk_of[id(p)]
+
+        def before_accumulate(grad):
+            self._sharded_grads.materialize(chunk)
+            return grad
+
+        return before_accumulate
+
     def _launch(self, index: int) -> None:
+        if self._sharded_grads is not None:
+            self._retire_finished()  # frees finished chunks' buffers during backward, not only after it
+            self._sharded_grads.materialize(index)  # zeros where this rank had no gradient: the others may
         if self.scatter:
             work = reduce_scatter_sum_in_place(self.payloads[index], self.group, self.chunked.shard_rank,
                                                self.chunked.shard_count, self.counter, async_op=True)
         else:
             work = all_reduce_sum(self.payloads[index], self.group, self.counter, async_op=True)
-        self._works.append(work)
+        self._works.append((index, work))
 
     def finish_backward(self) -> None:
         """Launches the chunks backward did not complete (unused parameters, or all without overlap), in order."""
@@ -128,9 +143,18 @@ class GradReducer:
         self.wait()
 
     def wait(self) -> None:
-        for work in self._works:
+        for index, work in self._works:
             work.wait()
+            if self._sharded_grads is not None:
+                self._sharded_grads.retire(index)
         self._works.clear()
+
+    def _retire_finished(self) -> None:
+        """Retires the leading reductions that have finished (in launch order, as every rank launches them)."""
+        while self._works and self._works[0][1].is_completed():
+            index, work = self._works.pop(0)
+            work.wait()
+            self._sharded_grads.retire(index)
 
     def remove_hooks(self) -> None:
         for h in self._handles:

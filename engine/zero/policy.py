@@ -6,7 +6,7 @@ payload is cut into `dp` equal contiguous shards (chunks are sized to a multiple
 r owns shard r. The stage only decides which kinds are sharded:
   stage 0   nothing                                  (plain data parallelism)
   stage 1   optimizer states (and fp32 masters)      gradients reduce-scattered, params all-gathered
-  stage 2   + gradients                              (not built yet)
+  stage 2   + gradients                              each rank keeps its gradient shard (Note [sharded gradients])
   stage 3   + parameters                             (not built yet)
 Everything else follows from the table: when optimizer states are sharded, a rank needs only its
 shard of the summed gradient (a reduce-scatter instead of an all-reduce: half the traffic) and
@@ -32,7 +32,6 @@ _SHARDED_BY_STAGE: dict[int, frozenset[ChunkKind]] = {
     2: frozenset({ChunkKind.OPTIM, ChunkKind.GRAD}),
     3: frozenset({ChunkKind.OPTIM, ChunkKind.GRAD, ChunkKind.PARAM}),
 }
-BUILT_STAGES = (0, 1)
 
 
 @dataclass(frozen=True)
