@@ -161,3 +161,36 @@ def test_stage_2_refuses_no_sync_and_leaves_no_full_gradients_between_backward_p
     for message, grads_none in run_distributed(_stage_2_no_sync_worker, 2):
         assert message is not None and "not possible with ZeRO stage 2" in message
         assert grads_none  # only the rank's shards persist (Note [sharded gradients])
+
+
+def _failed_backward_worker(rank, world):
+    engine = initialize(tiny_gpt(seed=rank), zero_config(2, GLOBAL_BATCH // world, 1))
+    block = engine.module.blocks[-1]  # backward reaches it first: some chunks already hold gradients
+    fail_once = [True]
+
+    def raise_in_backward(module, args, output):
+        def hook(grad):
+            if fail_once[0]:
+                fail_once[0] = False
+                raise RuntimeError("injected failure half-way through backward")
+            return grad
+        output.register_hook(hook)
+
+    handle = block.register_forward_hook(raise_in_backward)
+    x = token_batches(1, GLOBAL_BATCH, seed=99)[0][rank * 4:(rank + 1) * 4]
+    try:
+        engine.backward(engine(x, x))
+    except RuntimeError as e:
+        assert "injected failure" in str(e)
+    handle.remove()
+    engine.zero_grad()  # drops what the failed backward left (live chunks included)
+    losses, _ = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, 1)
+    return losses, param_snapshot(engine.module)
+
+
+def test_stage_2_after_a_failed_backward_and_zero_grad_trains_as_if_nothing_happened(reference):
+    ref_losses, _, ref_params = reference
+    results = run_distributed(_failed_backward_worker, 2)
+    assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
+    for _, params in results:
+        assert_params_close(params, ref_params)

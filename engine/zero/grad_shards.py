@@ -63,5 +63,8 @@ class ShardedGrads:
         self._live[index] = False
 
     def zero(self) -> None:
-        for shard in self.shards:
+        """Zeroes the shards and drops any full chunk left live (a backward that raised half-way)."""
+        for index, shard in enumerate(self.shards):
             shard.zero_()
+            if self._live[index]:
+                self._release(index)

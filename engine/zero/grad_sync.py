@@ -80,8 +80,10 @@ class GradReducer:
         self.launched_during_backward = 0
 
     def disarm(self) -> None:
-        """After a failed backward: launch nothing more from hooks."""
+        """After a failed backward: launch nothing more from hooks, and let what was launched finish now
+        (every rank launched the same prefix of the sequence), so no late reduction lands in a later step."""
         self._armed = False
+        self.wait()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         self.chunked.adopt_foreign_grad(p)
