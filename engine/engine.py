@@ -271,6 +271,27 @@ class Engine:
         """Clears accumulated gradients (the engine also does this after every update)."""
         self.chunked.zero_grads()
 
+    # ---- whole weights ------------------------------------------------------------------------
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """The model's full state dict (keys as `module.state_dict()`), copied to CPU, on every rank; with
+        rank0_only, on rank 0 only (the others get None). Stages 0-2 keep every parameter whole on every
+        rank, so nothing is gathered."""
+        if rank0_only and self.dp_rank != 0:
+            return None
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, params=None, modifier_rank: int | None = None):
+        """Parameters (default all) readable inside the block; with `modifier_rank`, that rank may modify
+        them and its values reach every rank on exit (DeepSpeed's GatheredParameters). Stages 0-2 keep
+        parameters whole, so entering gathers nothing."""
+        params = list(self.module.parameters()) if params is None else list(params)
+        yield params
+        if modifier_rank is not None and self.topology.is_distributed:
+            with torch.no_grad():
+                for p in params:
+                    broadcast_from(p.data, modifier_rank, self.dp_group, self.comm)
+
     # ---- queries ----------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]

@@ -194,3 +194,29 @@ def test_stage_2_after_a_failed_backward_and_zero_grad_trains_as_if_nothing_happ
     assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
     for _, params in results:
         assert_params_close(params, ref_params)
+
+
+def _whole_weights_worker(rank, world):
+    engine = initialize(tiny_gpt(seed=rank), zero_config(2, GLOBAL_BATCH // world, 1))
+    train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, 1)
+    full, rank0 = engine.full_state_dict(), engine.full_state_dict(rank0_only=True)
+    weight = engine.module.lm_head.weight
+    with engine.gathered_parameters([weight], modifier_rank=0):
+        if rank == 0:
+            with torch.no_grad():
+                weight.fill_(0.25)  # only rank 0 changes it; on exit every rank has it
+    after_modify = weight.detach().clone()
+    train_engine(engine, token_batches(1, GLOBAL_BATCH, seed=5), rank, world, 1)
+    return full, rank0, after_modify, param_snapshot(engine.module)
+
+
+def test_full_state_dict_and_gathered_parameters(reference):
+    _, _, ref_params = reference
+    results = run_distributed(_whole_weights_worker, 2)
+    for rank, (full, rank0, after_modify, params) in enumerate(results):
+        assert full.keys() == tiny_gpt().state_dict().keys()
+        assert_params_close({k: full[k] for k in ref_params}, ref_params)  # the trained weights, on every rank
+        assert (rank0 is None) == (rank != 0)
+        assert torch.equal(after_modify, torch.full_like(after_modify, 0.25))
+    for name in results[0][3]:  # still one model after rank 0's modification and one more step
+        assert torch.equal(results[0][3][name], results[1][3][name]), name
