@@ -18,6 +18,7 @@ advances and `skipped_steps` counts it (as DeepSpeed).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 
@@ -73,10 +74,9 @@ class Engine:
         self._losses: list[torch.Tensor] = []
         self._tokens = 0
         self._step_start: float | None = None  # first training forward of the current update
-        self._comm_bytes_at_last_step = 0
         if topology.is_distributed:
             self._broadcast_initial_state()
-        self._comm_bytes_at_last_step = self.comm.total_bytes  # the start-up broadcast is not a step's traffic
+        self._comm_at_last_step = dataclasses.replace(self.comm)  # the start-up broadcast is not a step's traffic
 
     # ---- identity -------------------------------------------------------------------------
     @property
@@ -292,6 +292,18 @@ class Engine:
                 for p in params:
                     broadcast_from(p.data, modifier_rank, self.dp_group, self.comm)
 
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds: parameter chunks, gradient chunks (and stage-2 shards),
+        optimizer state tensors."""
+        chunked = self.chunked
+        params = sum(p.untyped_storage().nbytes() for p in chunked.param_payloads())
+        grads = sum(g.untyped_storage().nbytes() for g in chunked.grad_payloads())
+        if chunked.sharded_grads is not None:
+            grads += sum(s.untyped_storage().nbytes() for s in chunked.sharded_grads.shards)
+        optim = sum(v.untyped_storage().nbytes() for state in self.optimizer.state.values() for v in state.values()
+                    if torch.is_tensor(v) and v.dim() > 0)
+        return {"param": params, "grad": grads, "optim": optim}
+
     # ---- queries ----------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
@@ -310,8 +322,7 @@ class Engine:
         now = time.perf_counter()
         step_s = now - (self._step_start or now)
         self._step_start = None
-        comm_bytes = self.comm.total_bytes - self._comm_bytes_at_last_step
-        self._comm_bytes_at_last_step = self.comm.total_bytes
+        comm, self._comm_at_last_step = self._comm_at_last_step, dataclasses.replace(self.comm)
         losses, self._losses = self._losses, []
         tokens, self._tokens = self._tokens, 0
         phases, self._phase_s = self._phase_s, dict.fromkeys(self._phase_s, 0.0)
@@ -323,7 +334,10 @@ class Engine:
             "Train/loss_scale": self.loss_scaler.scale,
             "Train/skipped_steps": float(self.skipped_steps),
             "Time/step_ms": step_s * 1000.0,
-            "Comm/bytes_per_step": float(comm_bytes),
+            "Comm/bytes_per_step": float(self.comm.total_bytes - comm.total_bytes),
+            **{f"Comm/{kind}_bytes_per_step": float(getattr(self.comm, f"{kind}_bytes") - getattr(comm, f"{kind}_bytes"))
+               for kind in ("all_reduce", "reduce_scatter", "all_gather")},
+            **{f"Memory/chunk_bytes/{kind}": float(n) for kind, n in self.model_state_bytes().items()},
             **self.monitor.memory_metrics(),
         }
         if self._global_grad_norm is not None:

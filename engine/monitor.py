@@ -4,7 +4,9 @@ TensorBoard tags (README lists them):
   Train/loss, Train/lr, Train/loss_scale, Train/grad_norm, Train/skipped_steps,
   Throughput/samples_per_sec, Throughput/tokens_per_sec (when token ids are seen),
   Time/step_ms, Memory/rss_bytes, Memory/device_allocated_bytes and
-  Memory/device_peak_bytes (CUDA), Comm/bytes_per_step; with wall_clock_breakdown also
+  Memory/device_peak_bytes (CUDA), Memory/chunk_bytes/{param,grad,optim} (model state held by this
+  rank), Comm/bytes_per_step and Comm/{all_reduce,reduce_scatter,all_gather}_bytes_per_step; with
+  wall_clock_breakdown also
   Time/forward_ms, Time/backward_ms, Time/optimizer_ms (summed over the update's micro-steps).
 """
 

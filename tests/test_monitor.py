@@ -11,7 +11,9 @@ from tests.reference import tiny_gpt, token_batches, train_engine
 
 EXPECTED_TAGS = {"Train/loss", "Train/lr", "Train/loss_scale", "Train/grad_norm", "Train/skipped_steps",
                  "Throughput/samples_per_sec", "Throughput/tokens_per_sec", "Time/step_ms", "Memory/rss_bytes",
-                 "Comm/bytes_per_step"}
+                 "Comm/bytes_per_step", "Comm/all_reduce_bytes_per_step", "Comm/reduce_scatter_bytes_per_step",
+                 "Comm/all_gather_bytes_per_step", "Memory/chunk_bytes/param", "Memory/chunk_bytes/grad",
+                 "Memory/chunk_bytes/optim"}
 
 
 def test_tensorboard_has_one_point_per_step(tmp_path):
@@ -32,6 +34,10 @@ def test_tensorboard_has_one_point_per_step(tmp_path):
     assert all(math.isclose(p.value, n, rel_tol=1e-6) for p, n in zip(events.Scalars("Train/grad_norm"), norms))
     assert all(p.value > 0 for p in events.Scalars("Memory/rss_bytes"))
     assert all(p.value > 0 for p in events.Scalars("Throughput/tokens_per_sec"))
+    psi = sum(p.numel() for p in engine.module.parameters())
+    param_bytes = [p.value for p in events.Scalars("Memory/chunk_bytes/param")]
+    assert all(4 * psi <= v <= 4 * psi * 1.25 for v in param_bytes)  # fp32 chunks: Ψ·4B plus padding
+    assert [p.value for p in events.Scalars("Memory/chunk_bytes/optim")] == [2 * v for v in param_bytes]  # Adam
 
 
 def test_tensorboard_off_writes_nothing(tmp_path, monkeypatch):
