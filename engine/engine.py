@@ -351,8 +351,10 @@ class Engine:
         self.monitor.log_step(self.global_step, metrics)
 
     def close(self) -> None:
-        """Flushes the monitor and removes the engine's hooks."""
+        """Flushes the monitor, removes the engine's hooks and closes an offloaded optimizer's chunk manager."""
         self.monitor.close()
+        if hasattr(self.optimizer, "close"):
+            self.optimizer.close()
         if self.reducer is not None:
             self.reducer.remove_hooks()
 

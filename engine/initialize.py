@@ -17,7 +17,10 @@ from engine.optim import build_optimizer
 from engine.precision import PrecisionPolicy, build_loss_scaler
 from engine.topology import Topology
 from engine.zero.chunked_params import ChunkedParams
+from engine.zero.offloaded_optimizer import OffloadedOptimizer
 from engine.zero.policy import ChunkKind, ShardingPolicy
+from offload.chunk import Location
+from offload.manager import Budgets, ChunkManager
 from offload.chunk import DEFAULT_CHUNK_CAPACITY, best_capacity
 
 # reduce_bucket_size defaults to 5e8 elements (DeepSpeed); a chunk that large would leave nothing
@@ -84,8 +87,14 @@ def initialize(
     chunked = ChunkedParams(groups, capacity, topology.device, first_capacity, names,
                             shard_count=shards, shard_rank=topology.dp_rank if shards > 1 else 0,
                             shard_grads=policy.shards(ChunkKind.GRAD))
-    if optimizer is None:
+    offload = cfg.zero_optimization.offload_optimizer
+    if optimizer is None and offload.device in ("cpu", "nvme"):
+        optimizer = _offloaded(cfg, chunked, topology)
+    elif optimizer is None:
         optimizer = build_optimizer(cfg.optimizer, chunked.optimizer_param_groups())
+    elif offload.device in ("cpu", "nvme"):
+        raise ConfigError("zero_optimization.offload_optimizer: offloading a client optimizer's states is not "
+                          "supported yet; give the optimizer in the config's 'optimizer' section instead")
     elif chunked.sharded:
         if lr_scheduler is not None and hasattr(lr_scheduler, "step"):
             raise ValueError("with ZeRO stage >= 1 the optimizer passed to initialize() is rebuilt over this rank's "
@@ -114,6 +123,25 @@ def _param_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:
     if items and isinstance(items[0], dict):
         return [dict(g, params=list(g["params"])) for g in items]
     return [{"params": items}]
+
+
+def _offloaded(cfg: Config, chunked: ChunkedParams, topology: Topology) -> OffloadedOptimizer:
+    """Note [offloaded optimizer states]: the config's optimizer, its states in a ChunkManager."""
+    offload, aio = cfg.zero_optimization.offload_optimizer, cfg.aio
+    groups = chunked.optimizer_param_groups()
+    largest = max(p.numel() * p.element_size() for g in groups for p in g["params"])
+    nvme = offload.device == "nvme"
+    # on NVMe the CPU tier is a window of buffer_count state chunks (each exp_avg + exp_avg_sq: 2x a tensor),
+    # with room for O_DIRECT padding
+    window = offload.buffer_count * (2 * largest + 2 * aio.block_size) if nvme else None
+    manager = ChunkManager(topology.device, Budgets(cpu=window), nvme_dir=offload.nvme_path if nvme else None,
+                           nvme_threads=aio.intra_op_parallelism or aio.thread_count or 2,
+                           nvme_queue_depth=aio.queue_depth, nvme_block_size=aio.block_size,
+                           pin_memory=offload.pin_memory, prefetch_depth=max(offload.buffer_count - 2, 1))
+    home = Location.NVME if nvme else Location.CPU
+    # Adam runs where the parameters are when they are on the CPU; on CUDA the state chunks visit the device
+    compute = Location.CPU if topology.device.type == "cpu" else Location.DEVICE
+    return OffloadedOptimizer(lambda g: build_optimizer(cfg.optimizer, g), groups, manager, home, compute)
 
 
 def _rebuilt_over_shards(client: torch.optim.Optimizer, chunked: ChunkedParams) -> torch.optim.Optimizer:

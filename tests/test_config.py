@@ -354,9 +354,8 @@ def test_float_written_integers_are_accepted_as_ints():
     "raw, key, value",
     [
         ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage", "3"),
-        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer.device", '"cpu"'),
-        ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}},
-         "zero_optimization.offload_optimizer.device", '"nvme"'),
+        ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+         "zero_optimization.offload_optimizer.ratio", "0.5"),
         ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.device", '"nvme"'),
         ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param.device", '"cpu"'),
         ({"zero_optimization": {"placement": "auto"}}, "zero_optimization.placement", '"auto"'),
@@ -379,6 +378,13 @@ def test_stages_1_and_2_load_and_refuse_what_they_do_not_do():
     assert load_config({"zero_optimization": {"stage": 2}}).zero_optimization.stage == 2
     raises({"zero_optimization": {"stage": 1, "allgather_partitions": False}}, "always all-gathers",
            "zero_optimization.allgather_partitions: false")
+
+
+def test_optimizer_offload_loads_and_nvme_needs_a_path():
+    cfg = load_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}})
+    assert cfg.zero_optimization.offload_optimizer.device == "nvme"
+    raises({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+           "zero_optimization.offload_optimizer.nvme_path", "set nvme_path")
 
 
 def test_not_yet_supported_features_load_at_their_off_values():

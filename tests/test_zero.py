@@ -3,6 +3,8 @@ model-state bytes the ZeRO formulas give, and sends what DDP sends (stage 1)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -220,3 +222,34 @@ def test_full_state_dict_and_gathered_parameters(reference):
         assert torch.equal(after_modify, torch.full_like(after_modify, 0.25))
     for name in results[0][3]:  # still one model after rank 0's modification and one more step
         assert torch.equal(results[0][3][name], results[1][3][name]), name
+
+
+def _offload_worker(rank, world, stage, device, nvme_dir):
+    cfg = zero_config(stage, GLOBAL_BATCH // world // 2, 2)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": device, "nvme_path": nvme_dir}  # buffer_count 4
+    cfg["aio"] = {"block_size": 4096}  # small blocks: the CPU window (4 state chunks) is then far below all states
+    engine = initialize(tiny_gpt(seed=rank), cfg)
+    losses, norms = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, 2)
+    stats = engine.optimizer.manager.stats
+    in_memory = model_state_bytes(engine)["optim"]  # the engine's own optimizer holds no state tensors
+    engine.close()
+    return losses, norms, param_snapshot(engine.module), stats, in_memory
+
+
+@pytest.mark.parametrize("stage,device", [(1, "cpu"), (1, "nvme"), (2, "cpu"), (2, "nvme")])
+def test_optimizer_offload_matches_single_process(reference, tmp_path, stage, device):
+    ref_losses, ref_norms, ref_params = reference
+    results = run_distributed(_offload_worker, 2, args=(stage, device, str(tmp_path)))
+    assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
+    assert_close_relative(results[0][1], ref_norms)
+    psi = sum(p.numel() for p in ref_params.values())
+    for _, _, params, stats, in_memory in results:
+        assert_params_close(params, ref_params)
+        assert in_memory == 0
+        held = stats.resident_bytes["cpu"] + stats.resident_bytes["nvme"]
+        assert 8 * psi / 2 <= held  # exp_avg + exp_avg_sq of this rank's half, in the manager
+        if device == "nvme":
+            assert stats.resident_bytes["nvme"] > 0 and stats.moved_bytes["nvme->cpu"] > 0
+            assert stats.peak_bytes["cpu"] < 8 * psi / 2  # only a window of state chunks in memory at once
+            assert stats.prefetches > 0  # later steps read ahead from the first step's trace
+    assert os.listdir(tmp_path) == []  # the swap files went with the engine

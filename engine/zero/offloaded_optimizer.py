@@ -1,0 +1,86 @@
+"""Optimizer states in the chunk manager (`offload_optimizer`), stepped chunk by chunk.
+
+Note [offloaded optimizer states]
+With `zero_optimization.offload_optimizer.device` cpu or nvme, the states of every stepped tensor
+(a parameter chunk, or this rank's shard of one) live in one chunk of the ChunkManager, kind
+"optim", registered on that tier: exp_avg and exp_avg_sq side by side (whatever state tensors
+the optimizer keeps, in the order it creates them). The step walks the stepped tensors in a fixed
+order: `access` brings the state chunk to the tier of the parameter (on a CPU-only machine the
+device tier is CPU memory), the states are handed to a torch optimizer over that one tensor
+(torch's fused AdamW on CPU: no hand-written kernels), it steps, and `release` lets the chunk go
+back down under the tier's budget. The order repeats every step, so after the first step the
+manager's trace prefetches the next state chunks from NVMe while Adam runs on the current one
+(Note [trace and divergence]). The scalar `step` counters stay in memory.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from offload.chunk import Location
+from offload.manager import ChunkManager
+
+
+class OffloadedOptimizer(torch.optim.Optimizer):
+    """One torch optimizer per stepped tensor, whose state tensors are views of a manager chunk.
+
+    A torch Optimizer itself (LR schedulers accept it): a scheduler changes the options of its
+    param groups, and every step copies them to the per-tensor optimizers. Its own `state` stays
+    empty: the states are in the manager (`manager.stats` counts them per tier).
+    """
+
+    def __init__(self, make: Callable[[list[dict]], torch.optim.Optimizer], groups: list[dict],
+                 manager: ChunkManager, home: Location, compute: Location):
+        super().__init__(groups, {})
+        self.manager, self.compute = manager, compute
+        self._items: list[tuple[torch.optim.Optimizer, torch.Tensor, int, dict]] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                opt = make([{**{k: v for k, v in group.items() if k != "params"}, "params": [p]}])
+                names, states = _state_layout(make, p)
+                chunk = None  # an optimizer without state tensors (plain SGD) has nothing to offload
+                if states:
+                    chunk = manager.register("optim", states, location=home,
+                                             capacity=sum(s.numel() for s in states))[0].chunk
+                    opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device)}
+                self._items.append((opt, p, chunk, {"names": names, "group": group}))
+
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            raise ValueError("an offloaded optimizer steps without a closure")
+        for opt, p, chunk, info in self._items:
+            views = self.manager.access(chunk, self.compute) if chunk is not None else []
+            state = opt.state[p]
+            for name, view in zip(info["names"], views):
+                state[name] = view
+            inner = opt.param_groups[0]
+            for key, value in info["group"].items():
+                if key != "params":
+                    inner[key] = value  # a scheduler changed the outer group
+            opt.step()
+            for name in info["names"]:
+                del state[name]  # the views go stale when the chunk moves
+            if chunk is not None:
+                self.manager.release(chunk)
+        self.manager.end_iteration()
+
+    def state_dict(self):
+        raise NotImplementedError("checkpointing offloaded optimizer states comes with sharded checkpoints "
+                                  "(a later release); save the model with engine.full_state_dict() for now")
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _state_layout(make, p: torch.Tensor) -> tuple[list[str], list[torch.Tensor]]:
+    """The names and zero initial values of the state tensors the optimizer keeps for `p` (found by one
+    step of a throw-away optimizer on a small tensor: every state it creates with p's shape)."""
+    probe = torch.zeros(4, dtype=p.dtype, device=p.device, requires_grad=True)
+    probe.grad = torch.zeros_like(probe)
+    opt = make([{"params": [probe]}])
+    opt.step()
+    names = [k for k, v in opt.state[probe].items() if torch.is_tensor(v) and v.shape == probe.shape]
+    return names, [torch.zeros_like(p) for _ in names]
+
