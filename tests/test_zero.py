@@ -229,6 +229,7 @@ def _offload_worker(rank, world, stage, device, nvme_dir):
     cfg["zero_optimization"]["offload_optimizer"] = {"device": device, "nvme_path": nvme_dir}  # buffer_count 4
     cfg["aio"] = {"block_size": 4096}  # small blocks: the CPU window (4 state chunks) is then far below all states
     engine = initialize(tiny_gpt(seed=rank), cfg)
+    assert engine.get_lr() == [ADAMW["lr"]]  # the config's options reach the offloaded optimizer's groups
     losses, norms = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, 2)
     stats = engine.optimizer.manager.stats
     in_memory = model_state_bytes(engine)["optim"]  # the engine's own optimizer holds no state tensors
@@ -253,3 +254,24 @@ def test_optimizer_offload_matches_single_process(reference, tmp_path, stage, de
             assert stats.peak_bytes["cpu"] < 8 * psi / 2  # only a window of state chunks in memory at once
             assert stats.prefetches > 0  # later steps read ahead from the first step's trace
     assert os.listdir(tmp_path) == []  # the swap files went with the engine
+
+
+def test_optimizer_offload_follows_the_lr_schedule(tmp_path):
+    """A scheduler drives the offloaded optimizer exactly as it drives the in-memory one."""
+    runs = []
+    for offload in (None, {"device": "nvme", "nvme_path": str(tmp_path)}):
+        cfg = zero_config(0, 4, 1)
+        if offload:
+            cfg["zero_optimization"]["offload_optimizer"] = offload
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                           "warmup_num_steps": 4, "warmup_type": "linear"}}
+        engine = initialize(tiny_gpt(), cfg)
+        lrs = []
+        for x in token_batches(4, 4):
+            lrs.append(engine.get_lr()[0])
+            engine.backward(engine(x, x))
+            engine.step()
+        engine.close()
+        runs.append((lrs, param_snapshot(engine.module)))
+    assert runs[0][0] == runs[1][0] and runs[0][0][-1] > 0.0
+    assert_params_close(runs[1][1], runs[0][1])

@@ -33,7 +33,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, make: Callable[[list[dict]], torch.optim.Optimizer], groups: list[dict],
                  manager: ChunkManager, home: Location, compute: Location):
-        super().__init__(groups, {})
+        probe = torch.zeros(1, requires_grad=True)
+        super().__init__(groups, dict(make([{"params": [probe]}]).defaults))  # lr, betas, ...: for schedulers
         self.manager, self.compute = manager, compute
         self._items: list[tuple[torch.optim.Optimizer, torch.Tensor, int, dict]] = []
         for group in self.param_groups:
