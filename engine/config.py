@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -146,6 +147,26 @@ class TensorParallelConfig:
 class MemoryConfig:
     device_budget: int | str | None = None
     cpu_budget: int | str | None = None
+
+    def budget_bytes(self, key: str) -> int | None:
+        """`device_budget` / `cpu_budget` in bytes: an int, or a string like "8GB" (10^9) or "8GiB" (2^30)."""
+        return parse_byte_size(getattr(self, key), f"memory.{key}")
+
+
+_BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_byte_size(value: int | str | None, key: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", value) if isinstance(value, str) else None
+    if match is None or match.group(2).upper() not in _BYTE_UNITS:
+        raise ConfigError(f"{key}: {json.dumps(value)} is not a size; give bytes as an integer, or a string such as "
+                          f"\"8GB\" (10^9 bytes) or \"8GiB\" (2^30 bytes)")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).upper()])
 
 
 @dataclass(frozen=True)
@@ -351,9 +372,11 @@ def _reject_not_yet_supported(cfg: Config) -> None:
         (cfg.tensor_parallel.size != 1, "tensor_parallel.size", cfg.tensor_parallel.size,
          "tensor parallelism is not supported yet; use 1"),
         (cfg.memory.device_budget is not None, "memory.device_budget", cfg.memory.device_budget,
-         "memory budgets are not supported yet; remove the key"),
-        (cfg.memory.cpu_budget is not None, "memory.cpu_budget", cfg.memory.cpu_budget,
-         "memory budgets are not supported yet; remove the key"),
+         "a device budget is not supported yet; remove the key"),
+        (cfg.memory.budget_bytes("cpu_budget") is not None and zero.offload_optimizer.device in ("none", None),
+         "memory.cpu_budget", cfg.memory.cpu_budget, "a CPU budget without optimizer offload is not supported yet "
+         "(in this release it caps the offloaded optimizer states only); set "
+         "zero_optimization.offload_optimizer.device, or remove the key"),
     ]
     ac = cfg.activation_checkpointing
     for key in ("enabled", "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",

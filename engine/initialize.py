@@ -134,7 +134,8 @@ def _offloaded(cfg: Config, chunked: ChunkedParams, topology: Topology) -> Offlo
     # on NVMe the CPU tier is a window of buffer_count state chunks (each exp_avg + exp_avg_sq: 2x a tensor),
     # with room for O_DIRECT padding
     window = offload.buffer_count * (2 * largest + 2 * aio.block_size) if nvme else None
-    manager = ChunkManager(topology.device, Budgets(cpu=window), nvme_dir=offload.nvme_path if nvme else None,
+    budget = cfg.memory.budget_bytes("cpu_budget")  # the user's cap replaces the default window
+    manager = ChunkManager(topology.device, Budgets(cpu=budget if budget is not None else window), nvme_dir=offload.nvme_path if nvme else None,
                            nvme_threads=aio.intra_op_parallelism or aio.thread_count or 2,
                            nvme_queue_depth=aio.queue_depth, nvme_block_size=aio.block_size,
                            pin_memory=offload.pin_memory, prefetch_depth=max(offload.buffer_count - 2, 1))

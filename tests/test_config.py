@@ -362,7 +362,7 @@ def test_float_written_integers_are_accepted_as_ints():
         ({"tensor_parallel": {"size": 2}}, "tensor_parallel.size", "2"),
         ({"memory": {"device_budget": "8GB"}}, "memory.device_budget", '"8GB"'),
         ({"memory": {"device_budget": 1 << 30}}, "memory.device_budget", str(1 << 30)),
-        ({"memory": {"cpu_budget": "64GB"}}, "memory.cpu_budget", '"64GB"'),
+        ({"memory": {"cpu_budget": "64GB"}}, "memory.cpu_budget", '"64GB"'),  # without optimizer offload
         ({"activation_checkpointing": {"enabled": True}}, "activation_checkpointing.enabled", "true"),
         ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations", "true"),
         ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing", "true"),
@@ -385,6 +385,13 @@ def test_optimizer_offload_loads_and_nvme_needs_a_path():
     assert cfg.zero_optimization.offload_optimizer.device == "nvme"
     raises({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
            "zero_optimization.offload_optimizer.nvme_path", "set nvme_path")
+
+
+def test_cpu_budget_sizes_parse_and_bad_ones_say_how():
+    offload = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    for text, expected in [("8GB", 8 * 10**9), ("8GiB", 8 << 30), ("1.5 MiB", 3 << 19), (12345, 12345)]:
+        assert load_config({**offload, "memory": {"cpu_budget": text}}).memory.budget_bytes("cpu_budget") == expected
+    raises({**offload, "memory": {"cpu_budget": "8 parsecs"}}, 'memory.cpu_budget: "8 parsecs" is not a size', "8GiB")
 
 
 def test_not_yet_supported_features_load_at_their_off_values():

@@ -275,3 +275,21 @@ def test_optimizer_offload_follows_the_lr_schedule(tmp_path):
         runs.append((lrs, param_snapshot(engine.module)))
     assert runs[0][0] == runs[1][0] and runs[0][0][-1] > 0.0
     assert_params_close(runs[1][1], runs[0][1])
+
+
+def test_cpu_budget_caps_the_offloaded_optimizer_states(tmp_path):
+    """memory.cpu_budget replaces the default window: the CPU tier never holds more, and training matches."""
+    runs = []
+    for budget in (None, 400 * 1024):  # state chunks of ~164 KiB: room for two, the default window holds four
+        cfg = zero_config(0, 4, 1)
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+        cfg["aio"] = {"block_size": 4096}
+        if budget:
+            cfg["memory"] = {"cpu_budget": budget}
+        engine = initialize(tiny_gpt(), cfg)
+        train_engine(engine, token_batches(3, 4), 0, 1, 1)
+        stats = engine.optimizer.manager.stats
+        engine.close()
+        runs.append((stats, param_snapshot(engine.module)))
+    assert runs[1][0].peak_bytes["cpu"] <= 400 * 1024 < runs[0][0].peak_bytes["cpu"]
+    assert_params_close(runs[1][1], runs[0][1])
