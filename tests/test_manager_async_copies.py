@@ -19,6 +19,7 @@ from offload.copy_engine import CopyDone
 from offload.errors import OffloadError, SwapIntegrityError
 from offload.manager import BudgetError, Budgets, ChunkManager
 from offload.states import TensorState
+from tests.offload_checks import held_bytes, random_bits, same_bytes
 
 
 class _LazyCopy(CopyDone):
@@ -67,29 +68,6 @@ class _LazyCopyEngine:
         return _LazyCopy(dst, src, self.rng)
 
 
-_INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.int64: torch.int64}
-
-
-def _bits(shape, dtype, g):
-    info = torch.iinfo(_INT_OF[dtype])
-    return torch.randint(info.min, info.max, shape, generator=g, dtype=_INT_OF[dtype]).view(dtype)
-
-
-def _same(a, b) -> bool:
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-def _held(m: ChunkManager) -> dict[Location, int]:
-    held = {Location.DEVICE: 0, Location.CPU: m.pool.free_bytes}
-    for e in m._chunks.entries:
-        if e.chunk.payload is not None:
-            held[e.chunk.location] += e.chunk.payload.untyped_storage().nbytes()
-        if e.transfer is not None and e.transfer.frees is not None:
-            where, buf = e.transfer.frees
-            held[where] += buf.untyped_storage().nbytes()
-    return held
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2, 3, 4, 17])
 def test_random_async_copies_prefetch_and_faults(tmp_path, seed, monkeypatch):
     rng = random.Random(seed)
@@ -101,7 +79,7 @@ def test_random_async_copies_prefetch_and_faults(tmp_path, seed, monkeypatch):
     m.copies = _LazyCopyEngine(random.Random(seed + 100))
     shadow: dict[tuple[int, int], torch.Tensor] = {}
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
-        tensors = [_bits((rng.choice([64, 128, 256]),), dtype, g) for _ in range(16)]
+        tensors = [random_bits((rng.choice([64, 128, 256]),), dtype, g) for _ in range(16)]
         refs = m.register(f"k-{dtype}", tensors, capacity=512, location=rng.choice(list(Location)[:3]))
         for ref, t in zip(refs, tensors):
             shadow[(ref.chunk, ref.index)] = t.clone()
@@ -125,7 +103,7 @@ def test_random_async_copies_prefetch_and_faults(tmp_path, seed, monkeypatch):
               rng.random() < 0.5) for _ in range(30)]
 
     def check(where: str) -> None:
-        held = _held(m)
+        held = held_bytes(m)
         for loc, budget in ((Location.DEVICE, budgets.device), (Location.CPU, budgets.cpu)):
             assert m.used_bytes(loc) == held[loc], f"{where}: {loc} accounting off"
             assert held[loc] <= budget, f"{where}: {loc} holds {held[loc]} > {budget}"
@@ -147,9 +125,9 @@ def test_random_async_copies_prefetch_and_faults(tmp_path, seed, monkeypatch):
                     views = m.access(cid, location)
                     corrupted.discard(cid)  # (a successful read of a corrupted file would fail below)
                     for index, view in enumerate(views):
-                        assert _same(view, shadow[(cid, index)]), f"{where}: tensor {index} has wrong bytes"
+                        assert same_bytes(view, shadow[(cid, index)]), f"{where}: tensor {index} has wrong bytes"
                         if rng.random() < 0.3:
-                            view.copy_(_bits(view.shape, view.dtype, g))
+                            view.copy_(random_bits(view.shape, view.dtype, g))
                             shadow[(cid, index)] = view.clone()
                     pinned.append(cid)
                 elif action < 0.68 and cid not in pinned:
@@ -200,7 +178,7 @@ def test_random_async_copies_prefetch_and_faults(tmp_path, seed, monkeypatch):
             except OffloadError:
                 continue
         for index, view in enumerate(views):
-            assert _same(view, shadow[(cid, index)]), f"end: chunk {cid} tensor {index} has wrong bytes"
+            assert same_bytes(view, shadow[(cid, index)]), f"end: chunk {cid} tensor {index} has wrong bytes"
         m.release(cid)
     assert m.copies.issued > 0
     m.close()

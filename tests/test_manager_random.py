@@ -12,33 +12,9 @@ import torch
 from offload.chunk import Location
 from offload.manager import Budgets, ChunkManager
 from offload.states import TensorState
+from tests.offload_checks import held_bytes, random_bits, same_bytes
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
-_INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.int64: torch.int64}
-
-
-def _random_bits(shape, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
-    """Arbitrary bit patterns (NaNs, infinities, subnormals included): only exact bytes compare equal."""
-    int_dtype = _INT_OF[dtype]
-    info = torch.iinfo(int_dtype)
-    return torch.randint(info.min, info.max, shape, generator=g, dtype=int_dtype).view(dtype)
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-def _held_bytes(m: ChunkManager) -> dict[Location, int]:
-    """What the manager really holds per tier, counted from its chunks (not from its own counters)."""
-    held = {Location.DEVICE: 0, Location.CPU: m.pool.free_bytes}
-    for cid in range(len(m._chunks.entries)):
-        entry = m._chunks.entries[cid]
-        if entry.chunk.payload is not None:
-            held[entry.chunk.location] += entry.chunk.payload.untyped_storage().nbytes()
-        if entry.transfer is not None and entry.transfer.frees is not None:
-            location, buf = entry.transfer.frees
-            held[location] += buf.untyped_storage().nbytes()
-    return held
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -53,7 +29,7 @@ def test_random_operations_keep_budgets_and_bytes(tmp_path, seed):
                      keep_free_bytes=4096)
     shadow: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, index) -> expected contents
     for dtype in DTYPES:
-        tensors = [_random_bits((rng.choice([64, 100, 200, 256]),), dtype, g) for _ in range(10)]
+        tensors = [random_bits((rng.choice([64, 100, 200, 256]),), dtype, g) for _ in range(10)]
         refs = m.register(f"kind-{dtype}", tensors, capacity=chunk_numel, location=rng.choice(list(Location)[:3]))
         for ref, t in zip(refs, tensors):
             shadow[(ref.chunk, ref.index)] = t.clone()
@@ -73,9 +49,9 @@ def test_random_operations_keep_budgets_and_bytes(tmp_path, seed):
                 writes = rng.random() < 0.4  # else a read-only use: a clean chunk is dropped, not rewritten
                 views = m.access(cid, location, writes=writes)
                 for index, view in enumerate(views):
-                    assert _same_bytes(view, shadow[(cid, index)]), f"chunk {cid} tensor {index} changed bytes"
+                    assert same_bytes(view, shadow[(cid, index)]), f"chunk {cid} tensor {index} changed bytes"
                     if writes and rng.random() < 0.7:  # compute writes new values
-                        view.copy_(_random_bits(view.shape, view.dtype, g))
+                        view.copy_(random_bits(view.shape, view.dtype, g))
                         shadow[(cid, index)] = view.clone()
                 pinned.append(cid)
             elif action < 0.7 and cid not in pinned:
@@ -89,7 +65,7 @@ def test_random_operations_keep_budgets_and_bytes(tmp_path, seed):
             if len(pinned) > 2 or (pinned and rng.random() < 0.5):
                 done = pinned.pop(0)
                 m.release(done, rng.choice([TensorState.HOLD, TensorState.HOLD_AFTER_FWD, TensorState.HOLD_AFTER_BWD]))
-            held = _held_bytes(m)
+            held = held_bytes(m)
             for location, budget in ((Location.DEVICE, budgets.device), (Location.CPU, budgets.cpu)):
                 assert m.used_bytes(location) == held[location], f"{location} accounting is off"
                 assert held[location] <= budget, f"{location} holds {held[location]} > budget {budget}"
@@ -98,7 +74,7 @@ def test_random_operations_keep_budgets_and_bytes(tmp_path, seed):
     for cid in pinned:
         m.release(cid)
     for (cid, index), expected in shadow.items():  # finally, every tensor read back from wherever it is
-        assert _same_bytes(m.access(cid, Location.CPU)[index], expected)
+        assert same_bytes(m.access(cid, Location.CPU)[index], expected)
         m.release(cid)
     stats = m.stats
     assert operations == 12 * 24

@@ -75,6 +75,23 @@ def _trace_cpu_accesses(m: ChunkManager, order, iterations: int = 2) -> None:
         m.end_iteration()
 
 
+def _hold_jobs(store, job: str, release_after_s: float, keys=None) -> tuple[threading.Event, threading.Timer]:
+    """Makes the store's `job` ("_write_job" / "_read_job") wait, for `keys` (default all), until the returned
+    gate is set; a timer sets it after `release_after_s` so a test that goes wrong cannot hang."""
+    gate = threading.Event()
+    real = getattr(store, job)
+
+    def held(key, *args):
+        if keys is None or key in keys:
+            gate.wait(5)
+        return real(key, *args)
+
+    setattr(store, job, held)
+    timer = threading.Timer(release_after_s, gate.set)
+    timer.start()
+    return gate, timer
+
+
 @pytest.mark.parametrize("prefetch_depth", [0, 1])
 def test_a_prefetch_in_flight_does_not_make_a_feasible_access_fail(tmp_path, prefetch_depth):
     """Regression (was a bug): a chunk whose prefetch is still in flight is neither evictable (_evictable skips chunks
@@ -88,17 +105,7 @@ def test_a_prefetch_in_flight_does_not_make_a_feasible_access_fail(tmp_path, pre
     _trace_cpu_accesses(m, [0, 1, 2])
     for c in range(4):
         m.move(c, Location.NVME)
-    gate = threading.Event()
-    real_read = m.store._read_job
-
-    def slow_read(key, *args):
-        if key == "p.1":
-            gate.wait(5)  # the prefetch of chunk 1 is still reading
-        return real_read(key, *args)
-
-    m.store._read_job = slow_read
-    timer = threading.Timer(0.3, gate.set)
-    timer.start()
+    gate, timer = _hold_jobs(m.store, "_read_job", 0.3, keys={"p.1"})  # the prefetch of chunk 1 is still reading
     try:
         m.access(0, Location.CPU)  # follows the trace: prefetches chunk 1 (room for it: budget 2 chunks)
         views = m.access(3, Location.CPU)  # departs from the trace while 0 is still in use: evict 1
@@ -197,16 +204,7 @@ def test_a_swap_out_in_flight_is_reclaimed_without_a_read(tmp_path):
     m = _nvme_manager(tmp_path, cpu=4 * KIB, prefetch_depth=0)
     tensors = _tensors(2)
     m.register("p", tensors, capacity=256)
-    gate = threading.Event()
-    real_write = m.store._write_job
-
-    def slow_write(key, *args):
-        gate.wait(5)
-        return real_write(key, *args)
-
-    m.store._write_job = slow_write
-    timer = threading.Timer(0.2, gate.set)
-    timer.start()
+    gate, _ = _hold_jobs(m.store, "_write_job", 0.2)
     m.move(0, Location.NVME, wait=False)
     assert m.chunk(0).location is Location.NVME and m.chunk(0).payload is None
     assert torch.equal(m.access(0, Location.CPU)[0], tensors[0])
@@ -226,16 +224,7 @@ def test_a_prefetch_does_not_block_the_caller_on_a_swap_out(tmp_path):
     _trace_cpu_accesses(m, range(4))
     m.move(0, Location.CPU)  # 0 resident, and one other chunk: the CPU tier is full
     assert m.chunk(0).location is Location.CPU and len(m._chunks.at(Location.CPU)) == 2
-    gate = threading.Event()
-    real_write = m.store._write_job
-
-    def slow_write(key, *args):
-        gate.wait(5)
-        return real_write(key, *args)
-
-    m.store._write_job = slow_write
-    timer = threading.Timer(1.0, gate.set)
-    timer.start()
+    gate, timer = _hold_jobs(m.store, "_write_job", 1.0)
     try:
         m.access(0, Location.CPU)  # resident: the prefetch of 1 evicts 3 (a write held for 1 s)
         assert not gate.is_set(), "access() of a resident chunk waited for a prefetch's eviction write"
