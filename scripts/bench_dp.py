@@ -199,24 +199,31 @@ def timed_run(loop: Loop, batches, args, lo: LoopbackCounter) -> dict:
 
 
 # ---- ranks ---------------------------------------------------------------------------------------
-def rank_main(rank: int, world: int, port: int, args, results) -> None:
-    init_gloo(rank, world, port)
-    batches = make_batches(args, rank)
+def alternate_rounds(args, builders: dict, batches, rank: int) -> dict[str, list[dict]]:
+    """args.rounds rounds; each builds and times every system in turn (a fresh model each time)."""
     lo = LoopbackCounter()
-    runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
-    builders = {"ours": ours_loop, "ddp": ddp_loop}
+    runs: dict[str, list[dict]] = {s: [] for s in builders}
     for r in range(args.rounds):
-        for system in SYSTEMS:
-            loop = builders[system](args)
+        for system, build in builders.items():
+            loop = build(args)
             runs[system].append(timed_run(loop, batches, args, lo))
             loop.close()
             del loop
             gc.collect()
             if rank == 0:
                 run = runs[system][-1]
-                print(f"round {r + 1}/{args.rounds} {system}: {run['step_s']:.3f} s/step, CPU busy/rank "
-                      f"{run['cpu_util']:.0%}, {run['faults_per_step']:,.0f} page faults/step, "
-                      f"other processes {run['foreign_cores']:.2f} cores", flush=True)
+                print(f"round {r + 1}/{args.rounds} {system}: {run['step_s']:.3f} s/step, loopback "
+                      f"{fmt_bytes(run['lo_per_rank_step'])}/rank/step, CPU busy/rank {run['cpu_util']:.0%}, "
+                      f"{run['faults_per_step']:,.0f} page faults/step, other processes "
+                      f"{run['foreign_cores']:.2f} cores", flush=True)
+    return runs
+
+
+def rank_main(rank: int, world: int, port: int, args, results) -> None:
+    init_gloo(rank, world, port)
+    batches = make_batches(args, rank)
+    builders = {"ours": ours_loop, "ddp": ddp_loop}
+    runs = alternate_rounds(args, builders, batches, rank)
     profiles = profile_systems(args, batches, builders, rank) if args.profile else {}
     dist.barrier()
     dist.destroy_process_group()

@@ -19,7 +19,6 @@ This is a benchmark script: it prints what it measured and never asserts on time
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -28,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (KEEP_FREED_MEMORY_ENV, LoopbackCounter, command_line, fmt_bytes, free_port,  # noqa: E402
+from bench_common import (KEEP_FREED_MEMORY_ENV, command_line, fmt_bytes, free_port,  # noqa: E402
                           init_gloo, machine_line, markdown_table, spawn_ranks, write_text)
-from bench_dp import Loop, build_model, engine_config, make_batches, parse_args, summarize, timed_run  # noqa: E402
+from bench_dp import Loop, alternate_rounds, build_model, engine_config, make_batches, parse_args, summarize  # noqa: E402
 
 SYSTEMS = ("ours", "peer")
 PEERS = {1: "torch ZeroRedundancyOptimizer + DDP", 2: "torch DDP"}
@@ -80,22 +79,7 @@ def peer_loop(args) -> Loop:
 
 def rank_main(rank: int, world: int, port: int, args, results) -> None:
     init_gloo(rank, world, port)
-    batches = make_batches(args, rank)
-    lo = LoopbackCounter()
-    runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
-    builders = {"ours": ours_loop, "peer": peer_loop}
-    for r in range(args.rounds):
-        for system in SYSTEMS:
-            loop = builders[system](args)
-            runs[system].append(timed_run(loop, batches, args, lo))
-            loop.close()
-            del loop
-            gc.collect()
-            if rank == 0:
-                run = runs[system][-1]
-                print(f"round {r + 1}/{args.rounds} {system}: {run['step_s']:.3f} s/step, loopback "
-                      f"{fmt_bytes(run['lo_per_rank_step'])}/rank/step, other processes "
-                      f"{run['foreign_cores']:.2f} cores", flush=True)
+    runs = alternate_rounds(args, {"ours": ours_loop, "peer": peer_loop}, make_batches(args, rank), rank)
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
