@@ -170,9 +170,9 @@ def test_full_disk_during_eviction_keeps_the_victim_on_the_cpu_with_its_data(tmp
 
 
 def test_full_disk_on_a_real_small_filesystem(tmp_path):
-    from tests.test_nvme import _tmpfs
+    from tests.nvme_helpers import mounted_tmpfs
 
-    with _tmpfs(tmp_path / "small", "size=48k") as small:
+    with mounted_tmpfs(tmp_path / "small", "size=48k") as small:
         m = ChunkManager("cpu", nvme_dir=small, nvme_block_size=4096, prefetch_depth=0)
         tensors = _tensors(3, numel=8 * KIB)  # 32 KiB each: the second swap-out fills the filesystem
         m.register("param", tensors, capacity=8 * KIB)

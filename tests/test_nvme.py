@@ -3,11 +3,9 @@ and every failure (bad directory, damaged file, full disk) is a clear error that
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import gc
-import mmap
 import os
 import shutil
 import stat
@@ -18,44 +16,12 @@ import textwrap
 import pytest
 import torch
 
-from offload.direct_io import PAGE, aligned_empty
+from offload.direct_io import aligned_empty
 from offload.errors import OffloadError, SwapDirectoryError, SwapIntegrityError, SwapUsageError, SwapWriteError
 from offload.nvme import NvmeStore
+from tests.nvme_helpers import mounted_tmpfs, odd_tensor, payload_bytes, swap_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _odd_tensor(dtype: torch.dtype, numel: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        return torch.randn(numel, generator=g).to(dtype)
-    return torch.randint(-(2**62), 2**62, (numel,), generator=g, dtype=dtype)
-
-
-def _swap_files(store: NvmeStore) -> list[str]:
-    return sorted(os.listdir(store.path))
-
-
-@contextlib.contextmanager
-def _tmpfs(path, options: str, readonly: bool = False):
-    """A real tmpfs mounted on `path` for the block (needs CAP_SYS_ADMIN: skips on EPERM)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    os.makedirs(path, exist_ok=True)
-    target = os.fsencode(str(path))
-    if libc.mount(b"tmpfs", target, b"tmpfs", 1 if readonly else 0, options.encode()) != 0:  # 1: MS_RDONLY
-        err = ctypes.get_errno()
-        if err == errno.EPERM:
-            pytest.skip("cannot mount a tmpfs here (EPERM: not root / no CAP_SYS_ADMIN)")
-        raise OSError(err, f"mount -t tmpfs -o {options} tmpfs {path}: {os.strerror(err)}")
-    try:
-        yield str(path)
-    finally:
-        if libc.umount2(target, 2) != 0:  # 2: MNT_DETACH
-            raise OSError(ctypes.get_errno(), f"umount {path}")
 
 
 # ---- round trips
@@ -65,7 +31,7 @@ def _tmpfs(path, options: str, readonly: bool = False):
 def test_round_trip_exact_bytes_with_many_writes_in_flight(tmp_path, block_size):
     cases = [(torch.float32, 1_000_003), (torch.bfloat16, 12_345), (torch.float16, 777), (torch.int64, 65_539),
              (torch.float32, 1), (torch.bfloat16, 0)]
-    tensors = {f"chunk.{i}/{d}": _odd_tensor(d, n, i) for i, (d, n) in enumerate(cases)}
+    tensors = {f"chunk.{i}/{d}": odd_tensor(d, n, i) for i, (d, n) in enumerate(cases)}
     with NvmeStore(str(tmp_path), block_size=block_size, queue_depth=3, threads=2) as store:
         handles = [store.write(k, t) for k, t in tensors.items()]  # all issued before any wait
         assert all(isinstance(h.done(), bool) for h in handles)
@@ -76,8 +42,8 @@ def test_round_trip_exact_bytes_with_many_writes_in_flight(tmp_path, block_size)
         for h in handles:
             h.wait()
         for k, t in tensors.items():
-            assert outs[k].dtype == t.dtype and _bytes(outs[k]) == _bytes(t), k
-        for name in _swap_files(store):  # padded to the block size
+            assert outs[k].dtype == t.dtype and payload_bytes(outs[k]) == payload_bytes(t), k
+        for name in swap_files(store):  # padded to the block size
             assert os.path.getsize(os.path.join(store.path, name)) % block_size == 0
         stats = store.stats
         total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -103,7 +69,7 @@ def test_remove_deletes_the_file_and_forgets_the_key(tmp_path):
         store.write("a", torch.ones(10)).wait()
         store.write("b", torch.ones(10)).wait()
         store.remove("a")
-        assert len(_swap_files(store)) == 1 and store.keys() == ["b"]
+        assert len(swap_files(store)) == 1 and store.keys() == ["b"]
         with pytest.raises(SwapUsageError, match="'a'.*write it first"):
             store.read("a", torch.empty(10))
         with pytest.raises(SwapUsageError, match="never written"):
@@ -173,95 +139,6 @@ def test_transfers_are_profiler_ranges(tmp_path):
     assert {"tiers.nvme.write", "tiers.nvme.read"} <= names
 
 
-# ---- aligned tensors: written in place, read through staging (Note [nvme direct io])
-
-
-def _padding_of(t: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The bytes of t's storage past its end, up to its padded size: not part of the tensor."""
-    nbytes = t.numel() * t.element_size()
-    start = t.storage_offset() * t.element_size() + nbytes
-    size = -(-nbytes // block_size) * block_size - nbytes
-    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), start, (size,))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])
-def test_aligned_empty_is_page_aligned_padded_and_round_trips_without_staging_its_write(tmp_path, dtype):
-    numel, block = 12_345, 1 << 16
-    t = aligned_empty(numel, dtype, block)
-    room = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
-    assert (t.dtype, tuple(t.shape), t.is_contiguous(), t.device.type) == (dtype, (numel,), True, "cpu")
-    assert t.data_ptr() % PAGE == 0 and room >= -(-numel * dtype.itemsize // block) * block
-    src = torch.randint(0, 256, (numel,), dtype=torch.uint8) if dtype == torch.uint8 else _odd_tensor(dtype, numel, 5)
-    t.copy_(src)
-    with NvmeStore(str(tmp_path), block_size=block) as store:
-        store.write("k", t).wait()
-        assert store.stats.staged_transfers == 0  # written straight from its memory
-        out = aligned_empty(numel, dtype, block)
-        store.read("k", out).wait()
-    assert _bytes(out) == _bytes(src) and aligned_empty(0, dtype).numel() == 0
-
-
-def test_aligned_write_stages_nothing_and_reads_stage_without_touching_the_padding(tmp_path):
-    """Reads stage even into an aligned tensor: the destination is written only after the CRC check."""
-    block, n = 1 << 20, 300_000  # 1.2 MB: padded to 2 MiB
-    src = aligned_empty(n, torch.float32, block).copy_(torch.randn(n))
-    _padding_of(src, block).fill_(0xCD)  # not payload: goes to the file's padding, never checked
-    out = aligned_empty(n, torch.float32, block).fill_(3.0)
-    _padding_of(out, block).fill_(0xAB)  # e.g. a neighbouring view of the same storage
-    with NvmeStore(str(tmp_path), block_size=block) as store:
-        store.write("k", src).wait()
-        assert (store.stats.staged_transfers, store.stats.staged_bytes) == (0, 0)
-        store.read("k", out).wait()
-        assert (store.stats.staged_transfers, store.stats.staged_bytes) == (1, 2 << 20)
-    assert torch.equal(out, src) and bool((_padding_of(out, block) == 0xAB).all())
-
-
-def test_unaligned_tensors_stage_whole_and_aligned_ones_without_room_only_their_tail(tmp_path):
-    block, n = 1 << 20, 400_000  # 1.6 MB: padded to 2 MiB
-    shifted = aligned_empty(n + 1, torch.float32, block)[1:].copy_(torch.randn(n))  # 4 bytes past a page
-    plain = torch.randn(n)
-    buffer = mmap.mmap(-1, n * 4)  # on a page, and its storage ends with the payload
-    tight = torch.frombuffer(buffer, dtype=torch.float32).copy_(torch.randn(n))
-    with NvmeStore(str(tmp_path), block_size=block) as store:
-        store.write("shifted", shifted).wait()
-        assert (store.stats.staged_transfers, store.stats.staged_bytes) == (1, 2 << 20)
-        store.write("tight", tight).wait()  # its whole pages in place, the rest staged
-        in_place = n * 4 // PAGE * PAGE
-        assert (store.stats.staged_transfers, store.stats.staged_bytes) == (2, (4 << 20) - in_place)
-        store.write("plain", plain).wait()
-        assert store.stats.staged_transfers == 3
-        for key, src in [("shifted", shifted), ("tight", tight), ("plain", plain)]:
-            out = torch.empty(n)
-            store.read(key, out).wait()
-            assert torch.equal(out, src), key
-
-
-def test_aligned_empty_memory_is_freed_with_the_tensor():
-    if not os.path.exists("/proc/self/statm"):
-        pytest.skip("needs /proc to read the resident set size")
-
-    def resident() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * PAGE
-
-    gc.collect()
-    before = resident()
-    t = aligned_empty(256 << 20, torch.uint8).fill_(1)
-    assert resident() - before > 250 << 20
-    del t
-    gc.collect()
-    assert resident() - before < 64 << 20  # freed (other threads of earlier tests may still move a few MB)
-
-
-def test_aligned_empty_rejects_bad_arguments():
-    with pytest.raises(ValueError, match=f"multiple of the page size {PAGE}, got 1000"):
-        aligned_empty(10, torch.float32, 1000)
-    with pytest.raises(ValueError, match="non-negative int numel, got -1"):
-        aligned_empty(-1, torch.float32)
-    with pytest.raises(TypeError, match="needs a torch.dtype, got 'float32'"):
-        aligned_empty(10, "float32")
-
-
 # ---- privacy and cleanup
 
 
@@ -272,7 +149,7 @@ def test_private_directory_and_files_are_owner_only(tmp_path):
         store.write("a", torch.ones(10)).wait()
         store.write("a", torch.zeros(10)).wait()  # the replaced copy too
         store.write("b", torch.ones(10)).wait()
-        files = _swap_files(store)
+        files = swap_files(store)
         assert len(files) == 2
         for name in files:
             assert stat.S_IMODE(os.stat(os.path.join(store.path, name)).st_mode) == 0o600
@@ -378,7 +255,7 @@ def _damaged_store(tmp_path, aligned):
     store = NvmeStore(str(tmp_path), block_size=4096)
     store.write("victim", _host_tensor(aligned, torch.randn(3000))).wait()
     assert store.stats.staged_transfers == (0 if aligned else 1)
-    [name] = _swap_files(store)
+    [name] = swap_files(store)
     return store, os.path.join(store.path, name)
 
 
@@ -425,12 +302,12 @@ def _assert_full_disk_error(store, directory, info, needed):
     assert f"NVMe directory {directory!r}" in message and "the disk is full" in message
     assert f"needs {needed} bytes and {free} bytes are free" in message
     assert isinstance(info.value, OffloadError) and isinstance(info.value.__cause__, OSError)
-    assert not [n for n in _swap_files(store) if ".tmp" in n]  # the partial file is gone
+    assert not [n for n in swap_files(store) if ".tmp" in n]  # the partial file is gone
 
 
 def _assert_stale_read_refused_until_rewritten(store, key, old):
     """After a failed write the older file is kept on disk but never read back as current."""
-    assert [n for n in _swap_files(store) if ".tmp" not in n]  # the previous file was not destroyed
+    assert [n for n in swap_files(store) if ".tmp" not in n]  # the previous file was not destroyed
     out = torch.full_like(old, 7)
     with pytest.raises(SwapIntegrityError, match=f"key '{key}' cannot be read: its last write failed"):
         store.read(key, out).wait()
@@ -441,7 +318,7 @@ def _assert_stale_read_refused_until_rewritten(store, key, old):
 
 
 def test_full_disk_on_a_real_small_filesystem(tmp_path):
-    with _tmpfs(tmp_path / "small", "size=2m") as small:
+    with mounted_tmpfs(tmp_path / "small", "size=2m") as small:
         store = NvmeStore(small, block_size=4096)
         try:
             old = torch.randn(64 * 1024)  # 256 KiB
@@ -557,36 +434,14 @@ def test_at_most_queue_depth_requests_are_in_flight(tmp_path, monkeypatch):
     store.close()
 
 
-def test_scratch_read_into_an_aligned_tensor_is_in_place_and_still_checked(tmp_path):
-    from offload.direct_io import aligned_empty
-
-    store = NvmeStore(str(tmp_path), block_size=4096)
-    source = aligned_empty(3000, torch.float32, 4096).copy_(torch.randn(3000))
-    store.write("k", source).wait()
-    out = aligned_empty(3000, torch.float32, 4096)
-    store.read("k", out, scratch=True).wait()
-    assert _bytes(out) == _bytes(source) and store.stats.staged_transfers == 0  # no copy either way
-    [name] = _swap_files(store)
-    with open(os.path.join(store.path, name), "r+b") as f:
-        f.seek(10)
-        f.write(b"\x01\x02")
-    with pytest.raises(SwapIntegrityError, match="corrupt.*scratch destination holds undefined bytes"):
-        store.read("k", out, scratch=True).wait()
-    plain = torch.zeros(3000)  # not aligned: scratch or not, it is staged
-    with pytest.raises(SwapIntegrityError, match="destination was left unchanged"):
-        store.read("k", plain, scratch=True).wait()
-    assert torch.equal(plain, torch.zeros(3000))
-    store.close()
-
-
 def test_overwrite_in_place_reuses_the_file_and_a_failure_refuses_the_key(tmp_path, monkeypatch):
     store = NvmeStore(str(tmp_path), block_size=4096)
     big, small = torch.randn(5000), torch.randn(1000)
     store.write("k", big, keep_previous=False).wait()
-    [name] = _swap_files(store)
+    [name] = swap_files(store)
     inode = os.stat(os.path.join(store.path, name)).st_ino
     store.write("k", small, keep_previous=False).wait()  # shorter: the file is cut to its padded size
-    assert _swap_files(store) == [name] and os.stat(os.path.join(store.path, name)).st_ino == inode
+    assert swap_files(store) == [name] and os.stat(os.path.join(store.path, name)).st_ino == inode
     assert os.path.getsize(os.path.join(store.path, name)) == 4096
     out = torch.empty(1000)
     store.read("k", out).wait()
@@ -601,7 +456,7 @@ def test_overwrite_in_place_reuses_the_file_and_a_failure_refuses_the_key(tmp_pa
     monkeypatch.undo()
     with pytest.raises(SwapIntegrityError, match="its last write failed"):
         store.read("k", torch.empty(1000)).wait()  # refused
-    assert _swap_files(store) == []  # the partial file went, with the space it took
+    assert swap_files(store) == []  # the partial file went, with the space it took
     store.write("k", big, keep_previous=False).wait()
     out = torch.empty(5000)
     store.read("k", out).wait()

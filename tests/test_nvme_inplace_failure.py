@@ -10,13 +10,13 @@ from offload.chunk import Location
 from offload.errors import SwapWriteError
 from offload.manager import ChunkManager
 from offload.nvme import NvmeStore
-from tests.test_nvme import _tmpfs
+from tests.nvme_helpers import mounted_tmpfs
 
 KIB = 1024
 
 
 def test_a_failed_in_place_write_frees_the_space_it_took(tmp_path):  # keep_previous=True passes this
-    with _tmpfs(tmp_path / "small", "size=64k") as small:
+    with mounted_tmpfs(tmp_path / "small", "size=64k") as small:
         store = NvmeStore(small, block_size=4096)
         try:
             with pytest.raises(SwapWriteError, match="disk is full"):
@@ -30,7 +30,7 @@ def test_a_failed_in_place_write_frees_the_space_it_took(tmp_path):  # keep_prev
 
 
 def test_manager_a_failed_swap_out_does_not_make_the_next_one_fail(tmp_path):
-    with _tmpfs(tmp_path / "small", "size=64k") as small:
+    with mounted_tmpfs(tmp_path / "small", "size=64k") as small:
         m = ChunkManager("cpu", nvme_dir=small, nvme_block_size=4096, prefetch_depth=0)
         try:
             big, little = torch.randn(32 * KIB), torch.randn(8 * KIB)  # 128 KiB, 32 KiB
