@@ -55,9 +55,9 @@ class HostBufferPool:
         padded = self._padded(numel, dtype)
         if padded is None:
             nbytes = numel * dtype.itemsize
-            return 1 << (nbytes - 1).bit_length() if self.pinned and nbytes else nbytes
+            return pinned_block_size(nbytes) if self.pinned else nbytes
         if self.pinned:  # torch's pinned allocator rounds every block up to a power of two
-            return 1 << (padded - 1).bit_length()
+            return pinned_block_size(padded)
         return padded + PAGE  # aligned_empty slides the start onto a page
 
     def _padded(self, numel: int, dtype: torch.dtype) -> int | None:
@@ -94,3 +94,8 @@ class HostBufferPool:
         """What `trim(None, spare)` would free."""
         kept = self._free.get(spare) if spare is not None else None
         return self.free_bytes - (kept[0].untyped_storage().nbytes() if kept else 0)
+
+
+def pinned_block_size(nbytes: int) -> int:
+    """What torch's caching host allocator really holds for a pinned request: a power of two."""
+    return 1 << (nbytes - 1).bit_length() if nbytes else 0

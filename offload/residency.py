@@ -11,7 +11,7 @@ import torch
 
 from offload.chunk import Chunk, Location
 from offload.copy_engine import CopyDone
-from offload.host_pool import HostBufferPool
+from offload.host_pool import HostBufferPool, pinned_block_size
 from offload.nvme import SwapHandle
 
 
@@ -116,7 +116,7 @@ def held_bytes(buf: torch.Tensor) -> int:
     """The memory a payload buffer really holds: its whole storage (a padded buffer holds more than its numel);
     pinned storage as torch's host allocator rounds it (a power of two: Note [host buffer pool])."""
     nbytes = buf.untyped_storage().nbytes()
-    return 1 << (nbytes - 1).bit_length() if nbytes and buf.device.type == "cpu" and buf.is_pinned() else nbytes
+    return pinned_block_size(nbytes) if buf.device.type == "cpu" and buf.is_pinned() else nbytes
 
 
 def fmt_bytes(nbytes: float) -> str:
