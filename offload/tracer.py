@@ -66,9 +66,6 @@ class Trace:
     def peak_non_chunk_bytes(self) -> int:
         return max((a.non_chunk_bytes for a in self.accesses), default=0)
 
-    def chunks(self) -> set[int]:
-        return set(self._positions)
-
 
 class Tracer:
     """Records iterations and tells whether the current one still follows the trace."""
@@ -111,9 +108,3 @@ class Tracer:
         self.position = 0
         self._recording = []
         self._start = time.perf_counter()
-
-    def forget_chunk(self, chunk: int) -> None:
-        """A chunk left the manager: the trace that names it is void; record the next iteration again."""
-        if self.trace is not None and chunk in self.trace.chunks():
-            self.trace = None
-            self.phase = TracePhase.RECORDING

@@ -35,9 +35,6 @@ class ShardedGrads:
         for index in range(len(self._payloads)):
             self._release(index)
 
-    def is_live(self, index: int) -> bool:
-        return self._live[index]
-
     def materialize(self, index: int) -> torch.Tensor:
         """The chunk's full gradient buffer, zeroed and wired to its parameters' .grad (no-op when live)."""
         payload = self._payloads[index]
