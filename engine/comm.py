@@ -93,3 +93,11 @@ def all_gather_in_place(chunk: torch.Tensor, group: dist.ProcessGroup | None, ra
     shard = chunk.numel() // world
     with record_function("tiers.comm.all_gather"):
         return dist.all_gather_single(chunk, chunk.narrow(0, rank * shard, shard), group=group, async_op=async_op)
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, counter: CommCounter,
+                    *, async_op: bool):
+    """Every rank's `shard` into `output` (rank r's at output[r*n:(r+1)*n]); output.numel() = world * n."""
+    counter.all_gather_bytes += output.numel() * output.element_size()
+    with record_function("tiers.comm.all_gather"):
+        return dist.all_gather_single(output, shard, group=group, async_op=async_op)

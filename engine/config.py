@@ -353,8 +353,6 @@ def _reject_not_yet_supported(cfg: Config) -> None:
     zero = cfg.zero_optimization
     checks = [
         (cfg.fp16.auto_cast, "fp16.auto_cast", True, "casting inputs to fp16 is not supported yet; set it to false"),
-        (zero.stage > 2, "zero_optimization.stage", zero.stage, "ZeRO stage 3 is not supported yet; use stage 0, 1 "
-         "or 2"),
         (zero.stage >= 1 and not zero.allgather_partitions, "zero_optimization.allgather_partitions", False,
          "Tiers always all-gathers the updated shards; remove the key or set it to true"),
         (not zero.contiguous_gradients, "zero_optimization.contiguous_gradients", False,

@@ -32,6 +32,14 @@ from engine.precision import LossScaler, PrecisionPolicy
 from engine.topology import Topology
 from engine.zero.chunked_params import ChunkedParams
 from engine.zero.grad_sync import GradReducer
+from engine.zero.param_gather import ParamGatherer, Pass
+
+_RELEASED_PARAMETER_HINT = (
+    "a parameter was used while its ZeRO stage 3 chunk was released: stage 3 gathers a module's parameters "
+    "around that module's own forward and backward, so a parameter read outside its module (e.g. "
+    "`other.weight` used in a parent's forward) or after the pass is not there; call the owning module "
+    "instead, wrap the read in engine.gathered_parameters([...]), or raise "
+    "zero_optimization.stage3_param_persistence_threshold above its size so that it stays gathered")
 
 
 class Engine:
@@ -61,8 +69,15 @@ class Engine:
         self.precision = precision
         self.monitor = monitor
         self.comm = CommCounter()
-        overlap = config.zero_optimization.overlap_comm is not False  # stage 0 overlaps unless told not to
-        self.reducer = (GradReducer(chunked, topology.dp_group, self.comm, overlap, config.zero_optimization.reduce_scatter)
+        zero = config.zero_optimization
+        self.gatherer: ParamGatherer | None = None  # stage 3 (Note [gathering around modules])
+        if chunked.sharded_params is not None:
+            prefetch = zero.stage3_prefetch_bucket_size if zero.stage3_prefetch_bucket_size != "auto" else 50_000_000
+            self.gatherer = ParamGatherer(module, chunked.sharded_params, chunked.chunk_index(), topology.dp_group,
+                                          self.comm, prefetch, zero.stage3_max_live_parameters)
+        overlap = zero.overlap_comm is not False  # stage 0 overlaps unless told not to
+        self.reducer = (GradReducer(chunked, topology.dp_group, self.comm, overlap, zero.reduce_scatter,
+                                    self.gatherer.on_grads_complete if self.gatherer else None)
                         if topology.is_distributed else None)
         self.global_step = 0
         self.micro_step = 0
@@ -76,6 +91,8 @@ class Engine:
         self._step_start: float | None = None  # first training forward of the current update
         if topology.is_distributed:
             self._broadcast_initial_state()
+        if chunked.sharded_params is not None:
+            chunked.sharded_params.take_shards()  # from here on each rank holds its shards only
         self._comm_at_last_step = dataclasses.replace(self.comm)  # the start-up broadcast is not a step's traffic
 
     # ---- identity -------------------------------------------------------------------------
@@ -131,8 +148,24 @@ class Engine:
             self._tokens += _count_token_ids(args, kwargs)
             if self._step_start is None:
                 self._step_start = time.perf_counter()
-        with self._timed("forward"), self.precision.autocast(self.device):
+        with self._timed("forward"), self.precision.autocast(self.device), self._pass(Pass.FORWARD):
             return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _pass(self, phase: Pass):
+        """Stage 3: a forward or backward pass, after which no parameter chunk stays gathered."""
+        if self.gatherer is None:
+            yield
+            return
+        self.gatherer.begin(phase)
+        try:
+            yield
+        except RuntimeError as e:
+            if "for storage of size 0" in str(e):
+                raise RuntimeError(_RELEASED_PARAMETER_HINT) from e
+            raise
+        finally:
+            self.gatherer.end()
 
     @contextlib.contextmanager
     def _timed(self, phase: str):
@@ -185,7 +218,8 @@ class Engine:
             self.reducer.arm()
         with self._timed("backward"):
             try:
-                scaled.backward(retain_graph=retain_graph)
+                with self._pass(Pass.BACKWARD):
+                    scaled.backward(retain_graph=retain_graph)
             except BaseException:
                 if reduce_now:
                     self.reducer.disarm()
@@ -229,7 +263,7 @@ class Engine:
         if not self.chunked.sharded:
             return
         works = [all_gather_in_place(payload, self.dp_group, self.chunked.shard_rank, self.chunked.shard_count,
-                                     self.comm, async_op=True) for payload in self.chunked.param_payloads()]
+                                     self.comm, async_op=True) for payload in self.chunked.payloads_gathered_after_step()]
         for work in works:
             work.wait()
 
@@ -275,28 +309,53 @@ class Engine:
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
         """The model's full state dict (keys as `module.state_dict()`), copied to CPU, on every rank; with
         rank0_only, on rank 0 only (the others get None). Stages 0-2 keep every parameter whole on every
-        rank, so nothing is gathered."""
-        if rank0_only and self.dp_rank != 0:
-            return None
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        rank; stage 3 gathers one chunk at a time (every rank must call this)."""
+        keep = not rank0_only or self.dp_rank == 0
+        entries = self.module.state_dict(keep_vars=True)  # the tensors themselves: no read of released chunks
+        if self.gatherer is None:
+            return {k: v.detach().to("cpu", copy=True) for k, v in entries.items()} if keep else None
+        chunk_of = self.chunked.chunk_index()
+        by_chunk: dict[int, list[str]] = {}
+        out = {}
+        for key, tensor in entries.items():
+            if id(tensor) in chunk_of:
+                by_chunk.setdefault(chunk_of[id(tensor)], []).append(key)
+            elif keep:
+                out[key] = tensor.detach().to("cpu", copy=True)
+        for chunk in sorted(by_chunk):
+            with self.gatherer.gathered([chunk]):
+                if keep:
+                    out.update({key: entries[key].detach().to("cpu", copy=True) for key in by_chunk[chunk]})
+        return {key: out[key] for key in entries} if keep else None
 
     @contextlib.contextmanager
     def gathered_parameters(self, params=None, modifier_rank: int | None = None):
         """Parameters (default all) readable inside the block; with `modifier_rank`, that rank may modify
-        them and its values reach every rank on exit (DeepSpeed's GatheredParameters). Stages 0-2 keep
-        parameters whole, so entering gathers nothing."""
+        them and its values reach every rank on exit (DeepSpeed's GatheredParameters); without it,
+        changes made inside are not kept under stage 3. Every rank must enter with the same parameters.
+        Stages 0-2 keep parameters whole, so entering gathers nothing."""
         params = list(self.module.parameters()) if params is None else list(params)
-        yield params
-        if modifier_rank is not None and self.topology.is_distributed:
-            with torch.no_grad():
-                for p in params:
-                    broadcast_from(p.data, modifier_rank, self.dp_group, self.comm)
+        chunk_of = self.chunked.chunk_index() if self.gatherer is not None else {}
+        chunks = sorted({chunk_of[id(p)] for p in params if id(p) in chunk_of})
+        whole = [p for p in params if id(p) not in chunk_of]
+        with self.gatherer.gathered(chunks) if chunks else contextlib.nullcontext():
+            yield params
+            if modifier_rank is not None and self.topology.is_distributed:
+                with torch.no_grad():
+                    for p in whole:
+                        broadcast_from(p.data, modifier_rank, self.dp_group, self.comm)
+                    payloads = self.chunked.param_payloads()
+                    for c in chunks:
+                        broadcast_from(payloads[c], modifier_rank, self.dp_group, self.comm)
+                        self.chunked.sharded_params.refresh_shard(c)
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds: parameter chunks, gradient chunks (and stage-2 shards),
         optimizer state tensors."""
         chunked = self.chunked
         params = sum(p.untyped_storage().nbytes() for p in chunked.param_payloads())
+        if chunked.sharded_params is not None:
+            params += chunked.sharded_params.shard_bytes()
         grads = sum(g.untyped_storage().nbytes() for g in chunked.grad_payloads())
         if chunked.sharded_grads is not None:
             grads += sum(s.untyped_storage().nbytes() for s in chunked.sharded_grads.shards)
@@ -357,6 +416,8 @@ class Engine:
             self.optimizer.close()
         if self.reducer is not None:
             self.reducer.remove_hooks()
+        if self.gatherer is not None:
+            self.gatherer.remove_hooks()
 
 
 def _synchronize(device: torch.device) -> None:

@@ -86,7 +86,8 @@ def initialize(
     names = {id(p): n for n, p in model.named_parameters()}
     chunked = ChunkedParams(groups, capacity, topology.device, first_capacity, names,
                             shard_count=shards, shard_rank=topology.dp_rank if shards > 1 else 0,
-                            shard_grads=policy.shards(ChunkKind.GRAD))
+                            shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
+                            persistence_threshold=_persistence_threshold(cfg))
     offload = cfg.zero_optimization.offload_optimizer
     if optimizer is None and offload.device in ("cpu", "nvme"):
         optimizer = _offloaded(cfg, chunked, topology)
@@ -105,6 +106,11 @@ def initialize(
     monitor = Monitor(cfg.tensorboard, cfg.steps_per_print, is_writer_rank=topology.rank == 0, device=topology.device)
     return Engine(model, cfg, batch, topology, chunked, optimizer, scheduler, build_loss_scaler(cfg),
                   PrecisionPolicy.from_config(cfg), monitor)
+
+
+def _persistence_threshold(cfg: Config) -> int:
+    threshold = cfg.zero_optimization.stage3_param_persistence_threshold
+    return 100_000 if threshold == "auto" else threshold
 
 
 def _param_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:

@@ -82,3 +82,10 @@ def assert_params_close(actual: dict[str, torch.Tensor], expected: dict[str, tor
 
 def param_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def trained_params(engine) -> dict[str, torch.Tensor]:
+    """The engine's parameters by name as `param_snapshot` names them, whole (gathered under ZeRO-3;
+    every rank must call this)."""
+    full = engine.full_state_dict()
+    return {n: full[n] for n, _ in engine.module.named_parameters()}

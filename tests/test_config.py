@@ -353,7 +353,6 @@ def test_float_written_integers_are_accepted_as_ints():
 @pytest.mark.parametrize(
     "raw, key, value",
     [
-        ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage", "3"),
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
          "zero_optimization.offload_optimizer.ratio", "0.5"),
         ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.device", '"nvme"'),

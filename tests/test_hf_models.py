@@ -7,7 +7,8 @@ import torch
 
 from engine import initialize
 from tests.distributed import run_distributed
-from tests.reference import assert_close_relative, assert_params_close, param_snapshot, token_batches, train_engine, train_reference
+from tests.reference import (assert_close_relative, assert_params_close, param_snapshot, token_batches, trained_params,
+                             train_engine, train_reference)
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,15 +57,17 @@ def hf_llama(seed: int = 0):
 def _llama_zero_worker(rank, world, stage):
     cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world // 2, "gradient_accumulation_steps": 2,
            "optimizer": {"type": "AdamW", "params": ADAMW}, "gradient_clipping": 1.0,
-           "zero_optimization": {"stage": stage, "chunk_size": 50_000}, "steps_per_print": 10**6}
+           # threshold 0: every parameter of this small model sharded under stage 3 (the default keeps them all whole)
+           "zero_optimization": {"stage": stage, "chunk_size": 20_000, "stage3_param_persistence_threshold": 0},
+           "steps_per_print": 10**6}
     engine = initialize(hf_llama(), cfg)
     losses, _ = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, 2, loss_fn=hf_loss)
-    return losses, param_snapshot(engine.module)
+    return losses, trained_params(engine)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_hf_llama_zero_matches_plain_pytorch(stage):
-    """LlamaForCausalLM (grouped-query attention) under ZeRO-1/2 on 2 ranks with accumulation and clipping."""
+    """LlamaForCausalLM (grouped-query attention) under ZeRO-1/2/3 on 2 ranks with accumulation and clipping."""
     ref = hf_llama()
     opt = lambda ps: torch.optim.AdamW(ps, lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
                                        weight_decay=ADAMW["weight_decay"])

@@ -3,6 +3,7 @@ model-state bytes the ZeRO formulas give, and sends what DDP sends (stage 1)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from engine import initialize
 from tests.distributed import run_distributed
 from tests.reference import (assert_close_relative, assert_params_close, param_snapshot, tiny_gpt, token_batches,
-                             train_engine, train_reference)
+                             trained_params, train_engine, train_reference)
 from tests.test_data_parallel import ADAMW, adamw
 
 STEPS = 4
@@ -24,7 +25,8 @@ def zero_config(stage: int, micro: int, accumulation: int, chunk_size: int = 20_
         "gradient_accumulation_steps": accumulation,
         "optimizer": {"type": "AdamW", "params": ADAMW},
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": stage, "chunk_size": chunk_size, **zero},
+        # threshold 0: under stage 3 every parameter of the tiny model is sharded (the default keeps them all whole)
+        "zero_optimization": {"stage": stage, "chunk_size": chunk_size, "stage3_param_persistence_threshold": 0, **zero},
         "steps_per_print": 10**6,
     }
 
@@ -34,8 +36,11 @@ def model_state_bytes(engine) -> dict[str, int]:
     chunked = engine.chunked
     params = sum(c.payload.untyped_storage().nbytes() for g in chunked.groups for c in g.param_chunks.chunks)
     grads = sum(c.payload.untyped_storage().nbytes() for g in chunked.groups for c in g.grad_chunks.chunks)
-    if chunked.sharded_grads is not None:  # stage 2: the persistent shards (the chunks hold no storage now)
+    if chunked.sharded_grads is not None:  # stages 2, 3: the persistent shards (the chunks hold no storage now)
         grads += sum(s.untyped_storage().nbytes() for s in chunked.sharded_grads.shards)
+    if chunked.sharded_params is not None:  # stage 3: shards of their own (persistent chunks' shards are views)
+        params += sum(s.untyped_storage().nbytes() for s, keep in zip(chunked.sharded_params.shards,
+                                                                      chunked.sharded_params.persistent) if not keep)
     states = sum(v.numel() * v.element_size() for s in engine.optimizer.state.values() for v in s.values()
                  if torch.is_tensor(v) and v.dim() > 0)  # not the scalar step counters
     return {"param": params, "grad": grads, "optim": states}
@@ -45,10 +50,12 @@ def _zero_worker(rank, world, stage, accumulation, reduce_scatter=True):
     micro = GLOBAL_BATCH // world // accumulation
     engine = initialize(tiny_gpt(seed=rank), zero_config(stage, micro, accumulation, reduce_scatter=reduce_scatter))
     losses, norms = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, accumulation)
-    comm = engine.comm
+    comm = dataclasses.replace(engine.comm)  # before gathering the weights to compare them
     chunk_numel = sum(c.payload.numel() for g in engine.chunked.groups for c in g.grad_chunks.chunks)
-    return losses, norms, param_snapshot(engine.module), model_state_bytes(engine), comm.ring_bytes(world), \
-        comm.broadcast_bytes, chunk_numel
+    state_bytes = model_state_bytes(engine)
+    prefetched = engine.gatherer.prefetched if engine.gatherer else None
+    return losses, norms, trained_params(engine), state_bytes, comm.ring_bytes(world), comm.broadcast_bytes, \
+        chunk_numel, prefetched
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +67,11 @@ def reference():
 
 # ZeRO paper, fp32 Adam (param, grad, exp_avg + exp_avg_sq): bytes per parameter, replicated + sharded over N
 FORMULA = {1: {"param": (4, 0), "grad": (4, 0), "optim": (0, 8)},
-           2: {"param": (4, 0), "grad": (0, 4), "optim": (0, 8)}}
+           2: {"param": (4, 0), "grad": (0, 4), "optim": (0, 8)},
+           3: {"param": (0, 4), "grad": (0, 4), "optim": (0, 8)}}
 
 
-@pytest.mark.parametrize("stage,world,accumulation", [(1, 2, 2), (1, 4, 1), (2, 2, 2), (2, 4, 1)])
+@pytest.mark.parametrize("stage,world,accumulation", [(1, 2, 2), (1, 4, 1), (2, 2, 2), (2, 4, 1), (3, 2, 2), (3, 4, 1)])
 def test_stage_matches_single_process_and_its_memory_and_traffic(reference, stage, world, accumulation):
     ref_losses, ref_norms, ref_params = reference
     results = run_distributed(_zero_worker, world, args=(stage, accumulation))
@@ -75,20 +83,26 @@ def test_stage_matches_single_process_and_its_memory_and_traffic(reference, stag
 
     psi = sum(p.numel() for p in ref_params.values())
     padding = 20_000 * 4  # at most one chunk of padding per kind, in bytes
-    for r in results:  # stage 1: 4Ψ + 4Ψ + 8Ψ/N; stage 2: 4Ψ + 4Ψ/N + 8Ψ/N
+    for r in results:  # stage 1: 4Ψ + 4Ψ + 8Ψ/N; stage 2: 4Ψ + 4Ψ/N + 8Ψ/N; stage 3: 16Ψ/N
         for kind, (replicated, sharded) in FORMULA[stage].items():
             expected = replicated * psi + sharded * psi / world
             assert abs(r[3][kind] - expected) <= 0.05 * expected + padding, (kind, r[3][kind], expected)
     # a reduce-scatter and an all-gather of each chunk per step send what one all-reduce of it sends
     # (DDP: 2(N-1)/N per byte), plus the global norm's sum of squares (one float64 all-reduce);
-    # stage 2 reduce-scatters at every micro-step (Note [sharded gradients])
-    reductions = accumulation if stage == 2 else 1
+    # stage 2 reduce-scatters at every micro-step (Note [sharded gradients]); stage 3 also gathers
+    # every chunk for each forward and each backward, and after the update nothing (Note [sharded parameters])
+    collectives = {1: 2, 2: accumulation + 1, 3: 3 * accumulation}[stage]
     for r in results:
         chunk_numel = r[6]
         assert psi <= chunk_numel <= 1.25 * psi  # this test's small fixed chunk size pads up to a fifth
-        per_step = (world - 1) / world * ((reductions + 1) * 4 * chunk_numel + 2 * 8)
+        per_step = (world - 1) / world * (collectives * 4 * chunk_numel + 2 * 8)
         sent = r[4] - r[5]  # without the start-up broadcast of rank 0's parameters
         assert sent == pytest.approx(STEPS * per_step, rel=1e-12), (sent, STEPS * per_step)
+        if accumulation == 1:  # DDP all-reduces each chunk once per step: stage 3 sends at most 1.5x that
+            ddp = (world - 1) / world * 2 * 4 * chunk_numel
+            assert sent / STEPS <= 1.5 * ddp + 16
+        if stage == 3:
+            assert r[7] > 0  # steps after the first gather ahead of demand, in the traced order
 
 
 def test_stage_1_with_all_reduce_instead_of_reduce_scatter_trains_the_same(reference):
@@ -165,8 +179,8 @@ def test_stage_2_refuses_no_sync_and_leaves_no_full_gradients_between_backward_p
         assert grads_none  # only the rank's shards persist (Note [sharded gradients])
 
 
-def _failed_backward_worker(rank, world):
-    engine = initialize(tiny_gpt(seed=rank), zero_config(2, GLOBAL_BATCH // world, 1))
+def _failed_backward_worker(rank, world, stage):
+    engine = initialize(tiny_gpt(seed=rank), zero_config(stage, GLOBAL_BATCH // world, 1))
     block = engine.module.blocks[-1]  # backward reaches it first: some chunks already hold gradients
     fail_once = [True]
 
@@ -187,19 +201,20 @@ def _failed_backward_worker(rank, world):
     handle.remove()
     engine.zero_grad()  # drops what the failed backward left (live chunks included)
     losses, _ = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, 1)
-    return losses, param_snapshot(engine.module)
+    return losses, trained_params(engine)
 
 
-def test_stage_2_after_a_failed_backward_and_zero_grad_trains_as_if_nothing_happened(reference):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_after_a_failed_backward_and_zero_grad_training_goes_on_as_if_nothing_happened(reference, stage):
     ref_losses, _, ref_params = reference
-    results = run_distributed(_failed_backward_worker, 2)
+    results = run_distributed(_failed_backward_worker, 2, args=(stage,))
     assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
     for _, params in results:
         assert_params_close(params, ref_params)
 
 
-def _whole_weights_worker(rank, world):
-    engine = initialize(tiny_gpt(seed=rank), zero_config(2, GLOBAL_BATCH // world, 1))
+def _whole_weights_worker(rank, world, stage):
+    engine = initialize(tiny_gpt(seed=rank), zero_config(stage, GLOBAL_BATCH // world, 1))
     train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, 1)
     full, rank0 = engine.full_state_dict(), engine.full_state_dict(rank0_only=True)
     weight = engine.module.lm_head.weight
@@ -207,14 +222,16 @@ def _whole_weights_worker(rank, world):
         if rank == 0:
             with torch.no_grad():
                 weight.fill_(0.25)  # only rank 0 changes it; on exit every rank has it
-    after_modify = weight.detach().clone()
+    with engine.gathered_parameters([weight]):
+        after_modify = weight.detach().clone()
     train_engine(engine, token_batches(1, GLOBAL_BATCH, seed=5), rank, world, 1)
-    return full, rank0, after_modify, param_snapshot(engine.module)
+    return full, rank0, after_modify, trained_params(engine)
 
 
-def test_full_state_dict_and_gathered_parameters(reference):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_full_state_dict_and_gathered_parameters(reference, stage):
     _, _, ref_params = reference
-    results = run_distributed(_whole_weights_worker, 2)
+    results = run_distributed(_whole_weights_worker, 2, args=(stage,))
     for rank, (full, rank0, after_modify, params) in enumerate(results):
         assert full.keys() == tiny_gpt().state_dict().keys()
         assert_params_close({k: full[k] for k in ref_params}, ref_params)  # the trained weights, on every rank
@@ -233,11 +250,12 @@ def _offload_worker(rank, world, stage, device, nvme_dir):
     losses, norms = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, 2)
     stats = engine.optimizer.manager.stats
     in_memory = model_state_bytes(engine)["optim"]  # the engine's own optimizer holds no state tensors
+    params = trained_params(engine)
     engine.close()
-    return losses, norms, param_snapshot(engine.module), stats, in_memory
+    return losses, norms, params, stats, in_memory
 
 
-@pytest.mark.parametrize("stage,device", [(1, "cpu"), (1, "nvme"), (2, "cpu"), (2, "nvme")])
+@pytest.mark.parametrize("stage,device", [(1, "cpu"), (1, "nvme"), (2, "cpu"), (2, "nvme"), (3, "cpu"), (3, "nvme")])
 def test_optimizer_offload_matches_single_process(reference, tmp_path, stage, device):
     ref_losses, ref_norms, ref_params = reference
     results = run_distributed(_offload_worker, 2, args=(stage, device, str(tmp_path)))

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from engine.zero.grad_shards import ShardedGrads
+from engine.zero.param_shards import ShardedParams
 from offload.chunk import ChunkList
 
 
@@ -36,6 +37,7 @@ class ChunkGroup:
     options: dict  # the param group's own options (lr, weight_decay, ...), without "params"
     param_chunks: ChunkList
     grad_chunks: ChunkList
+    persistent: bool = False  # stage 3: below the persistence threshold, never released (Note [sharded parameters])
 
 
 class ChunkedParams:
@@ -43,7 +45,7 @@ class ChunkedParams:
 
     def __init__(self, param_groups: list[dict], capacity: int, device: torch.device, first_capacity: int | None = None,
                  names: dict[int, str] | None = None, shard_count: int = 1, shard_rank: int = 0,
-                 shard_grads: bool = False):
+                 shard_grads: bool = False, shard_params: bool = False, persistence_threshold: int = 0):
         for what, value in (("capacity", capacity), ("first chunk capacity", first_capacity or shard_count)):
             if value % shard_count:
                 raise ValueError(f"chunk {what} {value} is not a multiple of the shard count {shard_count}")
@@ -53,7 +55,7 @@ class ChunkedParams:
         seen: set[int] = set()
         for group in param_groups:
             options = {k: v for k, v in group.items() if k != "params"}
-            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+            by_kind: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
             for p in group["params"]:
                 if id(p) in seen:
                     raise ValueError(f"parameter '{self.name_of(p)}' is listed twice in the param groups; list each parameter once")
@@ -63,8 +65,9 @@ class ChunkedParams:
                 if not p.is_floating_point():
                     raise TypeError(f"parameter '{self.name_of(p)}' of dtype {p.dtype} requires grad but only floating "
                                     "dtypes train; set requires_grad=False on it")
-                by_dtype.setdefault(p.dtype, []).append(p)
-            for dtype, params in by_dtype.items():
+                persistent = shard_params and p.numel() < persistence_threshold
+                by_kind.setdefault((p.dtype, persistent), []).append(p)
+            for (dtype, persistent), params in by_kind.items():
                 with torch.no_grad():
                     layout = dict(capacity=capacity, dtype=dtype, device=device, first_capacity=first_capacity,
                                   align=shard_count)
@@ -73,7 +76,7 @@ class ChunkedParams:
                 for p, pv, gv in zip(params, param_chunks.views, grad_chunks.views):
                     p.data = pv
                     p.grad = gv
-                self.groups.append(ChunkGroup(params, options, param_chunks, grad_chunks))
+                self.groups.append(ChunkGroup(params, options, param_chunks, grad_chunks, persistent))
         if not self.groups:
             raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
         self._grad_view = {id(p): gv for g in self.groups for p, gv in zip(g.params, g.grad_chunks.views)}
@@ -84,6 +87,14 @@ class ChunkedParams:
         # optimizer keys its state by these tensor objects)
         self._stepped = [([self._owned(c.payload) for c in g.param_chunks.chunks],
                           [self._owned(c.payload) for c in g.grad_chunks.chunks]) for g in self.groups]
+        # stage 3: persistent parameter shards; full chunks only while gathered (Note [sharded parameters])
+        self.sharded_params: ShardedParams | None = None
+        if shard_params and self.sharded:
+            self.sharded_params = ShardedParams(self.param_payloads(),
+                                                [g.persistent for g in self.groups for _ in g.param_chunks.chunks],
+                                                shard_rank, shard_count)
+            shards = iter(self.sharded_params.shards)
+            self._stepped = [([next(shards) for _ in params], grads) for params, grads in self._stepped]
         # stage 2: persistent gradient shards; full gradient chunks only during backward (Note [sharded gradients])
         self.sharded_grads: ShardedGrads | None = None
         if shard_grads and self.sharded:
@@ -141,6 +152,23 @@ class ChunkedParams:
 
     def param_payloads(self) -> list[torch.Tensor]:
         return [c.payload for g in self.groups for c in g.param_chunks.chunks]
+
+    def payloads_gathered_after_step(self) -> list[torch.Tensor]:
+        """The param chunks whose full copies persist and so are all-gathered after each sharded update:
+        all of them, or with stage 3 the persistent ones (the rest are gathered when next used)."""
+        payloads = self.param_payloads()
+        if self.sharded_params is None:
+            return payloads
+        return [p for p, keep in zip(payloads, self.sharded_params.persistent) if keep]
+
+    def chunk_index(self) -> dict[int, int]:
+        """id(parameter) -> the index of its chunk among all param chunks (the same index for its grad chunk)."""
+        index, base = {}, 0
+        for g in self.groups:
+            for p, slot in zip(g.params, g.param_chunks.slots):
+                index[id(p)] = base + slot.chunk
+            base += len(g.param_chunks)
+        return index
 
     def grad_payloads(self) -> list[torch.Tensor]:
         return self._grad_payloads

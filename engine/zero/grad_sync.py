@@ -32,8 +32,9 @@ class GradReducer:
     """
 
     def __init__(self, chunked: ChunkedParams, group: dist.ProcessGroup | None, counter: CommCounter,
-                 overlap: bool = True, reduce_scatter: bool = True):
+                 overlap: bool = True, reduce_scatter: bool = True, on_chunk_complete=None):
         self.chunked = chunked
+        self.on_chunk_complete = on_chunk_complete  # stage 3: a chunk whose gradients are all in (Note [gathering around modules])
         self.scatter = chunked.sharded and reduce_scatter
         self.group = group
         self.counter = counter
@@ -99,6 +100,8 @@ class GradReducer:
                 "use_reentrant=False")
         self._fired.add(id(p))
         self._ready[chunk] += 1
+        if self.on_chunk_complete is not None and self._ready[chunk] == self._expected[chunk]:
+            self.on_chunk_complete(chunk)
         if not self.overlap:
             return
         before = self._cursor

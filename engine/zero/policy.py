@@ -7,7 +7,7 @@ r owns shard r. The stage only decides which kinds are sharded:
   stage 0   nothing                                  (plain data parallelism)
   stage 1   optimizer states (and fp32 masters)      gradients reduce-scattered, params all-gathered
   stage 2   + gradients                              each rank keeps its gradient shard (Note [sharded gradients])
-  stage 3   + parameters                             (not built yet)
+  stage 3   + parameters                             gathered around each use (Note [sharded parameters])
 Everything else follows from the table: when optimizer states are sharded, a rank needs only its
 shard of the summed gradient (a reduce-scatter instead of an all-reduce: half the traffic) and
 updates only its shard of each parameter chunk, after which the chunks are all-gathered — the

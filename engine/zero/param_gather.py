@@ -1,0 +1,170 @@
+"""ZeRO stage 3: gathers parameter chunks around each module's forward and backward, ahead in traced order.
+
+Note [gathering around modules]
+Every module that directly owns parameters in non-persistent chunks gets hooks:
+- before its forward, its chunks are demanded: gathered (a collective) and waited for;
+- after its forward, a gradient hook on its outputs demands them again when backward reaches the
+  module (autograd computes the outputs' gradient just before the module's own backward);
+- after its forward, outside backward, each of its chunks whose owner modules have all finished a
+  forward in this pass is released.
+In backward a chunk is released as soon as all its parameters' gradients have been accumulated
+(the GradReducer reports it), and whatever is still gathered when a pass ends is released then.
+During backward a module's forward runs again only to recompute activations (checkpointing): its
+chunks are then gathered on demand and left to the backward release.
+Ahead of demand, the chunks the trace says come next (Note [gather trace]) are gathered
+asynchronously, up to `prefetch_numel` elements gathered ahead and `max_live_numel` elements
+gathered in all, so the all-gathers overlap compute.
+Collectives must match across ranks: every rank must run the same modules in the same order (as
+with DeepSpeed and FSDP). Control flow that differs between steps is fine; between ranks it hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from engine.comm import CommCounter
+from engine.zero.gather_trace import GatherTrace
+from engine.zero.param_shards import ShardedParams
+
+
+class Pass(enum.Enum):
+    IDLE = "idle"  # between passes (or a module called outside the engine)
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class ParamGatherer:
+    def __init__(self, model: nn.Module, shards: ShardedParams, chunk_of: dict[int, int],
+                 group: dist.ProcessGroup | None, counter: CommCounter, prefetch_numel: int, max_live_numel: int):
+        self.shards = shards
+        self.group, self.counter = group, counter
+        self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
+        self.phase = Pass.IDLE
+        self.traces = {Pass.FORWARD: GatherTrace(), Pass.BACKWARD: GatherTrace()}
+        self.prefetched = 0  # gathers started ahead of demand, over the run
+        self._ahead: set[int] = set()  # gathered ahead of demand, not demanded yet
+        self._owners: list[set[nn.Module]] = [set() for _ in range(len(shards))]
+        self._done: list[set[nn.Module]] = [set() for _ in range(len(shards))]
+        self._module_chunks: dict[nn.Module, tuple[int, ...]] = {}
+        self._handles = []
+        for module in model.modules():
+            chunks = sorted({chunk_of[id(p)] for p in module.parameters(recurse=False)
+                             if id(p) in chunk_of and not shards.persistent[chunk_of[id(p)]]})
+            if not chunks:
+                continue
+            self._module_chunks[module] = tuple(chunks)
+            for c in chunks:
+                self._owners[c].add(module)
+            self._handles.append(module.register_forward_pre_hook(self._before_forward))
+            self._handles.append(module.register_forward_hook(self._after_forward))
+
+    # ---- passes --------------------------------------------------------------------------------
+    def begin(self, phase: Pass) -> None:
+        self.phase = phase
+        self.traces[phase].begin()
+        for done in self._done:
+            done.clear()
+
+    def end(self) -> None:
+        """Ends the pass: every non-persistent chunk is released (in-flight gathers are waited for)."""
+        if self.phase is not Pass.IDLE:
+            self.traces[self.phase].end()
+        self.phase = Pass.IDLE
+        self._ahead.clear()
+        self.shards.release_all()
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def _before_forward(self, module: nn.Module, args) -> None:
+        self.demand(self._module_chunks[module])
+
+    def _after_forward(self, module: nn.Module, args, output) -> None:
+        if self.phase is Pass.BACKWARD:  # recomputation inside backward: backward releases
+            return
+        chunks = self._module_chunks[module]
+        if torch.is_grad_enabled():
+            needing_grad = [t for t in _tensors_in(output) if t.requires_grad]
+            if needing_grad:
+                register_multi_grad_hook(needing_grad, lambda grad: self.demand(chunks), mode="any")
+        for c in chunks:
+            self._done[c].add(module)
+            if self._done[c] >= self._owners[c]:
+                self.release(c)
+
+    def on_grads_complete(self, chunk: int) -> None:
+        """Every parameter of the chunk has its gradient for this backward: backward needs it no more."""
+        if self.phase is Pass.BACKWARD:
+            self.release(chunk)
+
+    # ---- gathering -----------------------------------------------------------------------------
+    def demand(self, chunks: tuple[int, ...]) -> None:
+        """Gathers `chunks` (waiting for them) and, following the trace, starts the next ones."""
+        trace = self.traces.get(self.phase)
+        for c in chunks:
+            if trace is not None and (self.shards.is_released(c) or c in self._ahead):
+                trace.demand(c)  # a demand is a chunk's first use since it was last released
+            self._ahead.discard(c)
+            self.shards.gather(c, self.group, self.counter)
+        if trace is not None:
+            self._prefetch(trace.upcoming())
+        for c in chunks:
+            self.shards.wait(c)
+
+    def _prefetch(self, upcoming: list[int]) -> None:
+        ahead = sum(self.shards.numel(c) for c in self._ahead)
+        live = sum(self.shards.numel(c) for c in range(len(self.shards))
+                   if not self.shards.persistent[c] and not self.shards.is_released(c))
+        for c in upcoming:
+            if not self.shards.is_released(c):
+                continue
+            n = self.shards.numel(c)
+            if ahead + n > self.prefetch_numel or live + n > self.max_live_numel:
+                break
+            self.shards.gather(c, self.group, self.counter)
+            self._ahead.add(c)
+            self.prefetched += 1
+            ahead, live = ahead + n, live + n
+
+    def release(self, chunk: int) -> None:
+        self._ahead.discard(chunk)
+        self.shards.release(chunk)
+
+    @contextlib.contextmanager
+    def gathered(self, chunks: list[int]):
+        """Chunks gathered for user code outside the passes (all ranks, same chunks); released after
+        unless they were gathered before."""
+        were_released = [c for c in chunks if self.shards.is_released(c)]
+        for c in chunks:
+            self.shards.gather(c, self.group, self.counter)
+        for c in chunks:
+            self.shards.wait(c)
+        try:
+            yield
+        finally:
+            for c in were_released:
+                self.shards.release(c)
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _tensors_in(value) -> list[torch.Tensor]:
+    """Tensors in a module's output: a tensor, or (nested) tuples, lists, mappings, dataclasses of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for f in dataclasses.fields(value) for t in _tensors_in(getattr(value, f.name))]
+    return []

@@ -1,0 +1,109 @@
+"""ZeRO stage 3: each rank keeps its shard of every parameter chunk; full chunks exist only while gathered.
+
+Note [sharded parameters]
+With parameters sharded (Note [sharding policy]) a rank keeps, between uses, only its own shard of
+every parameter chunk: a persistent tensor of n/w elements per chunk (4Ψ/N bytes in fp32), which
+is what the optimizer steps. The chunk's full payload keeps its shape, and every parameter's
+.data stays a view into it, but its storage is resized to 0 while the chunk is released:
+- `gather` gives the storage its bytes back and all-gathers every rank's shard into it;
+- `release` resizes the storage to 0 again.
+Tensors autograd saved in forward (a linear's weight) are views of that same storage, so a chunk
+gathered again before backward needs them shows them its values again, and a chunk used while
+released fails loudly ("... out of bounds for storage of size 0") instead of reading stale memory.
+The gather writes through a second tensor aliasing the storage but with its own version counter:
+an in-place write through the payload itself would bump the parameters' versions and make
+autograd reject the tensors it saved in forward.
+Chunks of parameters below `stage3_param_persistence_threshold` are persistent: always gathered,
+their shard a view of the payload (as in stage 1), all-gathered after each update.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+
+from engine.comm import CommCounter, all_gather_into
+
+
+class Residency(enum.Enum):
+    RELEASED = "released"    # storage of size 0; only the shard holds this rank's values
+    GATHERING = "gathering"  # storage back, all-gather in flight
+    GATHERED = "gathered"    # full values in the payload
+
+
+class ShardedParams:
+    """The persistent parameter shards and the transient full parameter chunks of one rank."""
+
+    def __init__(self, payloads: list[torch.Tensor], persistent: list[bool], rank: int, world: int):
+        self._payloads = payloads
+        self.persistent = persistent
+        self.rank, self.world = rank, world
+        self._nbytes = [p.untyped_storage().nbytes() for p in payloads]
+        self._writers = [torch.empty(0, dtype=p.dtype, device=p.device).set_(p.untyped_storage(), p.storage_offset(),
+                                                                           (p.numel(),)) for p in payloads]
+        self.shards = [self._own(p) if keep else self._own(p).clone() for p, keep in zip(payloads, persistent)]
+        self.residency = [Residency.GATHERED] * len(payloads)
+        self._works: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return len(self._payloads)
+
+    def numel(self, index: int) -> int:
+        return self._payloads[index].numel()
+
+    def _own(self, payload: torch.Tensor) -> torch.Tensor:
+        n = payload.numel() // self.world
+        return payload.narrow(0, self.rank * n, n)
+
+    def take_shards(self) -> None:
+        """Once the full chunks hold the starting values (rank 0's, after the start-up broadcast): keep
+        this rank's shard of each and release the rest."""
+        for index, payload in enumerate(self._payloads):
+            if not self.persistent[index]:
+                self.shards[index].copy_(self._own(payload))
+                self.release(index)
+
+    def refresh_shard(self, index: int) -> None:
+        """After the gathered chunk was modified (the same way on every rank): keep the new values."""
+        if not self.persistent[index]:
+            self.shards[index].copy_(self._own(self._writers[index]))
+
+    def gather(self, index: int, group: dist.ProcessGroup | None, counter: CommCounter) -> bool:
+        """Starts gathering a released chunk (a collective: every rank must gather the same chunks in the
+        same order). Returns whether a gather was started."""
+        if self.residency[index] is not Residency.RELEASED:
+            return False
+        writer = self._writers[index]
+        writer.untyped_storage().resize_(self._nbytes[index])
+        self._works[index] = all_gather_into(writer, self.shards[index], group, counter, async_op=True)
+        self.residency[index] = Residency.GATHERING
+        return True
+
+    def wait(self, index: int) -> None:
+        if self.residency[index] is Residency.GATHERING:
+            self._works.pop(index).wait()
+            self.residency[index] = Residency.GATHERED
+
+    def release(self, index: int) -> None:
+        """Frees a non-persistent chunk's full storage (waiting for its gather first, if one is in flight)."""
+        if self.persistent[index] or self.residency[index] is Residency.RELEASED:
+            return
+        self.wait(index)
+        self._writers[index].untyped_storage().resize_(0)
+        self.residency[index] = Residency.RELEASED
+
+    def release_all(self) -> None:
+        for index in range(len(self._payloads)):
+            self.release(index)
+
+    def is_released(self, index: int) -> bool:
+        return self.residency[index] is Residency.RELEASED
+
+    def full_bytes_held(self) -> int:
+        return sum(p.untyped_storage().nbytes() for p in self._payloads)
+
+    def shard_bytes(self) -> int:
+        """Bytes of the shards that are tensors of their own (persistent chunks' shards are payload views)."""
+        return sum(s.untyped_storage().nbytes() for s, keep in zip(self.shards, self.persistent) if not keep)
