@@ -5,12 +5,16 @@ With gradients sharded (Note [sharding policy]) a rank keeps, between backward p
 sum of its own shard of every gradient chunk: a persistent buffer of n/w elements per chunk (4Ψ/N
 bytes in fp32). A chunk's full buffer exists only from the first gradient that reaches it in a
 backward until its reduce-scatter has finished:
-- before autograd accumulates a parameter's gradient (a tensor pre-hook), `materialize` gives the
-  chunk its storage back (zeroed) and points every one of its parameters' .grad at its view, so
-  autograd accumulates in place, as in stage 0;
-- when the chunk's reduce-scatter has finished, `retire` adds this rank's shard to the persistent
+- a parameter's .grad is None when backward reaches it, so autograd hands it the gradient it
+  computed without a copy; the post-accumulate hook then `accept`s it: the chunk gets its storage
+  back (uninitialized: no pass over it), the gradient is copied into the parameter's view and
+  .grad becomes that view. (Accumulating into zeroed views instead costs a zero-fill and an add
+  per element, twice the memory traffic of the copy.)
+- before the chunk's reduce-scatter, `complete` zeroes the views of the parameters that got no
+  gradient in this backward, and the padding (the other ranks may have gradients there);
+- when the reduce-scatter has finished, `retire` adds this rank's shard to the persistent
   buffer, drops the parameters' .grad (None, as DeepSpeed's stage 2 leaves them) and releases the
-  storage (resized to 0: the views stay valid for the next materialize).
+  storage (resized to 0: the views stay valid for the next backward).
 Every backward reduces (gradient accumulation adds the shards micro-step by micro-step, as
 DeepSpeed does), so `no_sync()` has nothing to skip and is refused.
 """
@@ -28,22 +32,46 @@ class ShardedGrads:
         """`chunks`: per gradient chunk, its payload and (parameter, view into the payload) pairs."""
         self._payloads = [payload for payload, _ in chunks]
         self._members = [members for _, members in chunks]
+        self._view_of = [{id(p): view for p, view in members} for members in self._members]
+        self._used = [sum(view.numel() for _, view in members) for members in self._members]  # padding after
         self._nbytes = [payload.untyped_storage().nbytes() for payload in self._payloads]
         self.rank, self.world = rank, world
         self.shards = [torch.zeros(p.numel() // world, dtype=p.dtype, device=p.device) for p in self._payloads]
         self._live = [False] * len(self._payloads)
+        self._written: list[set[int]] = [set() for _ in self._payloads]  # ids of parameters with a gradient in
         for index in range(len(self._payloads)):
             self._release(index)
 
-    def materialize(self, index: int) -> torch.Tensor:
-        """The chunk's full gradient buffer, zeroed and wired to its parameters' .grad (no-op when live)."""
-        payload = self._payloads[index]
+    def _materialize(self, index: int) -> None:
         if not self._live[index]:
-            payload.untyped_storage().resize_(self._nbytes[index])
-            payload.zero_()
-            for p, view in self._members[index]:
-                p.grad = view
+            self._payloads[index].untyped_storage().resize_(self._nbytes[index])
+            self._written[index].clear()
             self._live[index] = True
+
+    def accept(self, index: int, p: nn.Parameter) -> None:
+        """Moves the gradient autograd just gave `p` into its view of chunk `index` (p.grad becomes the view)."""
+        view = self._view_of[index][id(p)]
+        if p.grad is view:
+            return
+        self._materialize(index)
+        if id(p) in self._written[index]:  # a second gradient for it in this backward (without the reducer armed)
+            view.add_(p.grad)
+        else:
+            view.copy_(p.grad)
+            self._written[index].add(id(p))
+        p.grad = view
+
+    def complete(self, index: int) -> torch.Tensor:
+        """The chunk's full gradient buffer for its reduce-scatter: zeros where no gradient arrived."""
+        self._materialize(index)
+        payload = self._payloads[index]
+        written = self._written[index]
+        for p, view in self._members[index]:
+            if id(p) not in written:
+                view.zero_()
+                p.grad = view
+                written.add(id(p))
+        payload.narrow(0, self._used[index], payload.numel() - self._used[index]).zero_()
         return payload
 
     def retire(self, index: int) -> None:

@@ -68,8 +68,6 @@ class GradReducer:
         self._works: list[tuple[int, object]] = []  # (chunk, its collective in flight)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in chunked.params]
         self._sharded_grads = chunked.sharded_grads
-        if self._sharded_grads is not None:  # Note [sharded gradients]: a chunk gets its buffer before its first gradient
-            self._handles += [p.register_hook(self._materialize_for(p)) for p in chunked.params]
 
     def arm(self) -> None:
         """The coming backward ends the accumulation: reduce chunks as they complete."""
@@ -87,10 +85,13 @@ class GradReducer:
         self.wait()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        self.chunked.adopt_foreign_grad(p)
+        chunk = self._chunk_of[id(p)]
+        if self._sharded_grads is not None:
+            self._sharded_grads.accept(chunk, p)  # Note [sharded gradients]
+        else:
+            self.chunked.adopt_foreign_grad(p)
         if not self._armed:
             return
-        chunk = self._chunk_of[id(p)]
         if id(p) in self._fired or self._place[chunk] < self._cursor:
             self.disarm()
             raise RuntimeError(
@@ -111,19 +112,10 @@ class GradReducer:
             if self.grads_before_first_launch is None:
                 self.grads_before_first_launch = len(self._fired)
 
-    def _materialize_for(self, p: nn.Parameter):
-        chunk = self._chunk_of[id(p)]
-
-        def before_accumulate(grad):
-            self._sharded_grads.materialize(chunk)
-            return grad
-
-        return before_accumulate
-
     def _launch(self, index: int) -> None:
         if self._sharded_grads is not None:
             self._retire_finished()  # frees finished chunks' buffers during backward, not only after it
-            self._sharded_grads.materialize(index)  # zeros where this rank had no gradient: the others may
+            self._sharded_grads.complete(index)  # zeros where this rank had no gradient: the others may
         if self.scatter:
             work = reduce_scatter_sum_in_place(self.payloads[index], self.group, self.chunked.shard_rank,
                                                self.chunked.shard_count, self.counter, async_op=True)
