@@ -363,8 +363,12 @@ def _reject_not_yet_supported(cfg: Config) -> None:
         (zero.offload_optimizer.device in ("cpu", "nvme") and zero.offload_optimizer.ratio != 1.0,
          "zero_optimization.offload_optimizer.ratio", zero.offload_optimizer.ratio,
          "offloading a fraction of the optimizer states is not supported yet; use 1.0"),
-        (zero.offload_param.device not in ("none", None), "zero_optimization.offload_param.device",
-         zero.offload_param.device, "parameter offload is not supported yet; use \"none\""),
+        (zero.offload_param.device not in ("none", None) and zero.stage != 3, "zero_optimization.offload_param.device",
+         zero.offload_param.device, "parameters are offloaded only when they are sharded: set zero_optimization.stage "
+         "to 3, or use \"none\""),
+        (zero.offload_param.device == "nvme" and not zero.offload_param.nvme_path,
+         "zero_optimization.offload_param.nvme_path", None, "device \"nvme\" needs a directory on the NVMe disk; set "
+         "nvme_path"),
         (zero.placement != "static", "zero_optimization.placement", zero.placement,
          "automatic placement is not supported yet; use \"static\""),
         (cfg.tensor_parallel.size != 1, "tensor_parallel.size", cfg.tensor_parallel.size,

@@ -91,6 +91,10 @@ def initialize(
     offload = cfg.zero_optimization.offload_optimizer
     if optimizer is None and offload.device in ("cpu", "nvme"):
         optimizer = _offloaded(cfg, chunked, topology)
+    elif cfg.zero_optimization.offload_param.device in ("cpu", "nvme"):
+        raise ConfigError("zero_optimization.offload_param: offloaded parameter shards are stepped by the offloaded "
+                          "optimizer where they live; also set zero_optimization.offload_optimizer.device (cpu or nvme) "
+                          "and give the optimizer in the config's 'optimizer' section")
     elif optimizer is None:
         optimizer = build_optimizer(cfg.optimizer, chunked.optimizer_param_groups())
     elif offload.device in ("cpu", "nvme"):
@@ -132,23 +136,48 @@ def _param_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:
 
 
 def _offloaded(cfg: Config, chunked: ChunkedParams, topology: Topology) -> OffloadedOptimizer:
-    """Note [offloaded optimizer states]: the config's optimizer, its states in a ChunkManager."""
-    offload, aio = cfg.zero_optimization.offload_optimizer, cfg.aio
+    """Notes [offloaded optimizer states] and [offloaded parameter shards]: the config's optimizer, its
+    states (and with offload_param the parameter shards) in one ChunkManager."""
+    zero, aio = cfg.zero_optimization, cfg.aio
+    offload, offload_param = zero.offload_optimizer, zero.offload_param
+    params_offloaded = offload_param.device in ("cpu", "nvme")
+    if params_offloaded and chunked.sharded_params is None:
+        raise ConfigError(f"zero_optimization.offload_param.device: {offload_param.device!r} — parameter shards are "
+                          "offloaded only when ZeRO stage 3 shards them over 2 or more data-parallel ranks, and this "
+                          "run has one; not supported yet in a single process: remove offload_param (optimizer "
+                          "states still offload) or launch more ranks")
+    nvme_path = offload.nvme_path if offload.device == "nvme" else offload_param.nvme_path
+    if params_offloaded and offload.device == "nvme" == offload_param.device and offload_param.nvme_path != nvme_path:
+        raise ConfigError("zero_optimization.offload_param.nvme_path: Tiers keeps parameter shards and optimizer "
+                          "states in one swap directory; give both the same nvme_path")
+    on_nvme = offload.device == "nvme" or (params_offloaded and offload_param.device == "nvme")
+    on_cpu = offload.device == "cpu" or (params_offloaded and offload_param.device == "cpu")
     groups = chunked.optimizer_param_groups()
+    # the CPU tier's default budget: what is homed there plus a window of buffer_count chunks of each kind
+    # streamed from NVMe, with room for O_DIRECT padding (state chunks: exp_avg + exp_avg_sq, 2x a tensor)
     largest = max(p.numel() * p.element_size() for g in groups for p in g["params"])
-    nvme = offload.device == "nvme"
-    # on NVMe the CPU tier is a window of buffer_count state chunks (each exp_avg + exp_avg_sq: 2x a tensor),
-    # with room for O_DIRECT padding
-    window = offload.buffer_count * (2 * largest + 2 * aio.block_size) if nvme else None
-    budget = cfg.memory.budget_bytes("cpu_budget")  # the user's cap replaces the default window
-    manager = ChunkManager(topology.device, Budgets(cpu=budget if budget is not None else window), nvme_dir=offload.nvme_path if nvme else None,
+    window = offload.buffer_count * (2 * largest + 2 * aio.block_size) if offload.device == "nvme" else 0
+    if params_offloaded and offload_param.device == "nvme":
+        window += offload_param.buffer_count * (largest + aio.block_size)
+    user_budget = cfg.memory.budget_bytes("cpu_budget")  # the user's cap replaces the default
+    budget = user_budget if user_budget is not None else (window if on_nvme and not on_cpu else None)
+    manager = ChunkManager(topology.device, Budgets(cpu=budget), nvme_dir=nvme_path if on_nvme else None,
                            nvme_threads=aio.intra_op_parallelism or aio.thread_count or 2,
                            nvme_queue_depth=aio.queue_depth, nvme_block_size=aio.block_size,
-                           pin_memory=offload.pin_memory, prefetch_depth=max(offload.buffer_count - 2, 1))
-    home = Location.NVME if nvme else Location.CPU
-    # Adam runs where the parameters are when they are on the CPU; on CUDA the state chunks visit the device
+                           pin_memory=offload.pin_memory or offload_param.pin_memory,
+                           prefetch_depth=max(offload.buffer_count - 2, 1))
+    # Adam runs where the parameters are when they are on the CPU; on CUDA the chunks visit the device
     compute = Location.CPU if topology.device.type == "cpu" else Location.DEVICE
-    return OffloadedOptimizer(lambda g: build_optimizer(cfg.optimizer, g), groups, manager, home, compute)
+    param_chunks = None
+    if params_offloaded:
+        home = Location.NVME if offload_param.device == "nvme" else Location.CPU
+        chunked.sharded_params.offload_to(manager, home, compute)
+        param_chunks = chunked.sharded_params.stepped_chunks()
+    optimizer = OffloadedOptimizer(lambda g: build_optimizer(cfg.optimizer, g), groups, manager,
+                                   Location.NVME if offload.device == "nvme" else Location.CPU, compute, param_chunks)
+    if user_budget is None and on_nvme and on_cpu:  # one kind homed on CPU, the other streamed from NVMe
+        manager.budgets = Budgets(cpu=manager.used_bytes(Location.CPU) + window)
+    return optimizer
 
 
 def _rebuilt_over_shards(client: torch.optim.Optimizer, chunked: ChunkedParams) -> torch.optim.Optimizer:

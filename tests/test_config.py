@@ -355,8 +355,6 @@ def test_float_written_integers_are_accepted_as_ints():
     [
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
          "zero_optimization.offload_optimizer.ratio", "0.5"),
-        ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.device", '"nvme"'),
-        ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param.device", '"cpu"'),
         ({"zero_optimization": {"placement": "auto"}}, "zero_optimization.placement", '"auto"'),
         ({"tensor_parallel": {"size": 2}}, "tensor_parallel.size", "2"),
         ({"memory": {"device_budget": "8GB"}}, "memory.device_budget", '"8GB"'),
@@ -370,6 +368,16 @@ def test_float_written_integers_are_accepted_as_ints():
 def test_not_yet_supported_features_say_so(raw, key, value):
     msg = raises(raw, "not supported yet", f"{key}: {value}")
     assert msg.startswith(key)
+
+
+def test_parameter_offload_needs_stage_3_and_an_nvme_path():
+    for device in ("cpu", "nvme"):
+        raises({"zero_optimization": {"stage": 2, "offload_param": {"device": device, "nvme_path": "/tmp"}}},
+               "set zero_optimization.stage to 3", f'zero_optimization.offload_param.device: "{device}"')
+    raises({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "set nvme_path",
+           "zero_optimization.offload_param.nvme_path")
+    zero = load_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}).zero_optimization
+    assert zero.offload_param.device == "cpu"
 
 
 def test_stages_1_and_2_load_and_refuse_what_they_do_not_do():

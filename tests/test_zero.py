@@ -241,35 +241,42 @@ def test_full_state_dict_and_gathered_parameters(reference, stage):
         assert torch.equal(results[0][3][name], results[1][3][name]), name
 
 
-def _offload_worker(rank, world, stage, device, nvme_dir):
+def _offload_worker(rank, world, stage, device, nvme_dir, param_device):
     cfg = zero_config(stage, GLOBAL_BATCH // world // 2, 2)
     cfg["zero_optimization"]["offload_optimizer"] = {"device": device, "nvme_path": nvme_dir}  # buffer_count 4
+    if param_device:
+        cfg["zero_optimization"]["offload_param"] = {"device": param_device, "nvme_path": nvme_dir}
     cfg["aio"] = {"block_size": 4096}  # small blocks: the CPU window (4 state chunks) is then far below all states
     engine = initialize(tiny_gpt(seed=rank), cfg)
     assert engine.get_lr() == [ADAMW["lr"]]  # the config's options reach the offloaded optimizer's groups
     losses, norms = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, 2)
     stats = engine.optimizer.manager.stats
-    in_memory = model_state_bytes(engine)["optim"]  # the engine's own optimizer holds no state tensors
+    in_memory = model_state_bytes(engine)  # counted outside the manager
     params = trained_params(engine)
     engine.close()
     return losses, norms, params, stats, in_memory
 
 
-@pytest.mark.parametrize("stage,device", [(1, "cpu"), (1, "nvme"), (2, "cpu"), (2, "nvme"), (3, "cpu"), (3, "nvme")])
-def test_optimizer_offload_matches_single_process(reference, tmp_path, stage, device):
+@pytest.mark.parametrize("stage,device,param_device,world", [
+    (1, "cpu", None, 2), (1, "nvme", None, 2), (2, "cpu", None, 2), (2, "nvme", None, 2), (3, "cpu", None, 2),
+    (3, "nvme", None, 2), (3, "cpu", "cpu", 2), (3, "nvme", "nvme", 2), (3, "nvme", "nvme", 4)])
+def test_offload_matches_single_process(reference, tmp_path, stage, device, param_device, world):
     ref_losses, ref_norms, ref_params = reference
-    results = run_distributed(_offload_worker, 2, args=(stage, device, str(tmp_path)))
-    assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
+    results = run_distributed(_offload_worker, world, args=(stage, device, str(tmp_path), param_device))
+    assert_close_relative([sum(r[0][i] for r in results) / world for i in range(STEPS)], ref_losses)
     assert_close_relative(results[0][1], ref_norms)
     psi = sum(p.numel() for p in ref_params.values())
+    in_manager = 8 + (4 if param_device else 0)  # exp_avg + exp_avg_sq (+ the parameter shard) per element owned
     for _, _, params, stats, in_memory in results:
         assert_params_close(params, ref_params)
-        assert in_memory == 0
+        assert in_memory["optim"] == 0  # the engine's own optimizer holds no state tensors
+        if param_device:
+            assert in_memory["param"] == 0  # no shard outside the manager, no gathered chunk between steps
         held = stats.resident_bytes["cpu"] + stats.resident_bytes["nvme"]
-        assert 8 * psi / 2 <= held  # exp_avg + exp_avg_sq of this rank's half, in the manager
+        assert in_manager * psi / world <= held
         if device == "nvme":
             assert stats.resident_bytes["nvme"] > 0 and stats.moved_bytes["nvme->cpu"] > 0
-            assert stats.peak_bytes["cpu"] < 8 * psi / 2  # only a window of state chunks in memory at once
+            assert stats.peak_bytes["cpu"] < in_manager * psi / world  # only a window of chunks in memory at once
             assert stats.prefetches > 0  # later steps read ahead from the first step's trace
     assert os.listdir(tmp_path) == []  # the swap files went with the engine
 

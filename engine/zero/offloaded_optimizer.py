@@ -11,6 +11,9 @@ device tier is CPU memory), the states are handed to a torch optimizer over that
 back down under the tier's budget. The order repeats every step, so after the first step the
 manager's trace prefetches the next state chunks from NVMe while Adam runs on the current one
 (Note [trace and divergence]). The scalar `step` counters stay in memory.
+A stepped tensor whose values are themselves in the manager (an offloaded parameter shard, Note
+[offloaded parameter shards]) is a placeholder: the step accesses its manager chunk too, steps that
+view in its place (with the placeholder's .grad), and releases it written.
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, make: Callable[[list[dict]], torch.optim.Optimizer], groups: list[dict],
-                 manager: ChunkManager, home: Location, compute: Location):
+                 manager: ChunkManager, home: Location, compute: Location, param_chunks: dict[int, int] | None = None):
+        """param_chunks: id(stepped tensor) -> the manager chunk holding its values, for placeholders."""
         probe = torch.zeros(1, requires_grad=True)
         super().__init__(groups, dict(make([{"params": [probe]}]).defaults))  # lr, betas, ...: for schedulers
         self.manager, self.compute = manager, compute
+        self._param_chunks = param_chunks or {}
         self._items: list[tuple[torch.optim.Optimizer, torch.Tensor, int, dict]] = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -52,11 +57,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("an offloaded optimizer steps without a closure")
         for opt, p, chunk, info in self._items:
+            inner = opt.param_groups[0]
+            values = self._param_chunks.get(id(p))
+            if values is not None:  # an offloaded shard: step its manager view in the placeholder's place
+                (target,) = self.manager.access(values, self.compute)
+                target.grad = p.grad
+                inner["params"] = [target]
+                if p in opt.state:
+                    opt.state[target] = opt.state.pop(p)
+            target = inner["params"][0]
             views = self.manager.access(chunk, self.compute) if chunk is not None else []
-            state = opt.state[p]
+            state = opt.state[target]
             for name, view in zip(info["names"], views):
                 state[name] = view
-            inner = opt.param_groups[0]
             for key, value in info["group"].items():
                 if key != "params":
                     inner[key] = value  # a scheduler changed the outer group
@@ -65,6 +78,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 del state[name]  # the views go stale when the chunk moves
             if chunk is not None:
                 self.manager.release(chunk)
+            if values is not None:
+                opt.state[p] = opt.state.pop(target)
+                inner["params"] = [p]
+                target.grad = None
+                self.manager.release(values)
         self.manager.end_iteration()
 
     def state_dict(self):

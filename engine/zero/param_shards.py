@@ -15,16 +15,27 @@ an in-place write through the payload itself would bump the parameters' versions
 autograd reject the tensors it saved in forward.
 Chunks of parameters below `stage3_param_persistence_threshold` are persistent: always gathered,
 their shard a view of the payload (as in stage 1), all-gathered after each update.
+
+Note [offloaded parameter shards]
+With `offload_param` the shards of non-persistent chunks live in the ChunkManager (kind "param", one
+manager chunk per shard, homed on CPU or NVMe). The shard tensor keeps its identity (the optimizer's
+param groups and .grad hold it) but its storage is resized to 0: it is a placeholder. A gather
+`access`es the manager chunk read-only (writes=False: an NVMe copy stays current, so eviction drops
+it without a write) and releases it once the all-gather has finished; the optimizer steps the
+manager's view in place of the placeholder (Note [offloaded optimizer states]).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 
 import torch
 import torch.distributed as dist
 
 from engine.comm import CommCounter, all_gather_into
+from offload.chunk import Location
+from offload.manager import ChunkManager
 
 
 class Residency(enum.Enum):
@@ -46,6 +57,36 @@ class ShardedParams:
         self.shards = [self._own(p) if keep else self._own(p).clone() for p, keep in zip(payloads, persistent)]
         self.residency = [Residency.GATHERED] * len(payloads)
         self._works: dict[int, object] = {}
+        self._manager: ChunkManager | None = None  # Note [offloaded parameter shards]
+        self._compute = Location.CPU
+        self.managed: list[int | None] = [None] * len(payloads)  # each shard's manager chunk
+
+    def offload_to(self, manager: ChunkManager, home: Location, compute: Location) -> None:
+        """Moves every non-persistent shard into `manager` on `home`; the shard tensors become placeholders."""
+        self._manager, self._compute = manager, compute
+        for index, shard in enumerate(self.shards):
+            if not self.persistent[index]:
+                self.managed[index] = manager.register("param", [shard], location=home, capacity=shard.numel())[0].chunk
+                shard.untyped_storage().resize_(0)
+
+    def _open_shard(self, index: int, writes: bool) -> torch.Tensor:
+        """This rank's shard of chunk `index`, wherever it lives; pair with `_close_shard`."""
+        chunk = self.managed[index]
+        if chunk is None:
+            return self.shards[index]
+        return self._manager.access(chunk, self._compute, writes=writes)[0]
+
+    def _close_shard(self, index: int) -> None:
+        if self.managed[index] is not None:
+            self._manager.release(self.managed[index])
+
+    @contextlib.contextmanager
+    def _shard(self, index: int, writes: bool):
+        shard = self._open_shard(index, writes)
+        try:
+            yield shard
+        finally:
+            self._close_shard(index)
 
     def __len__(self) -> int:
         return len(self._payloads)
@@ -62,13 +103,15 @@ class ShardedParams:
         this rank's shard of each and release the rest."""
         for index, payload in enumerate(self._payloads):
             if not self.persistent[index]:
-                self.shards[index].copy_(self._own(payload))
+                with self._shard(index, writes=True) as shard:
+                    shard.copy_(self._own(payload))
                 self.release(index)
 
     def refresh_shard(self, index: int) -> None:
         """After the gathered chunk was modified (the same way on every rank): keep the new values."""
         if not self.persistent[index]:
-            self.shards[index].copy_(self._own(self._writers[index]))
+            with self._shard(index, writes=True) as shard:
+                shard.copy_(self._own(self._writers[index]))
 
     def gather(self, index: int, group: dist.ProcessGroup | None, counter: CommCounter) -> bool:
         """Starts gathering a released chunk (a collective: every rank must gather the same chunks in the
@@ -77,13 +120,15 @@ class ShardedParams:
             return False
         writer = self._writers[index]
         writer.untyped_storage().resize_(self._nbytes[index])
-        self._works[index] = all_gather_into(writer, self.shards[index], group, counter, async_op=True)
+        shard = self._open_shard(index, writes=False)  # closed when the gather has finished (wait)
+        self._works[index] = all_gather_into(writer, shard, group, counter, async_op=True)
         self.residency[index] = Residency.GATHERING
         return True
 
     def wait(self, index: int) -> None:
         if self.residency[index] is Residency.GATHERING:
             self._works.pop(index).wait()
+            self._close_shard(index)
             self.residency[index] = Residency.GATHERED
 
     def release(self, index: int) -> None:
@@ -105,5 +150,10 @@ class ShardedParams:
         return sum(p.untyped_storage().nbytes() for p in self._payloads)
 
     def shard_bytes(self) -> int:
-        """Bytes of the shards that are tensors of their own (persistent chunks' shards are payload views)."""
+        """Bytes of the in-memory shards that are tensors of their own (persistent chunks' shards are payload
+        views; offloaded shards are counted by their manager)."""
         return sum(s.untyped_storage().nbytes() for s, keep in zip(self.shards, self.persistent) if not keep)
+
+    def stepped_chunks(self) -> dict[int, int]:
+        """id(shard tensor) -> its manager chunk, for the offloaded shards (the optimizer steps those views)."""
+        return {id(s): c for s, c in zip(self.shards, self.managed) if c is not None}

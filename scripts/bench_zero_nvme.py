@@ -1,0 +1,138 @@
+"""ZeRO stage 3 trained through NVMe: step time against the disk time its swap traffic needs, same run.
+
+    .venv/bin/python scripts/bench_zero_nvme.py --dir /path/on/nvme
+    .venv/bin/python scripts/bench_zero_nvme.py --dir /tmp --model bench30m --steps 6 --out /tmp/nvme.md
+
+2 ranks (gloo, one thread each) train the GPT with `offload_optimizer` and `offload_param` both on
+NVMe: every step reads every parameter shard (for the forward and backward gathers; later reads
+are skipped when a clean copy is still in memory) and every optimizer state chunk, and writes the
+updated shards and states back. The manager counts those bytes (both ranks share the disk, so
+their bytes are summed). The raw sequential bandwidth of the same directory is measured in the same
+run with dd (O_DIRECT, before and after the training); the disk-bound time of a step is
+write bytes ÷ raw write bandwidth + read bytes ÷ raw read bandwidth, and the issue's target is a
+step time within 1.5× of it. A small micro batch keeps compute below the disk time, so the ratio
+shows how well the swaps overlap each other and the compute.
+
+This is a benchmark script: it prints what it measured and never asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import (DiskCounter, command_line, fmt_bytes, free_port, init_gloo, machine_line,  # noqa: E402
+                          markdown_table, one_thread, spawn_ranks, write_text)
+from disk_baseline import dd_pass, unlink_quietly  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="swap directory, on the disk to measure")
+    ap.add_argument("--model", default="bench30m", help="engine.models preset (default bench30m)")
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps (default 6)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first: the manager traces them (default 2)")
+    ap.add_argument("--raw-bytes", type=int, default=1 << 30, help="bytes per raw dd pass (default 1 GiB)")
+    ap.add_argument("--out", default=None, help="also write the markdown to this file")
+    return ap.parse_args(argv)
+
+
+def engine_config(args, swap_dir: str) -> dict:
+    return {"train_micro_batch_size_per_gpu": args.micro_batch,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "zero_optimization": {"stage": 3,
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": swap_dir},
+                                  "offload_param": {"device": "nvme", "nvme_path": swap_dir}},
+            "steps_per_print": 10**9}
+
+
+def rank_main(rank: int, world: int, port: int, args, results) -> None:
+    from engine import initialize
+    from engine.models import gpt_from_preset, preset_config
+
+    one_thread()
+    init_gloo(rank, world, port)
+    torch.manual_seed(1234)
+    engine = initialize(gpt_from_preset(args.model), engine_config(args, args.dir))
+    vocab = preset_config(args.model).vocab_size
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g) for _ in range(args.warmup + args.steps)]
+    stats = engine.optimizer.manager.stats
+    times, moved = [], []
+    for i, x in enumerate(batches):
+        dist.barrier()
+        before = dict(stats.moved_bytes)
+        t0 = time.perf_counter()
+        engine.backward(engine(x, labels=x))
+        engine.step()
+        dist.barrier()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            moved.append({k: stats.moved_bytes.get(k, 0) - before.get(k, 0) for k in ("cpu->nvme", "nvme->cpu")})
+    held = {tier: stats.resident_bytes[tier] for tier in ("cpu", "nvme")}
+    peak_cpu = stats.peak_bytes["cpu"]
+    engine.close()
+    results.put({"rank": rank, "times": times, "moved": moved, "held": held, "peak_cpu": peak_cpu})
+
+
+def raw_bandwidth(args, disk: DiskCounter) -> tuple[float, float]:
+    path = os.path.join(args.dir, "tiers-raw-dd.bin")
+    try:
+        w = dd_pass(path, 8 << 20, args.raw_bytes, True, disk)
+        r = dd_pass(path, 8 << 20, args.raw_bytes, False, disk)
+    finally:
+        unlink_quietly(path)
+    return args.raw_bytes / w.seconds, args.raw_bytes / r.seconds
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    disk = DiskCounter(args.dir)
+    before = raw_bandwidth(args, disk)
+    ranks = sorted(spawn_ranks(rank_main, 2, args=(free_port(), args)), key=lambda r: r["rank"])
+    after = raw_bandwidth(args, disk)
+    write_bw, read_bw = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
+    step_s = statistics.median(max(r["times"][i] for r in ranks) for i in range(args.steps))
+    written = statistics.median(sum(r["moved"][i]["cpu->nvme"] for r in ranks) for i in range(args.steps))
+    read = statistics.median(sum(r["moved"][i]["nvme->cpu"] for r in ranks) for i in range(args.steps))
+    disk_s = written / write_bw + read / read_bw
+    from engine.models import gpt_from_preset
+    psi = gpt_from_preset(args.model).num_parameters()
+    rows = [["tiers ZeRO-3, offload_param + offload_optimizer nvme", f"{step_s:.3f}", fmt_bytes(written),
+             fmt_bytes(read), f"{disk_s:.3f}", f"{step_s / disk_s:.2f}"]]
+    text = "\n".join([
+        f"### ZeRO stage 3 through NVMe (2 ranks, gloo, CPU, 1 thread/rank)",
+        "",
+        f"Model `{args.model}` (Ψ = {psi:,}), micro batch {args.micro_batch} × seq {args.seq} per rank, AdamW fp32. "
+        f"Raw disk (dd, O_DIRECT, 8 MiB blocks, {fmt_bytes(args.raw_bytes)}; mean of before/after): write "
+        f"{write_bw / 1e6:,.0f} MB/s ({before[0] / 1e6:,.0f} / {after[0] / 1e6:,.0f}), read {read_bw / 1e6:,.0f} MB/s "
+        f"({before[1] / 1e6:,.0f} / {after[1] / 1e6:,.0f}). Median of {args.steps} steps after {args.warmup} "
+        "warm-up; bytes summed over both ranks.",
+        "",
+        markdown_table(["system", "step time (s)", "written/step", "read/step", "disk time/step (s)",
+                        "step ÷ disk time (target ≤ 1.5)"], rows),
+        "",
+        "Per rank after the run: " + "; ".join(
+            f"rank {r['rank']}: NVMe holds {fmt_bytes(r['held']['nvme'])}, CPU tier holds {fmt_bytes(r['held']['cpu'])} "
+            f"(peak {fmt_bytes(r['peak_cpu'])})" for r in ranks) + f" — model state 16Ψ/2 = {fmt_bytes(8 * psi)} per rank.",
+        f"Machine: {machine_line()}",
+        f"Command: `{command_line()}` (total {time.perf_counter() - started:.0f} s)",
+    ])
+    print("\n" + text, flush=True)
+    if args.out:
+        write_text(args.out, text)
+
+
+if __name__ == "__main__":
+    main()
