@@ -67,18 +67,20 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
     vocab = preset_config(args.model).vocab_size
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g) for _ in range(args.warmup + args.steps)]
-    stats = engine.optimizer.manager.stats
+    manager = engine.optimizer.manager
     times, moved = [], []
     for i, x in enumerate(batches):
         dist.barrier()
-        before = dict(stats.moved_bytes)
+        before = dict(manager.stats.moved_bytes)  # stats: a snapshot
         t0 = time.perf_counter()
         engine.backward(engine(x, labels=x))
         engine.step()
         dist.barrier()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-            moved.append({k: stats.moved_bytes.get(k, 0) - before.get(k, 0) for k in ("cpu->nvme", "nvme->cpu")})
+            after = manager.stats.moved_bytes
+            moved.append({k: after.get(k, 0) - before.get(k, 0) for k in ("cpu->nvme", "nvme->cpu")})
+    stats = manager.stats
     held = {tier: stats.resident_bytes[tier] for tier in ("cpu", "nvme")}
     peak_cpu = stats.peak_bytes["cpu"]
     engine.close()

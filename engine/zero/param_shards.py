@@ -21,7 +21,8 @@ With `offload_param` the shards of non-persistent chunks live in the ChunkManage
 manager chunk per shard, homed on CPU or NVMe). The shard tensor keeps its identity (the optimizer's
 param groups and .grad hold it) but its storage is resized to 0: it is a placeholder. A gather
 `access`es the manager chunk read-only (writes=False: an NVMe copy stays current, so eviction drops
-it without a write) and releases it once the all-gather has finished; the optimizer steps the
+it without a write), copies it into this rank's slot of the full chunk and releases it before the
+all-gather starts, so gathers in flight pin nothing in the manager; the optimizer steps the
 manager's view in place of the placeholder (Note [offloaded optimizer states]).
 """
 
@@ -69,24 +70,18 @@ class ShardedParams:
                 self.managed[index] = manager.register("param", [shard], location=home, capacity=shard.numel())[0].chunk
                 shard.untyped_storage().resize_(0)
 
-    def _open_shard(self, index: int, writes: bool) -> torch.Tensor:
-        """This rank's shard of chunk `index`, wherever it lives; pair with `_close_shard`."""
-        chunk = self.managed[index]
-        if chunk is None:
-            return self.shards[index]
-        return self._manager.access(chunk, self._compute, writes=writes)[0]
-
-    def _close_shard(self, index: int) -> None:
-        if self.managed[index] is not None:
-            self._manager.release(self.managed[index])
-
     @contextlib.contextmanager
     def _shard(self, index: int, writes: bool):
-        shard = self._open_shard(index, writes)
+        """This rank's shard of chunk `index`, wherever it lives, for the duration of the block."""
+        chunk = self.managed[index]
+        if chunk is None:
+            yield self.shards[index]
+            return
+        (view,) = self._manager.access(chunk, self._compute, writes=writes)
         try:
-            yield shard
+            yield view
         finally:
-            self._close_shard(index)
+            self._manager.release(chunk)
 
     def __len__(self) -> int:
         return len(self._payloads)
@@ -120,7 +115,12 @@ class ShardedParams:
             return False
         writer = self._writers[index]
         writer.untyped_storage().resize_(self._nbytes[index])
-        shard = self._open_shard(index, writes=False)  # closed when the gather has finished (wait)
+        if self.managed[index] is None:
+            shard = self.shards[index]
+        else:  # copied into its own slot of the output at once: the manager chunk is not held while in flight
+            shard = self._own(writer)
+            with self._shard(index, writes=False) as view:
+                shard.copy_(view)
         self._works[index] = all_gather_into(writer, shard, group, counter, async_op=True)
         self.residency[index] = Residency.GATHERING
         return True
@@ -128,7 +128,6 @@ class ShardedParams:
     def wait(self, index: int) -> None:
         if self.residency[index] is Residency.GATHERING:
             self._works.pop(index).wait()
-            self._close_shard(index)
             self.residency[index] = Residency.GATHERED
 
     def release(self, index: int) -> None:
