@@ -7,5 +7,6 @@
 from engine.config import Config, ConfigError, load_config
 from engine.engine import Engine
 from engine.initialize import initialize
+from engine.zero.zero_init import zero_init
 
-__all__ = ["initialize", "Engine", "Config", "ConfigError", "load_config"]
+__all__ = ["initialize", "zero_init", "Engine", "Config", "ConfigError", "load_config"]

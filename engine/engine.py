@@ -91,9 +91,10 @@ class Engine:
         self._step_start: float | None = None  # first training forward of the current update
         if topology.is_distributed:
             self._broadcast_initial_state()
-        if chunked.sharded_params is not None:
+        if chunked.sharded_params is not None and not chunked.values_pending:  # zero_init wrote the shards
             chunked.sharded_params.take_shards()  # from here on each rank holds its shards only
         self._comm_at_last_step = dataclasses.replace(self.comm)  # the start-up broadcast is not a step's traffic
+        self._moved_at_last_step: dict[str, int] = {}  # the chunk manager's bytes moved, per direction
 
     # ---- identity -------------------------------------------------------------------------
     @property
@@ -128,7 +129,8 @@ class Engine:
         """Every rank starts from rank 0's parameters (trainable and frozen) and buffers, as DDP does."""
         chunked = {id(p) for p in self.chunked.params}
         with torch.no_grad():
-            for payload in self.chunked.param_payloads():
+            # zero_init built the same values on every rank from the same recorded RNG states (Note [zero_init])
+            for payload in self.chunked.param_payloads() if not self.chunked.values_pending else []:
                 broadcast_from(payload, 0, self.dp_group, self.comm)
             for t in [p for p in self.module.parameters() if id(p) not in chunked] + list(self.module.buffers()):
                 broadcast_from(t.data, 0, self.dp_group, self.comm)
@@ -385,6 +387,7 @@ class Engine:
         losses, self._losses = self._losses, []
         tokens, self._tokens = self._tokens, 0
         phases, self._phase_s = self._phase_s, dict.fromkeys(self._phase_s, 0.0)
+        offload = self._offload_metrics()
         if not self.monitor.wants(self.global_step):
             return  # reading the loss would synchronize the device for nothing
         metrics = {
@@ -398,6 +401,7 @@ class Engine:
                for kind in ("all_reduce", "reduce_scatter", "all_gather")},
             **{f"Memory/chunk_bytes/{kind}": float(n) for kind, n in self.model_state_bytes().items()},
             **self.monitor.memory_metrics(),
+            **offload,
         }
         if self._global_grad_norm is not None:
             metrics["Train/grad_norm"] = self._global_grad_norm
@@ -408,6 +412,18 @@ class Engine:
             if tokens:
                 metrics["Throughput/tokens_per_sec"] = tokens * self.dp_world_size / step_s
         self.monitor.log_step(self.global_step, metrics)
+
+    def _offload_metrics(self) -> dict[str, float]:
+        """The chunk manager's per-tier bytes and counters (Offload/...), and the bytes it moved between
+        tiers during this step (Offload/moved_bytes_per_step/<from>-><to>)."""
+        manager = getattr(self.optimizer, "manager", None)
+        if manager is None:
+            return {}
+        stats = manager.stats
+        moved = dict(stats.moved_bytes)
+        previous, self._moved_at_last_step = self._moved_at_last_step, moved
+        return {**stats.as_scalars("Offload/"),
+                **{f"Offload/moved_bytes_per_step/{k}": float(v - previous.get(k, 0)) for k, v in moved.items()}}
 
     def close(self) -> None:
         """Flushes the monitor, removes the engine's hooks and closes an offloaded optimizer's chunk manager."""

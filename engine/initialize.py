@@ -19,6 +19,7 @@ from engine.topology import Topology
 from engine.zero.chunked_params import ChunkedParams
 from engine.zero.offloaded_optimizer import OffloadedOptimizer
 from engine.zero.policy import ChunkKind, ShardingPolicy
+from engine.zero.zero_init import materialize_parameters, zero_init_placeholders
 from offload.chunk import Location
 from offload.manager import Budgets, ChunkManager
 from offload.chunk import DEFAULT_CHUNK_CAPACITY, best_capacity
@@ -76,6 +77,7 @@ def initialize(
     batch = cfg.batch_sizes(topology.dp_world_size)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
+    recording, meta_of = zero_init_placeholders(model, topology.device)  # Note [zero_init]
     model.to(topology.device)
 
     policy = ShardingPolicy(cfg.zero_optimization.stage)
@@ -87,7 +89,9 @@ def initialize(
     chunked = ChunkedParams(groups, capacity, topology.device, first_capacity, names,
                             shard_count=shards, shard_rank=topology.dp_rank if shards > 1 else 0,
                             shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
-                            persistence_threshold=_persistence_threshold(cfg))
+                            persistence_threshold=_persistence_threshold(cfg), pending=set(meta_of))
+    if recording is not None:
+        materialize_parameters(model, chunked, recording, meta_of, topology.device)
     offload = cfg.zero_optimization.offload_optimizer
     if optimizer is None and offload.device in ("cpu", "nvme"):
         optimizer = _offloaded(cfg, chunked, topology)

@@ -141,9 +141,11 @@ class Chunk:
     """
 
     def __init__(self, size: int, dtype: torch.dtype, device: torch.device | str | None = None,
-                 location: Location = Location.DEVICE):
+                 location: Location = Location.DEVICE, zeroed: bool = True):
+        """zeroed=False: an uninitialized payload (torch.empty: its memory is not touched until written)."""
         self.numel, self.dtype = size, dtype
-        self.payload: torch.Tensor | None = None if device is None else torch.zeros(size, dtype=dtype, device=device)
+        make = torch.zeros if zeroed else torch.empty
+        self.payload: torch.Tensor | None = None if device is None else make(size, dtype=dtype, device=device)
         self.location = location if device is not None else Location.RELEASED
         self.slots: list[Slot] = []
         self.states: list[TensorState] = []
@@ -193,7 +195,8 @@ class Chunk:
 class ChunkList:
     """All chunks of one kind and dtype, built from a list of tensors in registration order.
 
-    The tensors' values are copied in; `views[i]` is tensor i's view into its chunk.
+    The tensors' values are copied in (meta tensors have none: their views are left as allocated);
+    `views[i]` is tensor i's view into its chunk. zeroed=False allocates the payloads uninitialized.
     """
 
     def __init__(
@@ -205,6 +208,7 @@ class ChunkList:
         align: int = 1,
         copy_values: bool = True,
         first_capacity: int | None = None,
+        zeroed: bool = True,
     ):
         if not tensors:
             raise ValueError("a ChunkList needs at least one tensor")
@@ -212,14 +216,14 @@ class ChunkList:
         device = device or tensors[0].device
         slots, sizes = plan_slots([t.shape for t in tensors], capacity, align, first_capacity)
         self.dtype = dtype
-        self.chunks = [Chunk(size, dtype, device) for size in sizes]
+        self.chunks = [Chunk(size, dtype, device, zeroed=zeroed) for size in sizes]
         self.slots = slots
         self.views: list[torch.Tensor] = []
         for tensor, slot in zip(tensors, slots):
             chunk = self.chunks[slot.chunk]
             chunk.add(slot)
             view = chunk.view(slot)
-            if copy_values:
+            if copy_values and not tensor.is_meta:  # meta: values come later (engine's zero_init)
                 view.copy_(tensor.detach())
             self.views.append(view)
 

@@ -46,3 +46,22 @@ def test_tensorboard_off_writes_nothing(tmp_path, monkeypatch):
     train_engine(engine, token_batches(2, 2), 0, 1, 1)
     engine.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_tensorboard_has_the_chunk_managers_tiers_and_traffic_per_step(tmp_path):
+    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "steps_per_print": 10**6, "aio": {"block_size": 4096},
+           "zero_optimization": {"chunk_size": 20_000,
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "swap")}},
+           "tensorboard": {"enabled": True, "output_path": str(tmp_path), "job_name": "tb_offload"}}
+    (tmp_path / "swap").mkdir()
+    engine = initialize(tiny_gpt(), cfg)
+    train_engine(engine, token_batches(3, 4), 0, 1, 1)
+    stats = engine.optimizer.manager.stats
+    engine.close()
+    events = EventAccumulator(str(tmp_path / "tb_offload"))
+    events.Reload()
+    read = [p.value for p in events.Scalars("Offload/moved_bytes_per_step/nvme->cpu")]
+    assert len(read) == 3 and all(v > 0 for v in read)
+    assert sum(read) == stats.moved_bytes["nvme->cpu"]  # per-step deltas add up to the manager's count
+    assert events.Scalars("Offload/resident_bytes/nvme")[-1].value == stats.resident_bytes["nvme"] > 0

@@ -45,11 +45,17 @@ class ChunkedParams:
 
     def __init__(self, param_groups: list[dict], capacity: int, device: torch.device, first_capacity: int | None = None,
                  names: dict[int, str] | None = None, shard_count: int = 1, shard_rank: int = 0,
-                 shard_grads: bool = False, shard_params: bool = False, persistence_threshold: int = 0):
+                 shard_grads: bool = False, shard_params: bool = False, persistence_threshold: int = 0,
+                 pending: set[int] | None = None):
+        """pending: ids of parameters whose values `load` brings later (zero_init); memory that would only
+        hold values transiently is then left untouched (uninitialized payloads)."""
         for what, value in (("capacity", capacity), ("first chunk capacity", first_capacity or shard_count)):
             if value % shard_count:
                 raise ValueError(f"chunk {what} {value} is not a multiple of the shard count {shard_count}")
         self.shard_count, self.shard_rank = shard_count, shard_rank
+        pending = pending or set()
+        self.values_pending = values_pending = bool(pending)
+        sharding = shard_count > 1
         self.groups: list[ChunkGroup] = []
         self._names = names or {}
         seen: set[int] = set()
@@ -71,8 +77,13 @@ class ChunkedParams:
                 with torch.no_grad():
                     layout = dict(capacity=capacity, dtype=dtype, device=device, first_capacity=first_capacity,
                                   align=shard_count)
-                    param_chunks = ChunkList([p.data for p in params], **layout)
-                    grad_chunks = ChunkList([p.data for p in params], copy_values=False, **layout)
+                    # a pending parameter's values are garbage: a meta stand-in gives the shape and is not copied
+                    sources = [torch.empty_like(p, device="meta") if id(p) in pending else p.data for p in params]
+                    param_chunks = ChunkList(sources, zeroed=not (values_pending and sharding
+                                                                                   and shard_params and not persistent),
+                                             **layout)
+                    grad_chunks = ChunkList([p.data for p in params], copy_values=False,
+                                            zeroed=not (values_pending and sharding and shard_grads), **layout)
                 for p, pv, gv in zip(params, param_chunks.views, grad_chunks.views):
                     p.data = pv
                     p.grad = gv
@@ -92,7 +103,7 @@ class ChunkedParams:
         if shard_params and self.sharded:
             self.sharded_params = ShardedParams(self.param_payloads(),
                                                 [g.persistent for g in self.groups for _ in g.param_chunks.chunks],
-                                                shard_rank, shard_count)
+                                                shard_rank, shard_count, copy_payloads=not values_pending)
             shards = iter(self.sharded_params.shards)
             self._stepped = [([next(shards) for _ in params], grads) for params, grads in self._stepped]
         # stage 2: persistent gradient shards; full gradient chunks only during backward (Note [sharded gradients])
@@ -107,10 +118,43 @@ class ChunkedParams:
             self.sharded_grads = ShardedGrads(members, shard_rank, shard_count)
             shards = iter(self.sharded_grads.shards)
             self._stepped = [(params, [next(shards) for _ in grads]) for params, grads in self._stepped]
+        self._slot_of, base = {}, 0
+        for gi, g in enumerate(self.groups):
+            for p, slot in zip(g.params, g.param_chunks.slots):
+                self._slot_of[id(p)] = ((gi, base), slot)
+            base += len(g.param_chunks)
         # names come in model order; without them, registration order stands in
         self._position = {pid: i for i, pid in enumerate(self._names)}
         for p in self.params:
             self._position.setdefault(id(p), len(self._position))
+
+    def load(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Note [zero_init]: parameter `p`'s values into its chunk view, or with stage 3 into this rank's shard."""
+        (group_index, chunk_base), slot = self._slot_of[id(p)]
+        group = self.groups[group_index]
+        if self.sharded_params is None or group.persistent:
+            group.param_chunks.chunks[slot.chunk].view(slot).copy_(value)
+            return
+        shard = self.sharded_params.shards[chunk_base + slot.chunk]
+        start = self.shard_rank * shard.numel()
+        lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + shard.numel())
+        if lo < hi:
+            shard.narrow(0, lo - start, hi - lo).copy_(value.reshape(-1).narrow(0, lo - slot.offset, hi - lo))
+
+    def finish_loading(self) -> None:
+        """After every `load`: zero the padding (uninitialized memory) and, with stage 3, release the chunks."""
+        with torch.no_grad():
+            for index, chunk in enumerate(c for g in self.groups for c in g.param_chunks.chunks):
+                if self.sharded_params is not None and not self.sharded_params.persistent[index]:
+                    shard = self.sharded_params.shards[index]
+                    start = self.shard_rank * shard.numel()
+                    tail = max(chunk.used - start, 0)
+                    if tail < shard.numel():
+                        shard.narrow(0, tail, shard.numel() - tail).zero_()
+                else:
+                    chunk.payload.narrow(0, chunk.used, chunk.numel - chunk.used).zero_()
+        if self.sharded_params is not None:
+            self.sharded_params.release_loaded()
 
     def position_of(self, p: nn.Parameter) -> int:
         """The parameter's place in the model's parameter order (after named ones, registration order)."""

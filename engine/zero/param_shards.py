@@ -48,14 +48,17 @@ class Residency(enum.Enum):
 class ShardedParams:
     """The persistent parameter shards and the transient full parameter chunks of one rank."""
 
-    def __init__(self, payloads: list[torch.Tensor], persistent: list[bool], rank: int, world: int):
+    def __init__(self, payloads: list[torch.Tensor], persistent: list[bool], rank: int, world: int,
+                 copy_payloads: bool = True):
+        """copy_payloads=False: the shards start uninitialized (zero_init writes them; the payloads hold nothing)."""
         self._payloads = payloads
         self.persistent = persistent
         self.rank, self.world = rank, world
         self._nbytes = [p.untyped_storage().nbytes() for p in payloads]
         self._writers = [torch.empty(0, dtype=p.dtype, device=p.device).set_(p.untyped_storage(), p.storage_offset(),
                                                                            (p.numel(),)) for p in payloads]
-        self.shards = [self._own(p) if keep else self._own(p).clone() for p, keep in zip(payloads, persistent)]
+        self.shards = [self._own(p) if keep else self._own(p).clone() if copy_payloads else torch.empty_like(self._own(p))
+                       for p, keep in zip(payloads, persistent)]
         self.residency = [Residency.GATHERED] * len(payloads)
         self._works: dict[int, object] = {}
         self._manager: ChunkManager | None = None  # Note [offloaded parameter shards]
@@ -101,6 +104,11 @@ class ShardedParams:
                 with self._shard(index, writes=True) as shard:
                     shard.copy_(self._own(payload))
                 self.release(index)
+
+    def release_loaded(self) -> None:
+        """zero_init wrote the shards directly (the full chunks never held values): release the chunks."""
+        for index in range(len(self._payloads)):
+            self.release(index)
 
     def refresh_shard(self, index: int) -> None:
         """After the gathered chunk was modified (the same way on every rank): keep the new values."""

@@ -1,0 +1,234 @@
+"""`zero_init`: build a model without materializing its full parameters on any rank.
+
+Note [zero_init]
+    with zero_init():
+        model = Build()                 # every parameter is on the meta device
+    engine = initialize(model, config)  # each rank materializes its own shards only
+
+Inside the block, every parameter a module registers is swapped for a meta-device parameter of
+the same shape (torch's module parameter-registration hook; the real tensor the module made is
+dropped at once, and `torch.empty` never touched its memory). A TorchFunctionMode records each
+call that writes into such a parameter — `nn.init.*_` functions, in-place tensor methods
+(`normal_`, `fill_`, `mul_`, ...), `copy_` and `__setitem__`, through the parameter itself, its
+`.data` or a view — together with the global RNG state just before it, and then runs the same
+call on a throw-away real tensor of the parameter's size, so the RNG advances exactly as in a
+normal construction (what runs after the block sees the same random numbers).
+`initialize` then materializes one parameter at a time: it replays, on a real tensor, the
+parameter's calls from the last one that overwrote all of it (earlier values are dead), each with
+its recorded RNG state, hands the result to the chunks (stage 3 keeps this rank's shard of it,
+other stages the whole of it) and frees it. The values are bit-identical to a normal construction
+under the same seed, and the working set is the largest single parameter.
+A parameter created with its values (`Parameter(torch.ones(n))`) keeps that real tensor as its
+initial value until a later call overwrites all of it. A write this cannot replay — one whose
+other arguments are meta tensors (values computed on the meta device) — raises at once, naming
+the parameter, rather than producing different weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from engine.config import load_config
+
+# calls that overwrite every element of the tensor they are given without reading it
+_OVERWRITES = {
+    torch.nn.init.uniform_, torch.nn.init.normal_, torch.nn.init.trunc_normal_, torch.nn.init.constant_,
+    torch.nn.init.ones_, torch.nn.init.zeros_, torch.nn.init.eye_, torch.nn.init.dirac_,
+    torch.nn.init.xavier_uniform_, torch.nn.init.xavier_normal_, torch.nn.init.kaiming_uniform_,
+    torch.nn.init.kaiming_normal_, torch.nn.init.orthogonal_, torch.nn.init.sparse_,
+    torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.fill_, torch.Tensor.zero_, torch.Tensor.random_,
+    torch.Tensor.bernoulli_, torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.log_normal_,
+    torch.Tensor.cauchy_, torch.Tensor.copy_,
+}
+
+
+@dataclass
+class _Write:
+    """One recorded write into a parameter: the call, the written tensor's geometry in its parameter,
+    and the RNG state before it."""
+
+    func: Callable
+    args: tuple
+    kwargs: dict
+    geometry: tuple  # (shape, stride, storage_offset) of the written tensor
+    rng_state: torch.Tensor
+    whole: bool  # overwrites every element of the parameter
+
+
+@dataclass
+class _Record:
+    """A meta parameter's history: an initial real value (or None) and its writes in order."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    initial: torch.Tensor | None
+    writes: list[_Write] = field(default_factory=list)
+
+
+class InitRecording:
+    """The writes recorded for the meta parameters of models built in a `zero_init` block."""
+
+    def __init__(self) -> None:
+        self.records: dict[int, _Record] = {}  # storage key -> record
+        self.rng_after: torch.Tensor | None = None
+
+    def knows(self, p: torch.Tensor) -> bool:
+        return p.is_meta and _storage_key(p) in self.records
+
+    def materialize(self, p: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`p`'s values as a normal construction would have made them (a new real tensor)."""
+        record = self.records[_storage_key(p)]
+        writes = record.writes
+        last_whole = max((i for i, w in enumerate(writes) if w.whole), default=None)
+        if last_whole is None and record.initial is None:
+            raise RuntimeError(f"zero_init: parameter {record.name} {tuple(record.shape)} was never initialized (it "
+                               "was created with torch.empty and nothing wrote to it), so it has no values to rebuild")
+        value = (torch.empty(record.shape, dtype=record.dtype, device=device) if last_whole is not None
+                 else record.initial.to(device, copy=True))
+        saved = torch.get_rng_state()
+        try:
+            for write in writes[last_whole or 0:] if last_whole is not None else writes:
+                torch.set_rng_state(write.rng_state)
+                target = value.as_strided(*write.geometry)
+                args, kwargs = tree_map(lambda a: target if a is _TARGET else a, (write.args, write.kwargs))
+                with torch.no_grad():
+                    write.func(*args, **kwargs)
+        finally:
+            torch.set_rng_state(saved)
+        return value
+
+
+class _Target:
+    """Stands for the written tensor in a recorded call's arguments."""
+
+
+_TARGET = _Target()
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _RecordWrites(TorchFunctionMode):
+    def __init__(self, recording: InitRecording):
+        super().__init__()
+        self.recording = recording
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        out = kwargs.get("out")
+        target = out if isinstance(out, torch.Tensor) else tensors[0] if tensors else None
+        if target is None or not self.recording.knows(target) or not _writes(func):
+            return func(*args, **kwargs)
+        record = self.recording.records[_storage_key(target)]
+        others = [t for t in tensors[1:] if t.is_meta]
+        if others:
+            raise RuntimeError(f"zero_init cannot rebuild parameter {record.name}: {_name(func)} writes into it values "
+                               "computed on the meta device; build this model without zero_init, or initialize the "
+                               "parameter with torch.nn.init functions")
+        geometry = (tuple(target.shape), tuple(target.stride()), target.storage_offset())
+        whole = func in _OVERWRITES and geometry == (tuple(record.shape), _contiguous_strides(record.shape), 0)
+        stored_args, stored_kwargs = tree_map(lambda a: _TARGET if a is target else a, (args, kwargs))
+        record.writes.append(_Write(func, stored_args, stored_kwargs, geometry, torch.get_rng_state(), whole))
+        if whole:
+            record.initial = None  # its earlier values are dead
+        # the same call on a throw-away tensor: the RNG advances as in a normal construction
+        scratch = torch.empty(record.shape, dtype=record.dtype).as_strided(*geometry)
+        real_args, real_kwargs = tree_map(lambda a: scratch if a is _TARGET else a, (stored_args, stored_kwargs))
+        with torch.no_grad():
+            func(*real_args, **real_kwargs)
+        return func(*args, **kwargs)  # the meta tensor's own metadata effects
+
+
+def _writes(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return func in _OVERWRITES or name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
+
+
+def _name(func) -> str:
+    return getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+@contextlib.contextmanager
+def zero_init(config=None):
+    """Models built inside get meta-device parameters whose initialization is recorded (Note [zero_init]);
+    `initialize` materializes them shard by shard. `config` (optional, as DeepSpeed's zero.Init takes
+    it) is validated here; the one given to initialize decides the sharding."""
+    if config is not None:
+        load_config(config)
+    recording = InitRecording()
+
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None):
+        if param is None or param.is_meta:
+            return None  # a tied parameter registered again is already on meta
+        meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        initial = param.detach()  # its values if it was made with them (torch.ones); dropped at a whole write
+        recording.records[_storage_key(meta)] = _Record(f"{type(module).__name__}.{name}", param.shape, param.dtype,
+                                                        initial)
+        meta.tiers_zero_init = recording  # initialize() finds the recording through the parameters
+        return meta
+
+    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    try:
+        with _RecordWrites(recording):
+            yield recording
+    finally:
+        handle.remove()
+    recording.rng_after = torch.get_rng_state()
+
+
+def zero_init_placeholders(model: nn.Module, device: torch.device) -> tuple[InitRecording | None, dict[int, torch.Tensor]]:
+    """Swaps each meta parameter of a model built under `zero_init` for a real Parameter on `device` whose
+    memory is not touched (torch.empty; the chunks take its place next); returns the recording and
+    id(new parameter) -> its meta parameter. (None, {}) for a model without meta parameters."""
+    metas = {id(p): p for p in model.parameters() if p.is_meta}
+    if not metas:
+        return None, {}
+    recording = next((getattr(p, "tiers_zero_init", None) for p in metas.values()), None)
+    strays = [n for n, p in model.named_parameters() if p.is_meta and not (recording and recording.knows(p))]
+    if strays:
+        raise ValueError(f"parameter {strays[0]!r} is on the meta device but was not built inside engine.zero_init(); "
+                         "build the model inside `with zero_init():`, or give it real weights before initialize()")
+    replacement: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):  # tied parameters: one replacement for all their places
+            if p is not None and p.is_meta:
+                if id(p) not in replacement:
+                    replacement[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                      requires_grad=p.requires_grad)
+                module._parameters[name] = replacement[id(p)]
+    return recording, {id(new): metas[old] for old, new in replacement.items()}
+
+
+def materialize_parameters(model: nn.Module, chunked, recording: InitRecording, meta_of: dict[int, torch.Tensor],
+                           device: torch.device) -> None:
+    """Note [zero_init]: each placeholder's values, one parameter at a time, into the chunks (this rank's
+    shard under stage 3) or, for a parameter that does not train, into the parameter itself."""
+    chunked_ids = {id(p) for p in chunked.params}
+    with torch.no_grad():
+        for p in model.parameters():  # a tied parameter once
+            if id(p) not in meta_of:
+                continue
+            value = recording.materialize(meta_of[id(p)], device)
+            if id(p) in chunked_ids:
+                chunked.load(p, value)
+            else:
+                p.data = value
+        chunked.finish_loading()

@@ -1,0 +1,120 @@
+"""zero_init (Note [zero_init]): a model built on the meta device and materialized shard by shard has
+exactly the weights a normal construction gives, trains like it, and never holds its full weights."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+from torch import nn
+
+from engine import initialize, zero_init
+from engine.models import gpt_from_preset
+from tests.distributed import run_distributed
+from tests.reference import (assert_close_relative, assert_params_close, param_snapshot, tiny_gpt, token_batches,
+                             train_engine, train_reference, trained_params)
+from tests.test_data_parallel import adamw
+from tests.test_zero import GLOBAL_BATCH, zero_config
+
+transformers = pytest.importorskip("transformers")
+
+
+def _builders():
+    from tests.test_hf_models import hf_gpt2, hf_llama
+    return {"gpt": tiny_gpt, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama}
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf_gpt2", "hf_llama"])
+def test_materialized_weights_are_those_of_a_normal_construction(name):
+    build = _builders()[name]
+    with zero_init():
+        model = build()
+    rng_after_block = torch.get_rng_state()
+    assert all(p.is_meta for p in model.parameters())
+    reference = build()
+    assert torch.equal(rng_after_block, torch.get_rng_state())  # the RNG advanced as in a normal construction
+    engine = initialize(model, zero_config(0, 2, 1))
+    for (n, p), (m, q) in zip(engine.module.named_parameters(), reference.named_parameters()):
+        assert n == m and torch.equal(p, q), n  # bit-identical
+
+
+def _stage_worker(rank, world, stage, name):
+    build = _builders()[name]
+    with zero_init():
+        model = build(seed=0)
+    loss_fn = None if name == "gpt" else (lambda e, x: e(input_ids=x, labels=x).loss)
+    engine = initialize(model, zero_config(stage, GLOBAL_BATCH // world, 1))
+    losses, _ = train_engine(engine, token_batches(3, GLOBAL_BATCH), rank, world, 1, loss_fn=loss_fn)
+    return losses, trained_params(engine), engine.comm.broadcast_bytes
+
+
+@pytest.mark.parametrize("stage,name", [(1, "gpt"), (3, "gpt"), (3, "hf_llama")])
+def test_a_zero_init_model_trains_like_plain_pytorch(stage, name):
+    reference = _builders()[name](seed=0)
+    loss_fn = None if name == "gpt" else (lambda m, x: m(input_ids=x, labels=x).loss)
+    ref_losses, _ = train_reference(reference, token_batches(3, GLOBAL_BATCH), adamw, clip=1.0, loss_fn=loss_fn)
+    results = run_distributed(_stage_worker, 2, args=(stage, name), timeout_s=180)
+    assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
+    psi_bytes = 4 * sum(p.numel() for p in reference.parameters())
+    for _, params, broadcast in results:
+        assert_params_close(params, param_snapshot(reference))
+        assert broadcast < psi_bytes / 10  # every rank built the same weights: only buffers are broadcast
+
+
+class CopiesMetaValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 4))
+        with torch.no_grad():
+            self.weight.copy_(torch.eye(4, device=self.weight.device) * 2)  # computed on the meta device
+
+
+def test_a_write_it_cannot_replay_names_the_parameter():
+    with pytest.raises(RuntimeError, match="zero_init cannot rebuild parameter CopiesMetaValues.weight"):
+        with zero_init():
+            CopiesMetaValues()
+
+
+def test_meta_parameters_not_built_by_zero_init_are_refused():
+    model = nn.Linear(4, 4, device="meta")
+    with pytest.raises(ValueError, match="was not built inside engine.zero_init"):
+        initialize(model, zero_config(0, 2, 1))
+
+
+# ~100M parameters (14 blocks of 768), small vocabulary: the largest single tensor is 2.4M elements
+BIG = dict(n_layer=14, n_head=12, n_embd=768, block_size=64)
+WORKING_SET = 160 * 2**20  # allowed on top of 16Ψ/N (see the test's docstring)
+
+
+def _peak_rss_worker(rank, world):
+    with zero_init():  # warm-up: torch's one-time costs of a first construction (~75 MB) are not the model's
+        gpt_from_preset("tiny")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    torch.manual_seed(0)
+    with zero_init():
+        model = gpt_from_preset("small", **BIG)
+    psi = sum(p.numel() for p in model.parameters())
+    cfg = zero_config(3, 1, 1, chunk_size=2**22, stage3_prefetch_bucket_size=2**23)
+    cfg["optimizer"]["params"] = {"lr": 1e-4}
+    engine = initialize(model, cfg)
+    x = torch.randint(0, 256, (1, 16))
+    engine.backward(engine(x, x))
+    engine.step()  # Adam's states now exist
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return psi, peak - before
+
+
+def test_a_100m_parameter_model_never_holds_its_full_weights_on_any_rank(monkeypatch):
+    """Peak RSS growth per rank, from before construction through one training step, stays within 16Ψ/N
+    (fp32 shards of parameters, gradients and Adam's two states) plus a working set of 160 MiB: two
+    4M-element chunks gathered (16 MiB each) plus up to 8M elements prefetched (32 MiB), a gradient chunk
+    and its reduce-scatter buffer (32 MiB), the largest single parameter while it is built (9.4 MiB) and
+    the allocator's slack. Building the model normally would need its full 4Ψ (~400 MB) on every rank.
+    The ranks run with glibc's mmap threshold fixed at 1 MiB, so that a freed chunk goes back to the OS
+    and RSS counts memory in use, not blocks glibc keeps for reuse (its default threshold adapts upward)."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # read by each spawned rank at start-up
+    results = run_distributed(_peak_rss_worker, 4, timeout_s=300)
+    for psi, growth in results:
+        assert 95e6 < psi < 105e6
+        assert growth <= 16 * psi / 4 + WORKING_SET, (growth / 2**20, (16 * psi / 4 + WORKING_SET) / 2**20)
