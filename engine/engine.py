@@ -93,6 +93,8 @@ class Engine:
             self._broadcast_initial_state()
         if chunked.sharded_params is not None and not chunked.values_pending:  # zero_init wrote the shards
             chunked.sharded_params.take_shards()  # from here on each rank holds its shards only
+        if chunked.masters is not None and not chunked.values_pending:
+            chunked.masters.sync_from_params()  # the starting weights are rank 0's (Note [master weights])
         self._comm_at_last_step = dataclasses.replace(self.comm)  # the start-up broadcast is not a step's traffic
         self._moved_at_last_step: dict[str, int] = {}  # the chunk manager's bytes moved, per direction
 
@@ -246,15 +248,22 @@ class Engine:
                 self.reducer.reduce_all()  # the boundary backward ran inside no_sync()
             self._synchronized = False
             self.chunked.sync_views()
+            masters = self.chunked.masters  # bf16 / fp16: Note [master weights]
+            if masters is not None:
+                masters.stage_grads()
             overflow = self._prepare_gradients()
             if overflow:
                 self.skipped_steps += 1
             else:
                 self.chunked.rebind_optimizer_grads()
                 self.optimizer.step()
+                if masters is not None:
+                    masters.update_params()
                 self._gather_updated_params()
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
+            if masters is not None:
+                masters.drop_grads()
             self.loss_scaler.update(overflow)
             self.chunked.zero_grads()
         self.global_step += 1
@@ -350,6 +359,8 @@ class Engine:
                     for c in chunks:
                         broadcast_from(payloads[c], modifier_rank, self.dp_group, self.comm)
                         self.chunked.sharded_params.refresh_shard(c)
+        if modifier_rank is not None:
+            self.chunked.resync_masters(params)
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds: parameter chunks, gradient chunks (and stage-2 shards),
@@ -363,6 +374,8 @@ class Engine:
             grads += sum(s.untyped_storage().nbytes() for s in chunked.sharded_grads.shards)
         optim = sum(v.untyped_storage().nbytes() for state in self.optimizer.state.values() for v in state.values()
                     if torch.is_tensor(v) and v.dim() > 0)
+        if chunked.masters is not None:
+            optim += chunked.masters.nbytes()
         return {"param": params, "grad": grads, "optim": optim}
 
     # ---- queries ----------------------------------------------------------------------------

@@ -89,7 +89,8 @@ def initialize(
     chunked = ChunkedParams(groups, capacity, topology.device, first_capacity, names,
                             shard_count=shards, shard_rank=topology.dp_rank if shards > 1 else 0,
                             shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
-                            persistence_threshold=_persistence_threshold(cfg), pending=set(meta_of))
+                            persistence_threshold=_persistence_threshold(cfg), pending=set(meta_of),
+                            compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype)
     if recording is not None:
         materialize_parameters(model, chunked, recording, meta_of, topology.device)
     offload = cfg.zero_optimization.offload_optimizer
@@ -104,11 +105,12 @@ def initialize(
     elif offload.device in ("cpu", "nvme"):
         raise ConfigError("zero_optimization.offload_optimizer: offloading a client optimizer's states is not "
                           "supported yet; give the optimizer in the config's 'optimizer' section instead")
-    elif chunked.sharded:
+    elif chunked.sharded or chunked.masters is not None:
         if lr_scheduler is not None and hasattr(lr_scheduler, "step"):
-            raise ValueError("with ZeRO stage >= 1 the optimizer passed to initialize() is rebuilt over this rank's "
-                             "shards, so a scheduler built on it would drive the old one; pass lr_scheduler as a "
-                             "callable that takes the optimizer (e.g. lambda opt: LambdaLR(opt, f))")
+            raise ValueError("with ZeRO stage >= 1 or bf16/fp16 the optimizer passed to initialize() is rebuilt over "
+                             "this rank's shards or fp32 master weights, so a scheduler built on it would drive the "
+                             "old one; pass lr_scheduler as a callable that takes the optimizer (e.g. "
+                             "lambda opt: LambdaLR(opt, f))")
         optimizer = _rebuilt_over_shards(optimizer, chunked)
     scheduler = _scheduler(cfg, optimizer, lr_scheduler)
     monitor = Monitor(cfg.tensorboard, cfg.steps_per_print, is_writer_rank=topology.rank == 0, device=topology.device)
@@ -145,6 +147,10 @@ def _offloaded(cfg: Config, chunked: ChunkedParams, topology: Topology) -> Offlo
     zero, aio = cfg.zero_optimization, cfg.aio
     offload, offload_param = zero.offload_optimizer, zero.offload_param
     params_offloaded = offload_param.device in ("cpu", "nvme")
+    if params_offloaded and chunked.masters is not None:
+        raise ConfigError(f"zero_optimization.offload_param.device: {offload_param.device!r} — offloading 16-bit "
+                          "parameter shards with fp32 master weights is not supported yet; train in fp32 with "
+                          "offload_param, or keep bf16/fp16 and remove offload_param")
     if params_offloaded and chunked.sharded_params is None:
         raise ConfigError(f"zero_optimization.offload_param.device: {offload_param.device!r} — parameter shards are "
                           "offloaded only when ZeRO stage 3 shards them over 2 or more data-parallel ranks, and this "

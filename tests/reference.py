@@ -51,6 +51,41 @@ def train_reference(
     return losses, norms
 
 
+def train_reference_mixed(
+    model: nn.Module,
+    batches: list[torch.Tensor],
+    dtype: torch.dtype,
+    make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+    clip: float = 0.0,
+    loss_scale: float = 1.0,
+    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch mixed precision as DeepSpeed's bf16 / fp16 modes run it: the model in `dtype` (under
+    autocast), fp32 master weights stepped from the widened, unscaled gradients, rounded back after each
+    step. Returns (losses, the model's `dtype` parameters by name)."""
+    loss_fn = loss_fn or (lambda m, x: m(x, x))
+    model.to(dtype)
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    opt = make_optimizer(masters)
+    losses = []
+    for x in batches:
+        with torch.autocast("cpu", dtype=dtype):
+            loss = loss_fn(model, x)
+        (loss.float() * loss_scale).backward()
+        for m, p in zip(masters, params):
+            m.grad = p.grad.float() / loss_scale
+            p.grad = None
+        torch.nn.utils.clip_grad_norm_(masters, clip if clip > 0 else float("inf"))
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(masters, params):
+                p.copy_(m)
+        losses.append(loss.item())
+    return losses, param_snapshot(model)
+
+
 def train_engine(engine, batches: list[torch.Tensor], rank: int, world: int, accumulation: int,
                  loss_fn: Callable | None = None) -> tuple[list[float], list[float]]:
     """The engine's loop over the same global batches; returns (this rank's losses, grad norms)."""

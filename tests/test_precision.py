@@ -74,8 +74,9 @@ def test_fp16_overflow_skips_step_and_rescales():
 def test_fp16_tracks_fp32_and_backs_off_from_a_real_overflow():
     batches = token_batches(6, 4)
     fp32 = train_engine(initialize(tiny_gpt(), config()), batches, 0, 1, 1)[0]
-    fp16 = initialize(tiny_gpt(), config(fp16={"enabled": True}))  # 2^16: fits this model's fp16 gradients
-    assert_close_relative(train_engine(fp16, batches, 0, 1, 1)[0], fp32, rtol=1e-4)
+    # 2^16 fits this model's fp16 gradients (they live in fp16 chunks: Note [master weights])
+    fp16 = initialize(tiny_gpt(), config(fp16={"enabled": True}))
+    assert_close_relative(train_engine(fp16, batches, 0, 1, 1)[0], fp32, rtol=1e-3)
     assert fp16.skipped_steps == 0
     # 2^20 overflows the fp16 backward: steps are skipped, halving the scale each time, until it fits
     big = initialize(tiny_gpt(), config(fp16={"enabled": True, "initial_scale_power": 20, "hysteresis": 1}))

@@ -43,6 +43,8 @@ def model_state_bytes(engine) -> dict[str, int]:
                                                                       chunked.sharded_params.persistent) if not keep)
     states = sum(v.numel() * v.element_size() for s in engine.optimizer.state.values() for v in s.values()
                  if torch.is_tensor(v) and v.dim() > 0)  # not the scalar step counters
+    if chunked.masters is not None:  # bf16 / fp16: the fp32 master weights are optimizer state
+        states += sum(m.untyped_storage().nbytes() for m in chunked.masters.masters)
     return {"param": params, "grad": grads, "optim": states}
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from engine.zero.grad_shards import ShardedGrads
+from engine.zero.master_weights import MasterWeights
 from engine.zero.param_shards import ShardedParams
 from offload.chunk import ChunkList
 
@@ -46,9 +47,10 @@ class ChunkedParams:
     def __init__(self, param_groups: list[dict], capacity: int, device: torch.device, first_capacity: int | None = None,
                  names: dict[int, str] | None = None, shard_count: int = 1, shard_rank: int = 0,
                  shard_grads: bool = False, shard_params: bool = False, persistence_threshold: int = 0,
-                 pending: set[int] | None = None):
+                 pending: set[int] | None = None, compute_dtype: torch.dtype = torch.float32):
         """pending: ids of parameters whose values `load` brings later (zero_init); memory that would only
-        hold values transiently is then left untouched (uninitialized payloads)."""
+        hold values transiently is then left untouched (uninitialized payloads). compute_dtype bf16/fp16:
+        16-bit chunks with fp32 masters (Note [master weights])."""
         for what, value in (("capacity", capacity), ("first chunk capacity", first_capacity or shard_count)):
             if value % shard_count:
                 raise ValueError(f"chunk {what} {value} is not a multiple of the shard count {shard_count}")
@@ -72,7 +74,8 @@ class ChunkedParams:
                     raise TypeError(f"parameter '{self.name_of(p)}' of dtype {p.dtype} requires grad but only floating "
                                     "dtypes train; set requires_grad=False on it")
                 persistent = shard_params and p.numel() < persistence_threshold
-                by_kind.setdefault((p.dtype, persistent), []).append(p)
+                dtype = compute_dtype if compute_dtype != torch.float32 else p.dtype
+                by_kind.setdefault((dtype, persistent), []).append(p)
             for (dtype, persistent), params in by_kind.items():
                 with torch.no_grad():
                     layout = dict(capacity=capacity, dtype=dtype, device=device, first_capacity=first_capacity,
@@ -118,6 +121,16 @@ class ChunkedParams:
             self.sharded_grads = ShardedGrads(members, shard_rank, shard_count)
             shards = iter(self.sharded_grads.shards)
             self._stepped = [(params, [next(shards) for _ in grads]) for params, grads in self._stepped]
+        # bf16 / fp16: the optimizer steps fp32 masters of the stepped tensors (Note [master weights])
+        self.masters: MasterWeights | None = None
+        if compute_dtype != torch.float32:
+            self.masters = MasterWeights([t for params, _ in self._stepped for t in params],
+                                         [g for _, grads in self._stepped for g in grads])
+            masters, grads = iter(self.masters.masters), iter(self.masters.grads)
+            self._stepped = [([next(masters) for _ in params], [next(grads) for _ in group_grads])
+                             for params, group_grads in self._stepped]
+            if not values_pending:
+                self.masters.sync_from_params()  # again once every rank holds rank 0's values
         self._slot_of, base = {}, 0
         for gi, g in enumerate(self.groups):
             for p, slot in zip(g.params, g.param_chunks.slots):
@@ -128,6 +141,18 @@ class ChunkedParams:
         for p in self.params:
             self._position.setdefault(id(p), len(self._position))
 
+    def _owned_part(self, p: nn.Parameter) -> tuple[int, int, int] | None:
+        """(global chunk index, offset of p's part in the rank's stepped tensor, offset in p, elements) of the
+        elements of `p` this rank steps, or None when it steps none of them."""
+        (_, chunk_base), slot = self._slot_of[id(p)]
+        index = chunk_base + slot.chunk
+        if not self.sharded:
+            return index, slot.offset, 0, slot.numel
+        n = self.groups[self._slot_of[id(p)][0][0]].param_chunks.chunks[slot.chunk].numel // self.shard_count
+        start = self.shard_rank * n
+        lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + n)
+        return (index, lo - start, lo - slot.offset, hi - lo) if lo < hi else None
+
     def load(self, p: nn.Parameter, value: torch.Tensor) -> None:
         """Note [zero_init]: parameter `p`'s values into its chunk view, or with stage 3 into this rank's shard."""
         (group_index, chunk_base), slot = self._slot_of[id(p)]
@@ -135,11 +160,23 @@ class ChunkedParams:
         if self.sharded_params is None or group.persistent:
             group.param_chunks.chunks[slot.chunk].view(slot).copy_(value)
             return
-        shard = self.sharded_params.shards[chunk_base + slot.chunk]
-        start = self.shard_rank * shard.numel()
-        lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + shard.numel())
-        if lo < hi:
-            shard.narrow(0, lo - start, hi - lo).copy_(value.reshape(-1).narrow(0, lo - slot.offset, hi - lo))
+        part = self._owned_part(p)
+        if part is not None:
+            index, at, start, n = part
+            self.sharded_params.shards[index].narrow(0, at, n).copy_(value.reshape(-1).narrow(0, start, n))
+
+    def resync_masters(self, params: list[nn.Parameter]) -> None:
+        """After user code changed these parameters (the same way on every rank): their masters' parts
+        follow (Note [master weights]); other parameters' masters keep their fp32 values."""
+        if self.masters is None:
+            return
+        flat = [t for params_, _ in self._stepped for t in params_]  # the masters, in global chunk order
+        with torch.no_grad():
+            for p in params:
+                part = self._owned_part(p) if id(p) in self._slot_of else None
+                if part is not None:
+                    index, at, _, n = part
+                    flat[index].narrow(0, at, n).copy_(self.masters.targets[index].narrow(0, at, n))
 
     def finish_loading(self) -> None:
         """After every `load`: zero the padding (uninitialized memory) and, with stage 3, release the chunks."""
@@ -153,6 +190,8 @@ class ChunkedParams:
                         shard.narrow(0, tail, shard.numel() - tail).zero_()
                 else:
                     chunk.payload.narrow(0, chunk.used, chunk.numel - chunk.used).zero_()
+        if self.masters is not None:
+            self.masters.sync_from_params()
         if self.sharded_params is not None:
             self.sharded_params.release_loaded()
 
@@ -182,9 +221,9 @@ class ChunkedParams:
         """This rank's owned gradient elements cut at parameter boundaries: norms taken per piece (as
         torch's clip_grad_norm_ takes them per parameter) keep fp32 accuracy; summing their squares over
         the shard group gives the global norm."""
-        if not self.sharded:
+        if not self.sharded and self.masters is None:
             return [p.grad for p in self.params]
-        pieces = []
+        pieces = []  # cut from the stepped gradients: this rank's shards, or the fp32 masters' gradients
         for g, (_, owned) in zip(self.groups, self._stepped):
             for slot in g.grad_chunks.slots:
                 shard = owned[slot.chunk]  # this rank's elements [rank*n, (rank+1)*n) of the chunk
