@@ -83,8 +83,11 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
     stats = manager.stats
     held = {tier: stats.resident_bytes[tier] for tier in ("cpu", "nvme")}
     peak_cpu = stats.peak_bytes["cpu"]
+    counters = {k: getattr(stats, k) for k in ("blocking_waits", "io_wait_seconds", "prefetches", "prefetch_hits",
+                                                "prefetch_misses", "evictions", "clean_drops")}
     engine.close()
-    results.put({"rank": rank, "times": times, "moved": moved, "held": held, "peak_cpu": peak_cpu})
+    results.put({"rank": rank, "times": times, "moved": moved, "held": held, "peak_cpu": peak_cpu,
+                 "counters": counters, "steps": len(batches)})
 
 
 def raw_bandwidth(args, disk: DiskCounter) -> tuple[float, float]:
@@ -128,6 +131,8 @@ def main(argv=None) -> None:
         "Per rank after the run: " + "; ".join(
             f"rank {r['rank']}: NVMe holds {fmt_bytes(r['held']['nvme'])}, CPU tier holds {fmt_bytes(r['held']['cpu'])} "
             f"(peak {fmt_bytes(r['peak_cpu'])})" for r in ranks) + f" — model state 16Ψ/2 = {fmt_bytes(8 * psi)} per rank.",
+        "Manager counters, rank 0, whole run (" + f"{ranks[0]['steps']} steps): "
+        + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in ranks[0]["counters"].items()),
         f"Machine: {machine_line()}",
         f"Command: `{command_line()}` (total {time.perf_counter() - started:.0f} s)",
     ])
