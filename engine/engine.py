@@ -284,6 +284,8 @@ class Engine:
 
     def _prepare_gradients(self) -> bool:
         """Unscales, computes the global norm and clips; returns True on overflow."""
+        if self.chunked.grads_managed:
+            return self._prepare_streamed_gradients()
         grads = self.chunked.grad_shards()  # what the optimizer reads: the reduced shards
         if self.loss_scaler.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.loss_scaler.scale)
@@ -310,6 +312,24 @@ class Engine:
             coef = clip / (total + 1e-6)
             if coef < 1.0:
                 torch._foreach_mul_(grads, coef)
+        return overflow
+
+    def _prepare_streamed_gradients(self) -> bool:
+        """Note [offloaded gradient shards]: the gradients are in the chunk manager, read one shard at a time
+        for the norm; unscaling and clipping become one factor the optimizer applies as it steps each shard."""
+        scale = self.loss_scaler.scale
+        self.optimizer.grad_scale = 1.0 / scale
+        if not self._needs_grad_norm():
+            self._global_grad_norm = None
+            return False
+        square = self.chunked.streamed_grad_square_sum().to(self.device)
+        all_reduce_sum(square, self.dp_group, self.comm, async_op=False)
+        total = math.sqrt(square.item()) / scale
+        self._global_grad_norm = total
+        overflow = not math.isfinite(total) and self.loss_scaler.checks_overflow
+        clip = self.config.gradient_clipping
+        if clip > 0 and not overflow and clip / (total + 1e-6) < 1.0:
+            self.optimizer.grad_scale *= clip / (total + 1e-6)
         return overflow
 
     def zero_grad(self) -> None:

@@ -166,7 +166,9 @@ def _offloaded(cfg: Config, chunked: ChunkedParams, topology: Topology) -> Offlo
     # the CPU tier's default budget: what is homed there plus a window of buffer_count chunks of each kind
     # streamed from NVMe, with room for O_DIRECT padding (state chunks: exp_avg + exp_avg_sq, 2x a tensor)
     largest = max(p.numel() * p.element_size() for g in groups for p in g["params"])
-    window = offload.buffer_count * (2 * largest + 2 * aio.block_size) if offload.device == "nvme" else 0
+    grads_offloaded = chunked.sharded_grads is not None and chunked.masters is None  # Note [offloaded gradient shards]
+    per_buffer = 3 if grads_offloaded else 2  # (+ the gradient shard, streamed through with the states)
+    window = offload.buffer_count * per_buffer * (largest + aio.block_size) if offload.device == "nvme" else 0
     if params_offloaded and offload_param.device == "nvme":
         window += offload_param.buffer_count * (largest + aio.block_size)
     user_budget = cfg.memory.budget_bytes("cpu_budget")  # the user's cap replaces the default
@@ -183,8 +185,11 @@ def _offloaded(cfg: Config, chunked: ChunkedParams, topology: Topology) -> Offlo
         home = Location.NVME if offload_param.device == "nvme" else Location.CPU
         chunked.sharded_params.offload_to(manager, home, compute)
         param_chunks = chunked.sharded_params.stepped_chunks()
-    optimizer = OffloadedOptimizer(lambda g: build_optimizer(cfg.optimizer, g), groups, manager,
-                                   Location.NVME if offload.device == "nvme" else Location.CPU, compute, param_chunks)
+    states_home = Location.NVME if offload.device == "nvme" else Location.CPU
+    if grads_offloaded:
+        chunked.sharded_grads.offload_to(manager, states_home, compute)
+    optimizer = OffloadedOptimizer(lambda g: build_optimizer(cfg.optimizer, g), groups, manager, states_home, compute,
+                                   param_chunks, chunked.stepped_grad_chunks())
     if user_budget is None and on_nvme and on_cpu:  # one kind homed on CPU, the other streamed from NVMe
         manager.budgets = Budgets(cpu=manager.used_bytes(Location.CPU) + window)
     return optimizer

@@ -233,6 +233,38 @@ class ChunkedParams:
                     pieces.append(shard.narrow(0, lo - start, hi - lo))
         return pieces
 
+    @property
+    def grads_managed(self) -> bool:
+        """Gradient shards in the chunk manager (Note [offloaded gradient shards])."""
+        return self.sharded_grads is not None and self.sharded_grads.managed is not None
+
+    def streamed_grad_square_sum(self) -> torch.Tensor:
+        """Note [offloaded gradient shards]: the sum of squares of this rank's per-parameter gradient norms
+        (as grad_norm_pieces cuts them), reading one managed shard at a time; float64."""
+        total = torch.zeros((), dtype=torch.float64)
+        base = 0
+        for g in self.groups:
+            slots_of = [[] for _ in g.grad_chunks.chunks]
+            for slot in g.grad_chunks.slots:
+                slots_of[slot.chunk].append(slot)
+            for c, slots in enumerate(slots_of):
+                with self.sharded_grads.shard(base + c, writes=False) as shard:
+                    start = self.shard_rank * shard.numel()
+                    pieces = [shard.narrow(0, max(s.offset, start) - start,
+                                           min(s.offset + s.numel, start + shard.numel()) - max(s.offset, start))
+                              for s in slots if max(s.offset, start) < min(s.offset + s.numel, start + shard.numel())]
+                    if pieces:
+                        total += torch.stack(torch._foreach_norm(pieces, 2.0)).double().square().sum().cpu()
+            base += len(g.grad_chunks)
+        return total
+
+    def stepped_grad_chunks(self) -> dict[int, int]:
+        """id(stepped tensor) -> the manager chunk of its gradient shard, when those are managed."""
+        if not self.grads_managed:
+            return {}
+        chunks = iter(self.sharded_grads.managed)
+        return {id(p): next(chunks) for params, _ in self._stepped for p in params}
+
     def param_payloads(self) -> list[torch.Tensor]:
         return [c.payload for g in self.groups for c in g.param_chunks.chunks]
 

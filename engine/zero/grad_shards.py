@@ -17,12 +17,27 @@ backward until its reduce-scatter has finished:
   storage (resized to 0: the views stay valid for the next backward).
 Every backward reduces (gradient accumulation adds the shards micro-step by micro-step, as
 DeepSpeed does), so `no_sync()` has nothing to skip and is refused.
+
+Note [offloaded gradient shards]
+With `offload_optimizer` the persistent shards live in the optimizer's ChunkManager (kind "grad",
+one chunk per shard, homed where the states are), as ZeRO-Offload keeps gradients with the
+optimizer: 4Ψ/N bytes that would otherwise stay in memory. The shard tensors become placeholders
+(storage of size 0; .grad bindings keep their identity). `retire` accesses the shard's chunk, adds
+and releases it; `zero` frees the chunks (a freed chunk comes back as zeros without any I/O). The
+consumers stream through them: the global norm reads one shard at a time, and the optimizer
+scales and steps each shard when it steps its parameter (Note [offloaded optimizer states]).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
+
+from offload.chunk import Location
+from offload.manager import ChunkManager
+from offload.states import TensorState
 
 
 class ShardedGrads:
@@ -38,6 +53,9 @@ class ShardedGrads:
         self.rank, self.world = rank, world
         self.shards = [torch.zeros(p.numel() // world, dtype=p.dtype, device=p.device) for p in self._payloads]
         self._live = [False] * len(self._payloads)
+        self.managed: list[int] | None = None  # the shards' manager chunks (Note [offloaded gradient shards])
+        self._manager: ChunkManager | None = None
+        self._compute = Location.CPU
         self._written: list[set[int]] = [set() for _ in self._payloads]  # ids of parameters with a gradient in
         for index in range(len(self._payloads)):
             self._release(index)
@@ -74,11 +92,34 @@ class ShardedGrads:
         payload.narrow(0, self._used[index], payload.numel() - self._used[index]).zero_()
         return payload
 
+    def offload_to(self, manager: ChunkManager, home: Location, compute: Location) -> None:
+        """Note [offloaded gradient shards]: the shards move into `manager`; the tensors become placeholders."""
+        self._manager, self._compute = manager, compute
+        self.managed = []
+        for shard in self.shards:
+            chunk = manager.register("grad", [shard], location=home, capacity=shard.numel())[0].chunk
+            manager.free(chunk)  # zeros, without a payload or a file
+            shard.untyped_storage().resize_(0)
+            self.managed.append(chunk)
+
+    @contextlib.contextmanager
+    def shard(self, index: int, writes: bool = True):
+        """Shard `index`, wherever it lives, for the duration of the block."""
+        if self.managed is None:
+            yield self.shards[index]
+            return
+        (view,) = self._manager.access(self.managed[index], self._compute, writes=writes)
+        try:
+            yield view
+        finally:
+            self._manager.release(self.managed[index])
+
     def retire(self, index: int) -> None:
         """After the chunk's reduce-scatter: its shard of the sum joins the persistent buffer; the buffer goes."""
         payload = self._payloads[index]
         n = payload.numel() // self.world
-        self.shards[index].add_(payload.narrow(0, self.rank * n, n))
+        with self.shard(index) as shard:
+            shard.add_(payload.narrow(0, self.rank * n, n))
         self._release(index)
 
     def _release(self, index: int) -> None:
@@ -90,6 +131,9 @@ class ShardedGrads:
     def zero(self) -> None:
         """Zeroes the shards and drops any full chunk left live (a backward that raised half-way)."""
         for index, shard in enumerate(self.shards):
-            shard.zero_()
+            if self.managed is None:
+                shard.zero_()
+            elif self._manager.chunk(self.managed[index]).state is not TensorState.FREE:
+                self._manager.free(self.managed[index])  # already FREE: it has held nothing since
             if self._live[index]:
                 self._release(index)

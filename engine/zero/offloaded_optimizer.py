@@ -35,12 +35,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, make: Callable[[list[dict]], torch.optim.Optimizer], groups: list[dict],
-                 manager: ChunkManager, home: Location, compute: Location, param_chunks: dict[int, int] | None = None):
-        """param_chunks: id(stepped tensor) -> the manager chunk holding its values, for placeholders."""
+                 manager: ChunkManager, home: Location, compute: Location, param_chunks: dict[int, int] | None = None,
+                 grad_chunks: dict[int, int] | None = None):
+        """param_chunks: id(stepped tensor) -> the manager chunk holding its values, for placeholders;
+        grad_chunks: the same for its gradient (Note [offloaded gradient shards]), scaled by `grad_scale`
+        (set by the engine before each step: loss-scale and clipping factors) as it is stepped."""
         probe = torch.zeros(1, requires_grad=True)
         super().__init__(groups, dict(make([{"params": [probe]}]).defaults))  # lr, betas, ...: for schedulers
         self.manager, self.compute = manager, compute
         self._param_chunks = param_chunks or {}
+        self._grad_chunks = grad_chunks or {}
+        self.grad_scale = 1.0
         self._items: list[tuple[torch.optim.Optimizer, torch.Tensor, int, dict]] = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -66,6 +71,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if p in opt.state:
                     opt.state[target] = opt.state.pop(p)
             target = inner["params"][0]
+            grad_chunk, bound_grad = self._grad_chunks.get(id(p)), target.grad
+            if grad_chunk is not None:  # read-only: the engine frees the gradient chunks after the step
+                (grad,) = self.manager.access(grad_chunk, self.compute, writes=False)
+                if self.grad_scale != 1.0:
+                    grad.mul_(self.grad_scale)
+                target.grad = grad
             views = self.manager.access(chunk, self.compute) if chunk is not None else []
             state = opt.state[target]
             for name, view in zip(info["names"], views):
@@ -78,6 +89,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 del state[name]  # the views go stale when the chunk moves
             if chunk is not None:
                 self.manager.release(chunk)
+            if grad_chunk is not None:
+                target.grad = bound_grad
+                self.manager.release(grad_chunk)
             if values is not None:
                 opt.state[p] = opt.state.pop(target)
                 inner["params"] = [p]
