@@ -369,6 +369,12 @@ def _reject_not_yet_supported(cfg: Config) -> None:
         (zero.offload_param.device == "nvme" and not zero.offload_param.nvme_path,
          "zero_optimization.offload_param.nvme_path", None, "device \"nvme\" needs a directory on the NVMe disk; set "
          "nvme_path"),
+        (zero.stage3_max_reuse_distance != 1_000_000_000, "zero_optimization.stage3_max_reuse_distance",
+         zero.stage3_max_reuse_distance, "Tiers releases a chunk once the modules using it are done and gathers "
+         "ahead by the recorded trace, without a reuse distance; remove the key"),
+        (zero.stage3_gather_16bit_weights_on_model_save, "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+         True, "saving models comes with checkpoints (a later release); use engine.full_state_dict() for now, and "
+         "remove the key"),
         (zero.placement != "static", "zero_optimization.placement", zero.placement,
          "automatic placement is not supported yet; use \"static\""),
         (cfg.tensor_parallel.size != 1, "tensor_parallel.size", cfg.tensor_parallel.size,

@@ -25,7 +25,7 @@ import time
 import torch
 from torch import nn
 
-from engine.comm import CommCounter, all_gather_in_place, all_reduce_sum, broadcast_from
+from engine.comm import CommCounter, all_gather_in_place, all_gather_into, all_reduce_sum, broadcast_from
 from engine.config import BatchSizes, Config
 from engine.monitor import Monitor
 from engine.precision import LossScaler, PrecisionPolicy
@@ -165,7 +165,7 @@ class Engine:
         try:
             yield
         except RuntimeError as e:
-            if "for storage of size 0" in str(e):
+            if "for storage of size 0" in str(e) or "data is not allocated" in str(e):
                 raise RuntimeError(_RELEASED_PARAMETER_HINT) from e
             raise
         finally:
@@ -340,9 +340,12 @@ class Engine:
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
         """The model's full state dict (keys as `module.state_dict()`), copied to CPU, on every rank; with
         rank0_only, on rank 0 only (the others get None). Stages 0-2 keep every parameter whole on every
-        rank; stage 3 gathers one chunk at a time (every rank must call this)."""
+        rank; stage 3 gathers one chunk at a time (every rank must call this). With bf16 / fp16 the
+        parameters are their fp32 master weights."""
         keep = not rank0_only or self.dp_rank == 0
         entries = self.module.state_dict(keep_vars=True)  # the tensors themselves: no read of released chunks
+        if self.chunked.masters is not None:
+            return self._full_state_dict_from_masters(entries, keep)
         if self.gatherer is None:
             return {k: v.detach().to("cpu", copy=True) for k, v in entries.items()} if keep else None
         chunk_of = self.chunked.chunk_index()
@@ -357,6 +360,29 @@ class Engine:
             with self.gatherer.gathered([chunk]):
                 if keep:
                     out.update({key: entries[key].detach().to("cpu", copy=True) for key in by_chunk[chunk]})
+        return {key: out[key] for key in entries} if keep else None
+
+    def _full_state_dict_from_masters(self, entries: dict, keep: bool) -> dict[str, torch.Tensor] | None:
+        """bf16 / fp16: the trained weights are the fp32 masters (Note [master weights]), gathered one
+        chunk at a time; buffers and frozen parameters as they are."""
+        chunked = self.chunked
+        chunk_of = chunked.chunk_index()
+        by_chunk: dict[int, list[str]] = {}
+        out = {}
+        for key, tensor in entries.items():
+            if id(tensor) in chunk_of:
+                by_chunk.setdefault(chunk_of[id(tensor)], []).append(key)
+            elif keep:
+                out[key] = tensor.detach().to("cpu", copy=True)
+        for index in sorted(by_chunk):
+            shard = chunked.master_shard(index)
+            full = shard
+            if chunked.sharded:
+                full = torch.empty(shard.numel() * chunked.shard_count, dtype=shard.dtype, device=shard.device)
+                all_gather_into(full, shard, self.dp_group, self.comm, async_op=False)
+            if keep:
+                out.update({key: chunked.master_values(entries[key], full).to("cpu", copy=True)
+                            for key in by_chunk[index]})
         return {key: out[key] for key in entries} if keep else None
 
     @contextlib.contextmanager

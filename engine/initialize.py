@@ -82,7 +82,9 @@ def initialize(
 
     policy = ShardingPolicy(cfg.zero_optimization.stage)
     shards = topology.dp_world_size if policy.shards(ChunkKind.OPTIM) else 1
-    groups = _param_groups(model, optimizer, model_parameters)
+    # zero_init: groups built before initialize() name the meta parameters their placeholders replaced
+    replaced = {id(meta): p for p in model.parameters() if id(p) in meta_of for meta in [meta_of[id(p)]]}
+    groups = _param_groups(model, optimizer, model_parameters, replaced)
     trainable = [p.shape for g in groups for p in g["params"] if p.requires_grad]
     capacity, first_capacity = chunk_layout(cfg, trainable, shards)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -92,7 +94,7 @@ def initialize(
                             persistence_threshold=_persistence_threshold(cfg), pending=set(meta_of),
                             compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype)
     if recording is not None:
-        materialize_parameters(model, chunked, recording, meta_of, topology.device)
+        materialize_parameters(model, chunked, recording, meta_of, topology.device, topology.dp_group)
     offload = cfg.zero_optimization.offload_optimizer
     if optimizer is None and offload.device in ("cpu", "nvme"):
         optimizer = _offloaded(cfg, chunked, topology)
@@ -105,7 +107,7 @@ def initialize(
     elif offload.device in ("cpu", "nvme"):
         raise ConfigError("zero_optimization.offload_optimizer: offloading a client optimizer's states is not "
                           "supported yet; give the optimizer in the config's 'optimizer' section instead")
-    elif chunked.sharded or chunked.masters is not None:
+    elif chunked.sharded or chunked.masters is not None or recording is not None:
         if lr_scheduler is not None and hasattr(lr_scheduler, "step"):
             raise ValueError("with ZeRO stage >= 1 or bf16/fp16 the optimizer passed to initialize() is rebuilt over "
                              "this rank's shards or fp32 master weights, so a scheduler built on it would drive the "
@@ -123,9 +125,14 @@ def _persistence_threshold(cfg: Config) -> int:
     return 100_000 if threshold == "auto" else threshold
 
 
-def _param_groups(model: nn.Module, optimizer, model_parameters) -> list[dict]:
+def _param_groups(model: nn.Module, optimizer, model_parameters, replaced: dict[int, nn.Parameter]) -> list[dict]:
+    groups = _given_param_groups(model, optimizer, model_parameters, replaced)
+    return [dict(g, params=[replaced.get(id(p), p) for p in g["params"]]) for g in groups]
+
+
+def _given_param_groups(model: nn.Module, optimizer, model_parameters, replaced: dict) -> list[dict]:
     if optimizer is not None:
-        model_ids = {id(p) for p in model.parameters()}
+        model_ids = {id(p) for p in model.parameters()} | set(replaced)
         groups = [dict(g) for g in optimizer.param_groups]
         stray = [p for g in groups for p in g["params"] if id(p) not in model_ids]
         if stray:

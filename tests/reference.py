@@ -62,7 +62,7 @@ def train_reference_mixed(
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain PyTorch mixed precision as DeepSpeed's bf16 / fp16 modes run it: the model in `dtype` (under
     autocast), fp32 master weights stepped from the widened, unscaled gradients, rounded back after each
-    step. Returns (losses, the model's `dtype` parameters by name)."""
+    step. Returns (losses, the model's `dtype` parameters by name, the fp32 masters by the same names)."""
     loss_fn = loss_fn or (lambda m, x: m(x, x))
     model.to(dtype)
     params = list(model.parameters())
@@ -83,7 +83,8 @@ def train_reference_mixed(
             for m, p in zip(masters, params):
                 p.copy_(m)
         losses.append(loss.item())
-    return losses, param_snapshot(model)
+    names = [n for n, _ in model.named_parameters()]
+    return losses, param_snapshot(model), {n: m.detach().clone() for n, m in zip(names, masters)}
 
 
 def train_engine(engine, batches: list[torch.Tensor], rank: int, world: int, accumulation: int,

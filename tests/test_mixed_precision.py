@@ -32,11 +32,12 @@ def reference(dtype):
     return train_reference_mixed(model, token_batches(STEPS, GLOBAL_BATCH), dtype, adamw, clip=1.0, loss_scale=scale)
 
 
-def assert_weights_close(actual, expected, dtype, atol=1e-3):
+def assert_weights_close(actual, expected, dtype, run_dtype, atol=1e-3):
+    """Weights of `dtype` (16-bit parameters, or fp32 masters) of a run in `run_dtype`."""
     assert actual.keys() == expected.keys()
     for name in expected:
         assert actual[name].dtype == dtype, name
-        torch.testing.assert_close(actual[name].float(), expected[name].float(), rtol=WEIGHT_RTOL[dtype], atol=atol,
+        torch.testing.assert_close(actual[name].float(), expected[name].float(), rtol=WEIGHT_RTOL[run_dtype], atol=atol,
                                    msg=lambda m: f"{name}: {m}")
 
 
@@ -57,12 +58,13 @@ def _worker(rank, world, stage, dtype, accumulation, nvme_dir=None):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_one_process_equals_plain_pytorch_mixed_precision(dtype):
-    ref_losses, ref_params = reference(dtype)
+    ref_losses, ref_params, ref_masters = reference(dtype)
     engine = initialize(tiny_gpt(), precision_config(0, dtype, GLOBAL_BATCH, 1))
     losses, _ = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), 0, 1, 1)
     assert engine.skipped_steps == 0
     assert_close_relative(losses, ref_losses, rtol=LOSS_RTOL[dtype])
-    assert_weights_close(param_snapshot(engine.module), ref_params, dtype)
+    assert_weights_close(param_snapshot(engine.module), ref_params, dtype, dtype)  # what the model computes with
+    assert_weights_close(trained_params(engine), ref_masters, torch.float32, dtype)  # full_state_dict: fp32 masters
 
 
 # bytes per parameter, (replicated, sharded over N): 16-bit params and grads, fp32 master + Adam's two states
@@ -76,19 +78,19 @@ FORMULA = {1: {"param": (2, 0), "grad": (2, 0), "optim": (0, 12)},
     (3, torch.float16, 1, False), (3, torch.bfloat16, 1, True)])
 def test_zero_stages_with_16_bit_chunks_match_plain_pytorch_and_the_memory_split(stage, dtype, accumulation, offload,
                                                                                  tmp_path):
-    ref_losses, ref_params = reference(dtype)
+    ref_losses, _, ref_masters = reference(dtype)
     world = 2
     results = run_distributed(_worker, world, args=(stage, dtype, accumulation, str(tmp_path) if offload else None))
     # two ranks reduce 16-bit gradients (each rounded) where one process computes them in one pass
     assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses,
                           rtol=5 * LOSS_RTOL[dtype])
-    psi = sum(p.numel() for p in ref_params.values())
+    psi = sum(p.numel() for p in ref_masters.values())
     padding = 20_000 * 4  # at most one chunk of padding per kind, in bytes
     for _, params, state, skipped in results:
         assert skipped == 0
         # Adam normalizes each element's step: where a gradient is near zero, the rounding of 16-bit reductions
         # can change it by up to lr per step, so weights may differ by STEPS * lr in absolute terms there
-        assert_weights_close(params, ref_params, dtype, atol=STEPS * ADAMW["lr"])
+        assert_weights_close(params, ref_masters, torch.float32, dtype, atol=STEPS * ADAMW["lr"])  # the fp32 masters
         for kind, (replicated, sharded) in FORMULA[stage].items():
             expected = replicated * psi + sharded * psi / world
             slack = 4 * 4096 * 8 if offload and kind == "optim" else 0  # the NVMe files' O_DIRECT block padding

@@ -118,3 +118,43 @@ def test_a_100m_parameter_model_never_holds_its_full_weights_on_any_rank(monkeyp
     for psi, growth in results:
         assert 95e6 < psi < 105e6
         assert growth <= 16 * psi / 4 + WORKING_SET, (growth / 2**20, (16 * psi / 4 + WORKING_SET) / 2**20)
+
+
+def _groups_worker(rank, world, stage, client):
+    torch.manual_seed(0)
+    with zero_init():
+        model = tiny_gpt(seed=0)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    other = [p for n, p in model.named_parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
+    cfg = zero_config(stage, GLOBAL_BATCH // world, 1)
+    if client:  # an optimizer built after the block, over the meta parameters
+        del cfg["optimizer"]
+        engine = initialize(model, cfg, optimizer=torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-6),
+                            lr_scheduler=None)
+    else:
+        engine = initialize(model, cfg, model_parameters=groups)
+    losses, _ = train_engine(engine, token_batches(2, GLOBAL_BATCH), rank, world, 1)
+    return losses, [g["weight_decay"] for g in engine.optimizer.param_groups]
+
+
+@pytest.mark.parametrize("stage,client", [(3, False), (0, True)])
+def test_param_groups_built_after_zero_init_name_the_materialized_parameters(stage, client):
+    for losses, decays in run_distributed(_groups_worker, 2, args=(stage, client)):
+        assert all(torch.isfinite(torch.tensor(losses))) and sorted(set(decays)) == [0.0, 0.1]
+
+
+def _per_rank_seed_worker(rank, world):
+    torch.manual_seed(rank)  # a different model on every rank
+    with zero_init():
+        model = gpt_from_preset("tiny")
+    try:
+        initialize(model, zero_config(3, 2, 1))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_zero_init_with_a_seed_per_rank_is_refused():
+    for message in run_distributed(_per_rank_seed_worker, 2):
+        assert message is not None and "built the model from different random states" in message

@@ -168,3 +168,82 @@ def test_stage_3_trains_through_nvme_with_states_twice_the_cpu_budget(tmp_path):
     for _, params, peak_cpu, read, states in results:
         assert_params_close(params, param_snapshot(model))
         assert states >= 2 * budget and peak_cpu <= budget and read > 3 * states  # streamed every step
+
+
+class GainBlock(nn.Module):
+    """A module with a parameter of its own and a child sharing its chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.gain = nn.Parameter(torch.full((16,), 1.5))
+
+    def forward(self, x):
+        return self.lin(x) * self.gain
+
+
+class SharedTwice(nn.Module):
+    """The same block applied twice in one forward (weight sharing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = GainBlock()
+
+    def forward(self, x):
+        return self.block(self.block(x)).square().mean()
+
+
+def _shared_twice_worker(rank, world):
+    torch.manual_seed(0)
+    engine = initialize(SharedTwice(), zero_config(3, 2, 1, chunk_size=1_000))
+    losses = []
+    for step in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))[rank * 2:(rank + 1) * 2]
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses, trained_params(engine)
+
+
+def test_a_module_called_twice_keeps_its_chunk_while_it_runs():
+    """A second call of a module re-opens its chunk: a child finishing inside it must not release the
+    parameters the running parent still needs (that crashed: released storage read by a CPU kernel)."""
+    torch.manual_seed(0)
+    model = SharedTwice()
+    opt = adamw(list(model.parameters()))
+    ref_losses = []
+    for step in range(3):
+        loss = model(torch.randn(4, 16, generator=torch.Generator().manual_seed(step)))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    results = run_distributed(_shared_twice_worker, 2)
+    assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
+    for _, params in results:
+        assert_params_close(params, param_snapshot(model))
+
+
+def _forward_inside_gathered_worker(rank, world):
+    engine = initialize(tiny_gpt(), zero_config(3, 2, 1))
+    weight = engine.module.lm_head.weight
+    x = token_batches(1, 4)[0][rank * 2:(rank + 1) * 2]
+    with engine.gathered_parameters([weight], modifier_rank=0):
+        with torch.no_grad():
+            engine(x, x)  # a pass inside the block must not release what the block holds
+        held = weight.untyped_storage().nbytes()
+        if rank == 0:
+            with torch.no_grad():
+                weight.mul_(0.5)
+    with engine.gathered_parameters([weight]):
+        after = weight.detach().clone()
+    return held, after
+
+
+def test_a_forward_inside_gathered_parameters_keeps_them_gathered():
+    reference = tiny_gpt().lm_head.weight.detach() * 0.5
+    for held, after in run_distributed(_forward_inside_gathered_worker, 2):
+        assert held > 0
+        torch.testing.assert_close(after, reference)

@@ -141,7 +141,7 @@ class ChunkedParams:
         for p in self.params:
             self._position.setdefault(id(p), len(self._position))
 
-    def _owned_part(self, p: nn.Parameter) -> tuple[int, int, int] | None:
+    def _owned_part(self, p: nn.Parameter) -> tuple[int, int, int, int] | None:
         """(global chunk index, offset of p's part in the rank's stepped tensor, offset in p, elements) of the
         elements of `p` this rank steps, or None when it steps none of them."""
         (_, chunk_base), slot = self._slot_of[id(p)]
@@ -164,6 +164,15 @@ class ChunkedParams:
         if part is not None:
             index, at, start, n = part
             self.sharded_params.shards[index].narrow(0, at, n).copy_(value.reshape(-1).narrow(0, start, n))
+
+    def master_values(self, p: nn.Parameter, full_master_chunk: torch.Tensor) -> torch.Tensor:
+        """`p`'s fp32 values, cut from the full (gathered) master chunk it lives in."""
+        _, slot = self._slot_of[id(p)]
+        return full_master_chunk.narrow(0, slot.offset, slot.numel).view(slot.shape)
+
+    def master_shard(self, index: int) -> torch.Tensor:
+        """This rank's fp32 master of param chunk `index` (the whole chunk when nothing is sharded)."""
+        return [t for params, _ in self._stepped for t in params][index]
 
     def resync_masters(self, params: list[nn.Parameter]) -> None:
         """After user code changed these parameters (the same way on every rank): their masters' parts

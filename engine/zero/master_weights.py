@@ -34,11 +34,11 @@ class MasterWeights:
         self._grad_nbytes = [g.untyped_storage().nbytes() for g in self.grads]
         self.drop_grads()
 
-    def sync_from_params(self, indices: list[int] | None = None) -> None:
-        """Masters (all, or those at `indices`) := their 16-bit tensors, widened."""
+    def sync_from_params(self) -> None:
+        """Masters := their 16-bit tensors, widened."""
         with torch.no_grad():
-            for i in range(len(self.masters)) if indices is None else indices:
-                self.masters[i].copy_(self.targets[i])
+            for master, target in zip(self.masters, self.targets):
+                master.copy_(target)
 
     def stage_grads(self) -> None:
         with torch.no_grad():

@@ -62,42 +62,51 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("an offloaded optimizer steps without a closure")
         for opt, p, chunk, info in self._items:
-            inner = opt.param_groups[0]
-            values = self._param_chunks.get(id(p))
+            self._step_one(opt, p, chunk, info)
+        self.manager.end_iteration()
+
+    def _step_one(self, opt: torch.optim.Optimizer, p: torch.Tensor, chunk: int | None, info: dict) -> None:
+        """One stepped tensor: its states (and offloaded values, gradient) accessed, stepped, released —
+        released and rebound to the placeholder even when the step raises."""
+        inner = opt.param_groups[0]
+        values, grad_chunk = self._param_chunks.get(id(p)), self._grad_chunks.get(id(p))
+        accessed: list[int] = []
+        target, bound_grad = p, p.grad
+        try:
             if values is not None:  # an offloaded shard: step its manager view in the placeholder's place
                 (target,) = self.manager.access(values, self.compute)
+                accessed.append(values)
                 target.grad = p.grad
                 inner["params"] = [target]
                 if p in opt.state:
                     opt.state[target] = opt.state.pop(p)
-            target = inner["params"][0]
-            grad_chunk, bound_grad = self._grad_chunks.get(id(p)), target.grad
             if grad_chunk is not None:  # read-only: the engine frees the gradient chunks after the step
                 (grad,) = self.manager.access(grad_chunk, self.compute, writes=False)
+                accessed.append(grad_chunk)
                 if self.grad_scale != 1.0:
                     grad.mul_(self.grad_scale)
                 target.grad = grad
-            views = self.manager.access(chunk, self.compute) if chunk is not None else []
             state = opt.state[target]
-            for name, view in zip(info["names"], views):
-                state[name] = view
+            if chunk is not None:
+                views = self.manager.access(chunk, self.compute)
+                accessed.append(chunk)
+                for name, view in zip(info["names"], views):
+                    state[name] = view
             for key, value in info["group"].items():
                 if key != "params":
                     inner[key] = value  # a scheduler changed the outer group
             opt.step()
+        finally:
+            state = opt.state.get(target, {})
             for name in info["names"]:
-                del state[name]  # the views go stale when the chunk moves
-            if chunk is not None:
-                self.manager.release(chunk)
-            if grad_chunk is not None:
-                target.grad = bound_grad
-                self.manager.release(grad_chunk)
-            if values is not None:
-                opt.state[p] = opt.state.pop(target)
+                state.pop(name, None)  # the views go stale when the chunk moves
+            if target is not p:
+                opt.state[p] = opt.state.pop(target, state)
                 inner["params"] = [p]
                 target.grad = None
-                self.manager.release(values)
-        self.manager.end_iteration()
+            p.grad = bound_grad
+            for c in accessed:
+                self.manager.release(c)
 
     def state_dict(self):
         raise NotImplementedError("checkpointing offloaded optimizer states comes with sharded checkpoints "

@@ -53,6 +53,7 @@ class ParamGatherer:
         self._ahead: set[int] = set()  # gathered ahead of demand, not demanded yet
         self._owners: list[set[nn.Module]] = [set() for _ in range(len(shards))]
         self._done: list[set[nn.Module]] = [set() for _ in range(len(shards))]
+        self._held = [0] * len(shards)  # gathered() blocks holding each chunk
         self._module_chunks: dict[nn.Module, tuple[int, ...]] = {}
         self._handles = []
         for module in model.modules():
@@ -74,16 +75,21 @@ class ParamGatherer:
             done.clear()
 
     def end(self) -> None:
-        """Ends the pass: every non-persistent chunk is released (in-flight gathers are waited for)."""
+        """Ends the pass: every non-persistent chunk is released (in-flight gathers are waited for), except
+        those user code holds gathered (`gathered`)."""
         if self.phase is not Pass.IDLE:
             self.traces[self.phase].end()
         self.phase = Pass.IDLE
         self._ahead.clear()
-        self.shards.release_all()
+        for c in range(len(self.shards)):
+            self.release(c)
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _before_forward(self, module: nn.Module, args) -> None:
-        self.demand(self._module_chunks[module])
+        chunks = self._module_chunks[module]
+        for c in chunks:
+            self._done[c].discard(module)  # running (again): its chunks stay until this call ends
+        self.demand(chunks)
 
     def _after_forward(self, module: nn.Module, args, output) -> None:
         if self.phase is Pass.BACKWARD:  # recomputation inside backward: backward releases
@@ -133,23 +139,27 @@ class ParamGatherer:
             ahead, live = ahead + n, live + n
 
     def release(self, chunk: int) -> None:
+        if self._held[chunk]:
+            return  # inside gathered(): user code holds it
         self._ahead.discard(chunk)
         self.shards.release(chunk)
 
     @contextlib.contextmanager
     def gathered(self, chunks: list[int]):
-        """Chunks gathered for user code outside the passes (all ranks, same chunks); released after
-        unless they were gathered before."""
-        were_released = [c for c in chunks if self.shards.is_released(c)]
+        """Chunks gathered for user code (all ranks, same chunks), held through any pass run inside the
+        block and released after it."""
         for c in chunks:
             self.shards.gather(c, self.group, self.counter)
         for c in chunks:
             self.shards.wait(c)
+            self._held[c] += 1  # passes inside the block do not release it
         try:
             yield
         finally:
-            for c in were_released:
-                self.shards.release(c)
+            for c in chunks:
+                self._held[c] -= 1
+                if self.phase is Pass.IDLE:
+                    self.release(c)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

@@ -8,8 +8,11 @@ is what the optimizer steps. The chunk's full payload keeps its shape, and every
 - `gather` gives the storage its bytes back and all-gathers every rank's shard into it;
 - `release` resizes the storage to 0 again.
 Tensors autograd saved in forward (a linear's weight) are views of that same storage, so a chunk
-gathered again before backward needs them shows them its values again, and a chunk used while
-released fails loudly ("... out of bounds for storage of size 0") instead of reading stale memory.
+gathered again before backward needs them shows them its values again. A parameter used while its
+chunk is released (read outside its module's forward) has no memory behind it: most operators then
+raise ("... out of bounds for storage of size 0", "... data is not allocated"), which the engine
+turns into an error naming the fix, but some CPU kernels read the missing memory and crash the
+process — as with DeepSpeed's and FSDP's released parameters.
 The gather writes through a second tensor aliasing the storage but with its own version counter:
 an in-place write through the payload itself would bump the parameters' versions and make
 autograd reject the tensors it saved in forward.
@@ -152,9 +155,6 @@ class ShardedParams:
 
     def is_released(self, index: int) -> bool:
         return self.residency[index] is Residency.RELEASED
-
-    def full_bytes_held(self) -> int:
-        return sum(p.untyped_storage().nbytes() for p in self._payloads)
 
     def shard_bytes(self) -> int:
         """Bytes of the in-memory shards that are tensors of their own (persistent chunks' shards are payload

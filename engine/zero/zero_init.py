@@ -27,10 +27,12 @@ the parameter, rather than producing different weights.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -78,7 +80,6 @@ class InitRecording:
 
     def __init__(self) -> None:
         self.records: dict[int, _Record] = {}  # storage key -> record
-        self.rng_after: torch.Tensor | None = None
 
     def knows(self, p: torch.Tensor) -> bool:
         return p.is_meta and _storage_key(p) in self.records
@@ -91,8 +92,9 @@ class InitRecording:
         if last_whole is None and record.initial is None:
             raise RuntimeError(f"zero_init: parameter {record.name} {tuple(record.shape)} was never initialized (it "
                                "was created with torch.empty and nothing wrote to it), so it has no values to rebuild")
-        value = (torch.empty(record.shape, dtype=record.dtype, device=device) if last_whole is not None
-                 else record.initial.to(device, copy=True))
+        # replayed on the CPU, where the writes were recorded: their RNG states are the CPU generator's
+        value = (torch.empty(record.shape, dtype=record.dtype) if last_whole is not None
+                 else record.initial.to("cpu", copy=True))
         saved = torch.get_rng_state()
         try:
             for write in writes[last_whole or 0:] if last_whole is not None else writes:
@@ -103,7 +105,15 @@ class InitRecording:
                     write.func(*args, **kwargs)
         finally:
             torch.set_rng_state(saved)
-        return value
+        return value.to(device)
+
+    def fingerprint(self) -> int:
+        """A checksum of every recorded RNG state, in order: equal on ranks that built the same weights."""
+        crc = 0
+        for record in self.records.values():
+            for write in record.writes:
+                crc = zlib.crc32(write.rng_state.numpy().tobytes(), crc)
+        return crc
 
 
 class _Target:
@@ -191,7 +201,6 @@ def zero_init(config=None):
             yield recording
     finally:
         handle.remove()
-    recording.rng_after = torch.get_rng_state()
 
 
 def zero_init_placeholders(model: nn.Module, device: torch.device) -> tuple[InitRecording | None, dict[int, torch.Tensor]]:
@@ -218,9 +227,10 @@ def zero_init_placeholders(model: nn.Module, device: torch.device) -> tuple[Init
 
 
 def materialize_parameters(model: nn.Module, chunked, recording: InitRecording, meta_of: dict[int, torch.Tensor],
-                           device: torch.device) -> None:
+                           device: torch.device, group: dist.ProcessGroup | None) -> None:
     """Note [zero_init]: each placeholder's values, one parameter at a time, into the chunks (this rank's
     shard under stage 3) or, for a parameter that does not train, into the parameter itself."""
+    _check_same_weights_on_every_rank(recording, group, device)
     chunked_ids = {id(p) for p in chunked.params}
     with torch.no_grad():
         for p in model.parameters():  # a tied parameter once
@@ -232,3 +242,20 @@ def materialize_parameters(model: nn.Module, chunked, recording: InitRecording, 
             else:
                 p.data = value
         chunked.finish_loading()
+
+
+def _check_same_weights_on_every_rank(recording: InitRecording, group: dist.ProcessGroup | None,
+                                      device: torch.device) -> None:
+    """Each rank materializes its shards from its own recording, with no broadcast from rank 0: the
+    recordings must agree (a per-rank seed before `with zero_init()` would silently mix models)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    mine = recording.fingerprint()
+    lowest = torch.tensor([mine], dtype=torch.int64, device=device)  # on the device: NCCL
+    highest = lowest.clone()
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+    if lowest.item() != highest.item():
+        raise RuntimeError("zero_init: the ranks built the model from different random states (a seed per rank?); "
+                           "seed every rank the same before `with zero_init():` (each rank keeps only its shards, "
+                           "so nothing is broadcast from rank 0)")
