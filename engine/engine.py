@@ -247,6 +247,8 @@ class Engine:
             if self.reducer is not None and not self._synchronized and self.chunked.sharded_grads is None:
                 self.reducer.reduce_all()  # the boundary backward ran inside no_sync()
             self._synchronized = False
+            if self.chunked.sharded_grads is not None:
+                self.chunked.sharded_grads.settle()  # shards no backward wrote (Note [sharded gradients])
             self.chunked.sync_views()
             masters = self.chunked.masters  # bf16 / fp16: Note [master weights]
             if masters is not None:

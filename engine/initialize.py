@@ -93,8 +93,6 @@ def initialize(
                             shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
                             persistence_threshold=_persistence_threshold(cfg), pending=set(meta_of),
                             compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype)
-    if recording is not None:
-        materialize_parameters(model, chunked, recording, meta_of, topology.device, topology.dp_group)
     offload = cfg.zero_optimization.offload_optimizer
     if optimizer is None and offload.device in ("cpu", "nvme"):
         optimizer = _offloaded(cfg, chunked, topology)
@@ -114,6 +112,8 @@ def initialize(
                              "old one; pass lr_scheduler as a callable that takes the optimizer (e.g. "
                              "lambda opt: LambdaLR(opt, f))")
         optimizer = _rebuilt_over_shards(optimizer, chunked)
+    if recording is not None:  # after offloading: shards may load straight into the chunk manager
+        materialize_parameters(model, chunked, recording, meta_of, topology.device, topology.dp_group)
     scheduler = _scheduler(cfg, optimizer, lr_scheduler)
     monitor = Monitor(cfg.tensorboard, cfg.steps_per_print, is_writer_rank=topology.rank == 0, device=topology.device)
     return Engine(model, cfg, batch, topology, chunked, optimizer, scheduler, build_loss_scaler(cfg),

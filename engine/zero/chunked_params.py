@@ -163,7 +163,8 @@ class ChunkedParams:
         part = self._owned_part(p)
         if part is not None:
             index, at, start, n = part
-            self.sharded_params.shards[index].narrow(0, at, n).copy_(value.reshape(-1).narrow(0, start, n))
+            with self.sharded_params.shard(index, writes=True) as shard:  # in memory or in a manager
+                shard.narrow(0, at, n).copy_(value.reshape(-1).narrow(0, start, n))
 
     def master_values(self, p: nn.Parameter, full_master_chunk: torch.Tensor) -> torch.Tensor:
         """`p`'s fp32 values, cut from the full (gathered) master chunk it lives in."""
@@ -192,11 +193,11 @@ class ChunkedParams:
         with torch.no_grad():
             for index, chunk in enumerate(c for g in self.groups for c in g.param_chunks.chunks):
                 if self.sharded_params is not None and not self.sharded_params.persistent[index]:
-                    shard = self.sharded_params.shards[index]
-                    start = self.shard_rank * shard.numel()
-                    tail = max(chunk.used - start, 0)
-                    if tail < shard.numel():
-                        shard.narrow(0, tail, shard.numel() - tail).zero_()
+                    n = chunk.numel // self.shard_count
+                    tail = max(chunk.used - self.shard_rank * n, 0)
+                    if tail < n:
+                        with self.sharded_params.shard(index, writes=True) as shard:
+                            shard.narrow(0, tail, n - tail).zero_()
                 else:
                     chunk.payload.narrow(0, chunk.used, chunk.numel - chunk.used).zero_()
         if self.masters is not None:

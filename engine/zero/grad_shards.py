@@ -51,7 +51,10 @@ class ShardedGrads:
         self._used = [sum(view.numel() for _, view in members) for members in self._members]  # padding after
         self._nbytes = [payload.untyped_storage().nbytes() for payload in self._payloads]
         self.rank, self.world = rank, world
-        self.shards = [torch.zeros(p.numel() // world, dtype=p.dtype, device=p.device) for p in self._payloads]
+        # a shard is "fresh" (logically zero) until its first retire after a zero(): no pass over it to zero it,
+        # and no memory touched before the optimizer may move it into a manager
+        self.shards = [torch.empty(p.numel() // world, dtype=p.dtype, device=p.device) for p in self._payloads]
+        self._fresh = [True] * len(self._payloads)
         self._live = [False] * len(self._payloads)
         self.managed: list[int] | None = None  # the shards' manager chunks (Note [offloaded gradient shards])
         self._manager: ChunkManager | None = None
@@ -97,7 +100,8 @@ class ShardedGrads:
         self._manager, self._compute = manager, compute
         self.managed = []
         for shard in self.shards:
-            chunk = manager.register("grad", [shard], location=home, capacity=shard.numel())[0].chunk
+            zeros = torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.shape)  # no memory
+            chunk = manager.register("grad", [zeros], location=home, capacity=shard.numel())[0].chunk
             manager.free(chunk)  # zeros, without a payload or a file
             shard.untyped_storage().resize_(0)
             self.managed.append(chunk)
@@ -119,8 +123,19 @@ class ShardedGrads:
         payload = self._payloads[index]
         n = payload.numel() // self.world
         with self.shard(index) as shard:
-            shard.add_(payload.narrow(0, self.rank * n, n))
+            if self._fresh[index]:
+                shard.copy_(payload.narrow(0, self.rank * n, n))
+            else:
+                shard.add_(payload.narrow(0, self.rank * n, n))
+        self._fresh[index] = False
         self._release(index)
+
+    def settle(self) -> None:
+        """Before the shards are read: those no backward wrote since `zero` become real zeros."""
+        for index, shard in enumerate(self.shards):
+            if self._fresh[index] and self.managed is None:
+                shard.zero_()
+                self._fresh[index] = False
 
     def _release(self, index: int) -> None:
         for p, _ in self._members[index]:
@@ -129,11 +144,11 @@ class ShardedGrads:
         self._live[index] = False
 
     def zero(self) -> None:
-        """Zeroes the shards and drops any full chunk left live (a backward that raised half-way)."""
-        for index, shard in enumerate(self.shards):
-            if self.managed is None:
-                shard.zero_()
-            elif self._manager.chunk(self.managed[index]).state is not TensorState.FREE:
+        """Zeroes the shards (lazily: Note [sharded gradients]) and drops any full chunk left live (a backward
+        that raised half-way)."""
+        for index in range(len(self.shards)):
+            self._fresh[index] = True
+            if self.managed is not None and self._manager.chunk(self.managed[index]).state is not TensorState.FREE:
                 self._manager.free(self.managed[index])  # already FREE: it has held nothing since
             if self._live[index]:
                 self._release(index)

@@ -62,6 +62,7 @@ class ShardedParams:
                                                                            (p.numel(),)) for p in payloads]
         self.shards = [self._own(p) if keep else self._own(p).clone() if copy_payloads else torch.empty_like(self._own(p))
                        for p, keep in zip(payloads, persistent)]
+        self._copied = copy_payloads
         self.residency = [Residency.GATHERED] * len(payloads)
         self._works: dict[int, object] = {}
         self._manager: ChunkManager | None = None  # Note [offloaded parameter shards]
@@ -73,11 +74,13 @@ class ShardedParams:
         self._manager, self._compute = manager, compute
         for index, shard in enumerate(self.shards):
             if not self.persistent[index]:
-                self.managed[index] = manager.register("param", [shard], location=home, capacity=shard.numel())[0].chunk
+                # values still to come (zero_init loads them through shard()): registered as zeros, no memory
+                values = shard if self._copied else torch.zeros((), dtype=shard.dtype).expand(shard.shape)
+                self.managed[index] = manager.register("param", [values], location=home, capacity=shard.numel())[0].chunk
                 shard.untyped_storage().resize_(0)
 
     @contextlib.contextmanager
-    def _shard(self, index: int, writes: bool):
+    def shard(self, index: int, writes: bool):
         """This rank's shard of chunk `index`, wherever it lives, for the duration of the block."""
         chunk = self.managed[index]
         if chunk is None:
@@ -104,7 +107,7 @@ class ShardedParams:
         this rank's shard of each and release the rest."""
         for index, payload in enumerate(self._payloads):
             if not self.persistent[index]:
-                with self._shard(index, writes=True) as shard:
+                with self.shard(index, writes=True) as shard:
                     shard.copy_(self._own(payload))
                 self.release(index)
 
@@ -116,7 +119,7 @@ class ShardedParams:
     def refresh_shard(self, index: int) -> None:
         """After the gathered chunk was modified (the same way on every rank): keep the new values."""
         if not self.persistent[index]:
-            with self._shard(index, writes=True) as shard:
+            with self.shard(index, writes=True) as shard:
                 shard.copy_(self._own(self._writers[index]))
 
     def gather(self, index: int, group: dist.ProcessGroup | None, counter: CommCounter) -> bool:
@@ -130,7 +133,7 @@ class ShardedParams:
             shard = self.shards[index]
         else:  # copied into its own slot of the output at once: the manager chunk is not held while in flight
             shard = self._own(writer)
-            with self._shard(index, writes=False) as view:
+            with self.shard(index, writes=False) as view:
                 shard.copy_(view)
         self._works[index] = all_gather_into(writer, shard, group, counter, async_op=True)
         self.residency[index] = Residency.GATHERING
