@@ -84,7 +84,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
     held = {tier: stats.resident_bytes[tier] for tier in ("cpu", "nvme")}
     peak_cpu = stats.peak_bytes["cpu"]
     counters = {k: getattr(stats, k) for k in ("blocking_waits", "io_wait_seconds", "prefetches", "prefetch_hits",
-                                                "prefetch_misses", "evictions", "clean_drops")}
+                                                "prefetch_misses", "evictions", "clean_drops", "trace_divergences")}
     engine.close()
     results.put({"rank": rank, "times": times, "moved": moved, "held": held, "peak_cpu": peak_cpu,
                  "counters": counters, "steps": len(batches)})
