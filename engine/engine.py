@@ -25,7 +25,8 @@ import time
 import torch
 from torch import nn
 
-from engine.comm import CommCounter, all_gather_in_place, all_gather_into, all_reduce_sum, broadcast_from
+from engine import whole_weights
+from engine.comm import CommCounter, all_gather_in_place, all_reduce_sum, broadcast_from
 from engine.config import BatchSizes, Config
 from engine.monitor import Monitor
 from engine.precision import LossScaler, PrecisionPolicy
@@ -345,70 +346,16 @@ class Engine:
         rank; stage 3 gathers one chunk at a time (every rank must call this). With bf16 / fp16 the
         parameters are their fp32 master weights."""
         keep = not rank0_only or self.dp_rank == 0
-        entries = self.module.state_dict(keep_vars=True)  # the tensors themselves: no read of released chunks
-        if self.chunked.masters is not None:
-            return self._full_state_dict_from_masters(entries, keep)
-        if self.gatherer is None:
-            return {k: v.detach().to("cpu", copy=True) for k, v in entries.items()} if keep else None
-        chunk_of = self.chunked.chunk_index()
-        by_chunk: dict[int, list[str]] = {}
-        out = {}
-        for key, tensor in entries.items():
-            if id(tensor) in chunk_of:
-                by_chunk.setdefault(chunk_of[id(tensor)], []).append(key)
-            elif keep:
-                out[key] = tensor.detach().to("cpu", copy=True)
-        for chunk in sorted(by_chunk):
-            with self.gatherer.gathered([chunk]):
-                if keep:
-                    out.update({key: entries[key].detach().to("cpu", copy=True) for key in by_chunk[chunk]})
-        return {key: out[key] for key in entries} if keep else None
+        return whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.dp_group, self.comm, keep)
 
-    def _full_state_dict_from_masters(self, entries: dict, keep: bool) -> dict[str, torch.Tensor] | None:
-        """bf16 / fp16: the trained weights are the fp32 masters (Note [master weights]), gathered one
-        chunk at a time; buffers and frozen parameters as they are."""
-        chunked = self.chunked
-        chunk_of = chunked.chunk_index()
-        by_chunk: dict[int, list[str]] = {}
-        out = {}
-        for key, tensor in entries.items():
-            if id(tensor) in chunk_of:
-                by_chunk.setdefault(chunk_of[id(tensor)], []).append(key)
-            elif keep:
-                out[key] = tensor.detach().to("cpu", copy=True)
-        for index in sorted(by_chunk):
-            shard = chunked.master_shard(index)
-            full = shard
-            if chunked.sharded:
-                full = torch.empty(shard.numel() * chunked.shard_count, dtype=shard.dtype, device=shard.device)
-                all_gather_into(full, shard, self.dp_group, self.comm, async_op=False)
-            if keep:
-                out.update({key: chunked.master_values(entries[key], full).to("cpu", copy=True)
-                            for key in by_chunk[index]})
-        return {key: out[key] for key in entries} if keep else None
-
-    @contextlib.contextmanager
     def gathered_parameters(self, params=None, modifier_rank: int | None = None):
         """Parameters (default all) readable inside the block; with `modifier_rank`, that rank may modify
         them and its values reach every rank on exit (DeepSpeed's GatheredParameters); without it,
         changes made inside are not kept under stage 3. Every rank must enter with the same parameters.
         Stages 0-2 keep parameters whole, so entering gathers nothing."""
         params = list(self.module.parameters()) if params is None else list(params)
-        chunk_of = self.chunked.chunk_index() if self.gatherer is not None else {}
-        chunks = sorted({chunk_of[id(p)] for p in params if id(p) in chunk_of})
-        whole = [p for p in params if id(p) not in chunk_of]
-        with self.gatherer.gathered(chunks) if chunks else contextlib.nullcontext():
-            yield params
-            if modifier_rank is not None and self.topology.is_distributed:
-                with torch.no_grad():
-                    for p in whole:
-                        broadcast_from(p.data, modifier_rank, self.dp_group, self.comm)
-                    payloads = self.chunked.param_payloads()
-                    for c in chunks:
-                        broadcast_from(payloads[c], modifier_rank, self.dp_group, self.comm)
-                        self.chunked.sharded_params.refresh_shard(c)
-        if modifier_rank is not None:
-            self.chunked.resync_masters(params)
+        return whole_weights.gathered_parameters(params, self.chunked, self.gatherer, self.dp_group, self.comm,
+                                                 modifier_rank, self.topology.is_distributed)
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds: parameter chunks, gradient chunks (and stage-2 shards),

@@ -3,8 +3,6 @@ exactly the weights a normal construction gives, trains like it, and never holds
 
 from __future__ import annotations
 
-import resource
-
 import pytest
 import torch
 from torch import nn
@@ -15,6 +13,7 @@ from tests.distributed import run_distributed
 from tests.reference import (assert_close_relative, assert_params_close, param_snapshot, tiny_gpt, token_batches,
                              train_engine, train_reference, trained_params)
 from tests.test_data_parallel import adamw
+from tests.rss import MALLOC_ENV, build_after_warm_up, peak_rss_bytes, stage3_config
 from tests.test_zero import GLOBAL_BATCH, zero_config
 
 transformers = pytest.importorskip("transformers")
@@ -88,21 +87,14 @@ WORKING_SET = 160 * 2**20  # allowed on top of 16Ψ/N (see the test's docstring)
 
 
 def _peak_rss_worker(rank, world):
-    with zero_init():  # warm-up: torch's one-time costs of a first construction (~75 MB) are not the model's
-        gpt_from_preset("tiny")
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    torch.manual_seed(0)
-    with zero_init():
-        model = gpt_from_preset("small", **BIG)
+    model, before = build_after_warm_up(**BIG)
     psi = sum(p.numel() for p in model.parameters())
-    cfg = zero_config(3, 1, 1, chunk_size=2**22, stage3_prefetch_bucket_size=2**23)
-    cfg["optimizer"]["params"] = {"lr": 1e-4}
+    cfg = stage3_config(2**22)
     engine = initialize(model, cfg)
     x = torch.randint(0, 256, (1, 16))
     engine.backward(engine(x, x))
     engine.step()  # Adam's states now exist
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return psi, peak - before
+    return psi, peak_rss_bytes() - before
 
 
 def test_a_100m_parameter_model_never_holds_its_full_weights_on_any_rank(monkeypatch):
@@ -113,7 +105,7 @@ def test_a_100m_parameter_model_never_holds_its_full_weights_on_any_rank(monkeyp
     the allocator's slack. Building the model normally would need its full 4Ψ (~400 MB) on every rank.
     The ranks run with glibc's mmap threshold fixed at 1 MiB, so that a freed chunk goes back to the OS
     and RSS counts memory in use, not blocks glibc keeps for reuse (its default threshold adapts upward)."""
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # read by each spawned rank at start-up
+    monkeypatch.setenv(*MALLOC_ENV)
     results = run_distributed(_peak_rss_worker, 4, timeout_s=300)
     for psi, growth in results:
         assert 95e6 < psi < 105e6

@@ -4,16 +4,15 @@ persistent small parameters, and a clear error for a parameter used outside its 
 from __future__ import annotations
 
 import math
-import resource
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import initialize, zero_init
-from engine.models import gpt_from_preset
+from engine import initialize
 from tests.distributed import run_distributed
+from tests.rss import MALLOC_ENV, build_after_warm_up, peak_rss_bytes, stage3_config
 from tests.reference import (assert_close_relative, assert_params_close, micro_batches, param_snapshot, tiny_gpt,
                              token_batches, train_engine, train_reference, trained_params)
 from tests.test_data_parallel import adamw
@@ -258,15 +257,9 @@ NVME_WORKING_SET = 96 * 2**20
 
 
 def _nvme_rss_worker(rank, world, nvme_dir, budget):
-    with zero_init():  # warm-up: torch's one-time costs of a first construction are not the model's
-        gpt_from_preset("tiny")
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    torch.manual_seed(0)
-    with zero_init():
-        model = gpt_from_preset("small", **NVME_MODEL)
+    model, before = build_after_warm_up(**NVME_MODEL)
     psi = sum(p.numel() for p in model.parameters())
-    cfg = zero_config(3, 1, 1, chunk_size=2**20, stage3_prefetch_bucket_size=2**21)
-    cfg["optimizer"]["params"] = {"lr": 1e-4}
+    cfg = stage3_config(2**20)
     for kind in ("offload_optimizer", "offload_param"):
         cfg["zero_optimization"][kind] = {"device": "nvme", "nvme_path": nvme_dir}
     cfg["memory"] = {"cpu_budget": budget}
@@ -278,7 +271,7 @@ def _nvme_rss_worker(rank, world, nvme_dir, budget):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    growth = peak_rss_bytes() - before
     peak_cpu_tier = engine.optimizer.manager.stats.peak_bytes["cpu"]
     engine.close()
     return psi, growth, peak_cpu_tier, losses
@@ -293,7 +286,7 @@ def test_stage_3_through_nvme_keeps_peak_rss_within_the_cpu_budget(tmp_path, mon
     buffer (8 MiB), the NVMe store's aligned staging buffers, activations, the allocator's slack. glibc's
     mmap threshold is fixed at 1 MiB in the ranks so that RSS counts memory in use."""
     budget = 32 * 2**20
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    monkeypatch.setenv(*MALLOC_ENV)
     for psi, growth, peak_cpu_tier, losses in run_distributed(_nvme_rss_worker, 2, args=(str(tmp_path), budget),
                                                               timeout_s=300):
         assert 8 * psi / 2 >= 4 * budget
