@@ -28,20 +28,23 @@ def hf_loss(model_or_engine, x):
     return model_or_engine(input_ids=x, labels=x).loss
 
 
-def _gpt2_worker(rank, world):
+def _gpt2_worker(rank, world, stage):
     cfg = {"train_batch_size": GLOBAL_BATCH, "optimizer": {"type": "AdamW", "params": ADAMW},
-           "gradient_clipping": 1.0, "zero_optimization": {"chunk_size": 50_000}, "steps_per_print": 10**6}
+           "gradient_clipping": 1.0, "steps_per_print": 10**6,
+           "zero_optimization": {"stage": stage, "chunk_size": 50_000, "stage3_param_persistence_threshold": 0}}
     engine = initialize(hf_gpt2(), cfg)
     losses, _ = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, 1, loss_fn=hf_loss)
-    return losses, param_snapshot(engine.module)
+    return losses, trained_params(engine)
 
 
-def test_hf_gpt2_data_parallel_matches_plain_pytorch():
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hf_gpt2_matches_plain_pytorch(stage):
+    """GPT2LMHeadModel (Conv1D layers, tied lm_head) with data parallelism and under ZeRO-3."""
     ref = hf_gpt2()
     opt = lambda ps: torch.optim.AdamW(ps, lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
                                        weight_decay=ADAMW["weight_decay"])
     ref_losses, _ = train_reference(ref, token_batches(STEPS, GLOBAL_BATCH), opt, clip=1.0, loss_fn=hf_loss)
-    results = run_distributed(_gpt2_worker, 2, timeout_s=180)
+    results = run_distributed(_gpt2_worker, 2, args=(stage,), timeout_s=180)
     assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
     for _, params in results:
         assert_params_close(params, param_snapshot(ref))
