@@ -42,6 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=6, help="timed steps (default 6)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first: the manager traces them (default 2)")
+    ap.add_argument("--aio-threads", type=int, default=2, help="aio.thread_count: I/O threads per rank (default 2)")
     ap.add_argument("--raw-bytes", type=int, default=1 << 30, help="bytes per raw dd pass (default 1 GiB)")
     ap.add_argument("--out", default=None, help="also write the markdown to this file")
     return ap.parse_args(argv)
@@ -53,7 +54,7 @@ def engine_config(args, swap_dir: str) -> dict:
             "zero_optimization": {"stage": 3,
                                   "offload_optimizer": {"device": "nvme", "nvme_path": swap_dir},
                                   "offload_param": {"device": "nvme", "nvme_path": swap_dir}},
-            "steps_per_print": 10**9}
+            "aio": {"thread_count": args.aio_threads}, "steps_per_print": 10**9}
 
 
 def rank_main(rank: int, world: int, port: int, args, results) -> None:
