@@ -24,6 +24,7 @@ import torch
 
 from offload.chunk import Location
 from offload.manager import ChunkManager
+from offload.states import TensorState
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
@@ -106,7 +107,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 target.grad = None
             p.grad = bound_grad
             for c in accessed:
-                self.manager.release(c)
+                # a consumed gradient is dropped at once (no write-back): its room serves the next reads
+                self.manager.release(c, TensorState.FREE if c == grad_chunk else TensorState.HOLD)
 
     def state_dict(self):
         raise NotImplementedError("checkpointing offloaded optimizer states comes with sharded checkpoints "
