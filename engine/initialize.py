@@ -149,8 +149,9 @@ def _given_param_groups(model: nn.Module, optimizer, model_parameters, replaced:
 
 
 def _offloaded(cfg: Config, chunked: ChunkedParams, topology: Topology) -> OffloadedOptimizer:
-    """Notes [offloaded optimizer states] and [offloaded parameter shards]: the config's optimizer, its
-    states (and with offload_param the parameter shards) in one ChunkManager."""
+    """Notes [offloaded optimizer states], [offloaded gradient shards] and [offloaded parameter shards]: the
+    config's optimizer, with its states, the gradient shards (stages 2-3, fp32) and with offload_param the
+    parameter shards in one ChunkManager."""
     zero, aio = cfg.zero_optimization, cfg.aio
     offload, offload_param = zero.offload_optimizer, zero.offload_param
     params_offloaded = offload_param.device in ("cpu", "nvme")
