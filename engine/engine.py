@@ -306,16 +306,19 @@ class Engine:
             square = square.to(self.device)
             all_reduce_sum(square, self.dp_group, self.comm, async_op=False)
             total = math.sqrt(square.item())
-        self._global_grad_norm = total
-        overflow = not math.isfinite(total)
-        if overflow and not self.loss_scaler.checks_overflow:
-            overflow = False  # bf16/fp32: DeepSpeed does not skip; the update proceeds (and shows the NaN)
-        clip = self.config.gradient_clipping
-        if clip > 0 and not overflow:
-            coef = clip / (total + 1e-6)
-            if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
+        overflow, coef = self._overflow_and_clip(total)
+        if coef < 1.0:
+            torch._foreach_mul_(grads, coef)
         return overflow
+
+    def _overflow_and_clip(self, total: float) -> tuple[bool, float]:
+        """Records the global norm; (overflow, the clipping factor, 1.0 for none). bf16/fp32 never overflow:
+        as in DeepSpeed the update proceeds (and shows the NaN)."""
+        self._global_grad_norm = total
+        overflow = not math.isfinite(total) and self.loss_scaler.checks_overflow
+        clip = self.config.gradient_clipping
+        coef = clip / (total + 1e-6) if clip > 0 and not overflow else 1.0
+        return overflow, coef if coef < 1.0 else 1.0
 
     def _prepare_streamed_gradients(self) -> bool:
         """Note [offloaded gradient shards]: the gradients are in the chunk manager, read one shard at a time
@@ -327,12 +330,8 @@ class Engine:
             return False
         square = self.chunked.streamed_grad_square_sum().to(self.device)
         all_reduce_sum(square, self.dp_group, self.comm, async_op=False)
-        total = math.sqrt(square.item()) / scale
-        self._global_grad_norm = total
-        overflow = not math.isfinite(total) and self.loss_scaler.checks_overflow
-        clip = self.config.gradient_clipping
-        if clip > 0 and not overflow and clip / (total + 1e-6) < 1.0:
-            self.optimizer.grad_scale *= clip / (total + 1e-6)
+        overflow, coef = self._overflow_and_clip(math.sqrt(square.item()) / scale)
+        self.optimizer.grad_scale *= coef
         return overflow
 
     def zero_grad(self) -> None:

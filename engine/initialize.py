@@ -83,7 +83,7 @@ def initialize(
     policy = ShardingPolicy(cfg.zero_optimization.stage)
     shards = topology.dp_world_size if policy.shards(ChunkKind.OPTIM) else 1
     # zero_init: groups built before initialize() name the meta parameters their placeholders replaced
-    replaced = {id(meta): p for p in model.parameters() if id(p) in meta_of for meta in [meta_of[id(p)]]}
+    replaced = {id(meta_of[id(p)]): p for p in model.parameters() if id(p) in meta_of}
     groups = _param_groups(model, optimizer, model_parameters, replaced)
     trainable = [p.shape for g in groups for p in g["params"] if p.requires_grad]
     capacity, first_capacity = chunk_layout(cfg, trainable, shards)

@@ -43,7 +43,7 @@ def _chunk_values(chunked: ChunkedParams, gatherer: ParamGatherer | None, index:
         with gatherer.gathered([index]):
             yield lambda p: p.detach()
         return
-    shard = chunked.master_shard(index)
+    shard = chunked.masters.masters[index]  # this rank's fp32 master of the chunk (all of it unsharded)
     full = shard
     if chunked.sharded:
         full = torch.empty(shard.numel() * chunked.shard_count, dtype=shard.dtype, device=shard.device)

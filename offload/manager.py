@@ -36,6 +36,7 @@ an access that may write and by a failed swap-out. Registration and materializat
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -188,6 +189,15 @@ class ChunkManager:
         if phase is TracePhase.FOLLOWING and self.prefetch_depth > 0:
             self._prefetch_ahead(self.tracer.position - 1)  # best effort: never raises
         return entry.chunk.views()
+
+    @contextlib.contextmanager
+    def accessed(self, chunk: int, location: Location = Location.DEVICE, *, writes: bool = True):
+        """`access` for the duration of a block (all its tensors), released (HOLD) after it; yields the views."""
+        views = self.access(chunk, location, writes=writes)
+        try:
+            yield views
+        finally:
+            self.release(chunk)
 
     def release(self, chunk: int, state: TensorState = TensorState.HOLD, tensors: Sequence[int] | None = None) -> None:
         """Ends the use of `tensors` (default all) of a chunk; a chunk whose tensors are all FREE drops its payload."""

@@ -9,12 +9,12 @@ from engine import initialize
 from tests.distributed import run_distributed
 from tests.reference import (assert_close_relative, assert_params_close, param_snapshot, token_batches, trained_params,
                              train_engine, train_reference)
+from tests.test_data_parallel import ADAMW, adamw
 
 transformers = pytest.importorskip("transformers")
 
 STEPS = 3
 GLOBAL_BATCH = 8
-ADAMW = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}  # eps: see tests/test_data_parallel.py
 
 
 def hf_gpt2(seed: int = 0):
@@ -40,14 +40,16 @@ def _gpt2_worker(rank, world, stage):
 @pytest.mark.parametrize("stage", [0, 3])
 def test_hf_gpt2_matches_plain_pytorch(stage):
     """GPT2LMHeadModel (Conv1D layers, tied lm_head) with data parallelism and under ZeRO-3."""
-    ref = hf_gpt2()
-    opt = lambda ps: torch.optim.AdamW(ps, lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
-                                       weight_decay=ADAMW["weight_decay"])
-    ref_losses, _ = train_reference(ref, token_batches(STEPS, GLOBAL_BATCH), opt, clip=1.0, loss_fn=hf_loss)
-    results = run_distributed(_gpt2_worker, 2, args=(stage,), timeout_s=180)
+    assert_matches_plain_pytorch(hf_gpt2(), _gpt2_worker, stage)
+
+
+def assert_matches_plain_pytorch(reference, worker, stage: int) -> None:
+    """`worker` on 2 ranks gives the losses and final parameters of `reference` trained in one process."""
+    ref_losses, _ = train_reference(reference, token_batches(STEPS, GLOBAL_BATCH), adamw, clip=1.0, loss_fn=hf_loss)
+    results = run_distributed(worker, 2, args=(stage,), timeout_s=180)
     assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
     for _, params in results:
-        assert_params_close(params, param_snapshot(ref))
+        assert_params_close(params, param_snapshot(reference))
 
 
 def hf_llama(seed: int = 0):
@@ -71,11 +73,4 @@ def _llama_zero_worker(rank, world, stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_hf_llama_zero_matches_plain_pytorch(stage):
     """LlamaForCausalLM (grouped-query attention) under ZeRO-1/2/3 on 2 ranks with accumulation and clipping."""
-    ref = hf_llama()
-    opt = lambda ps: torch.optim.AdamW(ps, lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
-                                       weight_decay=ADAMW["weight_decay"])
-    ref_losses, _ = train_reference(ref, token_batches(STEPS, GLOBAL_BATCH), opt, clip=1.0, loss_fn=hf_loss)
-    results = run_distributed(_llama_zero_worker, 2, args=(stage,), timeout_s=180)
-    assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
-    for _, params in results:
-        assert_params_close(params, param_snapshot(ref))
+    assert_matches_plain_pytorch(hf_llama(), _llama_zero_worker, stage)

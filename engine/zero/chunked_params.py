@@ -27,7 +27,7 @@ from torch import nn
 from engine.zero.grad_shards import ShardedGrads
 from engine.zero.master_weights import MasterWeights
 from engine.zero.param_shards import ShardedParams
-from offload.chunk import ChunkList
+from offload.chunk import ChunkList, Slot
 
 
 @dataclass
@@ -93,6 +93,19 @@ class ChunkedParams:
                 self.groups.append(ChunkGroup(params, options, param_chunks, grad_chunks, persistent))
         if not self.groups:
             raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
+        # where each parameter lives: its slot, its chunk's index among all chunks (param and grad alike),
+        # and per chunk its slots
+        self._slot_of: dict[int, tuple[int, Slot]] = {}
+        self._slots_by_chunk: list[list[Slot]] = []
+        for g in self.groups:
+            base = len(self._slots_by_chunk)
+            self._slots_by_chunk += [[] for _ in g.param_chunks.chunks]
+            for p, slot in zip(g.params, g.param_chunks.slots):
+                self._slot_of[id(p)] = (base + slot.chunk, slot)
+                self._slots_by_chunk[base + slot.chunk].append(slot)
+        self._chunk_of = {pid: index for pid, (index, _) in self._slot_of.items()}
+        self._persistent = [g.persistent for g in self.groups for _ in g.param_chunks.chunks]
+        self._param_chunks = [c for g in self.groups for c in g.param_chunks.chunks]
         self._grad_view = {id(p): gv for g in self.groups for p, gv in zip(g.params, g.grad_chunks.views)}
         self.params = [p for g in self.groups for p in g.params]
         self._param_views = [pv for g in self.groups for pv in g.param_chunks.views]
@@ -104,9 +117,8 @@ class ChunkedParams:
         # stage 3: persistent parameter shards; full chunks only while gathered (Note [sharded parameters])
         self.sharded_params: ShardedParams | None = None
         if shard_params and self.sharded:
-            self.sharded_params = ShardedParams(self.param_payloads(),
-                                                [g.persistent for g in self.groups for _ in g.param_chunks.chunks],
-                                                shard_rank, shard_count, copy_payloads=not values_pending)
+            self.sharded_params = ShardedParams(self.param_payloads(), self._persistent, shard_rank, shard_count,
+                                                copy_payloads=not values_pending)
             shards = iter(self.sharded_params.shards)
             self._stepped = [([next(shards) for _ in params], grads) for params, grads in self._stepped]
         # stage 2: persistent gradient shards; full gradient chunks only during backward (Note [sharded gradients])
@@ -131,68 +143,65 @@ class ChunkedParams:
                              for params, group_grads in self._stepped]
             if not values_pending:
                 self.masters.sync_from_params()  # again once every rank holds rank 0's values
-        self._slot_of, base = {}, 0
-        for gi, g in enumerate(self.groups):
-            for p, slot in zip(g.params, g.param_chunks.slots):
-                self._slot_of[id(p)] = ((gi, base), slot)
-            base += len(g.param_chunks)
         # names come in model order; without them, registration order stands in
         self._position = {pid: i for i, pid in enumerate(self._names)}
         for p in self.params:
             self._position.setdefault(id(p), len(self._position))
 
-    def _owned_part(self, p: nn.Parameter) -> tuple[int, int, int, int] | None:
-        """(global chunk index, offset of p's part in the rank's stepped tensor, offset in p, elements) of the
-        elements of `p` this rank steps, or None when it steps none of them."""
-        (_, chunk_base), slot = self._slot_of[id(p)]
-        index = chunk_base + slot.chunk
-        if not self.sharded:
-            return index, slot.offset, 0, slot.numel
-        n = self.groups[self._slot_of[id(p)][0][0]].param_chunks.chunks[slot.chunk].numel // self.shard_count
+    def _owned_range(self, index: int, slot: Slot) -> tuple[int, int, int] | None:
+        """(start of this rank's elements in chunk `index`, lo, hi): the part [lo, hi) of the slot's elements
+        (chunk offsets) this rank steps, or None when it steps none of them."""
+        n = self._param_chunks[index].numel // self.shard_count
         start = self.shard_rank * n
         lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + n)
-        return (index, lo - start, lo - slot.offset, hi - lo) if lo < hi else None
+        return (start, lo, hi) if lo < hi else None
+
+    def _pieces(self, index: int, owned: torch.Tensor) -> list[torch.Tensor]:
+        """`owned` (this rank's elements of chunk `index`) cut at parameter boundaries."""
+        pieces = []
+        for slot in self._slots_by_chunk[index]:
+            part = self._owned_range(index, slot)
+            if part is not None:
+                start, lo, hi = part
+                pieces.append(owned.narrow(0, lo - start, hi - lo))
+        return pieces
 
     def load(self, p: nn.Parameter, value: torch.Tensor) -> None:
         """Note [zero_init]: parameter `p`'s values into its chunk view, or with stage 3 into this rank's shard."""
-        (group_index, chunk_base), slot = self._slot_of[id(p)]
-        group = self.groups[group_index]
-        if self.sharded_params is None or group.persistent:
-            group.param_chunks.chunks[slot.chunk].view(slot).copy_(value)
+        index, slot = self._slot_of[id(p)]
+        if self.sharded_params is None or self._persistent[index]:
+            self._param_chunks[index].view(slot).copy_(value)
             return
-        part = self._owned_part(p)
+        part = self._owned_range(index, slot)
         if part is not None:
-            index, at, start, n = part
+            start, lo, hi = part
             with self.sharded_params.shard(index, writes=True) as shard:  # in memory or in a manager
-                shard.narrow(0, at, n).copy_(value.reshape(-1).narrow(0, start, n))
+                shard.narrow(0, lo - start, hi - lo).copy_(value.reshape(-1).narrow(0, lo - slot.offset, hi - lo))
 
     def master_values(self, p: nn.Parameter, full_master_chunk: torch.Tensor) -> torch.Tensor:
         """`p`'s fp32 values, cut from the full (gathered) master chunk it lives in."""
         _, slot = self._slot_of[id(p)]
         return full_master_chunk.narrow(0, slot.offset, slot.numel).view(slot.shape)
 
-    def master_shard(self, index: int) -> torch.Tensor:
-        """This rank's fp32 master of param chunk `index` (the whole chunk when nothing is sharded)."""
-        return [t for params, _ in self._stepped for t in params][index]
-
     def resync_masters(self, params: list[nn.Parameter]) -> None:
         """After user code changed these parameters (the same way on every rank): their masters' parts
         follow (Note [master weights]); other parameters' masters keep their fp32 values."""
         if self.masters is None:
             return
-        flat = [t for params_, _ in self._stepped for t in params_]  # the masters, in global chunk order
         with torch.no_grad():
             for p in params:
-                part = self._owned_part(p) if id(p) in self._slot_of else None
+                index, slot = self._slot_of.get(id(p), (None, None))
+                part = self._owned_range(index, slot) if index is not None else None
                 if part is not None:
-                    index, at, _, n = part
-                    flat[index].narrow(0, at, n).copy_(self.masters.targets[index].narrow(0, at, n))
+                    start, lo, hi = part
+                    self.masters.masters[index].narrow(0, lo - start, hi - lo).copy_(
+                        self.masters.targets[index].narrow(0, lo - start, hi - lo))
 
     def finish_loading(self) -> None:
         """After every `load`: zero the padding (uninitialized memory) and, with stage 3, release the chunks."""
         with torch.no_grad():
-            for index, chunk in enumerate(c for g in self.groups for c in g.param_chunks.chunks):
-                if self.sharded_params is not None and not self.sharded_params.persistent[index]:
+            for index, chunk in enumerate(self._param_chunks):
+                if self.sharded_params is not None and not self._persistent[index]:
                     n = chunk.numel // self.shard_count
                     tail = max(chunk.used - self.shard_rank * n, 0)
                     if tail < n:
@@ -233,15 +242,8 @@ class ChunkedParams:
         the shard group gives the global norm."""
         if not self.sharded and self.masters is None:
             return [p.grad for p in self.params]
-        pieces = []  # cut from the stepped gradients: this rank's shards, or the fp32 masters' gradients
-        for g, (_, owned) in zip(self.groups, self._stepped):
-            for slot in g.grad_chunks.slots:
-                shard = owned[slot.chunk]  # this rank's elements [rank*n, (rank+1)*n) of the chunk
-                start = self.shard_rank * shard.numel()
-                lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + shard.numel())
-                if lo < hi:
-                    pieces.append(shard.narrow(0, lo - start, hi - lo))
-        return pieces
+        # cut from the stepped gradients: this rank's shards, or the fp32 masters' gradients
+        return [piece for index, owned in enumerate(self.grad_shards()) for piece in self._pieces(index, owned)]
 
     @property
     def grads_managed(self) -> bool:
@@ -252,20 +254,11 @@ class ChunkedParams:
         """Note [offloaded gradient shards]: the sum of squares of this rank's per-parameter gradient norms
         (as grad_norm_pieces cuts them), reading one managed shard at a time; float64."""
         total = torch.zeros((), dtype=torch.float64)
-        base = 0
-        for g in self.groups:
-            slots_of = [[] for _ in g.grad_chunks.chunks]
-            for slot in g.grad_chunks.slots:
-                slots_of[slot.chunk].append(slot)
-            for c, slots in enumerate(slots_of):
-                with self.sharded_grads.shard(base + c, writes=False) as shard:
-                    start = self.shard_rank * shard.numel()
-                    pieces = [shard.narrow(0, max(s.offset, start) - start,
-                                           min(s.offset + s.numel, start + shard.numel()) - max(s.offset, start))
-                              for s in slots if max(s.offset, start) < min(s.offset + s.numel, start + shard.numel())]
-                    if pieces:
-                        total += torch.stack(torch._foreach_norm(pieces, 2.0)).double().square().sum().cpu()
-            base += len(g.grad_chunks)
+        for index in range(len(self._slots_by_chunk)):
+            with self.sharded_grads.shard(index, writes=False) as shard:
+                pieces = self._pieces(index, shard)
+                if pieces:
+                    total += torch.stack(torch._foreach_norm(pieces, 2.0)).double().square().sum().cpu()
         return total
 
     def stepped_grad_chunks(self) -> dict[int, int]:
@@ -276,7 +269,7 @@ class ChunkedParams:
         return {id(p): next(chunks) for params, _ in self._stepped for p in params}
 
     def param_payloads(self) -> list[torch.Tensor]:
-        return [c.payload for g in self.groups for c in g.param_chunks.chunks]
+        return [c.payload for c in self._param_chunks]
 
     def payloads_gathered_after_step(self) -> list[torch.Tensor]:
         """The param chunks whose full copies persist and so are all-gathered after each sharded update:
@@ -288,12 +281,7 @@ class ChunkedParams:
 
     def chunk_index(self) -> dict[int, int]:
         """id(parameter) -> the index of its chunk among all param chunks (the same index for its grad chunk)."""
-        index, base = {}, 0
-        for g in self.groups:
-            for p, slot in zip(g.params, g.param_chunks.slots):
-                index[id(p)] = base + slot.chunk
-            base += len(g.param_chunks)
-        return index
+        return self._chunk_of
 
     def grad_payloads(self) -> list[torch.Tensor]:
         return self._grad_payloads

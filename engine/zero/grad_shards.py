@@ -112,11 +112,8 @@ class ShardedGrads:
         if self.managed is None:
             yield self.shards[index]
             return
-        (view,) = self._manager.access(self.managed[index], self._compute, writes=writes)
-        try:
+        with self._manager.accessed(self.managed[index], self._compute, writes=writes) as (view,):
             yield view
-        finally:
-            self._manager.release(self.managed[index])
 
     def retire(self, index: int) -> None:
         """After the chunk's reduce-scatter: its shard of the sum joins the persistent buffer; the buffer goes."""

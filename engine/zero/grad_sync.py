@@ -43,17 +43,13 @@ class GradReducer:
         # (a reduce-scatter takes the whole chunk: its shards are equal slices of it)
         self.payloads = [c.payload if self.scatter else c.payload.narrow(0, 0, c.used)
                          for g in chunked.groups for c in g.grad_chunks.chunks]
-        self._chunk_of: dict[int, int] = {}
+        self._chunk_of = chunked.chunk_index()
         self._expected = [0] * len(self.payloads)
         first_use = [float("inf")] * len(self.payloads)
-        base = 0
-        for g in chunked.groups:
-            for p, slot in zip(g.params, g.grad_chunks.slots):
-                chunk = base + slot.chunk
-                self._chunk_of[id(p)] = chunk
-                self._expected[chunk] += 1
-                first_use[chunk] = min(first_use[chunk], chunked.position_of(p))
-            base += len(g.grad_chunks)
+        for p in chunked.params:
+            chunk = self._chunk_of[id(p)]
+            self._expected[chunk] += 1
+            first_use[chunk] = min(first_use[chunk], chunked.position_of(p))
         # Note [reduction order]: the launch sequence, and each chunk's place in it
         self.sequence = sorted(range(len(self.payloads)), key=lambda c: first_use[c], reverse=True)
         self._place = {c: i for i, c in enumerate(self.sequence)}

@@ -47,7 +47,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._param_chunks = param_chunks or {}
         self._grad_chunks = grad_chunks or {}
         self.grad_scale = 1.0
-        self._items: list[tuple[torch.optim.Optimizer, torch.Tensor, int, dict]] = []
+        self._items: list[tuple[torch.optim.Optimizer, torch.Tensor, int | None, dict]] = []
         for group in self.param_groups:
             for p in group["params"]:
                 opt = make([{**{k: v for k, v in group.items() if k != "params"}, "params": [p]}])
@@ -81,7 +81,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 inner["params"] = [target]
                 if p in opt.state:
                     opt.state[target] = opt.state.pop(p)
-            if grad_chunk is not None:  # read-only: the engine frees the gradient chunks after the step
+            if grad_chunk is not None:  # read-only: dropped below once stepped, never written back
                 (grad,) = self.manager.access(grad_chunk, self.compute, writes=False)
                 accessed.append(grad_chunk)
                 if self.grad_scale != 1.0:

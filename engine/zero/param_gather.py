@@ -125,8 +125,7 @@ class ParamGatherer:
 
     def _prefetch(self, upcoming: list[int]) -> None:
         ahead = sum(self.shards.numel(c) for c in self._ahead)
-        live = sum(self.shards.numel(c) for c in range(len(self.shards))
-                   if not self.shards.persistent[c] and not self.shards.is_released(c))
+        live = self.shards.live_numel
         for c in upcoming:
             if not self.shards.is_released(c):
                 continue

@@ -64,6 +64,8 @@ class ShardedParams:
                        for p, keep in zip(payloads, persistent)]
         self._copied = copy_payloads
         self.residency = [Residency.GATHERED] * len(payloads)
+        # elements of non-persistent chunks not released (gathered or gathering): kept, not summed per demand
+        self.live_numel = sum(p.numel() for p, keep in zip(payloads, persistent) if not keep)
         self._works: dict[int, object] = {}
         self._manager: ChunkManager | None = None  # Note [offloaded parameter shards]
         self._compute = Location.CPU
@@ -82,15 +84,11 @@ class ShardedParams:
     @contextlib.contextmanager
     def shard(self, index: int, writes: bool):
         """This rank's shard of chunk `index`, wherever it lives, for the duration of the block."""
-        chunk = self.managed[index]
-        if chunk is None:
+        if self.managed[index] is None:
             yield self.shards[index]
             return
-        (view,) = self._manager.access(chunk, self._compute, writes=writes)
-        try:
+        with self._manager.accessed(self.managed[index], self._compute, writes=writes) as (view,):
             yield view
-        finally:
-            self._manager.release(chunk)
 
     def __len__(self) -> int:
         return len(self._payloads)
@@ -137,6 +135,7 @@ class ShardedParams:
                 shard.copy_(view)
         self._works[index] = all_gather_into(writer, shard, group, counter, async_op=True)
         self.residency[index] = Residency.GATHERING
+        self.live_numel += writer.numel()
         return True
 
     def wait(self, index: int) -> None:
@@ -151,10 +150,7 @@ class ShardedParams:
         self.wait(index)
         self._writers[index].untyped_storage().resize_(0)
         self.residency[index] = Residency.RELEASED
-
-    def release_all(self) -> None:
-        for index in range(len(self._payloads)):
-            self.release(index)
+        self.live_numel -= self._payloads[index].numel()
 
     def is_released(self, index: int) -> bool:
         return self.residency[index] is Residency.RELEASED
