@@ -57,6 +57,8 @@ class OffloadOptimizerConfig:
     ratio: float = bounded(1.0, min=0.0, max=1.0)
     buffer_count: int = bounded(4, min=1)
     fast_init: bool = False
+    # Tiers' own: update each gradient shard as soon as it is reduced (Note [stepping in backward])
+    step_in_backward: bool = False
 
 
 @dataclass(frozen=True)

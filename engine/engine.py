@@ -84,6 +84,9 @@ class Engine:
         self.micro_step = 0
         self.skipped_steps = 0
         self._global_grad_norm: float | None = None
+        # Note [stepping in backward]: the boundary backward updates each shard as it is reduced
+        self._steps_in_backward = zero.offload_optimizer.step_in_backward
+        self._early_grad_square: torch.Tensor | None = None  # their norm pieces, for TensorBoard
         self._inside_no_sync = False
         self._synchronized = False  # a synchronized backward ran since the last update
         self._phase_s = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # wall_clock_breakdown
@@ -220,20 +223,48 @@ class Engine:
                     "a second synchronized engine.backward() before engine.step() would all-reduce the first loss's "
                     "gradients twice; add the losses and call backward once, or run the earlier backward calls "
                     "inside engine.no_sync()")
+            if self._steps_in_backward and self.optimizer.stepped_early:
+                raise RuntimeError(
+                    "engine.backward() after the accumulation boundary's backward: with "
+                    "offload_optimizer.step_in_backward that backward already updated the model; call engine.step() "
+                    "after it (once per micro-batch), or add the losses and call backward once")
             self.reducer.arm()
+            if self._steps_in_backward and self.is_gradient_accumulation_boundary():
+                self._arm_steps_in_backward()
         with self._timed("backward"):
             try:
                 with self._pass(Pass.BACKWARD):
                     scaled.backward(retain_graph=retain_graph)
-            except BaseException:
                 if reduce_now:
+                    self.reducer.finish_backward()
+                    self.reducer.wait()  # gradients are reduced when backward returns, as with DDP
+            except BaseException as e:
+                if reduce_now:
+                    self.reducer.on_shard_reduced = None  # nothing more is stepped
                     self.reducer.disarm()
+                    if self._steps_in_backward and self.optimizer.stepped_early:
+                        raise RuntimeError(
+                            f"backward failed after offload_optimizer.step_in_backward had updated "
+                            f"{self.optimizer.stepped_early} parameter shard(s) with their final gradients: the model "
+                            "is partly updated and cannot be rolled back; restore it from a checkpoint") from e
                 raise
             if reduce_now:
-                self.reducer.finish_backward()
-                self.reducer.wait()  # gradients are reduced when backward returns, as with DDP
+                self.reducer.on_shard_reduced = None
                 self._synchronized = True
         return loss
+
+    def _arm_steps_in_backward(self) -> None:
+        """Note [stepping in backward]: each reduced shard of the coming backward is final; step it at once."""
+        self.optimizer.grad_scale = 1.0 / self.loss_scaler.scale  # no clipping (refused by initialize)
+        self._early_grad_square = torch.zeros((), dtype=torch.float64) if self._needs_grad_norm() else None
+        managed = self.chunked.sharded_grads.managed
+
+        def step_reduced_shard(index: int) -> None:
+            if self._early_grad_square is not None:
+                self._early_grad_square += self.chunked.grad_square_sum(index)
+            self.optimizer.step_early(managed[index])
+
+        self.reducer.on_shard_reduced = step_reduced_shard
 
     def step(self) -> None:
         """Called after every micro-batch; updates the model at the accumulation boundary."""
@@ -327,6 +358,11 @@ class Engine:
         self.optimizer.grad_scale = 1.0 / scale
         if not self._needs_grad_norm():
             self._global_grad_norm = None
+            return False
+        if self.optimizer.stepped_early:  # Note [stepping in backward]: the norm was summed as shards were stepped
+            square = self._early_grad_square.to(self.device)
+            all_reduce_sum(square, self.dp_group, self.comm, async_op=False)
+            self._global_grad_norm = math.sqrt(square.item()) / scale
             return False
         square = self.chunked.streamed_grad_square_sum().to(self.device)
         all_reduce_sum(square, self.dp_group, self.comm, async_op=False)

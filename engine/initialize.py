@@ -94,6 +94,7 @@ def initialize(
                             persistence_threshold=_persistence_threshold(cfg), pending=set(meta_of),
                             compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype)
     offload = cfg.zero_optimization.offload_optimizer
+    _check_step_in_backward(cfg, chunked, topology)
     if optimizer is None and offload.device in ("cpu", "nvme"):
         optimizer = _offloaded(cfg, chunked, topology)
     elif cfg.zero_optimization.offload_param.device in ("cpu", "nvme"):
@@ -118,6 +119,27 @@ def initialize(
     monitor = Monitor(cfg.tensorboard, cfg.steps_per_print, is_writer_rank=topology.rank == 0, device=topology.device)
     return Engine(model, cfg, batch, topology, chunked, optimizer, scheduler, build_loss_scaler(cfg),
                   PrecisionPolicy.from_config(cfg), monitor)
+
+
+def _check_step_in_backward(cfg: Config, chunked: ChunkedParams, topology: Topology) -> None:
+    """Note [stepping in backward]: what updating each gradient shard as soon as it is reduced needs."""
+    zero = cfg.zero_optimization
+    if not zero.offload_optimizer.step_in_backward:
+        return
+    key = "zero_optimization.offload_optimizer.step_in_backward"
+    if zero.offload_optimizer.device not in ("cpu", "nvme"):
+        raise ConfigError(f"{key}: steps the offloaded optimizer; set zero_optimization.offload_optimizer.device to "
+                          "cpu or nvme, or remove step_in_backward")
+    if chunked.sharded_grads is None:
+        raise ConfigError(f"{key}: needs gradient shards, i.e. ZeRO stage 2 or 3 over 2 or more data-parallel ranks "
+                          f"(this run: stage {zero.stage}, {topology.dp_world_size} rank(s)); remove step_in_backward")
+    if chunked.masters is not None:
+        raise ConfigError(f"{key}: not supported yet with bf16/fp16 (fp32 master gradients are staged after backward); "
+                          "train in fp32 or remove step_in_backward")
+    if cfg.gradient_clipping > 0:
+        raise ConfigError(f"{key}: clipping by the global gradient norm needs every gradient before the first "
+                          f"update, and step_in_backward updates during backward; set gradient_clipping to 0 "
+                          f"(it is {cfg.gradient_clipping}) or remove step_in_backward")
 
 
 def _persistence_threshold(cfg: Config) -> int:

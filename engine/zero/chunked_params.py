@@ -255,11 +255,16 @@ class ChunkedParams:
         (as grad_norm_pieces cuts them), reading one managed shard at a time; float64."""
         total = torch.zeros((), dtype=torch.float64)
         for index in range(len(self._slots_by_chunk)):
-            with self.sharded_grads.shard(index, writes=False) as shard:
-                pieces = self._pieces(index, shard)
-                if pieces:
-                    total += torch.stack(torch._foreach_norm(pieces, 2.0)).double().square().sum().cpu()
+            total += self.grad_square_sum(index)
         return total
+
+    def grad_square_sum(self, index: int) -> torch.Tensor:
+        """The same sum over managed gradient shard `index` alone."""
+        with self.sharded_grads.shard(index, writes=False) as shard:
+            pieces = self._pieces(index, shard)
+            if not pieces:
+                return torch.zeros((), dtype=torch.float64)
+            return torch.stack(torch._foreach_norm(pieces, 2.0)).double().square().sum().cpu()
 
     def stepped_grad_chunks(self) -> dict[int, int]:
         """id(stepped tensor) -> the manager chunk of its gradient shard, when those are managed."""

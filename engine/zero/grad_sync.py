@@ -64,6 +64,9 @@ class GradReducer:
         self._works: list[tuple[int, object]] = []  # (chunk, its collective in flight)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in chunked.params]
         self._sharded_grads = chunked.sharded_grads
+        # set by the engine for a backward whose shards are final (Note [stepping in backward]): called with a
+        # chunk index once that chunk's reduced shard is retired
+        self.on_shard_reduced = None
 
     def arm(self) -> None:
         """The coming backward ends the accumulation: reduce chunks as they complete."""
@@ -136,18 +139,23 @@ class GradReducer:
         self.wait()
 
     def wait(self) -> None:
-        for index, work in self._works:
+        while self._works:  # popped one by one: a retire that raises is not repeated by the next wait
+            index, work = self._works.pop(0)
             work.wait()
             if self._sharded_grads is not None:
-                self._sharded_grads.retire(index)
-        self._works.clear()
+                self._retire(index)
 
     def _retire_finished(self) -> None:
         """Retires the leading reductions that have finished (in launch order, as every rank launches them)."""
         while self._works and self._works[0][1].is_completed():
             index, work = self._works.pop(0)
             work.wait()
-            self._sharded_grads.retire(index)
+            self._retire(index)
+
+    def _retire(self, index: int) -> None:
+        self._sharded_grads.retire(index)
+        if self.on_shard_reduced is not None:
+            self.on_shard_reduced(index)
 
     def remove_hooks(self) -> None:
         for h in self._handles:

@@ -14,6 +14,19 @@ manager's trace prefetches the next state chunks from NVMe while Adam runs on th
 A stepped tensor whose values are themselves in the manager (an offloaded parameter shard, Note
 [offloaded parameter shards]) is a placeholder: the step accesses its manager chunk too, steps that
 view in its place (with the placeholder's .grad), and releases it written.
+
+Note [stepping in backward]
+With `offload_optimizer.step_in_backward` (Tiers' own key, off by default) the boundary backward
+updates each gradient shard as soon as its reduce-scatter is retired (GradReducer.on_shard_reduced):
+its states, values and gradient are accessed, stepped and released while backward goes on with the
+earlier layers, so their NVMe reads and write-backs overlap backward's compute instead of following
+it (PyTorch's "optimizer step in backward" technique, per shard). `step` then steps only what is
+left. The result is the same as stepping after backward (same gradients, same order of Adam math,
+the same learning rate: the scheduler advances in engine.step), but it needs each shard final when
+it is reduced: no clipping by the global norm, no loss-scale overflow check (fp32 only), and no
+second backward before engine.step(); initialize and backward refuse those. The global norm, when
+TensorBoard logs it, is summed shard by shard as they are stepped. A backward that fails half-way
+leaves the model partly updated: it raises saying so (restore from a checkpoint).
 """
 
 from __future__ import annotations
@@ -48,6 +61,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._grad_chunks = grad_chunks or {}
         self.grad_scale = 1.0
         self._items: list[tuple[torch.optim.Optimizer, torch.Tensor, int | None, dict]] = []
+        self._stepped_early: set[int] = set()  # Note [stepping in backward]: items already stepped this iteration
+        self._item_of_grad: dict[int, int] = {}  # gradient chunk -> the item it steps
         for group in self.param_groups:
             for p in group["params"]:
                 opt = make([{**{k: v for k, v in group.items() if k != "params"}, "params": [p]}])
@@ -57,14 +72,32 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     chunk = manager.register("optim", states, location=home,
                                              capacity=sum(s.numel() for s in states))[0].chunk
                     opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device)}
+                if id(p) in self._grad_chunks:
+                    self._item_of_grad[self._grad_chunks[id(p)]] = len(self._items)
                 self._items.append((opt, p, chunk, {"names": names, "group": group}))
 
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("an offloaded optimizer steps without a closure")
-        for opt, p, chunk, info in self._items:
-            self._step_one(opt, p, chunk, info)
+        for i, item in enumerate(self._items):
+            if i not in self._stepped_early:
+                self._step_one(*item)
+        self._stepped_early.clear()
         self.manager.end_iteration()
+
+    def step_early(self, grad_chunk: int) -> None:
+        """Note [stepping in backward]: steps the tensor whose gradient is manager chunk `grad_chunk` now (its
+        reduced gradient is final); the next `step` skips it."""
+        i = self._item_of_grad[grad_chunk]
+        if i in self._stepped_early:
+            raise RuntimeError(f"gradient chunk {grad_chunk} was already stepped in this iteration")
+        self._stepped_early.add(i)  # counted even if the step raises: its state may be half-updated
+        self._step_one(*self._items[i])
+
+    @property
+    def stepped_early(self) -> int:
+        """How many tensors were stepped since the last `step` (Note [stepping in backward])."""
+        return len(self._stepped_early)
 
     def _step_one(self, opt: torch.optim.Optimizer, p: torch.Tensor, chunk: int | None, info: dict) -> None:
         """One stepped tensor: its states (and offloaded values, gradient) accessed, stepped, released —

@@ -1,0 +1,132 @@
+"""offload_optimizer.step_in_backward (Note [stepping in backward]): each gradient shard is stepped as
+soon as it is reduced in the boundary backward, with the same result as stepping after it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine import initialize
+from engine.config import ConfigError
+from tests.distributed import run_distributed
+from tests.reference import (assert_close_relative, assert_params_close, micro_batches, param_snapshot, tiny_gpt,
+                             token_batches, trained_params, train_reference)
+from tests.test_data_parallel import adamw
+from tests.test_zero import GLOBAL_BATCH, STEPS, zero_config
+
+ACCUMULATION = 2
+
+
+def early_config(stage: int, world: int, nvme_dir: str, device: str = "cpu", param_device: str | None = None,
+                 accumulation: int = ACCUMULATION, **top) -> dict:
+    cfg = zero_config(stage, GLOBAL_BATCH // world // accumulation, accumulation)
+    cfg["gradient_clipping"] = 0.0  # clipping needs every gradient first: refused with step_in_backward
+    zero = cfg["zero_optimization"]
+    zero["offload_optimizer"] = {"device": device, "nvme_path": nvme_dir, "step_in_backward": True}
+    if param_device:
+        zero["offload_param"] = {"device": param_device, "nvme_path": nvme_dir}
+    cfg["aio"] = {"block_size": 4096}  # small blocks: the CPU window is far below all states
+    cfg.update(top)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def unclipped_reference():
+    model = tiny_gpt()
+    losses, norms = train_reference(model, token_batches(STEPS, GLOBAL_BATCH), adamw)
+    return losses, norms, param_snapshot(model)
+
+
+def _training_worker(rank, world, stage, device, param_device, nvme_dir, tb_dir):
+    tensorboard = {"enabled": True, "output_path": tb_dir, "job_name": f"early{rank}"}  # the norm is then summed
+    engine = initialize(tiny_gpt(seed=rank), early_config(stage, world, nvme_dir, device, param_device,
+                                                          tensorboard=tensorboard))
+    stepped_tensors = sum(len(g["params"]) for g in engine.optimizer.param_groups)
+    losses, norms, stepped_after_backward = [], [], []
+    for x in token_batches(STEPS, GLOBAL_BATCH):
+        step_losses = []
+        for micro in micro_batches(x, rank, world, ACCUMULATION):
+            loss = engine(micro, micro)
+            engine.backward(loss)
+            stepped_after_backward.append(engine.optimizer.stepped_early)
+            engine.step()
+            step_losses.append(loss.item())
+        losses.append(sum(step_losses) / len(step_losses))
+        norms.append(engine.get_global_grad_norm())
+    params = trained_params(engine)
+    engine.close()
+    return losses, norms, params, stepped_after_backward, stepped_tensors
+
+
+@pytest.mark.parametrize("stage,device,param_device", [(2, "cpu", None), (3, "nvme", "nvme")])
+def test_stepping_in_backward_matches_single_process(unclipped_reference, tmp_path, stage, device, param_device):
+    ref_losses, ref_norms, ref_params = unclipped_reference
+    (tmp_path / "swap").mkdir()
+    results = run_distributed(_training_worker, 2, args=(stage, device, param_device, str(tmp_path / "swap"),
+                                                         str(tmp_path / "tb")))
+    assert_close_relative([(results[0][0][i] + results[1][0][i]) / 2 for i in range(STEPS)], ref_losses)
+    for _, norms, params, stepped, stepped_tensors in results:
+        assert_close_relative(norms, ref_norms)  # summed shard by shard as they were stepped
+        assert_params_close(params, ref_params)
+        # the boundary backward stepped every tensor before engine.step(); the other one stepped none
+        assert stepped == [0, stepped_tensors] * STEPS, stepped
+
+
+def _misuse_worker(rank, world, nvme_dir):
+    refusals = {}
+    for name, change in {"clipping": {"gradient_clipping": 1.0}, "bf16": {"bf16": {"enabled": True}}}.items():
+        try:
+            initialize(tiny_gpt(seed=rank), early_config(2, world, nvme_dir, **change))
+        except ConfigError as e:
+            refusals[name] = str(e)
+    try:
+        initialize(tiny_gpt(seed=rank), early_config(1, world, nvme_dir))
+    except ConfigError as e:
+        refusals["stage 1"] = str(e)
+
+    engine = initialize(tiny_gpt(seed=rank), early_config(2, world, nvme_dir, accumulation=1))
+    x = micro_batches(token_batches(1, GLOBAL_BATCH)[0], rank, world, 1)[0]
+    engine.backward(engine(x, x))
+    try:
+        engine.backward(engine(x, x))  # a second boundary backward: the first one already updated the model
+    except RuntimeError as e:
+        refusals["second backward"] = str(e)
+    engine.step()
+
+    def slow_down(module, args, output):  # lets the later layers' reductions finish, so they are stepped
+        output.register_hook(lambda grad: time.sleep(0.3))
+
+    def fail_on_input_grad(module, args):  # fires once the first block's backward is done: near the end
+        def hook(grad):
+            raise RuntimeError("injected failure near the end of backward")
+        args[0].register_hook(hook)
+
+    engine.module.blocks[0].register_forward_hook(slow_down)
+    engine.module.blocks[0].register_forward_pre_hook(fail_on_input_grad)
+    try:
+        engine.backward(engine(x, x))
+    except RuntimeError as e:
+        refusals["failed backward"] = (str(e), str(e.__cause__))
+    engine.close()
+    return refusals
+
+
+def test_stepping_in_backward_refuses_what_it_cannot_do(tmp_path):
+    for refusals in run_distributed(_misuse_worker, 2, args=(str(tmp_path),)):
+        assert "set gradient_clipping to 0" in refusals["clipping"]
+        assert "bf16/fp16" in refusals["bf16"]
+        assert "ZeRO stage 2 or 3" in refusals["stage 1"]
+        assert "already updated the model" in refusals["second backward"]
+        message, cause = refusals["failed backward"]
+        assert "partly updated" in message and "restore it from a checkpoint" in message, message
+        assert "injected failure" in cause
+
+
+def test_stepping_in_backward_needs_an_offloaded_optimizer_and_more_than_one_rank(tmp_path):
+    cfg = early_config(2, 1, str(tmp_path))
+    with pytest.raises(ConfigError, match="2 or more data-parallel ranks"):
+        initialize(tiny_gpt(), cfg)
+    cfg["zero_optimization"]["offload_optimizer"]["device"] = "none"
+    with pytest.raises(ConfigError, match="set zero_optimization.offload_optimizer.device to cpu or nvme"):
+        initialize(tiny_gpt(), cfg)
