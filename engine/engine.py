@@ -31,7 +31,8 @@ from engine.config import BatchSizes, Config
 from engine.monitor import Monitor
 from engine.precision import LossScaler, PrecisionPolicy
 from engine.topology import Topology
-from engine.zero.chunked_params import ChunkedParams
+from engine.tensor_parallel import TensorParallel
+from engine.zero.chunked_params import ChunkedParams, weighted_square_sum
 from engine.zero.grad_sync import GradReducer
 from engine.zero.param_gather import ParamGatherer, Pass
 
@@ -58,6 +59,7 @@ class Engine:
         loss_scaler: LossScaler,
         precision: PrecisionPolicy,
         monitor: Monitor,
+        tensor_parallel: TensorParallel | None = None,
     ):
         self.module = module
         self.config = config
@@ -69,6 +71,7 @@ class Engine:
         self.loss_scaler = loss_scaler
         self.precision = precision
         self.monitor = monitor
+        self.tensor_parallel = tensor_parallel  # what the tp plan sharded (Note [tensor-parallel plans])
         self.comm = CommCounter()
         zero = config.zero_optimization
         self.gatherer: ParamGatherer | None = None  # stage 3 (Note [gathering around modules])
@@ -328,19 +331,26 @@ class Engine:
             return False
         # per-parameter norms, then the norm of those (as torch's clip_grad_norm_): one fp32
         # reduction over a whole multi-million-element chunk loses ~1e-5 of relative accuracy
-        pieces = self.chunked.grad_norm_pieces()
-        norms = torch._foreach_norm(pieces, 2.0) if pieces else []
-        if not self.chunked.sharded:
+        pieces = self.chunked.weighted_grad_norm_pieces()
+        if not self.chunked.sharded and self.topology.tp_size == 1:
+            norms = torch._foreach_norm([piece for piece, _ in pieces], 2.0)
             total = torch.linalg.vector_norm(torch.stack(norms), 2.0).item()
-        else:  # each rank holds a shard of the gradient: sum the squares over the group
-            square = torch.stack(norms).double().square().sum() if norms else torch.zeros((), dtype=torch.float64)
-            square = square.to(self.device)
-            all_reduce_sum(square, self.dp_group, self.comm, async_op=False)
-            total = math.sqrt(square.item())
+        else:  # each rank holds a shard of the gradient: sum the squares over the groups
+            total = math.sqrt(self._summed_over_ranks(weighted_square_sum(pieces)))
         overflow, coef = self._overflow_and_clip(total)
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
         return overflow
+
+    def _summed_over_ranks(self, square: torch.Tensor) -> float:
+        """A rank's (weighted) sum of squared gradient pieces, summed over the data-parallel shards and the
+        tensor-parallel ranks (Note [global norm under tensor parallelism])."""
+        square = square.to(self.device)
+        if self.chunked.sharded:
+            all_reduce_sum(square, self.dp_group, self.comm, async_op=False)
+        if self.topology.tp_size > 1:
+            all_reduce_sum(square, self.topology.tp_group, self.comm, async_op=False)
+        return square.item()
 
     def _overflow_and_clip(self, total: float) -> tuple[bool, float]:
         """Records the global norm; (overflow, the clipping factor, 1.0 for none). bf16/fp32 never overflow:
@@ -360,13 +370,10 @@ class Engine:
             self._global_grad_norm = None
             return False
         if self.optimizer.stepped_early:  # Note [stepping in backward]: the norm was summed as shards were stepped
-            square = self._early_grad_square.to(self.device)
-            all_reduce_sum(square, self.dp_group, self.comm, async_op=False)
-            self._global_grad_norm = math.sqrt(square.item()) / scale
+            self._global_grad_norm = math.sqrt(self._summed_over_ranks(self._early_grad_square)) / scale
             return False
-        square = self.chunked.streamed_grad_square_sum().to(self.device)
-        all_reduce_sum(square, self.dp_group, self.comm, async_op=False)
-        overflow, coef = self._overflow_and_clip(math.sqrt(square.item()) / scale)
+        square = self._summed_over_ranks(self.chunked.streamed_grad_square_sum())
+        overflow, coef = self._overflow_and_clip(math.sqrt(square) / scale)
         self.optimizer.grad_scale *= coef
         return overflow
 
@@ -380,8 +387,14 @@ class Engine:
         rank0_only, on rank 0 only (the others get None). Stages 0-2 keep every parameter whole on every
         rank; stage 3 gathers one chunk at a time (every rank must call this). With bf16 / fp16 the
         parameters are their fp32 master weights."""
-        keep = not rank0_only or self.dp_rank == 0
-        return whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.dp_group, self.comm, keep)
+        keep = not rank0_only or self.topology.rank == 0
+        if self.tensor_parallel is None:
+            return whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.dp_group, self.comm,
+                                                 keep)
+        # every tp rank contributes its shards (Note [tensor-parallel plans])
+        local = whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.dp_group, self.comm, True)
+        whole = self.tensor_parallel.join_state_dict(local)
+        return whole if keep else None
 
     def gathered_parameters(self, params=None, modifier_rank: int | None = None):
         """Parameters (default all) readable inside the block; with `modifier_rank`, that rank may modify

@@ -9,12 +9,14 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from engine.comm import broadcast_from
 from engine.config import Config, ConfigError, load_config
 from engine.engine import Engine
 from engine.lr_schedules import build_lr_scheduler
 from engine.monitor import Monitor
 from engine.optim import build_optimizer
 from engine.precision import PrecisionPolicy, build_loss_scaler
+from engine.tensor_parallel import TensorParallel, TPGroup, apply_tensor_parallel
 from engine.topology import Topology
 from engine.zero.chunked_params import ChunkedParams
 from engine.zero.offloaded_optimizer import OffloadedOptimizer
@@ -73,12 +75,13 @@ def initialize(
     if optimizer is not None and model_parameters is not None:
         raise ValueError("model_parameters is for the config's optimizer; a passed optimizer already names its parameters")
 
-    topology = Topology.from_environment()
+    topology = Topology.from_environment(tp_size=cfg.tensor_parallel.size, tp_mode=cfg.tensor_parallel.mode)
     batch = cfg.batch_sizes(topology.dp_world_size)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     recording, meta_of = zero_init_placeholders(model, topology.device)  # Note [zero_init]
     model.to(topology.device)
+    tensor_parallel = _tensor_parallel(cfg, model, topology, optimizer, model_parameters, recording)
 
     policy = ShardingPolicy(cfg.zero_optimization.stage)
     shards = topology.dp_world_size if policy.shards(ChunkKind.OPTIM) else 1
@@ -93,6 +96,8 @@ def initialize(
                             shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
                             persistence_threshold=_persistence_threshold(cfg), pending=set(meta_of),
                             compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype)
+    if tensor_parallel is not None:
+        chunked.norm_weights = tensor_parallel.norm_weights(model)
     offload = cfg.zero_optimization.offload_optimizer
     _check_step_in_backward(cfg, chunked, topology)
     if optimizer is None and offload.device in ("cpu", "nvme"):
@@ -118,7 +123,26 @@ def initialize(
     scheduler = _scheduler(cfg, optimizer, lr_scheduler)
     monitor = Monitor(cfg.tensorboard, cfg.steps_per_print, is_writer_rank=topology.rank == 0, device=topology.device)
     return Engine(model, cfg, batch, topology, chunked, optimizer, scheduler, build_loss_scaler(cfg),
-                  PrecisionPolicy.from_config(cfg), monitor)
+                  PrecisionPolicy.from_config(cfg), monitor, tensor_parallel)
+
+
+def _tensor_parallel(cfg: Config, model: nn.Module, topology: Topology, optimizer, model_parameters,
+                     recording) -> TensorParallel | None:
+    """Note [tensor-parallel plans]: the config's plan applied to the model, before its parameters are chunked."""
+    if topology.tp_size == 1:
+        return None
+    if optimizer is not None or model_parameters is not None:
+        raise ConfigError("tensor_parallel: the plan replaces the model's layers and their parameters, so an optimizer "
+                          "or model_parameters built before initialize() would name the old ones; give the optimizer "
+                          "in the config's 'optimizer' section (not supported yet with tensor parallelism)")
+    if recording is not None:
+        raise ConfigError("tensor_parallel: building the model under zero_init() is not supported yet with tensor "
+                          "parallelism; build it normally (each rank then keeps only its shards after initialize)")
+    tp = TPGroup(topology.tp_group, topology.tp_size, topology.tp_rank)
+    with torch.no_grad():  # the plan slices whole weights: every tp rank starts from its group's first rank's
+        for t in list(model.parameters()) + list(model.buffers()):
+            broadcast_from(t.data, 0, tp.group, tp.counter)
+    return apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp)
 
 
 def _check_step_in_backward(cfg: Config, chunked: ChunkedParams, topology: Topology) -> None:

@@ -356,7 +356,7 @@ def test_float_written_integers_are_accepted_as_ints():
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
          "zero_optimization.offload_optimizer.ratio", "0.5"),
         ({"zero_optimization": {"placement": "auto"}}, "zero_optimization.placement", '"auto"'),
-        ({"tensor_parallel": {"size": 2}}, "tensor_parallel.size", "2"),
+        ({"tensor_parallel": {"size": 4, "mode": "2d"}}, "tensor_parallel.mode", '"2d"'),
         ({"memory": {"device_budget": "8GB"}}, "memory.device_budget", '"8GB"'),
         ({"memory": {"device_budget": 1 << 30}}, "memory.device_budget", str(1 << 30)),
         ({"memory": {"cpu_budget": "64GB"}}, "memory.cpu_budget", '"64GB"'),  # without optimizer offload

@@ -71,8 +71,11 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        # widths from the module, not from x: under tensor parallelism this rank computes n_head / tp
+        # heads of n_embd / tp features (engine.tensor_parallel adjusts both)
+        B, T, _ = x.shape
+        C = self.n_embd
+        q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)

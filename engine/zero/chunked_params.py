@@ -97,12 +97,17 @@ class ChunkedParams:
         # and per chunk its slots
         self._slot_of: dict[int, tuple[int, Slot]] = {}
         self._slots_by_chunk: list[list[Slot]] = []
+        self._params_by_chunk: list[list[nn.Parameter]] = []  # parallel to _slots_by_chunk
         for g in self.groups:
             base = len(self._slots_by_chunk)
             self._slots_by_chunk += [[] for _ in g.param_chunks.chunks]
+            self._params_by_chunk += [[] for _ in g.param_chunks.chunks]
             for p, slot in zip(g.params, g.param_chunks.slots):
                 self._slot_of[id(p)] = (base + slot.chunk, slot)
                 self._slots_by_chunk[base + slot.chunk].append(slot)
+                self._params_by_chunk[base + slot.chunk].append(p)
+        # Note [global norm under tensor parallelism]: each parameter's share of the squared global norm
+        self.norm_weights: dict[int, float] = {}
         self._chunk_of = {pid: index for pid, (index, _) in self._slot_of.items()}
         self._persistent = [g.persistent for g in self.groups for _ in g.param_chunks.chunks]
         self._param_chunks = [c for g in self.groups for c in g.param_chunks.chunks]
@@ -158,12 +163,16 @@ class ChunkedParams:
 
     def _pieces(self, index: int, owned: torch.Tensor) -> list[torch.Tensor]:
         """`owned` (this rank's elements of chunk `index`) cut at parameter boundaries."""
+        return [piece for piece, _ in self._weighted_pieces(index, owned)]
+
+    def _weighted_pieces(self, index: int, owned: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
+        """The same pieces, each with its parameter's norm weight."""
         pieces = []
-        for slot in self._slots_by_chunk[index]:
+        for slot, p in zip(self._slots_by_chunk[index], self._params_by_chunk[index]):
             part = self._owned_range(index, slot)
             if part is not None:
                 start, lo, hi = part
-                pieces.append(owned.narrow(0, lo - start, hi - lo))
+                pieces.append((owned.narrow(0, lo - start, hi - lo), self.norm_weights.get(id(p), 1.0)))
         return pieces
 
     def load(self, p: nn.Parameter, value: torch.Tensor) -> None:
@@ -240,10 +249,15 @@ class ChunkedParams:
         """This rank's owned gradient elements cut at parameter boundaries: norms taken per piece (as
         torch's clip_grad_norm_ takes them per parameter) keep fp32 accuracy; summing their squares over
         the shard group gives the global norm."""
+        return [piece for piece, _ in self.weighted_grad_norm_pieces()]
+
+    def weighted_grad_norm_pieces(self) -> list[tuple[torch.Tensor, float]]:
+        """The same pieces, each with its parameter's share of the squared global norm (Note [global norm
+        under tensor parallelism])."""
         if not self.sharded and self.masters is None:
-            return [p.grad for p in self.params]
+            return [(p.grad, self.norm_weights.get(id(p), 1.0)) for p in self.params]
         # cut from the stepped gradients: this rank's shards, or the fp32 masters' gradients
-        return [piece for index, owned in enumerate(self.grad_shards()) for piece in self._pieces(index, owned)]
+        return [wp for index, owned in enumerate(self.grad_shards()) for wp in self._weighted_pieces(index, owned)]
 
     @property
     def grads_managed(self) -> bool:
@@ -261,10 +275,7 @@ class ChunkedParams:
     def grad_square_sum(self, index: int) -> torch.Tensor:
         """The same sum over managed gradient shard `index` alone."""
         with self.sharded_grads.shard(index, writes=False) as shard:
-            pieces = self._pieces(index, shard)
-            if not pieces:
-                return torch.zeros((), dtype=torch.float64)
-            return torch.stack(torch._foreach_norm(pieces, 2.0)).double().square().sum().cpu()
+            return weighted_square_sum(self._weighted_pieces(index, shard)).cpu()
 
     def stepped_grad_chunks(self) -> dict[int, int]:
         """id(stepped tensor) -> the manager chunk of its gradient shard, when those are managed."""
@@ -331,3 +342,12 @@ class ChunkedParams:
         for params, grads in self._stepped:
             for p, gr in zip(params, grads):
                 p.grad = gr
+
+
+def weighted_square_sum(pieces: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
+    """sum of weight * ||piece||^2, float64 (per-piece norms keep fp32 accuracy, as torch's clip_grad_norm_)."""
+    if not pieces:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch.stack(torch._foreach_norm([piece for piece, _ in pieces], 2.0)).double()
+    weights = torch.tensor([w for _, w in pieces], dtype=torch.float64, device=norms.device)
+    return (norms.square() * weights).sum()

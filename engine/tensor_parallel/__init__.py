@@ -1,0 +1,52 @@
+"""Tensor parallelism applied to an unmodified model (Note [tensor-parallel plans]).
+
+Note [global norm under tensor parallelism]
+The global gradient norm sums every parameter's squared gradient once. A tensor-parallel shard is
+a disjoint part of its parameter, so its squares are summed over the tp ranks; a replicated
+parameter (layer norms, biases after a row-parallel layer, position embeddings) has the same
+gradient on every tp rank, so each rank counts it with weight 1/tp before the same sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.comm import all_gather_into
+from engine.tensor_parallel.layers_1d import ShardSpec, join_shards
+from engine.tensor_parallel.mappings import TPGroup
+from engine.tensor_parallel.plans import apply_plan, resolve_plan
+
+__all__ = ["TensorParallel", "TPGroup", "apply_tensor_parallel"]
+
+
+@dataclass
+class TensorParallel:
+    """What the plan did: the tp group and how each sharded parameter (by state-dict name) reassembles."""
+
+    tp: TPGroup
+    specs: dict[str, ShardSpec]
+
+    def norm_weights(self, model: nn.Module) -> dict[int, float]:
+        """id(parameter) -> its weight in the squared global norm (Note [global norm under tensor parallelism])."""
+        sharded = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name in self.specs}
+        return {id(p): 1.0 if id(p) in sharded else 1.0 / self.tp.size for p in model.parameters()}
+
+    def join_state_dict(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every rank's shards joined into whole tensors (a collective over the tp group: every tp rank calls it)."""
+        out = dict(local)
+        for key, spec in self.specs.items():
+            if key not in local:
+                continue
+            shard = local[key].contiguous()
+            gathered = torch.empty((self.tp.size,) + tuple(shard.shape), dtype=shard.dtype, device=shard.device)
+            all_gather_into(gathered.view(-1), shard.view(-1), self.tp.group, self.tp.counter, async_op=False)
+            out[key] = join_shards(list(gathered.unbind(0)), spec)
+        return out
+
+
+def apply_tensor_parallel(model: nn.Module, plan: str | dict, tp: TPGroup) -> TensorParallel:
+    """Replaces the model's layers by the plan's parallel layers, in place (Note [tensor-parallel plans])."""
+    return TensorParallel(tp, apply_plan(model, resolve_plan(model, plan), tp))
