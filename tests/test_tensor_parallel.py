@@ -27,46 +27,82 @@ def tp_config(tp: int, dp: int, accumulation: int = 1, stage: int = 0, **extra) 
             "steps_per_print": 10**6, **extra}
 
 
-@pytest.fixture(scope="module")
-def reference():
-    model = tiny_gpt(n_head=4)
-    losses, norms = train_reference(model, token_batches(STEPS, GLOBAL_BATCH), adamw, clip=1.0)
-    return losses, norms, param_snapshot(model)
+def build(model: str, seed: int = 0):
+    """The test models, all with 4 attention heads (so that tp = 4 splits them): the example GPT, Hugging
+    Face GPT-2 (Conv1D layers, fused q/k/v, tied lm_head) and Llama (grouped-query attention: 4 query,
+    2 key/value heads at tp <= 2; 8 and 4 at tp = 4)."""
+    if model == "gpt":
+        return tiny_gpt(seed=seed, n_head=4)
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    if model == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))
+    heads, kv_heads = (8, 4) if model == "llama8" else (4, 2)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, max_position_embeddings=32))
 
 
-def _tp_worker(rank, world, tp, stage, accumulation):
+def loss_of(model: str, module_or_engine, x: torch.Tensor) -> torch.Tensor:
+    if model == "gpt":
+        return module_or_engine(x, x)
+    return module_or_engine(input_ids=x, labels=x).loss
+
+
+_references: dict[str, tuple] = {}
+
+
+def reference(model: str) -> tuple:
+    if model not in _references:
+        net = build(model)
+        losses, norms = train_reference(net, token_batches(STEPS, GLOBAL_BATCH), adamw, clip=1.0,
+                                        loss_fn=lambda m, x: loss_of(model, m, x))
+        _references[model] = (losses, norms, param_snapshot(net), list(build(model).state_dict()))
+    return _references[model]
+
+
+def _tp_worker(rank, world, model, tp, stage, accumulation):
     dp = world // tp
-    engine = initialize(tiny_gpt(seed=rank, n_head=4), tp_config(tp, dp, accumulation, stage))
+    engine = initialize(build(model, seed=rank), tp_config(tp, dp, accumulation, stage))
     assert (engine.topology.tp_size, engine.dp_world_size) == (tp, dp)
     local_param_numel = sum(p.numel() for p in engine.module.parameters())
     losses, norms = [], []
     for x in token_batches(STEPS, GLOBAL_BATCH):
         step_losses = []
         for micro in micro_batches(x, engine.dp_rank, dp, accumulation):  # a tp group shares its data
-            loss = engine(micro, micro)
+            loss = loss_of(model, engine, micro)
             engine.backward(loss)
             engine.step()
             step_losses.append(loss.item())
         losses.append(sum(step_losses) / len(step_losses))
         norms.append(engine.get_global_grad_norm())
     full = engine.full_state_dict()
-    return losses, norms, full, local_param_numel, engine.dp_rank
+    return losses, norms, full, local_param_numel, engine.dp_rank, set(engine.tensor_parallel.specs)
 
 
-@pytest.mark.parametrize("world,tp,stage,accumulation", [(2, 2, 0, 1), (4, 4, 0, 2), (4, 2, 2, 1), (4, 2, 3, 1)])
-def test_tensor_parallel_gpt_matches_single_process(reference, world, tp, stage, accumulation):
-    ref_losses, ref_norms, ref_params = reference
-    results = run_distributed(_tp_worker, world, args=(tp, stage, accumulation))
+LAYOUTS = [(2, 2, 0, 1), (4, 4, 0, 2), (4, 2, 2, 1), (4, 2, 3, 1)]  # world, tp, ZeRO stage, accumulation
+
+
+@pytest.mark.parametrize("model", ["gpt", "gpt2", "llama"])
+@pytest.mark.parametrize("world,tp,stage,accumulation", LAYOUTS, ids=["tp2", "tp4", "dp2xtp2-zero2", "dp2xtp2-zero3"])
+def test_tensor_parallel_matches_single_process(model, world, tp, stage, accumulation):
+    model = "llama8" if model == "llama" and tp == 4 else model
+    ref_losses, ref_norms, ref_params, ref_keys = reference(model)
+    results = run_distributed(_tp_worker, world, args=(model, tp, stage, accumulation))
     dp = world // tp
     mean_losses = [sum(r[0][i] for r in results) / world for i in range(STEPS)]  # each dp group's mean, averaged
     assert_close_relative(mean_losses, ref_losses, rtol=TP_RTOL)
     whole = sum(p.numel() for p in ref_params.values())
-    for losses, norms, full, local_numel, dp_rank in results:
+    for losses, norms, full, local_numel, dp_rank, sharded in results:
         assert_close_relative(norms, ref_norms, rtol=TP_RTOL)
+        assert list(full) == ref_keys
         assert_params_close({k: full[k] for k in ref_params}, ref_params, rtol=TP_RTOL)
-        assert full.keys() == tiny_gpt(n_head=4).state_dict().keys()
         # parameter elements per rank: 1/tp of the sharded layers plus the replicated small tensors
-        assert local_numel < whole / tp * 1.25, (local_numel, whole)
+        replicated = sum(p.numel() for name, p in ref_params.items() if name not in sharded)
+        assert local_numel == (whole - replicated) / tp + replicated
+        assert replicated < 0.1 * whole, (replicated, whole)
     for i in range(len(results)):  # ranks of one tp group see the same loss
         assert results[i][0] == results[i - i % tp][0]
     assert dp == len({r[4] for r in results})

@@ -18,8 +18,9 @@ from engine.comm import all_gather_into
 from engine.tensor_parallel.layers_1d import ShardSpec, join_shards
 from engine.tensor_parallel.mappings import TPGroup
 from engine.tensor_parallel.plans import apply_plan, resolve_plan
+from engine.tensor_parallel.vocab_cross_entropy import vocab_parallel_cross_entropy
 
-__all__ = ["TensorParallel", "TPGroup", "apply_tensor_parallel"]
+__all__ = ["TensorParallel", "TPGroup", "apply_tensor_parallel", "vocab_parallel_cross_entropy"]
 
 
 @dataclass
@@ -45,6 +46,10 @@ class TensorParallel:
             all_gather_into(gathered.view(-1), shard.view(-1), self.tp.group, self.tp.counter, async_op=False)
             out[key] = join_shards(list(gathered.unbind(0)), spec)
         return out
+
+    def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Mean cross-entropy over vocabulary-split logits (a "colwise" lm_head): see vocab_cross_entropy."""
+        return vocab_parallel_cross_entropy(logits, target, self.tp, ignore_index)
 
 
 def apply_tensor_parallel(model: nn.Module, plan: str | dict, tp: TPGroup) -> TensorParallel:

@@ -1,0 +1,109 @@
+"""Pieces of tensor parallelism: the vocab-parallel cross-entropy, user plans, and the errors plans give."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import initialize
+from engine.config import ConfigError
+from engine.tensor_parallel import TPGroup, apply_tensor_parallel, vocab_parallel_cross_entropy
+from tests.distributed import run_distributed
+from tests.reference import (assert_close_relative, assert_params_close, param_snapshot, tiny_gpt, token_batches,
+                             train_reference)
+from tests.test_data_parallel import adamw
+from tests.test_tensor_parallel import GLOBAL_BATCH, STEPS, TP_RTOL, build, tp_config
+
+
+def _cross_entropy_worker(rank, world):
+    import torch.distributed as dist
+    tp = TPGroup(dist.group.WORLD, world, rank)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 5, 16, generator=g) * 3
+    target = torch.randint(0, 16, (6, 5), generator=g)
+    target[0, :2] = -100  # ignored positions
+    width = 16 // world
+    mine = logits[..., rank * width:(rank + 1) * width].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(mine, target, tp)
+    loss.backward()
+    return loss.item(), mine.grad, logits, target
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_cross_entropy_equals_torchs_on_the_full_logits(world):
+    results = run_distributed(_cross_entropy_worker, world)
+    logits, target = results[0][2].requires_grad_(), results[0][3]
+    expected = F.cross_entropy(logits.reshape(-1, 16), target.reshape(-1), ignore_index=-100)
+    expected.backward()
+    width = 16 // world
+    for rank, (loss, grad, _, _) in enumerate(results):
+        assert abs(loss - expected.item()) <= 1e-6 * abs(expected.item())
+        torch.testing.assert_close(grad, logits.grad[..., rank * width:(rank + 1) * width], rtol=1e-5, atol=1e-7)
+
+
+# the first matching glob wins: down_proj before the other mlp projections
+LLAMA_USER_PLAN = {"model.embed_tokens": "vocab", "model.layers.*.self_attn.[qkv]_proj": "colwise",
+                   "model.layers.*.self_attn.o_proj": "rowwise", "model.layers.*.mlp.down_proj": "rowwise",
+                   "model.layers.*.mlp.*_proj": "colwise", "lm_head": "colwise"}
+
+
+def shifted_loss(logits: torch.Tensor, x: torch.Tensor, loss_fn) -> torch.Tensor:
+    return loss_fn(logits[:, :-1], x[:, 1:])
+
+
+def _user_plan_worker(rank, world):
+    cfg = tp_config(world, 1)
+    cfg["tensor_parallel"]["plan"] = LLAMA_USER_PLAN
+    engine = initialize(build("llama", seed=rank), cfg)
+    losses = []
+    for x in token_batches(STEPS, GLOBAL_BATCH):
+        logits = engine(input_ids=x).logits  # this rank's slice of the vocabulary
+        assert logits.shape[-1] == 256 // world
+        loss = shifted_loss(logits, x, engine.tensor_parallel.cross_entropy)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses, engine.full_state_dict()
+
+
+def test_a_user_plan_with_a_split_lm_head_and_the_vocab_parallel_loss_trains_llama():
+    reference = build("llama")
+    ref_losses, _ = train_reference(reference, token_batches(STEPS, GLOBAL_BATCH), adamw, clip=1.0,
+                                    loss_fn=lambda m, x: m(input_ids=x, labels=x).loss)
+    for losses, full in run_distributed(_user_plan_worker, 2):
+        assert_close_relative(losses, ref_losses, rtol=TP_RTOL)
+        params = param_snapshot(reference)
+        assert_params_close({k: full[k] for k in params}, params, rtol=TP_RTOL)
+
+
+# --- plan errors (no communication needed: one process stands in for rank 0 of 2) ---------------
+
+TP2 = TPGroup(None, 2, 0)
+
+
+def test_auto_on_an_unknown_model_names_the_first_module_it_cannot_place():
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"no built-in plan for Sequential .* cannot place module '0'"):
+        apply_tensor_parallel(model, "auto", TP2)
+
+
+def test_plan_errors_name_the_module_and_the_fix():
+    with pytest.raises(ValueError, match=r"tensor_parallel.plan\['lm_head'\]: unknown style 'column'"):
+        apply_tensor_parallel(tiny_gpt(n_head=4), {"lm_head": "column"}, TP2)
+    with pytest.raises(ValueError, match=r"style \"vocab\" is for nn.Embedding, but 'lm_head' is a Linear"):
+        apply_tensor_parallel(tiny_gpt(n_head=4), {"lm_head": "vocab"}, TP2)
+    with pytest.raises(ValueError, match=r"lm_head.weight is tied to wte.weight, which the plan splits differently"):
+        apply_tensor_parallel(tiny_gpt(n_head=4), {"wte": "vocab", "lm_head": "rowwise"}, TP2)
+    with pytest.raises(ValueError, match=r"blocks.0.attn.n_head = 2 is not divisible by tensor_parallel.size 4"):
+        apply_tensor_parallel(tiny_gpt(n_head=2), "auto", TPGroup(None, 4, 0))
+    with pytest.raises(ValueError, match=r"no built-in plan 'Bert'"):
+        apply_tensor_parallel(tiny_gpt(n_head=4), "Bert", TP2)
+
+
+def test_tensor_parallel_needs_as_many_processes_and_a_config_optimizer():
+    with pytest.raises(ValueError, match="tensor_parallel.size 2 needs 2 processes"):
+        initialize(tiny_gpt(n_head=4), tp_config(2, 1))
+    with pytest.raises(ConfigError, match="2D tensor parallelism is not supported yet"):
+        initialize(tiny_gpt(n_head=4), {**tp_config(4, 1), "tensor_parallel": {"size": 4, "mode": "2d"}})
