@@ -17,6 +17,7 @@ from engine.monitor import Monitor
 from engine.optim import build_optimizer
 from engine.precision import PrecisionPolicy, build_loss_scaler
 from engine.tensor_parallel import TensorParallel, TPGroup, apply_tensor_parallel
+from engine.tensor_parallel.rng import RNGStreams
 from engine.topology import Topology
 from engine.zero.chunked_params import ChunkedParams
 from engine.zero.offloaded_optimizer import OffloadedOptimizer
@@ -142,7 +143,7 @@ def _tensor_parallel(cfg: Config, model: nn.Module, topology: Topology, optimize
     with torch.no_grad():  # the plan slices whole weights: every tp rank starts from its group's first rank's
         for t in list(model.parameters()) + list(model.buffers()):
             broadcast_from(t.data, 0, tp.group, tp.counter)
-    return apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp)
+    return apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp, RNGStreams(tp, topology.device))
 
 
 def _check_step_in_backward(cfg: Config, chunked: ChunkedParams, topology: Topology) -> None:

@@ -107,3 +107,37 @@ def test_tensor_parallel_needs_as_many_processes_and_a_config_optimizer():
         initialize(tiny_gpt(n_head=4), tp_config(2, 1))
     with pytest.raises(ConfigError, match="2D tensor parallelism is not supported yet"):
         initialize(tiny_gpt(n_head=4), {**tp_config(4, 1), "tensor_parallel": {"size": 4, "mode": "2d"}})
+
+
+# --- dropout streams (Note [tensor-parallel RNG]) ---------------------------------------------
+
+
+def _dropout_worker(rank, world):
+    from engine.tensor_parallel.rng import Stream
+    # ranks seeded differently (seed = rank): initialize makes the default stream the same across the tp group
+    engine = initialize(tiny_gpt(seed=rank, n_head=4, dropout=0.2), tp_config(world, 1))
+    outputs = []
+    engine.module.blocks[-1].register_forward_hook(lambda m, a, out: outputs.append(out.detach().clone()))
+    losses = []
+    for x in token_batches(2, GLOBAL_BATCH):
+        loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    streams = engine.tensor_parallel.streams
+    with streams.using(Stream.SHARDED):
+        sharded = torch.rand(8)
+        with streams.using(Stream.REPLICATED):
+            nested_replicated = torch.rand(8)
+    replicated = torch.rand(8)
+    return losses, outputs, sharded, nested_replicated, replicated
+
+
+def test_dropout_draws_one_mask_on_replicated_activations_and_per_rank_masks_on_split_ones():
+    (losses0, out0, sharded0, nested0, rep0), (losses1, out1, sharded1, nested1, rep1) = \
+        run_distributed(_dropout_worker, 2)
+    assert losses0 == losses1  # dropout on replicated activations agreed, or the ranks would differ here
+    for a, b in zip(out0, out1):
+        assert torch.equal(a, b)
+    assert not torch.equal(sharded0, sharded1)  # each rank's own stream for split activations
+    assert torch.equal(nested0, nested1) and torch.equal(rep0, rep1)  # the shared stream, also nested inside

@@ -18,6 +18,7 @@ from engine.comm import all_gather_into
 from engine.tensor_parallel.layers_1d import ShardSpec, join_shards
 from engine.tensor_parallel.mappings import TPGroup
 from engine.tensor_parallel.plans import apply_plan, resolve_plan
+from engine.tensor_parallel.rng import RNGStreams
 from engine.tensor_parallel.vocab_cross_entropy import vocab_parallel_cross_entropy
 
 __all__ = ["TensorParallel", "TPGroup", "apply_tensor_parallel", "vocab_parallel_cross_entropy"]
@@ -29,6 +30,7 @@ class TensorParallel:
 
     tp: TPGroup
     specs: dict[str, ShardSpec]
+    streams: RNGStreams | None = None  # Note [tensor-parallel RNG]
 
     def norm_weights(self, model: nn.Module) -> dict[int, float]:
         """id(parameter) -> its weight in the squared global norm (Note [global norm under tensor parallelism])."""
@@ -52,6 +54,8 @@ class TensorParallel:
         return vocab_parallel_cross_entropy(logits, target, self.tp, ignore_index)
 
 
-def apply_tensor_parallel(model: nn.Module, plan: str | dict, tp: TPGroup) -> TensorParallel:
-    """Replaces the model's layers by the plan's parallel layers, in place (Note [tensor-parallel plans])."""
-    return TensorParallel(tp, apply_plan(model, resolve_plan(model, plan), tp))
+def apply_tensor_parallel(model: nn.Module, plan: str | dict, tp: TPGroup,
+                          streams: RNGStreams | None = None) -> TensorParallel:
+    """Replaces the model's layers by the plan's parallel layers, in place (Note [tensor-parallel plans]); with
+    `streams`, dropout in the plan's split regions draws per-rank masks (Note [tensor-parallel RNG])."""
+    return TensorParallel(tp, apply_plan(model, resolve_plan(model, plan), tp, streams), streams)

@@ -13,7 +13,9 @@ style; the first glob that matches a module wins. Styles:
   replicate       left whole on every tp rank (also what a user plan does with unnamed modules)
 Linear layers may be nn.Linear or Hugging Face's Conv1D (weight stored [in, out]). A module
 replaced keeps its name, so state-dict keys stay those of the original model. A built-in plan may
-also adjust attributes the model's forward reads (head counts, widths) to their per-rank values.
+also adjust attributes the model's forward reads (head counts, widths) to their per-rank values,
+and names the modules whose dropout acts on split activations (Note [tensor-parallel RNG]); a user
+plan replaces layers only.
 `plan: "auto"` picks the built-in plan by model class; an unknown class is an error naming the
 first layer it could not place.
 """
@@ -28,6 +30,7 @@ from torch import nn
 
 from engine.tensor_parallel.layers_1d import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from engine.tensor_parallel.mappings import TPGroup
+from engine.tensor_parallel.rng import RNGStreams, Stream
 
 STYLES = ("colwise", "colwise_qkv", "colwise_gather", "rowwise", "vocab", "replicate")
 
@@ -37,6 +40,7 @@ class Plan:
     name: str
     styles: dict[str, str]  # glob -> style, in priority order
     adjust: Callable[[nn.Module, int], None] | None = field(default=None, compare=False)  # per-rank attributes
+    rng: dict[str, Stream] = field(default_factory=dict)  # glob -> dropout stream (Note [tensor-parallel RNG])
 
 
 def _divide(owner: str, attr: str, value: int, tp: int) -> int:
@@ -72,16 +76,18 @@ def _adjust_llama(model: nn.Module, tp: int) -> None:
 BUILT_IN = {
     "GPT": Plan("example GPT", {"wte": "vocab", "blocks.*.attn.c_attn": "colwise_qkv", "blocks.*.attn.c_proj": "rowwise",
                                 "blocks.*.mlp.c_fc": "colwise", "blocks.*.mlp.c_proj": "rowwise",
-                                "lm_head": "colwise_gather", "wpe": "replicate"}, _adjust_example_gpt),
+                                "lm_head": "colwise_gather", "wpe": "replicate"}, _adjust_example_gpt,
+                {"blocks.*.attn": Stream.SHARDED, "blocks.*.attn.resid_dropout": Stream.REPLICATED}),
     "GPT2LMHeadModel": Plan("Hugging Face GPT-2", {
         "transformer.wte": "vocab", "transformer.wpe": "replicate", "transformer.h.*.attn.c_attn": "colwise_qkv",
         "transformer.h.*.attn.c_proj": "rowwise", "transformer.h.*.mlp.c_fc": "colwise",
-        "transformer.h.*.mlp.c_proj": "rowwise", "lm_head": "colwise_gather"}, _adjust_gpt2),
+        "transformer.h.*.mlp.c_proj": "rowwise", "lm_head": "colwise_gather"}, _adjust_gpt2,
+        {"transformer.h.*.attn": Stream.SHARDED, "transformer.h.*.attn.resid_dropout": Stream.REPLICATED}),
     "LlamaForCausalLM": Plan("Hugging Face Llama", {
         "model.embed_tokens": "vocab", "model.layers.*.self_attn.[qkv]_proj": "colwise",
         "model.layers.*.self_attn.o_proj": "rowwise", "model.layers.*.mlp.gate_proj": "colwise",
         "model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise",
-        "lm_head": "colwise_gather"}, _adjust_llama),
+        "lm_head": "colwise_gather"}, _adjust_llama, {"model.layers.*.self_attn": Stream.SHARDED}),
 }
 
 
@@ -105,8 +111,9 @@ def resolve_plan(model: nn.Module, plan: str | dict) -> Plan:
                      f"{{module-name glob: style}} with styles {', '.join(STYLES)}")
 
 
-def apply_plan(model: nn.Module, plan: Plan, tp: TPGroup) -> dict[str, object]:
-    """Replaces the planned modules in place; returns {parameter name: ShardSpec} for the sharded ones."""
+def apply_plan(model: nn.Module, plan: Plan, tp: TPGroup, streams: RNGStreams | None = None) -> dict[str, object]:
+    """Replaces the planned modules in place and puts the plan's modules on their dropout streams; returns
+    {parameter name: ShardSpec} for the sharded parameters."""
     shared: dict = {}  # tied weights: sharded once (see layers_1d._shared_or_sharded)
     replaced = {}
     for name, module in list(model.named_modules()):
@@ -119,6 +126,11 @@ def apply_plan(model: nn.Module, plan: Plan, tp: TPGroup) -> dict[str, object]:
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
     if plan.adjust is not None:
         plan.adjust(model, tp.size)
+    if streams is not None:
+        for name, module in model.named_modules():
+            stream = next((s for glob, s in plan.rng.items() if fnmatch.fnmatchcase(name, glob)), None)
+            if stream is not None:
+                streams.attach(module, stream)
     specs = {}
     for name, layer in replaced.items():
         for pname, spec in (("weight", layer.weight_spec), ("bias", getattr(layer, "bias_spec", None))):
