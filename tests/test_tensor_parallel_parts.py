@@ -141,3 +141,12 @@ def test_dropout_draws_one_mask_on_replicated_activations_and_per_rank_masks_on_
         assert torch.equal(a, b)
     assert not torch.equal(sharded0, sharded1)  # each rank's own stream for split activations
     assert torch.equal(nested0, nested1) and torch.equal(rep0, rep1)  # the shared stream, also nested inside
+
+
+def test_a_plan_that_cannot_split_the_model_leaves_it_untouched():
+    model = tiny_gpt(n_head=2)
+    before = {name: type(m) for name, m in model.named_modules()}
+    with pytest.raises(ValueError, match="n_head = 2 is not divisible"):
+        apply_tensor_parallel(model, "auto", TPGroup(None, 4, 0))
+    assert {name: type(m) for name, m in model.named_modules()} == before
+    assert model.blocks[0].attn.n_head == 2

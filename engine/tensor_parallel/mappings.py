@@ -60,6 +60,10 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp):
+        if x._base is None and x.is_contiguous():  # a fresh layer output, no one else's view: sum in place
+            ctx.mark_dirty(x)
+            all_reduce_sum(x, tp.group, tp.counter, async_op=False)
+            return x
         return _all_reduce(x, tp)
 
     @staticmethod

@@ -39,7 +39,8 @@ STYLES = ("colwise", "colwise_qkv", "colwise_gather", "rowwise", "vocab", "repli
 class Plan:
     name: str
     styles: dict[str, str]  # glob -> style, in priority order
-    adjust: Callable[[nn.Module, int], None] | None = field(default=None, compare=False)  # per-rank attributes
+    # the attributes to set to their per-rank values (computed, and checked, before anything changes)
+    adjust: Callable[[nn.Module, int], list] | None = field(default=None, compare=False)
     rng: dict[str, Stream] = field(default_factory=dict)  # glob -> dropout stream (Note [tensor-parallel RNG])
 
 
@@ -50,27 +51,28 @@ def _divide(owner: str, attr: str, value: int, tp: int) -> int:
     return value // tp
 
 
-def _adjust_example_gpt(model: nn.Module, tp: int) -> None:
+Change = tuple[nn.Module, str, int]  # (module, attribute, its per-rank value)
+
+
+def _adjust_example_gpt(model: nn.Module, tp: int) -> list[Change]:
+    return [(module, attr, _divide(name, attr, getattr(module, attr), tp))
+            for name, module in model.named_modules() if type(module).__name__ == "CausalSelfAttention"
+            for attr in ("n_head", "n_embd")]
+
+
+def _adjust_gpt2(model: nn.Module, tp: int) -> list[Change]:
+    return [(module, attr, _divide(name, attr, getattr(module, attr), tp))
+            for name, module in model.named_modules() if type(module).__name__ == "GPT2Attention"
+            for attr in ("num_heads", "embed_dim", "split_size")]
+
+
+def _adjust_llama(model: nn.Module, tp: int) -> list[Change]:
+    """LlamaAttention reads only head_dim and num_key_value_groups, which stay; the head counts must split."""
     for name, module in model.named_modules():
-        if type(module).__name__ == "CausalSelfAttention":
-            module.n_head = _divide(name, "n_head", module.n_head, tp)
-            module.n_embd = _divide(name, "n_embd", module.n_embd, tp)
-
-
-def _adjust_gpt2(model: nn.Module, tp: int) -> None:
-    for name, module in model.named_modules():
-        if type(module).__name__ == "GPT2Attention":
-            module.num_heads = _divide(name, "num_heads", module.num_heads, tp)
-            module.embed_dim = _divide(name, "embed_dim", module.embed_dim, tp)
-            module.split_size = _divide(name, "split_size", module.split_size, tp)
-
-
-def _adjust_llama(model: nn.Module, tp: int) -> None:
-    for name, module in model.named_modules():
-        if type(module).__name__ == "LlamaAttention":  # reads head_dim and num_key_value_groups only
-            config = module.config
-            _divide(name, "num_attention_heads", config.num_attention_heads, tp)
-            _divide(name, "num_key_value_heads", config.num_key_value_heads, tp)
+        if type(module).__name__ == "LlamaAttention":
+            _divide(name, "config.num_attention_heads", module.config.num_attention_heads, tp)
+            _divide(name, "config.num_key_value_heads", module.config.num_key_value_heads, tp)
+    return []
 
 
 BUILT_IN = {
@@ -114,6 +116,7 @@ def resolve_plan(model: nn.Module, plan: str | dict) -> Plan:
 def apply_plan(model: nn.Module, plan: Plan, tp: TPGroup, streams: RNGStreams | None = None) -> dict[str, object]:
     """Replaces the planned modules in place and puts the plan's modules on their dropout streams; returns
     {parameter name: ShardSpec} for the sharded parameters."""
+    changes = plan.adjust(model, tp.size) if plan.adjust is not None else []  # raises before any change
     shared: dict = {}  # tied weights: sharded once (see layers_1d._shared_or_sharded)
     replaced = {}
     for name, module in list(model.named_modules()):
@@ -124,8 +127,8 @@ def apply_plan(model: nn.Module, plan: Plan, tp: TPGroup, streams: RNGStreams | 
     for name, layer in replaced.items():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
-    if plan.adjust is not None:
-        plan.adjust(model, tp.size)
+    for module, attr, value in changes:
+        setattr(module, attr, value)
     if streams is not None:
         for name, module in model.named_modules():
             stream = next((s for glob, s in plan.rng.items() if fnmatch.fnmatchcase(name, glob)), None)

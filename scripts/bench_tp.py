@@ -1,0 +1,155 @@
+"""1D tensor parallelism vs torch DTensor tensor parallel, gloo on CPU, same model, data and seed.
+
+    .venv/bin/python scripts/bench_tp.py                       # tp = 2 (both cores)
+    .venv/bin/python scripts/bench_tp.py --world 4 --n-head 8 --rounds 1  # tp = 4 (4 processes on 2 cores)
+
+Same harness as bench_dp.py (spawned ranks, one thread each, alternating rounds, barrier-timed
+steps, loopback bytes per rank per step). Every rank of the tp group trains on the same batches.
+The model is the example GPT with untied lm_head (DTensor's plans shard one module per weight).
+Ours: `tensor_parallel {size: world, plan: "auto"}`: vocab-parallel embedding, fused q/k/v split by
+heads, column/row-parallel MLP and attention projections, lm_head column-parallel with gathered
+logits, AdamW over the local shards. Peer: `parallelize_module` with ColwiseParallel /
+RowwiseParallel on the same layers (the embedding RowwiseParallel, i.e. split over the vocabulary;
+lm_head ColwiseParallel with replicated output), torch AdamW over its DTensor parameters. DTensor's
+ColwiseParallel splits a weight's rows contiguously, so the peer's fused q/k/v rows are first
+permuted to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (rank r's heads together): both then compute the same
+function, and the last losses agree (printed). Also printed: parameter bytes per rank.
+
+This is a benchmark script: it prints what it measured and never asserts on time.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import (KEEP_FREED_MEMORY_ENV, command_line, fmt_bytes, free_port,  # noqa: E402
+                          init_gloo, machine_line, markdown_table, spawn_ranks, write_text)
+from bench_dp import Loop, alternate_rounds, make_batches, parse_args, summarize  # noqa: E402
+
+LABELS = {"ours": "tiers 1D tensor parallel", "peer": "torch DTensor TP (parallelize_module)"}
+
+
+def build_model(args):
+    from engine.models import gpt_from_preset
+
+    torch.manual_seed(args.seed)
+    heads = {"n_head": args.n_head} if args.n_head else {}
+    return gpt_from_preset(args.model, tie_weights=False, **heads)
+
+
+def param_bytes(model) -> int:
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def ours_loop(args) -> Loop:
+    from engine import initialize
+
+    cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "tensor_parallel": {"size": args.world, "mode": "1d", "plan": "auto"}, "steps_per_print": 10**9}
+    engine = initialize(build_model(args), cfg)
+    args.param_bytes["ours"] = param_bytes(engine.module)
+    return Loop(lambda x, y: engine(x, labels=y), engine.backward, engine.step, close=engine.close)
+
+
+def _heads_together(weight: torch.Tensor, tp: int) -> torch.Tensor:
+    """Rows [q | k | v] reordered to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]: a contiguous split by tp gives
+    each rank whole heads of q, k and v."""
+    q, k, v = weight.chunk(3, dim=0)
+    return torch.cat([torch.cat([t.chunk(tp, dim=0)[r] for t in (q, k, v)], dim=0) for r in range(tp)], dim=0)
+
+
+def dtensor_loop(args) -> Loop:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = args.world
+    model = build_model(args)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.c_attn.weight.copy_(_heads_together(block.attn.c_attn.weight, tp))
+            block.attn.c_attn.bias.copy_(_heads_together(block.attn.c_attn.bias, tp))
+    mesh = init_device_mesh("cpu", (tp,))
+    parallelize_module(model, mesh, {
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "blocks.*.attn.c_attn": ColwiseParallel(), "blocks.*.attn.c_proj": RowwiseParallel(),
+        "blocks.*.mlp.c_fc": ColwiseParallel(), "blocks.*.mlp.c_proj": RowwiseParallel(),
+        "lm_head": ColwiseParallel(output_layouts=Replicate())})
+    for block in model.blocks:  # this rank's heads (the same adjustment our plan makes)
+        block.attn.n_head //= tp
+        block.attn.n_embd //= tp
+    args.param_bytes["peer"] = param_bytes(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+
+    def optimize():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Loop(lambda x, y: model(x, labels=y), lambda loss: loss.backward(), optimize)
+
+
+def rank_main(rank: int, world: int, port: int, args, results) -> None:
+    init_gloo(rank, world, port)
+    args.param_bytes = {}
+    batches = make_batches(args, 0)  # one tp group: every rank trains on the same batches
+    runs = alternate_rounds(args, {"ours": ours_loop, "peer": dtensor_loop}, batches, rank)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        results.put((runs, args.param_bytes))
+
+
+def report(args, psi: int, runs: dict, param_bytes: dict, elapsed_s: float) -> str:
+    rows_in = {s: summarize(runs[s]) for s in LABELS}
+    peer = rows_in["peer"]["step_s"]
+    unit = psi * 4
+    rows = [[LABELS[k], f"{s['step_s']:.3f}", f"{s['step_s'] / peer:.3f}", " / ".join(f"{t:.3f}" for t in s["phases"]),
+             fmt_bytes(param_bytes[k]), f"{param_bytes[k] / unit:.3f}", fmt_bytes(s["lo"]),
+             ", ".join(f"{t:.3f}" for t in s["per_round"]), f"{s['loss']:.5f}"] for k, s in rows_in.items()]
+    return "\n".join([
+        f"### 1D tensor parallel: tiers vs torch DTensor TP (tp = {args.world}, gloo, CPU, 1 thread/rank)",
+        "",
+        f"Model `{args.model}` with untied lm_head (Ψ = {psi:,}, Ψ·4B = {fmt_bytes(unit)}), micro batch "
+        f"{args.micro_batch} × seq {args.seq} (the same on every rank), AdamW lr 1e-4 fp32. Median over {args.rounds} "
+        f"alternating rounds of {args.warmup} warm-up + {args.steps} timed steps; ratio target ≤ 1.0.",
+        "",
+        markdown_table(["system", "step time (s)", "ratio vs peer", "fwd / bwd / opt (s)", "param bytes/rank",
+                        "÷ Ψ·4B", "loopback bytes/rank/step", "per-round s/step", "last loss"], rows),
+        "",
+        f"Machine: {machine_line()}",
+        f"Command: `{command_line()}` (total {elapsed_s:.0f} s)",
+    ])
+
+
+def parse(argv=None):
+    """bench_dp.py's options plus --n-head (bench30m has 10 heads: --n-head 8 for tp = 4)."""
+    import argparse
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--n-head", type=int, default=None, help="override the preset's attention heads")
+    known, rest = ap.parse_known_args(argv)
+    args = parse_args(rest)
+    args.n_head = known.n_head
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    started = time.perf_counter()
+    psi = build_model(args).num_parameters()
+    results = spawn_ranks(rank_main, args.world, args=(free_port(), args), env=KEEP_FREED_MEMORY_ENV)
+    runs, param_bytes = results[0]
+    text = report(args, psi, runs, param_bytes, time.perf_counter() - started)
+    print("\n" + text, flush=True)
+    if args.out:
+        write_text(args.out, text)
+
+
+if __name__ == "__main__":
+    main()
