@@ -53,7 +53,7 @@ if "total_num_steps" in schedule:
 torch.manual_seed(seed)
 model = gpt_from_preset(args.model, **({"block_size": args.block_size} if args.block_size else {}))
 engine = initialize(model, config)  # starts torch.distributed itself under torchrun
-master = engine.dp_rank == 0
+master = engine.topology.rank == 0  # one printer, also when tp ranks share a dp rank
 device = engine.device
 block_size = model.config.block_size
 
