@@ -241,6 +241,7 @@ class Engine:
                 if reduce_now:
                     self.reducer.finish_backward()
                     self.reducer.wait()  # gradients are reduced when backward returns, as with DDP
+                    self.reducer.raise_callback_error()
             except BaseException as e:
                 if reduce_now:
                     self.reducer.on_shard_reduced = None  # nothing more is stepped
@@ -249,7 +250,8 @@ class Engine:
                         raise RuntimeError(
                             f"backward failed after offload_optimizer.step_in_backward had updated "
                             f"{self.optimizer.stepped_early} parameter shard(s) with their final gradients: the model "
-                            "is partly updated and cannot be rolled back; restore it from a checkpoint") from e
+                            "is partly updated and cannot be rolled back; restore it from a checkpoint (build the "
+                            "engine again from saved weights)") from e
                 raise
             if reduce_now:
                 self.reducer.on_shard_reduced = None
@@ -393,7 +395,7 @@ class Engine:
                                                  keep)
         # every tp rank contributes its shards (Note [tensor-parallel plans])
         local = whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.dp_group, self.comm, True)
-        whole = self.tensor_parallel.join_state_dict(local)
+        whole = self.tensor_parallel.join_state_dict(local, self.device)
         return whole if keep else None
 
     def gathered_parameters(self, params=None, modifier_rank: int | None = None):

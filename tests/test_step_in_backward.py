@@ -130,3 +130,31 @@ def test_stepping_in_backward_needs_an_offloaded_optimizer_and_more_than_one_ran
     cfg["zero_optimization"]["offload_optimizer"]["device"] = "none"
     with pytest.raises(ConfigError, match="set zero_optimization.offload_optimizer.device to cpu or nvme"):
         initialize(tiny_gpt(), cfg)
+
+
+def _one_rank_fails_worker(rank, world, nvme_dir):
+    engine = initialize(tiny_gpt(seed=rank), early_config(2, world, nvme_dir, accumulation=1))
+    if rank == 1:  # an I/O or memory error while stepping a shard, on one rank only
+        step_early, calls = engine.optimizer.step_early, [0]
+
+        def failing_step_early(chunk):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise OSError("injected: the swap disk failed")
+            step_early(chunk)
+        engine.optimizer.step_early = failing_step_early
+    x = micro_batches(token_batches(1, GLOBAL_BATCH)[0], rank, world, 1)[0]
+    try:
+        engine.backward(engine(x, x))
+        outcome = "ok"
+    except RuntimeError as e:
+        outcome = (str(e), repr(e.__cause__))
+    engine.close()
+    return outcome
+
+
+def test_a_shard_step_failing_on_one_rank_raises_there_without_hanging_the_others(tmp_path):
+    ok, failed = run_distributed(_one_rank_fails_worker, 2, args=(str(tmp_path),), timeout_s=60)
+    assert ok == "ok"  # rank 0 finished its backward: rank 1 still launched every reduction
+    message, cause = failed
+    assert "partly updated" in message and "injected: the swap disk failed" in cause

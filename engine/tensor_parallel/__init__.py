@@ -37,16 +37,17 @@ class TensorParallel:
         sharded = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name in self.specs}
         return {id(p): 1.0 if id(p) in sharded else 1.0 / self.tp.size for p in model.parameters()}
 
-    def join_state_dict(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every rank's shards joined into whole tensors (a collective over the tp group: every tp rank calls it)."""
+    def join_state_dict(self, local: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+        """Every rank's shards joined into whole tensors, gathered through `device` (a collective over the tp
+        group: every tp rank calls it)."""
         out = dict(local)
         for key, spec in self.specs.items():
             if key not in local:
                 continue
-            shard = local[key].contiguous()
-            gathered = torch.empty((self.tp.size,) + tuple(shard.shape), dtype=shard.dtype, device=shard.device)
+            shard = local[key].to(device, copy=True)  # one tensor at a time through the device (nccl)
+            gathered = torch.empty((self.tp.size,) + tuple(shard.shape), dtype=shard.dtype, device=device)
             all_gather_into(gathered.view(-1), shard.view(-1), self.tp.group, self.tp.counter, async_op=False)
-            out[key] = join_shards(list(gathered.unbind(0)), spec)
+            out[key] = join_shards(list(gathered.unbind(0)), spec).to(local[key].device)
         return out
 
     def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

@@ -131,9 +131,9 @@ class VocabParallelEmbedding(nn.Module):
     @classmethod
     def from_module(cls, module: nn.Embedding, tp: TPGroup, name: str,
                     shared: dict | None = None) -> "VocabParallelEmbedding":
-        if module.max_norm is not None or module.sparse:
-            raise ValueError(f"{name}: an embedding with max_norm or sparse gradients cannot be split over the "
-                             "vocabulary; keep it replicated in tensor_parallel.plan")
+        if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
+            raise ValueError(f"{name}: an embedding with max_norm, sparse gradients or scale_grad_by_freq cannot be "
+                             "split over the vocabulary; keep it replicated in tensor_parallel.plan")
         weight = _shared_or_sharded(module.weight, ShardSpec(0), tp, f"{name}.weight", shared)
         return cls(weight, module.num_embeddings, module.padding_idx, tp)
 

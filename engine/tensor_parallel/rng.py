@@ -51,13 +51,16 @@ class RNGStreams:
     def __init__(self, tp: TPGroup, device: torch.device):
         self.device = device
         source = dist.get_global_rank(tp.group, 0)
-        states = _get_state(device)
-        for state in states:  # the default stream: tp rank 0's on every rank of the group
-            dist.broadcast(state, src=source, group=tp.group)
-        _set_state(states, device)
-        seed = torch.tensor([torch.initial_seed()], dtype=torch.int64)
-        dist.broadcast(seed, src=source, group=tp.group)  # then the per-rank seeds differ by tp_rank alone
-        seed = int(seed.item())
+
+        def from_first_rank(t: torch.Tensor) -> torch.Tensor:  # via the device: nccl takes no CPU tensors
+            moved = t.to(device)
+            dist.broadcast(moved, src=source, group=tp.group)
+            return moved.cpu()
+
+        # the default stream: tp rank 0's on every rank of the group
+        _set_state([from_first_rank(state) for state in _get_state(device)], device)
+        # the per-rank seeds then differ by tp_rank alone
+        seed = int(from_first_rank(torch.tensor([torch.initial_seed()], dtype=torch.int64)).item())
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed((seed + SHARDED_STREAM_OFFSET + tp.rank) % 2**63)
             self._saved = {Stream.SHARDED: _get_state(device)}

@@ -67,6 +67,7 @@ class GradReducer:
         # set by the engine for a backward whose shards are final (Note [stepping in backward]): called with a
         # chunk index once that chunk's reduced shard is retired
         self.on_shard_reduced = None
+        self._callback_error: BaseException | None = None
 
     def arm(self) -> None:
         """The coming backward ends the accumulation: reduce chunks as they complete."""
@@ -81,6 +82,7 @@ class GradReducer:
         """After a failed backward: launch nothing more from hooks, and let what was launched finish now
         (every rank launched the same prefix of the sequence), so no late reduction lands in a later step."""
         self._armed = False
+        self.on_shard_reduced = None  # a failed backward updates nothing more
         self.wait()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
@@ -155,7 +157,17 @@ class GradReducer:
     def _retire(self, index: int) -> None:
         self._sharded_grads.retire(index)
         if self.on_shard_reduced is not None:
-            self.on_shard_reduced(index)
+            try:
+                self.on_shard_reduced(index)
+            except BaseException as e:
+                # kept, not raised: this rank must go on launching the same reductions as the others, or they hang
+                self.on_shard_reduced, self._callback_error = None, e
+
+    def raise_callback_error(self) -> None:
+        """Raises what on_shard_reduced raised during the last backward, once every reduction has finished."""
+        error, self._callback_error = self._callback_error, None
+        if error is not None:
+            raise error
 
     def remove_hooks(self) -> None:
         for h in self._handles:
