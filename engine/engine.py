@@ -244,8 +244,7 @@ class Engine:
                     self.reducer.raise_callback_error()
             except BaseException as e:
                 if reduce_now:
-                    self.reducer.on_shard_reduced = None  # nothing more is stepped
-                    self.reducer.disarm()
+                    self.reducer.disarm()  # also drops the step callback: nothing more is stepped
                     if self._steps_in_backward and self.optimizer.stepped_early:
                         raise RuntimeError(
                             f"backward failed after offload_optimizer.step_in_backward had updated "

@@ -137,7 +137,7 @@ def main(argv=None) -> None:
             + f"; manager counters, rank 0, whole run ({ranks[0]['steps']} steps): "
             + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in ranks[0]["counters"].items()))
     text = "\n".join([
-        f"### ZeRO stage 3 through NVMe (2 ranks, gloo, CPU, 1 thread/rank)",
+        "### ZeRO stage 3 through NVMe (2 ranks, gloo, CPU, 1 thread/rank)",
         "",
         f"Model `{args.model}` (Ψ = {psi:,}; model state 16Ψ/2 = {fmt_bytes(8 * psi)} per rank), micro batch "
         f"{args.micro_batch} × seq {args.seq} per rank, AdamW fp32, memory.cpu_budget {args.cpu_budget} per rank. "
