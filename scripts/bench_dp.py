@@ -151,19 +151,16 @@ def ddp_loop(args) -> Loop:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = DDP(build_model(args), gradient_as_bucket_view=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
-
-    def optimize():
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return Loop(lambda x, y: model(x, labels=y), lambda loss: loss.backward(), optimize)
+    return torch_loop(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True))
 
 
 def floor_loop(args) -> Loop:
     model = build_model(args)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+    return torch_loop(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True))
 
+
+def torch_loop(model, opt) -> Loop:
+    """A peer's plain torch step: forward with labels, loss.backward(), opt.step(), zero_grad(set_to_none)."""
     def optimize():
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (KEEP_FREED_MEMORY_ENV, command_line, fmt_bytes, free_port,  # noqa: E402
                           init_gloo, machine_line, markdown_table, spawn_ranks, write_text)
-from bench_dp import Loop, alternate_rounds, make_batches, parse_args, summarize  # noqa: E402
+from bench_dp import Loop, alternate_rounds, make_batches, parse_args, summarize, torch_loop  # noqa: E402
 
 LABELS = {"ours": "tiers 1D tensor parallel", "peer": "torch DTensor TP (parallelize_module)"}
 
@@ -86,13 +86,7 @@ def dtensor_loop(args) -> Loop:
         block.attn.n_head //= tp
         block.attn.n_embd //= tp
     args.param_bytes["peer"] = param_bytes(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-
-    def optimize():
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return Loop(lambda x, y: model(x, labels=y), lambda loss: loss.backward(), optimize)
+    return torch_loop(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0))
 
 
 def rank_main(rank: int, world: int, port: int, args, results) -> None:

@@ -33,7 +33,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (KEEP_FREED_MEMORY_ENV, command_line, fmt_bytes, free_port,  # noqa: E402
                           init_gloo, machine_line, markdown_table, spawn_ranks, write_text)
-from bench_dp import Loop, alternate_rounds, build_model, engine_config, make_batches, parse_args, summarize  # noqa: E402
+from bench_dp import (Loop, alternate_rounds, build_model, engine_config, make_batches, parse_args,  # noqa: E402
+                      summarize, torch_loop)
 
 SYSTEMS = ("ours", "peer")
 PEERS = {1: "torch ZeroRedundancyOptimizer + DDP", 2: "torch DDP", 3: "torch FSDP2 (fully_shard per block)"}
@@ -70,13 +71,7 @@ def fsdp2_loop(args) -> Loop:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-
-    def optimize():
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return Loop(lambda x, y: model(x, labels=y), lambda loss: loss.backward(), optimize)
+    return torch_loop(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0))
 
 
 def peer_loop(args) -> Loop:
@@ -91,12 +86,7 @@ def peer_loop(args) -> Loop:
                                       weight_decay=0.0, fused=True)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
-
-    def optimize():
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return Loop(lambda x, y: model(x, labels=y), lambda loss: loss.backward(), optimize)
+    return torch_loop(model, opt)
 
 
 def rank_main(rank: int, world: int, port: int, args, results) -> None:
