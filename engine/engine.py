@@ -332,7 +332,7 @@ class Engine:
             return False
         # per-parameter norms, then the norm of those (as torch's clip_grad_norm_): one fp32
         # reduction over a whole multi-million-element chunk loses ~1e-5 of relative accuracy
-        pieces = self.chunked.weighted_grad_norm_pieces()
+        pieces = self.chunked.grad_norm_pieces()
         if not self.chunked.sharded and self.topology.tp_size == 1:
             norms = torch._foreach_norm([piece for piece, _ in pieces], 2.0)
             total = torch.linalg.vector_norm(torch.stack(norms), 2.0).item()

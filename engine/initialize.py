@@ -76,7 +76,7 @@ def initialize(
     if optimizer is not None and model_parameters is not None:
         raise ValueError("model_parameters is for the config's optimizer; a passed optimizer already names its parameters")
 
-    topology = Topology.from_environment(tp_size=cfg.tensor_parallel.size, tp_mode=cfg.tensor_parallel.mode)
+    topology = Topology.from_environment(tp_size=cfg.tensor_parallel.size)
     batch = cfg.batch_sizes(topology.dp_world_size)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)

@@ -4,16 +4,13 @@ Note [dp x tp layout]
 world = dp × tp, tensor-parallel ranks adjacent (as Megatron and torchtitan lay them out: a tp
 group is one node's fast links): global rank = dp_rank * tp + tp_rank. tp group d holds ranks
 d*tp .. d*tp + tp - 1; dp group t holds ranks t, t + tp, t + 2tp, ... (the same tp_rank in every
-tp group, i.e. the same shard of every tensor-parallel weight). 2D tensor parallelism lays its
-tp = q² ranks out as a q × q mesh, row-major: tp_rank = row * q + col, with one group per row and
-one per column. Every rank creates every group, in the same order (torch.distributed.new_group
-requires it).
+tp group, i.e. the same shard of every tensor-parallel weight). Every rank creates every group,
+in the same order (torch.distributed.new_group requires it).
 """
 
 from __future__ import annotations
 
 import datetime
-import math
 import os
 from dataclasses import dataclass
 
@@ -59,21 +56,13 @@ class Topology:
     tp_group: dist.ProcessGroup | None = None  # None: no tensor parallelism (tp_size 1)
     tp_size: int = 1
     tp_rank: int = 0
-    tp_mode: str = "1d"
-    tp_row_group: dist.ProcessGroup | None = None  # 2D: this rank's row and column of the q x q mesh
-    tp_col_group: dist.ProcessGroup | None = None
 
     @property
     def is_distributed(self) -> bool:
         return self.dp_world_size > 1
 
-    @property
-    def mesh_side(self) -> int:
-        """2D: q, the side of the q x q mesh."""
-        return math.isqrt(self.tp_size)
-
     @classmethod
-    def from_environment(cls, device: torch.device | None = None, tp_size: int = 1, tp_mode: str = "1d") -> "Topology":
+    def from_environment(cls, device: torch.device | None = None, tp_size: int = 1) -> "Topology":
         device = device or compute_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)  # also when the caller created the process group
@@ -86,18 +75,15 @@ class Topology:
         world, rank = dist.get_world_size(), dist.get_rank()
         if tp_size == 1:
             return cls(world, rank, None, world, rank, device)
-        return cls._with_tensor_parallel(world, rank, device, tp_size, tp_mode)
+        return cls._with_tensor_parallel(world, rank, device, tp_size)
 
     @classmethod
-    def _with_tensor_parallel(cls, world: int, rank: int, device: torch.device, tp: int, mode: str) -> "Topology":
+    def _with_tensor_parallel(cls, world: int, rank: int, device: torch.device, tp: int) -> "Topology":
         if world % tp:
             raise ValueError(f"tensor_parallel.size {tp} must divide the world size {world} (world = dp × tp); "
                              f"use a size that divides {world}, or launch a multiple of {tp} processes")
-        q = math.isqrt(tp)
-        if mode == "2d" and q * q != tp:
-            raise ValueError(f"tensor_parallel.size {tp} with mode \"2d\" must be a square (q × q mesh): 4, 9, 16, ...")
         dp = world // tp
-        tp_group = dp_group = row_group = col_group = None
+        tp_group = dp_group = None
         for d in range(dp):  # every rank creates every group, in the same order
             group = dist.new_group(list(range(d * tp, (d + 1) * tp)))
             if rank // tp == d:
@@ -106,13 +92,4 @@ class Topology:
             group = dist.new_group(list(range(t, world, tp)))  # size 1 when dp = 1: never the world group
             if rank % tp == t:
                 dp_group = group
-        if mode == "2d":
-            for d in range(dp):
-                for i in range(q):
-                    row = dist.new_group([d * tp + i * q + j for j in range(q)])
-                    col = dist.new_group([d * tp + j * q + i for j in range(q)])
-                    if rank // tp == d and (rank % tp) // q == i:
-                        row_group = row
-                    if rank // tp == d and (rank % tp) % q == i:
-                        col_group = col
-        return cls(world, rank, dp_group, dp, rank // tp, device, tp_group, tp, rank % tp, mode, row_group, col_group)
+        return cls(world, rank, dp_group, dp, rank // tp, device, tp_group, tp, rank % tp)

@@ -161,12 +161,9 @@ class ChunkedParams:
         lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + n)
         return (start, lo, hi) if lo < hi else None
 
-    def _pieces(self, index: int, owned: torch.Tensor) -> list[torch.Tensor]:
-        """`owned` (this rank's elements of chunk `index`) cut at parameter boundaries."""
-        return [piece for piece, _ in self._weighted_pieces(index, owned)]
-
-    def _weighted_pieces(self, index: int, owned: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
-        """The same pieces, each with its parameter's norm weight."""
+    def _norm_pieces(self, index: int, owned: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
+        """`owned` (this rank's elements of chunk `index`) cut at parameter boundaries, each piece with its
+        parameter's norm weight."""
         pieces = []
         for slot, p in zip(self._slots_by_chunk[index], self._params_by_chunk[index]):
             part = self._owned_range(index, slot)
@@ -245,19 +242,15 @@ class ChunkedParams:
         """The gradient elements this rank updates from: its shard of every grad chunk (all of them unsharded)."""
         return [grads for _, group_grads in self._stepped for grads in group_grads]
 
-    def grad_norm_pieces(self) -> list[torch.Tensor]:
-        """This rank's owned gradient elements cut at parameter boundaries: norms taken per piece (as
-        torch's clip_grad_norm_ takes them per parameter) keep fp32 accuracy; summing their squares over
-        the shard group gives the global norm."""
-        return [piece for piece, _ in self.weighted_grad_norm_pieces()]
-
-    def weighted_grad_norm_pieces(self) -> list[tuple[torch.Tensor, float]]:
-        """The same pieces, each with its parameter's share of the squared global norm (Note [global norm
-        under tensor parallelism])."""
+    def grad_norm_pieces(self) -> list[tuple[torch.Tensor, float]]:
+        """The gradient elements this rank owns cut at parameter boundaries (norms taken per piece, as torch's
+        clip_grad_norm_ takes them per parameter, keep fp32 accuracy; one fp32 reduction over a whole chunk loses
+        ~1e-5), each with its parameter's share of the squared global norm (Note [global norm under tensor
+        parallelism]); summing over the shard group gives the global norm."""
         if not self.sharded and self.masters is None:
             return [(p.grad, self.norm_weights.get(id(p), 1.0)) for p in self.params]
         # cut from the stepped gradients: this rank's shards, or the fp32 masters' gradients
-        return [wp for index, owned in enumerate(self.grad_shards()) for wp in self._weighted_pieces(index, owned)]
+        return [wp for index, owned in enumerate(self.grad_shards()) for wp in self._norm_pieces(index, owned)]
 
     @property
     def grads_managed(self) -> bool:
@@ -266,7 +259,7 @@ class ChunkedParams:
 
     def streamed_grad_square_sum(self) -> torch.Tensor:
         """Note [offloaded gradient shards]: the sum of squares of this rank's per-parameter gradient norms
-        (as grad_norm_pieces cuts them), reading one managed shard at a time; float64."""
+        (as grad_norm_pieces cuts and weighs them), reading one managed shard at a time; float64."""
         total = torch.zeros((), dtype=torch.float64)
         for index in range(len(self._slots_by_chunk)):
             total += self.grad_square_sum(index)
@@ -275,7 +268,7 @@ class ChunkedParams:
     def grad_square_sum(self, index: int) -> torch.Tensor:
         """The same sum over managed gradient shard `index` alone."""
         with self.sharded_grads.shard(index, writes=False) as shard:
-            return weighted_square_sum(self._weighted_pieces(index, shard)).cpu()
+            return weighted_square_sum(self._norm_pieces(index, shard)).cpu()
 
     def stepped_grad_chunks(self) -> dict[int, int]:
         """id(stepped tensor) -> the manager chunk of its gradient shard, when those are managed."""
