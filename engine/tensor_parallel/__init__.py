@@ -9,7 +9,7 @@ gradient on every tp rank, so each rank counts it with weight 1/tp before the sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ class TensorParallel:
     tp: TPGroup
     specs: dict[str, ShardSpec]
     streams: RNGStreams | None = None  # Note [tensor-parallel RNG]
+    tied: dict[str, str] = field(default_factory=dict)  # name -> the first name of the same (tied) parameter
 
     def norm_weights(self, model: nn.Module) -> dict[int, float]:
         """id(parameter) -> its weight in the squared global norm (Note [global norm under tensor parallelism])."""
@@ -42,12 +43,15 @@ class TensorParallel:
         group: every tp rank calls it)."""
         out = dict(local)
         for key, spec in self.specs.items():
-            if key not in local:
+            if key not in local or key in self.tied:
                 continue
             shard = local[key].to(device, copy=True)  # one tensor at a time through the device (nccl)
             gathered = torch.empty((self.tp.size,) + tuple(shard.shape), dtype=shard.dtype, device=device)
             all_gather_into(gathered.view(-1), shard.view(-1), self.tp.group, self.tp.counter, async_op=False)
             out[key] = join_shards(list(gathered.unbind(0)), spec).to(local[key].device)
+        for key, first in self.tied.items():  # a tied weight (lm_head = embedding) is gathered once
+            if key in local:
+                out[key] = out[first]
         return out
 
     def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -59,4 +63,10 @@ def apply_tensor_parallel(model: nn.Module, plan: str | dict, tp: TPGroup,
                           streams: RNGStreams | None = None) -> TensorParallel:
     """Replaces the model's layers by the plan's parallel layers, in place (Note [tensor-parallel plans]); with
     `streams`, dropout in the plan's split regions draws per-rank masks (Note [tensor-parallel RNG])."""
-    return TensorParallel(tp, apply_plan(model, resolve_plan(model, plan), tp, streams), streams)
+    specs = apply_plan(model, resolve_plan(model, plan), tp, streams)
+    first: dict[int, str] = {}
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):  # in model order: the first name comes first
+        if name in specs and first.setdefault(id(p), name) != name:
+            tied[name] = first[id(p)]
+    return TensorParallel(tp, specs, streams, tied)
