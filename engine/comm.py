@@ -18,16 +18,19 @@ class CommCounter:
     broadcast_bytes: int = 0
     reduce_scatter_bytes: int = 0
     all_gather_bytes: int = 0
+    reduce_bytes: int = 0  # the tensor reduced to one rank (2D tensor parallelism)
 
     @property
     def total_bytes(self) -> int:
-        return self.all_reduce_bytes + self.broadcast_bytes + self.reduce_scatter_bytes + self.all_gather_bytes
+        return (self.all_reduce_bytes + self.broadcast_bytes + self.reduce_scatter_bytes + self.all_gather_bytes
+                + self.reduce_bytes)
 
     def ring_bytes(self, world: int) -> float:
         """Bytes each rank sends over a ring for these collectives: an all-reduce of n bytes sends
-        2(w-1)/w·n, a reduce-scatter or all-gather of n bytes (w-1)/w·n, a broadcast n (at most)."""
+        2(w-1)/w·n, a reduce-scatter or all-gather of n bytes (w-1)/w·n, a broadcast or reduce n (at most)."""
         part = (world - 1) / world
-        return (2 * self.all_reduce_bytes + self.reduce_scatter_bytes + self.all_gather_bytes) * part + self.broadcast_bytes
+        return ((2 * self.all_reduce_bytes + self.reduce_scatter_bytes + self.all_gather_bytes) * part
+                + self.broadcast_bytes + self.reduce_bytes)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None, counter: CommCounter, *, async_op: bool):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import os
 from dataclasses import dataclass, field
@@ -379,8 +380,9 @@ def _reject_not_yet_supported(cfg: Config) -> None:
          "remove the key"),
         (zero.placement != "static", "zero_optimization.placement", zero.placement,
          "automatic placement is not supported yet; use \"static\""),
-        (cfg.tensor_parallel.size != 1 and cfg.tensor_parallel.mode == "2d", "tensor_parallel.mode", "2d",
-         "2D tensor parallelism is not supported yet; use \"1d\""),
+        (cfg.tensor_parallel.mode == "2d" and cfg.tensor_parallel.size != 1 and not _is_mesh(cfg.tensor_parallel.size), "tensor_parallel.size",
+         cfg.tensor_parallel.size, "mode \"2d\" runs on a q×q mesh, so the size must be a square q² with q ≥ 2 "
+         "(4, 9, 16, ...); use such a size, or mode \"1d\""),
         (cfg.memory.device_budget is not None, "memory.device_budget", cfg.memory.device_budget,
          "a device budget is not supported yet; remove the key"),
         (cfg.memory.budget_bytes("cpu_budget") is not None and zero.offload_optimizer.device in ("none", None),
@@ -437,3 +439,7 @@ def _replace(cfg: Config, **changes: Any) -> Config:
 
 
 __all__ = ["Config", "ConfigError", "BatchSizes", "load_config", "resolve_batch_sizes"]
+
+
+def _is_mesh(size: int) -> bool:
+    return size >= 4 and math.isqrt(size) ** 2 == size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import os
 from typing import Callable, Iterable
 
@@ -16,7 +17,7 @@ from engine.lr_schedules import build_lr_scheduler
 from engine.monitor import Monitor
 from engine.optim import build_optimizer
 from engine.precision import PrecisionPolicy, build_loss_scaler
-from engine.tensor_parallel import TensorParallel, TPGroup, apply_tensor_parallel
+from engine.tensor_parallel import Mesh2D, TensorParallel, TPGroup, apply_tensor_parallel
 from engine.tensor_parallel.rng import RNGStreams
 from engine.topology import Topology
 from engine.zero.chunked_params import ChunkedParams
@@ -76,7 +77,7 @@ def initialize(
     if optimizer is not None and model_parameters is not None:
         raise ValueError("model_parameters is for the config's optimizer; a passed optimizer already names its parameters")
 
-    topology = Topology.from_environment(tp_size=cfg.tensor_parallel.size)
+    topology = Topology.from_environment(tp_size=cfg.tensor_parallel.size, tp_mode=cfg.tensor_parallel.mode)
     batch = cfg.batch_sizes(topology.dp_world_size)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
@@ -143,7 +144,12 @@ def _tensor_parallel(cfg: Config, model: nn.Module, topology: Topology, optimize
     with torch.no_grad():  # the plan slices whole weights: every tp rank starts from its group's first rank's
         for t in list(model.parameters()) + list(model.buffers()):
             broadcast_from(t.data, 0, tp.group, tp.counter)
-    return apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp, RNGStreams(tp, topology.device))
+    mesh = None
+    if cfg.tensor_parallel.mode == "2d":  # Note [2D tensor parallelism]: one byte counter for the three groups
+        q = math.isqrt(tp.size)
+        mesh = Mesh2D(q, TPGroup(topology.tp_row_group, q, tp.rank % q, tp.counter),
+                      TPGroup(topology.tp_col_group, q, tp.rank // q, tp.counter), tp)
+    return apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp, RNGStreams(tp, topology.device), mesh)
 
 
 def _check_step_in_backward(cfg: Config, chunked: ChunkedParams, topology: Topology) -> None:

@@ -6,11 +6,17 @@ group is one node's fast links): global rank = dp_rank * tp + tp_rank. tp group 
 d*tp .. d*tp + tp - 1; dp group t holds ranks t, t + tp, t + 2tp, ... (the same tp_rank in every
 tp group, i.e. the same shard of every tensor-parallel weight). Every rank creates every group,
 in the same order (torch.distributed.new_group requires it).
+
+Under 2D tensor parallelism (tp = q²) the tp group is a q×q mesh, row-major: tp rank t sits at row
+t // q, column t % q. A row group holds the q ranks of one row (one batch block, every hidden
+block), a column group the q ranks of one column (one hidden block, every batch block).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import math
 import os
 from dataclasses import dataclass
 
@@ -56,13 +62,15 @@ class Topology:
     tp_group: dist.ProcessGroup | None = None  # None: no tensor parallelism (tp_size 1)
     tp_size: int = 1
     tp_rank: int = 0
+    tp_row_group: dist.ProcessGroup | None = None  # 2D only: this rank's row of the q×q mesh
+    tp_col_group: dist.ProcessGroup | None = None  # 2D only: this rank's column
 
     @property
     def is_distributed(self) -> bool:
         return self.dp_world_size > 1
 
     @classmethod
-    def from_environment(cls, device: torch.device | None = None, tp_size: int = 1) -> "Topology":
+    def from_environment(cls, device: torch.device | None = None, tp_size: int = 1, tp_mode: str = "1d") -> "Topology":
         device = device or compute_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)  # also when the caller created the process group
@@ -75,7 +83,8 @@ class Topology:
         world, rank = dist.get_world_size(), dist.get_rank()
         if tp_size == 1:
             return cls(world, rank, None, world, rank, device)
-        return cls._with_tensor_parallel(world, rank, device, tp_size)
+        topology = cls._with_tensor_parallel(world, rank, device, tp_size)
+        return topology._with_mesh() if tp_mode == "2d" else topology
 
     @classmethod
     def _with_tensor_parallel(cls, world: int, rank: int, device: torch.device, tp: int) -> "Topology":
@@ -93,3 +102,22 @@ class Topology:
             if rank % tp == t:
                 dp_group = group
         return cls(world, rank, dp_group, dp, rank // tp, device, tp_group, tp, rank % tp)
+
+    def _with_mesh(self) -> "Topology":
+        """This topology with the row and column groups of every tp group's q×q mesh."""
+        q = math.isqrt(self.tp_size)
+        if q * q != self.tp_size or q < 2:
+            raise ValueError(f"tensor_parallel.size {self.tp_size} with mode \"2d\" must be a square q² (4, 9, 16, ...), "
+                             "one rank per block of the q×q mesh; use a square size, or mode \"1d\"")
+        row_group = col_group = None
+        mesh_row, mesh_col = divmod(self.tp_rank, q)
+        for d in range(self.dp_world_size):  # every rank creates every group, in the same order
+            first = d * self.tp_size
+            for i in range(q):
+                rows = dist.new_group([first + i * q + j for j in range(q)])
+                cols = dist.new_group([first + j * q + i for j in range(q)])
+                if self.dp_rank == d and mesh_row == i:
+                    row_group = rows
+                if self.dp_rank == d and mesh_col == i:
+                    col_group = cols
+        return dataclasses.replace(self, tp_row_group=row_group, tp_col_group=col_group)

@@ -328,6 +328,12 @@ def test_literal_choices_are_listed():
            '"static" or "auto"')
 
 
+@pytest.mark.parametrize("size", [2, 8])
+def test_2d_tensor_parallelism_needs_a_square_size(size):
+    raw = {"tensor_parallel": {"size": size, "mode": "2d"}}
+    raises(raw, f"tensor_parallel.size: {size}", "must be a square q² with q ≥ 2", "mode \"1d\"")
+
+
 def test_literal_choices_are_case_insensitive():
     assert load_config({"tensor_parallel": {"mode": "2D"}}).tensor_parallel.mode == "2d"
     assert load_config({"zero_optimization": {"offload_optimizer": {"device": "None"}}}).zero_optimization.offload_optimizer.device == "none"
@@ -356,7 +362,6 @@ def test_float_written_integers_are_accepted_as_ints():
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
          "zero_optimization.offload_optimizer.ratio", "0.5"),
         ({"zero_optimization": {"placement": "auto"}}, "zero_optimization.placement", '"auto"'),
-        ({"tensor_parallel": {"size": 4, "mode": "2d"}}, "tensor_parallel.mode", '"2d"'),
         ({"memory": {"device_budget": "8GB"}}, "memory.device_budget", '"8GB"'),
         ({"memory": {"device_budget": 1 << 30}}, "memory.device_budget", str(1 << 30)),
         ({"memory": {"cpu_budget": "64GB"}}, "memory.cpu_budget", '"64GB"'),  # without optimizer offload

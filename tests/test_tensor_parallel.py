@@ -1,5 +1,5 @@
-"""1D tensor parallelism (engine/tensor_parallel): the sharded model equals single-process PyTorch on the
-same global batch (losses 1e-4 relative, full_state_dict after training), alone and under ZeRO."""
+"""Tensor parallelism (engine/tensor_parallel), 1D and 2D: the sharded model equals single-process PyTorch on
+the same global batch (losses 1e-4 relative, full_state_dict after training), alone and under ZeRO."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ STEPS = 3
 GLOBAL_BATCH = 8
 
 
-def tp_config(tp: int, dp: int, accumulation: int = 1, stage: int = 0, **extra) -> dict:
+def tp_config(tp: int, dp: int, accumulation: int = 1, stage: int = 0, mode: str = "1d", **extra) -> dict:
     return {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp // accumulation,
             "gradient_accumulation_steps": accumulation,
             "optimizer": {"type": "AdamW", "params": ADAMW},
             "gradient_clipping": 1.0,
-            "tensor_parallel": {"size": tp, "mode": "1d", "plan": "auto"},
+            "tensor_parallel": {"size": tp, "mode": mode, "plan": "auto"},
             "zero_optimization": {"stage": stage, "chunk_size": 20_000, "stage3_param_persistence_threshold": 0},
             "steps_per_print": 10**6, **extra}
 
@@ -63,9 +63,9 @@ def reference(model: str) -> tuple:
     return _references[model]
 
 
-def _tp_worker(rank, world, model, tp, stage, accumulation):
+def _tp_worker(rank, world, model, tp, stage, accumulation, mode):
     dp = world // tp
-    engine = initialize(build(model, seed=rank), tp_config(tp, dp, accumulation, stage))
+    engine = initialize(build(model, seed=rank), tp_config(tp, dp, accumulation, stage, mode))
     assert (engine.topology.tp_size, engine.dp_world_size) == (tp, dp)
     local_param_numel = sum(p.numel() for p in engine.module.parameters())
     losses, norms = [], []
@@ -82,15 +82,17 @@ def _tp_worker(rank, world, model, tp, stage, accumulation):
     return losses, norms, full, local_param_numel, engine.dp_rank, set(engine.tensor_parallel.specs)
 
 
-LAYOUTS = [(2, 2, 0, 1), (4, 4, 0, 2), (4, 2, 2, 1), (4, 2, 3, 1)]  # world, tp, ZeRO stage, accumulation
+# world, tp, ZeRO stage, accumulation, mode
+LAYOUTS = [(2, 2, 0, 1, "1d"), (4, 4, 0, 2, "1d"), (4, 2, 2, 1, "1d"), (4, 2, 3, 1, "1d"), (4, 4, 0, 2, "2d")]
 
 
 @pytest.mark.parametrize("model", ["gpt", "gpt2", "llama"])
-@pytest.mark.parametrize("world,tp,stage,accumulation", LAYOUTS, ids=["tp2", "tp4", "dp2xtp2-zero2", "dp2xtp2-zero3"])
-def test_tensor_parallel_matches_single_process(model, world, tp, stage, accumulation):
-    model = "llama8" if model == "llama" and tp == 4 else model
+@pytest.mark.parametrize("world,tp,stage,accumulation,mode", LAYOUTS,
+                         ids=["tp2", "tp4", "dp2xtp2-zero2", "dp2xtp2-zero3", "2x2-2d"])
+def test_tensor_parallel_matches_single_process(model, world, tp, stage, accumulation, mode):
+    model = "llama8" if model == "llama" and tp == 4 and mode == "1d" else model
     ref_losses, ref_norms, ref_params, ref_keys = reference(model)
-    results = run_distributed(_tp_worker, world, args=(model, tp, stage, accumulation))
+    results = run_distributed(_tp_worker, world, args=(model, tp, stage, accumulation, mode))
     dp = world // tp
     mean_losses = [sum(r[0][i] for r in results) / world for i in range(STEPS)]  # each dp group's mean, averaged
     assert_close_relative(mean_losses, ref_losses, rtol=TP_RTOL)
@@ -99,10 +101,12 @@ def test_tensor_parallel_matches_single_process(model, world, tp, stage, accumul
         assert_close_relative(norms, ref_norms, rtol=TP_RTOL)
         assert list(full) == ref_keys
         assert_params_close({k: full[k] for k in ref_params}, ref_params, rtol=TP_RTOL)
-        # parameter elements per rank: 1/tp of the sharded layers plus the replicated small tensors
+        # parameter elements per rank: 1/tp (1D) or 1/q² (2D, tp = q²) of the sharded layers plus the
+        # replicated small tensors; under 2D nothing is replicated
         replicated = sum(p.numel() for name, p in ref_params.items() if name not in sharded)
         assert local_numel == (whole - replicated) / tp + replicated
         assert replicated < 0.1 * whole, (replicated, whole)
+        assert mode == "1d" or replicated == 0
     for i in range(len(results)):  # ranks of one tp group see the same loss
         assert results[i][0] == results[i - i % tp][0]
     assert dp == len({r[4] for r in results})

@@ -85,28 +85,28 @@ TP2 = TPGroup(None, 2, 0)
 
 def test_auto_on_an_unknown_model_names_the_first_module_it_cannot_place():
     model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4))
-    with pytest.raises(ValueError, match=r"no built-in plan for Sequential .* cannot place module '0'"):
+    with pytest.raises(ValueError, match=r"no built-in 1d plan for Sequential .* cannot place module '0'"):
         apply_tensor_parallel(model, "auto", TP2)
 
 
 def test_plan_errors_name_the_module_and_the_fix():
-    with pytest.raises(ValueError, match=r"tensor_parallel.plan\['lm_head'\]: unknown style 'column'"):
+    with pytest.raises(ValueError, match=r"tensor_parallel.plan\['lm_head'\]: style 'column' is not a 1d style"):
         apply_tensor_parallel(tiny_gpt(n_head=4), {"lm_head": "column"}, TP2)
     with pytest.raises(ValueError, match=r"style \"vocab\" is for nn.Embedding, but 'lm_head' is a Linear"):
         apply_tensor_parallel(tiny_gpt(n_head=4), {"lm_head": "vocab"}, TP2)
     with pytest.raises(ValueError, match=r"lm_head.weight is tied to wte.weight, which the plan splits differently"):
         apply_tensor_parallel(tiny_gpt(n_head=4), {"wte": "vocab", "lm_head": "rowwise"}, TP2)
-    with pytest.raises(ValueError, match=r"blocks.0.attn.n_head = 2 is not divisible by tensor_parallel.size 4"):
+    with pytest.raises(ValueError, match=r"blocks.0.attn.n_head = 2 does not split into 4 tensor-parallel parts"):
         apply_tensor_parallel(tiny_gpt(n_head=2), "auto", TPGroup(None, 4, 0))
-    with pytest.raises(ValueError, match=r"no built-in plan 'Bert'"):
+    with pytest.raises(ValueError, match=r"no built-in 1d plan 'Bert'"):
         apply_tensor_parallel(tiny_gpt(n_head=4), "Bert", TP2)
 
 
 def test_tensor_parallel_needs_as_many_processes_and_a_config_optimizer():
     with pytest.raises(ValueError, match="tensor_parallel.size 2 needs 2 processes"):
         initialize(tiny_gpt(n_head=4), tp_config(2, 1))
-    with pytest.raises(ConfigError, match="2D tensor parallelism is not supported yet"):
-        initialize(tiny_gpt(n_head=4), {**tp_config(4, 1), "tensor_parallel": {"size": 4, "mode": "2d"}})
+    with pytest.raises(ConfigError, match="tensor_parallel.size: 2 .* must be a square"):
+        initialize(tiny_gpt(n_head=4), {**tp_config(2, 1), "tensor_parallel": {"size": 2, "mode": "2d"}})
 
 
 # --- dropout streams (Note [tensor-parallel RNG]) ---------------------------------------------
@@ -146,7 +146,7 @@ def test_dropout_draws_one_mask_on_replicated_activations_and_per_rank_masks_on_
 def test_a_plan_that_cannot_split_the_model_leaves_it_untouched():
     model = tiny_gpt(n_head=2)
     before = {name: type(m) for name, m in model.named_modules()}
-    with pytest.raises(ValueError, match="n_head = 2 is not divisible"):
+    with pytest.raises(ValueError, match="n_head = 2 does not split into 4"):
         apply_tensor_parallel(model, "auto", TPGroup(None, 4, 0))
     assert {name: type(m) for name, m in model.named_modules()} == before
     assert model.blocks[0].attn.n_head == 2

@@ -15,13 +15,16 @@ import torch
 from torch import nn
 
 from engine.comm import all_gather_into
-from engine.tensor_parallel.layers_1d import ShardSpec, join_shards
+from engine.tensor_parallel.loss_2d import cross_entropy_2d
 from engine.tensor_parallel.mappings import TPGroup
+from engine.tensor_parallel.mappings_2d import Mesh2D
 from engine.tensor_parallel.plans import apply_plan, resolve_plan
 from engine.tensor_parallel.rng import RNGStreams
+from engine.tensor_parallel.shards import Spec
 from engine.tensor_parallel.vocab_cross_entropy import vocab_parallel_cross_entropy
 
-__all__ = ["TensorParallel", "TPGroup", "apply_tensor_parallel", "vocab_parallel_cross_entropy"]
+__all__ = ["Mesh2D", "TensorParallel", "TPGroup", "apply_tensor_parallel", "cross_entropy_2d",
+           "vocab_parallel_cross_entropy"]
 
 
 @dataclass
@@ -29,9 +32,10 @@ class TensorParallel:
     """What the plan did: the tp group and how each sharded parameter (by state-dict name) reassembles."""
 
     tp: TPGroup
-    specs: dict[str, ShardSpec]
+    specs: dict[str, Spec]
     streams: RNGStreams | None = None  # Note [tensor-parallel RNG]
     tied: dict[str, str] = field(default_factory=dict)  # name -> the first name of the same (tied) parameter
+    mesh: Mesh2D | None = None  # 2D only (Note [2D tensor parallelism])
 
     def norm_weights(self, model: nn.Module) -> dict[int, float]:
         """id(parameter) -> its weight in the squared global norm (Note [global norm under tensor parallelism])."""
@@ -48,25 +52,30 @@ class TensorParallel:
             shard = local[key].to(device, copy=True)  # one tensor at a time through the device (nccl)
             gathered = torch.empty((self.tp.size,) + tuple(shard.shape), dtype=shard.dtype, device=device)
             all_gather_into(gathered.view(-1), shard.view(-1), self.tp.group, self.tp.counter, async_op=False)
-            out[key] = join_shards(list(gathered.unbind(0)), spec).to(local[key].device)
+            out[key] = spec.join(list(gathered.unbind(0))).to(local[key].device)
         for key, first in self.tied.items():  # a tied weight (lm_head = embedding) is gathered once
             if key in local:
                 out[key] = out[first]
         return out
 
     def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Mean cross-entropy over vocabulary-split logits (a "colwise" lm_head): see vocab_cross_entropy."""
+        """Mean cross-entropy of the whole batch's `target`: in 1D over vocabulary-split logits (a "colwise"
+        lm_head, see vocab_cross_entropy); in 2D over this rank's batch block of whole-vocabulary logits (a
+        "classifier_2d" lm_head, see loss_2d)."""
+        if self.mesh is not None:
+            return cross_entropy_2d(logits, target, self.mesh, ignore_index)
         return vocab_parallel_cross_entropy(logits, target, self.tp, ignore_index)
 
 
-def apply_tensor_parallel(model: nn.Module, plan: str | dict, tp: TPGroup,
-                          streams: RNGStreams | None = None) -> TensorParallel:
+def apply_tensor_parallel(model: nn.Module, plan: str | dict, tp: TPGroup, streams: RNGStreams | None = None,
+                          mesh: Mesh2D | None = None) -> TensorParallel:
     """Replaces the model's layers by the plan's parallel layers, in place (Note [tensor-parallel plans]); with
-    `streams`, dropout in the plan's split regions draws per-rank masks (Note [tensor-parallel RNG])."""
-    specs = apply_plan(model, resolve_plan(model, plan), tp, streams)
+    `streams`, dropout in the plan's split regions draws per-rank masks (Note [tensor-parallel RNG]). With
+    `mesh` the plan is a 2D one (Note [2D tensor parallelism])."""
+    specs = apply_plan(model, resolve_plan(model, plan, "2d" if mesh else "1d"), tp, streams, mesh)
     first: dict[int, str] = {}
     tied = {}
     for name, p in model.named_parameters(remove_duplicate=False):  # in model order: the first name comes first
         if name in specs and first.setdefault(id(p), name) != name:
             tied[name] = first[id(p)]
-    return TensorParallel(tp, specs, streams, tied)
+    return TensorParallel(tp, specs, streams, tied, mesh)

@@ -4,51 +4,18 @@ A column-parallel linear keeps a slice of the output features (its output is spl
 ranks, or gathered back with gather_output); a row-parallel linear keeps a slice of the input
 features and sums the ranks' partial outputs; a vocab-parallel embedding keeps a slice of the
 vocabulary rows. Each sharded parameter's ShardSpec says how its shards reassemble into the
-original tensor (engine.full_state_dict). Weights keep the layout of the module they replace:
+original tensor (engine.full_state_dict; engine/tensor_parallel/shards.py). Weights keep the layout of the module they replace:
 nn.Linear's [out, in], or Hugging Face Conv1D's [in, out] (`transposed`).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.tensor_parallel.mappings import TPGroup, copy_to_tp, gather_from_tp, reduce_from_tp
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """A parameter split over the tp ranks along `dim`; with parts > 1 the dimension is `parts` blocks
-    (a fused q/k/v projection) and each block is split, rank r holding slice r of every block."""
-
-    dim: int
-    parts: int = 1
-
-
-def take_shard(full: torch.Tensor, spec: ShardSpec, tp: TPGroup, what: str) -> torch.Tensor:
-    """This rank's shard of `full` (a copy, contiguous)."""
-    size = full.shape[spec.dim]
-    if size % (spec.parts * tp.size):
-        raise ValueError(f"{what}: dimension {spec.dim} of size {size} does not split into {spec.parts} block(s) "
-                         f"× {tp.size} tensor-parallel ranks; choose a tensor_parallel.size that divides it")
-    blocks = full.chunk(spec.parts, dim=spec.dim)
-    return torch.cat([b.chunk(tp.size, dim=spec.dim)[tp.rank] for b in blocks], dim=spec.dim).contiguous()
-
-
-def join_shards(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
-    """The full tensor from every rank's shard, in rank order (the inverse of take_shard)."""
-    per_rank = [s.chunk(spec.parts, dim=spec.dim) for s in shards]
-    return torch.cat([torch.cat([blocks[b] for blocks in per_rank], dim=spec.dim) for b in range(spec.parts)],
-                     dim=spec.dim)
-
-
-def _shard_param(p: nn.Parameter | None, spec: ShardSpec, tp: TPGroup, what: str) -> nn.Parameter | None:
-    if p is None:
-        return None
-    return nn.Parameter(take_shard(p.detach(), spec, tp, what), requires_grad=p.requires_grad)
+from engine.tensor_parallel.shards import ShardSpec, shard_param, shared_or_sharded
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -76,8 +43,8 @@ class ColumnParallelLinear(nn.Module):
     def from_module(cls, module: nn.Module, tp: TPGroup, name: str, *, transposed: bool = False, parts: int = 1,
                     gather_output: bool = False, shared: dict | None = None) -> "ColumnParallelLinear":
         spec = ShardSpec(dim=1 if transposed else 0, parts=parts)
-        weight = _shared_or_sharded(module.weight, spec, tp, f"{name}.weight", shared)
-        bias = _shard_param(module.bias, ShardSpec(0, parts), tp, f"{name}.bias")
+        weight = shared_or_sharded(module.weight, spec, tp, f"{name}.weight", shared)
+        bias = shard_param(module.bias, ShardSpec(0, parts), tp, f"{name}.bias")
         return cls(weight, bias, tp, transposed=transposed, parts=parts, gather_output=gather_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +69,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_module(cls, module: nn.Module, tp: TPGroup, name: str, *, transposed: bool = False,
                     shared: dict | None = None) -> "RowParallelLinear":
-        weight = _shared_or_sharded(module.weight, ShardSpec(dim=0 if transposed else 1), tp, f"{name}.weight", shared)
+        weight = shared_or_sharded(module.weight, ShardSpec(dim=0 if transposed else 1), tp, f"{name}.weight", shared)
         return cls(weight, module.bias, tp, transposed=transposed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,7 +101,7 @@ class VocabParallelEmbedding(nn.Module):
         if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
             raise ValueError(f"{name}: an embedding with max_norm, sparse gradients or scale_grad_by_freq cannot be "
                              "split over the vocabulary; keep it replicated in tensor_parallel.plan")
-        weight = _shared_or_sharded(module.weight, ShardSpec(0), tp, f"{name}.weight", shared)
+        weight = shared_or_sharded(module.weight, ShardSpec(0), tp, f"{name}.weight", shared)
         return cls(weight, module.num_embeddings, module.padding_idx, tp)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -145,18 +112,3 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"vocab {self.start}..{self.end - 1} of {self.vocab_size}, tp={self.tp.size}"
-
-
-def _shared_or_sharded(p: nn.Parameter, spec: ShardSpec, tp: TPGroup, what: str, shared: dict | None) -> nn.Parameter:
-    """A tied weight (one Parameter in two modules, e.g. embedding and lm_head) is sharded once and the
-    shard shared again; both uses must split it the same way."""
-    if shared is not None and id(p) in shared:
-        shard, first_spec, first = shared[id(p)]
-        if first_spec != spec:
-            raise ValueError(f"{what} is tied to {first}, which the plan splits differently ({first_spec} vs {spec}); "
-                             "give both the same style in tensor_parallel.plan")
-        return shard
-    shard = _shard_param(p, spec, tp, what)
-    if shared is not None:
-        shared[id(p)] = (shard, spec, what)
-    return shard

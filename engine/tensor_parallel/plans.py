@@ -18,6 +18,16 @@ and names the modules whose dropout acts on split activations (Note [tensor-para
 plan replaces layers only.
 `plan: "auto"` picks the built-in plan by model class; an unknown class is an error naming the
 first layer it could not place.
+2D styles (mode "2d", Note [2D tensor parallelism]; every activation is split [batch/q, seq,
+hidden/q], so every module holding parameters must get one, and no module is replicated):
+  linear_2d              SUMMA linear (nn.Linear or Conv1D)
+  linear_2d_qkv          the same for a fused q/k/v projection (whole heads per hidden block)
+  norm_2d                nn.LayerNorm, nn.RMSNorm or a Hugging Face *RMSNorm
+  embedding_2d           token embedding: cuts the batch into the q batch blocks
+  position_embedding_2d  position embedding: ids [seq] or [1, seq] broadcast over the batch
+  classifier_2d          output layer, logits of this rank's batch block (engine.tensor_parallel.cross_entropy)
+  classifier_2d_gather   the same, batch gathered back (a model that computes its own loss)
+Under 2D every dropout draws from the per-rank stream (no activation is replicated).
 """
 
 from __future__ import annotations
@@ -29,10 +39,14 @@ from typing import Callable
 from torch import nn
 
 from engine.tensor_parallel.layers_1d import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from engine.tensor_parallel.layers_2d import Classifier2D, Embedding2D, Linear2D, Norm2D
 from engine.tensor_parallel.mappings import TPGroup
+from engine.tensor_parallel.mappings_2d import Mesh2D
 from engine.tensor_parallel.rng import RNGStreams, Stream
 
-STYLES = ("colwise", "colwise_qkv", "colwise_gather", "rowwise", "vocab", "replicate")
+STYLES = {"1d": ("colwise", "colwise_qkv", "colwise_gather", "rowwise", "vocab", "replicate"),
+          "2d": ("linear_2d", "linear_2d_qkv", "norm_2d", "embedding_2d", "position_embedding_2d", "classifier_2d",
+                 "classifier_2d_gather")}
 
 
 @dataclass(frozen=True)
@@ -42,13 +56,14 @@ class Plan:
     # the attributes to set to their per-rank values (computed, and checked, before anything changes)
     adjust: Callable[[nn.Module, int], list] | None = field(default=None, compare=False)
     rng: dict[str, Stream] = field(default_factory=dict)  # glob -> dropout stream (Note [tensor-parallel RNG])
+    mode: str = "1d"
 
 
-def _divide(owner: str, attr: str, value: int, tp: int) -> int:
-    if value % tp:
-        raise ValueError(f"{owner}.{attr} = {value} is not divisible by tensor_parallel.size {tp}; choose a size "
-                         f"that divides it")
-    return value // tp
+def _divide(owner: str, attr: str, value: int, parts: int) -> int:
+    if value % parts:
+        raise ValueError(f"{owner}.{attr} = {value} does not split into {parts} tensor-parallel parts (the "
+                         f"tensor_parallel.size in 1D, its square root in 2D); choose a size that divides it")
+    return value // parts
 
 
 Change = tuple[nn.Module, str, int]  # (module, attribute, its per-rank value)
@@ -92,44 +107,73 @@ BUILT_IN = {
         "lm_head": "colwise_gather"}, _adjust_llama, {"model.layers.*.self_attn": Stream.SHARDED}),
 }
 
+BUILT_IN_2D = {
+    "GPT": Plan("example GPT", {
+        "wte": "embedding_2d", "wpe": "position_embedding_2d", "blocks.*.ln_[12]": "norm_2d", "ln_f": "norm_2d",
+        "blocks.*.attn.c_attn": "linear_2d_qkv", "blocks.*.attn.c_proj": "linear_2d", "blocks.*.mlp.c_fc": "linear_2d",
+        "blocks.*.mlp.c_proj": "linear_2d", "lm_head": "classifier_2d_gather"}, _adjust_example_gpt, mode="2d"),
+    "GPT2LMHeadModel": Plan("Hugging Face GPT-2", {
+        "transformer.wte": "embedding_2d", "transformer.wpe": "position_embedding_2d",
+        "transformer.h.*.ln_[12]": "norm_2d", "transformer.ln_f": "norm_2d",
+        "transformer.h.*.attn.c_attn": "linear_2d_qkv", "transformer.h.*.attn.c_proj": "linear_2d",
+        "transformer.h.*.mlp.c_fc": "linear_2d", "transformer.h.*.mlp.c_proj": "linear_2d",
+        "lm_head": "classifier_2d_gather"}, _adjust_gpt2, mode="2d"),
+    "LlamaForCausalLM": Plan("Hugging Face Llama", {
+        "model.embed_tokens": "embedding_2d", "model.layers.*.self_attn.[qkvo]_proj": "linear_2d",
+        "model.layers.*.mlp.*_proj": "linear_2d", "model.layers.*_layernorm": "norm_2d", "model.norm": "norm_2d",
+        "lm_head": "classifier_2d_gather"}, _adjust_llama, mode="2d"),
+}
 
-def resolve_plan(model: nn.Module, plan: str | dict) -> Plan:
-    """The config's `tensor_parallel.plan`: "auto", a built-in plan's model class name, or {glob: style}."""
+
+def resolve_plan(model: nn.Module, plan: str | dict, mode: str = "1d") -> Plan:
+    """The config's `tensor_parallel.plan` for `mode`: "auto", a built-in plan's model class name, or
+    {glob: style}."""
+    styles, built_in = STYLES[mode], BUILT_IN if mode == "1d" else BUILT_IN_2D
     if isinstance(plan, dict):
-        bad = {glob: style for glob, style in plan.items() if style not in STYLES}
+        bad = {glob: style for glob, style in plan.items() if style not in styles}
         if bad:
             glob, style = next(iter(bad.items()))
-            raise ValueError(f"tensor_parallel.plan[{glob!r}]: unknown style {style!r}; choose from {', '.join(STYLES)}")
-        return Plan("user plan", dict(plan))
+            raise ValueError(f"tensor_parallel.plan[{glob!r}]: style {style!r} is not a {mode} style; choose from "
+                             f"{', '.join(styles)}")
+        return Plan("user plan", dict(plan), mode=mode)
     key = type(model).__name__ if plan == "auto" else plan
-    if key in BUILT_IN:
-        return BUILT_IN[key]
+    if key in built_in:
+        return built_in[key]
     if plan != "auto":
-        raise ValueError(f"tensor_parallel.plan: no built-in plan {plan!r}; choose from \"auto\", "
-                         f"{', '.join(repr(k) for k in BUILT_IN)}, or give {{module-name glob: style}}")
+        raise ValueError(f"tensor_parallel.plan: no built-in {mode} plan {plan!r}; choose from \"auto\", "
+                         f"{', '.join(repr(k) for k in built_in)}, or give {{module-name glob: style}}")
     first = next((name for name, m in model.named_modules() if _is_linear(m) or isinstance(m, nn.Embedding)), None)
-    raise ValueError(f"tensor_parallel.plan \"auto\" has no built-in plan for {type(model).__name__} (built in: "
-                     f"{', '.join(BUILT_IN)}), so it cannot place module {first!r}; give tensor_parallel.plan as "
-                     f"{{module-name glob: style}} with styles {', '.join(STYLES)}")
+    raise ValueError(f"tensor_parallel.plan \"auto\" has no built-in {mode} plan for {type(model).__name__} (built "
+                     f"in: {', '.join(built_in)}), so it cannot place module {first!r}; give tensor_parallel.plan as "
+                     f"{{module-name glob: style}} with styles {', '.join(styles)}")
 
 
-def apply_plan(model: nn.Module, plan: Plan, tp: TPGroup, streams: RNGStreams | None = None) -> dict[str, object]:
-    """Replaces the planned modules in place and puts the plan's modules on their dropout streams; returns
-    {parameter name: ShardSpec} for the sharded parameters."""
-    changes = plan.adjust(model, tp.size) if plan.adjust is not None else []  # raises before any change
-    shared: dict = {}  # tied weights: sharded once (see layers_1d._shared_or_sharded)
+def apply_plan(model: nn.Module, plan: Plan, tp: TPGroup, streams: RNGStreams | None = None,
+               mesh: Mesh2D | None = None) -> dict[str, object]:
+    """Replaces the planned modules in place and puts the plan's modules on their dropout streams (under 2D, the
+    whole model on the per-rank stream); returns {parameter name: spec} for the sharded parameters. `mesh` is
+    required by a 2D plan. Everything is checked before the first change."""
+    if (plan.mode == "2d") != (mesh is not None):
+        raise ValueError(f"a {plan.mode} plan needs {'a' if plan.mode == '2d' else 'no'} 2D mesh")
+    changes = plan.adjust(model, mesh.q if mesh else tp.size) if plan.adjust is not None else []
+    shared: dict = {}  # tied weights: sharded once (see shards.shared_or_sharded)
     replaced = {}
     for name, module in list(model.named_modules()):
         style = next((s for glob, s in plan.styles.items() if fnmatch.fnmatchcase(name, glob)), None)
         if style is None or style == "replicate":
             continue
-        replaced[name] = _parallel_layer(name, module, style, tp, shared)
+        replaced[name] = _parallel_layer(name, module, style, tp, shared) if mesh is None else \
+            _layer_2d(name, module, style, mesh, shared)
+    if mesh is not None:
+        _check_all_placed(model, replaced)
     for name, layer in replaced.items():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
     for module, attr, value in changes:
         setattr(module, attr, value)
-    if streams is not None:
+    if streams is not None and mesh is not None:  # every activation is split: no replicated region
+        streams.attach(model, Stream.SHARDED)
+    elif streams is not None:
         for name, module in model.named_modules():
             stream = next((s for glob, s in plan.rng.items() if fnmatch.fnmatchcase(name, glob)), None)
             if stream is not None:
@@ -161,3 +205,29 @@ def _parallel_layer(name: str, module: nn.Module, style: str, tp: TPGroup, share
     return ColumnParallelLinear.from_module(module, tp, name, transposed=transposed,
                                             parts=3 if style == "colwise_qkv" else 1,
                                             gather_output=style == "colwise_gather", shared=shared)
+
+
+def _check_all_placed(model: nn.Module, replaced: dict[str, nn.Module]) -> None:
+    """Under 2D a layer left whole would meet activations split [batch/q, seq, hidden/q]: refuse it."""
+    for name, module in model.named_modules():
+        inside = any(name == r or name.startswith(r + ".") for r in replaced)
+        if not inside and any(True for _ in module.parameters(recurse=False)):
+            raise ValueError(f"tensor_parallel.plan (2d): module {name!r} ({type(module).__name__}) holds parameters "
+                             f"but has no 2D style; under 2D every activation is split [batch/q, seq, hidden/q], so "
+                             f"give it one of {', '.join(STYLES['2d'])}")
+
+
+def _layer_2d(name: str, module: nn.Module, style: str, mesh: Mesh2D, shared: dict) -> nn.Module:
+    if style in ("embedding_2d", "position_embedding_2d"):
+        return Embedding2D.from_module(module, mesh, name, split_batch=style == "embedding_2d", shared=shared)
+    if style == "norm_2d":
+        return Norm2D.from_module(module, mesh, name)
+    if not _is_linear(module):
+        raise ValueError(f"tensor_parallel.plan: style {style!r} is for nn.Linear or Conv1D, but {name!r} is a "
+                         f"{type(module).__name__}")
+    transposed = not isinstance(module, nn.Linear)  # Conv1D keeps its weight as [in, out]
+    if style.startswith("classifier_2d"):
+        return Classifier2D.from_module(module, mesh, name, transposed=transposed,
+                                        gather_batch=style == "classifier_2d_gather", shared=shared)
+    return Linear2D.from_module(module, mesh, name, transposed=transposed, parts=3 if style == "linear_2d_qkv" else 1,
+                                shared=shared)

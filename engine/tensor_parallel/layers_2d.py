@@ -1,0 +1,162 @@
+"""2D (SUMMA) tensor-parallel layers, each built from an existing module and its weights.
+
+Every activation between these layers is this rank's block [batch/q, seq, hidden/q] of the whole
+one (Note [2D tensor parallelism]); every parameter is a 1/q² piece (engine/tensor_parallel/shards.py).
+The token embedding cuts the batch; the classifier sums the hidden blocks into whole-vocabulary
+logits for this rank's batch block, and (gather_batch) collects the batch again for a model that
+computes its own loss. Weights keep the layout of the module they replace.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.tensor_parallel.mappings import reduce_from_tp
+from engine.tensor_parallel.mappings_2d import (Mesh2D, batch_block, gather_batch, gather_down_column, sum_along_row,
+                                                summa_matmul)
+from engine.tensor_parallel.shards import BlockSpec2D, PieceSpec2D, shard_param, shared_or_sharded
+
+
+class Linear2D(nn.Module):
+    """y = x W (+ b) by SUMMA; W held as the block [in block r, out block c], b as a piece of out block c. A
+    fused projection (parts = 3, q/k/v) keeps block c of each part, so a rank computes whole heads."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, mesh: Mesh2D, *, transposed: bool,
+                 parts: int):
+        super().__init__()
+        self.mesh, self.transposed = mesh, transposed
+        self.weight_spec = BlockSpec2D(in_dim=0 if transposed else 1, out_dim=1 if transposed else 0, parts=parts)
+        self.bias_spec = PieceSpec2D(dim=0, parts=parts)
+        self.weight, self.bias = weight, bias
+
+    @classmethod
+    def from_module(cls, module: nn.Module, mesh: Mesh2D, name: str, *, transposed: bool, parts: int = 1,
+                    shared: dict | None = None) -> "Linear2D":
+        spec = BlockSpec2D(in_dim=0 if transposed else 1, out_dim=1 if transposed else 0, parts=parts)
+        weight = shared_or_sharded(module.weight, spec, mesh.whole, f"{name}.weight", shared)
+        bias = shard_param(module.bias, PieceSpec2D(0, parts), mesh.whole, f"{name}.bias")
+        return cls(weight, bias, mesh, transposed=transposed, parts=parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = summa_matmul(x, self.weight, self.mesh, self.transposed)
+        return y + gather_down_column(self.bias, self.mesh, 0) if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"mesh={self.mesh.q}x{self.mesh.q}, parts={self.weight_spec.parts}"
+
+
+class Norm2D(nn.Module):
+    """LayerNorm or RMSNorm over a hidden dimension split along the row: the per-token sums are all-reduced
+    along the row; weight and bias are 1/q² pieces."""
+
+    def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None, hidden: int, eps: float,
+                 mesh: Mesh2D, *, rms: bool):
+        super().__init__()
+        self.mesh, self.hidden, self.eps, self.rms = mesh, hidden, eps, rms
+        self.weight_spec = self.bias_spec = PieceSpec2D(dim=0)
+        self.weight, self.bias = weight, bias
+
+    @classmethod
+    def from_module(cls, module: nn.Module, mesh: Mesh2D, name: str) -> "Norm2D":
+        rms = not isinstance(module, nn.LayerNorm)
+        if rms and not hasattr(module, "variance_epsilon") and not isinstance(module, nn.RMSNorm):
+            raise ValueError(f"tensor_parallel.plan: style \"norm_2d\" is for nn.LayerNorm, nn.RMSNorm or a Hugging "
+                             f"Face *RMSNorm, but {name!r} is a {type(module).__name__}")
+        shape = tuple(module.normalized_shape) if hasattr(module, "normalized_shape") else tuple(module.weight.shape)
+        if len(shape) != 1:
+            raise ValueError(f"{name}: a norm over {len(shape)} dimensions {shape} cannot be split by 2D tensor "
+                             "parallelism, which splits the last (hidden) dimension only")
+        eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+        if eps is None:  # nn.RMSNorm's default
+            eps = torch.finfo(module.weight.dtype if module.weight is not None else torch.float32).eps
+        weight = shard_param(getattr(module, "weight", None), PieceSpec2D(0), mesh.whole, f"{name}.weight")
+        bias = shard_param(getattr(module, "bias", None), PieceSpec2D(0), mesh.whole, f"{name}.bias")
+        return cls(weight, bias, shape[0], eps, mesh, rms=rms)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if self.rms:  # as Llama: in fp32, cast back, then the weight
+            h = x.float()
+            mean_square = sum_along_row(h.pow(2).sum(-1, keepdim=True), self.mesh) / self.hidden
+            y = (h * torch.rsqrt(mean_square + self.eps)).to(dtype)
+        else:
+            mean = sum_along_row(x.sum(-1, keepdim=True), self.mesh) / self.hidden
+            centred = x - mean
+            var = sum_along_row(centred.pow(2).sum(-1, keepdim=True), self.mesh) / self.hidden
+            y = centred * torch.rsqrt(var + self.eps)
+        if self.weight is not None:
+            y = y * gather_down_column(self.weight, self.mesh, 0)
+        if self.bias is not None:
+            y = y + gather_down_column(self.bias, self.mesh, 0)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{'rms' if self.rms else 'layer'} norm over {self.hidden}, eps={self.eps}, mesh={self.mesh.q}x{self.mesh.q}"
+
+
+def _check_embedding(module: nn.Module, name: str) -> None:
+    if not isinstance(module, nn.Embedding):
+        raise ValueError(f"tensor_parallel.plan: an embedding style is for nn.Embedding, but {name!r} is a "
+                         f"{type(module).__name__}")
+    if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
+        raise ValueError(f"{name}: an embedding with max_norm, sparse gradients or scale_grad_by_freq cannot be split "
+                         "by 2D tensor parallelism")
+
+
+class Embedding2D(nn.Module):
+    """An embedding table held as 1/q² pieces of its columns (the hidden dimension); a lookup gathers hidden
+    block c down the column. Token ids [batch, ...] are cut to batch block r (`split_batch`); position ids
+    ([seq] or [1, seq]) are looked up whole and broadcast over the batch (a batch of them is cut too)."""
+
+    def __init__(self, weight: nn.Parameter, padding_idx: int | None, mesh: Mesh2D, *, split_batch: bool):
+        super().__init__()
+        self.mesh, self.padding_idx, self.split_batch = mesh, padding_idx, split_batch
+        self.weight_spec = PieceSpec2D(dim=1)
+        self.weight = weight
+
+    @classmethod
+    def from_module(cls, module: nn.Embedding, mesh: Mesh2D, name: str, *, split_batch: bool,
+                    shared: dict | None = None) -> "Embedding2D":
+        _check_embedding(module, name)
+        weight = shared_or_sharded(module.weight, PieceSpec2D(dim=1), mesh.whole, f"{name}.weight", shared)
+        return cls(weight, module.padding_idx, mesh, split_batch=split_batch)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.split_batch or (ids.dim() > 1 and ids.shape[0] > 1):
+            ids = batch_block(ids, self.mesh, "embedding ids")
+        return F.embedding(ids, gather_down_column(self.weight, self.mesh, 1), self.padding_idx)
+
+    def extra_repr(self) -> str:
+        return f"mesh={self.mesh.q}x{self.mesh.q}, split_batch={self.split_batch}"
+
+
+class Classifier2D(nn.Module):
+    """logits = x Wᵀ for a weight [classes, hidden] (nn.Linear; Conv1D [hidden, classes]) held as 1/q² pieces of
+    its hidden dimension, so it can share an Embedding2D's table. The row's partial products are summed into
+    whole-vocabulary logits of batch block r; with gather_batch the batch blocks are gathered down the column."""
+
+    def __init__(self, weight: nn.Parameter, mesh: Mesh2D, *, transposed: bool, gather_batch: bool):
+        super().__init__()
+        self.mesh, self.transposed, self.gather_batch = mesh, transposed, gather_batch
+        self.weight_spec = PieceSpec2D(dim=0 if transposed else 1)
+        self.weight = weight
+
+    @classmethod
+    def from_module(cls, module: nn.Module, mesh: Mesh2D, name: str, *, transposed: bool, gather_batch: bool,
+                    shared: dict | None = None) -> "Classifier2D":
+        if getattr(module, "bias", None) is not None:
+            raise ValueError(f"{name}: a classifier with a bias is not supported by 2D tensor parallelism yet; use "
+                             "a bias-free output layer, or mode \"1d\"")
+        spec = PieceSpec2D(dim=0 if transposed else 1)
+        weight = shared_or_sharded(module.weight, spec, mesh.whole, f"{name}.weight", shared)
+        return cls(weight, mesh, transposed=transposed, gather_batch=gather_batch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        block = gather_down_column(self.weight, self.mesh, self.weight_spec.dim)
+        logits = reduce_from_tp(x @ block if self.transposed else F.linear(x, block), self.mesh.row)
+        return gather_batch(logits, self.mesh) if self.gather_batch else logits
+
+    def extra_repr(self) -> str:
+        return f"mesh={self.mesh.q}x{self.mesh.q}, gather_batch={self.gather_batch}"
