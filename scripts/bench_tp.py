@@ -1,7 +1,8 @@
-"""1D tensor parallelism vs torch DTensor tensor parallel, gloo on CPU, same model, data and seed.
+"""1D tensor parallelism vs torch DTensor tensor parallel, gloo on CPU, same model, data and seed; at a
+square world also 2D (SUMMA) tensor parallelism, for its per-rank memory and bytes against 1D.
 
     .venv/bin/python scripts/bench_tp.py                       # tp = 2 (both cores)
-    .venv/bin/python scripts/bench_tp.py --world 4 --n-head 8 --rounds 1  # tp = 4 (4 processes on 2 cores)
+    .venv/bin/python scripts/bench_tp.py --world 4 --n-head 8 --rounds 1  # tp = 4 and 2×2 (4 processes on 2 cores)
 
 Same harness as bench_dp.py (spawned ranks, one thread each, alternating rounds, barrier-timed
 steps, loopback bytes per rank per step). Every rank of the tp group trains on the same batches.
@@ -13,13 +14,19 @@ RowwiseParallel on the same layers (the embedding RowwiseParallel, i.e. split ov
 lm_head ColwiseParallel with replicated output), torch AdamW over its DTensor parameters. DTensor's
 ColwiseParallel splits a weight's rows contiguously, so the peer's fused q/k/v rows are first
 permuted to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (rank r's heads together): both then compute the same
-function, and the last losses agree (printed). Also printed: parameter bytes per rank.
+function, and the last losses agree (printed). Also printed: parameter bytes per rank, and the bytes
+of the tensors the first forward saves for backward (torch.autograd.graph.saved_tensors_hooks, each
+storage counted once, the parameters' own storages left out).
+At world q² (4, 9, ...) a third system runs: ours with `mode: "2d"` on the q×q mesh (every weight a
+1/q² block, activations [batch/q, seq, hidden/q]; the micro batch must divide by q). Its ratio is
+against the same DTensor 1D peer (torch has no 2D tensor parallel to compare with).
 
 This is a benchmark script: it prints what it measured and never asserts on time.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -32,7 +39,8 @@ from bench_common import (KEEP_FREED_MEMORY_ENV, command_line, fmt_bytes, free_p
                           init_gloo, machine_line, markdown_table, spawn_ranks, write_text)
 from bench_dp import Loop, alternate_rounds, make_batches, parse_args, summarize, torch_loop  # noqa: E402
 
-LABELS = {"ours": "tiers 1D tensor parallel", "peer": "torch DTensor TP (parallelize_module)"}
+LABELS = {"ours": "tiers 1D tensor parallel", "ours2d": "tiers 2D tensor parallel (SUMMA)",
+          "peer": "torch DTensor TP (parallelize_module)"}
 
 
 def build_model(args):
@@ -48,14 +56,49 @@ def param_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
-def ours_loop(args) -> Loop:
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's shard on this rank
+
+
+def counting_saved_bytes(loop: Loop, system: str, params: list, args) -> Loop:
+    """Wraps loop.forward: its first call records the bytes autograd saves for backward in args.saved_bytes."""
+    inner = loop.forward
+    skip = {local(p).untyped_storage().data_ptr() for p in params}
+
+    def forward(x, y):
+        if system in args.saved_bytes:
+            return inner(x, y)
+        storages = {}
+
+        def pack(t):
+            storage = local(t).untyped_storage()
+            if storage.data_ptr() not in skip:
+                storages[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = inner(x, y)
+        args.saved_bytes[system] = sum(storages.values())
+        return out
+
+    loop.forward = forward
+    return loop
+
+
+def ours_loop(args, mode: str = "1d") -> Loop:
     from engine import initialize
 
     cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-           "tensor_parallel": {"size": args.world, "mode": "1d", "plan": "auto"}, "steps_per_print": 10**9}
+           "tensor_parallel": {"size": args.world, "mode": mode, "plan": "auto"}, "steps_per_print": 10**9}
     engine = initialize(build_model(args), cfg)
-    args.param_bytes["ours"] = param_bytes(engine.module)
-    return Loop(lambda x, y: engine(x, labels=y), engine.backward, engine.step, close=engine.close)
+    system = "ours" if mode == "1d" else "ours2d"
+    args.param_bytes[system] = param_bytes(engine.module)
+    return counting_saved_bytes(Loop(lambda x, y: engine(x, labels=y), engine.backward, engine.step,
+                                     close=engine.close), system, list(engine.module.parameters()), args)
+
+
+def is_square(world: int) -> bool:
+    return world >= 4 and math.isqrt(world) ** 2 == world
 
 
 def _heads_together(weight: torch.Tensor, tp: int) -> torch.Tensor:
@@ -86,36 +129,40 @@ def dtensor_loop(args) -> Loop:
         block.attn.n_head //= tp
         block.attn.n_embd //= tp
     args.param_bytes["peer"] = param_bytes(model)
-    return torch_loop(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0))
+    return counting_saved_bytes(torch_loop(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)),
+                                "peer", list(model.parameters()), args)
 
 
 def rank_main(rank: int, world: int, port: int, args, results) -> None:
     init_gloo(rank, world, port)
-    args.param_bytes = {}
+    args.param_bytes, args.saved_bytes = {}, {}
     batches = make_batches(args, 0)  # one tp group: every rank trains on the same batches
-    runs = alternate_rounds(args, {"ours": ours_loop, "peer": dtensor_loop}, batches, rank)
+    systems = {"ours": ours_loop, "peer": dtensor_loop}
+    if is_square(world):
+        systems["ours2d"] = lambda a: ours_loop(a, "2d")
+    runs = alternate_rounds(args, systems, batches, rank)
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
-        results.put((runs, args.param_bytes))
+        results.put((runs, args.param_bytes, args.saved_bytes))
 
 
-def report(args, psi: int, runs: dict, param_bytes: dict, elapsed_s: float) -> str:
-    rows_in = {s: summarize(runs[s]) for s in LABELS}
+def report(args, psi: int, runs: dict, param_bytes: dict, saved_bytes: dict, elapsed_s: float) -> str:
+    rows_in = {s: summarize(runs[s]) for s in LABELS if s in runs}
     peer = rows_in["peer"]["step_s"]
     unit = psi * 4
     rows = [[LABELS[k], f"{s['step_s']:.3f}", f"{s['step_s'] / peer:.3f}", " / ".join(f"{t:.3f}" for t in s["phases"]),
-             fmt_bytes(param_bytes[k]), f"{param_bytes[k] / unit:.3f}", fmt_bytes(s["lo"]),
+             fmt_bytes(param_bytes[k]), f"{param_bytes[k] / unit:.3f}", fmt_bytes(saved_bytes[k]), fmt_bytes(s["lo"]),
              ", ".join(f"{t:.3f}" for t in s["per_round"]), f"{s['loss']:.5f}"] for k, s in rows_in.items()]
     return "\n".join([
-        f"### 1D tensor parallel: tiers vs torch DTensor TP (tp = {args.world}, gloo, CPU, 1 thread/rank)",
+        f"### tensor parallel: tiers vs torch DTensor TP (tp = {args.world}, gloo, CPU, 1 thread/rank)",
         "",
         f"Model `{args.model}` with untied lm_head (Ψ = {psi:,}, Ψ·4B = {fmt_bytes(unit)}), micro batch "
         f"{args.micro_batch} × seq {args.seq} (the same on every rank), AdamW lr 1e-4 fp32. Median over {args.rounds} "
         f"alternating rounds of {args.warmup} warm-up + {args.steps} timed steps; ratio target ≤ 1.0.",
         "",
         markdown_table(["system", "step time (s)", "ratio vs peer", "fwd / bwd / opt (s)", "param bytes/rank",
-                        "÷ Ψ·4B", "loopback bytes/rank/step", "per-round s/step", "last loss"], rows),
+                        "÷ Ψ·4B", "saved activations/rank", "loopback bytes/rank/step", "per-round s/step", "last loss"], rows),
         "",
         f"Machine: {machine_line()}",
         f"Command: `{command_line()}` (total {elapsed_s:.0f} s)",
@@ -138,8 +185,8 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     psi = build_model(args).num_parameters()
     results = spawn_ranks(rank_main, args.world, args=(free_port(), args), env=KEEP_FREED_MEMORY_ENV)
-    runs, param_bytes = results[0]
-    text = report(args, psi, runs, param_bytes, time.perf_counter() - started)
+    runs, param_bytes, saved_bytes = results[0]
+    text = report(args, psi, runs, param_bytes, saved_bytes, time.perf_counter() - started)
     print("\n" + text, flush=True)
     if args.out:
         write_text(args.out, text)

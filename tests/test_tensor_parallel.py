@@ -91,8 +91,18 @@ LAYOUTS = [(2, 2, 0, 1, "1d"), (4, 4, 0, 2, "1d"), (4, 2, 2, 1, "1d"), (4, 2, 3,
                          ids=["tp2", "tp4", "dp2xtp2-zero2", "dp2xtp2-zero3", "2x2-2d"])
 def test_tensor_parallel_matches_single_process(model, world, tp, stage, accumulation, mode):
     model = "llama8" if model == "llama" and tp == 4 and mode == "1d" else model
-    ref_losses, ref_norms, ref_params, ref_keys = reference(model)
     results = run_distributed(_tp_worker, world, args=(model, tp, stage, accumulation, mode))
+    check_against_reference(model, results, world, tp, mode)
+
+
+def test_2d_under_zero_3_over_two_data_parallel_groups():
+    """dp 2 × a 2×2 mesh (8 processes): ZeRO-3 shards each 1/4 piece again over the dp group."""
+    results = run_distributed(_tp_worker, 8, args=("gpt", 4, 3, 1, "2d"), timeout_s=300)
+    check_against_reference("gpt", results, 8, 4, "2d")
+
+
+def check_against_reference(model: str, results: list, world: int, tp: int, mode: str) -> None:
+    ref_losses, ref_norms, ref_params, ref_keys = reference(model)
     dp = world // tp
     mean_losses = [sum(r[0][i] for r in results) / world for i in range(STEPS)]  # each dp group's mean, averaged
     assert_close_relative(mean_losses, ref_losses, rtol=TP_RTOL)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "train.py"
 
@@ -62,3 +64,19 @@ def test_runs_under_torchrun_on_two_processes(tmp_path):
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{out}\nstderr:\n{result.stderr}"
     assert "2 dp rank(s)" in out, out
     assert out.count("final train loss") == 1, out  # only rank 0 reports
+
+
+@pytest.mark.parametrize("config, processes", [("tp.json", 2), ("tp2d.json", 4)])
+def test_the_tensor_parallel_configs_train_under_torchrun(tmp_path, config, processes):
+    """configs/tp.json (1D over 2 ranks) and configs/tp2d.json (2D on a 2×2 mesh) as the README runs them."""
+    data = tmp_path / "corpus.txt"
+    data.write_text("def f(x):\n    return x * 2\n" * 400)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+           str(SCRIPT), "--config", str(REPO / "configs" / config), "--model", "tiny", "--data", str(data),
+           "--steps", "3", "--eval-every", "3", "--eval-batches", "1"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    out = result.stdout
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{out}\nstderr:\n{result.stderr}"
+    assert "1 dp rank(s)" in out, out
+    assert out.count("final train loss") == 1, out

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.tensor_parallel.mappings import reduce_from_tp
-from engine.tensor_parallel.mappings_2d import (Mesh2D, batch_block, gather_batch, gather_down_column, sum_along_row,
-                                                summa_matmul)
+from engine.tensor_parallel.mappings_2d import (Mesh2D, batch_block, gather_batch, gather_down_column,
+                                                normalize_along_row, summa_matmul)
 from engine.tensor_parallel.shards import BlockSpec2D, PieceSpec2D, shard_param, shared_or_sharded
 
 
@@ -76,16 +76,7 @@ class Norm2D(nn.Module):
         return cls(weight, bias, shape[0], eps, mesh, rms=rms)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if self.rms:  # as Llama: in fp32, cast back, then the weight
-            h = x.float()
-            mean_square = sum_along_row(h.pow(2).sum(-1, keepdim=True), self.mesh) / self.hidden
-            y = (h * torch.rsqrt(mean_square + self.eps)).to(dtype)
-        else:
-            mean = sum_along_row(x.sum(-1, keepdim=True), self.mesh) / self.hidden
-            centred = x - mean
-            var = sum_along_row(centred.pow(2).sum(-1, keepdim=True), self.mesh) / self.hidden
-            y = centred * torch.rsqrt(var + self.eps)
+        y = normalize_along_row(x, self.mesh, self.hidden, self.eps, self.rms)  # as Llama: fp32, cast back, weight
         if self.weight is not None:
             y = y * gather_down_column(self.weight, self.mesh, 0)
         if self.bias is not None:

@@ -90,7 +90,7 @@ class _Summa(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         mesh, transposed = ctx.mesh, ctx.transposed
         grad_y = grad_y.contiguous()
-        rows_y, rows_x = grad_y.reshape(-1, grad_y.shape[-1]), None
+        rows_y = grad_y.reshape(-1, grad_y.shape[-1])
         grad_x = grad_w = None
         for k in range(mesh.q):
             w_k = _block_from(weight, k, mesh.col)  # W[k, c]
@@ -137,25 +137,43 @@ def gather_down_column(piece: torch.Tensor, mesh: Mesh2D, dim: int) -> torch.Ten
     return _GatherDownColumn.apply(piece, mesh, dim)
 
 
-class _SumAlongRow(torch.autograd.Function):
+class _NormalizeAlongRow(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, mesh):
-        ctx.mesh = mesh
-        out = x.contiguous().clone()
-        all_reduce_sum(out, mesh.row.group, mesh.row.counter, async_op=False)
+    def forward(ctx, x, mesh, hidden, eps, rms):
+        ctx.mesh, ctx.hidden, ctx.rms = mesh, hidden, rms
+        h = x.float()
+        if not rms:  # two passes, as torch's layer norm: the mean first, then the centred squares
+            mean = h.sum(-1, keepdim=True)
+            all_reduce_sum(mean, mesh.row.group, mesh.row.counter, async_op=False)
+            h = h - mean / hidden
+        square = h.pow(2).sum(-1, keepdim=True)
+        all_reduce_sum(square, mesh.row.group, mesh.row.counter, async_op=False)
+        rstd = torch.rsqrt(square / hidden + eps)
+        out = (h * rstd).to(x.dtype)
+        ctx.save_for_backward(out, rstd)  # the output is what the affine step saves anyway: one block kept
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        out = grad.contiguous().clone()
-        all_reduce_sum(out, ctx.mesh.row.group, ctx.mesh.row.counter, async_op=False)
-        return out, None
+        out, rstd = ctx.saved_tensors
+        g, normed = grad.float(), out.float()
+        sums = [(g * normed).sum(-1, keepdim=True)]
+        if not ctx.rms:
+            sums.append(g.sum(-1, keepdim=True))
+        both = torch.cat(sums, dim=-1)  # one all-reduce for the row's sums over the whole hidden dimension
+        all_reduce_sum(both, ctx.mesh.row.group, ctx.mesh.row.counter, async_op=False)
+        both = both / ctx.hidden
+        grad_x = g - normed * both[..., :1]
+        if not ctx.rms:
+            grad_x = grad_x - both[..., 1:]
+        return (grad_x * rstd).to(grad.dtype), None, None, None, None
 
 
-def sum_along_row(x: torch.Tensor, mesh: Mesh2D) -> torch.Tensor:
-    """Forward: all-reduce along the row (e.g. a norm's per-token sums over the hidden blocks). Backward: all-reduce
-    (each rank of the row used the sum in its own, different computation)."""
-    return _SumAlongRow.apply(x, mesh)
+def normalize_along_row(x: torch.Tensor, mesh: Mesh2D, hidden: int, eps: float, rms: bool) -> torch.Tensor:
+    """Layer norm (or, `rms`, RMS norm) without its affine step, over a hidden dimension of `hidden` split along
+    the row: the per-token sums are all-reduced along the row, forward and backward. Computed in fp32, returned in
+    x's dtype; saves only its output and the per-token scale."""
+    return _NormalizeAlongRow.apply(x, mesh, hidden, eps, rms)
 
 
 class _GatherBatch(torch.autograd.Function):
