@@ -380,7 +380,7 @@ def _reject_not_yet_supported(cfg: Config) -> None:
          "remove the key"),
         (zero.placement != "static", "zero_optimization.placement", zero.placement,
          "automatic placement is not supported yet; use \"static\""),
-        (cfg.tensor_parallel.mode == "2d" and cfg.tensor_parallel.size != 1 and not _is_mesh(cfg.tensor_parallel.size), "tensor_parallel.size",
+        (cfg.tensor_parallel.mode == "2d" and not _is_mesh_or_one(cfg.tensor_parallel.size), "tensor_parallel.size",
          cfg.tensor_parallel.size, "mode \"2d\" runs on a q×q mesh, so the size must be a square q² with q ≥ 2 "
          "(4, 9, 16, ...); use such a size, or mode \"1d\""),
         (cfg.memory.device_budget is not None, "memory.device_budget", cfg.memory.device_budget,
@@ -441,5 +441,6 @@ def _replace(cfg: Config, **changes: Any) -> Config:
 __all__ = ["Config", "ConfigError", "BatchSizes", "load_config", "resolve_batch_sizes"]
 
 
-def _is_mesh(size: int) -> bool:
-    return size >= 4 and math.isqrt(size) ** 2 == size
+def _is_mesh_or_one(size: int) -> bool:
+    """A q×q mesh with q ≥ 2, or size 1 (no tensor parallelism: the mode does not matter)."""
+    return size == 1 or (size >= 4 and math.isqrt(size) ** 2 == size)

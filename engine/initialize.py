@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import math
 import os
 from typing import Callable, Iterable
 
@@ -144,11 +143,7 @@ def _tensor_parallel(cfg: Config, model: nn.Module, topology: Topology, optimize
     with torch.no_grad():  # the plan slices whole weights: every tp rank starts from its group's first rank's
         for t in list(model.parameters()) + list(model.buffers()):
             broadcast_from(t.data, 0, tp.group, tp.counter)
-    mesh = None
-    if cfg.tensor_parallel.mode == "2d":  # Note [2D tensor parallelism]: one byte counter for the three groups
-        q = math.isqrt(tp.size)
-        mesh = Mesh2D(q, TPGroup(topology.tp_row_group, q, tp.rank % q, tp.counter),
-                      TPGroup(topology.tp_col_group, q, tp.rank // q, tp.counter), tp)
+    mesh = Mesh2D.of(tp, topology.tp_row_group, topology.tp_col_group) if cfg.tensor_parallel.mode == "2d" else None
     return apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp, RNGStreams(tp, topology.device), mesh)
 
 

@@ -24,9 +24,7 @@ Q = 2
 
 def mesh_of(topology: Topology) -> Mesh2D:
     whole = TPGroup(topology.tp_group, topology.tp_size, topology.tp_rank)
-    r, c = divmod(topology.tp_rank, Q)
-    return Mesh2D(Q, TPGroup(topology.tp_row_group, Q, c, whole.counter),
-                  TPGroup(topology.tp_col_group, Q, r, whole.counter), whole)
+    return Mesh2D.of(whole, topology.tp_row_group, topology.tp_col_group)
 
 
 def block(t: torch.Tensor, r: int, c: int) -> torch.Tensor:
@@ -128,6 +126,47 @@ def test_each_2d_layer_computes_the_whole_layer_and_its_gradients():
             spec = results[0][kind][2][name][1]
             joined = spec.join([result[kind][2][name][0] for result in results])
             torch.testing.assert_close(joined, p.grad, rtol=1e-5, atol=1e-6, msg=f"{kind}.{name} gradient")
+
+
+def _autocast_worker(rank, world):
+    """fp32 weights and inputs under bf16 autocast, as the engine runs bf16: SUMMA casts both as F.linear does."""
+    topology = Topology.from_environment(torch.device("cpu"), tp_size=world, tp_mode="2d")
+    mesh = mesh_of(topology)
+    out = {}
+    for kind in ("linear", "qkv"):
+        whole = whole_layers()[kind]
+        layer = layer_2d(kind, whole, mesh)
+        mine = block(inputs(kind), mesh.r, mesh.c).clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(mine)
+        y.backward(torch.ones_like(y))
+        out[kind] = (y.dtype, mine.grad.dtype, layer.weight.grad.dtype, y.detach().float())
+    return out
+
+
+def test_summa_under_bf16_autocast_computes_in_bf16_and_returns_fp32_gradients():
+    results = run_distributed(_autocast_worker, Q * Q)
+    for kind in ("linear", "qkv"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = whole_layers()[kind](inputs(kind))
+        for rank, result in enumerate(results):
+            assert result[kind][:3] == (torch.bfloat16, torch.float32, torch.float32)
+            r, c = divmod(rank, Q)
+            torch.testing.assert_close(result[kind][3], out_block(kind, y.float(), r, c), rtol=2e-2, atol=2e-2)
+
+
+def _attention_mask_worker(rank, world):
+    from tests.test_tensor_parallel import build
+    engine = initialize(build("gpt2", seed=rank), tp_config(world, 1, mode="2d"))
+    x = token_batches(1, GLOBAL_BATCH)[0]
+    with pytest.raises(ValueError, match="not an attention_mask"):
+        engine(input_ids=x, labels=x, attention_mask=torch.ones_like(x))
+    return engine(input_ids=x, labels=x).loss.item()  # and without one it runs
+
+
+def test_2d_refuses_an_attention_mask_it_would_not_split():
+    losses = run_distributed(_attention_mask_worker, Q * Q)
+    assert len(set(losses)) == 1
 
 
 # --- the loss over the batch split ---------------------------------------------------------------

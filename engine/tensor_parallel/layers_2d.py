@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.tensor_parallel.mappings import reduce_from_tp
-from engine.tensor_parallel.mappings_2d import (Mesh2D, batch_block, gather_batch, gather_down_column,
-                                                normalize_along_row, summa_matmul)
+from engine.tensor_parallel.mappings_2d import Mesh2D, batch_block, gather_batch, gather_down_column, summa_matmul
+from engine.tensor_parallel.norm_2d import normalize_along_row
 from engine.tensor_parallel.shards import BlockSpec2D, PieceSpec2D, shard_param, shared_or_sharded
 
 
@@ -27,21 +27,27 @@ class Linear2D(nn.Module):
                  parts: int):
         super().__init__()
         self.mesh, self.transposed = mesh, transposed
-        self.weight_spec = BlockSpec2D(in_dim=0 if transposed else 1, out_dim=1 if transposed else 0, parts=parts)
-        self.bias_spec = PieceSpec2D(dim=0, parts=parts)
+        self.weight_spec, self.bias_spec = self.specs(transposed, parts)
         self.weight, self.bias = weight, bias
+
+    @staticmethod
+    def specs(transposed: bool, parts: int) -> tuple[BlockSpec2D, PieceSpec2D]:
+        return BlockSpec2D(in_dim=0 if transposed else 1, out_dim=1 if transposed else 0, parts=parts), \
+            PieceSpec2D(dim=0, parts=parts)
 
     @classmethod
     def from_module(cls, module: nn.Module, mesh: Mesh2D, name: str, *, transposed: bool, parts: int = 1,
                     shared: dict | None = None) -> "Linear2D":
-        spec = BlockSpec2D(in_dim=0 if transposed else 1, out_dim=1 if transposed else 0, parts=parts)
-        weight = shared_or_sharded(module.weight, spec, mesh.whole, f"{name}.weight", shared)
-        bias = shard_param(module.bias, PieceSpec2D(0, parts), mesh.whole, f"{name}.bias")
+        weight_spec, bias_spec = cls.specs(transposed, parts)
+        weight = shared_or_sharded(module.weight, weight_spec, mesh.whole, f"{name}.weight", shared)
+        bias = shard_param(module.bias, bias_spec, mesh.whole, f"{name}.bias")
         return cls(weight, bias, mesh, transposed=transposed, parts=parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = summa_matmul(x, self.weight, self.mesh, self.transposed)
-        return y + gather_down_column(self.bias, self.mesh, 0) if self.bias is not None else y
+        if self.bias is None:
+            return y
+        return y + gather_down_column(self.bias, self.mesh, 0).to(y.dtype)  # in y's dtype, as F.linear under autocast
 
     def extra_repr(self) -> str:
         return f"mesh={self.mesh.q}x{self.mesh.q}, parts={self.weight_spec.parts}"
@@ -60,8 +66,8 @@ class Norm2D(nn.Module):
 
     @classmethod
     def from_module(cls, module: nn.Module, mesh: Mesh2D, name: str) -> "Norm2D":
-        rms = not isinstance(module, nn.LayerNorm)
-        if rms and not hasattr(module, "variance_epsilon") and not isinstance(module, nn.RMSNorm):
+        rms = isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")
+        if not rms and not isinstance(module, nn.LayerNorm):  # by class: the math must be the one named
             raise ValueError(f"tensor_parallel.plan: style \"norm_2d\" is for nn.LayerNorm, nn.RMSNorm or a Hugging "
                              f"Face *RMSNorm, but {name!r} is a {type(module).__name__}")
         shape = tuple(module.normalized_shape) if hasattr(module, "normalized_shape") else tuple(module.weight.shape)

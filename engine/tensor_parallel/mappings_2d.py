@@ -20,6 +20,7 @@ into it forward passes the gradient through unchanged backward.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from engine.comm import CommCounter, all_gather_into, all_reduce_sum, broadcast_from, reduce_scatter_sum_in_place
+from engine.comm import CommCounter, all_gather_into, broadcast_from, reduce_scatter_sum_in_place
 from engine.tensor_parallel.mappings import TPGroup
 
 
@@ -40,6 +41,13 @@ class Mesh2D:
     row: TPGroup  # row.rank == c
     col: TPGroup  # col.rank == r
     whole: TPGroup
+
+    @classmethod
+    def of(cls, whole: TPGroup, row_group: dist.ProcessGroup | None, col_group: dist.ProcessGroup | None) -> "Mesh2D":
+        """The mesh of the q²-rank tp group `whole`, row-major (engine/topology.py): rank t at (t // q, t % q)."""
+        q = math.isqrt(whole.size)
+        r, c = divmod(whole.rank, q)
+        return cls(q, TPGroup(row_group, q, c, whole.counter), TPGroup(col_group, q, r, whole.counter), whole)
 
     @property
     def r(self) -> int:
@@ -80,9 +88,10 @@ class _Summa(torch.autograd.Function):
         ctx.mesh, ctx.transposed = mesh, transposed
         ctx.save_for_backward(x, weight)
         y = None
-        for k in range(mesh.q):
-            part = _matmul(_block_from(x, k, mesh.row), _block_from(weight, k, mesh.col), transposed)
-            y = part if y is None else y.add_(part)
+        with torch.autocast(x.device.type, enabled=False):  # summa_matmul cast both already
+            for k in range(mesh.q):
+                part = _matmul(_block_from(x, k, mesh.row), _block_from(weight, k, mesh.col), transposed)
+                y = part if y is None else y.add_(part)
         return y
 
     @staticmethod
@@ -93,12 +102,12 @@ class _Summa(torch.autograd.Function):
         rows_y = grad_y.reshape(-1, grad_y.shape[-1])
         grad_x = grad_w = None
         for k in range(mesh.q):
-            w_k = _block_from(weight, k, mesh.col)  # W[k, c]
+            w_k = _block_from(weight, k, mesh.col).to(grad_y.dtype)  # W[k, c]
             part_x = grad_y @ (w_k.t() if transposed else w_k)  # dY[r, c] W[k, c]ᵀ, summed along the row
             _reduce_to(part_x, k, mesh.row)
             if mesh.c == k:
                 grad_x = part_x
-            x_k = _block_from(x, k, mesh.row)  # X[r, k]
+            x_k = _block_from(x, k, mesh.row).to(grad_y.dtype)  # X[r, k]
             rows_x = x_k.reshape(-1, x_k.shape[-1])
             part_w = rows_x.t() @ rows_y if transposed else rows_y.t() @ rows_x  # X[r, k]ᵀ dY[r, c], down the column
             _reduce_to(part_w, k, mesh.col)
@@ -109,7 +118,12 @@ class _Summa(torch.autograd.Function):
 
 def summa_matmul(x: torch.Tensor, weight: torch.Tensor, mesh: Mesh2D, transposed: bool = False) -> torch.Tensor:
     """Forward: Y[r, c] = Σ_k X[r, k] W[k, c] (broadcasts along the row and down the column). Backward: dX and dW
-    by the same broadcasts and reductions (Note [2D tensor parallelism])."""
+    by the same broadcasts and reductions (Note [2D tensor parallelism]). Under autocast both are cast to its dtype
+    first, as F.linear would be (and the blocks broadcast are then the narrow ones)."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
     return _Summa.apply(x, weight, mesh, transposed)
 
 
@@ -135,45 +149,6 @@ def gather_down_column(piece: torch.Tensor, mesh: Mesh2D, dim: int) -> torch.Ten
     """Forward: all-gather the column's pieces of a parameter along `dim` (hidden block c). Backward: reduce-scatter
     its gradient down the column (each piece's gradient, summed over the q batch blocks)."""
     return _GatherDownColumn.apply(piece, mesh, dim)
-
-
-class _NormalizeAlongRow(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh, hidden, eps, rms):
-        ctx.mesh, ctx.hidden, ctx.rms = mesh, hidden, rms
-        h = x.float()
-        if not rms:  # two passes, as torch's layer norm: the mean first, then the centred squares
-            mean = h.sum(-1, keepdim=True)
-            all_reduce_sum(mean, mesh.row.group, mesh.row.counter, async_op=False)
-            h = h - mean / hidden
-        square = h.pow(2).sum(-1, keepdim=True)
-        all_reduce_sum(square, mesh.row.group, mesh.row.counter, async_op=False)
-        rstd = torch.rsqrt(square / hidden + eps)
-        out = (h * rstd).to(x.dtype)
-        ctx.save_for_backward(out, rstd)  # the output is what the affine step saves anyway: one block kept
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out, rstd = ctx.saved_tensors
-        g, normed = grad.float(), out.float()
-        sums = [(g * normed).sum(-1, keepdim=True)]
-        if not ctx.rms:
-            sums.append(g.sum(-1, keepdim=True))
-        both = torch.cat(sums, dim=-1)  # one all-reduce for the row's sums over the whole hidden dimension
-        all_reduce_sum(both, ctx.mesh.row.group, ctx.mesh.row.counter, async_op=False)
-        both = both / ctx.hidden
-        grad_x = g - normed * both[..., :1]
-        if not ctx.rms:
-            grad_x = grad_x - both[..., 1:]
-        return (grad_x * rstd).to(grad.dtype), None, None, None, None
-
-
-def normalize_along_row(x: torch.Tensor, mesh: Mesh2D, hidden: int, eps: float, rms: bool) -> torch.Tensor:
-    """Layer norm (or, `rms`, RMS norm) without its affine step, over a hidden dimension of `hidden` split along
-    the row: the per-token sums are all-reduced along the row, forward and backward. Computed in fp32, returned in
-    x's dtype; saves only its output and the per-token scale."""
-    return _NormalizeAlongRow.apply(x, mesh, hidden, eps, rms)
 
 
 class _GatherBatch(torch.autograd.Function):

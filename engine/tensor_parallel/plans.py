@@ -27,7 +27,10 @@ hidden/q], so every module holding parameters must get one, and no module is rep
   position_embedding_2d  position embedding: ids [seq] or [1, seq] broadcast over the batch
   classifier_2d          output layer, logits of this rank's batch block (engine.tensor_parallel.cross_entropy)
   classifier_2d_gather   the same, batch gathered back (a model that computes its own loss)
-Under 2D every dropout draws from the per-rank stream (no activation is replicated).
+Under 2D every dropout draws from the per-rank stream: every activation between layers is split.
+(The logits a classifier_2d layer returns are whole along the row; a dropout on them would draw
+different masks on the row's ranks. No built-in model has one.) Only token and position ids are
+cut to the batch blocks, so a 2D model refuses an attention_mask argument.
 """
 
 from __future__ import annotations
@@ -171,6 +174,8 @@ def apply_plan(model: nn.Module, plan: Plan, tp: TPGroup, streams: RNGStreams | 
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
     for module, attr, value in changes:
         setattr(module, attr, value)
+    if mesh is not None:
+        model.register_forward_pre_hook(_refuse_unsplit_inputs, with_kwargs=True)
     if streams is not None and mesh is not None:  # every activation is split: no replicated region
         streams.attach(model, Stream.SHARDED)
     elif streams is not None:
@@ -215,6 +220,14 @@ def _check_all_placed(model: nn.Module, replaced: dict[str, nn.Module]) -> None:
             raise ValueError(f"tensor_parallel.plan (2d): module {name!r} ({type(module).__name__}) holds parameters "
                              f"but has no 2D style; under 2D every activation is split [batch/q, seq, hidden/q], so "
                              f"give it one of {', '.join(STYLES['2d'])}")
+
+
+def _refuse_unsplit_inputs(_model, args, kwargs):
+    """A padding mask [batch, seq] would meet activations of batch/q rows deep inside the model."""
+    if kwargs.get("attention_mask") is not None:
+        raise ValueError("2D tensor parallelism cuts only token and position ids into the batch blocks, not an "
+                         "attention_mask (not supported yet); pass none (a causal model without padding needs none), "
+                         "or use tensor_parallel.mode \"1d\"")
 
 
 def _layer_2d(name: str, module: nn.Module, style: str, mesh: Mesh2D, shared: dict) -> nn.Module:

@@ -64,7 +64,7 @@ def _unfuse(blocks: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
 def _check_divides(full: torch.Tensor, dim: int, by: int, what: str, q: int) -> None:
     if full.shape[dim] % by:
         raise ValueError(f"{what}: dimension {dim} of size {full.shape[dim]} does not split into {by} pieces for the "
-                         f"{q}×{q} mesh of 2D tensor parallelism; choose a tensor_parallel.size whose root divides it")
+                         f"{q}×{q} mesh of 2D tensor parallelism; choose a mesh side q whose pieces divide it")
 
 
 @dataclass(frozen=True)
