@@ -40,6 +40,22 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None, counte
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None, counter: CommCounter) -> None:
+    """Takes the elementwise maximum of `tensor` in place over `group`."""
+    counter.all_reduce_bytes += tensor.numel() * tensor.element_size()
+    with record_function("tiers.comm.all_reduce"):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
+def reduce_sum_to(tensor: torch.Tensor, dst_group_rank: int, group: dist.ProcessGroup | None,
+                  counter: CommCounter) -> None:
+    """Sums `tensor` over `group` into the copy on group rank `dst_group_rank` (the others' are left as scratch)."""
+    counter.reduce_bytes += tensor.numel() * tensor.element_size()
+    dst = dist.get_global_rank(group, dst_group_rank) if group is not None else dst_group_rank
+    with record_function("tiers.comm.reduce"):
+        dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group)
+
+
 def broadcast_from(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup | None, counter: CommCounter) -> None:
     """Overwrites `tensor` on every rank of `group` with the copy on group rank `src_group_rank`."""
     counter.broadcast_bytes += tensor.numel() * tensor.element_size()

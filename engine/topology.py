@@ -49,6 +49,13 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def mesh_position(tp_rank: int, tp_size: int) -> tuple[int, int, int]:
+    """(q, row, column) of tp rank `tp_rank` on the row-major q×q mesh of a tp group of q² ranks."""
+    q = math.isqrt(tp_size)
+    row, col = divmod(tp_rank, q)
+    return q, row, col
+
+
 @dataclass(frozen=True)
 class Topology:
     """Who this process is and which groups it reduces over (Note [dp x tp layout])."""
@@ -110,7 +117,7 @@ class Topology:
             raise ValueError(f"tensor_parallel.size {self.tp_size} with mode \"2d\" must be a square q² (4, 9, 16, ...), "
                              "one rank per block of the q×q mesh; use a square size, or mode \"1d\"")
         row_group = col_group = None
-        mesh_row, mesh_col = divmod(self.tp_rank, q)
+        _, mesh_row, mesh_col = mesh_position(self.tp_rank, self.tp_size)
         for d in range(self.dp_world_size):  # every rank creates every group, in the same order
             first = d * self.tp_size
             for i in range(q):

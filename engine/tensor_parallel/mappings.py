@@ -39,11 +39,12 @@ def _split_last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return x.narrow(-1, tp.rank * (width // tp.size), width // tp.size).contiguous()
 
 
-def _gather_last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def gather_along(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+    """Every rank's `x` (all of one shape), concatenated along `dim` in rank order (no autograd)."""
     x = x.contiguous()
     out = torch.empty((tp.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     all_gather_into(out.view(-1), x.view(-1), tp.group, tp.counter, async_op=False)
-    return torch.cat(out.unbind(0), dim=-1)
+    return torch.cat(out.unbind(0), dim=dim)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -79,14 +80,14 @@ class _SplitToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last(grad, ctx.tp), None
+        return gather_along(grad, ctx.tp, -1), None
 
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp):
         ctx.tp = tp
-        return _gather_last(x, tp)
+        return gather_along(x, tp, -1)
 
     @staticmethod
     def backward(ctx, grad):

@@ -20,16 +20,15 @@ into it forward passes the gradient through unchanged backward.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.profiler import record_function
 
-from engine.comm import CommCounter, all_gather_into, broadcast_from, reduce_scatter_sum_in_place
-from engine.tensor_parallel.mappings import TPGroup
+from engine.comm import broadcast_from, reduce_scatter_sum_in_place, reduce_sum_to
+from engine.tensor_parallel.mappings import TPGroup, gather_along
+from engine.topology import mesh_position
 
 
 @dataclass(frozen=True)
@@ -45,8 +44,7 @@ class Mesh2D:
     @classmethod
     def of(cls, whole: TPGroup, row_group: dist.ProcessGroup | None, col_group: dist.ProcessGroup | None) -> "Mesh2D":
         """The mesh of the q²-rank tp group `whole`, row-major (engine/topology.py): rank t at (t // q, t % q)."""
-        q = math.isqrt(whole.size)
-        r, c = divmod(whole.rank, q)
+        q, r, c = mesh_position(whole.rank, whole.size)
         return cls(q, TPGroup(row_group, q, c, whole.counter), TPGroup(col_group, q, r, whole.counter), whole)
 
     @property
@@ -56,18 +54,6 @@ class Mesh2D:
     @property
     def c(self) -> int:
         return self.row.rank
-
-    @property
-    def counter(self) -> CommCounter:
-        return self.whole.counter
-
-
-def _reduce_to(tensor: torch.Tensor, dst_group_rank: int, group: TPGroup) -> None:
-    """Sums `tensor` over `group` into the copy on group rank `dst_group_rank` (the others' are left as scratch)."""
-    group.counter.reduce_bytes += tensor.numel() * tensor.element_size()
-    with record_function("tiers.comm.reduce"):
-        dist.reduce(tensor, dst=dist.get_global_rank(group.group, dst_group_rank), op=dist.ReduceOp.SUM,
-                    group=group.group)
 
 
 def _block_from(mine: torch.Tensor, k: int, group: TPGroup) -> torch.Tensor:
@@ -104,13 +90,13 @@ class _Summa(torch.autograd.Function):
         for k in range(mesh.q):
             w_k = _block_from(weight, k, mesh.col).to(grad_y.dtype)  # W[k, c]
             part_x = grad_y @ (w_k.t() if transposed else w_k)  # dY[r, c] W[k, c]ᵀ, summed along the row
-            _reduce_to(part_x, k, mesh.row)
+            reduce_sum_to(part_x, k, mesh.row.group, mesh.row.counter)
             if mesh.c == k:
                 grad_x = part_x
             x_k = _block_from(x, k, mesh.row).to(grad_y.dtype)  # X[r, k]
             rows_x = x_k.reshape(-1, x_k.shape[-1])
             part_w = rows_x.t() @ rows_y if transposed else rows_y.t() @ rows_x  # X[r, k]ᵀ dY[r, c], down the column
-            _reduce_to(part_w, k, mesh.col)
+            reduce_sum_to(part_w, k, mesh.col.group, mesh.col.counter)
             if mesh.r == k:
                 grad_w = part_w
         return grad_x, grad_w, None, None
@@ -131,10 +117,7 @@ class _GatherDownColumn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, piece, mesh, dim):
         ctx.mesh, ctx.dim = mesh, dim
-        piece = piece.contiguous()
-        out = torch.empty((mesh.q,) + tuple(piece.shape), dtype=piece.dtype, device=piece.device)
-        all_gather_into(out.view(-1), piece.view(-1), mesh.col.group, mesh.col.counter, async_op=False)
-        return torch.cat(out.unbind(0), dim=dim)
+        return gather_along(piece, mesh.col, dim)
 
     @staticmethod
     def backward(ctx, grad):
@@ -155,10 +138,7 @@ class _GatherBatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh):
         ctx.mesh = mesh
-        x = x.contiguous()
-        out = torch.empty((mesh.q,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-        all_gather_into(out.view(-1), x.view(-1), mesh.col.group, mesh.col.counter, async_op=False)
-        return out.flatten(0, 1)
+        return gather_along(x, mesh.col, 0)
 
     @staticmethod
     def backward(ctx, grad):

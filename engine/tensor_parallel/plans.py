@@ -195,16 +195,21 @@ def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
 
+def _is_transposed_linear(name: str, module: nn.Module, style: str) -> bool:
+    """Whether the linear layer a linear style names keeps its weight as [in, out] (Conv1D); refuses others."""
+    if not _is_linear(module):
+        raise ValueError(f"tensor_parallel.plan: style {style!r} is for nn.Linear or Conv1D, but {name!r} is a "
+                         f"{type(module).__name__}")
+    return not isinstance(module, nn.Linear)
+
+
 def _parallel_layer(name: str, module: nn.Module, style: str, tp: TPGroup, shared: dict) -> nn.Module:
     if style == "vocab":
         if not isinstance(module, nn.Embedding):
             raise ValueError(f"tensor_parallel.plan: style \"vocab\" is for nn.Embedding, but {name!r} is a "
                              f"{type(module).__name__}")
         return VocabParallelEmbedding.from_module(module, tp, name, shared)
-    if not _is_linear(module):
-        raise ValueError(f"tensor_parallel.plan: style {style!r} is for nn.Linear or Conv1D, but {name!r} is a "
-                         f"{type(module).__name__}")
-    transposed = not isinstance(module, nn.Linear)  # Conv1D keeps its weight as [in, out]
+    transposed = _is_transposed_linear(name, module, style)
     if style == "rowwise":
         return RowParallelLinear.from_module(module, tp, name, transposed=transposed, shared=shared)
     return ColumnParallelLinear.from_module(module, tp, name, transposed=transposed,
@@ -235,10 +240,7 @@ def _layer_2d(name: str, module: nn.Module, style: str, mesh: Mesh2D, shared: di
         return Embedding2D.from_module(module, mesh, name, split_batch=style == "embedding_2d", shared=shared)
     if style == "norm_2d":
         return Norm2D.from_module(module, mesh, name)
-    if not _is_linear(module):
-        raise ValueError(f"tensor_parallel.plan: style {style!r} is for nn.Linear or Conv1D, but {name!r} is a "
-                         f"{type(module).__name__}")
-    transposed = not isinstance(module, nn.Linear)  # Conv1D keeps its weight as [in, out]
+    transposed = _is_transposed_linear(name, module, style)
     if style.startswith("classifier_2d"):
         return Classifier2D.from_module(module, mesh, name, transposed=transposed,
                                         gather_batch=style == "classifier_2d_gather", shared=shared)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.tensor_parallel.mappings import TPGroup
+from engine.topology import mesh_position
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,6 @@ def shard_param(p: nn.Parameter | None, spec: Spec, tp: TPGroup, what: str) -> n
     return nn.Parameter(spec.take(p.detach(), tp, what), requires_grad=p.requires_grad)
 
 
-def _mesh_side(tp: TPGroup) -> int:
-    return math.isqrt(tp.size)
-
-
 def _fused_block(full: torch.Tensor, dim: int, parts: int, q: int, c: int) -> torch.Tensor:
     """Block c of `full` along dim, taken from each of its `parts` blocks alike."""
     return torch.cat([b.chunk(q, dim=dim)[c] for b in full.chunk(parts, dim=dim)], dim=dim)
@@ -77,8 +74,7 @@ class BlockSpec2D:
     parts: int = 1
 
     def take(self, full: torch.Tensor, tp: TPGroup, what: str) -> torch.Tensor:
-        q = _mesh_side(tp)
-        r, c = divmod(tp.rank, q)
+        q, r, c = mesh_position(tp.rank, tp.size)
         _check_divides(full, self.in_dim, q, what, q)
         _check_divides(full, self.out_dim, q * self.parts, what, q)
         rows = full.chunk(q, dim=self.in_dim)[r]
@@ -99,8 +95,7 @@ class PieceSpec2D:
     parts: int = 1
 
     def take(self, full: torch.Tensor, tp: TPGroup, what: str) -> torch.Tensor:
-        q = _mesh_side(tp)
-        r, c = divmod(tp.rank, q)
+        q, r, c = mesh_position(tp.rank, tp.size)
         _check_divides(full, self.dim, q * q * self.parts, what, q)
         return _fused_block(full, self.dim, self.parts, q, c).chunk(q, dim=self.dim)[r].contiguous()
 

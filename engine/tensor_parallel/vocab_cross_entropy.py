@@ -10,17 +10,9 @@ target, on this rank's slice.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch.profiler import record_function
 
-from engine.comm import all_reduce_sum
+from engine.comm import all_reduce_max, all_reduce_sum
 from engine.tensor_parallel.mappings import TPGroup
-
-
-def _all_reduce_max(x: torch.Tensor, tp: TPGroup) -> None:
-    tp.counter.all_reduce_bytes += x.numel() * x.element_size()
-    with record_function("tiers.comm.all_reduce"):
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=tp.group)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -31,7 +23,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.dtype = logits.dtype
         logits = logits.float()
         top = logits.max(dim=-1).values
-        _all_reduce_max(top, tp)
+        all_reduce_max(top, tp.group, tp.counter)
         shifted = logits - top.unsqueeze(-1)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
