@@ -390,11 +390,26 @@ def _reject_not_yet_supported(cfg: Config) -> None:
          "(in this release it caps the offloaded optimizer states only); set "
          "zero_optimization.offload_optimizer.device, or remove the key"),
     ]
-    ac = cfg.activation_checkpointing
-    for key in ("enabled", "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-                "synchronize_checkpoint_boundary", "profile"):
-        checks.append((getattr(ac, key), f"activation_checkpointing.{key}", True,
-                       "activation checkpointing is not supported yet; set it to false"))
+    ac, tp = cfg.activation_checkpointing, cfg.tensor_parallel
+    checks += [
+        (ac.modules is not None and not ac.enabled, "activation_checkpointing.modules", ac.modules,
+         "selects the modules checkpointed when enabled is true, and enabled is false; set \"enabled\": true, or "
+         "remove modules"),
+        (ac.modules == [], "activation_checkpointing.modules", ac.modules,
+         "an empty list selects no module; name class names or module-name globs, or remove the key for the "
+         "model's blocks"),
+        (ac.every_n != 1 and not ac.enabled, "activation_checkpointing.every_n", ac.every_n,
+         "thins out the modules checkpointed when enabled is true, and enabled is false; set \"enabled\": true, "
+         "or remove every_n"),
+        (ac.partition_activations and tp.size == 1, "activation_checkpointing.partition_activations", True,
+         "splits a checkpoint's saved inputs over the tensor-parallel ranks, and tensor_parallel.size is 1; set "
+         "tensor_parallel.size to 2 or more, or set it to false"),
+        (ac.partition_activations and tp.mode == "2d" and tp.size > 1, "activation_checkpointing.partition_activations",
+         True, "splits inputs that every tensor-parallel rank holds whole; under mode \"2d\" each rank holds its own "
+         "block of the activations already; set it to false"),
+        (ac.contiguous_memory_optimization, "activation_checkpointing.contiguous_memory_optimization", True,
+         "copying saved inputs into one preallocated buffer is not supported yet; set it to false"),
+    ]
     for failed, key, value, why in checks:
         if failed:
             raise ConfigError(f"{key}: {json.dumps(value)} — {why}.")

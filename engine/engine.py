@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from engine import whole_weights
+from engine.activation_checkpointing import ActivationCheckpointing
 from engine.comm import CommCounter, all_gather_in_place, all_reduce_sum, broadcast_from
 from engine.config import BatchSizes, Config
 from engine.monitor import Monitor
@@ -60,6 +61,7 @@ class Engine:
         precision: PrecisionPolicy,
         monitor: Monitor,
         tensor_parallel: TensorParallel | None = None,
+        checkpointing: ActivationCheckpointing | None = None,
     ):
         self.module = module
         self.config = config
@@ -72,6 +74,9 @@ class Engine:
         self.precision = precision
         self.monitor = monitor
         self.tensor_parallel = tensor_parallel  # what the tp plan sharded (Note [tensor-parallel plans])
+        # Note [activation checkpointing]: the config's options, for the wrapped modules and engine.checkpoint
+        self.activation_checkpointing = checkpointing or ActivationCheckpointing(config.activation_checkpointing,
+                                                                                 topology.device)
         self.comm = CommCounter()
         zero = config.zero_optimization
         self.gatherer: ParamGatherer | None = None  # stage 3 (Note [gathering around modules])
@@ -93,6 +98,7 @@ class Engine:
         self._inside_no_sync = False
         self._synchronized = False  # a synchronized backward ran since the last update
         self._phase_s = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # wall_clock_breakdown
+        self._recompute_s_at_last_step = 0.0  # activation_checkpointing.profile
         self._losses: list[torch.Tensor] = []
         self._tokens = 0
         self._step_start: float | None = None  # first training forward of the current update
@@ -193,6 +199,12 @@ class Engine:
             self._phase_s[phase] += time.perf_counter() - start
 
     forward = __call__
+
+    def checkpoint(self, function, *args, **kwargs):
+        """A drop-in for torch.utils.checkpoint.checkpoint (non-reentrant) with the config's
+        activation_checkpointing options: `function(*args, **kwargs)` keeps only its inputs, and backward runs
+        it again, with the same dropout masks (Note [activation checkpointing])."""
+        return self.activation_checkpointing.checkpoint(function, *args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_step + 1) % self.gradient_accumulation_steps == 0
@@ -444,6 +456,9 @@ class Engine:
         losses, self._losses = self._losses, []
         tokens, self._tokens = self._tokens, 0
         phases, self._phase_s = self._phase_s, dict.fromkeys(self._phase_s, 0.0)
+        recompute_s, self._recompute_s_at_last_step = (self.activation_checkpointing.recompute_seconds
+                                                       - self._recompute_s_at_last_step,
+                                                       self.activation_checkpointing.recompute_seconds)
         offload = self._offload_metrics()
         if not self.monitor.wants(self.global_step):
             return  # reading the loss would synchronize the device for nothing
@@ -462,6 +477,8 @@ class Engine:
         }
         if self._global_grad_norm is not None:
             metrics["Train/grad_norm"] = self._global_grad_norm
+        if self.config.activation_checkpointing.profile:
+            metrics["Time/recompute_ms"] = recompute_s * 1000.0
         if self.config.wall_clock_breakdown:
             metrics.update({f"Time/{phase}_ms": s * 1000.0 for phase, s in phases.items()})
         if step_s > 0:

@@ -9,6 +9,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from engine.activation_checkpointing import ActivationCheckpointing
 from engine.comm import broadcast_from
 from engine.config import Config, ConfigError, load_config
 from engine.engine import Engine
@@ -83,6 +84,11 @@ def initialize(
     recording, meta_of = zero_init_placeholders(model, topology.device)  # Note [zero_init]
     model.to(topology.device)
     tensor_parallel = _tensor_parallel(cfg, model, topology, optimizer, model_parameters, recording)
+    checkpointing = ActivationCheckpointing(cfg.activation_checkpointing, topology.device,
+                                            tensor_parallel.streams if tensor_parallel else None,
+                                            tensor_parallel.tp if tensor_parallel else None)
+    if cfg.activation_checkpointing.enabled:  # Note [activation checkpointing]
+        checkpointing.wrap_modules(model)
 
     policy = ShardingPolicy(cfg.zero_optimization.stage)
     shards = topology.dp_world_size if policy.shards(ChunkKind.OPTIM) else 1
@@ -124,7 +130,7 @@ def initialize(
     scheduler = _scheduler(cfg, optimizer, lr_scheduler)
     monitor = Monitor(cfg.tensorboard, cfg.steps_per_print, is_writer_rank=topology.rank == 0, device=topology.device)
     return Engine(model, cfg, batch, topology, chunked, optimizer, scheduler, build_loss_scaler(cfg),
-                  PrecisionPolicy.from_config(cfg), monitor, tensor_parallel)
+                  PrecisionPolicy.from_config(cfg), monitor, tensor_parallel, checkpointing)
 
 
 def _tensor_parallel(cfg: Config, model: nn.Module, topology: Topology, optimizer, model_parameters,

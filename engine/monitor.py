@@ -7,7 +7,8 @@ TensorBoard tags (README lists them):
   Memory/device_peak_bytes (CUDA), Memory/chunk_bytes/{param,grad,optim} (model state held by this
   rank), Comm/bytes_per_step and Comm/{all_reduce,reduce_scatter,all_gather}_bytes_per_step; with
   wall_clock_breakdown also
-  Time/forward_ms, Time/backward_ms, Time/optimizer_ms (summed over the update's micro-steps).
+  Time/forward_ms, Time/backward_ms, Time/optimizer_ms (summed over the update's micro-steps); with
+  activation_checkpointing.profile also Time/recompute_ms (the update's recomputes, summed).
 """
 
 from __future__ import annotations

@@ -334,6 +334,34 @@ def test_2d_tensor_parallelism_needs_a_square_size(size):
     raises(raw, f"tensor_parallel.size: {size}", "must be a square q² with q ≥ 2", "mode \"1d\"")
 
 
+@pytest.mark.parametrize(
+    "checkpointing, tp, fragments",
+    [
+        ({"modules": ["Block"]}, {}, ["activation_checkpointing.modules", "enabled is false", '"enabled": true']),
+        ({"every_n": 2}, {}, ["activation_checkpointing.every_n: 2", "enabled is false"]),
+        ({"enabled": True, "modules": []}, {}, ["activation_checkpointing.modules: []", "selects no module"]),
+        ({"partition_activations": True}, {}, ["activation_checkpointing.partition_activations: true",
+                                               "tensor_parallel.size is 1"]),
+        ({"partition_activations": True}, {"size": 4, "mode": "2d"},
+         ["activation_checkpointing.partition_activations: true", 'mode "2d"']),
+    ],
+)
+def test_activation_checkpointing_options_that_cannot_apply(checkpointing, tp, fragments):
+    raises({"activation_checkpointing": checkpointing, "tensor_parallel": tp}, *fragments)
+
+
+def test_activation_checkpointing_options_load():
+    ac = load_config({"activation_checkpointing": {
+        "enabled": True, "modules": ["GPT2Block", "transformer.h.*"], "every_n": 2, "cpu_checkpointing": True,
+        "synchronize_checkpoint_boundary": True, "profile": True, "number_checkpoints": 12},
+        "tensor_parallel": {"size": 2}}).activation_checkpointing
+    assert (ac.enabled, ac.modules, ac.every_n, ac.cpu_checkpointing, ac.profile) == (
+        True, ["GPT2Block", "transformer.h.*"], 2, True, True)
+    partitioned = load_config({"activation_checkpointing": {"partition_activations": True},
+                               "tensor_parallel": {"size": 2}}).activation_checkpointing
+    assert partitioned.partition_activations
+
+
 def test_literal_choices_are_case_insensitive():
     assert load_config({"tensor_parallel": {"mode": "2D"}}).tensor_parallel.mode == "2d"
     assert load_config({"zero_optimization": {"offload_optimizer": {"device": "None"}}}).zero_optimization.offload_optimizer.device == "none"
@@ -365,9 +393,8 @@ def test_float_written_integers_are_accepted_as_ints():
         ({"memory": {"device_budget": "8GB"}}, "memory.device_budget", '"8GB"'),
         ({"memory": {"device_budget": 1 << 30}}, "memory.device_budget", str(1 << 30)),
         ({"memory": {"cpu_budget": "64GB"}}, "memory.cpu_budget", '"64GB"'),  # without optimizer offload
-        ({"activation_checkpointing": {"enabled": True}}, "activation_checkpointing.enabled", "true"),
-        ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations", "true"),
-        ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing", "true"),
+        ({"activation_checkpointing": {"contiguous_memory_optimization": True}},
+         "activation_checkpointing.contiguous_memory_optimization", "true"),
     ],
 )
 def test_not_yet_supported_features_say_so(raw, key, value):
@@ -542,7 +569,7 @@ def _drop_none(d):
          "optimizer": {"type": "sgd", "params": {"momentum": 0.9, "nesterov": True}},
          "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}},
          "bf16": {"enabled": True}, "seed": 7,
-         "activation_checkpointing": {"modules": ["Block", "*.mlp"], "every_n": 2},
+         "activation_checkpointing": {"enabled": True, "modules": ["Block", "*.mlp"], "every_n": 2},
          "tensor_parallel": {"mode": "2d", "plan": {"*.attn": "column"}},
          "zero_optimization": {"chunk_size": 1 << 20, "overlap_comm": False}},
     ],

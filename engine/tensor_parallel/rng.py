@@ -99,3 +99,14 @@ class RNGStreams:
 
         # always_call: a forward that raises still gives the stream back
         return [module.register_forward_pre_hook(pre_hook), module.register_forward_hook(post_hook, always_call=True)]
+
+    # Note [activation checkpointing]: a recompute must draw the masks its forward drew
+    def snapshot(self) -> tuple:
+        """Which stream is live, the saved states of the others (the live one's is the default generator's,
+        which torch's checkpoint saves and restores itself) and the stack."""
+        return self.live, dict(self._saved), list(self._stack)
+
+    def restore(self, snapshot: tuple) -> None:
+        """Puts a snapshot back (states are never changed in place, so the snapshot's are still its own)."""
+        live, saved, stack = snapshot
+        self.live, self._saved, self._stack = live, dict(saved), list(stack)

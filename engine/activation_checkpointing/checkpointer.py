@@ -1,0 +1,171 @@
+"""Activation checkpointing: torch's non-reentrant checkpoint with the engine's RNG streams, saved-input
+placement and recompute timing, applied to chosen modules or called by the user.
+
+Note [activation checkpointing]
+A checkpointed module keeps only its inputs from the forward; backward runs its forward again
+(the recompute) to rebuild what its own backward needs. torch.utils.checkpoint (non-reentrant)
+does the work; the engine adds:
+- where it applies: the config's `modules` (class names or name globs) or, by default, the
+  children of the model's largest ModuleList of same-class modules (the transformer blocks),
+  every `every_n`-th of them. The module's own `forward` is replaced on the instance, not the
+  module by a wrapper, so state-dict keys, tp-plan globs and ZeRO hooks see the model unchanged,
+  and hooks on the module itself stay outside the checkpoint (they do not run twice);
+- the same dropout masks in the recompute: torch restores the default generator (and the
+  device's); under tensor parallelism the per-rank stream lives outside it (Note
+  [tensor-parallel RNG]), so the streams' state at the forward is put back for the recompute and
+  the current state after it;
+- ZeRO-3 needs nothing more: the recompute runs inside backward, where the gatherer gathers a
+  module's chunks on demand and leaves them to backward's release (Note [gathering around modules]);
+- partition_activations / cpu_checkpointing: Note [saved inputs of a checkpoint];
+- profile: the time spent recomputing (wall clock; the device is synchronized around it), for
+  the monitor; synchronize_checkpoint_boundary: the device is synchronized at both ends of every
+  checkpointed forward.
+A key/value cache (Hugging Face use_cache=True) would be updated a second time by the recompute,
+so a checkpointed module refuses one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from engine.activation_checkpointing.saved_inputs import InputStore
+from engine.activation_checkpointing.selection import select_modules
+from engine.config import ActivationCheckpointingConfig
+from engine.tensor_parallel.mappings import TPGroup
+from engine.tensor_parallel.rng import RNGStreams
+
+
+class ActivationCheckpointing:
+    """The run's checkpointing options; `checkpoint` is a drop-in for torch.utils.checkpoint.checkpoint."""
+
+    def __init__(self, config: ActivationCheckpointingConfig, device: torch.device, streams: RNGStreams | None = None,
+                 tp: TPGroup | None = None):
+        self.config = config
+        self.device = device
+        self.streams = streams
+        self.store = InputStore(device, tp if config.partition_activations else None, config.cpu_checkpointing)
+        self.recompute_seconds = 0.0  # profile: summed over the run
+        self.recomputes = 0
+        self.wrapped: list[str] = []  # names of the modules whose forward is checkpointed
+
+    # ---- modules --------------------------------------------------------------------------------
+    def wrap_modules(self, model: nn.Module) -> list[str]:
+        """Checkpoints the forward of the modules the config selects; returns their names."""
+        for name, module in select_modules(model, self.config.modules, self.config.every_n):
+            self._wrap(name, module)
+        return self.wrapped
+
+    def _wrap(self, name: str, module: nn.Module) -> None:
+        if "forward" in vars(module):
+            raise RuntimeError(f"{name} ({type(module).__name__}): its forward is already replaced on the instance "
+                               "(checkpointed twice, or by another library); checkpoint it once")
+        original = module.forward
+
+        def checkpointed_forward(*args, **kwargs):
+            if not torch.is_grad_enabled():
+                return original(*args, **kwargs)
+            _refuse_cache(name, module, args, kwargs)
+            return self._run(original, args, kwargs)
+
+        module.forward = checkpointed_forward
+        self.wrapped.append(name)
+
+    # ---- the checkpoint -------------------------------------------------------------------------
+    def checkpoint(self, function, *args, use_reentrant: bool | None = None, preserve_rng_state: bool = True,
+                   context_fn=None, determinism_check: str = "default", debug: bool = False, **kwargs):
+        """`function(*args, **kwargs)`, checkpointed as torch.utils.checkpoint.checkpoint(use_reentrant=False)
+        does, with the config's options (Note [activation checkpointing])."""
+        if use_reentrant:
+            raise ValueError("engine.checkpoint is non-reentrant only (the recompute runs inside the same "
+                             "backward, which ZeRO-3 and tensor parallelism rely on); drop use_reentrant=True")
+        if not torch.is_grad_enabled():
+            return function(*args, **kwargs)
+        return self._run(function, args, kwargs, preserve_rng_state, context_fn, determinism_check, debug)
+
+    def _run(self, function, args: tuple, kwargs: dict, preserve_rng_state: bool = True, context_fn=None,
+             determinism_check: str = "default", debug: bool = False):
+        def contexts():
+            user_forward, user_recompute = context_fn() if context_fn is not None else (None, None)
+            streams = self.streams.snapshot() if self.streams is not None and preserve_rng_state else None
+            return self._forward_context(user_forward), self._recompute_context(user_recompute, streams)
+
+        options = dict(use_reentrant=False, preserve_rng_state=preserve_rng_state, context_fn=contexts,
+                       determinism_check=determinism_check, debug=debug)
+        if not self.store.active:  # keyword arguments by closure, as torch keeps them: no name can clash
+            return torch_checkpoint(lambda *a: function(*a, **kwargs), *args, **options)
+        places = [("arg", i, v) for i, v in enumerate(args)] + [("kw", k, v) for k, v in kwargs.items()]
+        packed = [(kind, key, *self.store.pack(v)) for kind, key, v in places if self.store.eligible(v)]
+        if not packed:
+            return torch_checkpoint(lambda *a: function(*a, **kwargs), *args, **options)
+        # Note [saved inputs of a checkpoint]: the region keeps stand-ins, never the inputs themselves
+        kept_args = [None if any(kind == "arg" and key == i for kind, key, *_ in packed) else v
+                     for i, v in enumerate(args)]
+        kept_kwargs = {k: v for k, v in kwargs.items() if not any(kind == "kw" and key == k for kind, key, *_ in packed)}
+        first_forward = {"inputs": [args[key] if kind == "arg" else kwargs[key] for kind, key, *_ in packed]}
+
+        def region(*payloads):
+            inputs = first_forward.pop("inputs", None)  # None: this is the recompute
+            call_args, call_kwargs = list(kept_args), dict(kept_kwargs)
+            for n, (kind, key, _, stored) in enumerate(packed):
+                value = inputs[n].detach() if inputs is not None else self.store.restore(payloads[n], stored)
+                value = self.store.rejoin(value, stored)
+                if kind == "arg":
+                    call_args[key] = value
+                else:
+                    call_kwargs[key] = value
+            del inputs
+            return function(*call_args, **call_kwargs)
+
+        payloads = [payload for _, _, payload, _ in packed]
+        # torch restores the RNG and autocast state of the devices its arguments are on: with every payload in
+        # CPU memory, an empty tensor names the device
+        device_marker = [torch.empty(0, device=self.device)] if self.store.to_cpu else []
+        try:
+            return torch_checkpoint(region, *payloads, *device_marker, **options)
+        finally:
+            first_forward.clear()
+
+    # ---- contexts -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _forward_context(self, user_context):
+        self._synchronize(self.config.synchronize_checkpoint_boundary)
+        with user_context if user_context is not None else contextlib.nullcontext():
+            yield
+        self._synchronize(self.config.synchronize_checkpoint_boundary)
+
+    @contextlib.contextmanager
+    def _recompute_context(self, user_context, streams_at_forward):
+        current = self.streams.snapshot() if streams_at_forward is not None else None
+        if streams_at_forward is not None:
+            self.streams.restore(streams_at_forward)
+        self._synchronize(self.config.profile)
+        start = time.perf_counter()
+        try:
+            with user_context if user_context is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self._synchronize(self.config.profile)
+            self.recompute_seconds += time.perf_counter() - start
+            self.recomputes += 1
+            if current is not None:
+                self.streams.restore(current)
+
+    def _synchronize(self, wanted: bool) -> None:
+        if wanted and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _refuse_cache(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A Hugging Face key/value cache would be updated again by the recompute (and keeps every layer's keys
+    and values alive): refuse it in a checkpointed module."""
+    if kwargs.get("use_cache") or any(hasattr(v, "get_seq_length") for v in (*args, *kwargs.values())):
+        raise RuntimeError(
+            f"{name} ({type(module).__name__}) is checkpointed and was called with a key/value cache "
+            "(use_cache=True): the recompute in backward would update the cache a second time, and the cache keeps "
+            "every layer's keys and values alive; train with use_cache=False (e.g. model.config.use_cache = False), "
+            "or leave this module out of activation_checkpointing.modules")
