@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -174,6 +176,12 @@ def test_partitioned_activations_halve_the_block_inputs_at_tp_2():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cpu_checkpointing moves saved inputs off a CUDA device")
+def test_cpu_checkpointing_changes_no_loss_or_gradient_on_cuda():
+    variants = {"off": None, "cpu": {"enabled": True, "cpu_checkpointing": True}}
+    assert_same_training(_with_and_without_worker(0, 1, "gpt", "stage0", variants))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cpu_checkpointing moves saved inputs off a CUDA device")
 def test_cpu_checkpointing_leaves_no_block_input_on_the_device():
     counts = _saved_bytes_worker(0, 1, "stage0", {"off": None, "on": {"enabled": True},
                                                   "cpu": {"enabled": True, "cpu_checkpointing": True}})
@@ -205,6 +213,34 @@ def test_modules_by_class_name_or_glob_every_n_and_outermost_only():
     assert wrapped(example_gpt(n_layer=2), modules=["*.attn", "Block"]) == ["blocks.0", "blocks.1"]
 
 
+class ExpertLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.out(sum(e(x) for e in self.experts))
+
+
+class MixtureOfExperts(nn.Module):
+    """Two layers, each with a list of four experts: the longest lists are the experts', but the layers' list
+    holds more parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(ExpertLayer() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_the_default_prefers_the_list_holding_more_parameters():
+    assert wrapped(MixtureOfExperts()) == ["layers.0", "layers.1"]
+
+
 def test_wrapping_leaves_names_and_state_dict_keys_alone():
     model = example_gpt()
     keys, names = list(model.state_dict()), [n for n, _ in model.named_modules()]
@@ -217,6 +253,61 @@ def test_selection_errors_name_the_fix():
         wrapped(example_gpt(), modules=["Blok"])
     with pytest.raises(ConfigError, match=r"Sequential has no nn.ModuleList.*name the modules"):
         wrapped(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    with pytest.raises(ConfigError, match=r"'blocks' is a ModuleList.*select its children.*\"blocks\.\*\""):
+        wrapped(example_gpt(), modules=["blocks"])
+
+
+def test_a_deep_copy_of_a_wrapped_model_runs_its_own_weights():
+    model = example_gpt()
+    wrapped(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.blocks.parameters():
+            p.mul_(0.5)
+    x = token_batches(1, 2, seq=SEQ)[0]
+    model.eval(), twin.eval()  # no dropout: the two differ by their weights alone
+    assert twin.blocks[0].forward.__self__ is twin.blocks[0]
+    assert not torch.equal(model(x, x), twin(x, x))
+    with torch.no_grad():
+        for p in twin.blocks.parameters():
+            p.mul_(2.0)
+    assert torch.equal(model(x, x), twin(x, x))
+
+
+def test_a_retained_graph_recomputes_again_with_the_same_masks():
+    """Two backward passes through one checkpointed forward (retain_graph): each recomputes every block, with
+    the forward's dropout masks both times."""
+    engine = initialize(example_gpt(), config("stage0", {"enabled": True}))
+    x = token_batches(1, GLOBAL_BATCH, seq=SEQ)[0]
+    loss = engine(x, x)
+    weight = engine.module.wte.weight
+    (first,) = torch.autograd.grad(loss, weight, retain_graph=True)
+    (second,) = torch.autograd.grad(loss, weight)
+    assert engine.activation_checkpointing.recomputes == 2 * 2
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    torch.manual_seed(11)
+    plain = initialize(example_gpt(), config("stage0"))
+    reference = torch.autograd.grad(plain(x, x), plain.module.wte.weight)[0]
+    torch.testing.assert_close(first, reference, rtol=RTOL, atol=1e-12)  # the same seed, the same masks
+
+
+def per_head_scores(t: torch.Tensor) -> torch.Tensor:
+    return t.sin()
+
+
+def _partition_refuses_split_inputs_worker(rank, world):
+    engine = initialize(example_gpt(), config("tp1d", {"enabled": True, "partition_activations": True}))
+    per_rank = torch.full((4, 8), float(rank), requires_grad=True)  # like an attention module's heads
+    try:
+        engine.checkpoint(per_head_scores, per_rank)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_partitioning_an_input_that_differs_between_tp_ranks_is_an_error():
+    for message in run_distributed(_partition_refuses_split_inputs_worker, 2, timeout_s=60):
+        assert message is not None and "the input of per_head_scores differs between the tensor-parallel ranks" in message
 
 
 def test_a_key_value_cache_is_refused_in_a_checkpointed_block():

@@ -7,11 +7,13 @@ A checkpointed module keeps only its inputs from the forward; backward runs its 
 does the work; the engine adds:
 - where it applies: the config's `modules` (class names or name globs) or, by default, the
   children of the model's largest ModuleList of same-class modules (the transformer blocks),
-  every `every_n`-th of them. The module's own `forward` is replaced on the instance, not the
-  module by a wrapper, so state-dict keys, tp-plan globs and ZeRO hooks see the model unchanged,
-  and hooks on the module itself stay outside the checkpoint (they do not run twice);
+  every `every_n`-th of them. The module's own `forward` is replaced on the instance (a method
+  bound to it, so a deepcopy of the model runs its own weights), not the module by a wrapper, so
+  state-dict keys, tp-plan globs and ZeRO hooks see the model unchanged, and hooks on the module
+  itself stay outside the checkpoint (they do not run twice);
 - the same dropout masks in the recompute: torch restores the default generator (and the
-  device's); under tensor parallelism the per-rank stream lives outside it (Note
+  generator of every device among the positional arguments, so on CUDA an empty device tensor is
+  always passed along: inputs given as keyword arguments are not seen); under tensor parallelism the per-rank stream lives outside it (Note
   [tensor-parallel RNG]), so the streams' state at the forward is put back for the recompute and
   the current state after it;
 - ZeRO-3 needs nothing more: the recompute runs inside backward, where the gatherer gathers a
@@ -27,7 +29,9 @@ so a checkpointed module refuses one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
+import types
 
 import torch
 from torch import nn
@@ -64,54 +68,63 @@ class ActivationCheckpointing:
         if "forward" in vars(module):
             raise RuntimeError(f"{name} ({type(module).__name__}): its forward is already replaced on the instance "
                                "(checkpointed twice, or by another library); checkpoint it once")
-        original = module.forward
 
-        def checkpointed_forward(*args, **kwargs):
+        def checkpointed_forward(owner: nn.Module, *args, **kwargs):
+            forward = functools.partial(type(owner).forward, owner)
             if not torch.is_grad_enabled():
-                return original(*args, **kwargs)
-            _refuse_cache(name, module, args, kwargs)
-            return self._run(original, args, kwargs)
+                return forward(*args, **kwargs)
+            _refuse_cache(name, owner, args, kwargs)
+            return self._run(forward, args, kwargs, name)
 
-        module.forward = checkpointed_forward
+        module.forward = types.MethodType(checkpointed_forward, module)
         self.wrapped.append(name)
 
     # ---- the checkpoint -------------------------------------------------------------------------
     def checkpoint(self, function, *args, use_reentrant: bool | None = None, preserve_rng_state: bool = True,
-                   context_fn=None, determinism_check: str = "default", debug: bool = False, **kwargs):
+                   context_fn=None, determinism_check: str = "default", debug: bool = False, early_stop: bool = True,
+                   **kwargs):
         """`function(*args, **kwargs)`, checkpointed as torch.utils.checkpoint.checkpoint(use_reentrant=False)
         does, with the config's options (Note [activation checkpointing])."""
         if use_reentrant:
             raise ValueError("engine.checkpoint is non-reentrant only (the recompute runs inside the same "
                              "backward, which ZeRO-3 and tensor parallelism rely on); drop use_reentrant=True")
+        if debug:
+            raise ValueError("engine.checkpoint(debug=True) is not supported: torch's debug mode replaces the "
+                             "context_fn that restores the engine's RNG streams; debug with "
+                             "torch.utils.checkpoint.checkpoint directly")
         if not torch.is_grad_enabled():
             return function(*args, **kwargs)
-        return self._run(function, args, kwargs, preserve_rng_state, context_fn, determinism_check, debug)
+        site = getattr(function, "__qualname__", type(function).__name__)
+        return self._run(function, args, kwargs, site, preserve_rng_state, context_fn, determinism_check, early_stop)
 
-    def _run(self, function, args: tuple, kwargs: dict, preserve_rng_state: bool = True, context_fn=None,
-             determinism_check: str = "default", debug: bool = False):
+    def _run(self, function, args: tuple, kwargs: dict, site: str, preserve_rng_state: bool = True, context_fn=None,
+             determinism_check: str = "default", early_stop: bool = True):
         def contexts():
             user_forward, user_recompute = context_fn() if context_fn is not None else (None, None)
             streams = self.streams.snapshot() if self.streams is not None and preserve_rng_state else None
-            return self._forward_context(user_forward), self._recompute_context(user_recompute, streams)
+            return self._forward_context(user_forward), _Recompute(self, user_recompute, streams)
 
         options = dict(use_reentrant=False, preserve_rng_state=preserve_rng_state, context_fn=contexts,
-                       determinism_check=determinism_check, debug=debug)
-        if not self.store.active:  # keyword arguments by closure, as torch keeps them: no name can clash
-            return torch_checkpoint(lambda *a: function(*a, **kwargs), *args, **options)
-        places = [("arg", i, v) for i, v in enumerate(args)] + [("kw", k, v) for k, v in kwargs.items()]
-        packed = [(kind, key, *self.store.pack(v)) for kind, key, v in places if self.store.eligible(v)]
-        if not packed:
-            return torch_checkpoint(lambda *a: function(*a, **kwargs), *args, **options)
+                       determinism_check=determinism_check, early_stop=early_stop)
+        # torch restores the RNG of the devices among its positional arguments: name the device
+        marker = [torch.empty(0, device=self.device)] if self.device.type == "cuda" else []
+        eligible = [self.store.eligible(v) for v in (*args, *kwargs.values())] if self.store.active else []
+        if not any(eligible):  # keyword arguments by closure, as torch keeps them: no name can clash
+            count = len(args)
+            return torch_checkpoint(lambda *a: function(*a[:count], **kwargs), *args, *marker, **options)
         # Note [saved inputs of a checkpoint]: the region keeps stand-ins, never the inputs themselves
-        kept_args = [None if any(kind == "arg" and key == i for kind, key, *_ in packed) else v
-                     for i, v in enumerate(args)]
-        kept_kwargs = {k: v for k, v in kwargs.items() if not any(kind == "kw" and key == k for kind, key, *_ in packed)}
-        first_forward = {"inputs": [args[key] if kind == "arg" else kwargs[key] for kind, key, *_ in packed]}
+        places = [("arg", i) for i in range(len(args))] + [("kw", k) for k in kwargs]
+        values = [*args, *kwargs.values()]
+        packed = [(place, *self.store.pack(value, site)) for place, value, ok in zip(places, values, eligible) if ok]
+        kept_args = [None if e else v for v, e in zip(args, eligible)]
+        kept_kwargs = {k: v for (k, v), e in zip(kwargs.items(), eligible[len(args):]) if not e}
+        first_forward = {"inputs": [v for v, e in zip(values, eligible) if e]}
+        del values
 
         def region(*payloads):
             inputs = first_forward.pop("inputs", None)  # None: this is the recompute
             call_args, call_kwargs = list(kept_args), dict(kept_kwargs)
-            for n, (kind, key, _, stored) in enumerate(packed):
+            for n, ((kind, key), _, stored) in enumerate(packed):
                 value = inputs[n].detach() if inputs is not None else self.store.restore(payloads[n], stored)
                 value = self.store.rejoin(value, stored)
                 if kind == "arg":
@@ -121,14 +134,12 @@ class ActivationCheckpointing:
             del inputs
             return function(*call_args, **call_kwargs)
 
-        payloads = [payload for _, _, payload, _ in packed]
-        # torch restores the RNG and autocast state of the devices its arguments are on: with every payload in
-        # CPU memory, an empty tensor names the device
-        device_marker = [torch.empty(0, device=self.device)] if self.store.to_cpu else []
         try:
-            return torch_checkpoint(region, *payloads, *device_marker, **options)
+            out = torch_checkpoint(region, *[payload for _, payload, _ in packed], *marker, **options)
         finally:
             first_forward.clear()
+        self.store.copies_done([stored for *_, stored in packed])
+        return out
 
     # ---- contexts -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -138,26 +149,41 @@ class ActivationCheckpointing:
             yield
         self._synchronize(self.config.synchronize_checkpoint_boundary)
 
-    @contextlib.contextmanager
-    def _recompute_context(self, user_context, streams_at_forward):
-        current = self.streams.snapshot() if streams_at_forward is not None else None
-        if streams_at_forward is not None:
-            self.streams.restore(streams_at_forward)
-        self._synchronize(self.config.profile)
-        start = time.perf_counter()
-        try:
-            with user_context if user_context is not None else contextlib.nullcontext():
-                yield
-        finally:
-            self._synchronize(self.config.profile)
-            self.recompute_seconds += time.perf_counter() - start
-            self.recomputes += 1
-            if current is not None:
-                self.streams.restore(current)
-
     def _synchronize(self, wanted: bool) -> None:
         if wanted and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+class _Recompute:
+    """The context torch enters around every recompute of one checkpoint (again for each backward through
+    a retained graph): the tp streams as they were at the forward, and the recompute's time."""
+
+    def __init__(self, owner: ActivationCheckpointing, user_context, streams_at_forward):
+        self.owner, self.user_context, self.streams_at_forward = owner, user_context, streams_at_forward
+        self._entered: list[tuple] = []  # (the streams' state before, start time) per entry
+
+    def __enter__(self):
+        owner = self.owner
+        current = owner.streams.snapshot() if self.streams_at_forward is not None else None
+        if self.streams_at_forward is not None:
+            owner.streams.restore(self.streams_at_forward)
+        owner._synchronize(owner.config.profile)
+        self._entered.append((current, time.perf_counter()))
+        if self.user_context is not None:
+            self.user_context.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        owner = self.owner
+        try:
+            return bool(self.user_context.__exit__(*exc)) if self.user_context is not None else False
+        finally:
+            current, start = self._entered.pop()
+            owner._synchronize(owner.config.profile)
+            owner.recompute_seconds += time.perf_counter() - start
+            owner.recomputes += 1
+            if current is not None:
+                owner.streams.restore(current)
 
 
 def _refuse_cache(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:

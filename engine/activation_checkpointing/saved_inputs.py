@@ -3,10 +3,14 @@
 Note [saved inputs of a checkpoint]
 torch's non-reentrant checkpoint keeps the region's tensor arguments as saved tensors (through any
 saved-tensor hooks around it) and hands them back to the recompute. To keep less, the region is
-given stand-ins instead: a 1/tp piece of each input (partition_activations; the inputs of a block
-are the same on every rank of a 1D tp group, so the pieces all-gather back into it) and/or a copy
-in CPU memory (cpu_checkpointing). The region turns a stand-in back into the whole input, except
-in the first forward, which uses the input itself.
+given stand-ins instead: a 1/tp piece of each input (partition_activations) and/or a copy in CPU
+memory (cpu_checkpointing). The region turns a stand-in back into the whole input, except in the
+first forward, which uses the input itself. Only activations get stand-ins: floating-point tensors
+on the device that need a gradient (a mask shared by every block stays one shared tensor).
+Partitioning assumes the input is the same on every rank of the tp group (a 1D block's input is):
+the pieces all-gather back into it. The first input of each checkpointed site is checked for that
+once (an elementwise max and min over the group), so that splitting a per-rank activation (say, an
+attention module's heads) is an error rather than a silent mix of ranks' inputs.
 The gradient must still reach the input whole, without keeping it: an *anchor*, a tensor of the
 input's shape with zero strides (one element of storage), is made from the input by `_Anchor` and
 joined to the restored value by `_Rejoin`. Backward passes the region's input gradient through
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.comm import all_gather_into
+from engine.comm import all_gather_into, all_reduce_max
 from engine.tensor_parallel.mappings import TPGroup
 
 
@@ -53,7 +57,7 @@ class StoredInput:
 
     shape: torch.Size
     dtype: torch.dtype
-    anchor: torch.Tensor | None  # None for an input that needs no gradient
+    anchor: torch.Tensor  # Note [saved inputs of a checkpoint]
     copied: torch.cuda.Event | None = None  # cpu_checkpointing on CUDA: the copy to pinned memory is done
 
 
@@ -65,22 +69,25 @@ class InputStore:
         self.partition = partition
         self.to_cpu = to_cpu and device.type == "cuda"  # on a CPU device the inputs are in CPU memory already
         self._side_stream = torch.cuda.Stream(device) if self.to_cpu else None
+        self._checked_sites: set[str] = set()  # partitioned sites whose input was seen replicated
 
     @property
     def active(self) -> bool:
         return self.partition is not None or self.to_cpu
 
     def eligible(self, value) -> bool:
-        """Activations: floating-point tensors on the device, large enough to split."""
+        """Activations: floating-point tensors on the device that need a gradient, large enough to split."""
         pieces = self.partition.size if self.partition is not None else 1
-        return (isinstance(value, torch.Tensor) and value.is_floating_point() and value.device == self.device
-                and value.numel() >= pieces)
+        return (isinstance(value, torch.Tensor) and value.is_floating_point() and value.requires_grad
+                and value.device == self.device and value.numel() >= pieces)
 
-    def pack(self, x: torch.Tensor) -> tuple[torch.Tensor, StoredInput]:
-        """(stand-in, what restores it); neither holds x's storage."""
-        stored = StoredInput(x.shape, x.dtype, _Anchor.apply(x) if x.requires_grad else None)
+    def pack(self, x: torch.Tensor, site: str) -> tuple[torch.Tensor, StoredInput]:
+        """(stand-in, what restores it); neither holds x's storage. `site` names the checkpointed module or
+        function, for the replication check and its error."""
+        stored = StoredInput(x.shape, x.dtype, _Anchor.apply(x))
         payload = x.detach()
         if self.partition is not None:
+            self._check_replicated(payload, site)
             payload = self._own_piece(payload)
         if self.to_cpu:
             payload, stored.copied = self._copy_to_cpu(payload)
@@ -96,7 +103,29 @@ class InputStore:
 
     def rejoin(self, value: torch.Tensor, stored: StoredInput) -> torch.Tensor:
         """The region's input: `value` carrying the gradient back to the original input."""
-        return value if stored.anchor is None else _Rejoin.apply(stored.anchor, value)
+        return _Rejoin.apply(stored.anchor, value)
+
+    def copies_done(self, stored: list[StoredInput]) -> None:
+        """cpu_checkpointing: the compute stream waits for the copies to CPU before going on, so that nothing
+        after the region writes over an input (in place) before its copy has read it."""
+        for s in stored:
+            if s.copied is not None:
+                torch.cuda.current_stream(self.device).wait_event(s.copied)
+
+    def _check_replicated(self, x: torch.Tensor, site: str) -> None:
+        if site in self._checked_sites:
+            return
+        tp = self.partition
+        bounds = torch.stack([x, -x])
+        all_reduce_max(bounds, tp.group, tp.counter)
+        high, low = bounds[0], -bounds[1]
+        if not bool(((high == low) | (high.isnan() & low.isnan())).all()):
+            raise RuntimeError(
+                f"activation_checkpointing.partition_activations: the input of {site} differs between the "
+                f"tensor-parallel ranks (it is split over them, not replicated), so its pieces would not all-gather "
+                f"back into it; checkpoint modules whose input every tp rank holds whole (the transformer blocks, "
+                f"the default), or set partition_activations to false")
+        self._checked_sites.add(site)
 
     def _own_piece(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.partition

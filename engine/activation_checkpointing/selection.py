@@ -20,6 +20,10 @@ def select_modules(model: nn.Module, patterns: list[str] | None, every_n: int) -
     """
     named = [(name, m) for name, m in model.named_modules() if name]  # the root is not a block
     chosen = _repeated_blocks(model) if patterns is None else _matching(named, patterns)
+    for name, module in chosen:
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            raise ConfigError(f"activation_checkpointing.modules: {name!r} is a {type(module).__name__}, a container "
+                              f"whose forward is never called; select its children instead (e.g. \"{name}.*\")")
     outermost, names = [], []
     for name, module in chosen:
         if not any(name.startswith(outer + ".") for outer in names):
@@ -29,12 +33,15 @@ def select_modules(model: nn.Module, patterns: list[str] | None, every_n: int) -
 
 
 def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The children of the model's largest ModuleList whose children are all of one class."""
-    best: tuple[str, nn.ModuleList] | None = None
+    """The children of the model's largest ModuleList whose children are all of one class; largest by the
+    parameters it holds, then by length (so a model's layers win over one layer's list of experts)."""
+    best, best_size = None, (0, 0)
     for name, m in model.named_modules():
-        if (isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(c) for c in m}) == 1
-                and (best is None or len(m) > len(best[1]))):
-            best = (name, m)
+        kinds = {type(c) for c in m.children()}
+        if isinstance(m, nn.ModuleList) and len(kinds) == 1 and not issubclass(*kinds, (nn.ModuleList, nn.ModuleDict)):
+            size = (sum(p.numel() for p in m.parameters()), len(m))
+            if best is None or size > best_size:
+                best, best_size = (name, m), size
     if best is None:
         raise ConfigError(f"activation_checkpointing.modules: {type(model).__name__} has no nn.ModuleList of "
                           "same-class blocks to checkpoint by default; name the modules to checkpoint, by class name "
