@@ -1,5 +1,5 @@
 """Activation checkpointing: with dropout on, the same losses and gradients as without it (stage 0, ZeRO-3,
-1D tensor parallelism), fewer saved bytes, and a lower peak RSS."""
+1D and 2D tensor parallelism), fewer saved bytes, and a lower peak RSS."""
 
 from __future__ import annotations
 
@@ -43,11 +43,13 @@ STRATEGIES = {  # name: (config additions, processes)
     "zero3": ({"zero_optimization": {"stage": 3, "chunk_size": 20_000, "stage3_param_persistence_threshold": 0}}, 2),
     "tp1d": ({"tensor_parallel": {"size": 2}}, 2),
 }
+TP_2D = ({"tensor_parallel": {"size": 4, "mode": "2d"}}, 4)  # one model only: 4 processes on 2 cores
 
 
 def config(strategy: str, checkpointing: dict | None = None) -> dict:
+    additions = TP_2D[0] if strategy == "tp2d" else STRATEGIES[strategy][0]
     cfg = {"train_batch_size": GLOBAL_BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "gradient_clipping": 1.0, "steps_per_print": 10**6, "seed": 5, **STRATEGIES[strategy][0]}
+           "gradient_clipping": 1.0, "steps_per_print": 10**6, "seed": 5, **additions}
     if checkpointing is not None:
         cfg["activation_checkpointing"] = checkpointing
     return cfg
@@ -96,6 +98,13 @@ def test_checkpointing_changes_no_loss_or_gradient_with_dropout(model_name, stra
         results = run_distributed(_with_and_without_worker, processes, args=(model_name, strategy, variants),
                                   timeout_s=180)
     for per_rank in results:
+        assert_same_training(per_rank)
+
+
+def test_checkpointing_changes_no_loss_or_gradient_under_2d_tensor_parallelism():
+    """The example GPT on a 2×2 mesh, where the whole model runs on the per-rank dropout stream."""
+    variants = {"off": None, "on": {"enabled": True}}
+    for per_rank in run_distributed(_with_and_without_worker, TP_2D[1], args=("gpt", "tp2d", variants), timeout_s=180):
         assert_same_training(per_rank)
 
 

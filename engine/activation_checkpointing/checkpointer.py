@@ -11,11 +11,11 @@ does the work; the engine adds:
   bound to it, so a deepcopy of the model runs its own weights), not the module by a wrapper, so
   state-dict keys, tp-plan globs and ZeRO hooks see the model unchanged, and hooks on the module
   itself stay outside the checkpoint (they do not run twice);
-- the same dropout masks in the recompute: torch restores the default generator (and the
-  generator of every device among the positional arguments, so on CUDA an empty device tensor is
-  always passed along: inputs given as keyword arguments are not seen); under tensor parallelism the per-rank stream lives outside it (Note
-  [tensor-parallel RNG]), so the streams' state at the forward is put back for the recompute and
-  the current state after it;
+- the same dropout masks in the recompute: torch restores the default generator and the
+  generator of every device among the positional arguments (so on CUDA an empty device tensor is
+  always passed along: inputs given as keyword arguments are not seen); under tensor parallelism
+  the per-rank stream lives outside them (Note [tensor-parallel RNG]), so the streams' state at
+  the forward is put back for the recompute and the current state after it;
 - ZeRO-3 needs nothing more: the recompute runs inside backward, where the gatherer gathers a
   module's chunks on demand and leaves them to backward's release (Note [gathering around modules]);
 - partition_activations / cpu_checkpointing: Note [saved inputs of a checkpoint];
@@ -169,21 +169,28 @@ class _Recompute:
             owner.streams.restore(self.streams_at_forward)
         owner._synchronize(owner.config.profile)
         self._entered.append((current, time.perf_counter()))
-        if self.user_context is not None:
-            self.user_context.__enter__()
+        try:
+            if self.user_context is not None:
+                self.user_context.__enter__()
+        except BaseException:
+            self._leave()
+            raise
         return self
 
     def __exit__(self, *exc) -> bool:
-        owner = self.owner
         try:
             return bool(self.user_context.__exit__(*exc)) if self.user_context is not None else False
         finally:
-            current, start = self._entered.pop()
-            owner._synchronize(owner.config.profile)
-            owner.recompute_seconds += time.perf_counter() - start
-            owner.recomputes += 1
-            if current is not None:
-                owner.streams.restore(current)
+            self._leave()
+
+    def _leave(self) -> None:
+        owner = self.owner
+        current, start = self._entered.pop()
+        owner._synchronize(owner.config.profile)
+        owner.recompute_seconds += time.perf_counter() - start
+        owner.recomputes += 1
+        if current is not None:
+            owner.streams.restore(current)
 
 
 def _refuse_cache(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
