@@ -10,10 +10,10 @@ single-process; they differ only in how the blocks run:
   torch  no config checkpointing; each block's forward replaced by hand with
          torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False).
 Each run is a fresh process (rounds alternate the systems; glibc keeps freed memory, Note [malloc in
-benchmarks]), so its peak RSS is its own: reported as
-the growth from just before the first step to the end of the run. Also reported: the bytes autograd
-saves for backward in one step (saved_tensors_hooks, each storage once, parameters left out) and the
-recompute overhead, (step time / off's step time - 1), ours against torch's. The target: ours ≤ torch's.
+benchmarks]), so its peak RSS is its own: reported as the growth from just before the first step to
+the end of the run. Also reported: the bytes autograd saves for backward in one step
+(saved_tensors_hooks, each storage once, parameters left out) and the recompute overhead,
+(step time / off's step time - 1), ours against torch's. The target: ours ≤ torch's.
 
 This is a benchmark script: it prints what it measured and never asserts on time.
 """
