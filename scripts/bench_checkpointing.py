@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (KEEP_FREED_MEMORY_ENV, command_line, fmt_bytes, machine_line, markdown_table, median,  # noqa: E402
-                          spawn_ranks, write_text)
+from bench_common import (KEEP_FREED_MEMORY_ENV, SavedActivationBytes, command_line, fmt_bytes,  # noqa: E402
+                          machine_line, markdown_table, median, peak_rss_bytes, spawn_ranks, write_text)
 
 SYSTEMS = ("off", "ours", "torch")
 LABELS = {"off": "no checkpointing", "ours": "tiers activation_checkpointing",
@@ -74,26 +73,13 @@ def _torch_checkpointed(forward):
     return checkpointed
 
 
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-
 def saved_bytes(engine, x: torch.Tensor) -> int:
     """Bytes of the distinct storages one forward saves for backward, the parameters' aside."""
-    skip = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
-    sizes: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            sizes[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedActivationBytes(engine.module.parameters()) as saved:
         loss = engine(x, x)
     engine.backward(loss)
     engine.step()
-    return sum(sizes.values())
+    return saved.bytes
 
 
 def run_main(rank: int, world: int, system: str, args, results) -> None:

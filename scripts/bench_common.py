@@ -196,6 +196,40 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (0 where `resource` is missing)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if resource is not None else 0  # Linux: KiB
+
+
+class SavedActivationBytes:
+    """Inside the block: the bytes of the distinct storages autograd saves for backward
+    (torch.autograd.graph.saved_tensors_hooks), the parameters' own storages left out. `unwrap` maps a
+    saved tensor to the one holding its memory (e.g. a DTensor's local shard)."""
+
+    def __init__(self, params, unwrap: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
+        self._unwrap = unwrap
+        self._skip = {unwrap(p).untyped_storage().data_ptr() for p in params}
+        self._sizes: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = self._unwrap(t).untyped_storage()
+        if storage.data_ptr() not in self._skip:
+            self._sizes[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._sizes.values())
+
+    def __enter__(self) -> "SavedActivationBytes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 

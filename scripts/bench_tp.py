@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (KEEP_FREED_MEMORY_ENV, command_line, fmt_bytes, free_port,  # noqa: E402
-                          init_gloo, machine_line, markdown_table, spawn_ranks, write_text)
+from bench_common import (KEEP_FREED_MEMORY_ENV, SavedActivationBytes, command_line, fmt_bytes,  # noqa: E402
+                          free_port, init_gloo, machine_line, markdown_table, spawn_ranks, write_text)
 from bench_dp import Loop, alternate_rounds, make_batches, parse_args, summarize, torch_loop  # noqa: E402
 
 LABELS = {"ours": "tiers 1D tensor parallel", "ours2d": "tiers 2D tensor parallel (SUMMA)",
@@ -63,22 +63,13 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def counting_saved_bytes(loop: Loop, system: str, params: list, args) -> Loop:
     """Wraps loop.forward: its first call records the bytes autograd saves for backward in args.saved_bytes."""
     inner = loop.forward
-    skip = {local(p).untyped_storage().data_ptr() for p in params}
 
     def forward(x, y):
         if system in args.saved_bytes:
             return inner(x, y)
-        storages = {}
-
-        def pack(t):
-            storage = local(t).untyped_storage()
-            if storage.data_ptr() not in skip:
-                storages[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with SavedActivationBytes(params, unwrap=local) as saved:
             out = inner(x, y)
-        args.saved_bytes[system] = sum(storages.values())
+        args.saved_bytes[system] = saved.bytes
         return out
 
     loop.forward = forward
