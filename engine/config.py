@@ -129,6 +129,21 @@ class ActivationCheckpointingConfig:
 
 
 @dataclass(frozen=True)
+class ParallelWriteConfig:
+    pipeline_stage: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    tag_validation: Literal["Ignore", "Warn", "Fail", "ignore", "warn", "fail"] = "Warn"
+    load_universal: bool = False
+    use_node_local_storage: bool = False
+    parallel_write: ParallelWriteConfig = section(ParallelWriteConfig)
+    async_save: bool = False  # Tiers: write files in the background (Note [asynchronous save])
+    timeout_s: float = bounded(300.0, gt=0)  # Tiers: how long a save waits for every rank to call it
+
+
+@dataclass(frozen=True)
 class TensorBoardConfig:
     enabled: bool = False
     output_path: str = ""
@@ -192,6 +207,7 @@ class Config:
     zero_optimization: ZeroConfig = section(ZeroConfig)
     aio: AioConfig = section(AioConfig)
     activation_checkpointing: ActivationCheckpointingConfig = section(ActivationCheckpointingConfig)
+    checkpoint: CheckpointConfig = section(CheckpointConfig)
     tensorboard: TensorBoardConfig = section(TensorBoardConfig)
     steps_per_print: int = bounded(10, min=1)
     wall_clock_breakdown: bool = False
@@ -254,7 +270,7 @@ _UNSUPPORTED_TOP_LEVEL_OFF_VALUES: dict[str, Any] = {
 _UNSUPPORTED_TOP_LEVEL_SECTIONS = (
     "amp", "flops_profiler", "comms_logger", "wandb", "csv_monitor", "comet", "compression_training",
     "data_efficiency", "curriculum_learning", "elasticity", "pipeline", "sparse_attention", "autotuning",
-    "checkpoint", "data_types", "hybrid_engine", "eigenvalue", "progressive_layer_drop", "quantize_training",
+    "data_types", "hybrid_engine", "eigenvalue", "progressive_layer_drop", "quantize_training",
     "nebula", "weight_quantization", "compile",
 )
 
@@ -375,9 +391,14 @@ def _reject_not_yet_supported(cfg: Config) -> None:
         (zero.stage3_max_reuse_distance != 1_000_000_000, "zero_optimization.stage3_max_reuse_distance",
          zero.stage3_max_reuse_distance, "Tiers releases a chunk once the modules using it are done and gathers "
          "ahead by the recorded trace, without a reuse distance; remove the key"),
-        (zero.stage3_gather_16bit_weights_on_model_save, "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-         True, "saving models comes with checkpoints (a later release); use engine.full_state_dict() for now, and "
-         "remove the key"),
+        (cfg.checkpoint.load_universal, "checkpoint.load_universal", True,
+         "Tiers reads its own checkpoints only, and every one of them loads under any layout (Note [reading a "
+         "checkpoint anywhere]) without a conversion; remove the key"),
+        (cfg.checkpoint.use_node_local_storage, "checkpoint.use_node_local_storage", True,
+         "node-local checkpoint storage is not supported yet: every rank writes into one directory on a filesystem "
+         "all ranks share; remove the key"),
+        (cfg.checkpoint.parallel_write.pipeline_stage, "checkpoint.parallel_write.pipeline_stage", True,
+         "Tiers has no pipeline stages (every rank already writes its own file); remove the key"),
         (zero.placement != "static", "zero_optimization.placement", zero.placement,
          "automatic placement is not supported yet; use \"static\""),
         (cfg.tensor_parallel.mode == "2d" and not _is_mesh_or_one(cfg.tensor_parallel.size), "tensor_parallel.size",

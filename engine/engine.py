@@ -27,6 +27,7 @@ from torch import nn
 
 from engine import whole_weights
 from engine.activation_checkpointing import ActivationCheckpointing
+from engine.checkpoint import Saver, load_checkpoint, write_state_dict
 from engine.comm import CommCounter, all_gather_in_place, all_reduce_sum, broadcast_from
 from engine.config import BatchSizes, Config
 from engine.monitor import Monitor
@@ -110,6 +111,7 @@ class Engine:
             chunked.masters.sync_from_params()  # the starting weights are rank 0's (Note [master weights])
         self._comm_at_last_step = dataclasses.replace(self.comm)  # the start-up broadcast is not a step's traffic
         self._moved_at_last_step: dict[str, int] = {}  # the chunk manager's bytes moved, per direction
+        self._saver = Saver(self)  # Note [checkpoint commit]
 
     # ---- identity -------------------------------------------------------------------------
     @property
@@ -409,6 +411,41 @@ class Engine:
         whole = self.tensor_parallel.join_state_dict(local, self.device)
         return whole if keep else None
 
+    # ---- checkpoints (engine/checkpoint/) -------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True) -> str:
+        """Saves this engine's whole training state into save_dir/tag (default tag "global_step<N>") and points
+        save_dir/latest at it; every rank must call it (Note [checkpoint commit]). client_state (JSON values and
+        tensors, e.g. a data loader's state_dict()) comes back from load_checkpoint. Returns the checkpoint's path;
+        with checkpoint.async_save the files are still being written when it returns (Note [asynchronous save])."""
+        return self._saver.save(save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """Loads load_dir/tag (default: the tag load_dir/latest names), saved under any data-parallel,
+        tensor-parallel, ZeRO or offload layout (Note [reading a checkpoint anywhere]); every rank must call it.
+        Returns (the checkpoint's path, its client_state), or (None, None) when load_dir has no `latest`."""
+        self._saver.wait()
+        return load_checkpoint(self, self._saver.control, load_dir, tag, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only)
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Waits for a background save (checkpoint.async_save) to commit and raises its error, if any; returns the
+        path of the last checkpoint committed."""
+        return self._saver.wait()
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> str | None:
+        """The model's state dict with parameters in the compute dtype (bf16 / fp16, or fp32), whole, written by
+        rank 0 as one safetensors file (every rank must call it: stage 3 gathers). Returns its path on rank 0."""
+        state = self.full_state_dict(rank0_only=True)
+        if state is None:
+            return None
+        chunked = {key for key, t in self.module.state_dict(keep_vars=True).items()
+                   if id(t) in self.chunked.chunk_index()}
+        dtype = self.precision.compute_dtype
+        state = {k: v.to(dtype) if k in chunked else v for k, v in state.items()}
+        return write_state_dict(save_dir, save_filename, state)
+
     def gathered_parameters(self, params=None, modifier_rank: int | None = None):
         """Parameters (default all) readable inside the block; with `modifier_rank`, that rank may modify
         them and its values reach every rank on exit (DeepSpeed's GatheredParameters); without it,
@@ -500,7 +537,9 @@ class Engine:
                 **{f"Offload/moved_bytes_per_step/{k}": float(v - previous.get(k, 0)) for k, v in moved.items()}}
 
     def close(self) -> None:
-        """Flushes the monitor, removes the engine's hooks and closes an offloaded optimizer's chunk manager."""
+        """Waits for a background save, flushes the monitor, removes the engine's hooks and closes an offloaded
+        optimizer's chunk manager."""
+        self._saver.wait()  # a background save commits (or raises) before anything closes
         self.monitor.close()
         if hasattr(self.optimizer, "close"):
             self.optimizer.close()

@@ -71,6 +71,9 @@ class Topology:
     tp_rank: int = 0
     tp_row_group: dist.ProcessGroup | None = None  # 2D only: this rank's row of the q×q mesh
     tp_col_group: dist.ProcessGroup | None = None  # 2D only: this rank's column
+    # every rank, gloo, for checkpoint control messages only (Note [checkpoint commit]): a group of its own,
+    # so a background save never interleaves its collectives with training's; None in one process
+    control_group: dist.ProcessGroup | None = None
 
     @property
     def is_distributed(self) -> bool:
@@ -89,9 +92,12 @@ class Topology:
             return cls(1, 0, None, 1, 0, device)
         world, rank = dist.get_world_size(), dist.get_rank()
         if tp_size == 1:
-            return cls(world, rank, None, world, rank, device)
-        topology = cls._with_tensor_parallel(world, rank, device, tp_size)
-        return topology._with_mesh() if tp_mode == "2d" else topology
+            topology = cls(world, rank, None, world, rank, device)
+        else:
+            topology = cls._with_tensor_parallel(world, rank, device, tp_size)
+            topology = topology._with_mesh() if tp_mode == "2d" else topology
+        control = dist.new_group(list(range(world)), backend="gloo") if world > 1 else None
+        return dataclasses.replace(topology, control_group=control)
 
     @classmethod
     def _with_tensor_parallel(cls, world: int, rank: int, device: torch.device, tp: int) -> "Topology":

@@ -220,6 +220,23 @@ class ChunkedParams:
         if self.sharded_params is not None:
             self.sharded_params.release_loaded()
 
+    # ---- what a checkpoint reads and writes (Note [checkpoint layout]) ----
+    def chunk_count(self) -> int:
+        return len(self._param_chunks)
+
+    def chunk_numel(self, index: int) -> int:
+        """Elements of param chunk `index` (its capacity, padding included)."""
+        return self._param_chunks[index].numel
+
+    def chunk_members(self, index: int) -> list[tuple[nn.Parameter, Slot]]:
+        """The parameters of chunk `index` with their slots, in chunk order."""
+        return list(zip(self._params_by_chunk[index], self._slots_by_chunk[index]))
+
+    def stepped_tensors(self) -> list[torch.Tensor]:
+        """What the optimizer steps, one per chunk in chunk order: the whole payload, this rank's shard of it,
+        or its fp32 master (an offloaded shard is a placeholder: read it through sharded_params.shard)."""
+        return [t for params, _ in self._stepped for t in params]
+
     def position_of(self, p: nn.Parameter) -> int:
         """The parameter's place in the model's parameter order (after named ones, registration order)."""
         return self._position[id(p)]

@@ -31,6 +31,7 @@ leaves the model partly updated: it raises saying so (restore from a checkpoint)
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -55,7 +56,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         grad_chunks: the same for its gradient (Note [offloaded gradient shards]), scaled by `grad_scale`
         (set by the engine before each step: loss-scale and clipping factors) as it is stepped."""
         probe = torch.zeros(1, requires_grad=True)
-        super().__init__(groups, dict(make([{"params": [probe]}]).defaults))  # lr, betas, ...: for schedulers
+        template = make([{"params": [probe]}])
+        super().__init__(groups, dict(template.defaults))  # lr, betas, ...: for schedulers
+        self.inner_type = type(template)  # what steps each tensor (a checkpoint records it)
         self.manager, self.compute = manager, compute
         self._param_chunks = param_chunks or {}
         self._grad_chunks = grad_chunks or {}
@@ -143,9 +146,25 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 # a consumed gradient is dropped at once (no write-back): its room serves the next reads
                 self.manager.release(c, TensorState.FREE if c == grad_chunk else TensorState.HOLD)
 
+    @contextlib.contextmanager
+    def accessed_state(self, index: int, writes: bool):
+        """For a checkpoint: the states of stepped tensor `index` (param-group order) for the block, by name:
+        views of its manager chunk, wherever it lives, and the scalar ones (\"step\") kept in memory."""
+        opt, p, chunk, info = self._items[index]
+        state = opt.state.setdefault(p, {})
+        scalars = {k: v for k, v in state.items() if torch.is_tensor(v)}
+        if chunk is None:
+            yield scalars
+            return
+        views = self.manager.access(chunk, self.compute, writes=writes)
+        try:
+            yield {**scalars, **dict(zip(info["names"], views))}
+        finally:
+            self.manager.release(chunk)
+
     def state_dict(self):
-        raise NotImplementedError("checkpointing offloaded optimizer states comes with sharded checkpoints "
-                                  "(a later release); save the model with engine.full_state_dict() for now")
+        raise NotImplementedError("the states of an offloaded optimizer live in its chunk manager; save them with "
+                                  "engine.save_checkpoint(dir), which reads them wherever they are")
 
     def close(self) -> None:
         self.manager.close()

@@ -1,0 +1,102 @@
+"""The engine's model states as a checkpoint reads and writes them: per chunk, this rank's values and optimizer states.
+
+Note [checkpoint layout]
+A checkpoint stores what each rank steps, chunk by chunk (Note [sharding policy]): for chunk i of a
+tensor-parallel rank's chunk list, the rank's stepped range of elements [start, start + n) — the
+whole chunk when optimizer states are not sharded (stage 0: data-parallel rank 0 writes it), else
+its shard — as fp32 values (the masters under bf16 / fp16, Note [master weights]) and each
+optimizer state tensor of the same shape (Adam's exp_avg, exp_avg_sq; the scalar "step" beside
+them). The manifest records every chunk's parameters (name, offset, shape) and how the tensor-
+parallel plan cut each one (Note [tensor-parallel plans]), so a parameter's elements can be found
+in the files whatever layout later reads them: that is what makes resharding (another dp, tp,
+stage or offload) and consolidation (`tiers convert`) possible without a conversion step.
+Gradients are not saved: a checkpoint is taken at an accumulation boundary, where they are zero.
+Parameters outside chunks (frozen ones) and buffers are saved whole by data-parallel rank 0 of
+each tensor-parallel rank ("extra" entries).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from engine.zero.chunked_params import ChunkedParams
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str
+    offset: int  # element offset in the chunk
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class LiveStates:
+    """Access to one rank's chunked states (values, optimizer states) wherever they live: in memory, as a stage-3
+    shard, or in the offloaded optimizer's chunk manager (CPU or NVMe)."""
+
+    def __init__(self, chunked: ChunkedParams, optimizer: torch.optim.Optimizer):
+        self.chunked = chunked
+        self.optimizer = optimizer
+        self._stepped = chunked.stepped_tensors()
+        self._offloaded = hasattr(optimizer, "accessed_state")  # Note [offloaded optimizer states]
+
+    def __len__(self) -> int:
+        return self.chunked.chunk_count()
+
+    def members(self, index: int) -> list[Member]:
+        return [Member(self.chunked.name_of(p), slot.offset, tuple(slot.shape))
+                for p, slot in self.chunked.chunk_members(index)]
+
+    def chunk_numel(self, index: int) -> int:
+        return self.chunked.chunk_numel(index)
+
+    def stepped_range(self, index: int) -> tuple[int, int]:
+        """(first element, count) of chunk `index` this rank steps."""
+        n = self.chunk_numel(index) // self.chunked.shard_count
+        return self.chunked.shard_rank * n, n
+
+    @contextlib.contextmanager
+    def values(self, index: int, writes: bool):
+        """This rank's stepped elements of chunk `index`, fp32 (a master under bf16 / fp16), for the block."""
+        chunked = self.chunked
+        if chunked.masters is None and chunked.sharded_params is not None:
+            with chunked.sharded_params.shard(index, writes=writes) as shard:  # maybe offloaded
+                yield shard
+            return
+        yield self._stepped[index]
+
+    @contextlib.contextmanager
+    def optimizer_state(self, index: int, writes: bool):
+        """The optimizer's state tensors of chunk `index` by name ({} before a torch optimizer's first step)."""
+        if self._offloaded:
+            with self.optimizer.accessed_state(index, writes) as state:
+                yield state
+            return
+        state = self.optimizer.state.get(self._stepped[index], {})
+        yield {k: v for k, v in state.items() if torch.is_tensor(v)}
+
+    def install_optimizer_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Loading into a torch optimizer: its states replaced by `states` (chunk index -> name -> tensor), placed as
+        torch places loaded states (Optimizer.load_state_dict: the parameter's device and dtype, "step" as is)."""
+        saved = self.optimizer.state_dict()
+        saved["state"] = states
+        self.optimizer.load_state_dict(saved)
+
+    def finish_loading(self) -> None:
+        """After values were written: 16-bit parameters from their masters; the full chunks from the shards are the
+        caller's (an all-gather, as after every update)."""
+        if self.chunked.masters is not None:
+            self.chunked.masters.update_params()
+
+    @property
+    def offloaded(self) -> bool:
+        return self._offloaded

@@ -1,0 +1,205 @@
+"""A committed checkpoint read under any layout: where each parameter's elements are, and reading them.
+
+Note [reading a checkpoint anywhere]
+A parameter (or one optimizer state of it) is addressed by its name, the tensor-parallel rank
+whose piece it is, and a range of that piece's flattened elements. The manifest's chunk lists turn
+that into pieces of files (Note [checkpoint layout]): the chunk holding it, its offset, and the
+data-parallel shards of the chunk the range crosses. A reader first *plans* — lists the pieces
+it will read, hence the files to verify — and only then reads, so every file is checked before any
+state is changed. A layout with the same tensor-parallel cut reads exactly its own elements; a
+different cut reads every saved piece of a parameter, joins them into the whole tensor
+(Spec.join) and takes its own piece (Spec.take), one parameter at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.checkpoint.encoding import decode_spec
+from engine.checkpoint.files import CheckpointError, CheckpointIntegrityError, FileRecord, open_tensors, verify
+from engine.tensor_parallel.mappings import TPGroup
+
+FORMAT = "tiers-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class Piece:
+    file: str
+    key: str
+    lo: int  # elements [lo, hi) of the stored tensor
+    hi: int
+    dst: int  # where they go in the requested range
+
+
+@dataclass(frozen=True)
+class Location:
+    chunk: int
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def read_latest(directory: str) -> str | None:
+    """The tag `latest` names, or None when there is none."""
+    path = os.path.join(directory, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        tag = f.read().strip()
+    if not tag:
+        raise CheckpointError(f"{path} is empty; pass the tag to load explicitly")
+    return tag
+
+
+class Checkpoint:
+    """One committed checkpoint directory: its manifest, parsed and checked."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        path = os.path.join(directory, MANIFEST)
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"no checkpoint at {directory} (no such directory)")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{directory} is not a complete checkpoint: it has no {MANIFEST} (a save that was "
+                                  "interrupted writes it last); load another tag")
+        try:
+            with open(path) as f:
+                manifest = json.load(f)
+        except (OSError, ValueError) as e:
+            raise CheckpointIntegrityError(f"{path} cannot be read as JSON ({e}); the manifest is damaged: load another "
+                                           "tag") from None
+        if manifest.get("format") != FORMAT:
+            raise CheckpointError(f"{path} is not a Tiers checkpoint manifest")
+        if manifest.get("version") != VERSION:
+            raise CheckpointError(f"{path} has format version {manifest.get('version')}; this Tiers reads version "
+                                  f"{VERSION}")
+        self.manifest = manifest
+        self.layout = manifest["layout"]
+        self.tp_size = self.layout["tp"]
+        self.shard_count = self.layout["shard_count"]
+        self.files = {f["name"]: FileRecord(f["name"], f["bytes"], f["sha256"]) for f in manifest["files"]}
+        self._file_of = {(f["dp_rank"], f["tp_rank"]): f["name"] for f in manifest["files"]}
+        self._rank_file = {f["rank"]: f["name"] for f in manifest["files"]}
+        self.chunk_numels: dict[int, list[int]] = {}
+        self.locations: dict[int, dict[str, Location]] = {}
+        for tp, chunks in manifest["chunks"].items():
+            tp = int(tp)
+            self.chunk_numels[tp] = [c["numel"] for c in chunks]
+            self.locations[tp] = {name: Location(i, offset, tuple(shape))
+                                  for i, c in enumerate(chunks) for name, offset, shape in c["members"]}
+        self.extras = {int(tp): {k: tuple(v["shape"]) for k, v in entries.items()}
+                       for tp, entries in manifest["extras"].items()}
+        self.specs = {name: decode_spec(spec) for name, spec in manifest["tp_specs"].items()}
+        self.tensor_states: list[str] = manifest["optimizer"]["tensor_states"]
+        self.scalar_states: list[str] = manifest["optimizer"]["scalar_states"]
+
+    # ---- planning ---------------------------------------------------------------------------
+    def has_param(self, name: str) -> bool:
+        return name in self.locations[0]
+
+    def param_names(self) -> list[str]:
+        return list(self.locations[0])
+
+    def local_shape(self, name: str, tp_rank: int) -> tuple[int, ...]:
+        return self.locations[tp_rank][name].shape
+
+    def pieces(self, name: str, kind: str, tp_rank: int, start: int, stop: int) -> list[Piece]:
+        """Where elements [start, stop) of tp rank `tp_rank`'s piece of parameter `name` are stored; kind "param"
+        (fp32 values) or a tensor state name (e.g. "exp_avg")."""
+        loc = self.locations[tp_rank][name]
+        n = self.chunk_numels[tp_rank][loc.chunk] // self.shard_count
+        a, b = loc.offset + start, loc.offset + stop
+        key = f"chunk.{loc.chunk}.{'param' if kind == 'param' else 'optim.' + kind}"
+        out = []
+        for d in range(a // n, (b - 1) // n + 1) if b > a else ():
+            lo, hi = max(a, d * n), min(b, (d + 1) * n)
+            out.append(Piece(self._file_of[(d, tp_rank)], key, lo - d * n, hi - d * n, lo - a))
+        return out
+
+    def scalar_piece(self, name: str, state: str, tp_rank: int) -> Piece:
+        """Where the scalar optimizer state `state` (e.g. "step") of the chunk holding `name` is (shard 0's copy)."""
+        loc = self.locations[tp_rank][name]
+        return Piece(self._file_of[(0, tp_rank)], f"chunk.{loc.chunk}.optim.{state}", 0, 0, 0)
+
+    def extra_piece(self, key: str, tp_rank: int) -> Piece:
+        return Piece(self._file_of[(0, tp_rank)], f"extra.{key}", 0, 0, 0)
+
+    def rank_file(self, rank: int) -> str | None:
+        return self._rank_file.get(rank)
+
+
+class PieceReader:
+    """Reads planned pieces from a checkpoint's files, each file verified against the manifest before first use."""
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.checkpoint = checkpoint
+        self._open: dict[str, object] = {}
+        self._verified: set[str] = set()
+
+    def verify(self, files) -> None:
+        for name in sorted(set(files) - self._verified):
+            if name not in self.checkpoint.files:
+                raise CheckpointIntegrityError(f"{self.checkpoint.directory}: the manifest lists no file {name}")
+            verify(self.checkpoint.directory, self.checkpoint.files[name])
+            self._verified.add(name)
+
+    def _handle(self, name: str):
+        if name not in self._open:
+            self.verify([name])
+            self._open[name] = open_tensors(os.path.join(self.checkpoint.directory, name))
+        return self._open[name]
+
+    def into(self, pieces: list[Piece], out: torch.Tensor) -> torch.Tensor:
+        """Copies the pieces into the 1-D tensor `out` (at their dst offsets)."""
+        for p in pieces:
+            out.narrow(0, p.dst, p.hi - p.lo).copy_(self._handle(p.file).get_slice(p.key)[p.lo:p.hi])
+        return out
+
+    def tensor(self, piece: Piece) -> torch.Tensor:
+        """A whole stored tensor (a scalar state, an extra entry, a client tensor)."""
+        return self._handle(piece.file).get_tensor(piece.key)
+
+    def local(self, name: str, kind: str, tp_rank: int) -> torch.Tensor:
+        """The whole of tp rank `tp_rank`'s piece of parameter `name` (values or one optimizer state), fp32."""
+        shape = self.checkpoint.local_shape(name, tp_rank)
+        numel = Location(0, 0, shape).numel
+        out = torch.empty(numel, dtype=torch.float32)
+        return self.into(self.checkpoint.pieces(name, kind, tp_rank, 0, numel), out).view(shape)
+
+    def whole(self, name: str, kind: str) -> torch.Tensor:
+        """Parameter `name` (or one optimizer state of it) whole: its tensor-parallel pieces joined."""
+        ckpt = self.checkpoint
+        if ckpt.tp_size == 1 or name not in ckpt.specs:
+            return self.local(name, kind, 0)
+        return ckpt.specs[name].join([self.local(name, kind, t) for t in range(ckpt.tp_size)])
+
+    def whole_extra(self, key: str) -> torch.Tensor:
+        ckpt = self.checkpoint
+        if ckpt.tp_size == 1 or key not in ckpt.specs:
+            return self.tensor(ckpt.extra_piece(key, 0))
+        return ckpt.specs[key].join([self.tensor(ckpt.extra_piece(key, t)) for t in range(ckpt.tp_size)])
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+def take_piece(full: torch.Tensor, spec, tp: TPGroup, name: str) -> torch.Tensor:
+    """This tp rank's piece of a whole tensor, as the plan cuts it."""
+    return spec.take(full, tp, name) if spec is not None else full

@@ -1,0 +1,252 @@
+"""engine.load_checkpoint: a checkpoint's states into this engine, whatever layout saved it.
+
+Loading is planned before anything changes (Note [reading a checkpoint anywhere]): every rank
+checks the names and shapes it needs and verifies the files it will read, the ranks agree that all
+of them succeeded, and only then is state overwritten — a damaged file fails the load on every
+rank with the engine untouched. The values are written into this rank's stepped range of each
+chunk (fp32: the masters under bf16 / fp16), the optimizer states beside them, and the full chunks
+are all-gathered as after an update; so the same layout reads back bit for bit what it wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from engine.checkpoint.encoding import decode_client_state, encode_spec, restore_options
+from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.live_states import LiveStates, Member
+from engine.checkpoint.reader import Checkpoint, Location, Piece, PieceReader, read_latest, take_piece
+from engine.checkpoint.saver import Control, _optimizer_name
+from engine.checkpoint.snapshot import extra_entries, restore_rng
+
+
+class LoadPlan:
+    """What this rank reads for each of its chunks and extras, checked against the checkpoint."""
+
+    def __init__(self, engine, checkpoint: Checkpoint, with_optimizer: bool):
+        self.engine, self.checkpoint = engine, checkpoint
+        self.states = LiveStates(engine.chunked, engine.optimizer)
+        topo = engine.topology
+        self.tp_rank = topo.tp_rank
+        tp = engine.tensor_parallel
+        self.tp = tp.tp if tp is not None else None
+        self.live_specs = tp.specs if tp is not None else {}
+        live_mode = engine.config.tensor_parallel.mode if topo.tp_size > 1 else "1d"
+        saved_mode = checkpoint.layout["tp_mode"] if checkpoint.tp_size > 1 else "1d"
+        self.same_cut = (checkpoint.tp_size == topo.tp_size and saved_mode == live_mode
+                         and {k: encode_spec(v) for k, v in self.live_specs.items()}
+                         == {k: encode_spec(v) for k, v in checkpoint.specs.items()})
+        self.with_optimizer = with_optimizer and bool(checkpoint.tensor_states or checkpoint.scalar_states)
+        if self.with_optimizer:
+            live = _optimizer_name(engine.optimizer)
+            if live != checkpoint.layout["optimizer"]:
+                raise CheckpointError(f"{checkpoint.directory} holds {checkpoint.layout['optimizer']} states and this "
+                                      f"engine's optimizer is {live}; use the same optimizer, or load with "
+                                      "load_optimizer_states=False")
+        self.members: list[list[tuple[Member, int, int]]] = []  # per chunk: (member, lo, hi) in chunk elements
+        live_names = set()
+        for j in range(len(self.states)):
+            start, n = self.states.stepped_range(j)
+            mine = []
+            for m in self.states.members(j):
+                live_names.add(m.name)
+                lo, hi = max(start, m.offset), min(start + n, m.offset + m.numel)
+                if lo < hi:
+                    mine.append((m, lo, hi))
+                self._check_shape(m.name, m.shape)
+            self.members.append(mine)
+        self._check_names("parameter", live_names, set(checkpoint.param_names()))
+        extras, _ = extra_entries(engine.module, engine.chunked.chunk_index())
+        self.extras = extras
+        self._check_names("buffer or frozen parameter", set(extras), set(checkpoint.extras[0]))
+        self.files = self._files()
+
+    def _check_names(self, what: str, live: set[str], saved: set[str]) -> None:
+        missing, unexpected = sorted(live - saved), sorted(saved - live)
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{self.checkpoint.directory} does not fit this model: {what}s missing from the checkpoint: "
+                f"{missing[:5] or 'none'}; in the checkpoint but not in the model: {unexpected[:5] or 'none'}. Build "
+                "the same model (and tensor-parallel plan) that saved it")
+
+    def _check_shape(self, name: str, live_shape: tuple[int, ...]) -> None:
+        ckpt = self.checkpoint
+        if name not in ckpt.locations[0]:
+            return  # reported by _check_names
+        if self.same_cut:
+            saved = ckpt.local_shape(name, self.tp_rank)
+        else:  # the whole tensor's shape from the saved pieces (meta tensors: no data), cut as this run cuts it
+            pieces = [torch.empty(ckpt.local_shape(name, t), device="meta") for t in range(ckpt.tp_size)]
+            whole = ckpt.specs[name].join(pieces) if name in ckpt.specs and ckpt.tp_size > 1 else pieces[0]
+            try:
+                saved = tuple(take_piece(whole, self.live_specs.get(name), self.tp, name).shape)
+            except ValueError as e:
+                raise CheckpointError(f"{ckpt.directory}: {e}") from None
+        if tuple(saved) != tuple(live_shape):
+            raise CheckpointError(f"{ckpt.directory}: parameter {name} has shape {tuple(saved)} in the checkpoint (as "
+                                  f"this rank cuts it) and {tuple(live_shape)} in the model; build the same model")
+
+    def _kinds(self) -> list[str]:
+        return ["param"] + (self.checkpoint.tensor_states if self.with_optimizer else [])
+
+    def _files(self) -> set[str]:
+        ckpt, files = self.checkpoint, set()
+        for mine in self.members:
+            for m, lo, hi in mine:
+                for kind in self._kinds():
+                    if self.same_cut:
+                        pieces = ckpt.pieces(m.name, kind, self.tp_rank, lo - m.offset, hi - m.offset)
+                    else:
+                        pieces = [p for t in range(ckpt.tp_size)
+                                  for p in ckpt.pieces(m.name, kind, t, 0, Location(0, 0, ckpt.local_shape(m.name, t)).numel)]
+                    files.update(p.file for p in pieces)
+                for state in ckpt.scalar_states if self.with_optimizer else ():
+                    files.add(ckpt.scalar_piece(m.name, state, self._saved_tp(m.name)).file)
+        tps = [self.tp_rank] if self.same_cut else range(ckpt.tp_size)
+        files.update(ckpt.extra_piece(key, t).file for key in self.extras for t in tps)
+        return files
+
+    def _saved_tp(self, name: str) -> int:
+        return self.tp_rank if self.same_cut else 0
+
+    # ---- execution ---------------------------------------------------------------------------
+    def execute(self, reader: PieceReader) -> None:
+        ckpt, states = self.checkpoint, self.states
+        cache: dict[tuple[str, str], torch.Tensor] = {}
+
+        def read(name: str, kind: str, a: int, b: int, out: torch.Tensor) -> None:
+            if self.same_cut:
+                reader.into(ckpt.pieces(name, kind, self.tp_rank, a, b), out)
+                return
+            if (name, kind) not in cache:
+                cache.clear()  # one parameter at a time
+                whole = reader.whole(name, kind)
+                cache[(name, kind)] = take_piece(whole, self.live_specs.get(name), self.tp, name).reshape(-1)
+            out.copy_(cache[(name, kind)][a:b])
+
+        loaded_states: dict[int, dict[str, torch.Tensor]] = {}
+        with torch.no_grad():
+            for j, mine in enumerate(self.members):
+                start, n = states.stepped_range(j)
+                with states.values(j, writes=True) as values:
+                    values.zero_()  # the padding
+                    for m, lo, hi in mine:
+                        read(m.name, "param", lo - m.offset, hi - m.offset, values.narrow(0, lo - start, hi - lo))
+                if self.with_optimizer:
+                    loaded_states[j] = self._optimizer_state(j, mine, start, n, read, reader)
+            if self.with_optimizer and not states.offloaded:
+                states.install_optimizer_states(loaded_states)
+            for key, tensor in self.extras.items():
+                if self.same_cut:
+                    value = reader.tensor(ckpt.extra_piece(key, self.tp_rank))
+                else:
+                    value = take_piece(reader.whole_extra(key), self.live_specs.get(key), self.tp, key)
+                tensor.data.copy_(value)
+            states.finish_loading()
+
+    def _optimizer_state(self, j: int, mine, start: int, n: int, read, reader: PieceReader) -> dict[str, torch.Tensor]:
+        ckpt, states = self.checkpoint, self.states
+        scalars = {}
+        if mine:
+            first = mine[0][0].name
+            scalars = {s: reader.tensor(ckpt.scalar_piece(first, s, self._saved_tp(first))) for s in ckpt.scalar_states}
+        if states.offloaded:  # written in place, wherever the chunk lives
+            with states.optimizer_state(j, writes=True) as live:
+                for kind in ckpt.tensor_states:
+                    if kind not in live:
+                        raise CheckpointError(f"{ckpt.directory}: the optimizer state {kind!r} is not one this "
+                                              f"optimizer keeps ({sorted(live)}); load with load_optimizer_states=False")
+                    live[kind].zero_()
+                    for m, lo, hi in mine:
+                        read(m.name, kind, lo - m.offset, hi - m.offset, live[kind].narrow(0, lo - start, hi - lo))
+                for s, value in scalars.items():
+                    live[s].copy_(value)
+            return {}
+        out = {}
+        for kind in ckpt.tensor_states:
+            tensor = torch.zeros(n, dtype=torch.float32)
+            for m, lo, hi in mine:
+                read(m.name, kind, lo - m.offset, hi - m.offset, tensor.narrow(0, lo - start, hi - lo))
+            out[kind] = tensor
+        return {**out, **scalars}
+
+
+def load_checkpoint(engine, control: Control, load_dir: str, tag: str | None, load_optimizer_states: bool,
+                    load_lr_scheduler_states: bool, load_module_only: bool):
+    """Returns (the checkpoint's path, its client_state), or (None, None) when load_dir has no `latest`."""
+    load_dir = os.path.abspath(load_dir)
+    if tag is None:
+        found = None
+        if control.rank == 0:
+            try:
+                found = ("ok", read_latest(load_dir))
+            except (CheckpointError, OSError) as e:
+                found = ("error", str(e))
+        status, value = control.gather(found)[0]
+        if status == "error":
+            raise CheckpointError(value)
+        if value is None:
+            warnings.warn(f"load_checkpoint: {load_dir} has no '{'latest'}' file, so nothing was loaded; pass a tag to "
+                          "load a particular checkpoint", stacklevel=3)
+            return None, None
+        tag = value
+    directory = os.path.join(load_dir, str(tag))
+    with_optimizer = load_optimizer_states and not load_module_only
+    error, plan, reader = None, None, None
+    try:
+        checkpoint = Checkpoint(directory)
+        plan = LoadPlan(engine, checkpoint, with_optimizer)
+        reader = PieceReader(checkpoint)
+        own = checkpoint.rank_file(engine.topology.rank) if _same_world(engine, checkpoint) else None
+        reader.verify(plan.files | ({own} if own and not load_module_only else set()) | _client_files(checkpoint, own))
+    except (CheckpointError, OSError) as e:
+        error = f"rank {control.rank}: {e}"
+    errors = [e for e in control.gather(error) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+    plan.execute(reader)
+    engine._gather_updated_params()  # the full chunks from the loaded shards, as after an update
+    manifest = checkpoint.manifest
+    if not load_module_only:
+        _restore_training_state(engine, checkpoint, reader, load_optimizer_states, load_lr_scheduler_states, own)
+    client = decode_client_state(manifest["client_state"],
+                                 lambda key: reader.tensor(Piece(checkpoint.rank_file(0), key, 0, 0, 0)))
+    reader.close()
+    return directory, client
+
+
+def _same_world(engine, checkpoint: Checkpoint) -> bool:
+    layout, topo = checkpoint.layout, engine.topology
+    return layout["world_size"] == topo.world_size and layout["tp"] == topo.tp_size
+
+
+def _client_files(checkpoint: Checkpoint, own: str | None) -> set[str]:
+    return {checkpoint.rank_file(0)} if _has_tensor_refs(checkpoint.manifest["client_state"]) else set()
+
+
+def _has_tensor_refs(value) -> bool:
+    if isinstance(value, dict):
+        return "__tensor__" in value or any(_has_tensor_refs(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_tensor_refs(v) for v in value)
+    return False
+
+
+def _restore_training_state(engine, checkpoint: Checkpoint, reader: PieceReader, optimizer_states: bool,
+                            scheduler_states: bool, own: str | None) -> None:
+    manifest = checkpoint.manifest
+    counters = manifest["engine"]
+    engine.global_step, engine.micro_step = counters["global_step"], counters["micro_step"]
+    engine.skipped_steps = counters["skipped_steps"]
+    engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
+    if optimizer_states:
+        for group, saved in zip(engine.optimizer.param_groups, manifest["param_groups"]):
+            restore_options(group, saved)
+    if scheduler_states and engine.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
+    if own is not None:  # the same world: each rank's own generators (another world starts its streams afresh)
+        record = manifest["ranks"][engine.topology.rank]
+        restore_rng(engine, lambda key: reader.tensor(Piece(own, key, 0, 0, 0)), record)

@@ -1,0 +1,117 @@
+"""What one rank puts in a checkpoint: its tensors (chunk shards, optimizer states, extras, RNG) and a JSON record."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.checkpoint.live_states import LiveStates
+from engine.checkpoint.encoding import encode_spec
+from engine.tensor_parallel.rng import RNGStreams, Stream
+
+
+@dataclass
+class RankSnapshot:
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    record: dict = field(default_factory=dict)  # JSON: who wrote it, what it holds
+
+
+def extra_entries(module: nn.Module, chunk_of: dict[int, int]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The state-dict entries outside chunks (frozen parameters, buffers) by key, and aliases: a key whose tensor is
+    another key's (tied weights) -> that first key."""
+    extras, aliases, first = {}, {}, {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            aliases[key] = first[id(tensor)]
+            continue
+        first[id(tensor)] = key
+        if id(tensor) not in chunk_of:
+            extras[key] = tensor
+    return extras, aliases
+
+
+def take_snapshot(engine, states: LiveStates, copy: bool) -> RankSnapshot:
+    """This rank's part of a checkpoint (Note [checkpoint layout]). copy=False keeps in-memory tensors as they are
+    (a synchronous save writes them before training goes on); anything read from a chunk manager, a stage-3 shard
+    view or the device is copied to CPU memory either way."""
+    topo, chunked = engine.topology, engine.chunked
+    snap = RankSnapshot()
+    snap.record = {"rank": topo.rank, "dp_rank": topo.dp_rank, "tp_rank": topo.tp_rank}
+    owns_chunks = chunked.shard_count > 1 or topo.dp_rank == 0  # stage 0: one copy, data-parallel rank 0's
+
+    def keep(t: torch.Tensor, transient: bool) -> torch.Tensor:
+        t = t.detach()
+        return t.to("cpu", copy=True) if copy or transient or t.device.type != "cpu" else t
+
+    tensor_states: list[str] = []
+    scalar_states: list[str] = []
+    if owns_chunks:
+        offloaded_values = chunked.sharded_params is not None and chunked.masters is None
+        for i in range(len(states)):
+            with states.values(i, writes=False) as values:
+                snap.tensors[f"chunk.{i}.param"] = keep(values, offloaded_values)
+            with states.optimizer_state(i, writes=False) as state:
+                for name, t in state.items():
+                    snap.tensors[f"chunk.{i}.optim.{name}"] = keep(t, states.offloaded)
+                    names = scalar_states if t.dim() == 0 else tensor_states
+                    if name not in names:
+                        names.append(name)
+    snap.record["optimizer_states"] = {"tensor_states": tensor_states, "scalar_states": scalar_states}
+    if topo.dp_rank == 0:
+        snap.record["chunks"] = [{"numel": states.chunk_numel(i),
+                                  "members": [[m.name, m.offset, list(m.shape)] for m in states.members(i)]}
+                                 for i in range(len(states))]
+        extras, aliases = extra_entries(engine.module, chunked.chunk_index())
+        for key, t in extras.items():
+            snap.tensors[f"extra.{key}"] = keep(t, False)
+        snap.record["extras"] = {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                                 for k, t in extras.items()}
+        snap.record["aliases"] = aliases
+        snap.record["keys"] = list(engine.module.state_dict(keep_vars=True))  # the model's key order
+        tp = engine.tensor_parallel
+        snap.record["tp_specs"] = {name: encode_spec(spec) for name, spec in tp.specs.items()} if tp else {}
+    _rng(engine, snap)
+    return snap
+
+
+def _rng(engine, snap: RankSnapshot) -> None:
+    """Every generator a training step draws from, per rank: torch's CPU and device generators, the tensor-parallel
+    per-rank stream (Note [tensor-parallel RNG]), Python's and NumPy's (a user's data pipeline may use them)."""
+    snap.tensors["rng.cpu"] = torch.get_rng_state()
+    device = engine.topology.device
+    if device.type == "cuda":
+        snap.tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
+    streams: RNGStreams | None = engine.tensor_parallel.streams if engine.tensor_parallel else None
+    if streams is not None:
+        live, saved, stack = streams.snapshot()
+        if live is not Stream.REPLICATED or stack:
+            raise RuntimeError("save_checkpoint was called inside a forward (a tensor-parallel RNG stream is switched "
+                               "in); call it between steps")
+        for k, state in enumerate(saved[Stream.SHARDED]):
+            snap.tensors[f"rng.tp_sharded.{k}"] = state
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    snap.record["rng"] = {"python": [version, list(internal), gauss],
+                          "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+
+
+def restore_rng(engine, tensor_of, record: dict) -> None:
+    """The inverse of _rng, from this rank's own file of a checkpoint saved by the same world."""
+    torch.set_rng_state(tensor_of("rng.cpu"))
+    device = engine.topology.device
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(tensor_of("rng.cuda"), device)
+    streams = engine.tensor_parallel.streams if engine.tensor_parallel else None
+    if streams is not None:
+        live, saved, stack = streams.snapshot()
+        count = len(saved[Stream.SHARDED])
+        streams.restore((live, {**saved, Stream.SHARDED: [tensor_of(f"rng.tp_sharded.{k}") for k in range(count)]},
+                         stack))
+    version, internal, gauss = record["rng"]["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = record["rng"]["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
