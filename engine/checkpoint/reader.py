@@ -173,8 +173,10 @@ class PieceReader:
         return out
 
     def tensor(self, piece: Piece) -> torch.Tensor:
-        """A whole stored tensor (a scalar state, an extra entry, a client tensor)."""
-        return self._handle(piece.file).get_tensor(piece.key)
+        """A whole stored tensor (a scalar state, an extra entry, a client tensor), a copy of its own: tensors read
+        twice from a memory-mapped file may share memory (one "step" counter read for two chunks would then count
+        both chunks' steps)."""
+        return self._handle(piece.file).get_tensor(piece.key).clone()
 
     def local(self, name: str, kind: str, tp_rank: int) -> torch.Tensor:
         """The whole of tp rank `tp_rank`'s piece of parameter `name` (values or one optimizer state), fp32."""
