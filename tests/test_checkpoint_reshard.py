@@ -8,12 +8,15 @@ their parameters — and a loaded model must hold exactly the weights that were 
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from engine import initialize
+from engine.cli import main
 from tests.distributed import run_distributed
 from tests.reference import (assert_close_relative, assert_params_close, param_snapshot, tiny_gpt, token_batches,
                              train_engine, train_reference, trained_params)
@@ -38,6 +41,8 @@ def _stage3_worker(rank, world, root):
     engine = initialize(model(), config(2, 3))
     train_engine(engine, token_batches(STEPS, GLOBAL_BATCH)[:2], rank, world, 1)
     engine.save_checkpoint(os.path.join(root, "stage3_dp2"))
+    exported = engine.save_16bit_model(os.path.join(root, "export"))  # fp32 here: the compute dtype
+    assert (exported is not None) == (rank == 0)
     return engine.full_state_dict()
 
 
@@ -55,7 +60,7 @@ def _four_rank_worker(rank, world, root, saved_weights):
     engine = initialize(model(), config(2, 1, tp=2))
     train_engine(engine, batches[:2], engine.dp_rank, engine.dp_world_size, 1)
     engine.save_checkpoint(os.path.join(root, "dp2_tp2"))
-    saved = engine.full_state_dict()
+    saved = out["dp2_tp2_weights"] = engine.full_state_dict()
     engine.close()
     engine = initialize(model(), config(1, 0, tp=4))
     engine.load_checkpoint(os.path.join(root, "dp2_tp2"))
@@ -84,11 +89,11 @@ def chain(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("reshard"))
     saved = run_distributed(_stage3_worker, 2, (root,), timeout_s=120)[0]
     four = run_distributed(_four_rank_worker, 4, (root, saved), timeout_s=240)
-    return root, four
+    return root, four, saved
 
 
 def test_stage3_on_2_ranks_loads_as_stage2_on_4_ranks_with_offloaded_states(chain, reference):
-    _, four = chain
+    _, four, _ = chain
     for rank in range(4):
         assert four[rank]["loaded_exactly"], f"rank {rank}: the loaded weights differ from the saved ones"
     mean = [sum(four[r]["stage2_dp4"][i] for r in range(4)) / 4 for i in range(2)]  # each rank's rows
@@ -96,7 +101,7 @@ def test_stage3_on_2_ranks_loads_as_stage2_on_4_ranks_with_offloaded_states(chai
 
 
 def test_then_loads_in_one_process(chain, reference):
-    root, _ = chain
+    root, _, _ = chain
     engine = initialize(model(), config(1, 0))
     path, _ = engine.load_checkpoint(os.path.join(root, "stage2_dp4"))
     assert path.endswith("global_step4") and engine.global_step == 4
@@ -106,15 +111,62 @@ def test_then_loads_in_one_process(chain, reference):
 
 
 def test_dp2_tp2_loads_as_tp4(chain, reference):
-    _, four = chain
+    _, four, _ = chain
     for rank in range(4):
         assert four[rank]["tp_loaded_exactly"], f"rank {rank}: the weights loaded under tp 4 differ from the saved ones"
         assert_close_relative(four[rank]["tp4"], reference[0][2:4], rtol=TP_RTOL)
 
 
 def test_a_2d_mesh_loads_in_one_process(chain, reference):
-    root, _ = chain
+    root, _, _ = chain
     engine = initialize(model(), config(1, 3))  # and as ZeRO-3, which shards nothing in one process
     engine.load_checkpoint(os.path.join(root, "tp2d"))
     losses, _ = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH)[2:4], 0, 1, 1)
     assert_close_relative(losses, reference[0][2:4], rtol=TP_RTOL)
+
+
+def _read_index(out: str) -> dict[str, torch.Tensor]:
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    files = sorted(set(index["weight_map"].values()))
+    state = {}
+    for name in files:
+        state.update(load_file(os.path.join(out, name)))
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
+    return state, files
+
+
+def test_convert_writes_the_full_state_dict(chain, tmp_path):
+    root, four, stage3_weights = chain
+    assert main(["convert", os.path.join(root, "stage3_dp2"), str(tmp_path / "a")]) == 0  # through `latest`
+    converted = load_file(str(tmp_path / "a" / "model.safetensors"))
+    assert converted.keys() == stage3_weights.keys()  # every key, the tied lm_head.weight included
+    assert all(torch.equal(converted[k], stage3_weights[k]) for k in stage3_weights)
+
+    tp_weights = four[0]["dp2_tp2_weights"]
+    ckpt = os.path.join(root, "dp2_tp2", "global_step2")
+    assert main(["convert", ckpt, str(tmp_path / "b"), "--max-shard-size", "60KB"]) == 0  # tp pieces joined
+    converted, files = _read_index(str(tmp_path / "b"))
+    assert len(files) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert converted.keys() == tp_weights.keys()
+    assert all(torch.equal(converted[k], tp_weights[k]) for k in tp_weights)
+
+
+def test_convert_names_what_is_wrong(tmp_path, capsys):
+    assert main(["convert", str(tmp_path), str(tmp_path / "out")]) == 1
+    assert "neither a checkpoint nor a directory with a 'latest' file" in capsys.readouterr().err
+
+
+def test_save_16bit_model_writes_whole_weights_under_stage_3(chain):
+    root, _, stage3_weights = chain
+    exported = load_file(os.path.join(root, "export", "model.safetensors"))
+    assert exported.keys() == stage3_weights.keys()
+    assert all(torch.equal(exported[k], stage3_weights[k]) for k in stage3_weights)
+
+
+def test_save_16bit_model_in_bf16(tmp_path):
+    engine = initialize(model(), {**config(1, 0), "bf16": {"enabled": True}})
+    train_engine(engine, token_batches(1, GLOBAL_BATCH), 0, 1, 1)
+    path = engine.save_16bit_model(str(tmp_path), "weights.safetensors")
+    exported, masters = load_file(path), engine.full_state_dict()
+    assert exported["wte.weight"].dtype == torch.bfloat16
+    assert all(torch.equal(exported[k], masters[k].to(torch.bfloat16)) for k in masters)

@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from engine.checkpoint.encoding import decode_client_state, encode_spec, restore_options
-from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.files import CheckpointError, CheckpointIntegrityError
 from engine.checkpoint.live_states import LiveStates, Member
 from engine.checkpoint.reader import Checkpoint, Location, Piece, PieceReader, read_latest, take_piece
 from engine.checkpoint.saver import Control, _optimizer_name
@@ -203,10 +203,11 @@ def load_checkpoint(engine, control: Control, load_dir: str, tag: str | None, lo
         own = checkpoint.rank_file(engine.topology.rank) if _same_world(engine, checkpoint) else None
         reader.verify(plan.files | ({own} if own and not load_module_only else set()) | _client_files(checkpoint, own))
     except (CheckpointError, OSError) as e:
-        error = f"rank {control.rank}: {e}"
+        error = (type(e).__name__, f"rank {control.rank}: {e}" if control.world > 1 else str(e))
     errors = [e for e in control.gather(error) if e]
-    if errors:
-        raise CheckpointError(errors[0])
+    if errors:  # every rank raises the first failure, as its own type (a damaged file: CheckpointIntegrityError)
+        kind, message = errors[0]
+        raise (CheckpointIntegrityError if kind == CheckpointIntegrityError.__name__ else CheckpointError)(message)
     plan.execute(reader)
     engine._gather_updated_params()  # the full chunks from the loaded shards, as after an update
     manifest = checkpoint.manifest

@@ -1,0 +1,224 @@
+"""A checkpoint is complete or invisible, and a damaged one is refused by name, with the engine untouched.
+
+Real files throughout; the full disk is injected (a write that stops half-way with ENOSPC), and the
+interrupted save is a real process killed with SIGKILL in the middle of writing its file.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import multiprocessing
+import os
+import signal
+import warnings
+
+import pytest
+import torch
+
+import engine.checkpoint.files as checkpoint_files
+from engine import initialize
+from engine.checkpoint import CheckpointError, CheckpointIntegrityError, CheckpointWriteError
+from tests.distributed import run_distributed
+from tests.reference import tiny_gpt, token_batches
+
+CONFIG = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "steps_per_print": 10**6}
+
+
+def _engine(config=CONFIG):
+    return initialize(tiny_gpt(seed=0), config)
+
+
+def _train(engine, steps: int) -> list[float]:
+    losses = []
+    for x in token_batches(steps, 4 // engine.dp_world_size, seed=engine.global_step + 5):
+        loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _weights(engine) -> dict[str, torch.Tensor]:
+    return engine.full_state_dict()
+
+
+def _full_disk_after_half(tensors, path, metadata=None):
+    """safetensors' save_file on a disk that fills up half-way: half the bytes reach the file, then ENOSPC."""
+    with open(path, "wb") as f:
+        f.write(b"\0" * (sum(t.numel() * t.element_size() for t in tensors.values()) // 2))
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    engine = _engine()
+    _train(engine, 2)
+    path = engine.save_checkpoint(str(tmp_path), client_state={"epoch": 1})
+    return engine, tmp_path, path
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
+def test_a_damaged_file_is_refused_by_name_and_the_engine_is_untouched(saved, damage):
+    engine, root, path = saved
+    victim = os.path.join(path, "rank00000.safetensors")
+    if damage == "flip":  # one byte in the middle of the tensor data
+        with open(victim, "r+b") as f:
+            f.seek(os.path.getsize(victim) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x40]))
+    elif damage == "truncate":
+        os.truncate(victim, os.path.getsize(victim) - 100)
+    else:
+        os.remove(victim)
+    other = _engine()
+    before = _weights(other)
+    expected = {"flip": "does not match its SHA-256", "truncate": "bytes, the manifest says", "remove": "is missing"}
+    with pytest.raises(CheckpointIntegrityError, match=expected[damage]) as caught:
+        other.load_checkpoint(str(root))
+    assert victim in str(caught.value)
+    after = _weights(other)
+    assert all(torch.equal(before[k], after[k]) for k in before), "a refused load changed the engine"
+
+
+def test_a_directory_without_manifest_is_not_a_checkpoint(saved):
+    engine, root, path = saved
+    os.remove(os.path.join(path, "manifest.json"))
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        _engine().load_checkpoint(str(root))
+
+
+def test_a_full_disk_fails_the_save_and_leaves_the_previous_checkpoint_loadable(saved, monkeypatch):
+    engine, root, first = saved
+    _train(engine, 1)
+    monkeypatch.setattr(checkpoint_files, "save_file", _full_disk_after_half)
+    with pytest.raises(CheckpointWriteError, match=r"ENOSPC.*free space on that disk") as caught:
+        engine.save_checkpoint(str(root))
+    assert "global_step3" in str(caught.value)
+    monkeypatch.undo()
+    assert sorted(os.listdir(root)) == ["global_step2", "latest"], "a failed save left files behind"
+    assert open(os.path.join(root, "latest")).read() == "global_step2"
+    fresh = _engine()
+    path, client = fresh.load_checkpoint(str(root))
+    assert path == first and client == {"epoch": 1} and fresh.global_step == 2
+    assert _train(fresh, 1)  # and training goes on
+    engine.save_checkpoint(str(root))  # the engine whose save failed saves again once the disk has room
+    assert open(os.path.join(root, "latest")).read() == "global_step3"
+
+
+def _killed_in_the_middle_of_a_save(root: str) -> None:
+    engine = _engine()
+    _train(engine, 1)
+    engine.save_checkpoint(root)
+    _train(engine, 1)
+
+    def die_half_way(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 1000)
+            f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpoint_files.save_file = die_half_way  # this process only: it is about to be killed
+    engine.save_checkpoint(root)
+
+
+def test_a_save_killed_half_way_is_never_latest(tmp_path):
+    root = str(tmp_path)
+    process = multiprocessing.get_context("spawn").Process(target=_killed_in_the_middle_of_a_save, args=(root,))
+    process.start()
+    process.join(120)
+    assert process.exitcode == -signal.SIGKILL
+    assert sorted(os.listdir(root)) == [".global_step2.partial", "global_step1", "latest"]
+    assert open(os.path.join(root, "latest")).read() == "global_step1"
+    engine = _engine()
+    path, _ = engine.load_checkpoint(root)
+    assert path.endswith("global_step1") and engine.global_step == 1
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        engine.load_checkpoint(root, tag=".global_step2.partial")
+    _train(engine, 1)
+    engine.save_checkpoint(root)  # the next save clears the leftovers
+    assert sorted(os.listdir(root)) == ["global_step1", "global_step2", "latest"]
+
+
+def test_an_interrupted_manifest_and_a_missing_latest(saved):
+    engine, root, path = saved
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        f.write('{"format": "tiers-checkpoint", "vers')  # cut off
+    with pytest.raises(CheckpointIntegrityError, match="cannot be read as JSON"):
+        _engine().load_checkpoint(str(root))
+    os.remove(os.path.join(root, "latest"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _engine().load_checkpoint(str(root)) == (None, None)
+    assert any("no 'latest' file" in str(w.message) for w in caught)
+
+
+def test_checkpoint_files_are_safetensors_and_json_only(saved):
+    engine, root, path = saved
+    assert sorted(os.listdir(path)) == ["manifest.json", "rank00000.safetensors"]
+    manifest = json.load(open(os.path.join(path, "manifest.json")))
+    assert [f["name"] for f in manifest["files"]] == ["rank00000.safetensors"]
+    assert len(manifest["files"][0]["sha256"]) == 64
+    from safetensors.torch import load_file  # the library reads them as they are
+    assert "chunk.0.param" in load_file(os.path.join(path, "rank00000.safetensors"))
+
+
+def test_save_refuses_the_middle_of_an_accumulation_cycle(tmp_path):
+    engine = initialize(tiny_gpt(seed=0), {**CONFIG, "gradient_accumulation_steps": 2})
+    x = token_batches(1, 2)[0]
+    engine.backward(engine(x, x))
+    engine.step()
+    with pytest.raises(CheckpointError, match="middle of a gradient accumulation cycle"):
+        engine.save_checkpoint(str(tmp_path))
+
+
+def test_client_state_must_be_json_and_tensors(tmp_path):
+    engine = _engine()
+    with pytest.raises(TypeError, match=r"client_state\['loader'\]: a object cannot be stored"):
+        engine.save_checkpoint(str(tmp_path), client_state={"loader": object()})
+    assert not os.path.exists(os.path.join(tmp_path, "latest"))
+
+
+def _collective_worker(rank, world, root):
+    out = {}
+    config = {**CONFIG, "checkpoint": {"timeout_s": 3}}
+    engine = _engine(config)
+    _train(engine, 1)
+    engine.save_checkpoint(root)
+    if rank == 1:  # the disk of rank 1 fills up
+        checkpoint_files.save_file = _full_disk_after_half
+    try:
+        engine.save_checkpoint(root, tag="full")
+    except CheckpointWriteError as e:
+        out["full_disk"] = str(e)
+    out["after_full_disk"] = sorted(os.listdir(root))
+    out["loaded"] = engine.load_checkpoint(root)[0]
+    engine.close()
+
+    engine = _engine({**CONFIG, "checkpoint": {"tag_validation": "Fail"}})
+    try:
+        engine.save_checkpoint(root, tag=f"mine{rank}")
+    except CheckpointError as e:
+        out["tags"] = str(e)
+    engine.close()
+
+    engine = _engine(config)
+    if rank == 0:  # the usual mistake: saving under `if rank == 0`
+        try:
+            engine.save_checkpoint(root, tag="alone")
+        except CheckpointError as e:
+            out["alone"] = str(e)
+    return out
+
+
+def test_save_is_collective_and_fails_on_every_rank_together(tmp_path):
+    root = str(tmp_path)
+    results = run_distributed(_collective_worker, 2, (root,), timeout_s=120)
+    for out in results:
+        assert "rank 1:" in out["full_disk"] and "ENOSPC" in out["full_disk"], out
+        assert out["after_full_disk"] == ["global_step1", "latest"]
+        assert out["loaded"].endswith("global_step1")
+        assert "different tags" in out["tags"] and "'mine1'" in out["tags"]
+    assert "every rank must call it" in results[0]["alone"] and "not under `if rank == 0:`" in results[0]["alone"]
+    assert not os.path.exists(os.path.join(root, "alone"))
