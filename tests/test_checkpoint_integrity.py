@@ -107,6 +107,25 @@ def test_a_full_disk_fails_the_save_and_leaves_the_previous_checkpoint_loadable(
     assert open(os.path.join(root, "latest")).read() == "global_step3"
 
 
+def test_a_background_save_reports_its_failure_at_the_next_wait(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    engine = _engine({**CONFIG, "checkpoint": {"async_save": True}})
+    _train(engine, 1)
+    engine.save_checkpoint(root)
+    assert engine.wait_for_checkpoint().endswith("global_step1")
+    _train(engine, 1)
+    monkeypatch.setattr(checkpoint_files, "save_file", _full_disk_after_half)
+    engine.save_checkpoint(root)  # returns once the snapshot is taken
+    _train(engine, 1)
+    with pytest.raises(CheckpointWriteError, match="ENOSPC"):
+        engine.wait_for_checkpoint()
+    assert sorted(os.listdir(root)) == ["global_step1", "latest"]
+    monkeypatch.undo()
+    engine.save_checkpoint(root)
+    engine.close()  # waits for the commit
+    assert open(os.path.join(root, "latest")).read() == "global_step3"
+
+
 def _killed_in_the_middle_of_a_save(root: str) -> None:
     engine = _engine()
     _train(engine, 1)

@@ -8,10 +8,13 @@ processes then build the same engine, load the checkpoint and train the same 3 s
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 import torch
 
+import engine.checkpoint.files as checkpoint_files
 from engine import initialize
 from tests.distributed import run_distributed
 from tests.reference import micro_batches, tiny_gpt, token_batches
@@ -30,6 +33,9 @@ LAYOUTS = {  # name -> (stage, offload, extra config)
     "stage3_nvme": (3, "nvme", {}),  # parameter shards on NVMe too
     "stage2_bf16": (2, None, {"bf16": {"enabled": True}}),
     "tp2": (0, None, {"tensor_parallel": {"size": 2}}),
+    # written in the background while the next steps change the weights: the snapshot must be a copy
+    "stage1_async": (1, None, {"checkpoint": {"async_save": True}}),
+    "stage3_nvme_async": (3, "nvme", {"checkpoint": {"async_save": True}}),
 }
 
 
@@ -58,7 +64,18 @@ def _train(engine, batches, steps, rank, world) -> list[float]:
     return losses
 
 
+def _slow_disk(save_file):
+    """The background writer starts late, after the next steps have changed the weights (tiny files are written
+    before training resumes otherwise): a snapshot that is not a copy would then be caught."""
+    def delayed(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():  # a background save
+            time.sleep(1.0)
+        return save_file(*args, **kwargs)
+    return delayed
+
+
 def _save_worker(rank, world, root):
+    checkpoint_files.save_file = _slow_disk(checkpoint_files.save_file)  # this process only
     out = {}
     batches = token_batches(STEPS, GLOBAL_BATCH)
     for name in LAYOUTS:
