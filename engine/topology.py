@@ -45,8 +45,22 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
             f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} not set; start the job with torchrun "
             "or `tiers launch`, or call torch.distributed.init_process_group yourself before initialize()."
         )
+    _check_restartable()
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _check_restartable() -> None:
+    """torchrun --max-restarts with the workers sharing the rendezvous store (torch's default): a restarted worker
+    may read the previous attempt's addresses from it and hang or fail in init_process_group (seen here with torch
+    2.13; pytorch/pytorch#135712). Refused at the first attempt, with the fix, rather than hanging at a restart."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise RuntimeError(
+            f"torchrun --max-restarts {restarts} with the workers sharing torchrun's rendezvous store: a restarted "
+            "worker can read the previous attempt's addresses from it and hang in init_process_group "
+            "(pytorch/pytorch#135712); start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment "
+            "(`tiers launch` sets it), or without --max-restarts")
 
 
 def mesh_position(tp_rank: int, tp_size: int) -> tuple[int, int, int]:

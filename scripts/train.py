@@ -3,10 +3,15 @@
     python scripts/train.py                                    # one process
     torchrun --standalone --nproc_per_node 2 scripts/train.py  # data parallel over 2 processes
     python scripts/train.py --config configs/bf16.json --model tiny --steps 50
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 \
+        scripts/train.py --save-every 50 --resume auto
 
 Everything about *how* it trains (batch sizes, optimizer, lr schedule, precision, ZeRO, TensorBoard)
 is in the JSON config; this file is an ordinary PyTorch loop around `engine = initialize(...)`.
 The lr schedule's total_num_steps is set to --steps, so the cosine decay spans the run.
+With --save-every K it saves a checkpoint every K steps into --save-dir (with the data stream's position),
+and with --resume auto it continues from the latest complete one: under torchrun --max-restarts, a rank
+that dies makes the job restart from there and end as an uninterrupted run would.
 """
 
 import argparse
@@ -34,12 +39,16 @@ parser.add_argument("--eval-every", type=int, default=50, help="optimizer steps 
 parser.add_argument("--eval-batches", type=int, default=8, help="micro-batches per rank in one eval")
 parser.add_argument("--seed", type=int, default=None, help="default: the config's seed")
 parser.add_argument("--block-size", type=int, default=None, help="context length (default: the preset's)")
+parser.add_argument("--save-dir", default="checkpoints", help="where --save-every writes and --resume auto looks")
+parser.add_argument("--save-every", type=int, default=0, help="optimizer steps between checkpoints (0: never)")
+parser.add_argument("--resume", default="none",
+                    help="'auto': the latest checkpoint in --save-dir if there is one; 'none'; or a checkpoint path")
 args = parser.parse_args()
 for flag, path in (("--config", args.config), ("--data", args.data)):
     if path is not None and not os.path.isfile(path):
         parser.error(f"{flag} {path}: no such file")
-if args.steps < 1 or args.eval_every < 1 or args.eval_batches < 1:
-    parser.error("--steps, --eval-every and --eval-batches must be >= 1")
+if args.steps < 1 or args.eval_every < 1 or args.eval_batches < 1 or args.save_every < 0:
+    parser.error("--steps, --eval-every and --eval-batches must be >= 1, --save-every >= 0")
 
 # ---- config, model, engine -------------------------------------------------------------------
 with open(args.config) as f:
@@ -63,6 +72,16 @@ batch_args = dict(block_size=block_size, micro_batch_size=engine.train_micro_bat
 train_batches = TokenBatches(tokens, split="train", **batch_args)
 val_batches = TokenBatches(tokens, split="val", **batch_args)
 tokens_per_step = engine.train_batch_size * block_size  # over all dp ranks
+
+resumed_from = None
+fresh_start = args.resume == "auto" and not os.path.isfile(os.path.join(args.save_dir, "latest"))
+if args.resume != "none" and not fresh_start:  # the whole training state, and where the data stream was
+    where, tag = (args.save_dir, None) if args.resume == "auto" else os.path.split(os.path.abspath(args.resume))
+    resumed_from, client_state = engine.load_checkpoint(where, tag)
+    if resumed_from is None and args.resume != "auto":
+        parser.error(f"--resume {args.resume}: no checkpoint there")
+    if resumed_from is not None:
+        train_batches.load_state_dict(client_state["train_batches"])
 
 if master:
     print(f"model {args.model}: {model.num_parameters() / 1e6:.2f}M parameters, block size {block_size} | "
@@ -108,11 +127,12 @@ def duration(seconds: float) -> str:
 # ---- training loop: one micro-batch per iteration; the engine updates every accumulation boundary ----
 eval_loss = evaluate()
 if master:
-    print(f"step {0:>5}/{args.steps} | eval loss {eval_loss:.4f}", flush=True)
-train_loss = float("nan")
+    resumed = f" | resumed from {resumed_from}" if resumed_from else ""
+    print(f"step {engine.global_step:>5}/{args.steps} | eval loss {eval_loss:.4f}{resumed}", flush=True)
+train_loss = last_step_loss = float("nan")
 loss_sum, loss_count = torch.zeros((), device=device), 0
 t_start = t_mark = time.perf_counter()
-step_at_mark = 0
+step_at_mark = first_step = engine.global_step
 while engine.global_step < args.steps:
     batch = train_batches.next_batch()
     loss = engine(batch["input_ids"].to(device), batch["labels"].to(device))
@@ -126,6 +146,10 @@ while engine.global_step < args.steps:
 
     step = engine.global_step
     last = step == args.steps
+    if last:
+        last_step_loss = mean_over_ranks(loss.item())
+    if args.save_every and step % args.save_every == 0:
+        engine.save_checkpoint(args.save_dir, client_state={"train_batches": train_batches.state_dict()})
     if step % PRINT_EVERY == 0 or last:
         elapsed = time.perf_counter() - t_mark
         per_step = elapsed / (step - step_at_mark)
@@ -145,8 +169,8 @@ while engine.global_step < args.steps:
 
 # ---- summary ------------------------------------------------------------------------------------
 if master:
-    print(f"done: {args.steps} steps in {duration(time.perf_counter() - t_start)} | "
-          f"final train loss {train_loss:.4f} | final eval loss {eval_loss:.4f}")
+    print(f"done: {args.steps - first_step} steps in {duration(time.perf_counter() - t_start)} | "
+          f"final train loss {train_loss:.4f} | final eval loss {eval_loss:.4f} | last step loss {last_step_loss!r}")
     log_dir = getattr(engine.monitor, "log_dir", None)
     print(f"tensorboard: tensorboard --logdir {log_dir}" if log_dir else "tensorboard: off (enable it in the config)",
           flush=True)
