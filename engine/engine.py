@@ -436,7 +436,14 @@ class Engine:
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> str | None:
         """The model's state dict with parameters in the compute dtype (bf16 / fp16, or fp32), whole, written by
-        rank 0 as one safetensors file (every rank must call it: stage 3 gathers). Returns its path on rank 0."""
+        rank 0 as one safetensors file (every rank must call it: stage 3 gathers). Returns its path on rank 0.
+        Under ZeRO stage 3, as in DeepSpeed, zero_optimization.stage3_gather_16bit_weights_on_model_save must be
+        true (a checkpoint and `tiers convert` need no gather)."""
+        zero = self.config.zero_optimization
+        if self.chunked.sharded_params is not None and not zero.stage3_gather_16bit_weights_on_model_save:
+            raise RuntimeError("save_16bit_model under ZeRO stage 3 gathers the whole model onto rank 0; set "
+                               "zero_optimization.stage3_gather_16bit_weights_on_model_save to true (DeepSpeed saves "
+                               "nothing without it), or save a checkpoint and run `tiers convert` on it")
         state = self.full_state_dict(rank0_only=True)
         if state is None:
             return None

@@ -78,10 +78,7 @@ fresh_start = args.resume == "auto" and not os.path.isfile(os.path.join(args.sav
 if args.resume != "none" and not fresh_start:  # the whole training state, and where the data stream was
     where, tag = (args.save_dir, None) if args.resume == "auto" else os.path.split(os.path.abspath(args.resume))
     resumed_from, client_state = engine.load_checkpoint(where, tag)
-    if resumed_from is None and args.resume != "auto":
-        parser.error(f"--resume {args.resume}: no checkpoint there")
-    if resumed_from is not None:
-        train_batches.load_state_dict(client_state["train_batches"])
+    train_batches.load_state_dict(client_state["train_batches"])
 
 if master:
     print(f"model {args.model}: {model.num_parameters() / 1e6:.2f}M parameters, block size {block_size} | "

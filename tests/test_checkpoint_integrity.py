@@ -194,7 +194,7 @@ def test_save_refuses_the_middle_of_an_accumulation_cycle(tmp_path):
 
 def test_client_state_must_be_json_and_tensors(tmp_path):
     engine = _engine()
-    with pytest.raises(TypeError, match=r"client_state\['loader'\]: a object cannot be stored"):
+    with pytest.raises(CheckpointError, match=r"TypeError: client_state\['loader'\]: a object cannot be stored"):
         engine.save_checkpoint(str(tmp_path), client_state={"loader": object()})
     assert not os.path.exists(os.path.join(tmp_path, "latest"))
 
@@ -222,6 +222,13 @@ def _collective_worker(rank, world, root):
         out["tags"] = str(e)
     engine.close()
 
+    engine = _engine({**CONFIG, "zero_optimization": {"stage": 3}})
+    try:  # DeepSpeed's key for gathering 16-bit weights under stage 3 is off
+        engine.save_16bit_model(root)
+    except RuntimeError as e:
+        out["16bit"] = str(e)
+    engine.close()
+
     engine = _engine(config)
     if rank == 0:  # the usual mistake: saving under `if rank == 0`
         try:
@@ -239,5 +246,6 @@ def test_save_is_collective_and_fails_on_every_rank_together(tmp_path):
         assert out["after_full_disk"] == ["global_step1", "latest"]
         assert out["loaded"].endswith("global_step1")
         assert "different tags" in out["tags"] and "'mine1'" in out["tags"]
+        assert "stage3_gather_16bit_weights_on_model_save to true" in out["16bit"]
     assert "every rank must call it" in results[0]["alone"] and "not under `if rank == 0:`" in results[0]["alone"]
     assert not os.path.exists(os.path.join(root, "alone"))

@@ -38,7 +38,7 @@ def config(dp: int, stage: int, tp: int = 1, mode: str = "1d", **zero) -> dict:
 
 
 def _stage3_worker(rank, world, root):
-    engine = initialize(model(), config(2, 3))
+    engine = initialize(model(), config(2, 3, stage3_gather_16bit_weights_on_model_save=True))
     train_engine(engine, token_batches(STEPS, GLOBAL_BATCH)[:2], rank, world, 1)
     engine.save_checkpoint(os.path.join(root, "stage3_dp2"))
     exported = engine.save_16bit_model(os.path.join(root, "export"))  # fp32 here: the compute dtype

@@ -48,6 +48,12 @@ class LiveStates:
         self.optimizer = optimizer
         self._stepped = chunked.stepped_tensors()
         self._offloaded = hasattr(optimizer, "accessed_state")  # Note [offloaded optimizer states]
+        stepped = {id(t) for t in self._stepped}
+        if not self._offloaded and any(id(p) not in stepped for g in optimizer.param_groups for p in g["params"]):
+            raise NotImplementedError(
+                f"checkpointing the {type(optimizer).__name__} passed to initialize() is not supported yet at ZeRO "
+                "stage 0 in fp32: it steps the model's parameters rather than their chunks, so its states cannot be "
+                "found by chunk; give the optimizer in the config's 'optimizer' section (or use stage >= 1)")
 
     def __len__(self) -> int:
         return self.chunked.chunk_count()

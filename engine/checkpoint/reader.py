@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,10 @@ FORMAT = "tiers-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
+
+
+TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")  # a directory name: no path separators, no leading '.'
+_RANK_FILE = re.compile(r"rank[0-9]{5,}\.safetensors")
 
 
 def rank_file(rank: int) -> str:
@@ -63,8 +69,8 @@ def read_latest(directory: str) -> str | None:
         return None
     with open(path) as f:
         tag = f.read().strip()
-    if not tag:
-        raise CheckpointError(f"{path} is empty; pass the tag to load explicitly")
+    if not TAG.fullmatch(tag):
+        raise CheckpointError(f"{path} holds {tag[:80]!r}, not a checkpoint tag; pass the tag to load explicitly")
     return tag
 
 
@@ -73,6 +79,11 @@ class Checkpoint:
 
     def __init__(self, directory: str):
         self.directory = directory
+        replaced = os.path.join(os.path.dirname(directory), f".{os.path.basename(directory)}.replaced")
+        if not os.path.isdir(directory) and os.path.isdir(replaced):  # a crash while a save replaced this tag
+            warnings.warn(f"{directory} is missing: a save replacing it was interrupted; loading the previous "
+                          f"checkpoint of that tag, {replaced}", stacklevel=3)
+            directory = self.directory = replaced
         path = os.path.join(directory, MANIFEST)
         if not os.path.isdir(directory):
             raise CheckpointError(f"no checkpoint at {directory} (no such directory)")
@@ -94,6 +105,10 @@ class Checkpoint:
         self.layout = manifest["layout"]
         self.tp_size = self.layout["tp"]
         self.shard_count = self.layout["shard_count"]
+        bad = [f["name"] for f in manifest["files"] if not _RANK_FILE.fullmatch(f["name"])]
+        if bad:
+            raise CheckpointIntegrityError(f"{path} lists the file {bad[0]!r}, which is not a rank file name; the "
+                                           "manifest is damaged or not written by Tiers")
         self.files = {f["name"]: FileRecord(f["name"], f["bytes"], f["sha256"]) for f in manifest["files"]}
         self._file_of = {(f["dp_rank"], f["tp_rank"]): f["name"] for f in manifest["files"]}
         self._rank_file = {f["rank"]: f["name"] for f in manifest["files"]}

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from engine.checkpoint.encoding import decode_client_state, encode_spec, restore_options
+from engine.checkpoint.encoding import TENSOR_REF, decode_client_state, encode_spec, restore_options
 from engine.checkpoint.files import CheckpointError, CheckpointIntegrityError
 from engine.checkpoint.live_states import LiveStates, Member
 from engine.checkpoint.reader import Checkpoint, Location, Piece, PieceReader, read_latest, take_piece
@@ -62,6 +62,13 @@ class LoadPlan:
         extras, _ = extra_entries(engine.module, engine.chunked.chunk_index())
         self.extras = extras
         self._check_names("buffer or frozen parameter", set(extras), set(checkpoint.extras[0]))
+        if self.with_optimizer and self.states.offloaded and len(self.states):
+            with self.states.optimizer_state(0, writes=False) as live:
+                keeps = sorted(live)
+            if set(checkpoint.tensor_states + checkpoint.scalar_states) != set(keeps):
+                raise CheckpointError(f"{checkpoint.directory} holds the optimizer states "
+                                      f"{checkpoint.tensor_states + checkpoint.scalar_states} and this optimizer keeps "
+                                      f"{keeps}; use the same optimizer, or load with load_optimizer_states=False")
         self.files = self._files()
 
     def _check_names(self, what: str, live: set[str], saved: set[str]) -> None:
@@ -103,8 +110,9 @@ class LoadPlan:
                         pieces = [p for t in range(ckpt.tp_size)
                                   for p in ckpt.pieces(m.name, kind, t, 0, Location(0, 0, ckpt.local_shape(m.name, t)).numel)]
                     files.update(p.file for p in pieces)
-                for state in ckpt.scalar_states if self.with_optimizer else ():
-                    files.add(ckpt.scalar_piece(m.name, state, self._saved_tp(m.name)).file)
+        for j in range(len(self.states)) if self.with_optimizer else ():
+            first = self.states.members(j)[0].name
+            files.update(ckpt.scalar_piece(first, s, self._saved_tp(first)).file for s in ckpt.scalar_states)
         tps = [self.tp_rank] if self.same_cut else range(ckpt.tp_size)
         files.update(ckpt.extra_piece(key, t).file for key in self.extras for t in tps)
         return files
@@ -149,16 +157,11 @@ class LoadPlan:
 
     def _optimizer_state(self, j: int, mine, start: int, n: int, read, reader: PieceReader) -> dict[str, torch.Tensor]:
         ckpt, states = self.checkpoint, self.states
-        scalars = {}
-        if mine:
-            first = mine[0][0].name
-            scalars = {s: reader.tensor(ckpt.scalar_piece(first, s, self._saved_tp(first))) for s in ckpt.scalar_states}
+        first = states.members(j)[0].name  # also when this rank's range of the chunk is only padding
+        scalars = {s: reader.tensor(ckpt.scalar_piece(first, s, self._saved_tp(first))) for s in ckpt.scalar_states}
         if states.offloaded:  # written in place, wherever the chunk lives
             with states.optimizer_state(j, writes=True) as live:
                 for kind in ckpt.tensor_states:
-                    if kind not in live:
-                        raise CheckpointError(f"{ckpt.directory}: the optimizer state {kind!r} is not one this "
-                                              f"optimizer keeps ({sorted(live)}); load with load_optimizer_states=False")
                     live[kind].zero_()
                     for m, lo, hi in mine:
                         read(m.name, kind, lo - m.offset, hi - m.offset, live[kind].narrow(0, lo - start, hi - lo))
@@ -201,36 +204,49 @@ def load_checkpoint(engine, control: Control, load_dir: str, tag: str | None, lo
         plan = LoadPlan(engine, checkpoint, with_optimizer)
         reader = PieceReader(checkpoint)
         own = checkpoint.rank_file(engine.topology.rank) if _same_world(engine, checkpoint) else None
-        reader.verify(plan.files | ({own} if own and not load_module_only else set()) | _client_files(checkpoint, own))
+        reader.verify(plan.files | ({own} if own and not load_module_only else set()) | _client_files(checkpoint))
     except (CheckpointError, OSError) as e:
         error = (type(e).__name__, f"rank {control.rank}: {e}" if control.world > 1 else str(e))
-    errors = [e for e in control.gather(error) if e]
-    if errors:  # every rank raises the first failure, as its own type (a damaged file: CheckpointIntegrityError)
-        kind, message = errors[0]
-        raise (CheckpointIntegrityError if kind == CheckpointIntegrityError.__name__ else CheckpointError)(message)
-    plan.execute(reader)
+    _agree(control, error)
+    try:  # planned and verified: a failure now is unexpected, and the ranks still agree before any collective
+        plan.execute(reader)
+        if not load_module_only:
+            _restore_training_state(engine, checkpoint, reader, load_optimizer_states, load_lr_scheduler_states, own)
+        error = None
+    except Exception as e:
+        error = (type(e).__name__, f"rank {control.rank}: loading {directory} failed part-way ({e}); the engine's "
+                                   "state is partly overwritten: build the engine again before training")
+    _agree(control, error)
     engine._gather_updated_params()  # the full chunks from the loaded shards, as after an update
     manifest = checkpoint.manifest
-    if not load_module_only:
-        _restore_training_state(engine, checkpoint, reader, load_optimizer_states, load_lr_scheduler_states, own)
     client = decode_client_state(manifest["client_state"],
                                  lambda key: reader.tensor(Piece(checkpoint.rank_file(0), key, 0, 0, 0)))
     reader.close()
     return directory, client
 
 
+def _agree(control: Control, error: tuple[str, str] | None) -> None:
+    """Every rank raises the first rank's failure, as its type (a damaged file: CheckpointIntegrityError)."""
+    errors = [e for e in control.gather(error) if e]
+    if errors:
+        kind, message = errors[0]
+        raise (CheckpointIntegrityError if kind == CheckpointIntegrityError.__name__ else CheckpointError)(message)
+
+
 def _same_world(engine, checkpoint: Checkpoint) -> bool:
+    """The same ranks on the same kind of device: each rank can take its own generators back."""
     layout, topo = checkpoint.layout, engine.topology
-    return layout["world_size"] == topo.world_size and layout["tp"] == topo.tp_size
+    return (layout["world_size"] == topo.world_size and layout["tp"] == topo.tp_size
+            and layout.get("device") == topo.device.type)
 
 
-def _client_files(checkpoint: Checkpoint, own: str | None) -> set[str]:
+def _client_files(checkpoint: Checkpoint) -> set[str]:
     return {checkpoint.rank_file(0)} if _has_tensor_refs(checkpoint.manifest["client_state"]) else set()
 
 
 def _has_tensor_refs(value) -> bool:
     if isinstance(value, dict):
-        return "__tensor__" in value or any(_has_tensor_refs(v) for v in value.values())
+        return TENSOR_REF in value or any(_has_tensor_refs(v) for v in value.values())
     if isinstance(value, list):
         return any(_has_tensor_refs(v) for v in value)
     return False

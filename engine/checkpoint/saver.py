@@ -27,7 +27,6 @@ from __future__ import annotations
 import datetime
 import glob
 import os
-import re
 import shutil
 import threading
 import time
@@ -39,10 +38,8 @@ from engine.checkpoint.encoding import encode_client_state, json_options, json_s
 from engine.checkpoint.files import (CheckpointError, CheckpointWriteError, FileRecord, fsync_path, write_error,
                                      write_json, write_tensors, write_text)
 from engine.checkpoint.live_states import LiveStates
-from engine.checkpoint.reader import FORMAT, LATEST, MANIFEST, VERSION, rank_file
+from engine.checkpoint.reader import FORMAT, LATEST, MANIFEST, TAG, VERSION, rank_file
 from engine.checkpoint.snapshot import RankSnapshot, take_snapshot
-
-_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 
 class Control:
@@ -96,10 +93,19 @@ class Saver:
         save_dir = os.path.abspath(save_dir)
         partial = os.path.join(save_dir, f".{tag}.partial")
         self._agree(self._prepare(save_dir, partial) if self.control.rank == 0 else None)
-        states = LiveStates(engine.chunked, engine.optimizer)
         asynchronous = self.config.async_save
-        snapshot = take_snapshot(engine, states, copy=asynchronous)
-        common = self._common_state(snapshot, tag, client_state) if self.control.rank == 0 else None
+        error, snapshot, common = None, None, None
+        try:
+            snapshot = take_snapshot(engine, LiveStates(engine.chunked, engine.optimizer), copy=asynchronous)
+            common = self._common_state(snapshot, tag, client_state) if self.control.rank == 0 else None
+        except Exception as e:  # e.g. a client_state that is not JSON (rank 0), an NVMe read error (any rank)
+            error = f"rank {self.control.rank}: {type(e).__name__}: {e}"
+        try:
+            self._agree(error, CheckpointError)
+        except CheckpointError:
+            if self.control.rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
         job = (save_dir, partial, tag, snapshot, common, save_latest)
         if not asynchronous:
             return self._write_and_commit(*job)
@@ -130,15 +136,15 @@ class Saver:
                 warnings.warn(f"save_checkpoint: the ranks passed different tags ({shown}); saving as rank 0's "
                               f"{tags[0]!r}", stacklevel=4)
         tag = tags[0]
-        if not _TAG.fullmatch(tag) or tag in (LATEST, MANIFEST):
+        if not TAG.fullmatch(tag) or tag in (LATEST, MANIFEST):
             raise CheckpointError(f"save_checkpoint: tag {tag!r} is not a valid directory name; use letters, digits, "
                                   "'_', '-' and '.', not starting with '.' or '-'")
         return tag
 
-    def _agree(self, error: str | None) -> None:
+    def _agree(self, error: str | None, kind: type[CheckpointError] = CheckpointWriteError) -> None:
         errors = [e for e in self.control.gather(error) if e]
         if errors:
-            raise CheckpointWriteError(errors[0])
+            raise kind(errors[0])
 
     @staticmethod
     def _prepare(save_dir: str, partial: str) -> str | None:
@@ -215,7 +221,7 @@ class Saver:
             "format": FORMAT, "version": VERSION, "tag": tag, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "layout": {"world_size": topo.world_size, "dp": topo.dp_world_size, "tp": topo.tp_size,
                        "tp_mode": engine.config.tensor_parallel.mode, "stage": engine.config.zero_optimization.stage,
-                       "shard_count": engine.chunked.shard_count,
+                       "shard_count": engine.chunked.shard_count, "device": topo.device.type,
                        "compute_dtype": str(engine.precision.compute_dtype).removeprefix("torch."),
                        "optimizer": _optimizer_name(engine.optimizer)},
             **{k: v for k, v in common.items() if k != "tag"},

@@ -78,7 +78,7 @@ def take_snapshot(engine, states: LiveStates, copy: bool) -> RankSnapshot:
     return snap
 
 
-def _rng(engine, snap: RankSnapshot) -> None:
+def _rng(engine, snap: RankSnapshot) -> None:  # fresh tensors (get_rng_state copies; streams swap, never mutate)
     """Every generator a training step draws from, per rank: torch's CPU and device generators, the tensor-parallel
     per-rank stream (Note [tensor-parallel RNG]), Python's and NumPy's (a user's data pipeline may use them)."""
     snap.tensors["rng.cpu"] = torch.get_rng_state()
