@@ -29,7 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (KEEP_FREED_MEMORY_ENV, DiskCounter, command_line, fmt_bytes, free_port,  # noqa: E402
                           init_gloo, machine_line, markdown_table, spawn_ranks, write_text)
-from disk_baseline import dd_pass, unlink_quietly  # noqa: E402
+from disk_baseline import dd_bandwidth  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -197,17 +197,6 @@ def rank_main(rank: int, world: int, port: int, args, root: str, results) -> Non
     dist.destroy_process_group()
 
 
-def raw_bandwidth(directory: str, nbytes: int, disk: DiskCounter) -> tuple[float, float]:
-    path = os.path.join(directory, "tiers-raw-dd.bin")
-    nbytes = max(nbytes // (8 << 20), 1) * (8 << 20)
-    try:
-        w = dd_pass(path, 8 << 20, nbytes, True, disk)
-        r = dd_pass(path, 8 << 20, nbytes, False, disk)
-    finally:
-        unlink_quietly(path)
-    return nbytes / w.seconds, nbytes / r.seconds
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -216,9 +205,9 @@ def main(argv=None) -> None:
     disk = DiskCounter(args.dir)
     root = tempfile.mkdtemp(prefix="tiers-bench-ckpt-", dir=args.dir)
     try:
-        before = raw_bandwidth(args.dir, 12 * psi, disk)
+        before = dd_bandwidth(args.dir, 12 * psi, disk)
         (result,) = spawn_ranks(rank_main, 2, args=(free_port(), args, root), env=KEEP_FREED_MEMORY_ENV)
-        after = raw_bandwidth(args.dir, 12 * psi, disk)
+        after = dd_bandwidth(args.dir, 12 * psi, disk)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     write_bw, read_bw = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2

@@ -35,7 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (DiskCounter, command_line, fmt_bytes, free_port, init_gloo, machine_line,  # noqa: E402
                           markdown_table, one_thread, spawn_ranks, write_text)
-from disk_baseline import dd_pass, unlink_quietly  # noqa: E402
+from disk_baseline import dd_bandwidth  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -98,16 +98,6 @@ def rank_main(rank: int, world: int, port: int, args, step_in_backward: bool, re
                  "counters": counters, "steps": len(batches)})
 
 
-def raw_bandwidth(args, disk: DiskCounter) -> tuple[float, float]:
-    path = os.path.join(args.dir, "tiers-raw-dd.bin")
-    try:
-        w = dd_pass(path, 8 << 20, args.raw_bytes, True, disk)
-        r = dd_pass(path, 8 << 20, args.raw_bytes, False, disk)
-    finally:
-        unlink_quietly(path)
-    return args.raw_bytes / w.seconds, args.raw_bytes / r.seconds
-
-
 MODES = {False: "tiers ZeRO-3, offload_param + offload_optimizer nvme, step after backward",
          True: "tiers ZeRO-3, offload_param + offload_optimizer nvme, step_in_backward"}
 
@@ -116,10 +106,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     started = time.perf_counter()
     disk = DiskCounter(args.dir)
-    before = raw_bandwidth(args, disk)
+    before = dd_bandwidth(args.dir, args.raw_bytes, disk)
     runs = {mode: sorted(spawn_ranks(rank_main, 2, args=(free_port(), args, mode)), key=lambda r: r["rank"])
             for mode in MODES}
-    after = raw_bandwidth(args, disk)
+    after = dd_bandwidth(args.dir, args.raw_bytes, disk)
     write_bw, read_bw = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
     from engine.models import gpt_from_preset
     psi = gpt_from_preset(args.model).num_parameters()

@@ -171,6 +171,19 @@ def filesystem_line(path: str, disk: DiskCounter) -> str:
     return f"{where}, {free:.0f} GB free; {counted}"
 
 
+def dd_bandwidth(directory: str, nbytes: int, disk: DiskCounter) -> tuple[float, float]:
+    """(write, read) bytes/s of dd with O_DIRECT in 8 MiB blocks over `nbytes` (rounded to whole blocks) of a
+    scratch file in `directory`, removed afterwards."""
+    path = os.path.join(directory, "tiers-raw-dd.bin")
+    nbytes = max(nbytes // (8 << 20), 1) * (8 << 20)
+    try:
+        w = dd_pass(path, 8 << 20, nbytes, True, disk)
+        r = dd_pass(path, 8 << 20, nbytes, False, disk)
+    finally:
+        unlink_quietly(path)
+    return nbytes / w.seconds, nbytes / r.seconds
+
+
 def page_cache_bytes() -> int:
     return getattr(psutil.virtual_memory(), "cached", 0)
 

@@ -18,6 +18,7 @@ each tensor-parallel rank ("extra" entries).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,10 +34,7 @@ class Member:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 class LiveStates:

@@ -14,6 +14,7 @@ different cut reads every saved piece of a parameter, joins them into the whole 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import warnings
@@ -56,10 +57,7 @@ class Location:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def read_latest(directory: str) -> str | None:
@@ -196,7 +194,7 @@ class PieceReader:
     def local(self, name: str, kind: str, tp_rank: int) -> torch.Tensor:
         """The whole of tp rank `tp_rank`'s piece of parameter `name` (values or one optimizer state), fp32."""
         shape = self.checkpoint.local_shape(name, tp_rank)
-        numel = Location(0, 0, shape).numel
+        numel = math.prod(shape)
         out = torch.empty(numel, dtype=torch.float32)
         return self.into(self.checkpoint.pieces(name, kind, tp_rank, 0, numel), out).view(shape)
 

@@ -10,6 +10,7 @@ are all-gathered as after an update; so the same layout reads back bit for bit w
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -18,7 +19,7 @@ import torch
 from engine.checkpoint.encoding import TENSOR_REF, decode_client_state, encode_spec, restore_options
 from engine.checkpoint.files import CheckpointError, CheckpointIntegrityError
 from engine.checkpoint.live_states import LiveStates, Member
-from engine.checkpoint.reader import Checkpoint, Location, Piece, PieceReader, read_latest, take_piece
+from engine.checkpoint.reader import Checkpoint, Piece, PieceReader, read_latest, take_piece
 from engine.checkpoint.saver import Control, _optimizer_name
 from engine.checkpoint.snapshot import extra_entries, restore_rng
 
@@ -108,16 +109,18 @@ class LoadPlan:
                         pieces = ckpt.pieces(m.name, kind, self.tp_rank, lo - m.offset, hi - m.offset)
                     else:
                         pieces = [p for t in range(ckpt.tp_size)
-                                  for p in ckpt.pieces(m.name, kind, t, 0, Location(0, 0, ckpt.local_shape(m.name, t)).numel)]
+                                  for p in ckpt.pieces(m.name, kind, t, 0, math.prod(ckpt.local_shape(m.name, t)))]
                     files.update(p.file for p in pieces)
         for j in range(len(self.states)) if self.with_optimizer else ():
             first = self.states.members(j)[0].name
-            files.update(ckpt.scalar_piece(first, s, self._saved_tp(first)).file for s in ckpt.scalar_states)
+            files.update(ckpt.scalar_piece(first, s, self.saved_tp).file for s in ckpt.scalar_states)
         tps = [self.tp_rank] if self.same_cut else range(ckpt.tp_size)
         files.update(ckpt.extra_piece(key, t).file for key in self.extras for t in tps)
         return files
 
-    def _saved_tp(self, name: str) -> int:
+    @property
+    def saved_tp(self) -> int:
+        """The saved tp rank whose scalar states this rank reads (any has them: its own when the cut is the same)."""
         return self.tp_rank if self.same_cut else 0
 
     # ---- execution ---------------------------------------------------------------------------
@@ -158,7 +161,7 @@ class LoadPlan:
     def _optimizer_state(self, j: int, mine, start: int, n: int, read, reader: PieceReader) -> dict[str, torch.Tensor]:
         ckpt, states = self.checkpoint, self.states
         first = states.members(j)[0].name  # also when this rank's range of the chunk is only padding
-        scalars = {s: reader.tensor(ckpt.scalar_piece(first, s, self._saved_tp(first))) for s in ckpt.scalar_states}
+        scalars = {s: reader.tensor(ckpt.scalar_piece(first, s, self.saved_tp)) for s in ckpt.scalar_states}
         if states.offloaded:  # written in place, wherever the chunk lives
             with states.optimizer_state(j, writes=True) as live:
                 for kind in ckpt.tensor_states:

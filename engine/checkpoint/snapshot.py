@@ -78,9 +78,10 @@ def take_snapshot(engine, states: LiveStates, copy: bool) -> RankSnapshot:
     return snap
 
 
-def _rng(engine, snap: RankSnapshot) -> None:  # fresh tensors (get_rng_state copies; streams swap, never mutate)
+def _rng(engine, snap: RankSnapshot) -> None:
     """Every generator a training step draws from, per rank: torch's CPU and device generators, the tensor-parallel
-    per-rank stream (Note [tensor-parallel RNG]), Python's and NumPy's (a user's data pipeline may use them)."""
+    per-rank stream (Note [tensor-parallel RNG]), Python's and NumPy's (a user's data pipeline may use them). The
+    tensors are fresh (get_rng_state copies; the streams swap states, never mutate them): no copy is needed."""
     snap.tensors["rng.cpu"] = torch.get_rng_state()
     device = engine.topology.device
     if device.type == "cuda":
