@@ -1,5 +1,5 @@
 """The `tiers` command. Subcommands so far: `config` (print the resolved config), `convert` (a checkpoint to one
-consolidated fp32 state dict)."""
+consolidated fp32 state dict), `launch` (a job over one or many nodes)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,45 @@ def _convert_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch_command(args: argparse.Namespace) -> int:
+    from engine.launcher import LaunchError, LauncherKind, LaunchOptions, launch
+
+    options = LaunchOptions(script=args.script, script_args=tuple(args.script_args), hostfile=args.hostfile,
+                            include=args.include, exclude=args.exclude, num_nodes=args.num_nodes,
+                            nproc_per_node=args.nproc_per_node, master_addr=args.master_addr,
+                            master_port=args.master_port, launcher=LauncherKind(args.launcher),
+                            max_restarts=args.max_restarts)
+    try:
+        return launch(options, dry_run=args.dry_run)
+    except LaunchError as e:
+        print(f"tiers launch: {e}", file=sys.stderr)
+        return 2
+
+
+def add_launch_arguments(launch: argparse.ArgumentParser) -> None:
+    from engine.launcher import LauncherKind
+    from engine.launcher.plan import DEFAULT_MASTER_PORT
+
+    launch.add_argument("--hostfile", default=None,
+                        help="DeepSpeed-style hostfile, one 'hostname slots=N' line per host (default: this machine)")
+    launch.add_argument("--include", default=None, help="hosts/slots to use, e.g. worker-1:0,1@worker-2")
+    launch.add_argument("--exclude", default=None, help="hosts/slots to leave out, same form as --include")
+    launch.add_argument("--num_nodes", "--num-nodes", type=int, default=None, help="use the first N hosts")
+    launch.add_argument("--nproc_per_node", "--nproc-per-node", "--num_gpus", type=int, default=None,
+                        help="processes per node (default: every slot; without a hostfile, every GPU or 1)")
+    launch.add_argument("--master_addr", "--master-addr", default=None,
+                        help="rendezvous host (default: the first node; 127.0.0.1 with --launcher local)")
+    launch.add_argument("--master_port", "--master-port", type=int, default=DEFAULT_MASTER_PORT,
+                        help=f"rendezvous port (default {DEFAULT_MASTER_PORT})")
+    launch.add_argument("--launcher", choices=[k.value for k in LauncherKind], default=LauncherKind.LOCAL.value,
+                        help="how nodes are started: ssh, pdsh, slurm (srun), or local (every node on this machine)")
+    launch.add_argument("--max_restarts", "--max-restarts", type=int, default=0,
+                        help="torchrun restarts of the whole job after a worker fails (uses a c10d rendezvous)")
+    launch.add_argument("--dry-run", "--dry_run", action="store_true", help="print every node's command and exit")
+    launch.add_argument("script", help="the training script each process runs")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments, passed as they are")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiers", description="Tiers training engine tools.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--max-shard-size", default=None,
                          help="split the output into files of at most this size, e.g. 5GB or 500MiB (default: one file)")
     convert.set_defaults(run=_convert_command)
+    launch = sub.add_parser("launch", help="run a script on one or many nodes: torchrun on each, started by ssh, "
+                            "pdsh, srun or locally")
+    add_launch_arguments(launch)
+    launch.set_defaults(run=_launch_command)
     return parser
 
 

@@ -1,0 +1,87 @@
+"""The command each launcher runs: torchrun per node, wrapped in ssh, pdsh or srun, or started here.
+
+Note [quoting for the remote shell]
+Commands are argument vectors end to end. Where a remote shell must read one (ssh and pdsh hand sshd a string for
+the user's shell), every word is quoted with shlex.quote, so host names, paths, variable values and script
+arguments arrive as the same words, whatever spaces, quotes or `;` they hold. srun and local nodes exec the vector
+directly, with no shell in between. Host names are checked against hosts.HOSTNAME too: ssh reads a leading '-' as
+an option, which no quoting prevents.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+
+from engine.launcher.plan import LauncherKind, LaunchPlan, Node
+
+# Lines pdsh and srun print (on stderr) when one host's command fails: they name the host.
+PDSH_FAILURE = re.compile(r"^pdsh@[^:\s]+: (?P<host>[^:\s]+): ssh exited with exit code (?P<code>\d+)")
+SRUN_FAILURE = re.compile(r"^srun: error: (?P<host>[^:\s]+): tasks? [0-9,\-]+: "
+                          r"(?:Exited with exit code (?P<code>\d+)|\w+)")
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    name: str  # how errors name it: a node, or the one pdsh/srun process that runs them all
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)  # set on top of the launcher's environment, for this process
+    failure_report: re.Pattern | None = None  # a stderr line naming a failed host (pdsh, srun)
+
+    def display(self) -> str:
+        """The exact command, as a POSIX shell line (what --dry-run prints)."""
+        assignments = [f"{k}={v}" for k, v in self.env.items()]
+        return shlex.join(["env", *assignments, *self.argv] if assignments else list(self.argv))
+
+
+def node_name(node: Node) -> str:
+    return f"node {node.host!r} (node_rank {node.rank})"
+
+
+def node_environment(plan: LaunchPlan, node: Node) -> dict[str, str]:
+    """What torchrun on `node` needs beyond the exported environment."""
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # restarts are refused without it (engine/topology.py)
+    if node.slots != tuple(range(len(node.slots))):  # a subset of the host's devices: --include/--exclude
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, node.slots))
+    return env
+
+
+def torchrun_argv(plan: LaunchPlan, node: Node) -> list[str]:
+    argv = [plan.python, "-u", "-m", "torch.distributed.run", f"--nnodes={len(plan.nodes)}",
+            f"--nproc_per_node={len(node.slots)}", f"--max_restarts={plan.max_restarts}"]
+    if plan.uses_rendezvous:
+        argv += ["--rdzv_backend=c10d", f"--rdzv_endpoint={plan.master_addr}:{plan.master_port}",
+                 f"--rdzv_id={plan.rdzv_id}"]
+    else:
+        argv += [f"--node_rank={node.rank}", f"--master_addr={plan.master_addr}", f"--master_port={plan.master_port}"]
+    return argv + [plan.script, *plan.script_args]
+
+
+def remote_shell_line(plan: LaunchPlan, node: Node) -> str:
+    """What a remote login shell runs: cd to the launch directory, then torchrun under the exported environment."""
+    env = {**plan.exported, **node_environment(plan, node)}
+    words = ["env", *(f"{k}={v}" for k, v in env.items()), *torchrun_argv(plan, node)]
+    return f"cd {shlex.quote(plan.cwd)} && exec {shlex.join(words)}"
+
+
+def node_commands(plan: LaunchPlan) -> list[NodeCommand]:
+    if plan.launcher is LauncherKind.LOCAL:
+        return [NodeCommand(node_name(n), tuple(torchrun_argv(plan, n)), {**plan.from_env_files,
+                            **node_environment(plan, n)}) for n in plan.nodes]
+    if plan.launcher is LauncherKind.SSH:
+        # -tt: a remote terminal, so that when this ssh ends (the job is stopped) sshd hangs up on torchrun, which
+        # stops its workers; BatchMode: fail at once rather than wait for a password nobody will type.
+        return [NodeCommand(node_name(n), ("ssh", "-tt", "-o", "BatchMode=yes", n.host, remote_shell_line(plan, n)))
+                for n in plan.nodes]
+    hosts = ",".join(n.host for n in plan.nodes)
+    first = plan.nodes[0]  # every node has the same slots (make_plan checks), so one line serves them all
+    if plan.launcher is LauncherKind.PDSH:
+        # -S: exit with the largest remote exit code; -f: start all nodes at once, not 32 at a time.
+        argv = ("pdsh", "-S", "-f", str(max(len(plan.nodes), 32)), "-w", hosts, remote_shell_line(plan, first))
+        return [NodeCommand(f"pdsh on {hosts}", argv, {"PDSH_RCMD_TYPE": "ssh"}, PDSH_FAILURE)]
+    env = {**plan.exported, **node_environment(plan, first)}
+    argv = ("srun", f"--nodes={len(plan.nodes)}", f"--ntasks={len(plan.nodes)}", "--ntasks-per-node=1",
+            f"--nodelist={hosts}", "--kill-on-bad-exit=1", f"--chdir={plan.cwd}",
+            "env", *(f"{k}={v}" for k, v in env.items()), *torchrun_argv(plan, first))
+    return [NodeCommand(f"srun on {hosts}", argv, {}, SRUN_FAILURE)]

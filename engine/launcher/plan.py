@@ -1,0 +1,111 @@
+"""From `tiers launch` options to a LaunchPlan: the nodes (host, node rank, slots), the rendezvous, the environment."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.launcher.environment import exported_environment
+from engine.launcher.hosts import LaunchError, expand_nodelist, read_hostfile, select_resources
+
+DEFAULT_MASTER_PORT = 29500
+
+
+class LauncherKind(str, Enum):
+    LOCAL = "local"  # every node a torchrun on this machine (tests, single boxes)
+    SSH = "ssh"      # one ssh per node
+    PDSH = "pdsh"    # one pdsh for all nodes, the same command on each
+    SLURM = "slurm"  # one srun task per node inside an allocation
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    script: str
+    script_args: tuple[str, ...] = ()
+    hostfile: str | None = None
+    include: str | None = None
+    exclude: str | None = None
+    num_nodes: int | None = None
+    nproc_per_node: int | None = None
+    master_addr: str | None = None
+    master_port: int = DEFAULT_MASTER_PORT
+    launcher: LauncherKind = LauncherKind.LOCAL
+    max_restarts: int = 0
+
+
+@dataclass(frozen=True)
+class Node:
+    host: str
+    rank: int  # torchrun's --node_rank: the hostfile's order
+    slots: tuple[int, ...]  # GPU ordinals on that host, one process each
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    launcher: LauncherKind
+    nodes: tuple[Node, ...]
+    master_addr: str
+    master_port: int
+    max_restarts: int
+    script: str
+    script_args: tuple[str, ...]
+    python: str  # the interpreter every node runs torchrun with: this one, as DeepSpeed does
+    cwd: str  # every node starts here (remote nodes `cd` to it: shared file systems are the norm)
+    exported: dict[str, str] = field(default_factory=dict)  # what a remote node's environment gets
+    from_env_files: dict[str, str] = field(default_factory=dict)  # what a node on this machine gets on top
+    rdzv_id: str = ""
+
+    @property
+    def uses_rendezvous(self) -> bool:
+        """A c10d rendezvous instead of fixed node ranks: pdsh and srun run one identical command on every node,
+        and restarts (--max_restarts) need every node's agent to rejoin, which only a rendezvous does."""
+        return self.launcher in (LauncherKind.PDSH, LauncherKind.SLURM) or self.max_restarts > 0
+
+
+def _local_gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _host_pool(options: LaunchOptions, environ: dict[str, str]) -> OrderedDict[str, int]:
+    if options.hostfile is not None:
+        return read_hostfile(options.hostfile)
+    if options.launcher is LauncherKind.SLURM:
+        nodelist = environ.get("SLURM_JOB_NODELIST")
+        if not nodelist:
+            raise LaunchError("--launcher slurm without --hostfile takes its hosts from SLURM_JOB_NODELIST, which is "
+                              "not set; run inside an allocation (salloc/sbatch) or pass --hostfile")
+        slots = options.nproc_per_node or int(environ.get("SLURM_GPUS_ON_NODE", "0") or 0) or 1
+        return OrderedDict((host, slots) for host in expand_nodelist(nodelist))
+    if options.launcher is not LauncherKind.LOCAL:
+        raise LaunchError(f"--launcher {options.launcher.value} starts remote nodes and needs --hostfile "
+                          "('hostname slots=N' lines); without one, use --launcher local")
+    return OrderedDict(localhost=options.nproc_per_node or _local_gpu_count() or 1)
+
+
+def make_plan(options: LaunchOptions, environ: dict[str, str] | None = None, cwd: str | None = None) -> LaunchPlan:
+    environ = dict(os.environ if environ is None else environ)
+    cwd = os.path.abspath(cwd or os.getcwd())
+    if options.max_restarts < 0:
+        raise LaunchError(f"--max_restarts {options.max_restarts}: must be >= 0")
+    if not 0 < options.master_port < 65536:
+        raise LaunchError(f"--master_port {options.master_port}: not a TCP port (1..65535)")
+    pool = _host_pool(options, environ)
+    resources = select_resources(pool, options.include, options.exclude, options.num_nodes, options.nproc_per_node)
+    nodes = tuple(Node(host, rank, tuple(slots)) for rank, (host, slots) in enumerate(resources.items()))
+    if options.launcher in (LauncherKind.PDSH, LauncherKind.SLURM) and len({n.slots for n in nodes}) > 1:
+        layout = ", ".join(f"{n.host}:{','.join(map(str, n.slots))}" for n in nodes)
+        raise LaunchError(f"--launcher {options.launcher.value} runs one identical command on every node, but the "
+                          f"nodes use different slots ({layout}); give every node the same slots, or use "
+                          "--launcher ssh")
+    master_addr = options.master_addr or ("127.0.0.1" if options.launcher is LauncherKind.LOCAL else nodes[0].host)
+    exported, from_files = exported_environment(environ, cwd)
+    return LaunchPlan(launcher=options.launcher, nodes=nodes, master_addr=master_addr,
+                      master_port=options.master_port, max_restarts=options.max_restarts, script=options.script,
+                      script_args=tuple(options.script_args), python=sys.executable, cwd=cwd, exported=exported,
+                      from_env_files=from_files, rdzv_id=f"tiers-{uuid.uuid4().hex[:12]}")
