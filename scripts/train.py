@@ -41,6 +41,9 @@ parser.add_argument("--seed", type=int, default=None, help="default: the config'
 parser.add_argument("--block-size", type=int, default=None, help="context length (default: the preset's)")
 parser.add_argument("--save-dir", default="checkpoints", help="where --save-every writes and --resume auto looks")
 parser.add_argument("--save-every", type=int, default=0, help="optimizer steps between checkpoints (0: never)")
+parser.add_argument("--loss-log", default=None,
+                    help="append each optimizer step's loss (mean over micro-batches and dp ranks) to this file as "
+                         "JSON lines, from rank 0")
 parser.add_argument("--resume", default="none",
                     help="'auto': the latest checkpoint in --save-dir if there is one; 'none'; or a checkpoint path")
 args = parser.parse_args()
@@ -128,6 +131,8 @@ if master:
     print(f"step {engine.global_step:>5}/{args.steps} | eval loss {eval_loss:.4f}{resumed}", flush=True)
 train_loss = last_step_loss = float("nan")
 loss_sum, loss_count = torch.zeros((), device=device), 0
+step_loss_sum, step_micro_batches = 0.0, 0
+loss_log = open(args.loss_log, "a") if args.loss_log and master else None
 t_start = t_mark = time.perf_counter()
 step_at_mark = first_step = engine.global_step
 while engine.global_step < args.steps:
@@ -138,10 +143,18 @@ while engine.global_step < args.steps:
     engine.step()
     loss_sum += loss.detach().float()
     loss_count += 1
+    if args.loss_log:
+        step_loss_sum, step_micro_batches = step_loss_sum + loss.item(), step_micro_batches + 1
     if not updated:
         continue
 
     step = engine.global_step
+    if args.loss_log:
+        step_loss = mean_over_ranks(step_loss_sum / step_micro_batches)
+        step_loss_sum, step_micro_batches = 0.0, 0
+        if loss_log:
+            loss_log.write(json.dumps({"step": step, "loss": step_loss}) + "\n")
+            loss_log.flush()
     last = step == args.steps
     if last:
         last_step_loss = mean_over_ranks(loss.item())
@@ -165,6 +178,8 @@ while engine.global_step < args.steps:
         t_mark, step_at_mark = time.perf_counter(), step  # throughput and ETA leave eval time out
 
 # ---- summary ------------------------------------------------------------------------------------
+if loss_log:
+    loss_log.close()
 if master:
     print(f"done: {args.steps - first_step} steps in {duration(time.perf_counter() - t_start)} | "
           f"final train loss {train_loss:.4f} | final eval loss {eval_loss:.4f} | last step loss {last_step_loss!r}")
