@@ -41,7 +41,8 @@ def _launch_command(args: argparse.Namespace) -> int:
     options = LaunchOptions(script=args.script, script_args=tuple(args.script_args), hostfile=args.hostfile,
                             include=args.include, exclude=args.exclude, num_nodes=args.num_nodes,
                             nproc_per_node=args.nproc_per_node, master_addr=args.master_addr,
-                            master_port=args.master_port, launcher=LauncherKind(args.launcher),
+                            master_port=args.master_port,
+                            launcher=LauncherKind(args.launcher) if args.launcher else None,
                             max_restarts=args.max_restarts)
     try:
         return launch(options, dry_run=args.dry_run)
@@ -65,8 +66,9 @@ def add_launch_arguments(launch: argparse.ArgumentParser) -> None:
                         help="rendezvous host (default: the first node; 127.0.0.1 with --launcher local)")
     launch.add_argument("--master_port", "--master-port", type=int, default=DEFAULT_MASTER_PORT,
                         help=f"rendezvous port (default {DEFAULT_MASTER_PORT})")
-    launch.add_argument("--launcher", choices=[k.value for k in LauncherKind], default=LauncherKind.LOCAL.value,
-                        help="how nodes are started: ssh, pdsh, slurm (srun), or local (every node on this machine)")
+    launch.add_argument("--launcher", choices=[k.value for k in LauncherKind], default=None,
+                        help="how nodes are started: ssh, pdsh, slurm (srun), or local (every node on this machine); "
+                             "default: ssh with a hostfile, else local")
     launch.add_argument("--max_restarts", "--max-restarts", type=int, default=0,
                         help="torchrun restarts of the whole job after a worker fails (uses a c10d rendezvous)")
     launch.add_argument("--dry-run", "--dry_run", action="store_true", help="print every node's command and exit")

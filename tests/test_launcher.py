@@ -24,6 +24,12 @@ worker-2 slots=4   # the second
 NASTY_ARGS = ("--name", "two words", "it's \"quoted\"", "a;rm -rf ~", "$HOME", "`id`", "")
 
 
+@pytest.fixture(autouse=True)
+def no_home_env_file(tmp_path, monkeypatch):
+    """Only the .tiers_env files a test writes: not the developer's own."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+
 def _pool():
     return parse_hostfile(HOSTFILE, "hostfile")
 
@@ -119,7 +125,8 @@ def test_ssh_commands_one_per_node_with_ranks_and_quoted_arguments(tmp_path):
 def test_pdsh_runs_one_command_on_every_node_with_a_rendezvous(tmp_path):
     plan = _plan(tmp_path, "pdsh", num_nodes=2, nproc_per_node=2, master_port=6000)
     (command,) = node_commands(plan)
-    assert command.env == {"PDSH_RCMD_TYPE": "ssh"} and command.name == "pdsh on worker-1,worker-2"
+    assert command.env == {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": "-tt"}  # remote hang-up when stopped
+    assert command.name == "pdsh on worker-1,worker-2"
     assert command.argv[:6] == ("pdsh", "-S", "-f", "32", "-w", "worker-1,worker-2")
     words = _remote_words(command.argv[6])
     run = words[words.index(sys.executable):]
@@ -154,7 +161,9 @@ def test_local_nodes_run_torchrun_here_with_fixed_ranks(tmp_path):
     assert [c.argv[6:10] for c in commands] == [
         ("--max_restarts=0", "--node_rank=0", "--master_addr=127.0.0.1", "--master_port=7000"),
         ("--max_restarts=0", "--node_rank=1", "--master_addr=127.0.0.1", "--master_port=7000")]
-    assert all(c.env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} for c in commands)
+    assert all(c.env == {} for c in commands)
+    restartable = node_commands(_plan(tmp_path, "local", hostfile="a slots=2\n", max_restarts=1))
+    assert restartable[0].env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see engine/topology.py
 
 
 @pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
@@ -179,7 +188,7 @@ def test_env_files_home_then_working_directory(tmp_path, monkeypatch):
     words = _remote_words(node_commands(plan)[0].argv[-1])
     assert {"NCCL_IB_DISABLE=1", "DATA=/scratch/my data; x", "EMPTY=", "PYTHONPATH=/src"} <= set(words)
     local = node_commands(_plan(tmp_path, "local", environ={"PYTHONPATH": "/src"}))[0]
-    assert local.env["DATA"] == "/scratch/my data; x" and "PYTHONPATH" not in local.env  # inherited, not repeated
+    assert local.env == {"NCCL_IB_DISABLE": "1", "DATA": "/scratch/my data; x", "EMPTY": ""}  # the rest is inherited
 
 
 def test_env_file_errors_name_the_line():
@@ -226,7 +235,78 @@ def test_launch_errors_exit_2_with_the_message(tmp_path, capsys):
 def test_scripts_launch_is_the_same_command(tmp_path):
     (tmp_path / "hf").write_text("a slots=1\nb slots=1\n")
     script = Path(__file__).resolve().parent.parent / "scripts" / "launch"
-    done = subprocess.run([sys.executable, str(script), "--hostfile", "hf", "--dry-run", "t.py", "--x", "1 2"],
+    done = subprocess.run([sys.executable, str(script), "--hostfile", "hf", "--launcher", "local", "--dry-run", "t.py",
+                           "--x", "1 2"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("-m torch.distributed.run --nnodes=2") == 2 and "t.py --x '1 2'" in done.stdout
+
+
+def test_the_default_launcher_is_ssh_with_a_hostfile_and_local_without(tmp_path):
+    (tmp_path / "hf").write_text("a slots=1\n")
+    with_hostfile = make_plan(LaunchOptions(script="t.py", hostfile=str(tmp_path / "hf")), environ={}, cwd=str(tmp_path))
+    without = make_plan(LaunchOptions(script="t.py", nproc_per_node=3), environ={}, cwd=str(tmp_path))
+    assert with_hostfile.launcher is LauncherKind.SSH and with_hostfile.master_addr == "a"
+    assert without.launcher is LauncherKind.LOCAL and [(n.host, n.slots) for n in without.nodes] == [("localhost", (0, 1, 2))]
+
+
+def test_this_machines_cuda_visible_devices_is_not_sent_to_other_nodes(tmp_path):
+    plan = _plan(tmp_path, "ssh", include="worker-1@worker-2:1", environ={"CUDA_VISIBLE_DEVICES": "0", "CUDA_HOME": "/c"})
+    first, second = (_remote_words(c.argv[-1]) for c in node_commands(plan))
+    assert "CUDA_HOME=/c" in first and not any(w.startswith("CUDA_VISIBLE_DEVICES") for w in first)
+    assert "CUDA_VISIBLE_DEVICES=1" in second  # the node's own slots
+
+
+def test_an_empty_filter_is_an_error():
+    with pytest.raises(LaunchError, match="--include is empty"):
+        select_resources(_pool(), include=" ")
+
+
+def test_failure_reports_of_pdsh_and_srun_name_the_host():
+    from engine.launcher.commands import PDSH_FAILURE, SRUN_FAILURE
+    pdsh = PDSH_FAILURE.match("pdsh@login1: worker-2: ssh exited with exit code 3\n")
+    assert (pdsh.group("host"), pdsh.group("code")) == ("worker-2", "3")
+    srun = SRUN_FAILURE.match("srun: error: gpu07: task 1: Exited with exit code 2\n")
+    assert (srun.group("host"), srun.group("code")) == ("gpu07", "2")
+    killed = SRUN_FAILURE.match("srun: error: gpu08: tasks 2-3: Killed\n")
+    assert (killed.group("host"), killed.group("code")) == ("gpu08", None)
+    assert PDSH_FAILURE.match("worker-2: Traceback (most recent call last):") is None
+
+
+def _fake_tool(directory: Path, name: str, script: str) -> None:
+    directory.mkdir(exist_ok=True)
+    (directory / name).write_text("#!/bin/sh\n" + script)
+    (directory / name).chmod(0o755)
+
+
+def test_a_host_pdsh_reports_failed_is_named_and_pdsh_is_stopped(tmp_path, monkeypatch, capsys):
+    """A stand-in pdsh (none is installed here) that prints pdsh's own report of a failed host, then waits as pdsh
+    does for the other hosts: the launcher names the host and stops pdsh without waiting for it."""
+    from engine.launcher import launch
+    _fake_tool(tmp_path / "bin", "pdsh", "echo 'pdsh@login1: worker-2: ssh exited with exit code 5' >&2\nsleep 600\n")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "hf").write_text("worker-1 slots=1\nworker-2 slots=1\n")
+    options = LaunchOptions(script="t.py", hostfile=str(tmp_path / "hf"), launcher=LauncherKind.PDSH)
+    assert launch(options) == 5
+    err = capsys.readouterr().err
+    assert "tiers launch: node 'worker-2' under pdsh on worker-1,worker-2 failed with exit code 5" in err, err
+
+
+def test_a_launcher_tool_that_is_not_installed_is_named(tmp_path, monkeypatch, capsys):
+    from engine.launcher import launch
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ssh on it
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "hf").write_text("worker-1 slots=1\n")
+    assert launch(LaunchOptions(script="t.py", hostfile=str(tmp_path / "hf"))) == 127
+    assert "tiers launch: cannot start node 'worker-1' (node_rank 0): ssh: No such file or directory" in \
+        capsys.readouterr().err
+
+
+def test_the_launcher_starts_without_importing_torch(tmp_path):
+    (tmp_path / "hf").write_text("a slots=1\n")
+    code = ("import sys; from engine.cli import main; main(['launch', '--hostfile', 'hf', '--dry-run', 't.py']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)))
+    assert done.returncode == 0, done.stderr

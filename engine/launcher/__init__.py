@@ -7,7 +7,8 @@ from __future__ import annotations
 import sys
 
 from engine.launcher.commands import NodeCommand, node_commands
-from engine.launcher.hosts import LaunchError, expand_nodelist, parse_hostfile, select_resources
+from engine.launcher.errors import LaunchError
+from engine.launcher.hosts import expand_nodelist, parse_hostfile, select_resources
 from engine.launcher.plan import LauncherKind, LaunchOptions, LaunchPlan, make_plan
 from engine.launcher.supervisor import supervise
 

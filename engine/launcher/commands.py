@@ -10,6 +10,7 @@ an option, which no quoting prevents.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -41,7 +42,9 @@ def node_name(node: Node) -> str:
 
 def node_environment(plan: LaunchPlan, node: Node) -> dict[str, str]:
     """What torchrun on `node` needs beyond the exported environment."""
-    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # restarts are refused without it (engine/topology.py)
+    env = {}
+    if plan.max_restarts > 0:  # restarts are refused without it (engine/topology.py); without restarts the
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # workers' own store costs start-up time for nothing
     if node.slots != tuple(range(len(node.slots))):  # a subset of the host's devices: --include/--exclude
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, node.slots))
     return env
@@ -71,7 +74,8 @@ def node_commands(plan: LaunchPlan) -> list[NodeCommand]:
                             **node_environment(plan, n)}) for n in plan.nodes]
     if plan.launcher is LauncherKind.SSH:
         # -tt: a remote terminal, so that when this ssh ends (the job is stopped) sshd hangs up on torchrun, which
-        # stops its workers; BatchMode: fail at once rather than wait for a password nobody will type.
+        # stops its workers; the price is that the node's stderr arrives merged into stdout, with CRLF line ends.
+        # BatchMode: fail at once rather than wait for a password nobody will type.
         return [NodeCommand(node_name(n), ("ssh", "-tt", "-o", "BatchMode=yes", n.host, remote_shell_line(plan, n)))
                 for n in plan.nodes]
     hosts = ",".join(n.host for n in plan.nodes)
@@ -79,9 +83,16 @@ def node_commands(plan: LaunchPlan) -> list[NodeCommand]:
     if plan.launcher is LauncherKind.PDSH:
         # -S: exit with the largest remote exit code; -f: start all nodes at once, not 32 at a time.
         argv = ("pdsh", "-S", "-f", str(max(len(plan.nodes), 32)), "-w", hosts, remote_shell_line(plan, first))
-        return [NodeCommand(f"pdsh on {hosts}", argv, {"PDSH_RCMD_TYPE": "ssh"}, PDSH_FAILURE)]
-    env = {**plan.exported, **node_environment(plan, first)}
-    argv = ("srun", f"--nodes={len(plan.nodes)}", f"--ntasks={len(plan.nodes)}", "--ntasks-per-node=1",
-            f"--nodelist={hosts}", "--kill-on-bad-exit=1", f"--chdir={plan.cwd}",
-            "env", *(f"{k}={v}" for k, v in env.items()), *torchrun_argv(plan, first))
-    return [NodeCommand(f"srun on {hosts}", argv, {}, SRUN_FAILURE)]
+        # pdsh's ssh gets -tt as well, for the same hang-up when pdsh is stopped.
+        ssh_args = " ".join(filter(None, [os.environ.get("PDSH_SSH_ARGS_APPEND"), "-tt"]))
+        return [NodeCommand(f"pdsh on {hosts}", argv, {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": ssh_args},
+                            PDSH_FAILURE)]
+    if plan.launcher is LauncherKind.SLURM:
+        env = {**plan.exported, **node_environment(plan, first)}
+        # one task per node, holding the node's CPUs (else a cgroup may give torchrun and its workers one)
+        cpus = [f"--cpus-per-task={plan.srun_cpus}"] if plan.srun_cpus else []
+        argv = ("srun", f"--nodes={len(plan.nodes)}", f"--ntasks={len(plan.nodes)}", "--ntasks-per-node=1", *cpus,
+                f"--nodelist={hosts}", "--kill-on-bad-exit=1", f"--chdir={plan.cwd}",
+                "env", *(f"{k}={v}" for k, v in env.items()), *torchrun_argv(plan, first))
+        return [NodeCommand(f"srun on {hosts}", argv, {}, SRUN_FAILURE)]
+    raise ValueError(f"no command for launcher {plan.launcher}")

@@ -3,7 +3,8 @@
 As DeepSpeed does with `.deepspeed_env`, a `.tiers_env` in the home directory and one in the working directory
 (read in that order, the later winning) hold KEY=VALUE lines, taken literally; blank lines and `#` comments are
 allowed. Variables of the launcher's environment whose names start with EXPORTED_PREFIXES go along too, so
-`NCCL_DEBUG=INFO tiers launch ...` reaches remote nodes as it would a local run.
+`NCCL_DEBUG=INFO tiers launch ...` reaches remote nodes as it would a local run. CUDA_VISIBLE_DEVICES is the
+exception: it names devices of this machine, so a node gets its own (its slots) or none.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import os
 import re
 
-from engine.launcher.hosts import LaunchError
+from engine.launcher.errors import LaunchError
 
 ENV_FILE_NAME = ".tiers_env"
 EXPORTED_PREFIXES = ("NCCL_", "GLOO_", "PYTHON", "CUDA_", "TORCH_", "OMP_", "UCX_", "MLFLOW_", "TIERS_")
+NOT_EXPORTED = ("CUDA_VISIBLE_DEVICES",)
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -32,9 +34,10 @@ def parse_env_file(text: str, source: str) -> dict[str, str]:
     return values
 
 
-def env_file_paths(cwd: str) -> list[str]:
-    """The .tiers_env files that exist, home first (a working-directory file overrides it)."""
-    candidates = [os.path.join(os.path.expanduser("~"), ENV_FILE_NAME), os.path.join(cwd, ENV_FILE_NAME)]
+def env_file_paths(cwd: str, home: str) -> list[str]:
+    """The .tiers_env files that exist, home first (a working-directory file overrides it; DeepSpeed lets the
+    home file win, but the job's own directory is the more specific place)."""
+    candidates = [os.path.join(home, ENV_FILE_NAME), os.path.join(cwd, ENV_FILE_NAME)]
     found: list[str] = []
     for path in candidates:
         if os.path.isfile(path) and os.path.realpath(path) not in map(os.path.realpath, found):
@@ -46,9 +49,13 @@ def exported_environment(environ: dict[str, str], cwd: str) -> tuple[dict[str, s
     """(exported, from_files): variables every remote node gets (prefixed ones and the .tiers_env files), and the
     .tiers_env values alone (what a node on this machine, which inherits `environ`, needs on top)."""
     from_files: dict[str, str] = {}
-    for path in env_file_paths(cwd):
-        with open(path) as f:
-            from_files.update(parse_env_file(f.read(), path))
-    exported = {k: v for k, v in sorted(environ.items()) if k.startswith(EXPORTED_PREFIXES)}
+    for path in env_file_paths(cwd, environ.get("HOME") or os.path.expanduser("~")):
+        try:
+            with open(path) as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise LaunchError(f"{path}: cannot read it ({e}); fix or remove the file") from e
+        from_files.update(parse_env_file(text, path))
+    exported = {k: v for k, v in sorted(environ.items()) if k.startswith(EXPORTED_PREFIXES) and k not in NOT_EXPORTED}
     exported.update(from_files)
     return exported, from_files

@@ -10,12 +10,11 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 
+from engine.launcher.errors import LaunchError
+
 # A host name as the remote shell and ssh see it: no spaces, no shell metacharacters, no leading '-' (which ssh
 # would read as an option), no ':' or '@' (the filter syntax). IPv4 addresses fit; user@host belongs in ~/.ssh/config.
 HOSTNAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
-
-class LaunchError(ValueError):
-    """Bad launch input (hostfile, filters, counts, options): the message names the problem and the fix."""
 
 
 def parse_hostfile(text: str, source: str) -> OrderedDict[str, int]:
@@ -83,6 +82,9 @@ def select_resources(pool: OrderedDict[str, int], include: str | None = None, ex
                      num_nodes: int | None = None, nproc_per_node: int | None = None) -> OrderedDict[str, list[int]]:
     """The slots the job uses on each host, hosts in hostfile order: the filters first, then the first
     `num_nodes` hosts, then the first `nproc_per_node` slots of each."""
+    for flag, spec in (("--include", include), ("--exclude", exclude)):
+        if spec is not None and not spec.strip():
+            raise LaunchError(f"{flag} is empty; name hosts as host[:slot,slot][@host...], or leave {flag} out")
     if include and exclude:
         raise LaunchError("--include and --exclude cannot be used together; name what to keep or what to drop")
     chosen: OrderedDict[str, list[int]] = OrderedDict((host, list(range(n))) for host, n in pool.items())

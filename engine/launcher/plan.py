@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import uuid
@@ -10,7 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from engine.launcher.environment import exported_environment
-from engine.launcher.hosts import LaunchError, expand_nodelist, read_hostfile, select_resources
+from engine.launcher.errors import LaunchError
+from engine.launcher.hosts import expand_nodelist, read_hostfile, select_resources
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -33,7 +35,7 @@ class LaunchOptions:
     nproc_per_node: int | None = None
     master_addr: str | None = None
     master_port: int = DEFAULT_MASTER_PORT
-    launcher: LauncherKind = LauncherKind.LOCAL
+    launcher: LauncherKind | None = None  # None: ssh with a hostfile, else local
     max_restarts: int = 0
 
 
@@ -56,6 +58,7 @@ class LaunchPlan:
     python: str  # the interpreter every node runs torchrun with: this one, as DeepSpeed does
     cwd: str  # every node starts here (remote nodes `cd` to it: shared file systems are the norm)
     exported: dict[str, str] = field(default_factory=dict)  # what a remote node's environment gets
+    srun_cpus: str | None = None  # SLURM_CPUS_ON_NODE: each node's one srun task gets the node's CPUs
     from_env_files: dict[str, str] = field(default_factory=dict)  # what a node on this machine gets on top
     rdzv_id: str = ""
 
@@ -91,6 +94,8 @@ def _host_pool(options: LaunchOptions, environ: dict[str, str]) -> OrderedDict[s
 def make_plan(options: LaunchOptions, environ: dict[str, str] | None = None, cwd: str | None = None) -> LaunchPlan:
     environ = dict(os.environ if environ is None else environ)
     cwd = os.path.abspath(cwd or os.getcwd())
+    if options.launcher is None:  # a hostfile names other machines: reach them (DeepSpeed's default is pdsh)
+        options = dataclasses.replace(options, launcher=LauncherKind.SSH if options.hostfile else LauncherKind.LOCAL)
     if options.max_restarts < 0:
         raise LaunchError(f"--max_restarts {options.max_restarts}: must be >= 0")
     if not 0 < options.master_port < 65536:
@@ -108,4 +113,5 @@ def make_plan(options: LaunchOptions, environ: dict[str, str] | None = None, cwd
     return LaunchPlan(launcher=options.launcher, nodes=nodes, master_addr=master_addr,
                       master_port=options.master_port, max_restarts=options.max_restarts, script=options.script,
                       script_args=tuple(options.script_args), python=sys.executable, cwd=cwd, exported=exported,
-                      from_env_files=from_files, rdzv_id=f"tiers-{uuid.uuid4().hex[:12]}")
+                      from_env_files=from_files, srun_cpus=environ.get("SLURM_CPUS_ON_NODE"),
+                      rdzv_id=f"tiers-{uuid.uuid4().hex[:12]}")
