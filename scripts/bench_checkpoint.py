@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (KEEP_FREED_MEMORY_ENV, DiskCounter, command_line, fmt_bytes, free_port,  # noqa: E402
-                          init_gloo, machine_line, markdown_table, spawn_ranks, write_text)
+from bench_common import (KEEP_FREED_MEMORY_ENV, DiskCounter, fmt_bytes, free_port, init_gloo,  # noqa: E402
+                          markdown_table, publish_report, spawn_ranks)
 from disk_baseline import dd_bandwidth  # noqa: E402
 
 
@@ -239,13 +239,8 @@ def main(argv=None) -> None:
                         "async: step during the write (s)"], rows),
         "",
         ratios,
-        "",
-        f"Machine: {machine_line()}",
-        f"Command: `{command_line()}` (total {time.perf_counter() - started:.0f} s)",
     ])
-    print("\n" + text, flush=True)
-    if args.out:
-        write_text(args.out, text)
+    publish_report(text, started, args.out)
 
 
 if __name__ == "__main__":

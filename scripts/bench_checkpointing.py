@@ -28,8 +28,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (KEEP_FREED_MEMORY_ENV, SavedActivationBytes, command_line, fmt_bytes,  # noqa: E402
-                          machine_line, markdown_table, median, peak_rss_bytes, spawn_ranks, write_text)
+from bench_common import (KEEP_FREED_MEMORY_ENV, SavedActivationBytes, fmt_bytes, markdown_table,  # noqa: E402
+                          median, peak_rss_bytes, publish_report, spawn_ranks)
 
 SYSTEMS = ("off", "ours", "torch")
 LABELS = {"off": "no checkpointing", "ours": "tiers activation_checkpointing",
@@ -141,11 +141,7 @@ def main(argv=None) -> None:
     ratio = overhead["ours"] / overhead["torch"] if overhead["torch"] > 0 else float("nan")
     summary = (f"Overhead ours {overhead['ours']:+.1%} against torch's {overhead['torch']:+.1%} "
                f"(ratio {ratio:.3f}; target ≤ 1.0).")
-    report = "\n\n".join([header, table, summary, f"Machine: {machine_line()}",
-                          f"Command: `{command_line()}` (total {time.perf_counter() - start:.0f} s)"])
-    print("\n" + report)
-    if args.out:
-        write_text(args.out, report)
+    publish_report("\n\n".join([header, table, summary]), start, args.out)
 
 
 if __name__ == "__main__":

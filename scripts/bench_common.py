@@ -291,3 +291,14 @@ def write_text(path: str, text: str) -> None:
     os.makedirs(d, exist_ok=True)
     with open(path, "w") as f:
         f.write(text if text.endswith("\n") else text + "\n")
+
+
+def publish_report(body: str, started: float, out: str | None) -> str:
+    """The report every benchmark ends with: `body`, the machine, the command with the run's total time; printed,
+    and written to `out` when given."""
+    text = "\n\n".join([body, f"Machine: {machine_line()}",
+                        f"Command: `{command_line()}` (total {time.perf_counter() - started:.0f} s)"])
+    print("\n" + text, flush=True)
+    if out:
+        write_text(out, text)
+    return text

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from bench_common import command_line, free_port, machine_line, markdown_table, median, write_text
+from bench_common import free_port, markdown_table, median, publish_report
 
 JOB = """import torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -91,11 +91,7 @@ def main(argv=None) -> None:
               "and the same master address and port; tiers: `tiers launch --launcher local` with a hostfile of that many nodes.")
     table = markdown_table(["layout", "torchrun (s)", "tiers launch (s)", "ratio (target ≤ 1.0)",
                             "tiers per round (s)"], rows)
-    report = "\n\n".join([header, table, f"Machine: {machine_line()}",
-                          f"Command: `{command_line()}` (total {time.perf_counter() - start:.0f} s)"])
-    print("\n" + report)
-    if args.out:
-        write_text(args.out, report)
+    publish_report("\n\n".join([header, table]), start, args.out)
 
 
 if __name__ == "__main__":

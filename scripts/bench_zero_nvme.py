@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (DiskCounter, command_line, fmt_bytes, free_port, init_gloo, machine_line,  # noqa: E402
-                          markdown_table, one_thread, spawn_ranks, write_text)
+from bench_common import (DiskCounter, fmt_bytes, free_port, init_gloo, markdown_table, one_thread,  # noqa: E402
+                          publish_report, spawn_ranks)
 from disk_baseline import dd_bandwidth  # noqa: E402
 
 
@@ -140,13 +140,8 @@ def main(argv=None) -> None:
                         "step ÷ disk time (target ≤ 1.5)"], rows),
         "",
         *[f"- {d}" for d in details],
-        "",
-        f"Machine: {machine_line()}",
-        f"Command: `{command_line()}` (total {time.perf_counter() - started:.0f} s)",
     ])
-    print("\n" + text, flush=True)
-    if args.out:
-        write_text(args.out, text)
+    publish_report(text, started, args.out)
 
 
 if __name__ == "__main__":

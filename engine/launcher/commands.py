@@ -61,11 +61,15 @@ def torchrun_argv(plan: LaunchPlan, node: Node) -> list[str]:
     return argv + [plan.script, *plan.script_args]
 
 
-def remote_shell_line(plan: LaunchPlan, node: Node) -> str:
-    """What a remote login shell runs: cd to the launch directory, then torchrun under the exported environment."""
+def remote_argv(plan: LaunchPlan, node: Node) -> list[str]:
+    """torchrun under `env` with the exported environment: what runs on a node that does not inherit ours."""
     env = {**plan.exported, **node_environment(plan, node)}
-    words = ["env", *(f"{k}={v}" for k, v in env.items()), *torchrun_argv(plan, node)]
-    return f"cd {shlex.quote(plan.cwd)} && exec {shlex.join(words)}"
+    return ["env", *(f"{k}={v}" for k, v in env.items()), *torchrun_argv(plan, node)]
+
+
+def remote_shell_line(plan: LaunchPlan, node: Node) -> str:
+    """What a remote login shell runs: cd to the launch directory, then remote_argv."""
+    return f"cd {shlex.quote(plan.cwd)} && exec {shlex.join(remote_argv(plan, node))}"
 
 
 def node_commands(plan: LaunchPlan) -> list[NodeCommand]:
@@ -88,11 +92,10 @@ def node_commands(plan: LaunchPlan) -> list[NodeCommand]:
         return [NodeCommand(f"pdsh on {hosts}", argv, {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": ssh_args},
                             PDSH_FAILURE)]
     if plan.launcher is LauncherKind.SLURM:
-        env = {**plan.exported, **node_environment(plan, first)}
         # one task per node, holding the node's CPUs (else a cgroup may give torchrun and its workers one)
         cpus = [f"--cpus-per-task={plan.srun_cpus}"] if plan.srun_cpus else []
         argv = ("srun", f"--nodes={len(plan.nodes)}", f"--ntasks={len(plan.nodes)}", "--ntasks-per-node=1", *cpus,
                 f"--nodelist={hosts}", "--kill-on-bad-exit=1", f"--chdir={plan.cwd}",
-                "env", *(f"{k}={v}" for k, v in env.items()), *torchrun_argv(plan, first))
+                *remote_argv(plan, first))
         return [NodeCommand(f"srun on {hosts}", argv, {}, SRUN_FAILURE)]
     raise ValueError(f"no command for launcher {plan.launcher}")
