@@ -101,7 +101,7 @@ def initialize(
     chunked = ChunkedParams(groups, capacity, topology.device, first_capacity, names,
                             shard_count=shards, shard_rank=topology.dp_rank if shards > 1 else 0,
                             shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
-                            persistence_threshold=_persistence_threshold(cfg), pending=set(meta_of),
+                            persistence_threshold=persistence_threshold(cfg), pending=set(meta_of),
                             compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype)
     if tensor_parallel is not None:
         chunked.norm_weights = tensor_parallel.norm_weights(model)
@@ -174,7 +174,8 @@ def _check_step_in_backward(cfg: Config, chunked: ChunkedParams, topology: Topol
                           f"(it is {cfg.gradient_clipping}) or remove step_in_backward")
 
 
-def _persistence_threshold(cfg: Config) -> int:
+def persistence_threshold(cfg: Config) -> int:
+    """Stage 3: parameters with fewer elements stay gathered (`auto`: 100,000, DeepSpeed's default)."""
     threshold = cfg.zero_optimization.stage3_param_persistence_threshold
     return 100_000 if threshold == "auto" else threshold
 

@@ -11,7 +11,10 @@ from engine.models.gpt import (
     CausalSelfAttention,
     GPTConfig,
     MLP,
+    gpt_bench30m,
     gpt_from_preset,
+    gpt_small,
+    gpt_tiny,
     preset_config,
 )
 
@@ -24,6 +27,9 @@ __all__ = [
     "PRESETS",
     "preset_config",
     "gpt_from_preset",
+    "gpt_tiny",
+    "gpt_small",
+    "gpt_bench30m",
     "TokenBatches",
     "default_corpus_bytes",
     "load_corpus",

@@ -32,6 +32,9 @@ __all__ = [
     "PRESETS",
     "preset_config",
     "gpt_from_preset",
+    "gpt_tiny",
+    "gpt_small",
+    "gpt_bench30m",
 ]
 
 
@@ -231,3 +234,16 @@ def preset_config(name: str, **overrides) -> GPTConfig:
 def gpt_from_preset(name: str, **overrides) -> GPT:
     """Build a GPT from a named preset ("tiny", "small", "bench30m")."""
     return GPT(preset_config(name, **overrides))
+
+
+# No-argument factories, for tools that take a model as `module:factory` (`tiers estimate --model engine.models:gpt_small`).
+def gpt_tiny() -> GPT:
+    return gpt_from_preset("tiny")
+
+
+def gpt_small() -> GPT:
+    return gpt_from_preset("small")
+
+
+def gpt_bench30m() -> GPT:
+    return gpt_from_preset("bench30m")

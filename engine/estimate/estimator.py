@@ -1,0 +1,202 @@
+"""Per-rank memory of every strategy for one model and config: model states exact, activations traced.
+
+Note [peak memory estimate]
+For one rank of a strategy (Note [estimating model states] for the states):
+  device peak = device-tier states + max(backward, update) transients, where
+                backward = traced activations at the micro batch (Note [tracing activations])
+                           + stage-3 gathered chunks + stage-2/3 gradient chunks being reduced
+                update   = bf16/fp16 fp32 gradients of the masters
+  host peak   = the runtime (runtime.py, measured) + CPU-tier states and NVMe streaming window
+                (+ the device peak when the compute device is the CPU itself)
+  build       = without zero_init each rank first builds the whole model, then chunks it: the
+                built weights plus whole param and gradient chunks, once (the device peak then
+                takes the larger of build and training)
+The largest model that fits scales the parts that grow with the parameter count (states, chunks,
+the build) and keeps activations and the runtime at this model's; it is a guide for a wider or
+deeper model of the same shape, not a promise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.config import Config, load_config
+from engine.estimate.activations import ActivationTrace, default_seq_len, trace_activations
+from engine.estimate.model_spec import build_model
+from engine.estimate.model_states import ModelStates, TrainableParam, model_states
+from engine.estimate.runtime import runtime_host_bytes
+from engine.estimate.strategies import Strategy, candidate_strategies
+from engine.precision import PrecisionPolicy
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Bytes one rank may use on each tier (None: not limited)."""
+
+    device: int | None = None
+    cpu: int | None = None
+    nvme: int | None = None
+
+
+@dataclass(frozen=True)
+class StrategyEstimate:
+    strategy: Strategy
+    config: dict
+    states: ModelStates
+    activations: int  # the traced step's peak at the micro batch
+    runtime: int
+    build: int  # device bytes while the model is built whole and chunked (0 with zero_init)
+    device_peak: int
+    host_peak: int
+    nvme: int
+    misfits: tuple[str, ...] = ()  # why it does not fit the budgets (empty: fits)
+    largest_factor: float | None = None  # how many times this model's parameters fit (None: no budget given)
+
+    @property
+    def fits(self) -> bool:
+        return not self.misfits
+
+
+@dataclass
+class Estimate:
+    params: int  # the model's parameter count (tied weights once)
+    world: int
+    micro_batch: int
+    seq_len: int
+    compute_on_cpu: bool
+    budgets: Budgets
+    rows: list[StrategyEstimate] = field(default_factory=list)
+
+    def fitting(self) -> list[StrategyEstimate]:
+        return [r for r in self.rows if r.fits]
+
+    def largest_params(self, row: StrategyEstimate) -> int | None:
+        """The largest parameter count of this model's shape that fits the budgets under `row`'s strategy."""
+        return None if row.largest_factor is None else int(row.largest_factor * self.params)
+
+
+def estimate(factory: Callable[[], nn.Module], config: dict, world: int, tp_sizes: list[int] | None = None,
+             budgets: Budgets = Budgets(), seq_len: int | None = None, compute_on_cpu: bool | None = None,
+             zero_init: bool = False, strategies: list[Strategy] | None = None,
+             nvme_path: str | None = None) -> Estimate:
+    """Note [peak memory estimate] for each strategy (default: every candidate at `world` ranks with
+    tensor-parallel sizes `tp_sizes`, default 1 and the config's) of the model `factory` builds, trained
+    with `config` (a config dict: its batch size, precision, optimizer and chunk settings are kept)."""
+    base = load_config(config)
+    if compute_on_cpu is None:
+        compute_on_cpu = not torch.cuda.is_available()
+    if strategies is None:
+        tp_sizes = sorted({1, base.tensor_parallel.size, *(tp_sizes or [])})
+        strategies = candidate_strategies(world, tp_sizes, nvme=True)
+    meta = build_model(factory, "meta")
+    seq_len = seq_len or default_seq_len(meta)
+    result = Estimate(sum(p.numel() for p in meta.parameters()), world, 0, seq_len, compute_on_cpu, budgets)
+    runtime = runtime_host_bytes()
+    traces: dict[tuple, StrategyTrace] = {}
+    for strategy in strategies:
+        cfg = load_config(strategy.config(config, nvme_path))
+        dp = world // strategy.tp
+        micro = cfg.batch_sizes(dp).micro_batch_size
+        result.micro_batch = micro
+        key = (strategy.tp, cfg.tensor_parallel.mode)
+        if key not in traces:
+            traces[key] = trace_strategy(factory, cfg, seq_len)
+        trace = traces[key]
+        states = model_states(trace.params, cfg, dp)
+        row = _combine(strategy, strategy.config(config, nvme_path), states, trace.activations.peak_at(micro),
+                       runtime, 0 if zero_init else trace.built, compute_on_cpu)
+        result.rows.append(_judge(row, budgets, compute_on_cpu))
+    return result
+
+
+@dataclass(frozen=True)
+class StrategyTrace:
+    """What a strategy's model looks like on one rank, from the meta device."""
+
+    params: list[TrainableParam]  # this rank's trainable parameters after the tensor-parallel plan
+    activations: ActivationTrace | None
+    built: int  # bytes of the whole model as built, before the plan and the chunks
+
+
+def trace_strategy(factory: Callable[[], nn.Module], cfg: Config, seq_len: int | None,
+                   activations: bool = True) -> StrategyTrace:
+    """The meta model under `cfg`'s tensor-parallel plan and precision; with `activations`, its step traced."""
+    model = build_model(factory, "meta")
+    built = sum(p.numel() * p.element_size() for p in model.parameters())
+    compute = PrecisionPolicy.from_config(cfg).compute_dtype
+    with _tensor_parallel(model, cfg) as q:
+        if compute != torch.float32:
+            model.to(compute)  # 16-bit chunks: the model computes in the compute dtype
+        params = [TrainableParam(p.shape, p.dtype) for p in model.parameters() if p.requires_grad]
+        if not activations:
+            return StrategyTrace(params, None, built)
+        if cfg.activation_checkpointing.enabled:
+            from engine.activation_checkpointing import ActivationCheckpointing
+            ActivationCheckpointing(cfg.activation_checkpointing, torch.device("meta")).wrap_modules(model)
+        trace = trace_activations(model, seq_len or default_seq_len(model), batch_multiple=q)
+    return StrategyTrace(params, trace, built)
+
+
+@contextlib.contextmanager
+def _tensor_parallel(model: nn.Module, cfg: Config):
+    """The config's tensor-parallel plan applied to the meta model as rank 0 of its group sees it, over
+    torch's "fake" process group (collectives do nothing: only shapes matter); yields the batch multiple
+    the trace needs (q in 2D, else 1)."""
+    size = cfg.tensor_parallel.size
+    if size == 1:
+        yield 1
+        return
+    from engine.tensor_parallel import Mesh2D, TPGroup, apply_tensor_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("the tensor-parallel estimate builds its own (fake) process group; run it in a process "
+                           "that has not initialized torch.distributed")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    try:
+        tp = TPGroup(dist.group.WORLD, size, 0)
+        mesh = None
+        if cfg.tensor_parallel.mode == "2d":
+            q = round(size ** 0.5)
+            mesh = Mesh2D.of(tp, dist.new_group(list(range(q))), dist.new_group(list(range(0, size, q))))
+        apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp, None, mesh)
+        yield mesh.q if mesh else 1
+    finally:
+        dist.destroy_process_group()
+
+
+def _combine(strategy: Strategy, config: dict, states: ModelStates, activations: int, runtime: int, built: int,
+             compute_on_cpu: bool) -> StrategyEstimate:
+    """Note [peak memory estimate]."""
+    backward = activations + states.gathered_peak + states.grad_in_flight
+    training = states.tiers.device + max(backward, states.update_extra)
+    build = built + sum(c.nbytes for c in states.chunks) * 2 if built else 0
+    device_peak = max(training, build)
+    host_peak = runtime + states.tiers.cpu + (device_peak if compute_on_cpu else 0)
+    return StrategyEstimate(strategy, config, states, activations, runtime, build, device_peak, host_peak,
+                            states.tiers.nvme)
+
+
+def _judge(row: StrategyEstimate, budgets: Budgets, compute_on_cpu: bool) -> StrategyEstimate:
+    """The budgets each peak exceeds, and the factor on the parameter count at which the tightest budget is
+    just met (activations and the runtime held fixed)."""
+    activations = row.activations if row.device_peak > row.build else 0  # the build peak has none
+    checks = [("device", row.device_peak, budgets.device, activations),
+              ("cpu", row.host_peak, budgets.cpu, row.runtime + (activations if compute_on_cpu else 0)),
+              ("nvme", row.nvme, budgets.nvme, 0)]
+    misfits, factors = [], []
+    for tier, need, budget, fixed in checks:
+        if budget is None:
+            continue
+        if need > budget:
+            misfits.append(f"{tier} {need / 1e9:.2f} GB > budget {budget / 1e9:.2f} GB")
+        if need > fixed:
+            factors.append(max(budget - fixed, 0) / (need - fixed))
+    return dataclasses.replace(row, misfits=tuple(misfits), largest_factor=min(factors) if factors else None)

@@ -1,0 +1,183 @@
+"""Model-state bytes per rank, exact from parameter shapes: the same chunk layout the engine builds.
+
+Note [estimating model states]
+`initialize` packs the trainable parameters of each (dtype, persistent) kind into chunks with
+`chunk_layout` and `plan_slots`; the estimate calls those same two functions on the parameter
+shapes, so its chunk sizes are the engine's, padding included. What a rank then holds between
+steps follows from the sharding policy (Note [sharding policy]) over N data-parallel ranks:
+  param   every chunk whole; stage 3: a 1/N shard of each (persistent chunks stay whole)
+  grad    every chunk whole; stages 2-3: a 1/N shard of each
+  optim   per stepped element (the whole chunk, or its 1/N shard): the optimizer's state bytes,
+          measured by stepping the config's optimizer once on a small tensor, plus 4 bytes of fp32
+          master weight with bf16/fp16
+These three numbers are what `Engine.model_state_bytes()` counts. Offload moves kinds between
+tiers (Note [offloaded optimizer states]): optimizer states, and with fp32 stages 2-3 the gradient
+shards, to CPU or NVMe; with offload_param the parameter shards too. Transient buffers (a stage-2
+gradient chunk while it is reduced, stage-3 gathered chunks, bf16 fp32 gradients at the update)
+are reported apart, as they add to the peak but not to the state at rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import Config
+from engine.initialization import chunk_layout, persistence_threshold
+from engine.optim import build_optimizer
+from engine.precision import PrecisionPolicy
+from engine.zero.policy import ChunkKind, ShardingPolicy
+from offload.chunk import plan_slots
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One parameter chunk (and its gradient chunk): elements, padding included."""
+
+    numel: int
+    dtype: torch.dtype
+    persistent: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """Bytes on each tier of one rank."""
+
+    device: int = 0
+    cpu: int = 0
+    nvme: int = 0
+
+    def __add__(self, other: "Tiers") -> "Tiers":
+        return Tiers(self.device + other.device, self.cpu + other.cpu, self.nvme + other.nvme)
+
+    def on(self, tier: str, nbytes: int) -> "Tiers":
+        return self + Tiers(**{tier: nbytes})
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """What one rank holds between steps, by kind (as Engine.model_state_bytes counts it) and by tier."""
+
+    param: int
+    grad: int
+    optim: int
+    tiers: Tiers
+    gathered_peak: int  # stage 3: bytes of full parameter chunks gathered at once (transient)
+    grad_in_flight: int  # stages 2-3: full gradient chunks alive while being reduced (transient)
+    update_extra: int  # bf16/fp16: fp32 gradients of the masters, alive during the update (transient)
+    chunks: tuple[ChunkSpec, ...]
+
+    def by_kind(self) -> dict[str, int]:
+        return {"param": self.param, "grad": self.grad, "optim": self.optim}
+
+
+@dataclass(frozen=True)
+class TrainableParam:
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def chunk_specs(params: list[TrainableParam], config: Config, shards: int) -> list[ChunkSpec]:
+    """The chunks `ChunkedParams` builds for one param group of these parameters, in its order."""
+    stage = ShardingPolicy(config.zero_optimization.stage)
+    threshold = persistence_threshold(config)
+    capacity, first = chunk_layout(config, [p.shape for p in params], shards)
+    compute = PrecisionPolicy.from_config(config).compute_dtype
+    by_kind: dict[tuple[torch.dtype, bool], list[torch.Size]] = {}
+    for p in params:
+        persistent = stage.shards(ChunkKind.PARAM) and p.shape.numel() < threshold
+        dtype = compute if compute != torch.float32 else p.dtype
+        by_kind.setdefault((dtype, persistent), []).append(p.shape)
+    specs = []
+    for (dtype, persistent), shapes in by_kind.items():
+        _, sizes = plan_slots(shapes, capacity, align=shards, first_capacity=first)
+        specs += [ChunkSpec(n, dtype, persistent) for n in sizes]
+    return specs
+
+
+def optimizer_state_bytes_per_element(config: Config, dtype: torch.dtype) -> float:
+    """Bytes of optimizer state per stepped element of `dtype`: the config's optimizer stepped once on a
+    small tensor, its non-scalar states counted (Adam: 2 x the element size; SGD with momentum: 1 x)."""
+    tensor = torch.zeros(64, dtype=dtype, requires_grad=True)
+    tensor.grad = torch.ones_like(tensor)
+    optimizer = build_optimizer(config.optimizer, [{"params": [tensor]}])
+    optimizer.step()
+    state = optimizer.state[tensor]
+    return sum(v.numel() * v.element_size() for v in state.values()
+               if torch.is_tensor(v) and v.dim() > 0) / tensor.numel()
+
+
+def model_states(params: list[TrainableParam], config: Config, dp: int) -> ModelStates:
+    """Note [estimating model states]: one rank's model states over `dp` data-parallel ranks."""
+    if config.optimizer is None:
+        raise ValueError("the config has no 'optimizer' section; the estimate needs it to size optimizer states")
+    zero = config.zero_optimization
+    policy = ShardingPolicy(zero.stage)
+    shards = dp if policy.shards(ChunkKind.OPTIM) else 1
+    sharded = shards > 1
+    chunks = chunk_specs(params, config, shards)
+    masters = PrecisionPolicy.from_config(config).compute_dtype != torch.float32
+
+    def stepped(c: ChunkSpec) -> int:
+        return c.numel // shards
+
+    shard_params = sharded and policy.shards(ChunkKind.PARAM)
+    shard_grads = sharded and policy.shards(ChunkKind.GRAD)
+    param = sum(stepped(c) * c.dtype.itemsize if shard_params and not c.persistent else c.nbytes for c in chunks)
+    grad = sum(stepped(c) * c.dtype.itemsize if shard_grads else c.nbytes for c in chunks)
+    state_dtype = {c.dtype for c in chunks} if not masters else {torch.float32}
+    per_element = {d: optimizer_state_bytes_per_element(config, d) for d in state_dtype}
+    states = sum(round(stepped(c) * per_element[torch.float32 if masters else c.dtype]) for c in chunks)
+    master_bytes = sum(stepped(c) * FP32 for c in chunks) if masters else 0
+
+    largest_stepped = max(stepped(c) * (FP32 if masters else c.dtype.itemsize) for c in chunks)
+    tiers = _placement(config, chunks, param, grad, states, master_bytes, shard_params, masters, largest_stepped)
+    gathered = 0
+    if shard_params:  # Note [gathering around modules]: up to the prefetch window plus the chunk in use
+        released = [c for c in chunks if not c.persistent]
+        largest = max((c.numel for c in released), default=0)
+        window = min(sum(c.numel for c in released), zero.stage3_max_live_parameters,
+                     _prefetch_numel(config) + 2 * largest)
+        gathered = window * (released[0].dtype.itemsize if released else 0)
+    in_flight = 2 * max(c.nbytes for c in chunks) if shard_grads else 0  # one filling, one being reduced
+    update_extra = sum(stepped(c) * FP32 for c in chunks) if masters else 0
+    return ModelStates(param, grad, states + master_bytes, tiers, gathered, in_flight, update_extra, tuple(chunks))
+
+
+def _prefetch_numel(config: Config) -> int:
+    size = config.zero_optimization.stage3_prefetch_bucket_size
+    return 50_000_000 if size == "auto" else size
+
+
+def _placement(config: Config, chunks: list[ChunkSpec], param: int, grad: int, states: int, master_bytes: int,
+               shard_params: bool, masters: bool, largest: int) -> Tiers:
+    """Which tier each kind lives on (Note [offloaded optimizer states]). On a machine without an accelerator
+    the device tier is CPU memory too, but it is still reported as the device tier."""
+    zero = config.zero_optimization
+    optimizer_home = zero.offload_optimizer.device if zero.offload_optimizer.device in ("cpu", "nvme") else None
+    param_home = zero.offload_param.device if zero.offload_param.device in ("cpu", "nvme") else None
+    if optimizer_home is None:
+        return Tiers(device=param + grad + states + master_bytes)
+    tiers = Tiers().on(optimizer_home, states).on("device", master_bytes)
+    grads_offloaded = grad and ShardingPolicy(zero.stage).shards(ChunkKind.GRAD) and not masters
+    tiers = tiers.on(optimizer_home if grads_offloaded else "device", grad)
+    if param_home is not None and shard_params:
+        persistent = sum(c.nbytes for c in chunks if c.persistent)
+        tiers = tiers.on(param_home, param - persistent).on("device", persistent)
+    else:
+        tiers = tiers.on("device", param)
+    # NVMe kinds stream through a CPU window of buffer_count stepped tensors each (the CPU budget initialize sets)
+    block = config.aio.block_size
+    window = 0
+    if optimizer_home == "nvme":
+        window += zero.offload_optimizer.buffer_count * (3 if grads_offloaded else 2) * (largest + block)
+    if param_home == "nvme" and shard_params:
+        window += zero.offload_param.buffer_count * (largest + block)
+    return tiers.on("cpu", window)

@@ -1,0 +1,54 @@
+"""The estimate as a table for people: one row per strategy, bytes per rank, what fits."""
+
+from __future__ import annotations
+
+from engine.estimate.estimator import Estimate
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def format_estimate(est: Estimate) -> str:
+    """A markdown table of every strategy's per-rank bytes, then which strategies fit and the largest model."""
+    device = "device (CPU)" if est.compute_on_cpu else "device"
+    headers = ["strategy", "param", "grad", "optim", f"{device} states", "cpu states", "nvme", "activations",
+               f"{device} peak", "host peak", "fits", "largest model"]
+    rows = []
+    for r in est.rows:
+        largest = est.largest_params(r)
+        rows.append([r.strategy.name, human_bytes(r.states.param), human_bytes(r.states.grad),
+                     human_bytes(r.states.optim), human_bytes(r.states.tiers.device), human_bytes(r.states.tiers.cpu),
+                     human_bytes(r.nvme), human_bytes(r.activations), human_bytes(r.device_peak),
+                     human_bytes(r.host_peak), "yes" if r.fits else "no: " + "; ".join(r.misfits),
+                     "—" if largest is None else human_count(largest)])
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+    table = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows]
+    budget = ", ".join(f"{tier} {human_bytes(v)}" for tier, v in
+                       (("device", est.budgets.device), ("cpu", est.budgets.cpu), ("nvme", est.budgets.nvme))
+                       if v is not None) or "none given"
+    head = (f"Model: {human_count(est.params)} parameters ({est.params:,}); world {est.world}; micro batch "
+            f"{est.micro_batch} x {est.seq_len} tokens; bytes per rank; budgets per rank: {budget}.")
+    notes = [f"host peak = the runtime ({human_bytes(est.rows[0].runtime) if est.rows else '?'}, measured) + CPU "
+             "states" + (" + the device peak (the compute device is the CPU)" if est.compute_on_cpu else "") + "."]
+    fitting = est.fitting()
+    if est.budgets != type(est.budgets)():
+        if fitting:
+            best = max(fitting, key=lambda r: r.largest_factor or 0)
+            notes.append(f"Fits: {', '.join(r.strategy.name for r in fitting)}. Largest model that fits: "
+                         f"~{human_count(est.largest_params(best))} parameters with {best.strategy.name} (model "
+                         "states scaled with the parameter count, activations and runtime held at this model's).")
+        else:
+            notes.append("Nothing fits the budgets: raise them, add ranks or NVMe, or shrink the micro batch.")
+    return "\n".join([head, "", *table, "", *notes])

@@ -1,0 +1,70 @@
+"""The training strategies the estimate and `tiers tune` compare, each a change to the user's config."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A ZeRO stage, where optimizer states and parameter shards live, and a tensor-parallel size."""
+
+    stage: int
+    tp: int = 1
+    offload_optimizer: str = "none"  # none, cpu, nvme
+    offload_param: str = "none"
+
+    @property
+    def name(self) -> str:
+        parts = ["DDP" if self.stage == 0 else f"ZeRO-{self.stage}"]
+        if self.tp > 1:
+            parts.insert(0, f"TP{self.tp}")
+        if self.offload_optimizer != "none":
+            parts.append(f"optim->{self.offload_optimizer}")
+        if self.offload_param != "none":
+            parts.append(f"param->{self.offload_param}")
+        return " ".join(parts)
+
+    def config(self, base: dict, nvme_path: str | None) -> dict:
+        """`base` (a config dict) with this strategy's keys set and every other key kept."""
+        config = copy.deepcopy(base)
+        zero = config.setdefault("zero_optimization", {})
+        zero["stage"] = self.stage
+        for key, device in (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)):
+            section = {k: v for k, v in zero.get(key, {}).items() if k not in ("device", "nvme_path")}
+            if device != "none":
+                section["device"] = device
+                if device == "nvme":
+                    section["nvme_path"] = nvme_path or "nvme"
+            if section or device != "none":
+                zero[key] = section
+            else:
+                zero.pop(key, None)
+        if self.offload_optimizer == "none":
+            config.get("memory", {}).pop("cpu_budget", None)  # a CPU budget needs offload (config validation)
+        tensor_parallel = config.setdefault("tensor_parallel", {})
+        tensor_parallel["size"] = self.tp
+        if self.tp == 1:
+            config.pop("tensor_parallel")
+        return config
+
+
+def candidate_strategies(world: int, tp_sizes: list[int], nvme: bool = True) -> list[Strategy]:
+    """Every stage / offload / tensor-parallel combination worth comparing at `world` ranks, cheapest
+    communication first: DDP, ZeRO-1/2, TP, ZeRO-3, then CPU offload and NVMe."""
+    offloads = ["cpu"] + (["nvme"] if nvme else [])
+    for tp in tp_sizes:
+        if tp < 1 or world % tp:
+            raise ValueError(f"tensor-parallel size {tp} does not divide the world size {world}")
+    sharded = [tp for tp in tp_sizes if world // tp > 1]  # ZeRO stages need 2+ data-parallel ranks
+    out = [Strategy(0, tp) for tp in tp_sizes]
+    out += [Strategy(stage, tp) for tp in sharded for stage in (1, 2)]
+    out += [Strategy(3, tp) for tp in sharded]
+    for tp in tp_sizes:
+        for stage in ([1, 2, 3] if tp in sharded else [1]):
+            out += [Strategy(stage, tp, device) for device in offloads]
+            if stage == 3:
+                out += [Strategy(3, tp, device, device) for device in offloads]
+    return sorted(out, key=lambda s: (s.offload_optimizer != "none", s.offload_optimizer == "nvme", s.stage == 3,
+                                      s.tp > 1, s.stage))
