@@ -1,5 +1,6 @@
-"""The `tiers` command. Subcommands so far: `config` (print the resolved config), `convert` (a checkpoint to one
-consolidated fp32 state dict), `launch` (a job over one or many nodes)."""
+"""The `tiers` command. Subcommands: `config` (print the resolved config), `convert` (a checkpoint to one
+consolidated fp32 state dict), `launch` (a job over one or many nodes), `estimate` (per-rank memory of every
+strategy), `tune` (short trials of the strategies that fit; the fastest one's config)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,42 @@ def _launch_command(args: argparse.Namespace) -> int:
         return 2
 
 
+def _byte_budgets(args: argparse.Namespace):
+    from engine.estimate import Budgets
+
+    return Budgets(*(parse_byte_size(value, flag) for value, flag in
+                     ((args.device_memory, "--device-memory"), (args.cpu_memory, "--cpu-memory"),
+                      (args.nvme_space, "--nvme-space"))))
+
+
+def _estimate_command(args: argparse.Namespace) -> int:
+    from engine.estimate import ModelSpecError, estimate, format_estimate, model_factory
+
+    try:
+        factory = model_factory(args.model)
+        with open(args.config) as f:
+            config = json.load(f)
+        est = estimate(factory, config, args.world, [args.tp], _byte_budgets(args), seq_len=args.seq_len,
+                       compute_on_cpu=None if args.device == "auto" else args.device == "cpu",
+                       zero_init=args.zero_init)
+    except (ModelSpecError, OSError, json.JSONDecodeError, ValueError) as e:
+        print(f"tiers estimate: {e}", file=sys.stderr)
+        return 2
+    print(format_estimate(est))
+    return 0
+
+
+def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="package.module:factory (e.g. engine.models:gpt_small), or a Hugging Face config.json")
+    parser.add_argument("--world", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
+                        help="ranks in the job (default: $WORLD_SIZE or 1)")
+    parser.add_argument("--device-memory", default=None, help="bytes one rank may use on its device, e.g. 80GB")
+    parser.add_argument("--cpu-memory", default=None, help="host memory one rank may use, e.g. 32GiB")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sample (default: the model's context length, at most 2048)")
+
+
 def add_launch_arguments(launch: argparse.ArgumentParser) -> None:
     from engine.launcher import LauncherKind
     from engine.launcher.plan import DEFAULT_MASTER_PORT
@@ -96,6 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "pdsh, srun or locally")
     add_launch_arguments(launch)
     launch.set_defaults(run=_launch_command)
+    est = sub.add_parser("estimate", help="per-rank device, CPU and NVMe bytes of every ZeRO stage / offload / "
+                         "tensor-parallel strategy, and what fits the budgets")
+    add_budget_arguments(est)
+    est.add_argument("--config", required=True, help="JSON config (batch size, precision, optimizer, chunks)")
+    est.add_argument("--tp", type=int, default=1, help="also estimate this tensor-parallel size (1 and the config's "
+                     "always)")
+    est.add_argument("--nvme-space", default=None, help="NVMe bytes one rank may use")
+    est.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                     help="the compute device (cpu: the device tier is host memory; default: cuda if present)")
+    est.add_argument("--zero-init", action="store_true",
+                     help="the model is built under engine.zero_init (no rank builds it whole)")
+    est.set_defaults(run=_estimate_command)
     return parser
 
 

@@ -3,8 +3,6 @@ ZeRO stage at 2 and 4 ranks; the peak estimate is within 15% of a real run's pea
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -12,9 +10,10 @@ from engine import initialize
 from engine.config import load_config
 from engine.estimate import Strategy, estimate, model_states
 from engine.estimate.estimator import trace_strategy
-from engine.models import gpt_from_preset
+from engine.models import gpt_bench30m
 from tests.distributed import run_distributed
 from tests.reference import tiny_gpt, token_batches, train_engine
+from tests.rss import MALLOC_ENV, peak_rss_bytes
 from tests.test_zero import model_state_bytes, zero_config
 
 # (stage, chunk_size (None: the engine's default layout), extra config); tp > 1 is in the world-4 list
@@ -64,3 +63,30 @@ def test_model_state_bytes_equal_the_engines_chunks_exactly(world):
         assert estimated == counted, (case, estimated, counted)
     for counted in measured[1:]:  # every rank holds the same bytes (chunks are padded to whole shards)
         assert counted == measured[0]
+
+
+def peak_config(stage: int, micro: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 10**6, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+
+
+def _peak_worker(rank, world, stage, micro):
+    """The example GPT (bench30m) trained 3 steps as scripts/train.py trains it; this rank's peak RSS."""
+    torch.manual_seed(0)
+    engine = initialize(gpt_bench30m(), peak_config(stage, micro))
+    seq = engine.module.config.block_size
+    for batch in token_batches(3, micro * world, seq=seq):
+        ids = batch[rank * micro:(rank + 1) * micro]
+        engine.backward(engine(ids, ids))
+        engine.step()
+    return peak_rss_bytes()
+
+
+@pytest.mark.parametrize("stage,world,micro", [(0, 1, 4), (3, 2, 2)])
+def test_peak_estimate_is_within_15_percent_of_measured_peak_rss(monkeypatch, stage, world, micro):
+    monkeypatch.setenv(*MALLOC_ENV)  # freed memory goes back to the OS (tests/rss.py), here and in the probe
+    measured = max(run_distributed(_peak_worker, world, args=(stage, micro)))
+    est = estimate(gpt_bench30m, peak_config(stage, micro), world, strategies=[Strategy(stage)],
+                   compute_on_cpu=True)
+    predicted = est.rows[0].host_peak
+    assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
