@@ -77,6 +77,32 @@ def _estimate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune_command(args: argparse.Namespace) -> int:
+    from engine.estimate import ModelSpecError, model_factory
+    from engine.estimate.tune import format_tune, tune, write_config
+
+    try:
+        factory = model_factory(args.model)
+        config = None
+        if args.config:
+            with open(args.config) as f:
+                config = json.load(f)
+        if args.nvme and not os.path.isdir(args.nvme):
+            raise ValueError(f"--nvme {args.nvme}: no such directory")
+        result = tune(factory, args.world, _byte_budgets(args), config, nvme_path=args.nvme,
+                      time_budget_s=args.time_budget, steps=args.steps, seq_len=args.seq_len,
+                      tp_sizes=[args.tp] if args.tp > 1 else None)
+    except (ModelSpecError, OSError, json.JSONDecodeError, ValueError) as e:
+        print(f"tiers tune: {e}", file=sys.stderr)
+        return 2
+    print(format_tune(result))
+    if result.chosen is None:
+        return 1
+    write_config(result, args.out)
+    print(f"Wrote {args.out}")
+    return 0
+
+
 def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="package.module:factory (e.g. engine.models:gpt_small), or a Hugging Face config.json")
@@ -145,6 +171,18 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--zero-init", action="store_true",
                      help="the model is built under engine.zero_init (no rank builds it whole)")
     est.set_defaults(run=_estimate_command)
+    tune = sub.add_parser("tune", help="short trials of the strategies the estimate says fit, on this machine; "
+                          "writes the fastest that fits as a config")
+    add_budget_arguments(tune)
+    tune.add_argument("--config", default=None,
+                      help="the config to start from (batch size, precision, optimizer); default: micro batch 1, AdamW")
+    tune.add_argument("--tp", type=int, default=1, help="also try this tensor-parallel size")
+    tune.add_argument("--nvme", default=None, help="a directory on NVMe: also try offloading there")
+    tune.add_argument("--time-budget", type=float, default=None,
+                      help="seconds of trials; a trial starts only if one more as long as the longest fits")
+    tune.add_argument("--steps", type=int, default=3, help="timed optimizer steps per trial (after one warm-up)")
+    tune.add_argument("--out", default="tiers_tuned.json", help="where the chosen config goes")
+    tune.set_defaults(run=_tune_command, nvme_space=None)
     return parser
 
 

@@ -7,10 +7,11 @@ For one rank of a strategy (Note [estimating model states] for the states):
                            + stage-3 gathered chunks + stage-2/3 gradient chunks being reduced
                 update   = bf16/fp16 fp32 gradients of the masters
   host peak   = the runtime (runtime.py, measured) + CPU-tier states and NVMe streaming window
-                (+ the device peak when the compute device is the CPU itself)
+                (+ the device's training peak when the compute device is the CPU itself)
   build       = without zero_init each rank first builds the whole model, then chunks it: the
-                built weights plus whole param and gradient chunks, once (the device peak then
-                takes the larger of build and training)
+                built weights plus whole param and gradient chunks, before any optimizer state
+                exists; the device peak (and on the CPU the host peak) takes the larger of build
+                and training
 The largest model that fits scales the parts that grow with the parameter count (states, chunks,
 the build) and keeps activations and the runtime at this model's; it is a guide for a wider or
 deeper model of the same shape, not a promise.
@@ -177,9 +178,9 @@ def _combine(strategy: Strategy, config: dict, states: ModelStates, activations:
     """Note [peak memory estimate]."""
     backward = activations + states.gathered_peak + states.grad_in_flight
     training = states.tiers.device + max(backward, states.update_extra)
-    build = built + sum(c.nbytes for c in states.chunks) * 2 if built else 0
+    build = built + sum(c.nbytes for c in states.chunks) * 2 if built else 0  # no CPU-tier states exist yet
     device_peak = max(training, build)
-    host_peak = runtime + states.tiers.cpu + (device_peak if compute_on_cpu else 0)
+    host_peak = runtime + (max(states.tiers.cpu + training, build) if compute_on_cpu else states.tiers.cpu)
     return StrategyEstimate(strategy, config, states, activations, runtime, build, device_peak, host_peak,
                             states.tiers.nvme)
 

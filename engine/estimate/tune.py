@@ -1,0 +1,147 @@
+"""`tiers tune`: short trials of the strategies the estimate says fit; the fastest that fits wins.
+
+Note [tuning]
+1. The estimate (Note [peak memory estimate]) rules out every strategy whose peaks exceed a budget.
+2. The rest are tried in the estimate's order (DDP, ZeRO-1/2, TP, ZeRO-3, CPU offload, NVMe; NVMe
+   only with a directory to swap to), each for a few steps on this machine (trials.py). With a time
+   budget, a trial starts only if the trials so far plus one more as long as the longest so far
+   stay within it (the first always runs).
+3. A trial's measured memory is checked too: peak RSS against the CPU budget; the device budget
+   against max_memory_allocated on CUDA, or, where the compute device is the CPU, against the peak
+   RSS less the runtime and less what the offload manager held in CPU memory (the device tier's
+   share of host memory).
+4. Of the trials that finished within budget, the one with the shortest median step wins; its
+   config is the user's config with that strategy's keys set.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from torch import nn
+
+from engine.estimate.estimator import Budgets, Estimate, StrategyEstimate, estimate
+from engine.estimate.report import human_bytes
+from engine.estimate.strategies import candidate_strategies
+from engine.estimate.trials import TrialError, TrialResult, run_trial
+
+DEFAULT_CONFIG = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+
+
+class Verdict(enum.Enum):
+    CHOSEN = "chosen: fastest that fits"
+    FITS = "fits"
+    OVER_ESTIMATE = "rejected by the estimate"
+    OVER_MEASURED = "rejected: measured over budget"
+    FAILED = "failed"
+    NOT_TRIED = "not tried: time budget spent"
+
+
+@dataclass
+class Candidate:
+    row: StrategyEstimate
+    verdict: Verdict
+    reason: str = ""
+    trial: TrialResult | None = None
+
+
+@dataclass
+class TuneResult:
+    estimate: Estimate
+    candidates: list[Candidate] = field(default_factory=list)
+
+    @property
+    def chosen(self) -> Candidate | None:
+        return next((c for c in self.candidates if c.verdict is Verdict.CHOSEN), None)
+
+    def tried(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.trial is not None]
+
+
+def tune(factory: Callable[[], nn.Module], world: int, budgets: Budgets, config: dict | None = None,
+         nvme_path: str | None = None, time_budget_s: float | None = None, steps: int = 3, warmup: int = 1,
+         seq_len: int | None = None, tp_sizes: list[int] | None = None) -> TuneResult:
+    """Note [tuning]."""
+    config = config or DEFAULT_CONFIG
+    strategies = candidate_strategies(world, sorted({1, *(tp_sizes or [])}), nvme=nvme_path is not None)
+    est = estimate(factory, config, world, budgets=budgets, seq_len=seq_len, strategies=strategies,
+                   nvme_path=nvme_path)
+    result = TuneResult(est)
+    started, longest = time.monotonic(), 0.0
+    for row in est.rows:
+        if not row.fits:
+            result.candidates.append(Candidate(row, Verdict.OVER_ESTIMATE, "; ".join(row.misfits)))
+            continue
+        if time_budget_s is not None and time.monotonic() - started + longest > time_budget_s:
+            result.candidates.append(Candidate(row, Verdict.NOT_TRIED))
+            continue
+        trial_start = time.monotonic()
+        try:
+            measured = run_trial(factory, row.config, world, est.seq_len, steps=steps, warmup=warmup)
+        except TrialError as e:
+            longest = max(longest, time.monotonic() - trial_start)
+            result.candidates.append(Candidate(row, Verdict.FAILED, str(e).strip().splitlines()[-1]))
+            continue
+        longest = max(longest, time.monotonic() - trial_start)
+        misfits = measured_misfits(measured, row, budgets, est.compute_on_cpu)
+        verdict = Verdict.OVER_MEASURED if misfits else Verdict.FITS
+        result.candidates.append(Candidate(row, verdict, "; ".join(misfits), measured))
+    fitting = [c for c in result.candidates if c.verdict is Verdict.FITS]
+    if fitting:
+        min(fitting, key=lambda c: c.trial.step_s).verdict = Verdict.CHOSEN
+    return result
+
+
+def measured_misfits(measured: TrialResult, row: StrategyEstimate, budgets: Budgets,
+                     compute_on_cpu: bool) -> list[str]:
+    """Note [tuning] 3: the budgets a trial's measured memory exceeds."""
+    device = measured_device_bytes(measured, row, compute_on_cpu)
+    out = []
+    for tier, used, budget in (("device", device, budgets.device), ("cpu", measured.peak_rss, budgets.cpu)):
+        if budget is not None and used > budget:
+            out.append(f"{tier} {human_bytes(used)} > budget {human_bytes(budget)}")
+    return out
+
+
+def measured_device_bytes(measured: TrialResult, row: StrategyEstimate, compute_on_cpu: bool) -> int:
+    if measured.device_peak is not None and not compute_on_cpu:
+        return measured.device_peak
+    return max(measured.peak_rss - row.runtime - measured.managed_cpu_peak, 0)
+
+
+def format_tune(result: TuneResult) -> str:
+    """The table of every candidate: estimated and measured memory, step time, and what became of it."""
+    on_cpu = result.estimate.compute_on_cpu
+    headers = ["strategy", "est. device peak", "est. host peak", "step (s)", "peak RSS", "device used", "result"]
+    rows = []
+    for c in result.candidates:
+        t = c.trial
+        rows.append([c.row.strategy.name, human_bytes(c.row.device_peak), human_bytes(c.row.host_peak),
+                     f"{t.step_s:.3f}" if t else "—", human_bytes(t.peak_rss) if t else "—",
+                     human_bytes(measured_device_bytes(t, c.row, on_cpu)) if t else "—",
+                     c.verdict.value + (f" ({c.reason})" if c.reason else "")])
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    line = lambda cells: "| " + " | ".join(str(x).ljust(w) for x, w in zip(cells, widths)) + " |"
+    table = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows]
+    chosen = result.chosen
+    verdict = (f"Chosen: {chosen.row.strategy.name}, {chosen.trial.step_s:.3f} s/step." if chosen else
+               "Nothing fits and finished: raise the budgets, add ranks or NVMe (--nvme), or lower the micro batch.")
+    return "\n".join([*table, "", verdict])
+
+
+def write_config(result: TuneResult, path: str) -> None:
+    """The chosen strategy's config as JSON (the user's config with the strategy's keys set)."""
+    chosen = result.chosen
+    if chosen is None:
+        raise ValueError("no config fits the budgets, so none was written")
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:  # complete or absent, never half-written
+        json.dump(chosen.row.config, f, indent=2)
+        f.write("\n")
+    os.replace(partial, path)
