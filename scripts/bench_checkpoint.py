@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (KEEP_FREED_MEMORY_ENV, DiskCounter, fmt_bytes, free_port, init_gloo,  # noqa: E402
-                          markdown_table, publish_report, spawn_ranks)
+from bench_common import (KEEP_FREED_MEMORY_ENV, DiskCounter, add_json_option, fmt_bytes, free_port,  # noqa: E402
+                          init_gloo, markdown_table, publish_report, result_record, spawn_ranks, write_results)
 from disk_baseline import dd_bandwidth  # noqa: E402
 
 
@@ -38,6 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default="bench30m", help="engine.models preset (default bench30m)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are reported (default 3)")
     ap.add_argument("--out", default=None, help="also write the markdown to this file")
+    add_json_option(ap)
     return ap.parse_args(argv)
 
 
@@ -241,6 +242,26 @@ def main(argv=None) -> None:
         ratios,
     ])
     publish_report(text, started, args.out)
+    write_results(args.json, records(runs))
+
+
+def records(runs: dict) -> list[dict]:
+    """The figures of the report as result_record dicts (--json): one per system and timed operation; MB/s =
+    the checkpoint's bytes over the time."""
+    med, out = statistics.median, []
+    for metric, mode, key in (("save time", "sync", "save"), ("load time", "sync", "load"),
+                              ("async save: time blocked", "async", "blocked")):
+        ours, peer = med(runs[("tiers", mode)][key]), med(runs[("dcp", mode)][key])
+        for name, seconds in (("tiers", ours), ("dcp", peer)):
+            nbytes = med(runs[(name, "sync")]["bytes"])
+            is_ours = name == "tiers"
+            out.append(result_record("checkpoint", NAMES[name], world=2, role="ours" if is_ours else "peer",
+                                     peer=NAMES["dcp"] if is_ours else None, strategy="checkpoint", metric=metric,
+                                     ratio=ours / peer if is_ours else None, target=1.0 if is_ours else None,
+                                     seconds=seconds, checkpoint_bytes=nbytes,
+                                     throughput=nbytes / seconds / 1e6 if mode == "sync" else None,
+                                     unit="MB/s" if mode == "sync" else None))
+    return out
 
 
 if __name__ == "__main__":

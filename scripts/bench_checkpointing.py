@@ -28,8 +28,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (KEEP_FREED_MEMORY_ENV, SavedActivationBytes, fmt_bytes, markdown_table,  # noqa: E402
-                          median, peak_rss_bytes, publish_report, spawn_ranks)
+from bench_common import (KEEP_FREED_MEMORY_ENV, SavedActivationBytes, add_json_option, fmt_bytes,  # noqa: E402
+                          markdown_table, median, peak_rss_bytes, publish_report, result_record, spawn_ranks,
+                          write_results)
 
 SYSTEMS = ("off", "ours", "torch")
 LABELS = {"off": "no checkpointing", "ours": "tiers activation_checkpointing",
@@ -48,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dropout", type=float, default=0.1, help="model dropout (default 0.1: RNG is restored)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=None, help="also write the markdown report here")
+    add_json_option(ap)
     return ap.parse_args(argv)
 
 
@@ -105,7 +107,8 @@ def run_main(rank: int, world: int, system: str, args, results) -> None:
         times.append(time.perf_counter() - t0)
     peak = peak_rss_bytes() - rss0
     saved = saved_bytes(engine, batches[0])
-    results.put({"step_s": median(times), "peak_rss_growth": peak, "saved": saved, "loss": loss.item(),
+    results.put({"step_s": median(times), "peak_rss_growth": peak, "peak_rss": peak_rss_bytes(), "saved": saved,
+                 "loss": loss.item(),
                  "recompute_s": engine.activation_checkpointing.recompute_seconds})
 
 
@@ -142,6 +145,23 @@ def main(argv=None) -> None:
     summary = (f"Overhead ours {overhead['ours']:+.1%} against torch's {overhead['torch']:+.1%} "
                f"(ratio {ratio:.3f}; target ≤ 1.0).")
     publish_report("\n\n".join([header, table, summary]), start, args.out)
+    write_results(args.json, records(args, runs, step, overhead))
+
+
+def records(args, runs: dict[str, list[dict]], step: dict, overhead: dict) -> list[dict]:
+    """The figures of the report as result_record dicts (--json): ours' ratio is of the recompute overheads (the
+    target); one process, so world 1 and the process's own peak RSS."""
+    roles = {"off": "reference", "ours": "ours", "torch": "peer"}
+    ratio = overhead["ours"] / overhead["torch"] if overhead["torch"] > 0 else float("nan")
+    return [result_record("checkpointing", LABELS[s], world=1, role=roles[s], strategy="activation checkpointing",
+                          peer=LABELS["torch"] if s == "ours" else None, metric="recompute overhead",
+                          ratio=ratio if s == "ours" else None, target=1.0 if s == "ours" else None,
+                          step_s=step[s], throughput=args.micro_batch * args.seq / step[s], unit="tokens/s",
+                          peak_rss_per_rank_bytes=median([r["peak_rss"] for r in runs[s]]),
+                          peak_rss_growth_bytes=median([r["peak_rss_growth"] for r in runs[s]]),
+                          saved_activation_bytes=runs[s][-1]["saved"], step_ratio=step[s] / step["torch"],
+                          threads=args.threads, model=args.model)
+            for s in SYSTEMS]
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Benchmarks are scripts, never timed assertions (DESIGN.md, Conventions). A scrip
     results = spawn_ranks(worker, world, args=(port, options))  # worker(rank, world, port, options, results)
     print(markdown_table(headers, rows))
     print(machine_line(command_line()))
+    write_results(args.json, [result_record("dp", "tiers stage 0", world=2, ...), ...])  # --json, for bench_all.py
 
 `worker` runs in a fresh process per rank with one compute thread (as torchrun's OMP_NUM_THREADS=1);
 `init_gloo(rank, world, port)` creates the default process group once, which `engine.initialize`
@@ -14,6 +15,9 @@ then reuses. Whatever a rank puts into `results` (a queue) comes back to the par
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import json
 import os
 import platform
 import shlex
@@ -197,8 +201,51 @@ def _minor_faults() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (0 where `resource` is missing)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if resource is not None else 0  # Linux: KiB
+    """This process's peak resident set size since it started or since reset_peak_rss() (Linux: VmHWM in
+    /proc/self/status; elsewhere getrusage's ru_maxrss, which cannot be reset; 0 where neither exists)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    if resource is None:
+        return 0
+    scale = 1 if sys.platform == "darwin" else 1024  # macOS: bytes; Linux: KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+# Note [peak memory of one system]
+# The data-parallel, ZeRO and tensor-parallel benchmarks time several systems one after another in the
+# same rank processes, and glibc keeps freed memory (Note [malloc in benchmarks]): a system run second
+# would find the first one's heap still resident, and a process-lifetime peak would charge it to both.
+# So before each system is built, the free heap goes back to the kernel (malloc_trim) and the peak RSS
+# is reset to the current RSS (Linux >= 4.0: "5" to /proc/self/clear_refs); each system's peak then
+# counts what it allocates on top of the same live baseline (interpreter, torch, batches), as a fresh
+# process would. This happens outside the timed steps; the warm-up steps fault the heap back in.
+def release_free_heap_and_reset_peak() -> bool:
+    """Returns free malloc memory to the kernel and resets this process's peak RSS to its current RSS
+    (Note [peak memory of one system]); False where the peak could not be reset (not Linux)."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def max_over_ranks(value: float) -> float:
+    """The largest `value` over the ranks of the default group (the value itself without one)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
 
 
 class SavedActivationBytes:
@@ -302,3 +349,58 @@ def publish_report(body: str, started: float, out: str | None) -> str:
     if out:
         write_text(out, text)
     return text
+
+
+# ---- structured results (--json) ---------------------------------------------------------------------
+RESULTS_FORMAT = 1
+
+
+def add_json_option(ap) -> None:
+    """The --json FILE option every benchmark script takes (see result_record / write_results)."""
+    ap.add_argument("--json", default=None, metavar="FILE",
+                    help="also write the measured figures as JSON records here (scripts/bench_all.py reads them)")
+
+
+def result_record(benchmark: str, system: str, *, world: int, role: str = "ours", peer: str | None = None,
+                  strategy: str | None = None, metric: str = "step time", ratio: float | None = None,
+                  target: float | None = None, better: str = "lower", step_s: float | None = None,
+                  throughput: float | None = None, unit: str | None = None,
+                  peak_rss_per_rank_bytes: float | None = None, **extra) -> dict:
+    """One measured system of one benchmark, as a plain dict (JSON-ready).
+
+    role: "ours" (compared with `peer`: `ratio` = ours / peer on `metric`, met when ratio <= target, or >= with
+    better="higher"), "peer" (torch's system, or a raw baseline) or "reference" (context, e.g. the compute floor).
+    strategy: a short name shared by the system and its peer (plot labels, e.g. "ZeRO-1"). throughput: in `unit`
+    ("tokens/s", "MB/s"). peak_rss_per_rank_bytes: the largest peak RSS over the ranks. `extra`: anything else
+    worth keeping (numbers or strings).
+    """
+    if role not in ("ours", "peer", "reference"):
+        raise ValueError(f"role {role!r}: use 'ours', 'peer' or 'reference'")
+    if better not in ("lower", "higher"):
+        raise ValueError(f"better {better!r}: use 'lower' (ratio <= target) or 'higher' (ratio >= target)")
+    if throughput is not None and unit is None:
+        raise ValueError(f"throughput {throughput} of {system!r} needs a unit, e.g. 'tokens/s' or 'MB/s'")
+    record = {"benchmark": benchmark, "system": system, "role": role, "peer": peer, "strategy": strategy,
+              "world": world, "metric": metric, "ratio": ratio, "target": target, "better": better,
+              "step_s": step_s, "throughput": throughput, "unit": unit,
+              "peak_rss_per_rank_bytes": peak_rss_per_rank_bytes}
+    return {**record, **extra}
+
+
+def write_results(path: str | None, records: Sequence[dict]) -> None:
+    """Writes `records` (result_record dicts) with the machine and the command to `path` as JSON; nothing
+    when path is None."""
+    if not path:
+        return
+    doc = {"format": RESULTS_FORMAT, "machine": machine_line(), "command": command_line(), "records": list(records)}
+    write_text(path, json.dumps(doc, indent=1, allow_nan=True))
+
+
+def read_results(path: str) -> list[dict]:
+    """The records a benchmark wrote with write_results."""
+    with open(path) as f:
+        doc = json.load(f)
+    if doc.get("format") != RESULTS_FORMAT:
+        raise ValueError(f"{path}: results format {doc.get('format')!r}, expected {RESULTS_FORMAT} "
+                         "(written by another version of the benchmark scripts: run them again)")
+    return doc["records"]

@@ -35,6 +35,7 @@ from bench_common import (  # noqa: E402
     KEEP_FREED_MEMORY_ENV,
     CpuMeter,
     LoopbackCounter,
+    add_json_option,
     barrier_time,
     command_line,
     fmt_bytes,
@@ -42,8 +43,13 @@ from bench_common import (  # noqa: E402
     init_gloo,
     machine_line,
     markdown_table,
+    max_over_ranks,
     median,
+    peak_rss_bytes,
+    release_free_heap_and_reset_peak,
+    result_record,
     spawn_ranks,
+    write_results,
     write_text,
 )
 
@@ -84,6 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true",
                     help="after the rounds, profile 3 steps of each system on rank 0 and print the top ops")
     ap.add_argument("--out", default=None, help="also write the markdown to this file")
+    add_json_option(ap)
     args = ap.parse_args(argv)
     if args.world < 2:
         ap.error(f"--world {args.world}: data parallelism needs at least 2 ranks")
@@ -181,6 +188,7 @@ def timed_run(loop: Loop, batches, args, lo: LoopbackCounter) -> dict:
     t1 = barrier_time()
     cpu.stop()
     lo1, comm1 = lo.read(), loop.comm_bytes()
+    peak_rss = max_over_ranks(peak_rss_bytes())  # after the loopback reading: not counted
     world, own = 1, torch.tensor([cpu.own_s], dtype=torch.float64)
     if dist.is_initialized():
         world = dist.get_world_size()
@@ -191,6 +199,7 @@ def timed_run(loop: Loop, batches, args, lo: LoopbackCounter) -> dict:
             "cpu_util": float(own) / world / cpu.wall_s,
             "foreign_cores": cpu.foreign_cores(float(own)),
             "faults_per_step": cpu.minor_faults / args.steps,
+            "peak_rss": peak_rss,
             "phases": loop.phases,
             "loss": float(loss.detach())}
 
@@ -202,6 +211,7 @@ def alternate_rounds(args, builders: dict, batches, rank: int) -> dict[str, list
     runs: dict[str, list[dict]] = {s: [] for s in builders}
     for r in range(args.rounds):
         for system, build in builders.items():
+            release_free_heap_and_reset_peak()  # Note [peak memory of one system]
             loop = build(args)
             runs[system].append(timed_run(loop, batches, args, lo))
             loop.close()
@@ -265,9 +275,33 @@ def summarize(runs: list[dict]) -> dict:
             "cpu_util": median([r["cpu_util"] for r in runs]),
             "foreign": max(r["foreign_cores"] for r in runs),
             "faults": median([r["faults_per_step"] for r in runs]),
+            "peak_rss": median([r["peak_rss"] for r in runs]),
             "mean_phase_sum": sum(sum(p) for p in phases) / max(len(phases), 1),
             "phases": [median([p[i] for p in phases]) for i in range(3)],
             "loss": runs[-1]["loss"]}
+
+
+def tokens_per_step(args, world: int) -> int:
+    """Tokens one step trains on over all ranks (each rank its own micro batch)."""
+    return world * args.micro_batch * args.seq
+
+
+def records(args, floor: dict | None, runs: dict[str, list[dict]]) -> list[dict]:
+    """The figures of the report as result_record dicts (--json)."""
+    rows = {s: summarize(runs[s]) for s in SYSTEMS}
+    ddp = rows["ddp"]["step_s"]
+
+    def record(key, s, world, **kw):
+        return result_record("dp", LABELS[key], world=world, strategy="DP (stage 0)", step_s=s["step_s"],
+                             throughput=tokens_per_step(args, world) / s["step_s"], unit="tokens/s",
+                             peak_rss_per_rank_bytes=s["peak_rss"], loopback_bytes_per_rank_step=s["lo"],
+                             model=args.model, **kw)
+
+    out = [record("ours", rows["ours"], args.world, peer=LABELS["ddp"], ratio=rows["ours"]["step_s"] / ddp, target=1.0),
+           record("ddp", rows["ddp"], args.world, role="peer")]
+    if floor is not None:
+        out.append(record("floor", summarize([floor]), 1, role="reference"))
+    return out
 
 
 def report(args, psi: int, floor: dict | None, runs: dict[str, list[dict]], elapsed_s: float) -> str:
@@ -277,13 +311,14 @@ def report(args, psi: int, floor: dict | None, runs: dict[str, list[dict]], elap
     ddp = rows_in["ddp"]["step_s"]
     unit = psi * 4
     headers = ["system", "step time (s)", "ratio vs DDP", "loopback bytes/rank/step", "× Ψ·4B",
-               "engine-counted bytes/step", "CPU busy/rank", "page faults/step", "last loss"]
+               "engine-counted bytes/step", "CPU busy/rank", "page faults/step", "peak RSS/rank", "last loss"]
     rows = []
     for key, s in rows_in.items():
         no_comm = key == "floor"
         rows.append([LABELS[key], f"{s['step_s']:.3f}", f"{s['step_s'] / ddp:.3f}",
                      "—" if no_comm else fmt_bytes(s["lo"]), "—" if no_comm else f"{s['lo'] / unit:.2f}",
-                     fmt_bytes(s["counted"]) if key == "ours" else "—", f"{s['cpu_util']:.0%}", f"{s['faults']:,.0f}", f"{s['loss']:.4f}"])
+                     fmt_bytes(s["counted"]) if key == "ours" else "—", f"{s['cpu_util']:.0%}", f"{s['faults']:,.0f}",
+                     fmt_bytes(s["peak_rss"]), f"{s['loss']:.4f}"])
     phase_rows = [[LABELS[k], *(f"{v:.3f}" for v in s["phases"]), f"{sum(s['phases']):.3f}",
                    f"{s['mean_phase_sum']:.3f}"] for k, s in rows_in.items()]
     chunk = f"{args.chunk_size} elements" if args.chunk_size else "engine default"
@@ -311,7 +346,8 @@ def report(args, psi: int, floor: dict | None, runs: dict[str, list[dict]], elap
         "Processes started with " + ("glibc's default malloc thresholds" if args.system_malloc else
                                      " ".join(f"{k}={v}" for k, v in KEEP_FREED_MEMORY_ENV.items())
                                      + " (freed memory stays in the process; Note [malloc in benchmarks])")
-        + "; page faults: minor faults per step on rank 0.",
+        + "; page faults: minor faults per step on rank 0; peak RSS/rank: the most over the ranks (median over "
+        "rounds), each system's own (Note [peak memory of one system]).",
         f"Machine: {machine_line()}",
         f"Command: `{command_line()}` (total {elapsed_s:.0f} s)",
     ]
@@ -338,6 +374,7 @@ def main(argv=None) -> None:
     print("\n" + text, flush=True)
     if args.out:
         write_text(args.out, text)
+    write_results(args.json, records(args, floor, out["runs"]))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ import sys
 import tempfile
 import time
 
-from bench_common import free_port, markdown_table, median, publish_report
+from bench_common import (add_json_option, free_port, markdown_table, median, publish_report, result_record,
+                          write_results)
 
 JOB = """import torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -58,6 +59,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None, help="also write the report (markdown) here")
+    add_json_option(ap)
     args = ap.parse_args(argv)
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
                                                                "MASTER_PORT")}
@@ -65,7 +67,7 @@ def main(argv=None) -> None:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
     start = time.perf_counter()
-    rows = []
+    rows, records = [], []
     with tempfile.TemporaryDirectory() as tmp:
         job = os.path.join(tmp, "allreduce_once.py")
         with open(job, "w") as f:
@@ -86,12 +88,19 @@ def main(argv=None) -> None:
             ours, peer = median(times["tiers"]), median(times["torchrun"])
             rows.append([f"{nodes} node(s) × {per_node}", f"{peer:.2f}", f"{ours:.2f}", f"{ours / peer:.3f}",
                          ", ".join(f"{t:.2f}" for t in times["tiers"])])
+            layout = f"{nodes} node(s) × {per_node}"
+            records += [result_record("launch", f"tiers launch, {layout}", world=nodes * per_node,
+                                      peer=f"torchrun by hand, {layout}", strategy="launch", metric="wall time",
+                                      ratio=ours / peer, target=1.0, seconds=ours),
+                        result_record("launch", f"torchrun by hand, {layout}", world=nodes * per_node, role="peer",
+                                      strategy="launch", metric="wall time", seconds=peer)]
     header = (f"Wall time of a job whose {4} processes join a gloo group, all-reduce once and exit; median of "
               f"{args.rounds} alternating rounds. torchrun: started by hand, one per node with --node_rank "
               "and the same master address and port; tiers: `tiers launch --launcher local` with a hostfile of that many nodes.")
     table = markdown_table(["layout", "torchrun (s)", "tiers launch (s)", "ratio (target ≤ 1.0)",
                             "tiers per round (s)"], rows)
     publish_report("\n\n".join([header, table]), start, args.out)
+    write_results(args.json, records)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import DiskCounter, command_line, machine_line, markdown_table, median, write_text  # noqa: E402
+from bench_common import (DiskCounter, add_json_option, command_line, machine_line, markdown_table,  # noqa: E402
+                          median, result_record, write_results, write_text)
 from disk_baseline import (Meter, Phase, filesystem_line, page_aligned, page_cache_bytes, raw_buffers,  # noqa: E402
                            raw_round)
 
@@ -79,6 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefetch-depth", type=int, default=2, help="chunks read ahead in the prefetch loop (default 2)")
     ap.add_argument("--skip-prefetch", action="store_true", help="skip the prefetch-hiding measurement")
     ap.add_argument("--out", default=None, help="also write the markdown to this file")
+    add_json_option(ap)
     args = ap.parse_args(argv)
     args.chunk_bytes = args.chunk_mb * MiB
     args.total_bytes = int(round(args.total_gb * GiB))
@@ -359,6 +361,33 @@ def report(args, raw: list[dict], store: list[dict], pf: dict | None, costs: dic
     return "\n".join(lines)
 
 
+def records(args, raw: list[dict], store: list[dict], pf: dict | None) -> list[dict]:
+    """The figures of the report as result_record dicts (--json): the store's MB/s against the better raw figure of
+    the same run (the targets), the raw figures as peers, and prefetch hiding."""
+    def mbs(runs, key) -> float:
+        return args.total_bytes / median([r[key].seconds for r in runs]) / 1e6
+
+    out = []
+    store_name = f"tiers NvmeStore ({args.threads} threads, queue depth {args.queue_depth})"
+    for d, what in (("w", "write"), ("r", "read")):
+        raws = {f"raw Python (pwrite/preadv, O_DIRECT) {what}": mbs(raw, f"py_{d}")}
+        if "dd_w" in raw[0]:
+            raws[f"raw dd (direct) {what}"] = mbs(raw, f"dd_{d}")
+        best = max(raws, key=raws.get)
+        ours = mbs(store, d)
+        out.append(result_record("offload", f"{store_name} {what}", world=1, peer=best, strategy="NVMe store",
+                                 metric=f"{what} MB/s ÷ best raw", ratio=ours / raws[best], target=TARGET,
+                                 better="higher", throughput=ours, unit="MB/s"))
+        out += [result_record("offload", name, world=1, role="peer", strategy="NVMe store", metric=f"{what} MB/s",
+                              throughput=v, unit="MB/s") for name, v in raws.items()]
+    if pf is not None:
+        out.append(result_record("offload", f"ChunkManager prefetch (depth {args.prefetch_depth})", world=1,
+                                 peer="reads on demand", strategy="prefetch", metric="read time hidden",
+                                 ratio=pf["hiding"], target=TARGET, better="higher",
+                                 exposed_s=pf["pf"] - pf["pf_c"], on_demand_read_s=pf["od"] - pf["od_c"]))
+    return out
+
+
 # ---- main ----------------------------------------------------------------------------------------
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
@@ -410,8 +439,9 @@ def run(args, work: str) -> str:
     pf = None if args.skip_prefetch else measure_prefetch(work, args, src, disk)
     cache_growth = page_cache_bytes() - cache0
     buffers = f"chunk buffers from {alloc_what}; the raw Python loop moves {raw[2]}"
-    return report(args, raw_runs, store_runs, pf, costs, buffers, filesystem_line(work, disk), cache_growth,
+    text = report(args, raw_runs, store_runs, pf, costs, buffers, filesystem_line(work, disk), cache_growth,
                   time.perf_counter() - started)
+    return text, records(args, raw_runs, store_runs, pf)
 
 
 def main(argv=None) -> None:
@@ -425,7 +455,7 @@ def main(argv=None) -> None:
     work = tempfile.mkdtemp(prefix="bench-offload-", dir=base)
     try:
         check_resources(args, work)
-        text = run(args, work)
+        text, results = run(args, work)
     except KeyboardInterrupt as e:
         raise SystemExit(f"interrupted ({str(e) or 'Ctrl-C'}); removed {work}") from None
     finally:
@@ -438,6 +468,7 @@ def main(argv=None) -> None:
     print("\n" + text, flush=True)
     if args.out:
         write_text(args.out, text)
+    write_results(args.json, results)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (KEEP_FREED_MEMORY_ENV, SavedActivationBytes, command_line, fmt_bytes,  # noqa: E402
-                          free_port, init_gloo, machine_line, markdown_table, spawn_ranks, write_text)
+                          free_port, init_gloo, machine_line, markdown_table, result_record, spawn_ranks,
+                          write_results, write_text)
 from bench_dp import Loop, alternate_rounds, make_batches, parse_args, summarize, torch_loop  # noqa: E402
 
 LABELS = {"ours": "tiers 1D tensor parallel", "ours2d": "tiers 2D tensor parallel (SUMMA)",
@@ -138,22 +139,44 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
         results.put((runs, args.param_bytes, args.saved_bytes))
 
 
+STRATEGIES = {"ours": "TP 1D", "ours2d": "TP 2D", "peer": "TP 1D"}
+
+
+def records(args, runs: dict, param_bytes: dict, saved_bytes: dict) -> list[dict]:
+    """The figures of the report as result_record dicts (--json); tokens/s counts one batch per step (every rank
+    of the tp group trains on the same one)."""
+    rows = {s: summarize(runs[s]) for s in LABELS if s in runs}
+    peer = rows["peer"]["step_s"]
+    return [result_record("tp", LABELS[k], world=args.world, strategy=STRATEGIES[k],
+                          role="peer" if k == "peer" else "ours", peer=None if k == "peer" else LABELS["peer"],
+                          ratio=None if k == "peer" else s["step_s"] / peer, target=None if k == "peer" else 1.0,
+                          step_s=s["step_s"], throughput=args.micro_batch * args.seq / s["step_s"], unit="tokens/s",
+                          peak_rss_per_rank_bytes=s["peak_rss"], param_bytes_per_rank=param_bytes[k],
+                          saved_activation_bytes_per_rank=saved_bytes[k], loopback_bytes_per_rank_step=s["lo"],
+                          model=args.model)
+            for k, s in rows.items()]
+
+
 def report(args, psi: int, runs: dict, param_bytes: dict, saved_bytes: dict, elapsed_s: float) -> str:
     rows_in = {s: summarize(runs[s]) for s in LABELS if s in runs}
     peer = rows_in["peer"]["step_s"]
     unit = psi * 4
     rows = [[LABELS[k], f"{s['step_s']:.3f}", f"{s['step_s'] / peer:.3f}", " / ".join(f"{t:.3f}" for t in s["phases"]),
              fmt_bytes(param_bytes[k]), f"{param_bytes[k] / unit:.3f}", fmt_bytes(saved_bytes[k]), fmt_bytes(s["lo"]),
-             ", ".join(f"{t:.3f}" for t in s["per_round"]), f"{s['loss']:.5f}"] for k, s in rows_in.items()]
+             fmt_bytes(s["peak_rss"]), ", ".join(f"{t:.3f}" for t in s["per_round"]), f"{s['loss']:.5f}"]
+            for k, s in rows_in.items()]
     return "\n".join([
         f"### tensor parallel: tiers vs torch DTensor TP (tp = {args.world}, gloo, CPU, 1 thread/rank)",
         "",
         f"Model `{args.model}` with untied lm_head (Ψ = {psi:,}, Ψ·4B = {fmt_bytes(unit)}), micro batch "
         f"{args.micro_batch} × seq {args.seq} (the same on every rank), AdamW lr 1e-4 fp32. Median over {args.rounds} "
-        f"alternating rounds of {args.warmup} warm-up + {args.steps} timed steps; ratio target ≤ 1.0.",
+        f"alternating rounds of {args.warmup} warm-up + {args.steps} timed steps; ratio target ≤ 1.0. "
+        "Peak RSS/rank: the most over the ranks, median over rounds, each system's own (Note [peak memory of one "
+        "system] in bench_common.py).",
         "",
         markdown_table(["system", "step time (s)", "ratio vs peer", "fwd / bwd / opt (s)", "param bytes/rank",
-                        "÷ Ψ·4B", "saved activations/rank", "loopback bytes/rank/step", "per-round s/step", "last loss"], rows),
+                        "÷ Ψ·4B", "saved activations/rank", "loopback bytes/rank/step", "peak RSS/rank",
+                        "per-round s/step", "last loss"], rows),
         "",
         f"Machine: {machine_line()}",
         f"Command: `{command_line()}` (total {elapsed_s:.0f} s)",
@@ -181,6 +204,7 @@ def main(argv=None) -> None:
     print("\n" + text, flush=True)
     if args.out:
         write_text(args.out, text)
+    write_results(args.json, records(args, runs, param_bytes, saved_bytes))
 
 
 if __name__ == "__main__":

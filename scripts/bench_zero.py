@@ -32,9 +32,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (KEEP_FREED_MEMORY_ENV, command_line, fmt_bytes, free_port,  # noqa: E402
-                          init_gloo, machine_line, markdown_table, spawn_ranks, write_text)
+                          init_gloo, machine_line, markdown_table, result_record, spawn_ranks, write_results,
+                          write_text)
 from bench_dp import (Loop, alternate_rounds, build_model, engine_config, make_batches, parse_args,  # noqa: E402
-                      summarize, torch_loop)
+                      summarize, tokens_per_step, torch_loop)
 
 SYSTEMS = ("ours", "peer")
 PEERS = {1: "torch ZeroRedundancyOptimizer + DDP", 2: "torch DDP", 3: "torch FSDP2 (fully_shard per block)"}
@@ -98,15 +99,34 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
         results.put(runs)
 
 
+def target(stage: int) -> float:
+    return 1.05 if stage == 2 else 1.0
+
+
+def records(args, runs: dict[str, list[dict]]) -> list[dict]:
+    """The figures of the report as result_record dicts (--json)."""
+    rows, names = {s: summarize(runs[s]) for s in SYSTEMS}, labels(args.stage)
+
+    def record(key, **kw):
+        s = rows[key]
+        return result_record("zero", names[key], world=args.world, strategy=f"ZeRO-{args.stage}", step_s=s["step_s"],
+                             throughput=tokens_per_step(args, args.world) / s["step_s"], unit="tokens/s",
+                             peak_rss_per_rank_bytes=s["peak_rss"], loopback_bytes_per_rank_step=s["lo"],
+                             model=args.model, stage=args.stage, **kw)
+
+    return [record("ours", peer=names["peer"], ratio=rows["ours"]["step_s"] / rows["peer"]["step_s"],
+                   target=target(args.stage)),
+            record("peer", role="peer")]
+
+
 def report(args, psi: int, runs: dict[str, list[dict]], elapsed_s: float) -> str:
     rows_in = {s: summarize(runs[s]) for s in SYSTEMS}
     peer = rows_in["peer"]["step_s"]
     unit = psi * 4
     names = labels(args.stage)
-    target = "1.05" if args.stage == 2 else "1.0"
     rows = [[names[k], f"{s['step_s']:.3f}", f"{s['step_s'] / peer:.3f}", " / ".join(f"{t:.3f}" for t in s["phases"]),
-             fmt_bytes(s["lo"]), f"{s['lo'] / unit:.2f}", ", ".join(f"{t:.3f}" for t in s["per_round"]),
-             f"{s['foreign']:.2f}", f"{s['loss']:.4f}"]
+             fmt_bytes(s["lo"]), f"{s['lo'] / unit:.2f}", fmt_bytes(s["peak_rss"]),
+             ", ".join(f"{t:.3f}" for t in s["per_round"]), f"{s['foreign']:.2f}", f"{s['loss']:.4f}"]
             for k, s in rows_in.items()]
     chunk = f"{args.chunk_size} elements" if args.chunk_size else "engine default"
     return "\n".join([
@@ -114,10 +134,12 @@ def report(args, psi: int, runs: dict[str, list[dict]], elapsed_s: float) -> str
         "",
         f"Model `{args.model}` (Ψ = {psi:,} parameters, Ψ·4B = {fmt_bytes(unit)}), micro batch {args.micro_batch} × "
         f"seq {args.seq} per rank, AdamW lr 1e-4 fp32 (fused), chunk size: {chunk}. Median over {args.rounds} "
-        f"alternating rounds of {args.warmup} warm-up + {args.steps} timed steps; ratio target ≤ {target}.",
+        f"alternating rounds of {args.warmup} warm-up + {args.steps} timed steps; ratio target ≤ "
+        f"{target(args.stage)}. Peak RSS/rank: the most over the ranks, median over rounds, each system's own "
+        "(Note [peak memory of one system] in bench_common.py).",
         "",
         markdown_table(["system", "step time (s)", "ratio vs peer", "fwd / bwd / opt (s)", "loopback bytes/rank/step", "× Ψ·4B",
-                        "per-round s/step", "other cores (max)", "last loss"], rows),
+                        "peak RSS/rank", "per-round s/step", "other cores (max)", "last loss"], rows),
         "",
         "Processes started with " + " ".join(f"{k}={v}" for k, v in KEEP_FREED_MEMORY_ENV.items())
         + " (Note [malloc in benchmarks] in bench_common.py).",
@@ -138,6 +160,7 @@ def main(argv=None) -> None:
     print("\n" + text, flush=True)
     if args.out:
         write_text(args.out, text)
+    write_results(args.json, records(args, results[0]))
 
 
 if __name__ == "__main__":
