@@ -70,7 +70,7 @@ def _estimate_command(args: argparse.Namespace) -> int:
         est = estimate(factory, config, args.world, [args.tp], _byte_budgets(args), seq_len=args.seq_len,
                        compute_on_cpu=None if args.device == "auto" else args.device == "cpu",
                        zero_init=args.zero_init)
-    except (ModelSpecError, OSError, json.JSONDecodeError, ValueError) as e:
+    except (ModelSpecError, OSError, json.JSONDecodeError, ValueError, RuntimeError) as e:
         print(f"tiers estimate: {e}", file=sys.stderr)
         return 2
     print(format_estimate(est))
@@ -92,7 +92,7 @@ def _tune_command(args: argparse.Namespace) -> int:
         result = tune(factory, args.world, _byte_budgets(args), config, nvme_path=args.nvme,
                       time_budget_s=args.time_budget, steps=args.steps, seq_len=args.seq_len,
                       tp_sizes=[args.tp] if args.tp > 1 else None)
-    except (ModelSpecError, OSError, json.JSONDecodeError, ValueError) as e:
+    except (ModelSpecError, OSError, json.JSONDecodeError, ValueError, RuntimeError) as e:
         print(f"tiers tune: {e}", file=sys.stderr)
         return 2
     print(format_tune(result))

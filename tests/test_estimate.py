@@ -10,10 +10,11 @@ from engine import initialize
 from engine.config import load_config
 from engine.estimate import Strategy, estimate, model_states
 from engine.estimate.estimator import trace_strategy
+from engine.estimate.runtime import peak_rss_bytes as process_peak_rss, reset_peak_rss
 from engine.models import gpt_bench30m
 from tests.distributed import run_distributed
 from tests.reference import tiny_gpt, token_batches, train_engine
-from tests.rss import MALLOC_ENV, peak_rss_bytes
+from tests.rss import MALLOC_ENV
 from tests.test_zero import model_state_bytes, zero_config
 
 # (stage, chunk_size (None: the engine's default layout), extra config); tp > 1 is in the world-4 list
@@ -72,6 +73,7 @@ def peak_config(stage: int, micro: int) -> dict:
 
 def _peak_worker(rank, world, stage, micro):
     """The example GPT (bench30m) trained 3 steps as scripts/train.py trains it; this rank's peak RSS."""
+    reset_peak_rss()  # its own peak, not the forked parent's
     torch.manual_seed(0)
     engine = initialize(gpt_bench30m(), peak_config(stage, micro))
     seq = engine.module.config.block_size
@@ -79,7 +81,7 @@ def _peak_worker(rank, world, stage, micro):
         ids = batch[rank * micro:(rank + 1) * micro]
         engine.backward(engine(ids, ids))
         engine.step()
-    return peak_rss_bytes()
+    return process_peak_rss()
 
 
 @pytest.mark.parametrize("stage,world,micro", [(0, 1, 4), (3, 2, 2)])
@@ -90,3 +92,18 @@ def test_peak_estimate_is_within_15_percent_of_measured_peak_rss(monkeypatch, st
                    compute_on_cpu=True)
     predicted = est.rows[0].host_peak
     assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
+
+
+def test_a_hugging_face_config_file_is_a_model_spec_that_spawned_trials_can_receive(tmp_path):
+    import json
+    import pickle
+
+    from engine.estimate import build_model, model_factory
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "vocab_size": 100, "max_position_embeddings": 64}))
+    factory = pickle.loads(pickle.dumps(model_factory(str(path))))  # as multiprocessing's spawn sends it
+    model = build_model(factory, "meta")
+    assert type(model).__name__ == "LlamaForCausalLM" and all(p.is_meta for p in model.parameters())

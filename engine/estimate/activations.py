@@ -62,7 +62,6 @@ class ActivationTrace:
     small_peak: int
     large_batch: int
     large_peak: int
-    seq_len: int
 
     @property
     def per_sample(self) -> float:
@@ -75,14 +74,14 @@ class ActivationTrace:
 def language_model_inputs(model: nn.Module, batch: int, seq_len: int) -> tuple[tuple, dict]:
     """(args, kwargs) of a training forward of a token language model: the example GPT or a Hugging Face
     causal LM, ids and labels [batch, seq_len] on the meta device."""
+    if hasattr(model, "example_inputs"):
+        return model.example_inputs(batch, seq_len)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if vocab is None:
         raise ValueError(f"{type(model).__name__}: the estimate traces token language models (a .config with "
                          "vocab_size, as the example GPT and Hugging Face models have); give the model an "
                          "`example_inputs(batch_size, seq_len)` method returning (args, kwargs) on the meta device")
     ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
-    if hasattr(model, "example_inputs"):
-        return model.example_inputs(batch, seq_len)
     if type(model).__module__.startswith("transformers."):
         return (), {"input_ids": ids, "labels": ids}
     return (ids, ids), {}
@@ -137,4 +136,4 @@ def trace_activations(model: nn.Module, seq_len: int, batch_multiple: int = 1) -
     """Peak step bytes at batches m and 2m (m = batch_multiple, e.g. the 2D mesh's q), for extrapolation."""
     small, large = batch_multiple, 2 * batch_multiple
     return ActivationTrace(small, peak_step_bytes(model, small, seq_len), large,
-                           peak_step_bytes(model, large, seq_len), seq_len)
+                           peak_step_bytes(model, large, seq_len))

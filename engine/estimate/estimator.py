@@ -90,19 +90,18 @@ def estimate(factory: Callable[[], nn.Module], config: dict, world: int, tp_size
     """Note [peak memory estimate] for each strategy (default: every candidate at `world` ranks with
     tensor-parallel sizes `tp_sizes`, default 1 and the config's) of the model `factory` builds, trained
     with `config` (a config dict: its batch size, precision, optimizer and chunk settings are kept)."""
-    base = load_config(config)
     if compute_on_cpu is None:
         compute_on_cpu = not torch.cuda.is_available()
     if strategies is None:
-        tp_sizes = sorted({1, base.tensor_parallel.size, *(tp_sizes or [])})
-        strategies = candidate_strategies(world, tp_sizes, nvme=True)
+        strategies = default_strategies(config, world, tp_sizes, nvme=True)
     meta = build_model(factory, "meta")
     seq_len = seq_len or default_seq_len(meta)
     result = Estimate(sum(p.numel() for p in meta.parameters()), world, 0, seq_len, compute_on_cpu, budgets)
     runtime = runtime_host_bytes()
     traces: dict[tuple, StrategyTrace] = {}
     for strategy in strategies:
-        cfg = load_config(strategy.config(config, nvme_path))
+        cfg_dict = strategy.config(config, nvme_path)
+        cfg = load_config(cfg_dict)
         dp = world // strategy.tp
         micro = cfg.batch_sizes(dp).micro_batch_size
         result.micro_batch = micro
@@ -111,10 +110,18 @@ def estimate(factory: Callable[[], nn.Module], config: dict, world: int, tp_size
             traces[key] = trace_strategy(factory, cfg, seq_len)
         trace = traces[key]
         states = model_states(trace.params, cfg, dp)
-        row = _combine(strategy, strategy.config(config, nvme_path), states, trace.activations.peak_at(micro),
+        row = _combine(strategy, cfg_dict, states, trace.activations.peak_at(micro),
                        runtime, 0 if zero_init else trace.built, compute_on_cpu)
         result.rows.append(_judge(row, budgets, compute_on_cpu))
     return result
+
+
+def default_strategies(config: dict, world: int, tp_sizes: list[int] | None, nvme: bool) -> list[Strategy]:
+    """The candidates at `world` ranks for tensor-parallel sizes 1, the config's and `tp_sizes`."""
+    base = load_config(config)
+    masters = PrecisionPolicy.from_config(base).compute_dtype != torch.float32
+    return candidate_strategies(world, sorted({1, base.tensor_parallel.size, *(tp_sizes or [])}), nvme=nvme,
+                                offload_param=not masters)
 
 
 @dataclass(frozen=True)
@@ -180,7 +187,9 @@ def _combine(strategy: Strategy, config: dict, states: ModelStates, activations:
     training = states.tiers.device + max(backward, states.update_extra)
     build = built + sum(c.nbytes for c in states.chunks) * 2 if built else 0  # no CPU-tier states exist yet
     device_peak = max(training, build)
-    host_peak = runtime + (max(states.tiers.cpu + training, build) if compute_on_cpu else states.tiers.cpu)
+    # on an accelerator the model is still built whole in host memory first (without zero_init)
+    host_peak = runtime + (max(states.tiers.cpu + training, build) if compute_on_cpu else
+                           max(states.tiers.cpu, built))
     return StrategyEstimate(strategy, config, states, activations, runtime, build, device_peak, host_peak,
                             states.tiers.nvme)
 

@@ -52,17 +52,27 @@ def _hugging_face_factory(path: str) -> Callable[[], nn.Module]:
         raise ModelSpecError(f"model {path!r}: a Hugging Face config needs the transformers package "
                              "(pip install transformers, or the extra .[hf])") from e
     try:
-        config = transformers.AutoConfig.from_pretrained(path)
+        transformers.AutoConfig.from_pretrained(path)
     except (OSError, ValueError, json.JSONDecodeError) as e:
         raise ModelSpecError(f"model {path!r}: not a Hugging Face model config ({e})") from e
+    return HuggingFaceFactory(os.path.abspath(path))
 
-    def build() -> nn.Module:
+
+class HuggingFaceFactory:
+    """Builds the model of a Hugging Face config file (a class, not a closure: `tiers tune` sends it to the
+    processes it spawns, which pickles it)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self) -> nn.Module:
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(self.path)
         try:
             return transformers.AutoModelForCausalLM.from_config(config)
         except ValueError:  # not a causal LM: the bare model
             return transformers.AutoModel.from_config(config)
-
-    return build
 
 
 def build_model(factory: Callable[[], nn.Module], device: torch.device | str) -> nn.Module:

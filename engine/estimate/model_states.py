@@ -138,7 +138,8 @@ def model_states(params: list[TrainableParam], config: Config, dp: int) -> Model
     master_bytes = sum(stepped(c) * FP32 for c in chunks) if masters else 0
 
     largest_stepped = max(stepped(c) * (FP32 if masters else c.dtype.itemsize) for c in chunks)
-    tiers = _placement(config, chunks, param, grad, states, master_bytes, shard_params, masters, largest_stepped)
+    tiers = _placement(config, chunks, param, grad, states, master_bytes, shard_params, shard_grads, masters,
+                       largest_stepped)
     gathered = 0
     if shard_params:  # Note [gathering around modules]: up to the prefetch window plus the chunk in use
         released = [c for c in chunks if not c.persistent]
@@ -157,7 +158,7 @@ def _prefetch_numel(config: Config) -> int:
 
 
 def _placement(config: Config, chunks: list[ChunkSpec], param: int, grad: int, states: int, master_bytes: int,
-               shard_params: bool, masters: bool, largest: int) -> Tiers:
+               shard_params: bool, shard_grads: bool, masters: bool, largest: int) -> Tiers:
     """Which tier each kind lives on (Note [offloaded optimizer states]). On a machine without an accelerator
     the device tier is CPU memory too, but it is still reported as the device tier."""
     zero = config.zero_optimization
@@ -166,7 +167,7 @@ def _placement(config: Config, chunks: list[ChunkSpec], param: int, grad: int, s
     if optimizer_home is None:
         return Tiers(device=param + grad + states + master_bytes)
     tiers = Tiers().on(optimizer_home, states).on("device", master_bytes)
-    grads_offloaded = grad and ShardingPolicy(zero.stage).shards(ChunkKind.GRAD) and not masters
+    grads_offloaded = shard_grads and not masters
     tiers = tiers.on(optimizer_home if grads_offloaded else "device", grad)
     if param_home is not None and shard_params:
         persistent = sum(c.nbytes for c in chunks if c.persistent)
@@ -176,6 +177,9 @@ def _placement(config: Config, chunks: list[ChunkSpec], param: int, grad: int, s
     # NVMe kinds stream through a CPU window of buffer_count stepped tensors each (the CPU budget initialize sets)
     block = config.aio.block_size
     window = 0
+    user_budget = config.memory.budget_bytes("cpu_budget")
+    if user_budget is not None and (optimizer_home == "nvme" or param_home == "nvme"):
+        return tiers.on("cpu", max(user_budget - tiers.cpu, 0))  # the manager may fill the user's CPU budget
     if optimizer_home == "nvme":
         window += zero.offload_optimizer.buffer_count * (3 if grads_offloaded else 2) * (largest + block)
     if param_home == "nvme" and shard_params:

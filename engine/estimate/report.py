@@ -45,10 +45,13 @@ def format_estimate(est: Estimate) -> str:
     fitting = est.fitting()
     if est.budgets != type(est.budgets)():
         if fitting:
-            best = max(fitting, key=lambda r: r.largest_factor or 0)
-            notes.append(f"Fits: {', '.join(r.strategy.name for r in fitting)}. Largest model that fits: "
-                         f"~{human_count(est.largest_params(best))} parameters with {best.strategy.name} (model "
-                         "states scaled with the parameter count, activations and runtime held at this model's).")
+            notes.append(f"Fits: {', '.join(r.strategy.name for r in fitting)}.")
+            scaled = [r for r in fitting if r.largest_factor is not None]
+            if scaled:
+                best = max(scaled, key=lambda r: r.largest_factor)
+                notes.append(f"Largest model that fits: ~{human_count(est.largest_params(best))} parameters with "
+                             f"{best.strategy.name} (model states scaled with the parameter count, activations and "
+                             "runtime held at this model's).")
         else:
             notes.append("Nothing fits the budgets: raise them, add ranks or NVMe, or shrink the micro batch.")
     return "\n".join([head, "", *table, "", *notes])

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 
 _PROBE = """
-import json, resource, torch
+import json, torch
 from engine import initialize
+from engine.estimate.runtime import peak_rss_bytes, reset_peak_rss
 from engine.models import gpt_tiny
+reset_peak_rss()
 torch.set_num_threads(1)
 engine = initialize(gpt_tiny(), {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
@@ -25,25 +28,49 @@ for _ in range(2):
     ids = torch.zeros(1, 32, dtype=torch.long)
     engine.backward(engine(ids, ids))
     engine.step()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"peak": peak, "states": sum(engine.model_state_bytes().values())}))
+print(json.dumps({"peak": peak_rss_bytes(), "states": sum(engine.model_state_bytes().values())}))
 """
 
 
 @functools.cache
 def runtime_host_bytes() -> int:
     """Peak RSS of a process training a tiny model, less that model's states (Linux, macOS: ru_maxrss)."""
-    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300,
-                          env=_probe_environment())
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300,
+                              env=_probe_environment())
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError("measuring the runtime's memory (a tiny model trained in a fresh interpreter) took over "
+                           "300 s; check that this machine is not overloaded and retry") from e
     if done.returncode != 0:
         raise RuntimeError(f"measuring the runtime's memory failed (exit {done.returncode}): {done.stderr[-2000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    scale = 1 if sys.platform != "darwin" else 1 / 1024  # macOS reports ru_maxrss in bytes
-    return int(result["peak"] * scale) - result["states"]
+    return result["peak"] - result["states"]
+
+
+def reset_peak_rss() -> None:
+    """Linux: the peak RSS starts again from the current RSS. A child process started by fork inherits its
+    parent's peak (ru_maxrss survives exec), so a large parent would otherwise count as the child's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not Linux, or not permitted: ru_maxrss stands
+        pass
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set: VmHWM on Linux (resettable), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def _probe_environment() -> dict[str, str]:
-    import os
     env = dict(os.environ)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # one process on its own, never joining a job this one belongs to

@@ -32,15 +32,14 @@ class Strategy:
         zero = config.setdefault("zero_optimization", {})
         zero["stage"] = self.stage
         for key, device in (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)):
-            section = {k: v for k, v in zero.get(key, {}).items() if k not in ("device", "nvme_path")}
-            if device != "none":
-                section["device"] = device
-                if device == "nvme":
-                    section["nvme_path"] = nvme_path or "nvme"
-            if section or device != "none":
-                zero[key] = section
-            else:
+            if device == "none":  # the whole section goes: its other keys (step_in_backward, ...) need offload
                 zero.pop(key, None)
+                continue
+            section = {k: v for k, v in zero.get(key, {}).items() if k not in ("device", "nvme_path")}
+            section["device"] = device
+            if device == "nvme":
+                section["nvme_path"] = nvme_path or "nvme"
+            zero[key] = section
         if self.offload_optimizer == "none":
             config.get("memory", {}).pop("cpu_budget", None)  # a CPU budget needs offload (config validation)
         tensor_parallel = config.setdefault("tensor_parallel", {})
@@ -50,9 +49,11 @@ class Strategy:
         return config
 
 
-def candidate_strategies(world: int, tp_sizes: list[int], nvme: bool = True) -> list[Strategy]:
+def candidate_strategies(world: int, tp_sizes: list[int], nvme: bool = True,
+                         offload_param: bool = True) -> list[Strategy]:
     """Every stage / offload / tensor-parallel combination worth comparing at `world` ranks, cheapest
-    communication first: DDP, ZeRO-1/2, TP, ZeRO-3, then CPU offload and NVMe."""
+    communication first: DDP, ZeRO-1/2, TP, ZeRO-3, then CPU offload and NVMe. offload_param=False leaves
+    out parameter offload (the engine refuses it with bf16/fp16 masters)."""
     offloads = ["cpu"] + (["nvme"] if nvme else [])
     for tp in tp_sizes:
         if tp < 1 or world % tp:
@@ -64,7 +65,7 @@ def candidate_strategies(world: int, tp_sizes: list[int], nvme: bool = True) -> 
     for tp in tp_sizes:
         for stage in ([1, 2, 3] if tp in sharded else [1]):
             out += [Strategy(stage, tp, device) for device in offloads]
-            if stage == 3:
+            if stage == 3 and offload_param:
                 out += [Strategy(3, tp, device, device) for device in offloads]
     return sorted(out, key=lambda s: (s.offload_optimizer != "none", s.offload_optimizer == "nvme", s.stage == 3,
                                       s.tp > 1, s.stage))

@@ -14,10 +14,8 @@ import copy
 import multiprocessing
 import os
 import queue
-import resource
 import socket
 import statistics
-import sys
 import tempfile
 import time
 import traceback
@@ -28,6 +26,7 @@ import torch
 from torch import nn
 
 from engine.estimate.activations import language_model_inputs, loss_of
+from engine.estimate.runtime import peak_rss_bytes, reset_peak_rss
 
 
 @dataclass(frozen=True)
@@ -74,15 +73,19 @@ def run_trial(factory: Callable[[], nn.Module], config: dict, world: int, seq_le
                         raise TrialError(f"no result within {timeout_s:.0f} s")
                 if reports and isinstance(reports[-1], str):
                     raise TrialError(reports[-1])
+        except TrialError:
+            for p in ranks:  # a failed trial's other ranks may wait in a collective forever
+                p.kill()
+            raise
         finally:
             for p in ranks:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
                     p.join()
-    times = [statistics.median(max(step) for step in zip(*(r["times"] for r in reports)))]
+    step_s = statistics.median(max(step) for step in zip(*(r["times"] for r in reports)))
     device = [r["device_peak"] for r in reports]
-    return TrialResult(times[0], max(r["peak_rss"] for r in reports),
+    return TrialResult(step_s, max(r["peak_rss"] for r in reports),
                        None if device[0] is None else max(device), max(r["managed_cpu"] for r in reports))
 
 
@@ -94,8 +97,11 @@ def _rank_main(rank, world, port, factory, config, seq_len, steps, warmup, resul
 
 
 def _train(rank, world, port, factory, config, seq_len, steps, warmup) -> dict:
+    reset_peak_rss()  # the peak this process reaches itself, not its parent's (runtime.py)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    # CPU compute: one thread per rank, as torchrun sets OMP_NUM_THREADS=1; on CUDA the CPU threads serve the
+    # offloaded optimizer, so the ranks share the cores
     torch.set_num_threads(max(os.cpu_count() // world, 1) if torch.cuda.is_available() else 1)
     import torch.distributed as dist
     from engine import initialize
@@ -126,9 +132,7 @@ def _train(rank, world, port, factory, config, seq_len, steps, warmup) -> dict:
     managed_cpu = manager.stats.peak_bytes.get("cpu", 0) if manager is not None else 0
     device_peak = torch.cuda.max_memory_allocated() if engine.device.type == "cuda" else None
     engine.close()
-    scale = 1 if sys.platform != "darwin" else 1 / 1024  # Linux: KiB; macOS: bytes
-    peak_rss = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 * scale)
-    return {"times": times, "peak_rss": peak_rss, "device_peak": device_peak, "managed_cpu": managed_cpu}
+    return {"times": times, "peak_rss": peak_rss_bytes(), "device_peak": device_peak, "managed_cpu": managed_cpu}
 
 
 def _with_swap_directories(config: dict, world: int, cleanup: contextlib.ExitStack) -> list[dict]:

@@ -25,9 +25,8 @@ from typing import Callable
 
 from torch import nn
 
-from engine.estimate.estimator import Budgets, Estimate, StrategyEstimate, estimate
+from engine.estimate.estimator import Budgets, Estimate, StrategyEstimate, default_strategies, estimate
 from engine.estimate.report import human_bytes
-from engine.estimate.strategies import candidate_strategies
 from engine.estimate.trials import TrialError, TrialResult, run_trial
 
 DEFAULT_CONFIG = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
@@ -68,12 +67,12 @@ def tune(factory: Callable[[], nn.Module], world: int, budgets: Budgets, config:
          nvme_path: str | None = None, time_budget_s: float | None = None, steps: int = 3, warmup: int = 1,
          seq_len: int | None = None, tp_sizes: list[int] | None = None) -> TuneResult:
     """Note [tuning]."""
+    started, longest = time.monotonic(), 0.0
     config = config or DEFAULT_CONFIG
-    strategies = candidate_strategies(world, sorted({1, *(tp_sizes or [])}), nvme=nvme_path is not None)
+    strategies = default_strategies(config, world, tp_sizes, nvme=nvme_path is not None)
     est = estimate(factory, config, world, budgets=budgets, seq_len=seq_len, strategies=strategies,
                    nvme_path=nvme_path)
     result = TuneResult(est)
-    started, longest = time.monotonic(), 0.0
     for row in est.rows:
         if not row.fits:
             result.candidates.append(Candidate(row, Verdict.OVER_ESTIMATE, "; ".join(row.misfits)))
@@ -83,7 +82,9 @@ def tune(factory: Callable[[], nn.Module], world: int, budgets: Budgets, config:
             continue
         trial_start = time.monotonic()
         try:
-            measured = run_trial(factory, row.config, world, est.seq_len, steps=steps, warmup=warmup)
+            left = 600.0 if time_budget_s is None else max(time_budget_s - (time.monotonic() - started), 30.0)
+            measured = run_trial(factory, row.config, world, est.seq_len, steps=steps, warmup=warmup,
+                                 timeout_s=min(left, 600.0))
         except TrialError as e:
             longest = max(longest, time.monotonic() - trial_start)
             result.candidates.append(Candidate(row, Verdict.FAILED, str(e).strip().splitlines()[-1]))
