@@ -53,24 +53,28 @@ def _launch_command(args: argparse.Namespace) -> int:
 
 
 def _byte_budgets(args: argparse.Namespace):
-    from engine.estimate import Budgets
+    from engine.estimate import RankBudgets
 
-    return Budgets(*(parse_byte_size(value, flag) for value, flag in
-                     ((args.device_memory, "--device-memory"), (args.cpu_memory, "--cpu-memory"),
-                      (args.nvme_space, "--nvme-space"))))
+    return RankBudgets(*(parse_byte_size(value, flag) for value, flag in
+                         ((args.device_memory, "--device-memory"), (args.cpu_memory, "--cpu-memory"),
+                          (args.nvme_space, "--nvme-space"))))
+
+
+def _read_json(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def _estimate_command(args: argparse.Namespace) -> int:
-    from engine.estimate import ModelSpecError, estimate, format_estimate, model_factory
+    from engine.estimate import estimate, format_estimate, model_factory
 
-    try:
-        factory = model_factory(args.model)
-        with open(args.config) as f:
-            config = json.load(f)
-        est = estimate(factory, config, args.world, [args.tp], _byte_budgets(args), seq_len=args.seq_len,
+    try:  # ModelSpecError and json's errors are ValueErrors
+        est = estimate(model_factory(args.model), _read_json(args.config), args.world, [args.tp], _byte_budgets(args), seq_len=args.seq_len,
                        compute_on_cpu=None if args.device == "auto" else args.device == "cpu",
                        zero_init=args.zero_init)
-    except (ModelSpecError, OSError, json.JSONDecodeError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError) as e:
         print(f"tiers estimate: {e}", file=sys.stderr)
         return 2
     print(format_estimate(est))
@@ -78,21 +82,16 @@ def _estimate_command(args: argparse.Namespace) -> int:
 
 
 def _tune_command(args: argparse.Namespace) -> int:
-    from engine.estimate import ModelSpecError, model_factory
+    from engine.estimate import model_factory
     from engine.estimate.tune import format_tune, tune, write_config
 
-    try:
-        factory = model_factory(args.model)
-        config = None
-        if args.config:
-            with open(args.config) as f:
-                config = json.load(f)
+    try:  # ModelSpecError and json's errors are ValueErrors
         if args.nvme and not os.path.isdir(args.nvme):
             raise ValueError(f"--nvme {args.nvme}: no such directory")
-        result = tune(factory, args.world, _byte_budgets(args), config, nvme_path=args.nvme,
-                      time_budget_s=args.time_budget, steps=args.steps, seq_len=args.seq_len,
-                      tp_sizes=[args.tp] if args.tp > 1 else None)
-    except (ModelSpecError, OSError, json.JSONDecodeError, ValueError, RuntimeError) as e:
+        result = tune(model_factory(args.model), args.world, _byte_budgets(args), _read_json(args.config),
+                      nvme_path=args.nvme, time_budget_s=args.time_budget, steps=args.steps, seq_len=args.seq_len,
+                      tp_sizes=[args.tp])
+    except (OSError, ValueError, RuntimeError) as e:
         print(f"tiers tune: {e}", file=sys.stderr)
         return 2
     print(format_tune(result))
@@ -103,7 +102,7 @@ def _tune_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_and_budget_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="package.module:factory (e.g. engine.models:gpt_small), or a Hugging Face config.json")
     parser.add_argument("--world", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
@@ -161,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.set_defaults(run=_launch_command)
     est = sub.add_parser("estimate", help="per-rank device, CPU and NVMe bytes of every ZeRO stage / offload / "
                          "tensor-parallel strategy, and what fits the budgets")
-    add_budget_arguments(est)
+    add_model_and_budget_arguments(est)
     est.add_argument("--config", required=True, help="JSON config (batch size, precision, optimizer, chunks)")
     est.add_argument("--tp", type=int, default=1, help="also estimate this tensor-parallel size (1 and the config's "
                      "always)")
@@ -173,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.set_defaults(run=_estimate_command)
     tune = sub.add_parser("tune", help="short trials of the strategies the estimate says fit, on this machine; "
                           "writes the fastest that fits as a config")
-    add_budget_arguments(tune)
+    add_model_and_budget_arguments(tune)
     tune.add_argument("--config", default=None,
                       help="the config to start from (batch size, precision, optimizer); default: micro batch 1, AdamW")
     tune.add_argument("--tp", type=int, default=1, help="also try this tensor-parallel size")

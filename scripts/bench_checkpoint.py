@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (KEEP_FREED_MEMORY_ENV, DiskCounter, add_json_option, fmt_bytes, free_port,  # noqa: E402
-                          init_gloo, markdown_table, publish_report, result_record, spawn_ranks, write_results)
+                          init_gloo, publish_report, result_record, spawn_ranks, write_results)
+from engine.estimate.report import markdown_table  # noqa: E402
 from disk_baseline import dd_bandwidth  # noqa: E402
 
 

@@ -29,8 +29,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (KEEP_FREED_MEMORY_ENV, SavedActivationBytes, add_json_option, fmt_bytes,  # noqa: E402
-                          markdown_table, median, peak_rss_bytes, publish_report, result_record, spawn_ranks,
-                          write_results)
+                          median, publish_report, result_record, spawn_ranks, write_results)
+from engine.estimate.report import markdown_table  # noqa: E402
+from engine.estimate.runtime import peak_rss_bytes  # noqa: E402
 
 SYSTEMS = ("off", "ours", "torch")
 LABELS = {"off": "no checkpointing", "ours": "tiers activation_checkpointing",

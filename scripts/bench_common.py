@@ -4,7 +4,7 @@ Benchmarks are scripts, never timed assertions (DESIGN.md, Conventions). A scrip
 
     port = free_port()
     results = spawn_ranks(worker, world, args=(port, options))  # worker(rank, world, port, options, results)
-    print(markdown_table(headers, rows))
+    print(markdown_table(headers, rows))  # engine.estimate.report.markdown_table
     print(machine_line(command_line()))
     write_results(args.json, [result_record("dp", "tiers stage 0", world=2, ...), ...])  # --json, for bench_all.py
 
@@ -31,6 +31,8 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from engine.estimate.runtime import reset_peak_rss
 
 try:
     import resource
@@ -200,22 +202,6 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size since it started or since reset_peak_rss() (Linux: VmHWM in
-    /proc/self/status; elsewhere getrusage's ru_maxrss, which cannot be reset; 0 where neither exists)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    if resource is None:
-        return 0
-    scale = 1 if sys.platform == "darwin" else 1024  # macOS: bytes; Linux: KiB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-
-
 # Note [peak memory of one system]
 # The data-parallel, ZeRO and tensor-parallel benchmarks time several systems one after another in the
 # same rank processes, and glibc keeps freed memory (Note [malloc in benchmarks]): a system run second
@@ -231,12 +217,7 @@ def release_free_heap_and_reset_peak() -> bool:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    return reset_peak_rss()
 
 
 def max_over_ranks(value: float) -> float:
@@ -312,18 +293,6 @@ def command_line() -> str:
     except ValueError:
         pass
     return shlex.join([exe, *sys.argv])
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A GitHub markdown table; cells are str()-ed, columns padded for reading in a terminal."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(r):
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
-
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
 
 
 def fmt_bytes(n: float) -> str:

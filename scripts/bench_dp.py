@@ -31,27 +31,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (  # noqa: E402
-    KEEP_FREED_MEMORY_ENV,
-    CpuMeter,
-    LoopbackCounter,
-    add_json_option,
-    barrier_time,
-    command_line,
-    fmt_bytes,
-    free_port,
-    init_gloo,
-    machine_line,
-    markdown_table,
-    max_over_ranks,
-    median,
-    peak_rss_bytes,
-    release_free_heap_and_reset_peak,
-    result_record,
-    spawn_ranks,
-    write_results,
-    write_text,
-)
+from bench_common import (KEEP_FREED_MEMORY_ENV, CpuMeter, LoopbackCounter, add_json_option, barrier_time,  # noqa: E402
+                          command_line, fmt_bytes, free_port, init_gloo, machine_line, max_over_ranks, median,
+                          release_free_heap_and_reset_peak, result_record, spawn_ranks, write_results,
+                          write_text)
+from engine.estimate.report import markdown_table  # noqa: E402
+from engine.estimate.runtime import peak_rss_bytes  # noqa: E402
 
 SYSTEMS = ("ours", "ddp")
 LABELS = {"floor": "single process (no comm)", "ours": "tiers stage 0", "ddp": "torch DDP"}

@@ -19,8 +19,8 @@ import sys
 import tempfile
 import time
 
-from bench_common import (add_json_option, free_port, markdown_table, median, publish_report, result_record,
-                          write_results)
+from bench_common import add_json_option, free_port, median, publish_report, result_record, write_results
+from engine.estimate.report import markdown_table
 
 JOB = """import torch, torch.distributed as dist
 dist.init_process_group("gloo")

@@ -18,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from bench_common import markdown_table
+from engine.estimate.report import markdown_table
 
 REPORT_MARKER = "<!-- report -->"
 RUN_LINE = re.compile(r"^<!--\s*run:\s*(.*?)\s*-->\s*$")

@@ -33,8 +33,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (DiskCounter, add_json_option, fmt_bytes, free_port, init_gloo, markdown_table,  # noqa: E402
-                          one_thread, peak_rss_bytes, publish_report, result_record, spawn_ranks, write_results)
+from bench_common import (DiskCounter, add_json_option, fmt_bytes, free_port, init_gloo, one_thread,  # noqa: E402
+                          publish_report, result_record, spawn_ranks, write_results)
+from engine.estimate.report import markdown_table  # noqa: E402
+from engine.estimate.runtime import peak_rss_bytes  # noqa: E402
 from disk_baseline import dd_bandwidth  # noqa: E402
 
 

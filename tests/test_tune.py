@@ -7,13 +7,13 @@ import json
 
 from engine.cli import main
 from engine.config import load_config
-from engine.estimate import Budgets
+from engine.estimate import RankBudgets
 from engine.estimate.tune import Verdict, format_tune, measured_misfits, tune, write_config
 from engine.models import gpt_bench30m
 from tests.rss import MALLOC_ENV
 
 # bench30m at micro batch 1 on 2 ranks: DDP's estimated host peak is ~0.91 GB per rank, ZeRO-1/2/3's 0.75-0.81 GB
-BUDGETS = Budgets(cpu=860_000_000)
+BUDGETS = RankBudgets(cpu=860_000_000)
 
 
 def test_tune_picks_the_fastest_fitting_config_and_writes_it(tmp_path, monkeypatch):

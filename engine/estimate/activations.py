@@ -71,9 +71,10 @@ class ActivationTrace:
         return max(round(self.small_peak + self.per_sample * (micro_batch - self.small_batch)), 0)
 
 
-def language_model_inputs(model: nn.Module, batch: int, seq_len: int) -> tuple[tuple, dict]:
+def language_model_inputs(model: nn.Module, batch: int, seq_len: int,
+                          ids: torch.Tensor | None = None) -> tuple[tuple, dict]:
     """(args, kwargs) of a training forward of a token language model: the example GPT or a Hugging Face
-    causal LM, ids and labels [batch, seq_len] on the meta device."""
+    causal LM, `ids` as both inputs and labels (default: [batch, seq_len] on the meta device)."""
     if hasattr(model, "example_inputs"):
         return model.example_inputs(batch, seq_len)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -81,7 +82,8 @@ def language_model_inputs(model: nn.Module, batch: int, seq_len: int) -> tuple[t
         raise ValueError(f"{type(model).__name__}: the estimate traces token language models (a .config with "
                          "vocab_size, as the example GPT and Hugging Face models have); give the model an "
                          "`example_inputs(batch_size, seq_len)` method returning (args, kwargs) on the meta device")
-    ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    if ids is None:
+        ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
     if type(model).__module__.startswith("transformers."):
         return (), {"input_ids": ids, "labels": ids}
     return (ids, ids), {}

@@ -38,8 +38,9 @@ from engine.precision import PrecisionPolicy
 
 
 @dataclass(frozen=True)
-class Budgets:
-    """Bytes one rank may use on each tier (None: not limited)."""
+class RankBudgets:
+    """Bytes one rank may use on each tier (None: not limited); the whole process's, unlike
+    offload.manager.Budgets, which caps the chunks one ChunkManager keeps on a tier."""
 
     device: int | None = None
     cpu: int | None = None
@@ -72,7 +73,7 @@ class Estimate:
     micro_batch: int
     seq_len: int
     compute_on_cpu: bool
-    budgets: Budgets
+    budgets: RankBudgets
     rows: list[StrategyEstimate] = field(default_factory=list)
 
     def fitting(self) -> list[StrategyEstimate]:
@@ -84,7 +85,7 @@ class Estimate:
 
 
 def estimate(factory: Callable[[], nn.Module], config: dict, world: int, tp_sizes: list[int] | None = None,
-             budgets: Budgets = Budgets(), seq_len: int | None = None, compute_on_cpu: bool | None = None,
+             budgets: RankBudgets = RankBudgets(), seq_len: int | None = None, compute_on_cpu: bool | None = None,
              zero_init: bool = False, strategies: list[Strategy] | None = None,
              nvme_path: str | None = None) -> Estimate:
     """Note [peak memory estimate] for each strategy (default: every candidate at `world` ranks with
@@ -194,7 +195,7 @@ def _combine(strategy: Strategy, config: dict, states: ModelStates, activations:
                             states.tiers.nvme)
 
 
-def _judge(row: StrategyEstimate, budgets: Budgets, compute_on_cpu: bool) -> StrategyEstimate:
+def _judge(row: StrategyEstimate, budgets: RankBudgets, compute_on_cpu: bool) -> StrategyEstimate:
     """The budgets each peak exceeds, and the factor on the parameter count at which the tightest budget is
     just met (activations and the runtime held fixed)."""
     activations = row.activations if row.device_peak > row.build else 0  # the build peak has none

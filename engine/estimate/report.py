@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from engine.estimate.estimator import Estimate
 
 
@@ -19,6 +21,18 @@ def human_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub markdown table; cells are str()-ed, columns padded for reading in a terminal."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r):
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
+
+
 def format_estimate(est: Estimate) -> str:
     """A markdown table of every strategy's per-rank bytes, then which strategies fit and the largest model."""
     device = "device (CPU)" if est.compute_on_cpu else "device"
@@ -32,9 +46,6 @@ def format_estimate(est: Estimate) -> str:
                      human_bytes(r.nvme), human_bytes(r.activations), human_bytes(r.device_peak),
                      human_bytes(r.host_peak), "yes" if r.fits else "no: " + "; ".join(r.misfits),
                      "—" if largest is None else human_count(largest)])
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
-    table = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows]
     budget = ", ".join(f"{tier} {human_bytes(v)}" for tier, v in
                        (("device", est.budgets.device), ("cpu", est.budgets.cpu), ("nvme", est.budgets.nvme))
                        if v is not None) or "none given"
@@ -54,4 +65,4 @@ def format_estimate(est: Estimate) -> str:
                              "runtime held at this model's).")
         else:
             notes.append("Nothing fits the budgets: raise them, add ranks or NVMe, or shrink the micro batch.")
-    return "\n".join([head, "", *table, "", *notes])
+    return "\n".join([head, "", markdown_table(headers, rows), "", *notes])

@@ -47,14 +47,16 @@ def runtime_host_bytes() -> int:
     return result["peak"] - result["states"]
 
 
-def reset_peak_rss() -> None:
+def reset_peak_rss() -> bool:
     """Linux: the peak RSS starts again from the current RSS. A child process started by fork inherits its
-    parent's peak (ru_maxrss survives exec), so a large parent would otherwise count as the child's."""
+    parent's peak (ru_maxrss survives exec), so a large parent would otherwise count as the child's.
+    False where it cannot be reset (not Linux, or not permitted: ru_maxrss stands)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-    except OSError:  # not Linux, or not permitted: ru_maxrss stands
-        pass
+        return True
+    except OSError:
+        return False
 
 
 def peak_rss_bytes() -> int:

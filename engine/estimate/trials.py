@@ -118,10 +118,8 @@ def _train(rank, world, port, factory, config, seq_len, steps, warmup) -> dict:
             dist.barrier()
         start = time.perf_counter()
         for _ in range(engine.gradient_accumulation_steps):
-            args, kwargs = language_model_inputs(model, micro, seq_len)
             ids = torch.randint(0, vocab, (micro, seq_len), generator=generator).to(engine.device)
-            args = tuple(ids if isinstance(a, torch.Tensor) else a for a in args)
-            kwargs = {k: ids if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            args, kwargs = language_model_inputs(model, micro, seq_len, ids)
             engine.backward(loss_of(engine(*args, **kwargs)))
             engine.step()
         if dist.is_initialized():

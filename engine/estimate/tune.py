@@ -25,8 +25,8 @@ from typing import Callable
 
 from torch import nn
 
-from engine.estimate.estimator import Budgets, Estimate, StrategyEstimate, default_strategies, estimate
-from engine.estimate.report import human_bytes
+from engine.estimate.estimator import Estimate, RankBudgets, StrategyEstimate, default_strategies, estimate
+from engine.estimate.report import human_bytes, markdown_table
 from engine.estimate.trials import TrialError, TrialResult, run_trial
 
 DEFAULT_CONFIG = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
@@ -63,7 +63,7 @@ class TuneResult:
         return [c for c in self.candidates if c.trial is not None]
 
 
-def tune(factory: Callable[[], nn.Module], world: int, budgets: Budgets, config: dict | None = None,
+def tune(factory: Callable[[], nn.Module], world: int, budgets: RankBudgets, config: dict | None = None,
          nvme_path: str | None = None, time_budget_s: float | None = None, steps: int = 3, warmup: int = 1,
          seq_len: int | None = None, tp_sizes: list[int] | None = None) -> TuneResult:
     """Note [tuning]."""
@@ -99,7 +99,7 @@ def tune(factory: Callable[[], nn.Module], world: int, budgets: Budgets, config:
     return result
 
 
-def measured_misfits(measured: TrialResult, row: StrategyEstimate, budgets: Budgets,
+def measured_misfits(measured: TrialResult, row: StrategyEstimate, budgets: RankBudgets,
                      compute_on_cpu: bool) -> list[str]:
     """Note [tuning] 3: the budgets a trial's measured memory exceeds."""
     device = measured_device_bytes(measured, row, compute_on_cpu)
@@ -127,13 +127,10 @@ def format_tune(result: TuneResult) -> str:
                      f"{t.step_s:.3f}" if t else "—", human_bytes(t.peak_rss) if t else "—",
                      human_bytes(measured_device_bytes(t, c.row, on_cpu)) if t else "—",
                      c.verdict.value + (f" ({c.reason})" if c.reason else "")])
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-    line = lambda cells: "| " + " | ".join(str(x).ljust(w) for x, w in zip(cells, widths)) + " |"
-    table = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows]
     chosen = result.chosen
     verdict = (f"Chosen: {chosen.row.strategy.name}, {chosen.trial.step_s:.3f} s/step." if chosen else
                "Nothing fits and finished: raise the budgets, add ranks or NVMe (--nvme), or lower the micro batch.")
-    return "\n".join([*table, "", verdict])
+    return "\n".join([markdown_table(headers, rows), "", verdict])
 
 
 def write_config(result: TuneResult, path: str) -> None:
