@@ -22,6 +22,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+# Imported before any process group starts, for its side effect: torch.distributed.nn.functional binds `group.WORLD`
+# as a default argument when first imported, and torch imports it lazily (torch.optim.Optimizer -> torch._dynamo ->
+# fsdp -> _shard). Imported after init_process_group, it would hold the world group past destroy_process_group until
+# interpreter shutdown, where gloo's worker threads can abort the process ("terminate called without an active
+# exception", seen once in CI). Imported now, it binds None. tests/test_shutdown.py shows it.
+import torch.distributed.nn.functional  # noqa: F401
 
 
 def compute_device() -> torch.device:
@@ -48,6 +54,7 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     _check_restartable()
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
 
 
 def _check_restartable() -> None:

@@ -15,6 +15,7 @@ that dies makes the job restart from there and end as an uninterrupted run would
 """
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -187,5 +188,10 @@ if master:
     print(f"tensorboard: tensorboard --logdir {log_dir}" if log_dir else "tensorboard: off (enable it in the config)",
           flush=True)
 engine.close()
+# The engine holds its process groups. Free it (and the model its hooks hang on) before destroying them, so gloo's
+# worker threads are joined now and not during interpreter shutdown, where a thread still holding a tensor aborts
+# the process ("terminate called without an active exception").
+engine = model = None
+gc.collect()
 if dist.is_initialized():
     dist.destroy_process_group()

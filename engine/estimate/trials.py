@@ -94,6 +94,10 @@ def _rank_main(rank, world, port, factory, config, seq_len, steps, warmup, resul
         results.put(_train(rank, world, port, factory, config[rank], seq_len, steps, warmup))
     except BaseException:  # noqa: B902 - the parent reports it, with the traceback
         results.put(f"rank {rank}: {traceback.format_exc(limit=8)}")
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():  # gloo's threads are joined now, not during interpreter shutdown
+            dist.destroy_process_group()
 
 
 def _train(rank, world, port, factory, config, seq_len, steps, warmup) -> dict:

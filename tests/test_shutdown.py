@@ -1,0 +1,50 @@
+"""A clean shutdown under torchrun leaves no gloo threads to die at interpreter exit.
+
+torch binds the world group as a default argument of torch.distributed.nn.functional when it first imports it,
+lazily, from inside torch.optim.Optimizer. Had the engine started the process group before that import, the world
+group would outlive destroy_process_group, and its worker threads would be torn down during interpreter shutdown,
+where one that still holds a tensor aborts the process (CI once saw scripts/train.py exit with SIGABRT after
+training: "terminate called without an active exception")."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.distributed import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+JOB = """
+import gc, os, torch, torch.distributed as dist
+from engine import initialize
+from engine.models import gpt_from_preset
+
+torch.manual_seed(0)
+model = gpt_from_preset("tiny")
+engine = initialize(model, {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                            "zero_optimization": {"stage": 2}})
+ids = torch.randint(0, model.config.vocab_size, (2, model.config.block_size))
+engine.backward(engine(ids, ids))
+engine.step()
+engine.close()
+del engine, model
+gc.collect()
+dist.destroy_process_group()
+threads = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+print("threads after shutdown:", threads, flush=True)
+"""
+
+
+def test_engine_started_groups_leave_no_gloo_threads_after_destroy_process_group(tmp_path):
+    (tmp_path / "job.py").write_text(JOB)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "job.py"]
+    job = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert job.returncode == 0, job.stderr[-3000:]
+    reports = [line for line in job.stdout.splitlines() if line.startswith("threads after shutdown:")]
+    assert len(reports) == 2, job.stdout
+    for report in reports:
+        assert "gloo" not in report, f"gloo threads outlived destroy_process_group: {report}"
