@@ -56,7 +56,6 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-
 def _check_restartable() -> None:
     """torchrun --max-restarts with the workers sharing the rendezvous store (torch's default): a restarted worker
     may read the previous attempt's addresses from it and hang or fail in init_process_group (seen here with torch

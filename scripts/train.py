@@ -189,8 +189,8 @@ if master:
           flush=True)
 engine.close()
 # The engine holds its process groups. Free it (and the model its hooks hang on) before destroying them, so gloo's
-# worker threads are joined now and not during interpreter shutdown, where a thread still holding a tensor aborts
-# the process ("terminate called without an active exception").
+# worker threads are joined now and not during interpreter shutdown, where one can abort the process (see the note
+# at the top of engine/topology.py).
 engine = model = None
 gc.collect()
 if dist.is_initialized():

@@ -3,8 +3,8 @@
 torch binds the world group as a default argument of torch.distributed.nn.functional when it first imports it,
 lazily, from inside torch.optim.Optimizer. Had the engine started the process group before that import, the world
 group would outlive destroy_process_group, and its worker threads would be torn down during interpreter shutdown,
-where one that still holds a tensor aborts the process (CI once saw scripts/train.py exit with SIGABRT after
-training: "terminate called without an active exception")."""
+where they can abort the process (CI once saw rank 0 of scripts/train.py exit with SIGABRT after training:
+"terminate called without an active exception")."""
 
 import os
 import subprocess
