@@ -18,6 +18,7 @@ import dataclasses
 import datetime
 import math
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,13 @@ import torch.distributed as dist
 # interpreter shutdown, where gloo's worker threads can abort the process ("terminate called without an active
 # exception", seen once in CI). Imported now, it binds None. tests/test_shutdown.py shows it.
 import torch.distributed.nn.functional  # noqa: F401
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS picks it), for a local job's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def compute_device() -> torch.device:

@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.estimate.runtime import reset_peak_rss
+from engine import topology
 
 try:
     import resource
@@ -43,11 +43,7 @@ LOOPBACK_NAMES = ("lo", "lo0")  # Linux, macOS
 
 
 # ---- processes and process groups ----------------------------------------------------------------
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+free_port = topology.free_port  # the one the engine's trials and the tests' spawn helper use too
 
 
 def one_thread() -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import os
 import queue
-import socket
 import time
 import traceback
 
@@ -21,11 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from engine.topology import free_port
 
 
 def _entry(worker, rank: int, world_size: int, port: int, args: tuple, results) -> None:

@@ -14,7 +14,6 @@ import copy
 import multiprocessing
 import os
 import queue
-import socket
 import statistics
 import tempfile
 import time
@@ -27,6 +26,7 @@ from torch import nn
 
 from engine.estimate.activations import language_model_inputs, loss_of
 from engine.estimate.runtime import peak_rss_bytes, reset_peak_rss
+from engine.topology import free_port
 
 
 @dataclass(frozen=True)
@@ -41,18 +41,12 @@ class TrialError(RuntimeError):
     """A trial that did not finish: a rank raised, died (e.g. killed for memory) or ran out of time."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_trial(factory: Callable[[], nn.Module], config: dict, world: int, seq_len: int, steps: int = 3,
               warmup: int = 1, timeout_s: float = 600.0) -> TrialResult:
     """Trains `config` for warmup + steps steps on `world` local ranks; raises TrialError when it fails."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     with contextlib.ExitStack() as cleanup:
         config = _with_swap_directories(config, world, cleanup)
         ranks = [context.Process(target=_rank_main, daemon=True,
