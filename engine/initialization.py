@@ -10,19 +10,24 @@ import torch
 from torch import nn
 
 from engine.activation_checkpointing import ActivationCheckpointing
-from engine.comm import broadcast_from
+from engine.comm import CommCounter, broadcast_from
 from engine.config import Config, ConfigError, load_config
 from engine.engine import Engine
 from engine.lr_schedules import build_lr_scheduler
 from engine.monitor import Monitor
+from engine.step_metrics import StepMetrics
 from engine.optim import build_optimizer
 from engine.precision import PrecisionPolicy, build_loss_scaler
 from engine.tensor_parallel import Mesh2D, TensorParallel, TPGroup, apply_tensor_parallel
 from engine.tensor_parallel.rng import RNGStreams
 from engine.topology import Topology
 from engine.zero.chunked_params import ChunkedParams
+from engine.zero.grad_clip import GradientClipper
+from engine.zero.grad_sync import GradReducer
 from engine.zero.offloaded_optimizer import OffloadedOptimizer
+from engine.zero.param_gather import ParamGatherer
 from engine.zero.policy import ChunkKind, ShardingPolicy
+from engine.zero.runtime import ZeroRuntime
 from engine.zero.zero_init import materialize_parameters, zero_init_placeholders
 from offload.chunk import Location
 from offload.manager import Budgets, ChunkManager
@@ -128,9 +133,36 @@ def initialize(
     if recording is not None:  # after offloading: shards may load straight into the chunk manager
         materialize_parameters(model, chunked, recording, meta_of, topology.device, topology.dp_group)
     scheduler = _scheduler(cfg, optimizer, lr_scheduler)
-    monitor = Monitor(cfg.tensorboard, cfg.steps_per_print, is_writer_rank=topology.rank == 0, device=topology.device)
-    return Engine(model, cfg, batch, topology, chunked, optimizer, scheduler, build_loss_scaler(cfg),
-                  PrecisionPolicy.from_config(cfg), monitor, tensor_parallel, checkpointing)
+    loss_scaler = build_loss_scaler(cfg)
+    runtime = zero_runtime(model, cfg, chunked, optimizer, topology, loss_scaler)
+    metrics = StepMetrics(runtime.comm, topology.device, cfg.wall_clock_breakdown,
+                          (lambda: checkpointing.recompute_seconds) if cfg.activation_checkpointing.profile else None,
+                          (lambda: optimizer.manager.stats) if isinstance(optimizer, OffloadedOptimizer) else None)
+    monitor = Monitor(cfg.tensorboard, cfg.steps_per_print, is_writer_rank=topology.rank == 0, device=topology.device,
+                      step_metrics=metrics)
+    return Engine(model, cfg, batch, topology, runtime, scheduler, loss_scaler, PrecisionPolicy.from_config(cfg),
+                  monitor, tensor_parallel, checkpointing)
+
+
+def zero_runtime(model: nn.Module, cfg: Config, chunked: ChunkedParams, optimizer: torch.optim.Optimizer,
+                 topology: Topology, loss_scaler) -> ZeroRuntime:
+    """The phases of a training step over `chunked` (Note [step phases]): stage 3 gathers parameters around
+    the modules that use them (Note [gathering around modules]); with 2 or more data-parallel ranks gradient
+    chunks are reduced as backward fills them (Note [reduction order])."""
+    zero, comm = cfg.zero_optimization, CommCounter()
+    gatherer = None
+    if chunked.sharded_params is not None:
+        prefetch = zero.stage3_prefetch_bucket_size if zero.stage3_prefetch_bucket_size != "auto" else 50_000_000
+        gatherer = ParamGatherer(model, chunked.sharded_params, chunked.chunk_index(), topology.dp_group, comm,
+                                 prefetch, zero.stage3_max_live_parameters)
+    overlap = zero.overlap_comm is not False  # stage 0 overlaps unless told not to
+    reducer = (GradReducer(chunked, topology.dp_group, comm, overlap, zero.reduce_scatter,
+                           gatherer.on_grads_complete if gatherer else None)
+               if topology.is_distributed else None)
+    clipper = GradientClipper(chunked, topology, comm, cfg.gradient_clipping, loss_scaler.checks_overflow,
+                              norm_logged=cfg.tensorboard.enabled)
+    return ZeroRuntime(chunked, optimizer, topology, comm, clipper, gatherer, reducer,
+                       steps_in_backward=zero.offload_optimizer.step_in_backward)
 
 
 def _tensor_parallel(cfg: Config, model: nn.Module, topology: Topology, optimizer, model_parameters,

@@ -19,12 +19,15 @@ import psutil
 import torch
 
 from engine.config import TensorBoardConfig
+from engine.step_metrics import StepMetrics, UpdateSummary
 
 
 class Monitor:
     """Writes metrics only on the rank that owns it; other ranks get a monitor that does nothing."""
 
-    def __init__(self, config: TensorBoardConfig, steps_per_print: int, is_writer_rank: bool, device: torch.device):
+    def __init__(self, config: TensorBoardConfig, steps_per_print: int, is_writer_rank: bool, device: torch.device,
+                 step_metrics: StepMetrics):
+        self.step_metrics = step_metrics  # what each update did, counted as it runs
         self.steps_per_print = steps_per_print
         self.is_writer_rank = is_writer_rank
         self.device = device
@@ -47,6 +50,12 @@ class Monitor:
     def wants(self, step: int) -> bool:
         """Whether this step's metrics go anywhere (TensorBoard, or a print on this step)."""
         return self.is_writer_rank and (self._writer is not None or step % self.steps_per_print == 0)
+
+    def end_update(self, summary: UpdateSummary) -> None:
+        """The update's metrics, written where this monitor writes them (the counts restart either way)."""
+        metrics = self.step_metrics.collect(summary, self.wants(summary.step))
+        if metrics is not None:
+            self.log_step(summary.step, {**metrics, **self.memory_metrics()})
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         if not self.is_writer_rank:

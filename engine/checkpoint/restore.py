@@ -220,7 +220,7 @@ def load_checkpoint(engine, control: Control, load_dir: str, tag: str | None, lo
         error = (type(e).__name__, f"rank {control.rank}: loading {directory} failed part-way ({e}); the engine's "
                                    "state is partly overwritten: build the engine again before training")
     _agree(control, error)
-    engine._gather_updated_params()  # the full chunks from the loaded shards, as after an update
+    engine.runtime.gather_updated_params()  # the full chunks from the loaded shards, as after an update
     manifest = checkpoint.manifest
     client = decode_client_state(manifest["client_state"],
                                  lambda key: reader.tensor(Piece(checkpoint.rank_file(0), key, 0, 0, 0)))

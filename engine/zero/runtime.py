@@ -1,0 +1,291 @@
+"""The data-parallel side of one training step, as phases around the user's forward, backward and update.
+
+Note [step phases]
+One training step, as the engine runs it:
+  pre_forward    stage 3: the forward pass begins (modules gather their chunks as they run)
+  post_forward   stage 3: every chunk still gathered is released
+  pre_backward   the reducer is armed when this backward reduces (Note [micro-steps and boundaries]);
+                 with step_in_backward, each reduced shard is stepped at once (Note [stepping in backward])
+  post_backward  stage 3 releases; the launched reductions are waited for (gradients are reduced when
+                 backward returns, as with DDP)
+  pre_step       what no backward reduced is reduced; gradient shards settle; fp16/bf16 gradients are
+                 staged into fp32 masters; unscale, global norm, clip (Note [global norm, unscaling and clipping])
+  update         the optimizer steps its chunks (or shards); masters are rounded into the model's chunks;
+                 sharded updates are all-gathered
+  post_step      fp32 master gradients are dropped; the gradient chunks are zeroed
+Each phase runs inside a `torch.profiler.record_function("tiers.zero.<phase>")` range. `TrainingPhase`
+says which of forward, backward and the update is running; entering one while another runs raises (an
+engine call from inside a forward hook, say). Values flow through arguments and results: pre_backward
+returns whether this backward reduces, pre_step returns the gradient stats the update and the
+monitor use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from engine.comm import CommCounter, all_gather_in_place, broadcast_from
+from engine.topology import Topology
+from engine.zero.chunked_params import ChunkedParams
+from engine.zero.grad_clip import GradientClipper, GradStats
+from engine.zero.grad_sync import GradReducer
+from engine.zero.param_gather import ParamGatherer, Pass
+
+_RELEASED_PARAMETER_HINT = (
+    "a parameter was used while its ZeRO stage 3 chunk was released: stage 3 gathers a module's parameters "
+    "around that module's own forward and backward, so a parameter read outside its module (e.g. "
+    "`other.weight` used in a parent's forward) or after the pass is not there; call the owning module "
+    "instead, wrap the read in engine.gathered_parameters([...]), or raise "
+    "zero_optimization.stage3_param_persistence_threshold above its size so that it stays gathered")
+
+
+class TrainingPhase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    STEP = "step"
+
+
+_LEGAL = {
+    TrainingPhase.IDLE: {TrainingPhase.FORWARD, TrainingPhase.BACKWARD, TrainingPhase.STEP},
+    TrainingPhase.FORWARD: {TrainingPhase.IDLE},
+    TrainingPhase.BACKWARD: {TrainingPhase.IDLE},
+    TrainingPhase.STEP: {TrainingPhase.IDLE},
+}
+
+
+class ZeroRuntime:
+    """Runs the phases of Note [step phases] over the chunks: gathering (stage 3), reduction, the update."""
+
+    def __init__(self, chunked: ChunkedParams, optimizer: torch.optim.Optimizer, topology: Topology,
+                 comm: CommCounter, clipper: GradientClipper, gatherer: ParamGatherer | None = None,
+                 reducer: GradReducer | None = None, steps_in_backward: bool = False):
+        self.chunked, self.optimizer, self.topology, self.comm = chunked, optimizer, topology, comm
+        self.clipper, self.gatherer, self.reducer = clipper, gatherer, reducer
+        self.steps_in_backward = steps_in_backward  # Note [stepping in backward]
+        self.phase = TrainingPhase.IDLE
+        self.inside_no_sync = False
+        self.synchronized = False  # a synchronized backward ran since the last update
+        self._early_square: torch.Tensor | None = None  # norm pieces of shards stepped in backward
+
+    def start(self, module: nn.Module) -> None:
+        """Every rank starts from rank 0's parameters (trainable and frozen) and buffers, as DDP does; then,
+        stage 3, each rank keeps its shards only, and bf16/fp16 masters take the starting weights."""
+        chunked = self.chunked
+        if self.topology.is_distributed:
+            in_chunks = {id(p) for p in chunked.params}
+            with torch.no_grad():
+                # zero_init built the same values on every rank from the same recorded RNG states (Note [zero_init])
+                for payload in chunked.param_payloads() if not chunked.values_pending else []:
+                    broadcast_from(payload, 0, self.topology.dp_group, self.comm)
+                for t in [p for p in module.parameters() if id(p) not in in_chunks] + list(module.buffers()):
+                    broadcast_from(t.data, 0, self.topology.dp_group, self.comm)
+        if chunked.sharded_params is not None and not chunked.values_pending:  # zero_init wrote the shards
+            chunked.sharded_params.take_shards()  # from here on each rank holds its shards only
+        if chunked.masters is not None and not chunked.values_pending:
+            chunked.masters.sync_from_params()  # the starting weights are rank 0's (Note [master weights])
+
+    def _enter(self, phase: TrainingPhase) -> None:
+        if phase not in _LEGAL[self.phase]:
+            raise RuntimeError(f"engine: {phase.value} cannot start while the {self.phase.value} is running; "
+                               "call the engine's forward, backward and step one after another, not from hooks "
+                               "inside one another")
+        self.phase = phase
+
+    # ---- forward ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def forward(self):
+        self._enter(TrainingPhase.FORWARD)
+        try:
+            self.pre_forward()
+            with self._released_parameter_hint():
+                yield
+        finally:
+            self.post_forward()
+            self.phase = TrainingPhase.IDLE
+
+    def pre_forward(self) -> None:
+        with record_function("tiers.zero.pre_forward"):
+            if self.gatherer is not None:
+                self.gatherer.begin(Pass.FORWARD)
+
+    def post_forward(self) -> None:
+        with record_function("tiers.zero.post_forward"):
+            if self.gatherer is not None:
+                self.gatherer.end()
+
+    @contextlib.contextmanager
+    def _released_parameter_hint(self):
+        try:
+            yield
+        except RuntimeError as e:
+            released = "for storage of size 0" in str(e) or "data is not allocated" in str(e)
+            if self.gatherer is not None and released:
+                raise RuntimeError(_RELEASED_PARAMETER_HINT) from e
+            raise
+
+    # ---- backward -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside skip the gradient all-reduce (gradients accumulate locally)."""
+        if self.chunked.sharded_grads is not None:
+            raise RuntimeError("no_sync() is not possible with ZeRO stage 2: gradients are sharded, so every backward "
+                               "reduce-scatters them (Note [sharded gradients]); use stage 0 or 1 for local "
+                               "accumulation, or simply call backward without it")
+        previous, self.inside_no_sync = self.inside_no_sync, True
+        try:
+            yield
+        finally:
+            self.inside_no_sync = previous
+
+    @contextlib.contextmanager
+    def backward(self, boundary: bool, loss_scale: float):
+        """Around autograd's backward of one micro-batch; `boundary`: it ends the accumulation."""
+        reduces = self.pre_backward(boundary, loss_scale)
+        try:
+            with self._released_parameter_hint():
+                yield
+            self.post_backward(reduces)
+        except BaseException as e:
+            self._abandon_backward(reduces, e)
+            raise
+
+    def pre_backward(self, boundary: bool, loss_scale: float) -> bool:
+        """Arms the reducer when this backward reduces (Note [micro-steps and boundaries]); returns whether it does."""
+        with record_function("tiers.zero.pre_backward"):
+            every_backward = self.chunked.sharded_grads is not None  # Note [sharded gradients]
+            reduces = self.reducer is not None and (every_backward or (boundary and not self.inside_no_sync))
+            if reduces:
+                self._check_one_synchronized_backward(every_backward)
+                self.reducer.arm()
+                if self.steps_in_backward and boundary:
+                    self._step_shards_as_reduced(loss_scale)
+            self._enter(TrainingPhase.BACKWARD)
+            if self.gatherer is not None:
+                self.gatherer.begin(Pass.BACKWARD)
+            return reduces
+
+    def _check_one_synchronized_backward(self, every_backward: bool) -> None:
+        if self.synchronized and not every_backward:
+            raise RuntimeError(
+                "a second synchronized engine.backward() before engine.step() would all-reduce the first loss's "
+                "gradients twice; add the losses and call backward once, or run the earlier backward calls "
+                "inside engine.no_sync()")
+        if self.steps_in_backward and self.optimizer.stepped_early:
+            raise RuntimeError(
+                "engine.backward() after the accumulation boundary's backward: with "
+                "offload_optimizer.step_in_backward that backward already updated the model; call engine.step() "
+                "after it (once per micro-batch), or add the losses and call backward once")
+
+    def _step_shards_as_reduced(self, loss_scale: float) -> None:
+        """Note [stepping in backward]: each reduced shard of the coming backward is final; step it at once."""
+        self.optimizer.grad_scale = 1.0 / loss_scale  # no clipping (refused by initialize)
+        self._early_square = torch.zeros((), dtype=torch.float64) if self.clipper.needs_norm else None
+        managed = self.chunked.sharded_grads.managed
+
+        def step_reduced_shard(index: int) -> None:
+            if self._early_square is not None:
+                self._early_square += self.chunked.grad_square_sum(index)
+            self.optimizer.step_early(managed[index])
+
+        self.reducer.on_shard_reduced = step_reduced_shard
+
+    def post_backward(self, reduces: bool) -> None:
+        with record_function("tiers.zero.post_backward"):
+            if self.gatherer is not None:
+                self.gatherer.end()
+            if reduces:
+                self.reducer.finish_backward()
+                self.reducer.wait()  # gradients are reduced when backward returns, as with DDP
+                self.reducer.raise_callback_error()
+                self.reducer.on_shard_reduced = None
+                self.synchronized = True
+            self._enter(TrainingPhase.IDLE)
+
+    def _abandon_backward(self, reduces: bool, error: BaseException) -> None:
+        """After a failed backward: nothing stays gathered, nothing more is reduced or stepped."""
+        if self.gatherer is not None and self.gatherer.phase is not Pass.IDLE:
+            self.gatherer.end()
+        self.phase = TrainingPhase.IDLE
+        if not reduces:
+            return
+        self.reducer.disarm()  # also drops the step callback: nothing more is stepped
+        if self.steps_in_backward and self.optimizer.stepped_early:
+            raise RuntimeError(
+                f"backward failed after offload_optimizer.step_in_backward had updated {self.optimizer.stepped_early} "
+                "parameter shard(s) with their final gradients: the model is partly updated and cannot be rolled "
+                "back; restore it from a checkpoint (build the engine again from saved weights)") from error
+
+    # ---- the update ---------------------------------------------------------------------------
+    def check_steppable(self) -> None:
+        if self.inside_no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync() would update from unreduced gradients; "
+                               "leave the no_sync() block and run one synchronized backward first")
+
+    @contextlib.contextmanager
+    def step(self, loss_scale: float):
+        """Around the update at an accumulation boundary: pre_step, then (yielding its GradStats) the caller's
+        update, then post_step. A failure leaves the engine idle, its gradients as they were."""
+        self._enter(TrainingPhase.STEP)
+        try:
+            stats = self.pre_step(loss_scale)
+            yield stats
+            self.post_step()
+        finally:
+            self.phase = TrainingPhase.IDLE
+
+    def pre_step(self, loss_scale: float) -> GradStats:
+        """Every gradient reduced, in fp32 where the optimizer reads it, unscaled and clipped."""
+        with record_function("tiers.zero.pre_step"):
+            chunked = self.chunked
+            if self.reducer is not None and not self.synchronized and chunked.sharded_grads is None:
+                self.reducer.reduce_all()  # the boundary backward ran inside no_sync()
+            self.synchronized = False
+            if chunked.sharded_grads is not None:
+                chunked.sharded_grads.settle()  # shards no backward wrote (Note [sharded gradients])
+            chunked.sync_views()
+            if chunked.masters is not None:  # bf16 / fp16: Note [master weights]
+                chunked.masters.stage_grads()
+            streamed = chunked.grads_managed  # Note [offloaded gradient shards]
+            stats = self.clipper.prepare(loss_scale, self._early_square if streamed and self.optimizer.stepped_early
+                                         else None)
+            if streamed:
+                self.optimizer.grad_scale = stats.streamed_scale
+            return stats
+
+    def update(self) -> None:
+        """The optimizer steps; the model's chunks take the new values on every rank."""
+        with record_function("tiers.zero.update"):
+            self.chunked.rebind_optimizer_grads()
+            self.optimizer.step()
+            if self.chunked.masters is not None:
+                self.chunked.masters.update_params()
+            self.gather_updated_params()
+
+    def gather_updated_params(self) -> None:
+        """Sharded optimizer states: each rank updated its shard of every param chunk; all-gather them."""
+        chunked = self.chunked
+        if not chunked.sharded:
+            return
+        works = [all_gather_in_place(payload, self.topology.dp_group, chunked.shard_rank, chunked.shard_count,
+                                     self.comm, async_op=True) for payload in chunked.payloads_gathered_after_step()]
+        for work in works:
+            work.wait()
+
+    def post_step(self) -> None:
+        with record_function("tiers.zero.post_step"):
+            if self.chunked.masters is not None:
+                self.chunked.masters.drop_grads()
+            self.chunked.zero_grads()
+
+    def close(self) -> None:
+        """Removes the hooks the gatherer and the reducer installed on the model."""
+        if self.reducer is not None:
+            self.reducer.remove_hooks()
+        if self.gatherer is not None:
+            self.gatherer.remove_hooks()
