@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from engine.config_checks import check_config
 from engine.config_schema import ConfigError, bounded, closest, parse_section, section, to_dict, unknown_key_error
 
 Auto = Literal["auto"]
@@ -367,75 +367,6 @@ def _validate_scheduler(sched: SchedulerConfig) -> SchedulerConfig:
     return SchedulerConfig(type=sched.type, params=params)
 
 
-def _reject_not_yet_supported(cfg: Config) -> None:
-    """Features of later releases: their keys parse, but only their off values are accepted."""
-    zero = cfg.zero_optimization
-    checks = [
-        (cfg.fp16.auto_cast, "fp16.auto_cast", True, "casting inputs to fp16 is not supported yet; set it to false"),
-        (zero.stage >= 1 and not zero.allgather_partitions, "zero_optimization.allgather_partitions", False,
-         "Tiers always all-gathers the updated shards; remove the key or set it to true"),
-        (not zero.contiguous_gradients, "zero_optimization.contiguous_gradients", False,
-         "Tiers always keeps gradients in contiguous chunks; remove the key or set it to true"),
-        (zero.offload_optimizer.device == "nvme" and not zero.offload_optimizer.nvme_path,
-         "zero_optimization.offload_optimizer.nvme_path", None,
-         "device \"nvme\" needs a directory on the NVMe disk; set nvme_path"),
-        (zero.offload_optimizer.device in ("cpu", "nvme") and zero.offload_optimizer.ratio != 1.0,
-         "zero_optimization.offload_optimizer.ratio", zero.offload_optimizer.ratio,
-         "offloading a fraction of the optimizer states is not supported yet; use 1.0"),
-        (zero.offload_param.device not in ("none", None) and zero.stage != 3, "zero_optimization.offload_param.device",
-         zero.offload_param.device, "parameters are offloaded only when they are sharded: set zero_optimization.stage "
-         "to 3, or use \"none\""),
-        (zero.offload_param.device == "nvme" and not zero.offload_param.nvme_path,
-         "zero_optimization.offload_param.nvme_path", None, "device \"nvme\" needs a directory on the NVMe disk; set "
-         "nvme_path"),
-        (zero.stage3_max_reuse_distance != 1_000_000_000, "zero_optimization.stage3_max_reuse_distance",
-         zero.stage3_max_reuse_distance, "Tiers releases a chunk once the modules using it are done and gathers "
-         "ahead by the recorded trace, without a reuse distance; remove the key"),
-        (cfg.checkpoint.load_universal, "checkpoint.load_universal", True,
-         "Tiers reads its own checkpoints only, and every one of them loads under any layout (Note [reading a "
-         "checkpoint anywhere]) without a conversion; remove the key"),
-        (cfg.checkpoint.use_node_local_storage, "checkpoint.use_node_local_storage", True,
-         "node-local checkpoint storage is not supported yet: every rank writes into one directory on a filesystem "
-         "all ranks share; remove the key"),
-        (cfg.checkpoint.parallel_write.pipeline_stage, "checkpoint.parallel_write.pipeline_stage", True,
-         "Tiers has no pipeline stages (every rank already writes its own file); remove the key"),
-        (zero.placement != "static", "zero_optimization.placement", zero.placement,
-         "automatic placement is not supported yet; use \"static\""),
-        (cfg.tensor_parallel.mode == "2d" and not _is_mesh_or_one(cfg.tensor_parallel.size), "tensor_parallel.size",
-         cfg.tensor_parallel.size, "mode \"2d\" runs on a q×q mesh, so the size must be a square q² with q ≥ 2 "
-         "(4, 9, 16, ...); use such a size, or mode \"1d\""),
-        (cfg.memory.device_budget is not None, "memory.device_budget", cfg.memory.device_budget,
-         "a device budget is not supported yet; remove the key"),
-        (cfg.memory.budget_bytes("cpu_budget") is not None and zero.offload_optimizer.device in ("none", None),
-         "memory.cpu_budget", cfg.memory.cpu_budget, "a CPU budget without optimizer offload is not supported yet "
-         "(in this release it caps the offloaded optimizer states only); set "
-         "zero_optimization.offload_optimizer.device, or remove the key"),
-    ]
-    ac, tp = cfg.activation_checkpointing, cfg.tensor_parallel
-    checks += [
-        (ac.modules is not None and not ac.enabled, "activation_checkpointing.modules", ac.modules,
-         "selects the modules checkpointed when enabled is true, and enabled is false; set \"enabled\": true, or "
-         "remove modules"),
-        (ac.modules == [], "activation_checkpointing.modules", ac.modules,
-         "an empty list selects no module; name class names or module-name globs, or remove the key for the "
-         "model's blocks"),
-        (ac.every_n != 1 and not ac.enabled, "activation_checkpointing.every_n", ac.every_n,
-         "thins out the modules checkpointed when enabled is true, and enabled is false; set \"enabled\": true, "
-         "or remove every_n"),
-        (ac.partition_activations and tp.size == 1, "activation_checkpointing.partition_activations", True,
-         "splits a checkpoint's saved inputs over the tensor-parallel ranks, and tensor_parallel.size is 1; set "
-         "tensor_parallel.size to 2 or more, or set it to false"),
-        (ac.partition_activations and tp.mode == "2d" and tp.size > 1, "activation_checkpointing.partition_activations",
-         True, "splits inputs that every tensor-parallel rank holds whole; under mode \"2d\" each rank holds its own "
-         "block of the activations already; set it to false"),
-        (ac.contiguous_memory_optimization, "activation_checkpointing.contiguous_memory_optimization", True,
-         "copying saved inputs into one preallocated buffer is not supported yet; set it to false"),
-    ]
-    for failed, key, value, why in checks:
-        if failed:
-            raise ConfigError(f"{key}: {json.dumps(value)} — {why}.")
-
-
 def load_config(source: str | os.PathLike | dict | Config) -> Config:
     """Reads and validates a config from a JSON file path, a dict, or returns a Config as is."""
     if isinstance(source, Config):
@@ -464,7 +395,7 @@ def load_config(source: str | os.PathLike | dict | Config) -> Config:
         cfg = _replace(cfg, optimizer=_validate_optimizer(cfg.optimizer))
     if cfg.scheduler is not None:
         cfg = _replace(cfg, scheduler=_validate_scheduler(cfg.scheduler))
-    _reject_not_yet_supported(cfg)
+    check_config(cfg)
     if _given(cfg.gradient_accumulation_steps) is not None and _given(cfg.train_batch_size) is None and _given(cfg.train_micro_batch_size_per_gpu) is None:
         raise ConfigError("batch size: gradient_accumulation_steps alone is not enough; also set train_batch_size or train_micro_batch_size_per_gpu.")
     return cfg
@@ -474,9 +405,5 @@ def _replace(cfg: Config, **changes: Any) -> Config:
     return dataclasses.replace(cfg, **changes)
 
 
+
 __all__ = ["Config", "ConfigError", "BatchSizes", "load_config", "resolve_batch_sizes"]
-
-
-def _is_mesh_or_one(size: int) -> bool:
-    """A q×q mesh with q ≥ 2, or size 1 (no tensor parallelism: the mode does not matter)."""
-    return size == 1 or (size >= 4 and math.isqrt(size) ** 2 == size)

@@ -1,0 +1,188 @@
+"""Every check of a combination of settings, in one place: what a config alone rules out (`check_config`,
+run by load_config) and what a config rules out together with the run it is given to (`check_run`, run by
+initialize before it builds anything: the world size, a client optimizer or scheduler, a model built under
+zero_init). Each error names the key, the value and the fix."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING
+
+from engine.config_schema import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.config import Config
+    from engine.topology import Topology
+
+OFFLOADED = ("cpu", "nvme")  # offload devices that offload ("none" and null are both off)
+
+
+def check_config(cfg: Config) -> None:
+    """Combinations a config alone rules out, and features of later releases: their keys parse, but only their
+    off values are accepted."""
+    zero = cfg.zero_optimization
+    checks = [
+        (cfg.fp16.auto_cast, "fp16.auto_cast", True, "casting inputs to fp16 is not supported yet; set it to false"),
+        (zero.stage >= 1 and not zero.allgather_partitions, "zero_optimization.allgather_partitions", False,
+         "Tiers always all-gathers the updated shards; remove the key or set it to true"),
+        (not zero.contiguous_gradients, "zero_optimization.contiguous_gradients", False,
+         "Tiers always keeps gradients in contiguous chunks; remove the key or set it to true"),
+        (zero.offload_optimizer.device == "nvme" and not zero.offload_optimizer.nvme_path,
+         "zero_optimization.offload_optimizer.nvme_path", None,
+         "device \"nvme\" needs a directory on the NVMe disk; set nvme_path"),
+        (zero.offload_optimizer.device in ("cpu", "nvme") and zero.offload_optimizer.ratio != 1.0,
+         "zero_optimization.offload_optimizer.ratio", zero.offload_optimizer.ratio,
+         "offloading a fraction of the optimizer states is not supported yet; use 1.0"),
+        (zero.offload_param.device in OFFLOADED and zero.stage != 3, "zero_optimization.offload_param.device",
+         zero.offload_param.device, "parameters are offloaded only when they are sharded: set zero_optimization.stage "
+         "to 3, or use \"none\""),
+        (zero.offload_param.device == "nvme" and not zero.offload_param.nvme_path,
+         "zero_optimization.offload_param.nvme_path", None, "device \"nvme\" needs a directory on the NVMe disk; set "
+         "nvme_path"),
+        (zero.stage3_max_reuse_distance != 1_000_000_000, "zero_optimization.stage3_max_reuse_distance",
+         zero.stage3_max_reuse_distance, "Tiers releases a chunk once the modules using it are done and gathers "
+         "ahead by the recorded trace, without a reuse distance; remove the key"),
+        (cfg.checkpoint.load_universal, "checkpoint.load_universal", True,
+         "Tiers reads its own checkpoints only, and every one of them loads under any layout (Note [reading a "
+         "checkpoint anywhere]) without a conversion; remove the key"),
+        (cfg.checkpoint.use_node_local_storage, "checkpoint.use_node_local_storage", True,
+         "node-local checkpoint storage is not supported yet: every rank writes into one directory on a filesystem "
+         "all ranks share; remove the key"),
+        (cfg.checkpoint.parallel_write.pipeline_stage, "checkpoint.parallel_write.pipeline_stage", True,
+         "Tiers has no pipeline stages (every rank already writes its own file); remove the key"),
+        (zero.placement != "static", "zero_optimization.placement", zero.placement,
+         "automatic placement is not supported yet; use \"static\""),
+        (cfg.tensor_parallel.mode == "2d" and not _is_mesh_or_one(cfg.tensor_parallel.size), "tensor_parallel.size",
+         cfg.tensor_parallel.size, "mode \"2d\" runs on a q×q mesh, so the size must be a square q² with q ≥ 2 "
+         "(4, 9, 16, ...); use such a size, or mode \"1d\""),
+        (cfg.memory.device_budget is not None, "memory.device_budget", cfg.memory.device_budget,
+         "a device budget is not supported yet; remove the key"),
+        (cfg.memory.budget_bytes("cpu_budget") is not None and zero.offload_optimizer.device not in OFFLOADED,
+         "memory.cpu_budget", cfg.memory.cpu_budget, "a CPU budget without optimizer offload is not supported yet "
+         "(in this release it caps the offloaded optimizer states only); set "
+         "zero_optimization.offload_optimizer.device, or remove the key"),
+    ]
+    ac, tp = cfg.activation_checkpointing, cfg.tensor_parallel
+    checks += [
+        (ac.modules is not None and not ac.enabled, "activation_checkpointing.modules", ac.modules,
+         "selects the modules checkpointed when enabled is true, and enabled is false; set \"enabled\": true, or "
+         "remove modules"),
+        (ac.modules == [], "activation_checkpointing.modules", ac.modules,
+         "an empty list selects no module; name class names or module-name globs, or remove the key for the "
+         "model's blocks"),
+        (ac.every_n != 1 and not ac.enabled, "activation_checkpointing.every_n", ac.every_n,
+         "thins out the modules checkpointed when enabled is true, and enabled is false; set \"enabled\": true, "
+         "or remove every_n"),
+        (ac.partition_activations and tp.size == 1, "activation_checkpointing.partition_activations", True,
+         "splits a checkpoint's saved inputs over the tensor-parallel ranks, and tensor_parallel.size is 1; set "
+         "tensor_parallel.size to 2 or more, or set it to false"),
+        (ac.partition_activations and tp.mode == "2d" and tp.size > 1, "activation_checkpointing.partition_activations",
+         True, "splits inputs that every tensor-parallel rank holds whole; under mode \"2d\" each rank holds its own "
+         "block of the activations already; set it to false"),
+        (ac.contiguous_memory_optimization, "activation_checkpointing.contiguous_memory_optimization", True,
+         "copying saved inputs into one preallocated buffer is not supported yet; set it to false"),
+    ]
+    for failed, key, value, why in checks:
+        if failed:
+            raise ConfigError(f"{key}: {json.dumps(value)} — {why}.")
+
+
+def _is_mesh_or_one(size: int) -> bool:
+    """A q×q mesh with q ≥ 2, or size 1 (no tensor parallelism: the mode does not matter)."""
+    return size == 1 or (size >= 4 and math.isqrt(size) ** 2 == size)
+
+
+def check_run(cfg: Config, topology: Topology, *, optimizer=None, lr_scheduler=None, model_parameters=None,
+              built_under_zero_init: bool = False) -> None:
+    """What `cfg` rules out for this run: the client objects passed to initialize() and the layout."""
+    _check_client_objects(cfg, optimizer, lr_scheduler, model_parameters)
+    if topology.tp_size > 1:
+        _check_tensor_parallel(optimizer, model_parameters, built_under_zero_init)
+    _check_offload(cfg, topology, optimizer)
+    _check_step_in_backward(cfg, topology)
+    sharded = cfg.zero_optimization.stage >= 1 and topology.dp_world_size > 1
+    if optimizer is not None and (sharded or cfg.bf16.enabled or cfg.fp16.enabled or built_under_zero_init):
+        _check_client_optimizer_rebuild(optimizer, lr_scheduler)
+
+
+def _check_client_objects(cfg: Config, optimizer, lr_scheduler, model_parameters) -> None:
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("optimizer: given both in the config and as initialize(optimizer=...); keep one")
+    if optimizer is None and cfg.optimizer is None:
+        raise ConfigError("optimizer: missing; add an 'optimizer' section to the config or pass initialize(optimizer=...)")
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("scheduler: given both in the config and as initialize(lr_scheduler=...); keep one")
+    if optimizer is not None and model_parameters is not None:
+        raise ValueError("model_parameters is for the config's optimizer; a passed optimizer already names its parameters")
+
+
+def _check_client_optimizer_rebuild(client: torch.optim.Optimizer, lr_scheduler) -> None:
+    """ZeRO stage >= 1, bf16/fp16 and zero_init rebuild a client optimizer over the shards or masters."""
+    if lr_scheduler is not None and hasattr(lr_scheduler, "step"):
+        raise ValueError("with ZeRO stage >= 1 or bf16/fp16 the optimizer passed to initialize() is rebuilt over "
+                         "this rank's shards or fp32 master weights, so a scheduler built on it would drive the "
+                         "old one; pass lr_scheduler as a callable that takes the optimizer (e.g. "
+                         "lambda opt: LambdaLR(opt, f))")
+    if client.state:
+        raise ValueError(f"the {type(client).__name__} passed to initialize() already holds state; with ZeRO "
+                         "stage >= 1 it is rebuilt over this rank's shards, so pass a freshly built optimizer")
+
+
+def _check_tensor_parallel(optimizer, model_parameters, built_under_zero_init: bool) -> None:
+    if optimizer is not None or model_parameters is not None:
+        raise ConfigError("tensor_parallel: the plan replaces the model's layers and their parameters, so an optimizer "
+                          "or model_parameters built before initialize() would name the old ones; give the optimizer "
+                          "in the config's 'optimizer' section (not supported yet with tensor parallelism)")
+    if built_under_zero_init:
+        raise ConfigError("tensor_parallel: building the model under zero_init() is not supported yet with tensor "
+                          "parallelism; build it normally (each rank then keeps only its shards after initialize)")
+
+
+def _check_offload(cfg: Config, topology: Topology, optimizer) -> None:
+    zero = cfg.zero_optimization
+    offload, offload_param = zero.offload_optimizer, zero.offload_param
+    if offload_param.device in OFFLOADED and (optimizer is not None or offload.device not in OFFLOADED):
+        raise ConfigError("zero_optimization.offload_param: offloaded parameter shards are stepped by the offloaded "
+                          "optimizer where they live; also set zero_optimization.offload_optimizer.device (cpu or nvme) "
+                          "and give the optimizer in the config's 'optimizer' section")
+    if optimizer is not None and offload.device in OFFLOADED:
+        raise ConfigError("zero_optimization.offload_optimizer: offloading a client optimizer's states is not "
+                          "supported yet; give the optimizer in the config's 'optimizer' section instead")
+    if offload_param.device not in OFFLOADED:
+        return
+    if cfg.bf16.enabled or cfg.fp16.enabled:
+        raise ConfigError(f"zero_optimization.offload_param.device: {offload_param.device!r} — offloading 16-bit "
+                          "parameter shards with fp32 master weights is not supported yet; train in fp32 with "
+                          "offload_param, or keep bf16/fp16 and remove offload_param")
+    if topology.dp_world_size == 1:
+        raise ConfigError(f"zero_optimization.offload_param.device: {offload_param.device!r} — parameter shards are "
+                          "offloaded only when ZeRO stage 3 shards them over 2 or more data-parallel ranks, and this "
+                          "run has one; not supported yet in a single process: remove offload_param (optimizer "
+                          "states still offload) or launch more ranks")
+    if offload.device == "nvme" == offload_param.device and offload_param.nvme_path != offload.nvme_path:
+        raise ConfigError("zero_optimization.offload_param.nvme_path: Tiers keeps parameter shards and optimizer "
+                          "states in one swap directory; give both the same nvme_path")
+
+
+def _check_step_in_backward(cfg: Config, topology: Topology) -> None:
+    """Note [stepping in backward]: what updating each gradient shard as soon as it is reduced needs."""
+    zero = cfg.zero_optimization
+    if not zero.offload_optimizer.step_in_backward:
+        return
+    key = "zero_optimization.offload_optimizer.step_in_backward"
+    if zero.offload_optimizer.device not in OFFLOADED:
+        raise ConfigError(f"{key}: steps the offloaded optimizer; set zero_optimization.offload_optimizer.device to "
+                          "cpu or nvme, or remove step_in_backward")
+    if zero.stage < 2 or topology.dp_world_size == 1:
+        raise ConfigError(f"{key}: needs gradient shards, i.e. ZeRO stage 2 or 3 over 2 or more data-parallel ranks "
+                          f"(this run: stage {zero.stage}, {topology.dp_world_size} rank(s)); remove step_in_backward")
+    if cfg.bf16.enabled or cfg.fp16.enabled:
+        raise ConfigError(f"{key}: not supported yet with bf16/fp16 (fp32 master gradients are staged after backward); "
+                          "train in fp32 or remove step_in_backward")
+    if cfg.gradient_clipping > 0:
+        raise ConfigError(f"{key}: clipping by the global gradient norm needs every gradient before the first "
+                          f"update, and step_in_backward updates during backward; set gradient_clipping to 0 "
+                          f"(it is {cfg.gradient_clipping}) or remove step_in_backward")

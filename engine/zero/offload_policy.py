@@ -1,0 +1,109 @@
+"""Offload as a policy over chunk kinds (../shared/DESIGN.md: "offload is a policy"), and the chunk manager
+it places them in.
+
+Note [offload policy]
+Like the sharding policy (Note [sharding policy]), a table says, per kind of chunk, where its payload
+lives between uses — its home tier; a kind not in the table stays on the compute device:
+  OPTIM   optimizer states (and fp32 masters)   offload_optimizer.device
+  GRAD    gradient shards                       the optimizer states' tier, when they are stepped with
+                                                them (ZeRO stage 2-3 in fp32: Note [offloaded gradient shards])
+  PARAM   parameter shards                      offload_param.device (stage 3: Note [offloaded parameter shards])
+Every offloaded kind lives in one ChunkManager. Its CPU budget is, by default, what is homed on the CPU
+plus a window of `buffer_count` chunks of each kind streamed from NVMe (with room for O_DIRECT
+padding); `memory.cpu_budget` replaces it. Offloaded chunks are stepped where the optimizer runs: on
+the CPU when the parameters are there, else they visit the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import Config
+from engine.optim import build_optimizer
+from engine.zero.chunked_params import ChunkedParams
+from engine.zero.offloaded_optimizer import OffloadedOptimizer
+from engine.zero.policy import ChunkKind
+from offload.chunk import Location
+from offload.manager import Budgets, ChunkManager
+
+_TIERS = {"cpu": Location.CPU, "nvme": Location.NVME}
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Each offloaded chunk kind's home tier (Note [offload policy])."""
+
+    homes: dict[ChunkKind, Location]
+
+    @classmethod
+    def from_config(cls, cfg: Config, chunked: ChunkedParams) -> "OffloadPolicy":
+        zero = cfg.zero_optimization
+        homes = {}
+        if zero.offload_optimizer.device in _TIERS:
+            homes[ChunkKind.OPTIM] = _TIERS[zero.offload_optimizer.device]
+            if chunked.sharded_grads is not None and chunked.masters is None:  # Note [offloaded gradient shards]
+                homes[ChunkKind.GRAD] = homes[ChunkKind.OPTIM]
+        if zero.offload_param.device in _TIERS:
+            homes[ChunkKind.PARAM] = _TIERS[zero.offload_param.device]
+        return cls(homes)
+
+    def home(self, kind: ChunkKind) -> Location | None:
+        """Where chunks of `kind` live between uses; None: on the compute device."""
+        return self.homes.get(kind)
+
+    @property
+    def offloads(self) -> bool:
+        return bool(self.homes)
+
+    def uses(self, tier: Location) -> bool:
+        return tier in self.homes.values()
+
+
+def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.device,
+                              policy: OffloadPolicy) -> OffloadedOptimizer:
+    """Notes [offloaded optimizer states], [offloaded gradient shards] and [offloaded parameter shards]: the
+    config's optimizer, with its states and the kinds `policy` offloads in one ChunkManager."""
+    zero, aio = cfg.zero_optimization, cfg.aio
+    offload, offload_param = zero.offload_optimizer, zero.offload_param
+    groups = chunked.optimizer_param_groups()  # over the stepped tensors, before any is offloaded
+    window = _nvme_window(cfg, groups, policy)
+    user_budget = cfg.memory.budget_bytes("cpu_budget")  # the user's cap replaces the default
+    on_cpu, on_nvme = policy.uses(Location.CPU), policy.uses(Location.NVME)
+    budget = user_budget if user_budget is not None else (window if on_nvme and not on_cpu else None)
+    manager = ChunkManager(device, Budgets(cpu=budget),
+                           nvme_dir=(offload.nvme_path if offload.device == "nvme" else offload_param.nvme_path)
+                           if on_nvme else None,
+                           nvme_threads=aio.intra_op_parallelism or aio.thread_count or 2,
+                           nvme_queue_depth=aio.queue_depth, nvme_block_size=aio.block_size,
+                           pin_memory=offload.pin_memory or offload_param.pin_memory,
+                           prefetch_depth=max(offload.buffer_count - 2, 1))
+    # Adam runs where the parameters are when they are on the CPU; on CUDA the chunks visit the device
+    compute = Location.CPU if device.type == "cpu" else Location.DEVICE
+    param_chunks = None
+    if policy.home(ChunkKind.PARAM) is not None:
+        chunked.sharded_params.offload_to(manager, policy.home(ChunkKind.PARAM), compute)
+        param_chunks = chunked.sharded_params.stepped_chunks()
+    if policy.home(ChunkKind.GRAD) is not None:
+        chunked.sharded_grads.offload_to(manager, policy.home(ChunkKind.GRAD), compute)
+    optimizer = OffloadedOptimizer(lambda g: build_optimizer(cfg.optimizer, g), groups,
+                                   manager, policy.home(ChunkKind.OPTIM), compute, param_chunks,
+                                   chunked.stepped_grad_chunks())
+    if user_budget is None and on_nvme and on_cpu:  # one kind homed on CPU, the other streamed from NVMe
+        manager.budgets = Budgets(cpu=manager.used_bytes(Location.CPU) + window)
+    return optimizer
+
+
+def _nvme_window(cfg: Config, groups: list[dict], policy: OffloadPolicy) -> int:
+    """CPU bytes for the chunks streamed through from NVMe: `buffer_count` of each kind, each the largest
+    stepped tensor plus an O_DIRECT block (state chunks: exp_avg + exp_avg_sq, 2x a tensor)."""
+    zero, block = cfg.zero_optimization, cfg.aio.block_size
+    largest = max(p.numel() * p.element_size() for g in groups for p in g["params"])
+    window = 0
+    if policy.home(ChunkKind.OPTIM) is Location.NVME:
+        per_buffer = 3 if policy.home(ChunkKind.GRAD) is not None else 2  # (+ the gradient shard, streamed along)
+        window += zero.offload_optimizer.buffer_count * per_buffer * (largest + block)
+    if policy.home(ChunkKind.PARAM) is Location.NVME:
+        window += zero.offload_param.buffer_count * (largest + block)
+    return window
