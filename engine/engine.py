@@ -23,6 +23,7 @@ from torch import nn
 from engine import whole_weights
 from engine.activation_checkpointing import ActivationCheckpointing
 from engine.checkpoint import Saver, load_checkpoint, write_state_dict
+from engine.checkpoint.training_state import TrainingState
 from engine.config import BatchSizes, Config
 from engine.monitor import Monitor
 from engine.precision import LossScaler, PrecisionPolicy
@@ -52,7 +53,10 @@ class Engine:
         self._global_grad_norm: float | None = None
         runtime.start(module)
         monitor.step_metrics.exclude_traffic_so_far()  # the start-up broadcast is not a step's traffic
-        self._saver = Saver(self)  # Note [checkpoint commit]
+        self._saver = Saver(TrainingState(  # Note [checkpoint commit]
+            module, runtime.chunked, runtime.optimizer, lr_scheduler, loss_scaler, self.progress, topology,
+            tensor_parallel, config.tensor_parallel.mode, config.zero_optimization.stage, precision.compute_dtype,
+            runtime.gather_updated_params), config.checkpoint)
 
     # ---- identity -------------------------------------------------------------------------
     @property
@@ -220,7 +224,7 @@ class Engine:
         tensor-parallel, ZeRO or offload layout (Note [reading a checkpoint anywhere]); every rank must call it.
         Returns (the checkpoint's path, its client_state), or (None, None) when load_dir has no `latest`."""
         self._saver.wait()
-        return load_checkpoint(self, self._saver.control, load_dir, tag, load_optimizer_states,
+        return load_checkpoint(self._saver.state, self._saver.control, load_dir, tag, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 
     def wait_for_checkpoint(self) -> str | None:

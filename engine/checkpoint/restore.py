@@ -22,27 +22,28 @@ from engine.checkpoint.live_states import LiveStates, Member
 from engine.checkpoint.reader import Checkpoint, Piece, PieceReader, read_latest, take_piece
 from engine.checkpoint.saver import Control, _optimizer_name
 from engine.checkpoint.snapshot import extra_entries, restore_rng
+from engine.checkpoint.training_state import TrainingState
 
 
 class LoadPlan:
     """What this rank reads for each of its chunks and extras, checked against the checkpoint."""
 
-    def __init__(self, engine, checkpoint: Checkpoint, with_optimizer: bool):
-        self.engine, self.checkpoint = engine, checkpoint
-        self.states = LiveStates(engine.chunked, engine.optimizer)
-        topo = engine.topology
+    def __init__(self, run: TrainingState, checkpoint: Checkpoint, with_optimizer: bool):
+        self.run, self.checkpoint = run, checkpoint
+        self.states = LiveStates(run.chunked, run.optimizer)
+        topo = run.topology
         self.tp_rank = topo.tp_rank
-        tp = engine.tensor_parallel
+        tp = run.tensor_parallel
         self.tp = tp.tp if tp is not None else None
         self.live_specs = tp.specs if tp is not None else {}
-        live_mode = engine.config.tensor_parallel.mode if topo.tp_size > 1 else "1d"
+        live_mode = run.tp_mode if topo.tp_size > 1 else "1d"
         saved_mode = checkpoint.layout["tp_mode"] if checkpoint.tp_size > 1 else "1d"
         self.same_cut = (checkpoint.tp_size == topo.tp_size and saved_mode == live_mode
                          and {k: encode_spec(v) for k, v in self.live_specs.items()}
                          == {k: encode_spec(v) for k, v in checkpoint.specs.items()})
         self.with_optimizer = with_optimizer and bool(checkpoint.tensor_states or checkpoint.scalar_states)
         if self.with_optimizer:
-            live = _optimizer_name(engine.optimizer)
+            live = _optimizer_name(run.optimizer)
             if live != checkpoint.layout["optimizer"]:
                 raise CheckpointError(f"{checkpoint.directory} holds {checkpoint.layout['optimizer']} states and this "
                                       f"engine's optimizer is {live}; use the same optimizer, or load with "
@@ -60,7 +61,7 @@ class LoadPlan:
                 self._check_shape(m.name, m.shape)
             self.members.append(mine)
         self._check_names("parameter", live_names, set(checkpoint.param_names()))
-        extras, _ = extra_entries(engine.module, engine.chunked.chunk_index())
+        extras, _ = extra_entries(run.module, run.chunked.chunk_index())
         self.extras = extras
         self._check_names("buffer or frozen parameter", set(extras), set(checkpoint.extras[0]))
         if self.with_optimizer and self.states.offloaded and len(self.states):
@@ -180,7 +181,7 @@ class LoadPlan:
         return {**out, **scalars}
 
 
-def load_checkpoint(engine, control: Control, load_dir: str, tag: str | None, load_optimizer_states: bool,
+def load_checkpoint(run: TrainingState, control: Control, load_dir: str, tag: str | None, load_optimizer_states: bool,
                     load_lr_scheduler_states: bool, load_module_only: bool):
     """Returns (the checkpoint's path, its client_state), or (None, None) when load_dir has no `latest`."""
     load_dir = os.path.abspath(load_dir)
@@ -204,9 +205,9 @@ def load_checkpoint(engine, control: Control, load_dir: str, tag: str | None, lo
     error, plan, reader = None, None, None
     try:
         checkpoint = Checkpoint(directory)
-        plan = LoadPlan(engine, checkpoint, with_optimizer)
+        plan = LoadPlan(run, checkpoint, with_optimizer)
         reader = PieceReader(checkpoint)
-        own = checkpoint.rank_file(engine.topology.rank) if _same_world(engine, checkpoint) else None
+        own = checkpoint.rank_file(run.topology.rank) if _same_world(run, checkpoint) else None
         reader.verify(plan.files | ({own} if own and not load_module_only else set()) | _client_files(checkpoint))
     except (CheckpointError, OSError) as e:
         error = (type(e).__name__, f"rank {control.rank}: {e}" if control.world > 1 else str(e))
@@ -214,13 +215,13 @@ def load_checkpoint(engine, control: Control, load_dir: str, tag: str | None, lo
     try:  # planned and verified: a failure now is unexpected, and the ranks still agree before any collective
         plan.execute(reader)
         if not load_module_only:
-            _restore_training_state(engine, checkpoint, reader, load_optimizer_states, load_lr_scheduler_states, own)
+            _restore_training_state(run, checkpoint, reader, load_optimizer_states, load_lr_scheduler_states, own)
         error = None
     except Exception as e:
         error = (type(e).__name__, f"rank {control.rank}: loading {directory} failed part-way ({e}); the engine's "
                                    "state is partly overwritten: build the engine again before training")
     _agree(control, error)
-    engine.runtime.gather_updated_params()  # the full chunks from the loaded shards, as after an update
+    run.gather_updated_params()  # the full chunks from the loaded shards, as after an update
     manifest = checkpoint.manifest
     client = decode_client_state(manifest["client_state"],
                                  lambda key: reader.tensor(Piece(checkpoint.rank_file(0), key, 0, 0, 0)))
@@ -236,9 +237,9 @@ def _agree(control: Control, error: tuple[str, str] | None) -> None:
         raise (CheckpointIntegrityError if kind == CheckpointIntegrityError.__name__ else CheckpointError)(message)
 
 
-def _same_world(engine, checkpoint: Checkpoint) -> bool:
+def _same_world(run: TrainingState, checkpoint: Checkpoint) -> bool:
     """The same ranks on the same kind of device: each rank can take its own generators back."""
-    layout, topo = checkpoint.layout, engine.topology
+    layout, topo = checkpoint.layout, run.topology
     return (layout["world_size"] == topo.world_size and layout["tp"] == topo.tp_size
             and layout.get("device") == topo.device.type)
 
@@ -255,18 +256,18 @@ def _has_tensor_refs(value) -> bool:
     return False
 
 
-def _restore_training_state(engine, checkpoint: Checkpoint, reader: PieceReader, optimizer_states: bool,
+def _restore_training_state(run: TrainingState, checkpoint: Checkpoint, reader: PieceReader, optimizer_states: bool,
                             scheduler_states: bool, own: str | None) -> None:
     manifest = checkpoint.manifest
     counters = manifest["engine"]
-    engine.global_step, engine.micro_step = counters["global_step"], counters["micro_step"]
-    engine.skipped_steps = counters["skipped_steps"]
-    engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
+    run.progress.global_step, run.progress.micro_step = counters["global_step"], counters["micro_step"]
+    run.progress.skipped_steps = counters["skipped_steps"]
+    run.loss_scaler.load_state_dict(manifest["loss_scaler"])
     if optimizer_states:
-        for group, saved in zip(engine.optimizer.param_groups, manifest["param_groups"]):
+        for group, saved in zip(run.optimizer.param_groups, manifest["param_groups"]):
             restore_options(group, saved)
-    if scheduler_states and engine.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
+    if scheduler_states and run.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
+        run.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
     if own is not None:  # the same world: each rank's own generators (another world starts its streams afresh)
-        record = manifest["ranks"][engine.topology.rank]
-        restore_rng(engine, lambda key: reader.tensor(Piece(own, key, 0, 0, 0)), record)
+        record = manifest["ranks"][run.topology.rank]
+        restore_rng(run, lambda key: reader.tensor(Piece(own, key, 0, 0, 0)), record)

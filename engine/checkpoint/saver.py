@@ -40,6 +40,8 @@ from engine.checkpoint.files import (CheckpointError, CheckpointWriteError, File
 from engine.checkpoint.live_states import LiveStates
 from engine.checkpoint.reader import FORMAT, LATEST, MANIFEST, TAG, VERSION, rank_file
 from engine.checkpoint.snapshot import RankSnapshot, take_snapshot
+from engine.checkpoint.training_state import TrainingState
+from engine.config import CheckpointConfig
 
 
 class Control:
@@ -68,13 +70,13 @@ class Control:
 
 
 class Saver:
-    """Saves checkpoints for one engine; holds the background save in flight (Note [asynchronous save])."""
+    """Saves checkpoints of one run's TrainingState; holds the background save in flight (Note [asynchronous save])."""
 
-    def __init__(self, engine):
-        self.engine = engine
-        topo = engine.topology
+    def __init__(self, state: TrainingState, config: CheckpointConfig):
+        self.state = state
+        topo = state.topology
         self.control = Control(topo.control_group, topo.rank, topo.world_size)
-        self.config = engine.config.checkpoint
+        self.config = config
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._committed: str | None = None
@@ -82,21 +84,21 @@ class Saver:
     # ---- public ----------------------------------------------------------------------------
     def save(self, save_dir: str, tag: str | None, client_state: dict | None, save_latest: bool) -> str:
         self.wait()
-        engine = self.engine
-        if engine.micro_step % engine.gradient_accumulation_steps:
+        state, progress = self.state, self.state.progress
+        if progress.micro_step % progress.gradient_accumulation_steps:
             raise CheckpointError(
-                f"save_checkpoint in the middle of a gradient accumulation cycle (micro-step {engine.micro_step}, "
-                f"{engine.gradient_accumulation_steps} per update) would lose the accumulated gradients; call it "
+                f"save_checkpoint in the middle of a gradient accumulation cycle (micro-step {progress.micro_step}, "
+                f"{progress.gradient_accumulation_steps} per update) would lose the accumulated gradients; call it "
                 "after the engine.step() that updates the model")
         self.control.arrive(self.config.timeout_s, "engine.save_checkpoint")
-        tag = self._agreed_tag(str(tag) if tag is not None else f"global_step{engine.global_step}")
+        tag = self._agreed_tag(str(tag) if tag is not None else f"global_step{progress.global_step}")
         save_dir = os.path.abspath(save_dir)
         partial = os.path.join(save_dir, f".{tag}.partial")
         self._agree(self._prepare(save_dir, partial) if self.control.rank == 0 else None)
         asynchronous = self.config.async_save
         error, snapshot, common = None, None, None
         try:
-            snapshot = take_snapshot(engine, LiveStates(engine.chunked, engine.optimizer), copy=asynchronous)
+            snapshot = take_snapshot(state, LiveStates(state.chunked, state.optimizer), copy=asynchronous)
             common = self._common_state(snapshot, tag, client_state) if self.control.rank == 0 else None
         except Exception as e:  # e.g. a client_state that is not JSON (rank 0), an NVMe read error (any rank)
             error = f"rank {self.control.rank}: {type(e).__name__}: {e}"
@@ -160,16 +162,16 @@ class Saver:
 
     def _common_state(self, snapshot: RankSnapshot, tag: str, client_state: dict | None) -> dict:
         """Rank 0: what every rank shares (counters, schedules, options, client state), for the manifest."""
-        engine = self.engine
+        state, progress = self.state, self.state.progress
         client = encode_client_state(client_state or {}, snapshot.tensors)
-        scheduler = engine.lr_scheduler
+        scheduler = state.lr_scheduler
         return {
             "tag": tag,
-            "engine": {"global_step": engine.global_step, "micro_step": engine.micro_step,
-                       "skipped_steps": engine.skipped_steps},
+            "engine": {"global_step": progress.global_step, "micro_step": progress.micro_step,
+                       "skipped_steps": progress.skipped_steps},
             "lr_scheduler": json_state("lr_scheduler", scheduler.state_dict()) if scheduler is not None else None,
-            "loss_scaler": json_state("loss_scaler", engine.loss_scaler.state_dict()),
-            "param_groups": [json_options(g) for g in engine.optimizer.param_groups],
+            "loss_scaler": json_state("loss_scaler", state.loss_scaler.state_dict()),
+            "param_groups": [json_options(g) for g in state.optimizer.param_groups],
             "client_state": client,
         }
 
@@ -215,15 +217,15 @@ class Saver:
         first_of_tp = {info["tp_rank"]: info for _, _, info in reports if info["dp_rank"] == 0}
         states = next((info["optimizer_states"] for _, _, info in reports if info["optimizer_states"]["tensor_states"]
                        or info["optimizer_states"]["scalar_states"]), reports[0][2]["optimizer_states"])
-        engine = self.engine
-        topo = engine.topology
+        state = self.state
+        topo = state.topology
         manifest = {
             "format": FORMAT, "version": VERSION, "tag": tag, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "layout": {"world_size": topo.world_size, "dp": topo.dp_world_size, "tp": topo.tp_size,
-                       "tp_mode": engine.config.tensor_parallel.mode, "stage": engine.config.zero_optimization.stage,
-                       "shard_count": engine.chunked.shard_count, "device": topo.device.type,
-                       "compute_dtype": str(engine.precision.compute_dtype).removeprefix("torch."),
-                       "optimizer": _optimizer_name(engine.optimizer)},
+                       "tp_mode": state.tp_mode, "stage": state.stage,
+                       "shard_count": state.chunked.shard_count, "device": topo.device.type,
+                       "compute_dtype": str(state.compute_dtype).removeprefix("torch."),
+                       "optimizer": _optimizer_name(state.optimizer)},
             **{k: v for k, v in common.items() if k != "tag"},
             "optimizer": states,
             "chunks": {str(tp): info["chunks"] for tp, info in sorted(first_of_tp.items())},

@@ -11,7 +11,8 @@ from torch import nn
 
 from engine.checkpoint.live_states import LiveStates
 from engine.checkpoint.encoding import encode_spec
-from engine.tensor_parallel.rng import RNGStreams, Stream
+from engine.checkpoint.training_state import TrainingState
+from run.tensor_parallel.rng import RNGStreams, Stream
 
 
 @dataclass
@@ -34,11 +35,11 @@ def extra_entries(module: nn.Module, chunk_of: dict[int, int]) -> tuple[dict[str
     return extras, aliases
 
 
-def take_snapshot(engine, states: LiveStates, copy: bool) -> RankSnapshot:
+def take_snapshot(run: TrainingState, states: LiveStates, copy: bool) -> RankSnapshot:
     """This rank's part of a checkpoint (Note [checkpoint layout]). copy=False keeps in-memory tensors as they are
     (a synchronous save writes them before training goes on); anything read from a chunk manager, a stage-3 shard
     view or the device is copied to CPU memory either way."""
-    topo, chunked = engine.topology, engine.chunked
+    topo, chunked = run.topology, run.chunked
     snap = RankSnapshot()
     snap.record = {"rank": topo.rank, "dp_rank": topo.dp_rank, "tp_rank": topo.tp_rank}
     owns_chunks = chunked.shard_count > 1 or topo.dp_rank == 0  # stage 0: one copy, data-parallel rank 0's
@@ -65,28 +66,28 @@ def take_snapshot(engine, states: LiveStates, copy: bool) -> RankSnapshot:
         snap.record["chunks"] = [{"numel": states.chunk_numel(i),
                                   "members": [[m.name, m.offset, list(m.shape)] for m in states.members(i)]}
                                  for i in range(len(states))]
-        extras, aliases = extra_entries(engine.module, chunked.chunk_index())
+        extras, aliases = extra_entries(run.module, chunked.chunk_index())
         for key, t in extras.items():
             snap.tensors[f"extra.{key}"] = keep(t, False)
         snap.record["extras"] = {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                                  for k, t in extras.items()}
         snap.record["aliases"] = aliases
-        snap.record["keys"] = list(engine.module.state_dict(keep_vars=True))  # the model's key order
-        tp = engine.tensor_parallel
+        snap.record["keys"] = list(run.module.state_dict(keep_vars=True))  # the model's key order
+        tp = run.tensor_parallel
         snap.record["tp_specs"] = {name: encode_spec(spec) for name, spec in tp.specs.items()} if tp else {}
-    _rng(engine, snap)
+    _rng(run, snap)
     return snap
 
 
-def _rng(engine, snap: RankSnapshot) -> None:
+def _rng(run: TrainingState, snap: RankSnapshot) -> None:
     """Every generator a training step draws from, per rank: torch's CPU and device generators, the tensor-parallel
     per-rank stream (Note [tensor-parallel RNG]), Python's and NumPy's (a user's data pipeline may use them). The
     tensors are fresh (get_rng_state copies; the streams swap states, never mutate them): no copy is needed."""
     snap.tensors["rng.cpu"] = torch.get_rng_state()
-    device = engine.topology.device
+    device = run.topology.device
     if device.type == "cuda":
         snap.tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
-    streams: RNGStreams | None = engine.tensor_parallel.streams if engine.tensor_parallel else None
+    streams: RNGStreams | None = run.tensor_parallel.streams if run.tensor_parallel else None
     if streams is not None:
         live, saved, stack = streams.snapshot()
         if live is not Stream.REPLICATED or stack:
@@ -100,13 +101,13 @@ def _rng(engine, snap: RankSnapshot) -> None:
                           "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
 
 
-def restore_rng(engine, tensor_of, record: dict) -> None:
+def restore_rng(run: TrainingState, tensor_of, record: dict) -> None:
     """The inverse of _rng, from this rank's own file of a checkpoint saved by the same world."""
     torch.set_rng_state(tensor_of("rng.cpu"))
-    device = engine.topology.device
+    device = run.topology.device
     if device.type == "cuda":
         torch.cuda.set_rng_state(tensor_of("rng.cuda"), device)
-    streams = engine.tensor_parallel.streams if engine.tensor_parallel else None
+    streams = run.tensor_parallel.streams if run.tensor_parallel else None
     if streams is not None:
         live, saved, stack = streams.snapshot()
         count = len(saved[Stream.SHARDED])
