@@ -12,7 +12,7 @@ from torch import nn
 from engine.checkpoint.live_states import LiveStates
 from engine.checkpoint.encoding import encode_spec
 from engine.checkpoint.training_state import TrainingState
-from run.tensor_parallel.rng import RNGStreams, Stream
+from engine.tensor_parallel.rng import RNGStreams, Stream
 
 
 @dataclass
