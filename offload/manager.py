@@ -51,11 +51,12 @@ from offload.copy_engine import CopyDone, CopyEngine
 from offload.errors import OffloadError
 from offload.host_pool import HostBufferPool
 from offload.nvme import NvmeStore
-from offload.residency import ChunkEntry, Residency, Transfer, budget_message, fmt_bytes, held_bytes
+from offload.residency import ChunkEntry, Residency, Transfer, budget_message, held_bytes
 from offload.policy import choose_victim, upcoming
 from offload.stats import ManagerStats
 from offload.states import TensorState, check_transition
 from offload.tracer import TracePhase, Tracer
+from offload.units import fmt_bytes
 
 _RANK = {Location.DEVICE: 0, Location.CPU: 1, Location.NVME: 2}
 

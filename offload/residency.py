@@ -13,6 +13,7 @@ from offload.chunk import Chunk, Location
 from offload.copy_engine import CopyDone
 from offload.host_pool import HostBufferPool, pinned_block_size
 from offload.nvme import SwapHandle
+from offload.units import fmt_bytes
 
 
 class Transfer:
@@ -117,15 +118,6 @@ def held_bytes(buf: torch.Tensor) -> int:
     pinned storage as torch's host allocator rounds it (a power of two: Note [host buffer pool])."""
     nbytes = buf.untyped_storage().nbytes()
     return pinned_block_size(nbytes) if buf.device.type == "cpu" and buf.is_pinned() else nbytes
-
-
-def fmt_bytes(nbytes: float) -> str:
-    if nbytes == float("inf"):
-        return "unbounded"
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{int(nbytes)} B"
 
 
 def budget_message(chunks: Residency, location: Location, nbytes: int, budget: float, protect: set[int], *,
