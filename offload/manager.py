@@ -478,10 +478,10 @@ class ChunkManager:
         budget = self._budget(location)
         prefetch = only_if_used_after is not None
         following = self.tracer.phase is TracePhase.FOLLOWING
-        spare, nbytes = self._demand(location, chunk)
+        spare, nbytes = self._chunks.demand(location, chunk)
         while self.used_bytes(location) + nbytes > budget:
             self._settle_finished()
-            spare, nbytes = self._demand(location, chunk)  # an eviction may have left a reusable buffer
+            spare, nbytes = self._chunks.demand(location, chunk)  # an eviction may have left a reusable buffer
             excess = self.used_bytes(location) + nbytes - budget
             if excess <= 0:
                 break
@@ -521,14 +521,6 @@ class ChunkManager:
         self._stats.peak_bytes[location.value] = max(self._stats.peak_bytes.get(location.value, 0),
                                                      self.used_bytes(location) + nbytes)
         return True
-
-    def _demand(self, location: Location, chunk: Chunk | None) -> tuple[tuple | None, int]:
-        """(the kept buffer key a new buffer for `chunk` would reuse, or None; the bytes it adds to the tier)."""
-        if chunk is None:
-            return None, 0
-        if location is Location.CPU and self.pool.has(chunk.numel, chunk.dtype):
-            return (chunk.numel, chunk.dtype), 0  # acquire() moves it from kept to charged
-        return None, self._chunks.footprint(location, chunk)
 
     def _evictable(self, location: Location, protect: set[int]) -> list[int]:
         if location is Location.CPU and self.store is None:

@@ -97,6 +97,15 @@ class Residency:
         """The bytes `allocate` will hold for this chunk on a tier."""
         return self.pool.footprint(chunk.numel, chunk.dtype) if location is Location.CPU else chunk.nbytes
 
+    def demand(self, location: Location, chunk: Chunk | None) -> tuple[tuple | None, int]:
+        """What a new buffer for `chunk` (None: no buffer) asks of a tier: (the key of the kept host buffer
+        `allocate` would reuse, or None; the bytes it adds to the tier). A reused kept buffer adds none."""
+        if chunk is None:
+            return None, 0
+        if location is Location.CPU and self.pool.has(chunk.numel, chunk.dtype):
+            return (chunk.numel, chunk.dtype), 0  # acquire() moves it from kept to charged
+        return None, self.footprint(location, chunk)
+
     def allocate(self, location: Location, chunk: Chunk) -> torch.Tensor:
         """A buffer for the chunk's payload on a tier (contents undefined). Its whole allocation counts from now
         (with any padding for O_DIRECT: Note [host buffer pool]); a failed allocation counts nothing."""
