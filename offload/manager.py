@@ -13,9 +13,9 @@ included), the source buffers of transfers still in flight (a chunk being moved 
 both tiers until its copy completes) and free host buffers kept for reuse (Note [host buffer
 pool]). Before a buffer is allocated on a tier, room is made: finished transfers are settled,
 kept buffers trimmed, then chunks that are not in COMPUTE are evicted one tier down (device →
-CPU → NVMe; Note [eviction order] picks which), waiting for transfers in flight if that is what
-frees the room. If nothing can free enough, `BudgetError` names the budget, the demand and what
-holds the tier.
+CPU → NVMe; the policy picks which: Note [eviction order]), waiting for transfers in flight if
+that is what frees the room. If nothing can free enough, `BudgetError` names the budget, the
+demand and what holds the tier.
 
 Transfers: CPU↔NVMe through the NvmeStore's worker threads, device↔CPU through the copy engine
 (Note [side-stream copies]); a chunk has at most one transfer in flight, and `access` waits for
@@ -51,14 +51,14 @@ from offload.copy_engine import CopyDone, CopyEngine
 from offload.errors import OffloadError
 from offload.host_pool import HostBufferPool
 from offload.nvme import NvmeStore
+from offload.policy import PlacementPolicy, is_above, next_tier, worth_prefetching
 from offload.residency import ChunkEntry, Residency, Transfer, budget_message, held_bytes
-from offload.policy import choose_victim, upcoming
 from offload.stats import ManagerStats
 from offload.states import TensorState, check_transition
 from offload.tracer import TracePhase, Tracer
 from offload.units import fmt_bytes
 
-_RANK = {Location.DEVICE: 0, Location.CPU: 1, Location.NVME: 2}
+_TIERS = (Location.DEVICE, Location.CPU, Location.NVME)
 
 
 class BudgetError(OffloadError):
@@ -105,9 +105,8 @@ class ChunkManager:
         self.tracer = Tracer(self._non_chunk_bytes)
         self._chunks = Residency(self.device, self.pool)
         self._kinds: dict[str, list[int]] = {}
-        self._last_used: dict[int, int] = {}
-        self._clock = 0
         self._stats = ManagerStats()
+        self._policy = PlacementPolicy(self.tracer)  # decides what to evict and what to prefetch
         self._process = psutil.Process(os.getpid())
         self._closed = False
 
@@ -173,8 +172,7 @@ class ChunkManager:
             raise OffloadError(f"chunk {entry.describe()} is in use on the {entry.chunk.location.value} tier (a tensor "
                                f"is in COMPUTE): release it before accessing it on the {location.value} tier")
         phase = self.tracer.on_access(chunk, location)
-        self._clock += 1
-        self._last_used[chunk] = self._clock
+        self._policy.used(chunk)
         self._settle_finished()
         if entry.prefetched:
             self._stats.prefetch_hits += 1
@@ -259,7 +257,7 @@ class ChunkManager:
     @property
     def stats(self) -> ManagerStats:
         s = self._stats
-        s.resident_bytes = {loc.value: self.used_bytes(loc) for loc in _RANK}
+        s.resident_bytes = {loc.value: self.used_bytes(loc) for loc in _TIERS}
         s.trace_divergences = self.tracer.divergences
         if self.tracer.trace is not None:
             s.peak_non_chunk_bytes = self.tracer.trace.peak_non_chunk_bytes
@@ -303,7 +301,7 @@ class ChunkManager:
                     return False  # nothing to bring: access allocates it
                 self._materialize(entry, target if target is not Location.NVME else Location.CPU, protect)
                 continue
-            up = _RANK[target] < _RANK[here]
+            up = is_above(target, here)
             if entry.transfer is not None:
                 if prefetch:
                     return True  # already moving; the next look-ahead (or the access) continues it
@@ -312,7 +310,7 @@ class ChunkManager:
                 else:
                     self._settle(entry, block=True, count_wait=on_demand)
                 continue
-            step = {Location.NVME: Location.CPU, Location.CPU: Location.DEVICE}[here] if up else here.below
+            step = next_tier(here, target)
             if prefetch and not up:
                 return False
             if step is not Location.NVME and not self._make_room(step, entry.chunk, protect, only_if_used_after):
@@ -477,7 +475,6 @@ class ChunkManager:
         will reuse needs no room, and is trimmed last."""
         budget = self._budget(location)
         prefetch = only_if_used_after is not None
-        following = self.tracer.phase is TracePhase.FOLLOWING
         spare, nbytes = self._chunks.demand(location, chunk)
         while self.used_bytes(location) + nbytes > budget:
             self._settle_finished()
@@ -496,10 +493,8 @@ class ChunkManager:
                 self._settle(leaving[0], block=True)  # wait rather than evict more
                 continue
             victim = None
-            if nbytes <= budget:
-                victim = choose_victim(self._evictable(location, protect), self._last_used,
-                                       self.tracer.trace if following else None, self.tracer.position - 1,
-                                       only_if_used_after if prefetch else float("-inf"))
+            if nbytes <= budget and self._can_evict(location):
+                victim = self._policy.victim(self._chunks.at(location), protect, only_if_used_after)
             if victim is not None:
                 if not self._evict(self._chunks.entries[victim], protect, only_if_used_after):
                     return False
@@ -522,11 +517,9 @@ class ChunkManager:
                                                      self.used_bytes(location) + nbytes)
         return True
 
-    def _evictable(self, location: Location, protect: set[int]) -> list[int]:
-        if location is Location.CPU and self.store is None:
-            return []
-        return [e.id for e in self._chunks.at(location)
-                if e.transfer is None and not e.chunk.pinned and e.id not in protect]
+    def _can_evict(self, location: Location) -> bool:
+        """Whether a chunk on this tier has a tier below to go to (CPU: only with an nvme_dir)."""
+        return location is not Location.CPU or self.store is not None
 
     def _evict(self, entry: ChunkEntry, protect: set[int], only_if_used_after: float | None) -> bool:
         below = entry.chunk.location.below
@@ -541,19 +534,17 @@ class ChunkManager:
     # ---- prefetch
 
     def _prefetch_ahead(self, now: int) -> None:
-        for position, access in upcoming(self.tracer.trace, now, self.prefetch_depth):
-            entry = self._chunks.entries[access.chunk]
-            if entry.chunk.location is access.location or entry.chunk.pinned:
-                continue
+        """Starts the prefetches the policy asks for after trace position `now`, until one finds no room."""
+        for position, chunk, location in self._policy.to_prefetch(now, self.prefetch_depth, self._chunk_at):
             try:
-                if not self._start_prefetch(entry, access.location, position):
+                if not self._start_prefetch(self._chunks.entries[chunk], location, position):
                     break  # no room for this one: later ones are needed even later
             except OffloadError:
                 self._stats.failed_transfers += 1  # rolled back; a demand access will meet the error
                 break
 
     def _start_prefetch(self, entry: ChunkEntry, location: Location, position: float) -> bool:
-        if entry.chunk.location is Location.RELEASED or _RANK[entry.chunk.location] <= _RANK[location]:
+        if not worth_prefetching(entry.chunk.location, location):
             return True  # nothing to bring: allocated on access, or already there (or above)
         started = entry.transfer is None
         if not self._move(entry, location, protect={entry.id}, only_if_used_after=position):
@@ -562,6 +553,9 @@ class ChunkManager:
             entry.prefetched = True
             self._stats.prefetches += 1
         return True
+
+    def _chunk_at(self, chunk: int) -> Chunk:
+        return self._chunks.entries[chunk].chunk
 
     def _non_chunk_bytes(self) -> int:
         if self.device.type == "cuda":
