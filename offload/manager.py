@@ -13,18 +13,18 @@ included), the source buffers of transfers still in flight (a chunk being moved 
 both tiers until its copy completes) and free host buffers kept for reuse (Note [host buffer
 pool]). Before a buffer is allocated on a tier, room is made: finished transfers are settled,
 kept buffers trimmed, then chunks that are not in COMPUTE are evicted one tier down (device →
-CPU → NVMe; Note [eviction order] picks which), waiting for transfers in flight if that is what
-frees the room. If nothing can free enough, `BudgetError` names the budget, the demand and what
-holds the tier.
+CPU → NVMe; the policy picks which: Note [eviction order]), waiting for transfers in flight if
+that is what frees the room. If nothing can free enough, `BudgetError` names the budget, the
+demand and what holds the tier.
 
-Transfers: CPU↔NVMe through the NvmeStore's worker threads, device↔CPU through the copy engine
-(Note [side-stream copies]); a chunk has at most one transfer in flight, and `access` waits for
-it (counted as a blocking wait). Warm-up, trace-following and prefetch: Note [trace and
-divergence]; a prefetch never evicts a chunk needed sooner, never waits for the disk and never
-raises. A failed transfer is rolled back: the chunk is where it was before, with its data (a
-swap-out that hit a full disk leaves it on the CPU). Its error is raised to the caller that
-waited for that transfer; one found finished in the background is counted (`failed_transfers`)
-and its error meets whoever needs that chunk or that room next.
+Transfers (offload/transfers.py): CPU↔NVMe through the NvmeStore's worker threads, device↔CPU
+through the copy engine (Note [side-stream copies]); a chunk has at most one transfer in flight,
+and `access` waits for it (counted as a blocking wait). Warm-up, trace-following and prefetch:
+Note [trace and divergence]; a prefetch never evicts a chunk needed sooner, never waits for the
+disk and never raises. A failed transfer is rolled back: the chunk is where it was before, with
+its data (a swap-out that hit a full disk leaves it on the CPU). Its error is raised to the
+caller that waited for that transfer; one found finished in the background is counted
+(`failed_transfers`) and its error meets whoever needs that chunk or that room next.
 
 Note [clean chunks]
 A chunk read back from NVMe and only read since (every `access` said writes=False) still
@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -47,17 +46,19 @@ import psutil
 import torch
 
 from offload.chunk import DEFAULT_CHUNK_CAPACITY, Chunk, Location, best_capacity, plan_slots
-from offload.copy_engine import CopyDone, CopyEngine
+from offload.copy_engine import CopyEngine
 from offload.errors import OffloadError
 from offload.host_pool import HostBufferPool
 from offload.nvme import NvmeStore
-from offload.residency import ChunkEntry, Residency, Transfer, budget_message, fmt_bytes, held_bytes
-from offload.policy import choose_victim, upcoming
+from offload.policy import PlacementPolicy, is_above, next_tier, worth_prefetching
+from offload.residency import ChunkEntry, Residency, budget_message, held_bytes
 from offload.stats import ManagerStats
 from offload.states import TensorState, check_transition
 from offload.tracer import TracePhase, Tracer
+from offload.transfers import Transfers
+from offload.units import fmt_bytes
 
-_RANK = {Location.DEVICE: 0, Location.CPU: 1, Location.NVME: 2}
+_TIERS = (Location.DEVICE, Location.CPU, Location.NVME)
 
 
 class BudgetError(OffloadError):
@@ -100,13 +101,12 @@ class ChunkManager:
                                 block_size=nvme_block_size) if nvme_dir else None)
         self.pool = HostBufferPool(pinned=pinned, block_size=self.store.block_size if self.store else 1 << 20,
                                    keep_bytes=keep_free_bytes)
-        self.copies = CopyEngine(self.device)
         self.tracer = Tracer(self._non_chunk_bytes)
         self._chunks = Residency(self.device, self.pool)
         self._kinds: dict[str, list[int]] = {}
-        self._last_used: dict[int, int] = {}
-        self._clock = 0
         self._stats = ManagerStats()
+        self._policy = PlacementPolicy(self.tracer)  # decides what to evict and what to prefetch
+        self._transfers = Transfers(self._chunks, CopyEngine(self.device), self.store, self._stats)
         self._process = psutil.Process(os.getpid())
         self._closed = False
 
@@ -145,7 +145,7 @@ class ChunkManager:
                     views[index].copy_(tensor.detach())
                 if location is Location.NVME:
                     self._move(entry, Location.NVME, protect={entry.id})
-                    self._settle(entry, block=True)
+                    self._transfers.settle(entry, block=True)
         except BaseException:
             for entry in reversed(entries):  # nothing half-registered: the new chunks go away
                 self._drop(entry)
@@ -172,9 +172,8 @@ class ChunkManager:
             raise OffloadError(f"chunk {entry.describe()} is in use on the {entry.chunk.location.value} tier (a tensor "
                                f"is in COMPUTE): release it before accessing it on the {location.value} tier")
         phase = self.tracer.on_access(chunk, location)
-        self._clock += 1
-        self._last_used[chunk] = self._clock
-        self._settle_finished()
+        self._policy.used(chunk)
+        self._transfers.settle_finished()
         if entry.prefetched:
             self._stats.prefetch_hits += 1
             entry.prefetched = False
@@ -182,7 +181,7 @@ class ChunkManager:
             self._stats.prefetch_misses += 1
         self._move(entry, location, protect={chunk}, on_demand=True)
         self._make_room(location, None, {chunk})  # the budget may have shrunk (device_capacity): shed the excess
-        self._settle(entry, block=True, count_wait=True, on_compute_stream=location is Location.DEVICE)
+        self._transfers.settle(entry, block=True, count_wait=True, on_compute_stream=location is Location.DEVICE)
         self._set_states(entry, TensorState.COMPUTE, tensors)
         if writes:
             entry.disk_current = False
@@ -217,10 +216,10 @@ class ChunkManager:
             raise OffloadError(f"chunk {entry.describe()} is in use (a tensor is in COMPUTE): release it before moving it")
         if location is Location.NVME and self.store is None:
             raise OffloadError(f"cannot move chunk {entry.describe()} to NVMe: no nvme_dir was given to the ChunkManager")
-        self._settle_finished()
+        self._transfers.settle_finished()
         self._move(entry, location, protect={chunk})
         if wait:
-            self._settle(entry, block=True)
+            self._transfers.settle(entry, block=True)
 
     def prefetch(self, chunk: int, location: Location = Location.DEVICE) -> bool:
         """Starts bringing a chunk toward `location` without evicting anything in use or waiting for the disk;
@@ -229,7 +228,7 @@ class ChunkManager:
         entry = self._entry(chunk)
         if entry.chunk.pinned:
             return entry.chunk.location is location
-        self._settle_finished()
+        self._transfers.settle_finished()
         try:
             return self._start_prefetch(entry, location, float("-inf"))
         except OffloadError:
@@ -245,6 +244,15 @@ class ChunkManager:
 
     # ---- inspection
 
+    @property
+    def copies(self) -> CopyEngine:
+        """The device<->host copy engine (Note [side-stream copies]); replaceable, e.g. by tests."""
+        return self._transfers.copies
+
+    @copies.setter
+    def copies(self, engine: CopyEngine) -> None:
+        self._transfers.copies = engine
+
     def chunk(self, chunk: int) -> Chunk:
         return self._entry(chunk).chunk
 
@@ -258,7 +266,7 @@ class ChunkManager:
     @property
     def stats(self) -> ManagerStats:
         s = self._stats
-        s.resident_bytes = {loc.value: self.used_bytes(loc) for loc in _RANK}
+        s.resident_bytes = {loc.value: self.used_bytes(loc) for loc in _TIERS}
         s.trace_divergences = self.tracer.divergences
         if self.tracer.trace is not None:
             s.peak_non_chunk_bytes = self.tracer.trace.peak_non_chunk_bytes
@@ -270,7 +278,7 @@ class ChunkManager:
             return
         for entry in list(self._chunks.in_flight.values()):
             try:
-                self._settle(entry, block=True)
+                self._transfers.settle(entry, block=True)
             except OffloadError:
                 pass  # closing anyway: the failed transfer was rolled back
         self._closed = True
@@ -302,26 +310,21 @@ class ChunkManager:
                     return False  # nothing to bring: access allocates it
                 self._materialize(entry, target if target is not Location.NVME else Location.CPU, protect)
                 continue
-            up = _RANK[target] < _RANK[here]
+            up = is_above(target, here)
             if entry.transfer is not None:
                 if prefetch:
                     return True  # already moving; the next look-ahead (or the access) continues it
                 if up and here is Location.NVME:
-                    self._reclaim(entry, count_wait=on_demand)
+                    self._transfers.reclaim(entry, count_wait=on_demand)
                 else:
-                    self._settle(entry, block=True, count_wait=on_demand)
+                    self._transfers.settle(entry, block=True, count_wait=on_demand)
                 continue
-            step = {Location.NVME: Location.CPU, Location.CPU: Location.DEVICE}[here] if up else here.below
+            step = next_tier(here, target)
             if prefetch and not up:
                 return False
             if step is not Location.NVME and not self._make_room(step, entry.chunk, protect, only_if_used_after):
                 return False
-            if step is Location.NVME:
-                self._swap_out(entry)
-            elif here is Location.NVME:
-                self._swap_in(entry)
-            else:
-                self._copy(entry, step)
+            self._transfers.start(entry, step)
             if prefetch:
                 return True
         return True
@@ -331,76 +334,11 @@ class ChunkManager:
         self._make_room(location, entry.chunk, protect)
         self._chunks.place(entry, location, self._chunks.allocate(location, entry.chunk).zero_())
 
-    def _copy(self, entry: ChunkEntry, target: Location) -> None:
-        chunk, source = entry.chunk, entry.chunk.location
-        old = chunk.payload
-        new = self._chunks.allocate(target, chunk)
-        try:
-            done = self.copies.copy(new, old, f"{source.value}->{target.value}")
-        except BaseException:
-            self._chunks.give_back(target, new)
-            raise
-        self._chunks.place(entry, target, new)
-        self._stats.moved_bytes[f"{source.value}->{target.value}"] += chunk.nbytes
-
-        def undo() -> None:
-            raise AssertionError("a device/host copy cannot fail after it was issued")
-
-        self._chunks.set_transfer(entry, Transfer(done, (source, old), undo))
-        self._settle(entry, block=False)
-
-    def _swap_out(self, entry: ChunkEntry) -> None:
-        chunk = entry.chunk
-        buf = chunk.payload
-        if entry.disk_current:  # Note [clean chunks]: the file already holds these bytes
-            self._chunks.give_back(Location.CPU, buf)
-            self._chunks.place(entry, Location.NVME, None)
-            self._stats.clean_drops += 1
-            return
-        handle = self.store.write(entry.key, buf, keep_previous=False)  # on failure the CPU copy is kept
-        self._chunks.place(entry, Location.NVME, None)
-        self._stats.moved_bytes["cpu->nvme"] += chunk.nbytes
-
-        def undo() -> None:  # the disk refused it: the chunk stays on the CPU with its data
-            self._chunks.place(entry, Location.CPU, buf)
-            self._chunks.set_transfer(entry, None)
-            entry.disk_current = False
-
-        self._chunks.set_transfer(entry, Transfer(handle, (Location.CPU, buf), undo))
-        entry.on_disk = entry.disk_current = True
-
-    def _swap_in(self, entry: ChunkEntry) -> None:
-        chunk = entry.chunk
-        buf = self._chunks.allocate(Location.CPU, chunk)
-        handle = self.store.read(entry.key, buf, scratch=True)  # a fresh buffer: read in place
-        self._chunks.place(entry, Location.CPU, buf)
-        self._stats.moved_bytes["nvme->cpu"] += chunk.nbytes
-
-        def undo() -> None:  # unreadable: the chunk stays on NVMe, the buffer goes back
-            self._chunks.place(entry, Location.NVME, None)
-            self._chunks.set_transfer(entry, None)
-            self._chunks.give_back(Location.CPU, buf)
-
-        self._chunks.set_transfer(entry, Transfer(handle, None, undo))
-
-    def _reclaim(self, entry: ChunkEntry, count_wait: bool) -> None:
-        """A chunk wanted back while its swap-out is in flight keeps its host buffer: no read needed."""
-        transfer = entry.transfer
-        self._wait(transfer, count_wait)
-        try:
-            transfer.wait()
-        except OffloadError:
-            self._stats.failed_transfers += 1
-            transfer.undo()  # the write failed: the chunk is back on the CPU with its data, where it is wanted
-            return
-        self._chunks.set_transfer(entry, None)
-        self._chunks.place(entry, Location.CPU, transfer.frees[1])
-
     def _drop(self, entry: ChunkEntry) -> None:
         """Frees a chunk's payload and swap file; its data is not wanted, so a failed transfer does not matter."""
         if entry.transfer is not None:
             try:
-                self._settle(entry, block=True)
+                self._transfers.settle(entry, block=True)
             except OffloadError:
                 pass  # rolled back; dropped below all the same
         if entry.chunk.payload is not None:
@@ -410,52 +348,6 @@ class ChunkManager:
             entry.on_disk = entry.disk_current = False
         self._chunks.place(entry, Location.RELEASED, None)
         entry.prefetched = False
-
-    # ---- settling transfers
-
-    def _settle(self, entry: ChunkEntry, block: bool, count_wait: bool = False, on_compute_stream: bool = False) -> None:
-        transfer = entry.transfer
-        if transfer is None:
-            return
-        if not transfer.done():
-            if not block:
-                return
-            if on_compute_stream and isinstance(transfer.waiter, CopyDone):
-                transfer.waiter.wait_stream()  # the compute stream waits; the host goes on
-                return
-            self._wait(transfer, count_wait)
-        try:
-            transfer.wait()  # finished: re-raises its error, if any
-        except OffloadError:
-            transfer.undo()
-            raise
-        self._chunks.set_transfer(entry, None)
-        if transfer.frees is not None:
-            self._chunks.give_back(*transfer.frees)
-
-    def _wait(self, transfer: Transfer, count_wait: bool) -> None:
-        """Blocks until a transfer finished (its error, if any, is raised by the caller's second wait)."""
-        if transfer.done():
-            return
-        start = time.perf_counter()
-        try:
-            transfer.wait()
-        except OffloadError:
-            pass
-        finally:
-            if count_wait:
-                self._stats.blocking_waits += 1
-            self._stats.io_wait_seconds += time.perf_counter() - start
-
-    def _settle_finished(self) -> None:
-        """Settles the transfers that finished. One that failed is rolled back (the chunk is where it was, with
-        its data) and counted, not raised: its error reaches whoever needs that chunk or that room."""
-        for entry in list(self._chunks.in_flight.values()):
-            if entry.transfer.done():
-                try:
-                    self._settle(entry, block=False)
-                except OffloadError:
-                    self._stats.failed_transfers += 1
 
     # ---- budgets
 
@@ -476,11 +368,10 @@ class ChunkManager:
         will reuse needs no room, and is trimmed last."""
         budget = self._budget(location)
         prefetch = only_if_used_after is not None
-        following = self.tracer.phase is TracePhase.FOLLOWING
-        spare, nbytes = self._demand(location, chunk)
+        spare, nbytes = self._chunks.demand(location, chunk)
         while self.used_bytes(location) + nbytes > budget:
-            self._settle_finished()
-            spare, nbytes = self._demand(location, chunk)  # an eviction may have left a reusable buffer
+            self._transfers.settle_finished()
+            spare, nbytes = self._chunks.demand(location, chunk)  # an eviction may have left a reusable buffer
             excess = self.used_bytes(location) + nbytes - budget
             if excess <= 0:
                 break
@@ -492,13 +383,11 @@ class ChunkManager:
             if leaving and sum(held_bytes(e.transfer.frees[1]) for e in leaving) >= excess:
                 if prefetch:
                     return False  # room is on its way; a prefetch never waits for the disk: next access retries
-                self._settle(leaving[0], block=True)  # wait rather than evict more
+                self._transfers.settle(leaving[0], block=True)  # wait rather than evict more
                 continue
             victim = None
-            if nbytes <= budget:
-                victim = choose_victim(self._evictable(location, protect), self._last_used,
-                                       self.tracer.trace if following else None, self.tracer.position - 1,
-                                       only_if_used_after if prefetch else float("-inf"))
+            if nbytes <= budget and self._can_evict(location):
+                victim = self._policy.victim(self._chunks.at(location), protect, only_if_used_after)
             if victim is not None:
                 if not self._evict(self._chunks.entries[victim], protect, only_if_used_after):
                     return False
@@ -508,7 +397,7 @@ class ChunkManager:
             arriving = [e for e in self._chunks.in_flight.values()
                         if e.chunk.location is location and not e.chunk.pinned and e.id not in protect]
             if (leaving or arriving) and nbytes <= budget:
-                self._settle((leaving or arriving)[0], block=True)  # then it can go, or its room is free
+                self._transfers.settle((leaving or arriving)[0], block=True)  # then it can go, or its room is free
                 continue
             note = ""
             if location is Location.DEVICE and self.device_capacity is not None and self.tracer.trace is not None:
@@ -521,19 +410,9 @@ class ChunkManager:
                                                      self.used_bytes(location) + nbytes)
         return True
 
-    def _demand(self, location: Location, chunk: Chunk | None) -> tuple[tuple | None, int]:
-        """(the kept buffer key a new buffer for `chunk` would reuse, or None; the bytes it adds to the tier)."""
-        if chunk is None:
-            return None, 0
-        if location is Location.CPU and self.pool.has(chunk.numel, chunk.dtype):
-            return (chunk.numel, chunk.dtype), 0  # acquire() moves it from kept to charged
-        return None, self._chunks.footprint(location, chunk)
-
-    def _evictable(self, location: Location, protect: set[int]) -> list[int]:
-        if location is Location.CPU and self.store is None:
-            return []
-        return [e.id for e in self._chunks.at(location)
-                if e.transfer is None and not e.chunk.pinned and e.id not in protect]
+    def _can_evict(self, location: Location) -> bool:
+        """Whether a chunk on this tier has a tier below to go to (CPU: only with an nvme_dir)."""
+        return location is not Location.CPU or self.store is not None
 
     def _evict(self, entry: ChunkEntry, protect: set[int], only_if_used_after: float | None) -> bool:
         below = entry.chunk.location.below
@@ -548,19 +427,17 @@ class ChunkManager:
     # ---- prefetch
 
     def _prefetch_ahead(self, now: int) -> None:
-        for position, access in upcoming(self.tracer.trace, now, self.prefetch_depth):
-            entry = self._chunks.entries[access.chunk]
-            if entry.chunk.location is access.location or entry.chunk.pinned:
-                continue
+        """Starts the prefetches the policy asks for after trace position `now`, until one finds no room."""
+        for position, chunk, location in self._policy.to_prefetch(now, self.prefetch_depth, self._chunk_at):
             try:
-                if not self._start_prefetch(entry, access.location, position):
+                if not self._start_prefetch(self._chunks.entries[chunk], location, position):
                     break  # no room for this one: later ones are needed even later
             except OffloadError:
                 self._stats.failed_transfers += 1  # rolled back; a demand access will meet the error
                 break
 
     def _start_prefetch(self, entry: ChunkEntry, location: Location, position: float) -> bool:
-        if entry.chunk.location is Location.RELEASED or _RANK[entry.chunk.location] <= _RANK[location]:
+        if not worth_prefetching(entry.chunk.location, location):
             return True  # nothing to bring: allocated on access, or already there (or above)
         started = entry.transfer is None
         if not self._move(entry, location, protect={entry.id}, only_if_used_after=position):
@@ -569,6 +446,9 @@ class ChunkManager:
             entry.prefetched = True
             self._stats.prefetches += 1
         return True
+
+    def _chunk_at(self, chunk: int) -> Chunk:
+        return self._chunks.entries[chunk].chunk
 
     def _non_chunk_bytes(self) -> int:
         if self.device.type == "cuda":

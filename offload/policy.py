@@ -1,4 +1,6 @@
-"""Which chunk to evict and which to prefetch, from the trace (Belady/OPT) or, without one, by recency.
+"""The memory manager's decisions: which chunk to evict, which to prefetch, and the tier a chunk moves to next.
+
+The ChunkManager executes these decisions (allocates, copies, swaps, waits); nothing here moves a byte.
 
 Note [eviction order]
 With a trace being followed, the victim is the resident chunk whose next use is farthest away
@@ -11,9 +13,33 @@ whose next use comes after the prefetched chunk's own: otherwise it would make t
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
-from offload.tracer import Access, Trace
+from offload.chunk import Chunk, Location
+from offload.tracer import Access, Trace, Tracer, TracePhase
+
+if TYPE_CHECKING:
+    from offload.residency import ChunkEntry
+
+_RANK = {Location.DEVICE: 0, Location.CPU: 1, Location.NVME: 2}  # tiers from the top (fastest) down
+
+
+def is_above(tier: Location, other: Location) -> bool:
+    """Whether `tier` is nearer the compute device than `other` (DEVICE above CPU above NVME)."""
+    return _RANK[tier] < _RANK[other]
+
+
+def next_tier(here: Location, target: Location) -> Location:
+    """The adjacent tier a chunk on `here` moves to next on its way to `target`: chunks move one tier at a time."""
+    if is_above(target, here):
+        return {Location.NVME: Location.CPU, Location.CPU: Location.DEVICE}[here]
+    return here.below
+
+
+def worth_prefetching(here: Location, target: Location) -> bool:
+    """Whether a prefetch toward `target` has something to bring: not for a RELEASED chunk (access allocates it)
+    nor for one already on `target` or above it (prefetching only ever moves chunks up)."""
+    return here is not Location.RELEASED and is_above(target, here)
 
 
 def choose_victim(candidates: Iterable[int], last_used: dict[int, int], trace: Trace | None, now: int,
@@ -44,3 +70,42 @@ def upcoming(trace: Trace, now: int, depth: int) -> list[tuple[int, Access]]:
             seen.add(access.chunk)
             out.append((position, access))
     return out
+
+
+class PlacementPolicy:
+    """A ChunkManager's eviction and prefetch decisions, from its tracer and the order chunks were used in.
+
+    It keeps the recency of use (the manager reports every access to `used`) and reads the trace only
+    while the tracer follows one (Note [trace and divergence]); it moves nothing.
+    """
+
+    def __init__(self, tracer: Tracer):
+        self.tracer = tracer
+        self._last_used: dict[int, int] = {}
+        self._clock = 0
+
+    def used(self, chunk: int) -> None:
+        """Records an access to `chunk` (the least recently used chunk is the victim without a trace)."""
+        self._clock += 1
+        self._last_used[chunk] = self._clock
+
+    def victim(self, resident: Iterable[ChunkEntry], protect: set[int],
+               only_if_used_after: float | None = None) -> int | None:
+        """The chunk to evict among those `resident` on a tier (Note [eviction order]), or None: one that is
+        not in COMPUTE, not moving and not in `protect`; for a prefetch (`only_if_used_after` its position),
+        only one needed after the prefetched chunk."""
+        candidates = [e.id for e in resident if e.transfer is None and not e.chunk.pinned and e.id not in protect]
+        following = self.tracer.phase is TracePhase.FOLLOWING
+        return choose_victim(candidates, self._last_used, self.tracer.trace if following else None,
+                             self.tracer.position - 1,
+                             float("-inf") if only_if_used_after is None else only_if_used_after)
+
+    def to_prefetch(self, now: int, depth: int,
+                    chunk_of: Callable[[int], Chunk]) -> Iterator[tuple[int, int, Location]]:
+        """The chunks worth prefetching among the next `depth` accesses of the trace after position `now`,
+        soonest first, as (trace position, chunk id, tier it is wanted on). Lazy: each chunk is judged when
+        reached, after the prefetches before it (which may have evicted it) were started."""
+        for position, access in upcoming(self.tracer.trace, now, depth):
+            chunk = chunk_of(access.chunk)
+            if not chunk.pinned and worth_prefetching(chunk.location, access.location):
+                yield position, access.chunk, access.location

@@ -13,6 +13,7 @@ from offload.chunk import Chunk, Location
 from offload.copy_engine import CopyDone
 from offload.host_pool import HostBufferPool, pinned_block_size
 from offload.nvme import SwapHandle
+from offload.units import fmt_bytes
 
 
 class Transfer:
@@ -96,6 +97,15 @@ class Residency:
         """The bytes `allocate` will hold for this chunk on a tier."""
         return self.pool.footprint(chunk.numel, chunk.dtype) if location is Location.CPU else chunk.nbytes
 
+    def demand(self, location: Location, chunk: Chunk | None) -> tuple[tuple | None, int]:
+        """What a new buffer for `chunk` (None: no buffer) asks of a tier: (the key of the kept host buffer
+        `allocate` would reuse, or None; the bytes it adds to the tier). A reused kept buffer adds none."""
+        if chunk is None:
+            return None, 0
+        if location is Location.CPU and self.pool.has(chunk.numel, chunk.dtype):
+            return (chunk.numel, chunk.dtype), 0  # acquire() moves it from kept to charged
+        return None, self.footprint(location, chunk)
+
     def allocate(self, location: Location, chunk: Chunk) -> torch.Tensor:
         """A buffer for the chunk's payload on a tier (contents undefined). Its whole allocation counts from now
         (with any padding for O_DIRECT: Note [host buffer pool]); a failed allocation counts nothing."""
@@ -117,15 +127,6 @@ def held_bytes(buf: torch.Tensor) -> int:
     pinned storage as torch's host allocator rounds it (a power of two: Note [host buffer pool])."""
     nbytes = buf.untyped_storage().nbytes()
     return pinned_block_size(nbytes) if buf.device.type == "cpu" and buf.is_pinned() else nbytes
-
-
-def fmt_bytes(nbytes: float) -> str:
-    if nbytes == float("inf"):
-        return "unbounded"
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{int(nbytes)} B"
 
 
 def budget_message(chunks: Residency, location: Location, nbytes: int, budget: float, protect: set[int], *,

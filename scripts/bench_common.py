@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import json
 import os
 import platform
@@ -33,6 +34,7 @@ import torch.multiprocessing as mp
 
 from engine.estimate.runtime import reset_peak_rss
 from engine import topology
+from offload import units
 
 try:
     import resource
@@ -291,11 +293,9 @@ def command_line() -> str:
     return shlex.join([exe, *sys.argv])
 
 
-def fmt_bytes(n: float) -> str:
-    """Bytes in MB (10^6) with one decimal, e.g. '119.6 MB'."""
-    if n != n:  # nan
-        return "n/a"
-    return f"{n / 1e6:.1f} MB"
+# bytes in benchmark tables: always MB (10^6) with one decimal, e.g. '119.6 MB' (nan: 'n/a'), so that a column
+# compares at a glance and with the tables docs/benchmarks.md already records
+fmt_bytes = functools.partial(units.fmt_bytes, unit="MB")
 
 
 def write_text(path: str, text: str) -> None:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 from engine.estimate.estimator import Estimate
+from offload.units import fmt_bytes
 
 
-def human_bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
+# bytes in the estimate's tables: powers of 1000 (as budgets are given: "8GB") with two decimals, e.g. '0.86 GB'
+human_bytes = functools.partial(fmt_bytes, si=True, digits=2)
 
 
 def human_count(n: float) -> str:
