@@ -84,7 +84,10 @@ def reduce_scatter_sum_in_place(chunk: torch.Tensor, group: dist.ProcessGroup | 
 
 
 class _SumShardsWhenDone:
-    """Note [reduce-scatter on gloo]: gloo runs reduce_scatter as a full all-reduce (measured: 1.0x the
+    """This rank's shard, summed from the pieces an all_to_all brought, once they are in.
+
+    Note [reduce-scatter on gloo]
+    gloo runs reduce_scatter as a full all-reduce (measured: 1.0x the
     payload per rank on the loopback, where an all_to_all sends 0.5x at 2 ranks), which would make ZeRO
     send 1.5x what DDP sends. So on gloo the shards are exchanged with all_to_all ((w-1)/w of the
     payload, as a ring reduce-scatter) and summed here, in rank order on every rank. Costs a transient
