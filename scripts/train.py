@@ -7,7 +7,7 @@
         scripts/train.py --save-every 50 --resume auto
 
 Everything about *how* it trains (batch sizes, optimizer, lr schedule, precision, ZeRO, TensorBoard)
-is in the JSON config; this file is an ordinary PyTorch loop around `engine = initialize(...)`.
+is in the JSON config; this file is an ordinary PyTorch loop around `model_engine = initialize(...)`.
 The lr schedule's total_num_steps is set to --steps, so the cosine decay spans the run.
 With --save-every K it saves a checkpoint every K steps into --save-dir (with the data stream's position),
 and with --resume auto it continues from the latest complete one: under torchrun --max-restarts, a rank
@@ -65,51 +65,52 @@ if "total_num_steps" in schedule:
 
 torch.manual_seed(seed)
 model = gpt_from_preset(args.model, **({"block_size": args.block_size} if args.block_size else {}))
-engine = initialize(model, config)  # starts torch.distributed itself under torchrun
-master = engine.topology.rank == 0  # one printer, also when tp ranks share a dp rank
-device = engine.device
+model_engine = initialize(model, config)  # starts torch.distributed itself under torchrun
+master = model_engine.topology.rank == 0  # one printer, also when tp ranks share a dp rank
+device = model_engine.device
 block_size = model.config.block_size
 
 tokens = load_corpus(args.data)
-batch_args = dict(block_size=block_size, micro_batch_size=engine.train_micro_batch_size_per_gpu,
-                  seed=seed, rank=engine.dp_rank, world_size=engine.dp_world_size)
+batch_args = dict(block_size=block_size, micro_batch_size=model_engine.train_micro_batch_size_per_gpu,
+                  seed=seed, rank=model_engine.dp_rank, world_size=model_engine.dp_world_size)
 train_batches = TokenBatches(tokens, split="train", **batch_args)
 val_batches = TokenBatches(tokens, split="val", **batch_args)
-tokens_per_step = engine.train_batch_size * block_size  # over all dp ranks
+tokens_per_step = model_engine.train_batch_size * block_size  # over all dp ranks
 
 resumed_from = None
 fresh_start = args.resume == "auto" and not os.path.isfile(os.path.join(args.save_dir, "latest"))
 if args.resume != "none" and not fresh_start:  # the whole training state, and where the data stream was
     where, tag = (args.save_dir, None) if args.resume == "auto" else os.path.split(os.path.abspath(args.resume))
-    resumed_from, client_state = engine.load_checkpoint(where, tag)
+    resumed_from, client_state = model_engine.load_checkpoint(where, tag)
     train_batches.load_state_dict(client_state["train_batches"])
 
 if master:
     print(f"model {args.model}: {model.num_parameters() / 1e6:.2f}M parameters, block size {block_size} | "
           f"data {args.data or 'Python stdlib sources'}: {tokens.numel() / 1e6:.2f}M tokens")
-    print(f"config {args.config} | {engine.dp_world_size} dp rank(s) on {device} | batch {engine.train_batch_size} = "
-          f"{engine.train_micro_batch_size_per_gpu} micro x {engine.gradient_accumulation_steps} accumulation x "
-          f"{engine.dp_world_size} ranks = {tokens_per_step:,} tokens/step | {args.steps} steps", flush=True)
+    dp = model_engine.dp_world_size
+    print(f"config {args.config} | {dp} dp rank(s) on {device} | batch {model_engine.train_batch_size} = "
+          f"{model_engine.train_micro_batch_size_per_gpu} micro x {model_engine.gradient_accumulation_steps} "
+          f"accumulation x {dp} ranks = {tokens_per_step:,} tokens/step | {args.steps} steps", flush=True)
 
 
 def mean_over_ranks(value: float) -> float:
-    if engine.dp_world_size == 1:
+    if model_engine.dp_world_size == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, group=engine.dp_group)
-    return t.item() / engine.dp_world_size
+    dist.all_reduce(t, group=model_engine.dp_group)
+    return t.item() / model_engine.dp_world_size
 
 
 @torch.no_grad()
 def evaluate() -> float:
     """Mean loss over the same --eval-batches val batches every time (per rank), averaged over ranks."""
-    engine.eval()
+    model_engine.eval()
     val_batches.reset()
     total = 0.0
     for _ in range(args.eval_batches):
         batch = val_batches.next_batch()
-        total += engine(batch["input_ids"].to(device), batch["labels"].to(device)).item()
-    engine.train()
+        total += model_engine(batch["input_ids"].to(device), batch["labels"].to(device)).item()
+    model_engine.train()
     return mean_over_ranks(total / args.eval_batches)
 
 
@@ -129,19 +130,19 @@ def duration(seconds: float) -> str:
 eval_loss = evaluate()
 if master:
     resumed = f" | resumed from {resumed_from}" if resumed_from else ""
-    print(f"step {engine.global_step:>5}/{args.steps} | eval loss {eval_loss:.4f}{resumed}", flush=True)
+    print(f"step {model_engine.global_step:>5}/{args.steps} | eval loss {eval_loss:.4f}{resumed}", flush=True)
 train_loss = last_step_loss = float("nan")
 loss_sum, loss_count = torch.zeros((), device=device), 0
 step_loss_sum, step_micro_batches = 0.0, 0
 loss_log = open(args.loss_log, "a") if args.loss_log and master else None
 t_start = t_mark = time.perf_counter()
-step_at_mark = first_step = engine.global_step
-while engine.global_step < args.steps:
+step_at_mark = first_step = model_engine.global_step
+while model_engine.global_step < args.steps:
     batch = train_batches.next_batch()
-    loss = engine(batch["input_ids"].to(device), batch["labels"].to(device))
-    engine.backward(loss)
-    updated = engine.is_gradient_accumulation_boundary()
-    engine.step()
+    loss = model_engine(batch["input_ids"].to(device), batch["labels"].to(device))
+    model_engine.backward(loss)
+    updated = model_engine.is_gradient_accumulation_boundary()
+    model_engine.step()
     loss_sum += loss.detach().float()
     loss_count += 1
     if args.loss_log:
@@ -149,7 +150,7 @@ while engine.global_step < args.steps:
     if not updated:
         continue
 
-    step = engine.global_step
+    step = model_engine.global_step
     if args.loss_log:
         step_loss = mean_over_ranks(step_loss_sum / step_micro_batches)
         step_loss_sum, step_micro_batches = 0.0, 0
@@ -160,7 +161,7 @@ while engine.global_step < args.steps:
     if last:
         last_step_loss = mean_over_ranks(loss.item())
     if args.save_every and step % args.save_every == 0:
-        engine.save_checkpoint(args.save_dir, client_state={"train_batches": train_batches.state_dict()})
+        model_engine.save_checkpoint(args.save_dir, client_state={"train_batches": train_batches.state_dict()})
     if step % PRINT_EVERY == 0 or last:
         elapsed = time.perf_counter() - t_mark
         per_step = elapsed / (step - step_at_mark)
@@ -168,7 +169,7 @@ while engine.global_step < args.steps:
         loss_sum.zero_()
         loss_count = 0
         if master:
-            print(f"step {step:>5}/{args.steps} | loss {train_loss:.4f} | lr {engine.get_lr()[0]:.2e} | "
+            print(f"step {step:>5}/{args.steps} | loss {train_loss:.4f} | lr {model_engine.get_lr()[0]:.2e} | "
                   f"{tokens_per_step / per_step:,.0f} tok/s | {memory()} | "
                   f"eta {duration((args.steps - step) * per_step)}", flush=True)
     if step % args.eval_every == 0 or last:
@@ -184,14 +185,14 @@ if loss_log:
 if master:
     print(f"done: {args.steps - first_step} steps in {duration(time.perf_counter() - t_start)} | "
           f"final train loss {train_loss:.4f} | final eval loss {eval_loss:.4f} | last step loss {last_step_loss!r}")
-    log_dir = getattr(engine.monitor, "log_dir", None)
+    log_dir = getattr(model_engine.monitor, "log_dir", None)
     print(f"tensorboard: tensorboard --logdir {log_dir}" if log_dir else "tensorboard: off (enable it in the config)",
           flush=True)
-engine.close()
+model_engine.close()
 # The engine holds its process groups. Free it (and the model its hooks hang on) before destroying them, so gloo's
 # worker threads are joined now and not during interpreter shutdown, where one can abort the process (see the note
 # at the top of engine/topology.py).
-engine = model = None
+model_engine = model = None
 gc.collect()
 if dist.is_initialized():
     dist.destroy_process_group()
