@@ -180,7 +180,7 @@ class Engine:
             return
         with self.monitor.step_metrics.timed("optimizer"), self.runtime.step(self.loss_scaler.scale) as grads:
             if not grads.overflow:
-                self.runtime.update()
+                self.runtime.update(grads)
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step()
             self.loss_scaler.update(grads.overflow)

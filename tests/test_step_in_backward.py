@@ -137,11 +137,11 @@ def _one_rank_fails_worker(rank, world, nvme_dir):
     if rank == 1:  # an I/O or memory error while stepping a shard, on one rank only
         step_early, calls = engine.optimizer.step_early, [0]
 
-        def failing_step_early(chunk):
+        def failing_step_early(chunk, grad_scale):
             calls[0] += 1
             if calls[0] == 2:
                 raise OSError("injected: the swap disk failed")
-            step_early(chunk)
+            step_early(chunk, grad_scale)
         engine.optimizer.step_early = failing_step_early
     x = micro_batches(token_batches(1, GLOBAL_BATCH)[0], rank, world, 1)[0]
     try:

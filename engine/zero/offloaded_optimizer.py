@@ -53,8 +53,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                  manager: ChunkManager, home: Location, compute: Location, param_chunks: dict[int, int] | None = None,
                  grad_chunks: dict[int, int] | None = None):
         """param_chunks: id(stepped tensor) -> the manager chunk holding its values, for placeholders;
-        grad_chunks: the same for its gradient (Note [offloaded gradient shards]), scaled by `grad_scale`
-        (set by the engine before each step: loss-scale and clipping factors) as it is stepped."""
+        grad_chunks: the same for its gradient (Note [offloaded gradient shards]), multiplied by the `grad_scale`
+        the step is given (the loss-scale and clipping factors) as it is stepped."""
         probe = torch.zeros(1, requires_grad=True)
         template = make([{"params": [probe]}])
         super().__init__(groups, dict(template.defaults))  # lr, betas, ...: for schedulers
@@ -62,7 +62,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.manager, self.compute = manager, compute
         self._param_chunks = param_chunks or {}
         self._grad_chunks = grad_chunks or {}
-        self.grad_scale = 1.0
         self._items: list[tuple[torch.optim.Optimizer, torch.Tensor, int | None, dict]] = []
         self._stepped_early: set[int] = set()  # Note [stepping in backward]: items already stepped this iteration
         self._item_of_grad: dict[int, int] = {}  # gradient chunk -> the item it steps
@@ -79,30 +78,32 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     self._item_of_grad[self._grad_chunks[id(p)]] = len(self._items)
                 self._items.append((opt, p, chunk, {"names": names, "group": group}))
 
-    def step(self, closure=None) -> None:
+    def step(self, closure=None, *, grad_scale: float = 1.0) -> None:
+        """Steps every tensor not stepped early; gradients held in the manager are multiplied by `grad_scale`."""
         if closure is not None:
             raise ValueError("an offloaded optimizer steps without a closure")
         for i, item in enumerate(self._items):
             if i not in self._stepped_early:
-                self._step_one(*item)
+                self._step_one(*item, grad_scale)
         self._stepped_early.clear()
         self.manager.end_iteration()
 
-    def step_early(self, grad_chunk: int) -> None:
+    def step_early(self, grad_chunk: int, grad_scale: float = 1.0) -> None:
         """Note [stepping in backward]: steps the tensor whose gradient is manager chunk `grad_chunk` now (its
         reduced gradient is final); the next `step` skips it."""
         i = self._item_of_grad[grad_chunk]
         if i in self._stepped_early:
             raise RuntimeError(f"gradient chunk {grad_chunk} was already stepped in this iteration")
         self._stepped_early.add(i)  # counted even if the step raises: its state may be half-updated
-        self._step_one(*self._items[i])
+        self._step_one(*self._items[i], grad_scale)
 
     @property
     def stepped_early(self) -> int:
         """How many tensors were stepped since the last `step` (Note [stepping in backward])."""
         return len(self._stepped_early)
 
-    def _step_one(self, opt: torch.optim.Optimizer, p: torch.Tensor, chunk: int | None, info: dict) -> None:
+    def _step_one(self, opt: torch.optim.Optimizer, p: torch.Tensor, chunk: int | None, info: dict,
+                  grad_scale: float) -> None:
         """One stepped tensor: its states (and offloaded values, gradient) accessed, stepped, released —
         released and rebound to the placeholder even when the step raises."""
         inner = opt.param_groups[0]
@@ -120,8 +121,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if grad_chunk is not None:  # read-only: dropped below once stepped, never written back
                 (grad,) = self.manager.access(grad_chunk, self.compute, writes=False)
                 accessed.append(grad_chunk)
-                if self.grad_scale != 1.0:
-                    grad.mul_(self.grad_scale)
+                if grad_scale != 1.0:
+                    grad.mul_(grad_scale)
                 target.grad = grad
             state = opt.state[target]
             if chunk is not None:

@@ -184,14 +184,14 @@ class ZeroRuntime:
 
     def _step_shards_as_reduced(self, loss_scale: float) -> None:
         """Note [stepping in backward]: each reduced shard of the coming backward is final; step it at once."""
-        self.optimizer.grad_scale = 1.0 / loss_scale  # no clipping (refused by initialize)
+        grad_scale = 1.0 / loss_scale  # no clipping (refused by check_run)
         self._early_square = torch.zeros((), dtype=torch.float64) if self.clipper.needs_norm else None
         managed = self.chunked.sharded_grads.managed
 
         def step_reduced_shard(index: int) -> None:
             if self._early_square is not None:
                 self._early_square += self.chunked.grad_square_sum(index)
-            self.optimizer.step_early(managed[index])
+            self.optimizer.step_early(managed[index], grad_scale)
 
         self.reducer.on_shard_reduced = step_reduced_shard
 
@@ -251,18 +251,17 @@ class ZeroRuntime:
             chunked.sync_views()
             if chunked.masters is not None:  # bf16 / fp16: Note [master weights]
                 chunked.masters.stage_grads()
-            streamed = chunked.grads_managed  # Note [offloaded gradient shards]
-            stats = self.clipper.prepare(loss_scale, self._early_square if streamed and self.optimizer.stepped_early
-                                         else None)
-            if streamed:
-                self.optimizer.grad_scale = stats.streamed_scale
-            return stats
+            stepped_early = chunked.grads_managed and self.optimizer.stepped_early  # Note [stepping in backward]
+            return self.clipper.prepare(loss_scale, self._early_square if stepped_early else None)
 
-    def update(self) -> None:
+    def update(self, grads: GradStats) -> None:
         """The optimizer steps; the model's chunks take the new values on every rank."""
         with record_function("tiers.zero.update"):
             self.chunked.rebind_optimizer_grads()
-            self.optimizer.step()
+            if self.chunked.grads_managed:  # Note [offloaded gradient shards]: unscaled and clipped as stepped
+                self.optimizer.step(grad_scale=grads.streamed_scale)
+            else:
+                self.optimizer.step()
             if self.chunked.masters is not None:
                 self.chunked.masters.update_params()
             self.gather_updated_params()
