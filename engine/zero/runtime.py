@@ -223,6 +223,9 @@ class ZeroRuntime:
 
     # ---- the update ---------------------------------------------------------------------------
     def check_steppable(self) -> None:
+        """Before engine.step() counts a micro-step: it may run now."""
+        if self.phase is not TrainingPhase.IDLE:
+            self._enter(TrainingPhase.STEP)  # raises, naming the phase that runs
         if self.inside_no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync() would update from unreduced gradients; "
                                "leave the no_sync() block and run one synchronized backward first")

@@ -1,0 +1,118 @@
+"""The ZeRO runtime's phases (Note [step phases]): profiler ranges, illegal moves, and the public steps of
+initialize() used on their own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from engine import initialize
+from engine.config import load_config
+from engine.initialization import build_chunk_optimizer, chunk_parameters
+from engine.topology import Topology
+from engine.zero.offload_policy import OffloadPolicy
+from engine.zero.policy import ChunkKind
+from engine.zero.runtime import TrainingPhase
+from offload.chunk import Location
+from tests.distributed import run_distributed
+from tests.reference import assert_close_relative, tiny_gpt, token_batches, train_engine, train_reference
+
+PHASES = ["pre_forward", "post_forward", "pre_backward", "post_backward", "pre_step", "update", "post_step"]
+CONFIG = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "steps_per_print": 10**6}
+
+
+def _profiled_phases(engine, x) -> list[str]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.backward(engine(x, x))
+        engine.step()
+    names = [e.name for e in prof.events()]
+    return [phase for phase in PHASES if f"tiers.zero.{phase}" in names]
+
+
+def test_every_phase_of_a_step_is_a_profiler_range():
+    engine = initialize(tiny_gpt(), CONFIG)
+    x = token_batches(1, 4)[0]
+    assert _profiled_phases(engine, x) == PHASES
+    assert engine.runtime.phase is TrainingPhase.IDLE
+
+
+def _stage3_phases_worker(rank, world):
+    engine = initialize(tiny_gpt(), {**CONFIG, "train_micro_batch_size_per_gpu": 2,
+                                     "zero_optimization": {"stage": 3}})
+    x = token_batches(1, 4)[0][rank * 2:(rank + 1) * 2]
+    return _profiled_phases(engine, x)
+
+
+def test_every_phase_of_a_stage3_step_is_a_profiler_range_on_every_rank():
+    assert run_distributed(_stage3_phases_worker, 2) == [PHASES, PHASES]
+
+
+def test_a_step_from_inside_a_forward_is_refused_and_the_engine_goes_on():
+    torch.manual_seed(0)
+    engine = initialize(tiny_gpt(), CONFIG)
+    handle = engine.module.lm_head.register_forward_hook(lambda *args: engine.step())
+    x = token_batches(1, 4)[0]
+    with pytest.raises(RuntimeError, match="step cannot start while the forward is running"):
+        engine(x, x)
+    assert engine.runtime.phase is TrainingPhase.IDLE and engine.global_step == engine.micro_step == 0
+    handle.remove()
+    engine.backward(engine(x, x))
+    engine.step()
+    assert engine.global_step == 1
+
+
+def test_a_failed_update_leaves_the_engine_idle():
+    engine = initialize(tiny_gpt(), CONFIG)
+    x = token_batches(1, 4)[0]
+    engine.backward(engine(x, x))
+    engine.module.lm_head.weight.data = engine.module.lm_head.weight.data.clone()  # no longer in its chunk
+    with pytest.raises(RuntimeError, match="no longer lives in its chunk"):
+        engine.step()
+    assert engine.runtime.phase is TrainingPhase.IDLE
+
+
+def test_offload_policy_homes_each_kind_as_the_table_says(tmp_path):
+    def homes(stage, bf16=False, param=None, dp=1):
+        zero = {"stage": stage, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}
+        if param:
+            zero["offload_param"] = {"device": param, "nvme_path": str(tmp_path)}
+        cfg = load_config({**CONFIG, "bf16": {"enabled": bf16}, "zero_optimization": zero})
+        topology = _single_rank_view(dp)
+        chunked = chunk_parameters(tiny_gpt(), cfg, topology, [{"params": list(tiny_gpt().parameters())}])
+        return OffloadPolicy.from_config(cfg, chunked).homes
+
+    assert homes(1) == {ChunkKind.OPTIM: Location.NVME}
+    assert homes(2) == {ChunkKind.OPTIM: Location.NVME}  # one rank: gradients are not sharded
+    assert homes(2, dp=2) == {ChunkKind.OPTIM: Location.NVME, ChunkKind.GRAD: Location.NVME}
+    assert homes(2, bf16=True, dp=2) == {ChunkKind.OPTIM: Location.NVME}  # fp32 master gradients stay
+    assert homes(3, param="cpu", dp=2) == {ChunkKind.OPTIM: Location.NVME, ChunkKind.GRAD: Location.NVME,
+                                           ChunkKind.PARAM: Location.CPU}
+
+
+def _single_rank_view(dp: int) -> Topology:
+    """Rank 0 of a data-parallel world of `dp`, as far as chunking needs it (no process group is used)."""
+    return Topology(world_size=dp, rank=0, dp_group=None, dp_world_size=dp, dp_rank=0, device=torch.device("cpu"))
+
+
+def test_the_public_steps_compose_into_what_initialize_builds():
+    """chunk_parameters and build_chunk_optimizer, called by hand on a plain model, train it like PyTorch."""
+    cfg = load_config({**CONFIG, "zero_optimization": {"stage": 1}})
+    model = tiny_gpt()
+    topology = _single_rank_view(1)
+    chunked = chunk_parameters(model, cfg, topology, [{"params": list(model.parameters())}])
+    optimizer = build_chunk_optimizer(cfg, chunked, topology.device)
+    batches = token_batches(3, 4)
+    losses = []
+    for x in batches:
+        loss = model(x, x)
+        loss.backward()
+        chunked.sync_views()
+        optimizer.step()
+        chunked.zero_grads()
+        losses.append(loss.item())
+    reference, _ = train_reference(tiny_gpt(), batches, lambda params: torch.optim.AdamW(params, lr=1e-3))
+    assert_close_relative(losses, reference)
+    engine_losses, _ = train_engine(initialize(tiny_gpt(), cfg), batches, 0, 1, 1)
+    assert_close_relative(engine_losses, reference)
