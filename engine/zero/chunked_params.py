@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.comm import shard_of, shard_range
 from engine.zero.grad_shards import ShardedGrads
 from engine.zero.master_weights import MasterWeights
 from engine.zero.param_shards import ShardedParams
@@ -156,8 +157,7 @@ class ChunkedParams:
     def _owned_range(self, index: int, slot: Slot) -> tuple[int, int, int] | None:
         """(start of this rank's elements in chunk `index`, lo, hi): the part [lo, hi) of the slot's elements
         (chunk offsets) this rank steps, or None when it steps none of them."""
-        n = self._param_chunks[index].numel // self.shard_count
-        start = self.shard_rank * n
+        start, n = shard_range(self._param_chunks[index].numel, self.shard_rank, self.shard_count)
         lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + n)
         return (start, lo, hi) if lo < hi else None
 
@@ -208,8 +208,8 @@ class ChunkedParams:
         with torch.no_grad():
             for index, chunk in enumerate(self._param_chunks):
                 if self.sharded_params is not None and not self._persistent[index]:
-                    n = chunk.numel // self.shard_count
-                    tail = max(chunk.used - self.shard_rank * n, 0)
+                    start, n = shard_range(chunk.numel, self.shard_rank, self.shard_count)
+                    tail = max(chunk.used - start, 0)
                     if tail < n:
                         with self.sharded_params.shard(index, writes=True) as shard:
                             shard.narrow(0, tail, n - tail).zero_()
@@ -252,8 +252,7 @@ class ChunkedParams:
         """This rank's shard of a payload (the whole payload when not sharded)."""
         if not self.sharded:
             return payload
-        n = payload.numel() // self.shard_count
-        return payload.narrow(0, self.shard_rank * n, n)
+        return shard_of(payload, self.shard_rank, self.shard_count)
 
     def grad_shards(self) -> list[torch.Tensor]:
         """The gradient elements this rank updates from: its shard of every grad chunk (all of them unsharded)."""

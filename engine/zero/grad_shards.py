@@ -35,6 +35,7 @@ import contextlib
 import torch
 from torch import nn
 
+from engine.comm import shard_of, shard_range
 from offload.chunk import Location
 from offload.manager import ChunkManager
 from offload.states import TensorState
@@ -53,7 +54,8 @@ class ShardedGrads:
         self.rank, self.world = rank, world
         # a shard is "fresh" (logically zero) until its first retire after a zero(): no pass over it to zero it,
         # and no memory touched before the optimizer may move it into a manager
-        self.shards = [torch.empty(p.numel() // world, dtype=p.dtype, device=p.device) for p in self._payloads]
+        self.shards = [torch.empty(shard_range(p.numel(), rank, world)[1], dtype=p.dtype, device=p.device)
+                       for p in self._payloads]
         self._fresh = [True] * len(self._payloads)
         self._live = [False] * len(self._payloads)
         self.managed: list[int] | None = None  # the shards' manager chunks (Note [offloaded gradient shards])
@@ -117,13 +119,12 @@ class ShardedGrads:
 
     def retire(self, index: int) -> None:
         """After the chunk's reduce-scatter: its shard of the sum joins the persistent buffer; the buffer goes."""
-        payload = self._payloads[index]
-        n = payload.numel() // self.world
+        mine = shard_of(self._payloads[index], self.rank, self.world)
         with self.shard(index) as shard:
             if self._fresh[index]:
-                shard.copy_(payload.narrow(0, self.rank * n, n))
+                shard.copy_(mine)
             else:
-                shard.add_(payload.narrow(0, self.rank * n, n))
+                shard.add_(mine)
         self._fresh[index] = False
         self._release(index)
 

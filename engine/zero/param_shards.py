@@ -37,7 +37,7 @@ import enum
 import torch
 import torch.distributed as dist
 
-from engine.comm import CommCounter, all_gather_into
+from engine.comm import CommCounter, all_gather_into, shard_of
 from offload.chunk import Location
 from offload.manager import ChunkManager
 
@@ -97,8 +97,7 @@ class ShardedParams:
         return self._payloads[index].numel()
 
     def _own(self, payload: torch.Tensor) -> torch.Tensor:
-        n = payload.numel() // self.world
-        return payload.narrow(0, self.rank * n, n)
+        return shard_of(payload, self.rank, self.world)
 
     def take_shards(self) -> None:
         """Once the full chunks hold the starting values (rank 0's, after the start-up broadcast): keep
