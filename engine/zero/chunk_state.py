@@ -69,7 +69,7 @@ class ChunkState:
     # where this rank's values live
     param_shard: torch.Tensor | None = None  # stage 3: this rank's shard (a placeholder when offloaded)
     param_handle: int | None = None  # its manager chunk (Note [offloaded parameter shards])
-    grad_shard: torch.Tensor | None = None  # stages 2-3: this rank's reduced gradient shard (a placeholder when offloaded)
+    grad_shard: torch.Tensor | None = None  # stages 2-3: this rank's reduced gradient shard (or a placeholder)
     grad_handle: int | None = None  # its manager chunk (Note [offloaded gradient shards])
     stepped: torch.Tensor | None = None  # what the optimizer steps: payload, shard, or fp32 master
     stepped_grad: torch.Tensor | None = None  # its .grad

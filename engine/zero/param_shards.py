@@ -23,12 +23,13 @@ gathered, their shard a view of the payload (as in stage 1), all-gathered after 
 
 Note [offloaded parameter shards]
 With `offload_param` the shards of non-persistent chunks live in the ChunkManager (kind "param", one
-manager chunk per shard, homed on CPU or NVMe; its handle is the state's `param_handle`). The shard tensor keeps its identity (the optimizer's
-param groups and .grad hold it) but its storage is resized to 0: it is a placeholder. A gather
-`access`es the manager chunk read-only (writes=False: an NVMe copy stays current, so eviction drops
-it without a write), copies it into this rank's slot of the full chunk and releases it before the
-all-gather starts, so gathers in flight pin nothing in the manager; the optimizer steps the
-manager's view in place of the placeholder (Note [offloaded optimizer states]).
+manager chunk per shard, homed on CPU or NVMe; its handle is the state's `param_handle`). The shard
+tensor keeps its identity (the optimizer's param groups and .grad hold it) but its storage is
+resized to 0: it is a placeholder. A gather `access`es the manager chunk read-only (writes=False:
+an NVMe copy stays current, so eviction drops it without a write), copies it into this rank's slot
+of the full chunk and releases it before the all-gather starts, so gathers in flight pin nothing in
+the manager; the optimizer steps the manager's view in place of the placeholder
+(Note [offloaded optimizer states]).
 """
 
 from __future__ import annotations
