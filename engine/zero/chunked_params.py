@@ -112,14 +112,14 @@ class ChunkedParams:
                 phase = ChunkPhase.GATHERED if stage3 and not g.persistent else ChunkPhase.WHOLE
                 # what the optimizer steps: whole payloads, or this rank's shards of them (made once: the
                 # optimizer keys its state by these tensor objects); stage 3 / 2 / masters replace them below
-                self.states.append(ChunkState(base + i, [p for p, _, _ in m], [s for _, s, _ in m], pc, gc,
-                                              [v for _, _, v in m], phase, g.persistent,
-                                              stepped=self._owned(pc.payload), stepped_grad=self._owned(gc.payload)))
+                self.states.append(ChunkState(
+                    index=base + i, params=[p for p, _, _ in m], slots=[s for _, s, _ in m], param_chunk=pc,
+                    grad_chunk=gc, grad_views=[v for _, _, v in m], phase=phase, persistent=g.persistent,
+                    stepped=self._owned(pc.payload), stepped_grad=self._owned(gc.payload)))
             g.states = self.states[base:]
         # Note [global norm under tensor parallelism]: each parameter's share of the squared global norm
         self.norm_weights: dict[int, float] = {}
         self._chunk_of = {pid: index for pid, (index, _) in self._slot_of.items()}
-        self._grad_view = {id(p): gv for g in self.groups for p, gv in zip(g.params, g.grad_chunks.views)}
         self.params = [p for g in self.groups for p in g.params]
         self._param_views = [pv for g in self.groups for pv in g.param_chunks.views]
         # stage 3: persistent parameter shards; full chunks only while gathered (Note [sharded parameters])
@@ -223,6 +223,10 @@ class ChunkedParams:
         """Elements of param chunk `index` (its capacity, padding included)."""
         return self.states[index].numel
 
+    def describe(self, index: int) -> str:
+        """What state chunk `index` is in (Note [chunk phases]), its members named."""
+        return self.states[index].describe(self._names)
+
     def chunk_members(self, index: int) -> list[tuple[nn.Parameter, Slot]]:
         """The parameters of chunk `index` with their slots, in chunk order."""
         return list(zip(self.states[index].params, self.states[index].slots))
@@ -315,7 +319,7 @@ class ChunkedParams:
 
     def adopt_foreign_grad(self, p: nn.Parameter) -> None:
         """Note [parameters as chunk views]: a replaced .grad is copied back into its chunk."""
-        view = self._grad_view[id(p)]
+        view = self.states[self._chunk_of[id(p)]].grad_view(p)
         if p.grad is view or (self.sharded_grads is not None and p.grad is None):
             return
         if p.grad is not None:
