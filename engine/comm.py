@@ -33,6 +33,19 @@ class CommCounter:
                 + self.broadcast_bytes + self.reduce_bytes)
 
 
+def shard_range(numel: int, rank: int, count: int) -> tuple[int, int]:
+    """(first element, length) of shard `rank` of `count` equal shards of `numel` elements: shard r is
+    [r*n, (r+1)*n) with n = numel // count, the layout of every sharded chunk (numel divides by count)."""
+    n = numel // count
+    return rank * n, n
+
+
+def shard_of(tensor: torch.Tensor, rank: int, count: int) -> torch.Tensor:
+    """Shard `rank` of `count` of a flat tensor (a view; see shard_range)."""
+    start, n = shard_range(tensor.numel(), rank, count)
+    return tensor.narrow(0, start, n)
+
+
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None, counter: CommCounter, *, async_op: bool):
     """Sums `tensor` in place over `group`; returns the Work handle when async_op."""
     counter.all_reduce_bytes += tensor.numel() * tensor.element_size()
@@ -69,8 +82,8 @@ def reduce_scatter_sum_in_place(chunk: torch.Tensor, group: dist.ProcessGroup | 
     """Sums `chunk` over `group` into this rank's shard of it (chunk[rank*n/w:(rank+1)*n/w]); the other
     shards keep this rank's own values. numel must divide by `world`. See Note [reduce-scatter on gloo]."""
     counter.reduce_scatter_bytes += chunk.numel() * chunk.element_size()
-    shard = chunk.numel() // world
-    mine = chunk.narrow(0, rank * shard, shard)
+    mine = shard_of(chunk, rank, world)
+    shard = mine.numel()
     with record_function("tiers.comm.reduce_scatter"):
         if dist.get_backend(group) != "gloo":
             return dist.reduce_scatter_single(mine, chunk, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
@@ -112,9 +125,8 @@ def all_gather_in_place(chunk: torch.Tensor, group: dist.ProcessGroup | None, ra
                         counter: CommCounter, *, async_op: bool):
     """Every rank's shard of `chunk` (chunk[r*n/w:(r+1)*n/w] from rank r) into every rank's chunk."""
     counter.all_gather_bytes += chunk.numel() * chunk.element_size()
-    shard = chunk.numel() // world
     with record_function("tiers.comm.all_gather"):
-        return dist.all_gather_single(chunk, chunk.narrow(0, rank * shard, shard), group=group, async_op=async_op)
+        return dist.all_gather_single(chunk, shard_of(chunk, rank, world), group=group, async_op=async_op)
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, counter: CommCounter,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.comm import shard_range
 from engine.zero.chunked_params import ChunkedParams
 
 
@@ -65,8 +66,7 @@ class LiveStates:
 
     def stepped_range(self, index: int) -> tuple[int, int]:
         """(first element, count) of chunk `index` this rank steps."""
-        n = self.chunk_numel(index) // self.chunked.shard_count
-        return self.chunked.shard_rank * n, n
+        return shard_range(self.chunk_numel(index), self.chunked.shard_rank, self.chunked.shard_count)
 
     @contextlib.contextmanager
     def values(self, index: int, writes: bool):

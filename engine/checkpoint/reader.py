@@ -24,6 +24,7 @@ import torch
 
 from engine.checkpoint.encoding import decode_spec
 from engine.checkpoint.files import CheckpointError, CheckpointIntegrityError, FileRecord, open_tensors, verify
+from engine.comm import shard_range
 from engine.tensor_parallel.mappings import TPGroup
 
 FORMAT = "tiers-checkpoint"
@@ -137,13 +138,15 @@ class Checkpoint:
         """Where elements [start, stop) of tp rank `tp_rank`'s piece of parameter `name` are stored; kind "param"
         (fp32 values) or a tensor state name (e.g. "exp_avg")."""
         loc = self.locations[tp_rank][name]
-        n = self.chunk_numels[tp_rank][loc.chunk] // self.shard_count
+        numel = self.chunk_numels[tp_rank][loc.chunk]
+        _, n = shard_range(numel, 0, self.shard_count)
         a, b = loc.offset + start, loc.offset + stop
         key = f"chunk.{loc.chunk}.{'param' if kind == 'param' else 'optim.' + kind}"
         out = []
         for d in range(a // n, (b - 1) // n + 1) if b > a else ():
-            lo, hi = max(a, d * n), min(b, (d + 1) * n)
-            out.append(Piece(self._file_of[(d, tp_rank)], key, lo - d * n, hi - d * n, lo - a))
+            first, _ = shard_range(numel, d, self.shard_count)
+            lo, hi = max(a, first), min(b, first + n)
+            out.append(Piece(self._file_of[(d, tp_rank)], key, lo - first, hi - first, lo - a))
         return out
 
     def scalar_piece(self, name: str, state: str, tp_rank: int) -> Piece:

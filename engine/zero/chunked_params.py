@@ -14,16 +14,20 @@ The config's optimizer steps chunk payloads, so `engine.optimizer.zero_grad()` c
 gradients; the engine zeroes the chunks itself after every update.
 With sharded optimizer states (Note [sharding policy]) every chunk's size is a multiple of the
 shard count and the optimizer steps only this rank's shard of each chunk: a view
-payload[rank*n/w:(rank+1)*n/w] of the param chunk, whose .grad is the same range of the grad chunk.
+payload[rank*n/w:(rank+1)*n/w] of the param chunk (engine.comm.shard_of), whose .grad is the same
+range of the grad chunk. Each chunk's members, slots and stepped tensors are in its ChunkState
+(Note [chunk phases]), `states[index]`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from engine.comm import shard_of, shard_range
+from engine.zero.chunk_state import ChunkPhase, ChunkState
 from engine.zero.grad_shards import ShardedGrads
 from engine.zero.master_weights import MasterWeights
 from engine.zero.param_shards import ShardedParams
@@ -39,6 +43,7 @@ class ChunkGroup:
     param_chunks: ChunkList
     grad_chunks: ChunkList
     persistent: bool = False  # stage 3: below the persistence threshold, never released (Note [sharded parameters])
+    states: list[ChunkState] = field(default_factory=list)  # its chunks' states (Note [chunk phases])
 
 
 class ChunkedParams:
@@ -93,59 +98,48 @@ class ChunkedParams:
                 self.groups.append(ChunkGroup(params, options, param_chunks, grad_chunks, persistent))
         if not self.groups:
             raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
-        # where each parameter lives: its slot, its chunk's index among all chunks (param and grad alike),
-        # and per chunk its slots
-        self._slot_of: dict[int, tuple[int, Slot]] = {}
-        self._slots_by_chunk: list[list[Slot]] = []
-        self._params_by_chunk: list[list[nn.Parameter]] = []  # parallel to _slots_by_chunk
+        # Note [chunk phases]: one state per chunk index (param and grad chunk alike), in group order
+        self.states: list[ChunkState] = []
+        self._slot_of: dict[int, tuple[int, Slot]] = {}  # id(parameter) -> (its chunk's index, its slot)
+        stage3 = shard_params and self.sharded
         for g in self.groups:
-            base = len(self._slots_by_chunk)
-            self._slots_by_chunk += [[] for _ in g.param_chunks.chunks]
-            self._params_by_chunk += [[] for _ in g.param_chunks.chunks]
-            for p, slot in zip(g.params, g.param_chunks.slots):
+            base = len(self.states)
+            members: list[list[tuple[nn.Parameter, Slot, torch.Tensor]]] = [[] for _ in g.param_chunks.chunks]
+            for p, slot, gv in zip(g.params, g.param_chunks.slots, g.grad_chunks.views):
                 self._slot_of[id(p)] = (base + slot.chunk, slot)
-                self._slots_by_chunk[base + slot.chunk].append(slot)
-                self._params_by_chunk[base + slot.chunk].append(p)
+                members[slot.chunk].append((p, slot, gv))
+            for i, (pc, gc, m) in enumerate(zip(g.param_chunks.chunks, g.grad_chunks.chunks, members)):
+                phase = ChunkPhase.GATHERED if stage3 and not g.persistent else ChunkPhase.WHOLE
+                # what the optimizer steps: whole payloads, or this rank's shards of them (made once: the
+                # optimizer keys its state by these tensor objects); stage 3 / 2 / masters replace them below
+                self.states.append(ChunkState(
+                    index=base + i, params=[p for p, _, _ in m], slots=[s for _, s, _ in m], param_chunk=pc,
+                    grad_chunk=gc, grad_views=[v for _, _, v in m], phase=phase, persistent=g.persistent,
+                    stepped=self._owned(pc.payload), stepped_grad=self._owned(gc.payload)))
+            g.states = self.states[base:]
         # Note [global norm under tensor parallelism]: each parameter's share of the squared global norm
         self.norm_weights: dict[int, float] = {}
         self._chunk_of = {pid: index for pid, (index, _) in self._slot_of.items()}
-        self._persistent = [g.persistent for g in self.groups for _ in g.param_chunks.chunks]
-        self._param_chunks = [c for g in self.groups for c in g.param_chunks.chunks]
-        self._grad_view = {id(p): gv for g in self.groups for p, gv in zip(g.params, g.grad_chunks.views)}
         self.params = [p for g in self.groups for p in g.params]
         self._param_views = [pv for g in self.groups for pv in g.param_chunks.views]
-        self._grad_payloads = [c.payload for g in self.groups for c in g.grad_chunks.chunks]
-        # what the optimizer steps: whole payloads, or this rank's shards of them (made once: the
-        # optimizer keys its state by these tensor objects)
-        self._stepped = [([self._owned(c.payload) for c in g.param_chunks.chunks],
-                          [self._owned(c.payload) for c in g.grad_chunks.chunks]) for g in self.groups]
         # stage 3: persistent parameter shards; full chunks only while gathered (Note [sharded parameters])
         self.sharded_params: ShardedParams | None = None
-        if shard_params and self.sharded:
-            self.sharded_params = ShardedParams(self.param_payloads(), self._persistent, shard_rank, shard_count,
-                                                copy_payloads=not values_pending)
-            shards = iter(self.sharded_params.shards)
-            self._stepped = [([next(shards) for _ in params], grads) for params, grads in self._stepped]
+        if stage3:
+            self.sharded_params = ShardedParams(self.states, shard_rank, shard_count, copy_payloads=not values_pending)
+            for state in self.states:
+                state.stepped = state.param_shard
         # stage 2: persistent gradient shards; full gradient chunks only during backward (Note [sharded gradients])
         self.sharded_grads: ShardedGrads | None = None
         if shard_grads and self.sharded:
-            members = []
-            for g in self.groups:
-                per_chunk = [[] for _ in g.grad_chunks.chunks]
-                for p, slot, view in zip(g.params, g.grad_chunks.slots, g.grad_chunks.views):
-                    per_chunk[slot.chunk].append((p, view))
-                members += [(c.payload, m) for c, m in zip(g.grad_chunks.chunks, per_chunk)]
-            self.sharded_grads = ShardedGrads(members, shard_rank, shard_count)
-            shards = iter(self.sharded_grads.shards)
-            self._stepped = [(params, [next(shards) for _ in grads]) for params, grads in self._stepped]
+            self.sharded_grads = ShardedGrads(self.states, shard_rank, shard_count)
+            for state in self.states:
+                state.stepped_grad = state.grad_shard
         # bf16 / fp16: the optimizer steps fp32 masters of the stepped tensors (Note [master weights])
         self.masters: MasterWeights | None = None
         if compute_dtype != torch.float32:
-            self.masters = MasterWeights([t for params, _ in self._stepped for t in params],
-                                         [g for _, grads in self._stepped for g in grads])
-            masters, grads = iter(self.masters.masters), iter(self.masters.grads)
-            self._stepped = [([next(masters) for _ in params], [next(grads) for _ in group_grads])
-                             for params, group_grads in self._stepped]
+            self.masters = MasterWeights([s.stepped for s in self.states], [s.stepped_grad for s in self.states])
+            for state, master, grad in zip(self.states, self.masters.masters, self.masters.grads):
+                state.stepped, state.stepped_grad = master, grad
             if not values_pending:
                 self.masters.sync_from_params()  # again once every rank holds rank 0's values
         # names come in model order; without them, registration order stands in
@@ -156,8 +150,7 @@ class ChunkedParams:
     def _owned_range(self, index: int, slot: Slot) -> tuple[int, int, int] | None:
         """(start of this rank's elements in chunk `index`, lo, hi): the part [lo, hi) of the slot's elements
         (chunk offsets) this rank steps, or None when it steps none of them."""
-        n = self._param_chunks[index].numel // self.shard_count
-        start = self.shard_rank * n
+        start, n = shard_range(self.states[index].numel, self.shard_rank, self.shard_count)
         lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + n)
         return (start, lo, hi) if lo < hi else None
 
@@ -165,7 +158,8 @@ class ChunkedParams:
         """`owned` (this rank's elements of chunk `index`) cut at parameter boundaries, each piece with its
         parameter's norm weight."""
         pieces = []
-        for slot, p in zip(self._slots_by_chunk[index], self._params_by_chunk[index]):
+        state = self.states[index]
+        for slot, p in zip(state.slots, state.params):
             part = self._owned_range(index, slot)
             if part is not None:
                 start, lo, hi = part
@@ -175,8 +169,8 @@ class ChunkedParams:
     def load(self, p: nn.Parameter, value: torch.Tensor) -> None:
         """Note [zero_init]: parameter `p`'s values into its chunk view, or with stage 3 into this rank's shard."""
         index, slot = self._slot_of[id(p)]
-        if self.sharded_params is None or self._persistent[index]:
-            self._param_chunks[index].view(slot).copy_(value)
+        if self.sharded_params is None or self.states[index].persistent:
+            self.states[index].param_chunk.view(slot).copy_(value)
             return
         part = self._owned_range(index, slot)
         if part is not None:
@@ -206,10 +200,11 @@ class ChunkedParams:
     def finish_loading(self) -> None:
         """After every `load`: zero the padding (uninitialized memory) and, with stage 3, release the chunks."""
         with torch.no_grad():
-            for index, chunk in enumerate(self._param_chunks):
-                if self.sharded_params is not None and not self._persistent[index]:
-                    n = chunk.numel // self.shard_count
-                    tail = max(chunk.used - self.shard_rank * n, 0)
+            for index, state in enumerate(self.states):
+                chunk = state.param_chunk
+                if self.sharded_params is not None and not state.persistent:
+                    start, n = shard_range(chunk.numel, self.shard_rank, self.shard_count)
+                    tail = max(chunk.used - start, 0)
                     if tail < n:
                         with self.sharded_params.shard(index, writes=True) as shard:
                             shard.narrow(0, tail, n - tail).zero_()
@@ -222,20 +217,24 @@ class ChunkedParams:
 
     # ---- what a checkpoint reads and writes (Note [checkpoint layout]) ----
     def chunk_count(self) -> int:
-        return len(self._param_chunks)
+        return len(self.states)
 
     def chunk_numel(self, index: int) -> int:
         """Elements of param chunk `index` (its capacity, padding included)."""
-        return self._param_chunks[index].numel
+        return self.states[index].numel
+
+    def describe(self, index: int) -> str:
+        """What state chunk `index` is in (Note [chunk phases]), its members named."""
+        return self.states[index].describe(self._names)
 
     def chunk_members(self, index: int) -> list[tuple[nn.Parameter, Slot]]:
         """The parameters of chunk `index` with their slots, in chunk order."""
-        return list(zip(self._params_by_chunk[index], self._slots_by_chunk[index]))
+        return list(zip(self.states[index].params, self.states[index].slots))
 
     def stepped_tensors(self) -> list[torch.Tensor]:
         """What the optimizer steps, one per chunk in chunk order: the whole payload, this rank's shard of it,
         or its fp32 master (an offloaded shard is a placeholder: read it through sharded_params.shard)."""
-        return [t for params, _ in self._stepped for t in params]
+        return [s.stepped for s in self.states]
 
     def position_of(self, p: nn.Parameter) -> int:
         """The parameter's place in the model's parameter order (after named ones, registration order)."""
@@ -252,12 +251,11 @@ class ChunkedParams:
         """This rank's shard of a payload (the whole payload when not sharded)."""
         if not self.sharded:
             return payload
-        n = payload.numel() // self.shard_count
-        return payload.narrow(0, self.shard_rank * n, n)
+        return shard_of(payload, self.shard_rank, self.shard_count)
 
     def grad_shards(self) -> list[torch.Tensor]:
         """The gradient elements this rank updates from: its shard of every grad chunk (all of them unsharded)."""
-        return [grads for _, group_grads in self._stepped for grads in group_grads]
+        return [s.stepped_grad for s in self.states]
 
     def grad_norm_pieces(self) -> list[tuple[torch.Tensor, float]]:
         """The gradient elements this rank owns cut at parameter boundaries (norms taken per piece, as torch's
@@ -278,7 +276,7 @@ class ChunkedParams:
         """Note [offloaded gradient shards]: the sum of squares of this rank's per-parameter gradient norms
         (as grad_norm_pieces cuts and weighs them), reading one managed shard at a time; float64."""
         total = torch.zeros((), dtype=torch.float64)
-        for index in range(len(self._slots_by_chunk)):
+        for index in range(len(self.states)):
             total += self.grad_square_sum(index)
         return total
 
@@ -291,26 +289,22 @@ class ChunkedParams:
         """id(stepped tensor) -> the manager chunk of its gradient shard, when those are managed."""
         if not self.grads_managed:
             return {}
-        chunks = iter(self.sharded_grads.managed)
-        return {id(p): next(chunks) for params, _ in self._stepped for p in params}
+        return {id(s.stepped): s.grad_handle for s in self.states}
 
     def param_payloads(self) -> list[torch.Tensor]:
-        return [c.payload for c in self._param_chunks]
+        return [s.param_chunk.payload for s in self.states]
 
     def payloads_gathered_after_step(self) -> list[torch.Tensor]:
         """The param chunks whose full copies persist and so are all-gathered after each sharded update:
         all of them, or with stage 3 the persistent ones (the rest are gathered when next used)."""
-        payloads = self.param_payloads()
-        if self.sharded_params is None:
-            return payloads
-        return [p for p, keep in zip(payloads, self.sharded_params.persistent) if keep]
+        return [s.param_chunk.payload for s in self.states if s.phase is ChunkPhase.WHOLE]
 
     def chunk_index(self) -> dict[int, int]:
         """id(parameter) -> the index of its chunk among all param chunks (the same index for its grad chunk)."""
         return self._chunk_of
 
     def grad_payloads(self) -> list[torch.Tensor]:
-        return self._grad_payloads
+        return [s.grad_chunk.payload for s in self.states]
 
     def sync_views(self) -> None:
         """Before an update: every .data still aliases its chunk (else raise), every .grad is its view again."""
@@ -325,7 +319,7 @@ class ChunkedParams:
 
     def adopt_foreign_grad(self, p: nn.Parameter) -> None:
         """Note [parameters as chunk views]: a replaced .grad is copied back into its chunk."""
-        view = self._grad_view[id(p)]
+        view = self.states[self._chunk_of[id(p)]].grad_view(p)
         if p.grad is view or (self.sharded_grads is not None and p.grad is None):
             return
         if p.grad is not None:
@@ -339,19 +333,18 @@ class ChunkedParams:
         if self.sharded_grads is not None:
             self.sharded_grads.zero()
             return
-        for payload in self._grad_payloads:
-            payload.zero_()
+        for state in self.states:
+            state.grad_chunk.payload.zero_()
 
     def optimizer_param_groups(self) -> list[dict]:
         """Torch param groups over whole chunk payloads (or this rank's shards); each one's .grad is its grad chunk."""
         self.rebind_optimizer_grads()
-        return [{"params": list(params), **g.options} for g, (params, _) in zip(self.groups, self._stepped)]
+        return [{"params": [s.stepped for s in g.states], **g.options} for g in self.groups]
 
     def rebind_optimizer_grads(self) -> None:
         """Optimizers' zero_grad(set_to_none) drops payload .grad; put the grad chunks back."""
-        for params, grads in self._stepped:
-            for p, gr in zip(params, grads):
-                p.grad = gr
+        for state in self.states:
+            state.stepped.grad = state.stepped_grad
 
 
 def weighted_square_sum(pieces: list[tuple[torch.Tensor, float]]) -> torch.Tensor:

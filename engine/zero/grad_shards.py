@@ -17,10 +17,13 @@ backward until its reduce-scatter has finished:
   storage (resized to 0: the views stay valid for the next backward).
 Every backward reduces (gradient accumulation adds the shards micro-step by micro-step, as
 DeepSpeed does), so `no_sync()` has nothing to skip and is refused.
+The chunk's ChunkState (Note [chunk phases]) records where it is in this: `grad_live` (the full
+buffer has storage), `written` (members whose view holds a gradient), `grad_fresh` (the shard has
+not been written since `zero`: logically zero).
 
 Note [offloaded gradient shards]
 With `offload_optimizer` the persistent shards live in the optimizer's ChunkManager (kind "grad",
-one chunk per shard, homed where the states are), as ZeRO-Offload keeps gradients with the
+one chunk per shard, homed where the states are; its handle is the state's `grad_handle`), as ZeRO-Offload keeps gradients with the
 optimizer: 4Ψ/N bytes that would otherwise stay in memory. The shard tensors become placeholders
 (storage of size 0; .grad bindings keep their identity). `retire` accesses the shard's chunk, adds
 and releases it; `zero` frees the chunks (a freed chunk comes back as zeros without any I/O). The
@@ -35,117 +38,128 @@ import contextlib
 import torch
 from torch import nn
 
+from engine.comm import shard_of, shard_range
+from engine.zero.chunk_state import ChunkState
 from offload.chunk import Location
 from offload.manager import ChunkManager
 from offload.states import TensorState
 
 
 class ShardedGrads:
-    """The persistent gradient shards and the transient full gradient chunks of one rank."""
+    """The persistent gradient shards and the transient full gradient chunks of one rank, kept in the chunks'
+    states (Note [chunk phases]): the shard, whether the full buffer is live, which members wrote it."""
 
-    def __init__(self, chunks: list[tuple[torch.Tensor, list[tuple[nn.Parameter, torch.Tensor]]]], rank: int, world: int):
-        """`chunks`: per gradient chunk, its payload and (parameter, view into the payload) pairs."""
-        self._payloads = [payload for payload, _ in chunks]
-        self._members = [members for _, members in chunks]
-        self._view_of = [{id(p): view for p, view in members} for members in self._members]
-        self._used = [sum(view.numel() for _, view in members) for members in self._members]  # padding after
-        self._nbytes = [payload.untyped_storage().nbytes() for payload in self._payloads]
+    def __init__(self, states: list[ChunkState], rank: int, world: int):
+        self.states = states
         self.rank, self.world = rank, world
         # a shard is "fresh" (logically zero) until its first retire after a zero(): no pass over it to zero it,
         # and no memory touched before the optimizer may move it into a manager
-        self.shards = [torch.empty(p.numel() // world, dtype=p.dtype, device=p.device) for p in self._payloads]
-        self._fresh = [True] * len(self._payloads)
-        self._live = [False] * len(self._payloads)
-        self.managed: list[int] | None = None  # the shards' manager chunks (Note [offloaded gradient shards])
-        self._manager: ChunkManager | None = None
+        for state in states:
+            payload = state.grad_chunk.payload
+            state.grad_shard = torch.empty(shard_range(payload.numel(), rank, world)[1], dtype=payload.dtype,
+                                           device=payload.device)
+            state.grad_fresh = True
+        self._manager: ChunkManager | None = None  # Note [offloaded gradient shards]
         self._compute = Location.CPU
-        self._written: list[set[int]] = [set() for _ in self._payloads]  # ids of parameters with a gradient in
-        for index in range(len(self._payloads)):
-            self._release(index)
+        for state in states:
+            self._release(state)
 
-    def _materialize(self, index: int) -> None:
-        if not self._live[index]:
-            self._payloads[index].untyped_storage().resize_(self._nbytes[index])
-            self._written[index].clear()
-            self._live[index] = True
+    @property
+    def shards(self) -> list[torch.Tensor]:
+        """This rank's gradient shard of every chunk (placeholders when offloaded)."""
+        return [s.grad_shard for s in self.states]
+
+    @property
+    def managed(self) -> list[int] | None:
+        """The shards' manager chunks (Note [offloaded gradient shards]); None while in memory."""
+        return None if self._manager is None else [s.grad_handle for s in self.states]
+
+    def _materialize(self, state: ChunkState) -> None:
+        if not state.grad_live:
+            state.grad_chunk.payload.untyped_storage().resize_(state.grad_chunk.nbytes)
+            state.written.clear()
+            state.grad_live = True
 
     def accept(self, index: int, p: nn.Parameter) -> None:
         """Moves the gradient autograd just gave `p` into its view of chunk `index` (p.grad becomes the view)."""
-        view = self._view_of[index][id(p)]
+        state = self.states[index]
+        view = state.grad_view(p)
         if p.grad is view:
             return
-        self._materialize(index)
-        if id(p) in self._written[index]:  # a second gradient for it in this backward (without the reducer armed)
+        self._materialize(state)
+        if id(p) in state.written:  # a second gradient for it in this backward (without the reducer armed)
             view.add_(p.grad)
         else:
             view.copy_(p.grad)
-            self._written[index].add(id(p))
+            state.written.add(id(p))
         p.grad = view
 
     def complete(self, index: int) -> torch.Tensor:
         """The chunk's full gradient buffer for its reduce-scatter: zeros where no gradient arrived."""
-        self._materialize(index)
-        payload = self._payloads[index]
-        written = self._written[index]
-        for p, view in self._members[index]:
-            if id(p) not in written:
+        state = self.states[index]
+        self._materialize(state)
+        payload, used = state.grad_chunk.payload, state.grad_chunk.used
+        for p, view in zip(state.params, state.grad_views):
+            if id(p) not in state.written:
                 view.zero_()
                 p.grad = view
-                written.add(id(p))
-        payload.narrow(0, self._used[index], payload.numel() - self._used[index]).zero_()
+                state.written.add(id(p))
+        payload.narrow(0, used, payload.numel() - used).zero_()
         return payload
 
     def offload_to(self, manager: ChunkManager, home: Location, compute: Location) -> None:
         """Note [offloaded gradient shards]: the shards move into `manager`; the tensors become placeholders."""
         self._manager, self._compute = manager, compute
-        self.managed = []
-        for shard in self.shards:
+        for state in self.states:
+            shard = state.grad_shard
             zeros = torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.shape)  # no memory
             chunk = manager.register("grad", [zeros], location=home, capacity=shard.numel())[0].chunk
             manager.free(chunk)  # zeros, without a payload or a file
             shard.untyped_storage().resize_(0)
-            self.managed.append(chunk)
+            state.grad_handle = chunk
 
     @contextlib.contextmanager
     def shard(self, index: int, writes: bool = True):
         """Shard `index`, wherever it lives, for the duration of the block."""
-        if self.managed is None:
-            yield self.shards[index]
+        state = self.states[index]
+        if state.grad_handle is None:
+            yield state.grad_shard
             return
-        with self._manager.accessed(self.managed[index], self._compute, writes=writes) as (view,):
+        with self._manager.accessed(state.grad_handle, self._compute, writes=writes) as (view,):
             yield view
 
     def retire(self, index: int) -> None:
         """After the chunk's reduce-scatter: its shard of the sum joins the persistent buffer; the buffer goes."""
-        payload = self._payloads[index]
-        n = payload.numel() // self.world
+        state = self.states[index]
+        mine = shard_of(state.grad_chunk.payload, self.rank, self.world)
         with self.shard(index) as shard:
-            if self._fresh[index]:
-                shard.copy_(payload.narrow(0, self.rank * n, n))
+            if state.grad_fresh:
+                shard.copy_(mine)
             else:
-                shard.add_(payload.narrow(0, self.rank * n, n))
-        self._fresh[index] = False
-        self._release(index)
+                shard.add_(mine)
+        state.grad_fresh = False
+        self._release(state)
 
     def settle(self) -> None:
         """Before the shards are read: those no backward wrote since `zero` become real zeros."""
-        for index, shard in enumerate(self.shards):
-            if self._fresh[index] and self.managed is None:
-                shard.zero_()
-                self._fresh[index] = False
+        for state in self.states:
+            if state.grad_fresh and state.grad_handle is None:
+                state.grad_shard.zero_()
+                state.grad_fresh = False
 
-    def _release(self, index: int) -> None:
-        for p, _ in self._members[index]:
+    def _release(self, state: ChunkState) -> None:
+        for p in state.params:
             p.grad = None
-        self._payloads[index].untyped_storage().resize_(0)
-        self._live[index] = False
+        state.grad_chunk.payload.untyped_storage().resize_(0)
+        state.grad_live = False
 
     def zero(self) -> None:
         """Zeroes the shards (lazily: Note [sharded gradients]) and drops any full chunk left live (a backward
         that raised half-way)."""
-        for index in range(len(self.shards)):
-            self._fresh[index] = True
-            if self.managed is not None and self._manager.chunk(self.managed[index]).state is not TensorState.FREE:
-                self._manager.free(self.managed[index])  # already FREE: it has held nothing since
-            if self._live[index]:
-                self._release(index)
+        for state in self.states:
+            state.grad_fresh = True
+            handle = state.grad_handle
+            if handle is not None and self._manager.chunk(handle).state is not TensorState.FREE:
+                self._manager.free(handle)  # already FREE: it has held nothing since
+            if state.grad_live:
+                self._release(state)

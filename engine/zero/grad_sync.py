@@ -9,7 +9,8 @@ chunk down to the first; with several (e.g. decay / no-decay), whose chunks inte
 model, it still follows backward. A chunk is launched only when it and every chunk before it
 in the sequence are complete (completion order varies, and a parameter unused in this step
 never completes its chunk); whatever is left when backward returns is launched then, in the
-same sequence.
+same sequence. A chunk's arrived gradients (against one expected per member) are kept in its
+ChunkState (Note [chunk phases]).
 """
 
 from __future__ import annotations
@@ -41,20 +42,14 @@ class GradReducer:
         self.overlap = overlap
         # Note [chunk packing] leaves padding only at a chunk's end: all-reduce the used prefix alone
         # (a reduce-scatter takes the whole chunk: its shards are equal slices of it)
-        self.payloads = [c.payload if self.scatter else c.payload.narrow(0, 0, c.used)
-                         for g in chunked.groups for c in g.grad_chunks.chunks]
+        self.payloads = [s.grad_chunk.payload if self.scatter else s.grad_chunk.payload.narrow(0, 0, s.grad_chunk.used)
+                         for s in chunked.states]
+        self.states = chunked.states  # Note [chunk phases]: each chunk's gradients arrived, against those expected
         self._chunk_of = chunked.chunk_index()
-        self._expected = [0] * len(self.payloads)
-        first_use = [float("inf")] * len(self.payloads)
-        for p in chunked.params:
-            chunk = self._chunk_of[id(p)]
-            self._expected[chunk] += 1
-            first_use[chunk] = min(first_use[chunk], chunked.position_of(p))
+        first_use = [min(chunked.position_of(p) for p in s.params) for s in self.states]
         # Note [reduction order]: the launch sequence, and each chunk's place in it
-        self.sequence = sorted(range(len(self.payloads)), key=lambda c: first_use[c], reverse=True)
+        self.sequence = sorted(range(len(self.states)), key=lambda c: first_use[c], reverse=True)
         self._place = {c: i for i, c in enumerate(self.sequence)}
-        self._ready = [0] * len(self.payloads)
-        self._fired: set[int] = set()
         self._armed = False  # inside a synchronized backward
         self._cursor = len(self.sequence)  # place in the sequence of the next launch; len: all launched
         # overlap, for the last synchronized backward: gradients that had arrived when the first
@@ -71,8 +66,8 @@ class GradReducer:
 
     def arm(self) -> None:
         """The coming backward ends the accumulation: reduce chunks as they complete."""
-        self._ready = [0] * len(self.payloads)
-        self._fired.clear()
+        for state in self.states:
+            state.arrived.clear()
         self._cursor = 0
         self._armed = True
         self.grads_before_first_launch = None
@@ -87,31 +82,31 @@ class GradReducer:
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         chunk = self._chunk_of[id(p)]
+        state = self.states[chunk]
         if self._sharded_grads is not None:
             self._sharded_grads.accept(chunk, p)  # Note [sharded gradients]
         else:
             self.chunked.adopt_foreign_grad(p)
         if not self._armed:
             return
-        if id(p) in self._fired or self._place[chunk] < self._cursor:
+        if id(p) in state.arrived or self._place[chunk] < self._cursor:
             self.disarm()
             raise RuntimeError(
                 f"parameter '{self.chunked.name_of(p)}' received a second gradient in one synchronized backward, "
                 "after its chunk was already being all-reduced (reentrant activation checkpointing, or a parameter "
                 "used inside and outside a checkpointed region, does this); use torch.utils.checkpoint with "
                 "use_reentrant=False")
-        self._fired.add(id(p))
-        self._ready[chunk] += 1
-        if self.on_chunk_complete is not None and self._ready[chunk] == self._expected[chunk]:
+        state.arrived.add(id(p))
+        if self.on_chunk_complete is not None and state.ready_grads == state.expected_grads:
             self.on_chunk_complete(chunk)
         if not self.overlap:
             return
         before = self._cursor
-        self._launch_while(lambda c: self._ready[c] >= self._expected[c])
+        self._launch_while(lambda c: self.states[c].ready_grads >= self.states[c].expected_grads)
         if self._cursor > before:
             self.launched_during_backward += self._cursor - before
             if self.grads_before_first_launch is None:
-                self.grads_before_first_launch = len(self._fired)
+                self.grads_before_first_launch = sum(s.ready_grads for s in self.states)
 
     def _launch(self, index: int) -> None:
         if self._sharded_grads is not None:

@@ -14,6 +14,8 @@ chunks are then gathered on demand and left to the backward release.
 Ahead of demand, the chunks the trace says come next (Note [gather trace]) are gathered
 asynchronously, up to `prefetch_numel` elements gathered ahead and `max_live_numel` elements
 gathered in all, so the all-gathers overlap compute.
+A chunk's owner modules, those done in this pass and the gathered() blocks holding it are kept in its
+ChunkState, with its phase (Note [chunk phases]).
 Collectives must match across ranks: every rank must run the same modules in the same order (as
 with DeepSpeed and FSDP). Control flow that differs between steps is fine; between ranks it hangs.
 """
@@ -45,25 +47,23 @@ class ParamGatherer:
     def __init__(self, model: nn.Module, shards: ShardedParams, chunk_of: dict[int, int],
                  group: dist.ProcessGroup | None, counter: CommCounter, prefetch_numel: int, max_live_numel: int):
         self.shards = shards
+        self.states = shards.states  # Note [chunk phases]: owners, done and held live there
         self.group, self.counter = group, counter
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
         self.phase = Pass.IDLE
         self.traces = {Pass.FORWARD: GatherTrace(), Pass.BACKWARD: GatherTrace()}
         self.prefetched = 0  # gathers started ahead of demand, over the run
         self._ahead: set[int] = set()  # gathered ahead of demand, not demanded yet
-        self._owners: list[set[nn.Module]] = [set() for _ in range(len(shards))]
-        self._done: list[set[nn.Module]] = [set() for _ in range(len(shards))]
-        self._held = [0] * len(shards)  # gathered() blocks holding each chunk
         self._module_chunks: dict[nn.Module, tuple[int, ...]] = {}
         self._handles = []
         for module in model.modules():
             chunks = sorted({chunk_of[id(p)] for p in module.parameters(recurse=False)
-                             if id(p) in chunk_of and not shards.persistent[chunk_of[id(p)]]})
+                             if id(p) in chunk_of and not self.states[chunk_of[id(p)]].persistent})
             if not chunks:
                 continue
             self._module_chunks[module] = tuple(chunks)
             for c in chunks:
-                self._owners[c].add(module)
+                self.states[c].owners.add(module)
             self._handles.append(module.register_forward_pre_hook(self._before_forward))
             self._handles.append(module.register_forward_hook(self._after_forward))
 
@@ -71,8 +71,8 @@ class ParamGatherer:
     def begin(self, phase: Pass) -> None:
         self.phase = phase
         self.traces[phase].begin()
-        for done in self._done:
-            done.clear()
+        for state in self.states:
+            state.done.clear()
 
     def end(self) -> None:
         """Ends the pass: every non-persistent chunk is released (in-flight gathers are waited for), except
@@ -88,7 +88,7 @@ class ParamGatherer:
     def _before_forward(self, module: nn.Module, args) -> None:
         chunks = self._module_chunks[module]
         for c in chunks:
-            self._done[c].discard(module)  # running (again): its chunks stay until this call ends
+            self.states[c].done.discard(module)  # running (again): its chunks stay until this call ends
         self.demand(chunks)
 
     def _after_forward(self, module: nn.Module, args, output) -> None:
@@ -100,8 +100,9 @@ class ParamGatherer:
             if needing_grad:
                 register_multi_grad_hook(needing_grad, lambda grad: self.demand(chunks), mode="any")
         for c in chunks:
-            self._done[c].add(module)
-            if self._done[c] >= self._owners[c]:
+            state = self.states[c]
+            state.done.add(module)
+            if state.done >= state.owners:
                 self.release(c)
 
     def on_grads_complete(self, chunk: int) -> None:
@@ -138,7 +139,7 @@ class ParamGatherer:
             ahead, live = ahead + n, live + n
 
     def release(self, chunk: int) -> None:
-        if self._held[chunk]:
+        if self.states[chunk].held:
             return  # inside gathered(): user code holds it
         self._ahead.discard(chunk)
         self.shards.release(chunk)
@@ -151,12 +152,12 @@ class ParamGatherer:
             self.shards.gather(c, self.group, self.counter)
         for c in chunks:
             self.shards.wait(c)
-            self._held[c] += 1  # passes inside the block do not release it
+            self.states[c].held += 1  # passes inside the block do not release it
         try:
             yield
         finally:
             for c in chunks:
-                self._held[c] -= 1
+                self.states[c].held -= 1
                 if self.phase is Pass.IDLE:
                     self.release(c)
 

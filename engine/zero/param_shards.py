@@ -5,8 +5,10 @@ With parameters sharded (Note [sharding policy]) a rank keeps, between uses, onl
 every parameter chunk: a persistent tensor of n/w elements per chunk (4Ψ/N bytes in fp32), which
 is what the optimizer steps. The chunk's full payload keeps its shape, and every parameter's
 .data stays a view into it, but its storage is resized to 0 while the chunk is released:
-- `gather` gives the storage its bytes back and all-gathers every rank's shard into it;
-- `release` resizes the storage to 0 again.
+- `gather` gives the storage its bytes back and all-gathers every rank's shard into it (the chunk's
+  phase goes SHARDED → GATHERING, and → GATHERED once `wait`ed for: Note [chunk phases]);
+- `release` resizes the storage to 0 again (→ SHARDED).
+The shard, the aliasing writer below and the gather in flight are kept in the chunk's ChunkState.
 Tensors autograd saved in forward (a linear's weight) are views of that same storage, so a chunk
 gathered again before backward needs them shows them its values again. A parameter used while its
 chunk is released (read outside its module's forward) has no memory behind it: most operators then
@@ -16,150 +18,162 @@ process — as with DeepSpeed's and FSDP's released parameters.
 The gather writes through a second tensor aliasing the storage but with its own version counter:
 an in-place write through the payload itself would bump the parameters' versions and make
 autograd reject the tensors it saved in forward.
-Chunks of parameters below `stage3_param_persistence_threshold` are persistent: always gathered,
-their shard a view of the payload (as in stage 1), all-gathered after each update.
+Chunks of parameters below `stage3_param_persistence_threshold` are persistent (phase WHOLE): always
+gathered, their shard a view of the payload (as in stage 1), all-gathered after each update.
 
 Note [offloaded parameter shards]
 With `offload_param` the shards of non-persistent chunks live in the ChunkManager (kind "param", one
-manager chunk per shard, homed on CPU or NVMe). The shard tensor keeps its identity (the optimizer's
-param groups and .grad hold it) but its storage is resized to 0: it is a placeholder. A gather
-`access`es the manager chunk read-only (writes=False: an NVMe copy stays current, so eviction drops
-it without a write), copies it into this rank's slot of the full chunk and releases it before the
-all-gather starts, so gathers in flight pin nothing in the manager; the optimizer steps the
-manager's view in place of the placeholder (Note [offloaded optimizer states]).
+manager chunk per shard, homed on CPU or NVMe; its handle is the state's `param_handle`). The shard
+tensor keeps its identity (the optimizer's param groups and .grad hold it) but its storage is
+resized to 0: it is a placeholder. A gather `access`es the manager chunk read-only (writes=False:
+an NVMe copy stays current, so eviction drops it without a write), copies it into this rank's slot
+of the full chunk and releases it before the all-gather starts, so gathers in flight pin nothing in
+the manager; the optimizer steps the manager's view in place of the placeholder
+(Note [offloaded optimizer states]).
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 
 import torch
 import torch.distributed as dist
 
-from engine.comm import CommCounter, all_gather_into
+from engine.comm import CommCounter, all_gather_into, shard_of
+from engine.zero.chunk_state import ChunkPhase, ChunkState
 from offload.chunk import Location
 from offload.manager import ChunkManager
 
 
-class Residency(enum.Enum):
-    RELEASED = "released"    # storage of size 0; only the shard holds this rank's values
-    GATHERING = "gathering"  # storage back, all-gather in flight
-    GATHERED = "gathered"    # full values in the payload
-
-
 class ShardedParams:
-    """The persistent parameter shards and the transient full parameter chunks of one rank."""
+    """The persistent parameter shards and the transient full parameter chunks of one rank, kept in the
+    chunks' states: each non-persistent chunk cycles SHARDED → GATHERING → GATHERED (Note [chunk phases])."""
 
-    def __init__(self, payloads: list[torch.Tensor], persistent: list[bool], rank: int, world: int,
-                 copy_payloads: bool = True):
+    def __init__(self, states: list[ChunkState], rank: int, world: int, copy_payloads: bool = True):
         """copy_payloads=False: the shards start uninitialized (zero_init writes them; the payloads hold nothing)."""
-        self._payloads = payloads
-        self.persistent = persistent
+        self.states = states
         self.rank, self.world = rank, world
-        self._nbytes = [p.untyped_storage().nbytes() for p in payloads]
-        self._writers = [torch.empty(0, dtype=p.dtype, device=p.device).set_(p.untyped_storage(), p.storage_offset(),
-                                                                           (p.numel(),)) for p in payloads]
-        self.shards = [self._own(p) if keep else self._own(p).clone() if copy_payloads else torch.empty_like(self._own(p))
-                       for p, keep in zip(payloads, persistent)]
+        for state in states:
+            payload = state.param_chunk.payload
+            own = shard_of(payload, rank, world)
+            if state.persistent:
+                state.param_shard = own  # a view: the payload always holds the values
+                continue
+            state.writer = torch.empty(0, dtype=payload.dtype, device=payload.device).set_(
+                payload.untyped_storage(), payload.storage_offset(), (payload.numel(),))
+            state.param_shard = own.clone() if copy_payloads else torch.empty_like(own)
         self._copied = copy_payloads
-        self.residency = [Residency.GATHERED] * len(payloads)
         # elements of non-persistent chunks not released (gathered or gathering): kept, not summed per demand
-        self.live_numel = sum(p.numel() for p, keep in zip(payloads, persistent) if not keep)
-        self._works: dict[int, object] = {}
+        self.live_numel = sum(s.numel for s in states if not s.persistent)
         self._manager: ChunkManager | None = None  # Note [offloaded parameter shards]
         self._compute = Location.CPU
-        self.managed: list[int | None] = [None] * len(payloads)  # each shard's manager chunk
+
+    @property
+    def shards(self) -> list[torch.Tensor]:
+        """This rank's shard of every chunk (what the optimizer steps; placeholders when offloaded)."""
+        return [s.param_shard for s in self.states]
+
+    @property
+    def persistent(self) -> list[bool]:
+        return [s.persistent for s in self.states]
+
+    @property
+    def managed(self) -> list[int | None]:
+        """Each shard's manager chunk (None: in memory)."""
+        return [s.param_handle for s in self.states]
 
     def offload_to(self, manager: ChunkManager, home: Location, compute: Location) -> None:
         """Moves every non-persistent shard into `manager` on `home`; the shard tensors become placeholders."""
         self._manager, self._compute = manager, compute
-        for index, shard in enumerate(self.shards):
-            if not self.persistent[index]:
+        for state in self.states:
+            if not state.persistent:
+                shard = state.param_shard
                 # values still to come (zero_init loads them through shard()): registered as zeros, no memory
                 values = shard if self._copied else torch.zeros((), dtype=shard.dtype).expand(shard.shape)
-                self.managed[index] = manager.register("param", [values], location=home, capacity=shard.numel())[0].chunk
+                state.param_handle = manager.register("param", [values], location=home, capacity=shard.numel())[0].chunk
                 shard.untyped_storage().resize_(0)
 
     @contextlib.contextmanager
     def shard(self, index: int, writes: bool):
         """This rank's shard of chunk `index`, wherever it lives, for the duration of the block."""
-        if self.managed[index] is None:
-            yield self.shards[index]
+        state = self.states[index]
+        if state.param_handle is None:
+            yield state.param_shard
             return
-        with self._manager.accessed(self.managed[index], self._compute, writes=writes) as (view,):
+        with self._manager.accessed(state.param_handle, self._compute, writes=writes) as (view,):
             yield view
 
     def __len__(self) -> int:
-        return len(self._payloads)
+        return len(self.states)
 
     def numel(self, index: int) -> int:
-        return self._payloads[index].numel()
-
-    def _own(self, payload: torch.Tensor) -> torch.Tensor:
-        n = payload.numel() // self.world
-        return payload.narrow(0, self.rank * n, n)
+        return self.states[index].numel
 
     def take_shards(self) -> None:
         """Once the full chunks hold the starting values (rank 0's, after the start-up broadcast): keep
         this rank's shard of each and release the rest."""
-        for index, payload in enumerate(self._payloads):
-            if not self.persistent[index]:
-                with self.shard(index, writes=True) as shard:
-                    shard.copy_(self._own(payload))
-                self.release(index)
+        for state in self.states:
+            if not state.persistent:
+                with self.shard(state.index, writes=True) as shard:
+                    shard.copy_(shard_of(state.param_chunk.payload, self.rank, self.world))
+                self.release(state.index)
 
     def release_loaded(self) -> None:
         """zero_init wrote the shards directly (the full chunks never held values): release the chunks."""
-        for index in range(len(self._payloads)):
+        for index in range(len(self.states)):
             self.release(index)
 
     def refresh_shard(self, index: int) -> None:
         """After the gathered chunk was modified (the same way on every rank): keep the new values."""
-        if not self.persistent[index]:
+        state = self.states[index]
+        if not state.persistent:
             with self.shard(index, writes=True) as shard:
-                shard.copy_(self._own(self._writers[index]))
+                shard.copy_(shard_of(state.writer, self.rank, self.world))
 
     def gather(self, index: int, group: dist.ProcessGroup | None, counter: CommCounter) -> bool:
         """Starts gathering a released chunk (a collective: every rank must gather the same chunks in the
         same order). Returns whether a gather was started."""
-        if self.residency[index] is not Residency.RELEASED:
+        state = self.states[index]
+        if state.phase is not ChunkPhase.SHARDED:
             return False
-        writer = self._writers[index]
-        writer.untyped_storage().resize_(self._nbytes[index])
-        if self.managed[index] is None:
-            shard = self.shards[index]
+        writer = state.writer
+        writer.untyped_storage().resize_(state.param_chunk.nbytes)
+        if state.param_handle is None:
+            shard = state.param_shard
         else:  # copied into its own slot of the output at once: the manager chunk is not held while in flight
-            shard = self._own(writer)
+            shard = shard_of(writer, self.rank, self.world)
             with self.shard(index, writes=False) as view:
                 shard.copy_(view)
-        self._works[index] = all_gather_into(writer, shard, group, counter, async_op=True)
-        self.residency[index] = Residency.GATHERING
+        state.gather_work = all_gather_into(writer, shard, group, counter, async_op=True)
+        state.to(ChunkPhase.GATHERING)
         self.live_numel += writer.numel()
         return True
 
     def wait(self, index: int) -> None:
-        if self.residency[index] is Residency.GATHERING:
-            self._works.pop(index).wait()
-            self.residency[index] = Residency.GATHERED
+        state = self.states[index]
+        if state.phase is ChunkPhase.GATHERING:
+            work, state.gather_work = state.gather_work, None
+            work.wait()
+            state.to(ChunkPhase.GATHERED)
 
     def release(self, index: int) -> None:
         """Frees a non-persistent chunk's full storage (waiting for its gather first, if one is in flight)."""
-        if self.persistent[index] or self.residency[index] is Residency.RELEASED:
+        state = self.states[index]
+        if state.persistent or state.phase is ChunkPhase.SHARDED:
             return
         self.wait(index)
-        self._writers[index].untyped_storage().resize_(0)
-        self.residency[index] = Residency.RELEASED
-        self.live_numel -= self._payloads[index].numel()
+        state.writer.untyped_storage().resize_(0)
+        state.to(ChunkPhase.SHARDED)
+        self.live_numel -= state.numel
 
     def is_released(self, index: int) -> bool:
-        return self.residency[index] is Residency.RELEASED
+        return self.states[index].phase is ChunkPhase.SHARDED
 
     def shard_bytes(self) -> int:
         """Bytes of the in-memory shards that are tensors of their own (persistent chunks' shards are payload
         views; offloaded shards are counted by their manager)."""
-        return sum(s.untyped_storage().nbytes() for s, keep in zip(self.shards, self.persistent) if not keep)
+        return sum(s.param_shard.untyped_storage().nbytes() for s in self.states if not s.persistent)
 
     def stepped_chunks(self) -> dict[int, int]:
         """id(shard tensor) -> its manager chunk, for the offloaded shards (the optimizer steps those views)."""
-        return {id(s): c for s, c in zip(self.shards, self.managed) if c is not None}
+        return {id(s.param_shard): s.param_handle for s in self.states if s.param_handle is not None}

@@ -1,0 +1,144 @@
+"""One state object per chunk index: its members, where its values live, its phase, its gradients.
+
+Note [chunk phases]
+A chunk index names one parameter chunk and the gradient chunk at the same index (Note [parameters
+as chunk views]). What the ZeRO runtime knows about that pair is in one ChunkState, built once by
+ChunkedParams; the gatherer (stage 3), the reducer and the shards (stages 2-3) hold the same
+objects, so `chunked.states[7]` (its repr, or `describe()`) answers "what state is chunk 7 in?":
+- its members: the parameters, their slots, their gradient views, and under stage 3 the modules
+  that directly own them (whose forward gathers the chunk, Note [gathering around modules]);
+- where its values live: the full payloads, this rank's parameter shard and gradient shard
+  (Notes [sharded parameters], [sharded gradients]), the tensors the optimizer steps, and the
+  handles of the manager chunks holding the shards when they are offloaded;
+- its phase, one ChunkPhase (FSDP2's ShardedState plays this part there):
+    WHOLE      never sharded: the full payload always holds the values (stages 0-2, and stage-3
+               chunks below the persistence threshold)
+    SHARDED    stage 3, released: the payload's storage has size 0, this rank's shard holds its values
+    GATHERING  the storage is back and the all-gather is in flight
+    GATHERED   the full values are in the payload
+  A stage-3 chunk starts GATHERED (its payload holds the starting values until the shards take
+  them) and then cycles SHARDED → GATHERING → GATHERED → SHARDED; _LEGAL lists exactly these
+  moves and any other raises (a release goes through GATHERED: it waits for the gather first);
+- gradient readiness in the current backward: which members' gradients arrived in a synchronized
+  backward (against the number expected), which members wrote their view of the full gradient
+  buffer, whether that buffer has storage, and whether the gradient shard is still logically zero.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from offload.chunk import Chunk, Slot
+
+
+class ChunkPhase(enum.Enum):
+    WHOLE = "whole"          # never sharded: the payload always holds the full values
+    SHARDED = "sharded"      # storage of size 0; only this rank's shard holds its values
+    GATHERING = "gathering"  # storage back, all-gather in flight
+    GATHERED = "gathered"    # full values in the payload
+
+
+_LEGAL: dict[ChunkPhase, frozenset[ChunkPhase]] = {
+    ChunkPhase.WHOLE: frozenset(),
+    ChunkPhase.SHARDED: frozenset({ChunkPhase.GATHERING}),
+    ChunkPhase.GATHERING: frozenset({ChunkPhase.GATHERED}),
+    ChunkPhase.GATHERED: frozenset({ChunkPhase.SHARDED}),
+}
+
+
+class IllegalPhaseTransition(RuntimeError):
+    """A chunk was asked to move between two phases that Note [chunk phases] does not connect."""
+
+
+@dataclass(eq=False, repr=False)
+class ChunkState:
+    """Everything about chunk `index` (Note [chunk phases])."""
+
+    index: int
+    params: list[nn.Parameter]  # members, in chunk order
+    slots: list[Slot]  # their places in the param chunk (and in the grad chunk: the same slots)
+    param_chunk: Chunk
+    grad_chunk: Chunk
+    grad_views: list[torch.Tensor]  # each member's view into the grad chunk
+    phase: ChunkPhase = ChunkPhase.WHOLE
+    persistent: bool = False  # stage 3: below the persistence threshold, never released
+    # where this rank's values live
+    param_shard: torch.Tensor | None = None  # stage 3: this rank's shard (a placeholder when offloaded)
+    param_handle: int | None = None  # its manager chunk (Note [offloaded parameter shards])
+    grad_shard: torch.Tensor | None = None  # stages 2-3: this rank's reduced gradient shard (or a placeholder)
+    grad_handle: int | None = None  # its manager chunk (Note [offloaded gradient shards])
+    stepped: torch.Tensor | None = None  # what the optimizer steps: payload, shard, or fp32 master
+    stepped_grad: torch.Tensor | None = None  # its .grad
+    # stage 3 gathering (Note [gathering around modules])
+    writer: torch.Tensor | None = None  # aliases the payload's storage with its own version counter
+    gather_work: object | None = None  # the all-gather in flight (GATHERING)
+    owners: set[nn.Module] = field(default_factory=set)  # modules directly owning members
+    done: set[nn.Module] = field(default_factory=set)  # owners whose forward finished in this pass
+    held: int = 0  # gathered() blocks holding it
+    # gradient readiness (Notes [reduction order], [sharded gradients])
+    arrived: set[int] = field(default_factory=set)  # ids of members with a gradient in this synchronized backward
+    written: set[int] = field(default_factory=set)  # ids of members whose view of the full buffer holds a gradient
+    grad_live: bool = False  # stages 2-3: the full gradient buffer has storage
+    grad_fresh: bool = True  # stages 2-3: the gradient shard is logically zero (not written since zero())
+
+    def __post_init__(self) -> None:
+        self._grad_view_of = {id(p): view for p, view in zip(self.params, self.grad_views)}
+
+    # ---- phase ---------------------------------------------------------------------------------
+    def to(self, new: ChunkPhase) -> None:
+        """Moves to phase `new`; raises unless Note [chunk phases] allows it."""
+        if new not in _LEGAL[self.phase]:
+            allowed = ", ".join(sorted(p.name for p in _LEGAL[self.phase])) or "none"
+            raise IllegalPhaseTransition(f"chunk {self.index}: {self.phase.name} → {new.name} is not a legal phase "
+                                         f"change (from {self.phase.name}: {allowed}); see Note [chunk phases]")
+        self.phase = new
+
+    # ---- members and gradients -----------------------------------------------------------------
+    def grad_view(self, p: nn.Parameter) -> torch.Tensor:
+        return self._grad_view_of[id(p)]
+
+    @property
+    def expected_grads(self) -> int:
+        """Gradients a backward delivers to this chunk: one per member."""
+        return len(self.params)
+
+    @property
+    def ready_grads(self) -> int:
+        return len(self.arrived)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the chunk (its capacity, padding included)."""
+        return self.param_chunk.numel
+
+    # ---- reading it ----------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        return (f"ChunkState(chunk {self.index}: {self.phase.name}, {len(self.params)} params, "
+                f"{self.param_chunk.used}/{self.numel} elements {self.param_chunk.dtype}, "
+                f"grads {self.ready_grads}/{self.expected_grads})")
+
+    def describe(self, names: dict[int, str] | None = None) -> str:
+        """Every field that says where the chunk is, one per line (names: id(parameter) -> its name)."""
+        names = names or {}
+        members = ", ".join(names.get(id(p), f"<{tuple(p.shape)}>") for p in self.params)
+        lines = [repr(self), f"  members: {members}"]
+        if self.persistent:
+            lines.append("  persistent (below the persistence threshold: never released)")
+        for what, shard, handle in (("param", self.param_shard, self.param_handle),
+                                    ("grad", self.grad_shard, self.grad_handle)):
+            if shard is not None:
+                where = f"manager chunk {handle}" if handle is not None else "in memory"
+                lines.append(f"  {what} shard: {shard.numel()} elements, {where}")
+        if self.owners:
+            done = f", {len(self.done)} done this pass" if self.done else ""
+            lines.append(f"  owned by: {', '.join(sorted(type(m).__name__ for m in self.owners))}{done}")
+        if self.held:
+            lines.append(f"  held gathered by {self.held} gathered() block(s)")
+        if self.grad_shard is not None:
+            lines.append(f"  full grad buffer: {'live' if self.grad_live else 'released'}, "
+                         f"{len(self.written)} member(s) written; shard {'zero' if self.grad_fresh else 'accumulated'}")
+        return "\n".join(lines)
