@@ -107,25 +107,13 @@ class Engine:
     def global_step(self) -> int:
         return self.progress.global_step
 
-    @global_step.setter
-    def global_step(self, value: int) -> None:
-        self.progress.global_step = value
-
     @property
     def micro_step(self) -> int:
         return self.progress.micro_step
 
-    @micro_step.setter
-    def micro_step(self, value: int) -> None:
-        self.progress.micro_step = value
-
     @property
     def skipped_steps(self) -> int:
         return self.progress.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.progress.skipped_steps = value
 
     # ---- training loop --------------------------------------------------------------------
     def train(self, mode: bool = True) -> "Engine":
