@@ -150,9 +150,11 @@ class Engine:
         return self.runtime.no_sync()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Scales the loss (accumulation mean, fp16 loss scale) and runs autograd; see Note [micro-steps and boundaries]."""
+        """Scales the loss (accumulation mean, fp16 loss scale) and runs autograd (Note [micro-steps and
+        boundaries])."""
         if loss.dim() != 0:
-            raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it (e.g. .mean()) first")
+            raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it "
+                             "(e.g. .mean()) first")
         self.monitor.step_metrics.on_loss(loss)
         factor = self.loss_scaler.scale / (self.gradient_accumulation_steps * self.dp_world_size)
         scaled = loss.float() * factor if factor != 1.0 else loss
