@@ -59,13 +59,15 @@ class GradReducer:
         self._works: list[tuple[int, object]] = []  # (chunk, its collective in flight)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in chunked.params]
         self._sharded_grads = chunked.sharded_grads
-        # set by the engine for a backward whose shards are final (Note [stepping in backward]): called with a
+        # given to `arm` for a backward whose shards are final (Note [stepping in backward]): called with a
         # chunk index once that chunk's reduced shard is retired
-        self.on_shard_reduced = None
+        self._on_shard_reduced = None
         self._callback_error: BaseException | None = None
 
-    def arm(self) -> None:
-        """The coming backward ends the accumulation: reduce chunks as they complete."""
+    def arm(self, on_shard_reduced=None) -> None:
+        """The coming backward ends the accumulation: reduce chunks as they complete. on_shard_reduced(chunk), if
+        given, runs once each chunk's reduced shard is retired (Note [stepping in backward])."""
+        self._on_shard_reduced = on_shard_reduced
         for state in self.states:
             state.arrived.clear()
         self._cursor = 0
@@ -77,7 +79,7 @@ class GradReducer:
         """After a failed backward: launch nothing more from hooks, and let what was launched finish now
         (every rank launched the same prefix of the sequence), so no late reduction lands in a later step."""
         self._armed = False
-        self.on_shard_reduced = None  # a failed backward updates nothing more
+        self._on_shard_reduced = None  # a failed backward updates nothing more
         self.wait()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
@@ -124,6 +126,16 @@ class GradReducer:
         self._armed = False
         self._launch_while(lambda c: True)
 
+    def complete_backward(self) -> None:
+        """After a synchronized backward: every chunk launched and reduced (as with DDP, the gradients are reduced
+        when backward returns); raises what on_shard_reduced raised, once all of that has finished."""
+        self.finish_backward()
+        self.wait()
+        self._on_shard_reduced = None
+        error, self._callback_error = self._callback_error, None
+        if error is not None:
+            raise error
+
     def _launch_while(self, may_launch) -> None:
         while self._cursor < len(self.sequence) and may_launch(self.sequence[self._cursor]):
             self._launch(self.sequence[self._cursor])
@@ -151,18 +163,12 @@ class GradReducer:
 
     def _retire(self, index: int) -> None:
         self._sharded_grads.retire(index)
-        if self.on_shard_reduced is not None:
+        if self._on_shard_reduced is not None:
             try:
-                self.on_shard_reduced(index)
+                self._on_shard_reduced(index)
             except BaseException as e:
                 # kept, not raised: this rank must go on launching the same reductions as the others, or they hang
-                self.on_shard_reduced, self._callback_error = None, e
-
-    def raise_callback_error(self) -> None:
-        """Raises what on_shard_reduced raised during the last backward, once every reduction has finished."""
-        error, self._callback_error = self._callback_error, None
-        if error is not None:
-            raise error
+                self._on_shard_reduced, self._callback_error = None, e
 
     def remove_hooks(self) -> None:
         for h in self._handles:

@@ -17,7 +17,7 @@ view in its place (with the placeholder's .grad), and releases it written.
 
 Note [stepping in backward]
 With `offload_optimizer.step_in_backward` (Tiers' own key, off by default) the boundary backward
-updates each gradient shard as soon as its reduce-scatter is retired (GradReducer.on_shard_reduced):
+updates each gradient shard as soon as its reduce-scatter is retired (the callback GradReducer.arm takes):
 its states, values and gradient are accessed, stepped and released while backward goes on with the
 earlier layers, so their NVMe reads and write-backs overlap backward's compute instead of following
 it (PyTorch's "optimizer step in backward" technique, per shard). `step` then steps only what is

@@ -162,9 +162,7 @@ class ZeroRuntime:
             reduces = self.reducer is not None and (every_backward or (boundary and not self.inside_no_sync))
             if reduces:
                 self._check_one_synchronized_backward(every_backward)
-                self.reducer.arm()
-                if self.steps_in_backward and boundary:
-                    self._step_shards_as_reduced(loss_scale)
+                self.reducer.arm(self._shard_stepper(loss_scale) if self.steps_in_backward and boundary else None)
             self._enter(TrainingPhase.BACKWARD)
             if self.gatherer is not None:
                 self.gatherer.begin(Pass.BACKWARD)
@@ -182,7 +180,7 @@ class ZeroRuntime:
                 "offload_optimizer.step_in_backward that backward already updated the model; call engine.step() "
                 "after it (once per micro-batch), or add the losses and call backward once")
 
-    def _step_shards_as_reduced(self, loss_scale: float) -> None:
+    def _shard_stepper(self, loss_scale: float):
         """Note [stepping in backward]: each reduced shard of the coming backward is final; step it at once."""
         grad_scale = 1.0 / loss_scale  # no clipping (refused by check_run)
         self._early_square = torch.zeros((), dtype=torch.float64) if self.clipper.needs_norm else None
@@ -193,17 +191,14 @@ class ZeroRuntime:
                 self._early_square += self.chunked.grad_square_sum(index)
             self.optimizer.step_early(managed[index], grad_scale)
 
-        self.reducer.on_shard_reduced = step_reduced_shard
+        return step_reduced_shard
 
     def post_backward(self, reduces: bool) -> None:
         with record_function("tiers.zero.post_backward"):
             if self.gatherer is not None:
                 self.gatherer.end()
             if reduces:
-                self.reducer.finish_backward()
-                self.reducer.wait()  # gradients are reduced when backward returns, as with DDP
-                self.reducer.raise_callback_error()
-                self.reducer.on_shard_reduced = None
+                self.reducer.complete_backward()
                 self.synchronized = True
             self._enter(TrainingPhase.IDLE)
 
