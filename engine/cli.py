@@ -37,7 +37,7 @@ def _convert_command(args: argparse.Namespace) -> int:
 
 
 def _launch_command(args: argparse.Namespace) -> int:
-    from engine.launcher import LaunchError, LauncherKind, LaunchOptions, launch
+    from engine.launcher import LauncherKind, LaunchError, LaunchOptions, launch
 
     options = LaunchOptions(script=args.script, script_args=tuple(args.script_args), hostfile=args.hostfile,
                             include=args.include, exclude=args.exclude, num_nodes=args.num_nodes,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 

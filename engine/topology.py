@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 # Imported before any process group starts, for its side effect: torch.distributed.nn.functional binds `group.WORLD`
 # as a default argument when first imported, and torch imports it lazily (torch.optim.Optimizer -> torch._dynamo ->
 # fsdp -> _shard). Imported after init_process_group, it would hold the world group past destroy_process_group until

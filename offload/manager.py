@@ -52,8 +52,8 @@ from offload.host_pool import HostBufferPool
 from offload.nvme import NvmeStore
 from offload.policy import PlacementPolicy, is_above, next_tier, worth_prefetching
 from offload.residency import ChunkEntry, Residency, budget_message, held_bytes
-from offload.stats import ManagerStats
 from offload.states import TensorState, check_transition
+from offload.stats import ManagerStats
 from offload.tracer import TracePhase, Tracer
 from offload.transfers import Transfers
 from offload.units import fmt_bytes

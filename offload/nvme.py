@@ -64,8 +64,17 @@ from dataclasses import dataclass, replace
 import torch
 from torch.profiler import record_function
 
-from offload.direct_io import (PAGE, DirectFiles, StagingPool, Truncated, as_buffer, bytes_of, in_place_span,
-                               padded_size, storage_bytes)
+from offload.direct_io import (
+    PAGE,
+    DirectFiles,
+    StagingPool,
+    Truncated,
+    as_buffer,
+    bytes_of,
+    in_place_span,
+    padded_size,
+    storage_bytes,
+)
 from offload.errors import SwapDirectoryError, SwapIntegrityError, SwapUsageError, SwapWriteError
 
 __all__ = ["NvmeStore", "NvmeStats", "SwapHandle"]

@@ -20,6 +20,7 @@ import tempfile
 import time
 
 from bench_common import add_json_option, free_port, median, publish_report, result_record, write_results
+
 from engine.estimate.report import markdown_table
 
 JOB = """import torch, torch.distributed as dist

@@ -50,12 +50,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import (DiskCounter, add_json_option, command_line, machine_line, median, result_record,  # noqa: E402
-                          write_results, write_text)
-from engine.estimate.report import markdown_table  # noqa: E402
-from disk_baseline import (Meter, Phase, filesystem_line, page_aligned, page_cache_bytes, raw_buffers,  # noqa: E402
-                           raw_round)
+from bench_common import (  # noqa: E402
+    DiskCounter,
+    add_json_option,
+    command_line,
+    machine_line,
+    median,
+    result_record,
+    write_results,
+    write_text,
+)
+from disk_baseline import Meter, Phase, filesystem_line, page_aligned, page_cache_bytes, raw_buffers, raw_round  # noqa: E402
 
+from engine.estimate.report import markdown_table  # noqa: E402
 from offload import Budgets, ChunkManager, Location  # noqa: E402
 from offload.direct_io import aligned_empty  # noqa: E402
 from offload.nvme import NvmeStore  # noqa: E402

@@ -33,11 +33,22 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (DiskCounter, add_json_option, fmt_bytes, free_port, init_gloo, one_thread,  # noqa: E402
-                          publish_report, result_record, spawn_ranks, write_results)
+from bench_common import (  # noqa: E402
+    DiskCounter,
+    add_json_option,
+    fmt_bytes,
+    free_port,
+    init_gloo,
+    one_thread,
+    publish_report,
+    result_record,
+    spawn_ranks,
+    write_results,
+)
+from disk_baseline import dd_bandwidth  # noqa: E402
+
 from engine.estimate.report import markdown_table  # noqa: E402
 from engine.estimate.runtime import peak_rss_bytes  # noqa: E402
-from disk_baseline import dd_bandwidth  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import psutil
 import torch
-
 from bench_common import CpuMeter, DiskCounter
 
 MiB = 1 << 20

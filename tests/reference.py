@@ -113,7 +113,7 @@ def assert_close_relative(actual: list[float], expected: list[float], rtol: floa
 def assert_params_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float = FP32_RTOL) -> None:
     assert actual.keys() == expected.keys()
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=rtol * 0.1, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=rtol * 0.1, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def param_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -80,7 +80,7 @@ def assert_same_training(results: dict, baseline: str = "off") -> None:
         for step, (a, b) in enumerate(zip(losses, ref_losses)):
             assert abs(a - b) <= RTOL * abs(b), f"{name}, step {step}: loss {a} vs {b} without checkpointing"
         for step, (a, b) in enumerate(zip(grads, ref_grads)):
-            torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-12, msg=lambda m: f"{name}, step {step}: {m}")
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-12, msg=lambda m, name=name, step=step: f"{name}, step {step}: {m}")
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
@@ -418,6 +418,7 @@ def test_checkpointing_cuts_the_peak_rss_of_a_100m_model_on_a_long_sequence(monk
     process, torch included) falls by at least 30%."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
+
     from tests.rss import MALLOC_ENV
     monkeypatch.setenv(*MALLOC_ENV)  # freed memory goes back to the OS (tests/rss.py)
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:

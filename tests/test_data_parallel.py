@@ -8,8 +8,15 @@ from torch import nn
 
 from engine import initialize
 from tests.distributed import run_distributed
-from tests.reference import (assert_close_relative, assert_params_close, param_snapshot, tiny_gpt, token_batches,
-                             train_engine, train_reference)
+from tests.reference import (
+    assert_close_relative,
+    assert_params_close,
+    param_snapshot,
+    tiny_gpt,
+    token_batches,
+    train_engine,
+    train_reference,
+)
 
 STEPS = 4
 GLOBAL_BATCH = 8

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli import main as tiers
-from engine.launcher import LaunchError, LauncherKind, LaunchOptions, make_plan, node_commands, parse_hostfile
+from engine.launcher import LauncherKind, LaunchError, LaunchOptions, make_plan, node_commands, parse_hostfile
 from engine.launcher.environment import parse_env_file
 from engine.launcher.hosts import expand_nodelist, select_resources
 from tests.distributed import free_port

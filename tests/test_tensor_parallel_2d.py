@@ -14,8 +14,14 @@ from engine.tensor_parallel import Mesh2D, TPGroup, apply_tensor_parallel, cross
 from engine.tensor_parallel.layers_2d import Classifier2D, Embedding2D, Linear2D, Norm2D
 from engine.topology import Topology
 from tests.distributed import run_distributed
-from tests.reference import assert_close_relative, assert_params_close, param_snapshot, tiny_gpt, token_batches, \
-    train_reference
+from tests.reference import (
+    assert_close_relative,
+    assert_params_close,
+    param_snapshot,
+    tiny_gpt,
+    token_batches,
+    train_reference,
+)
 from tests.test_data_parallel import adamw
 from tests.test_tensor_parallel import GLOBAL_BATCH, STEPS, TP_RTOL, tp_config
 
