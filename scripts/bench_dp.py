@@ -66,7 +66,8 @@ def parse_elements(text: str) -> int:
     try:
         value = int(float(digits) * scale)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"chunk size {text!r}: give elements as an int or with K/M/G, e.g. 4M") from None
+        raise argparse.ArgumentTypeError(
+            f"chunk size {text!r}: give elements as an int or with K/M/G, e.g. 4M") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"chunk size {text!r} must be >= 1 element")
     return value

@@ -158,8 +158,8 @@ def report(args, psi: int, runs: dict[str, list[dict]], elapsed_s: float) -> str
         f"{target(args.stage)}. Peak RSS/rank: the most over the ranks, median over rounds, each system's own "
         "(Note [peak memory of one system] in bench_common.py).",
         "",
-        markdown_table(["system", "step time (s)", "ratio vs peer", "fwd / bwd / opt (s)", "loopback bytes/rank/step", "× Ψ·4B",
-                        "peak RSS/rank", "per-round s/step", "other cores (max)", "last loss"], rows),
+        markdown_table(["system", "step time (s)", "ratio vs peer", "fwd / bwd / opt (s)", "loopback bytes/rank/step",
+                        "× Ψ·4B", "peak RSS/rank", "per-round s/step", "other cores (max)", "last loss"], rows),
         "",
         "Processes started with " + " ".join(f"{k}={v}" for k, v in KEEP_FREED_MEMORY_ENV.items())
         + " (Note [malloc in benchmarks] in bench_common.py).",

@@ -34,7 +34,8 @@ def zero_config(stage: int, micro: int, accumulation: int, chunk_size: int = 20_
         "optimizer": {"type": "AdamW", "params": ADAMW},
         "gradient_clipping": 1.0,
         # threshold 0: under stage 3 every parameter of the tiny model is sharded (the default keeps them all whole)
-        "zero_optimization": {"stage": stage, "chunk_size": chunk_size, "stage3_param_persistence_threshold": 0, **zero},
+        "zero_optimization": {"stage": stage, "chunk_size": chunk_size, "stage3_param_persistence_threshold": 0,
+                              **zero},
         "steps_per_print": 10**6,
     }
 

@@ -212,7 +212,8 @@ class Saver:
         self._committed = final
         return final
 
-    def _commit(self, save_dir: str, partial: str, tag: str, common: dict, reports: list, save_latest: bool) -> str | None:
+    def _commit(self, save_dir: str, partial: str, tag: str, common: dict, reports: list,
+                save_latest: bool) -> str | None:
         """Rank 0: manifest, rename, `latest`. Returns an error message or None."""
         files = []
         for rank, (_, record, info) in enumerate(reports):

@@ -62,7 +62,8 @@ def run_trial(factory: Callable[[], nn.Module], config: dict, world: int, seq_le
                 except queue.Empty:
                     dead = [p for p in ranks if p.exitcode not in (None, 0)]
                     if dead:
-                        raise TrialError(f"rank {ranks.index(dead[0])} died with exit code {dead[0].exitcode}") from None
+                        raise TrialError(
+                            f"rank {ranks.index(dead[0])} died with exit code {dead[0].exitcode}") from None
                     if time.monotonic() > deadline:
                         raise TrialError(f"no result within {timeout_s:.0f} s") from None
                 if reports and isinstance(reports[-1], str):
