@@ -37,7 +37,7 @@ def _convert_command(args: argparse.Namespace) -> int:
 
 
 def _launch_command(args: argparse.Namespace) -> int:
-    from engine.launcher import LaunchError, LauncherKind, LaunchOptions, launch
+    from engine.launcher import LauncherKind, LaunchError, LaunchOptions, launch
 
     options = LaunchOptions(script=args.script, script_args=tuple(args.script_args), hostfile=args.hostfile,
                             include=args.include, exclude=args.exclude, num_nodes=args.num_nodes,
@@ -71,7 +71,8 @@ def _estimate_command(args: argparse.Namespace) -> int:
     from engine.estimate import estimate, format_estimate, model_factory
 
     try:  # ModelSpecError and json's errors are ValueErrors
-        est = estimate(model_factory(args.model), _read_json(args.config), args.world, [args.tp], _byte_budgets(args), seq_len=args.seq_len,
+        est = estimate(model_factory(args.model), _read_json(args.config), args.world, [args.tp], _byte_budgets(args),
+                       seq_len=args.seq_len,
                        compute_on_cpu=None if args.device == "auto" else args.device == "cpu",
                        zero_init=args.zero_init)
     except (OSError, ValueError, RuntimeError) as e:
@@ -152,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("out", help="output directory (model.safetensors, or shards and model.safetensors.index.json)")
     convert.add_argument("--tag", default=None, help="the checkpoint to convert (default: the one `latest` names)")
     convert.add_argument("--max-shard-size", default=None,
-                         help="split the output into files of at most this size, e.g. 5GB or 500MiB (default: one file)")
+                         help="split the output into files of at most this size, "
+                              "e.g. 5GB or 500MiB (default: one file)")
     convert.set_defaults(run=_convert_command)
     launch = sub.add_parser("launch", help="run a script on one or many nodes: torchrun on each, started by ssh, "
                             "pdsh, srun or locally")

@@ -69,7 +69,8 @@ def reduce_sum_to(tensor: torch.Tensor, dst_group_rank: int, group: dist.Process
         dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group)
 
 
-def broadcast_from(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup | None, counter: CommCounter) -> None:
+def broadcast_from(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup | None,
+                   counter: CommCounter) -> None:
     """Overwrites `tensor` on every rank of `group` with the copy on group rank `src_group_rank`."""
     counter.broadcast_bytes += tensor.numel() * tensor.element_size()
     src = dist.get_global_rank(group, src_group_rank) if group is not None else src_group_rank

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -235,21 +235,25 @@ def _given(value: int | str | None) -> int | None:
 def resolve_batch_sizes(total: int | None, micro: int | None, accum: int | None, dp: int) -> BatchSizes:
     """train_batch_size = micro × accumulation × dp; any two give the third (DeepSpeed's rule)."""
     rule = "train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps × data-parallel size"
-    shown = f"train_batch_size={total}, train_micro_batch_size_per_gpu={micro}, gradient_accumulation_steps={accum}, data-parallel size={dp}"
+    shown = (f"train_batch_size={total}, train_micro_batch_size_per_gpu={micro}, "
+             f"gradient_accumulation_steps={accum}, data-parallel size={dp}")
     if total is None and micro is None:
         raise ConfigError(f"batch size: set train_batch_size or train_micro_batch_size_per_gpu (got {shown}); {rule}.")
     if total is not None and micro is not None and accum is not None:
         if total != micro * accum * dp:
-            raise ConfigError(f"batch size: inconsistent values {shown}: {micro}×{accum}×{dp} = {micro * accum * dp} ≠ {total}; {rule}.")
+            raise ConfigError(f"batch size: inconsistent values {shown}: "
+                              f"{micro}×{accum}×{dp} = {micro * accum * dp} ≠ {total}; {rule}.")
     elif total is not None and micro is not None:
         accum, rem = divmod(total, micro * dp)
         if rem or accum == 0:
-            raise ConfigError(f"batch size: {shown}: train_batch_size is not a multiple of micro × dp = {micro * dp}; {rule}.")
+            raise ConfigError(f"batch size: {shown}: "
+                              f"train_batch_size is not a multiple of micro × dp = {micro * dp}; {rule}.")
     elif total is not None:
         accum = accum or 1
         micro, rem = divmod(total, accum * dp)
         if rem or micro == 0:
-            raise ConfigError(f"batch size: {shown}: train_batch_size is not a multiple of accumulation × dp = {accum * dp}; {rule}.")
+            raise ConfigError(f"batch size: {shown}: "
+                              f"train_batch_size is not a multiple of accumulation × dp = {accum * dp}; {rule}.")
     else:
         accum = accum or 1
         total = micro * accum * dp
@@ -290,24 +294,28 @@ def _strip_unsupported(raw: dict) -> dict:
     for key, off in _UNSUPPORTED_TOP_LEVEL_OFF_VALUES.items():
         if key in raw:
             if raw[key] != off:
-                raise ConfigError(f"{key}: {raw[key]!r} is not supported yet by Tiers; remove the key or set it to {json.dumps(off)}.")
+                raise ConfigError(f"{key}: {raw[key]!r} is not supported yet by Tiers; "
+                                  f"remove the key or set it to {json.dumps(off)}.")
             del raw[key]
     for key in _UNSUPPORTED_TOP_LEVEL_SECTIONS:
         if key in raw:
             value = raw.pop(key)
             if not (isinstance(value, dict) and value.get("enabled", False) is False):
-                raise ConfigError(f"{key}: this DeepSpeed feature is not supported yet by Tiers; remove the '{key}' section.")
+                raise ConfigError(f"{key}: this DeepSpeed feature is not supported yet by Tiers; "
+                                  f"remove the '{key}' section.")
     return raw
 
 
 def _validate_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
     name = opt.type.lower()
     if name in _UNSUPPORTED_OPTIMIZERS:
-        raise ConfigError(f"optimizer.type: '{opt.type}' is not supported yet; use one of {', '.join(OPTIMIZER_NAMES.values())}.")
+        raise ConfigError(f"optimizer.type: '{opt.type}' is not supported yet; "
+                          f"use one of {', '.join(OPTIMIZER_NAMES.values())}.")
     if name not in _OPTIMIZER_PARAMS:
         guess = closest(opt.type, OPTIMIZER_NAMES.values())
         hint = f" Did you mean '{guess}'?" if guess else ""
-        raise ConfigError(f"optimizer.type: unknown optimizer '{opt.type}'.{hint} Allowed: {', '.join(OPTIMIZER_NAMES.values())} (case-insensitive).")
+        raise ConfigError(f"optimizer.type: unknown optimizer '{opt.type}'.{hint} "
+                          f"Allowed: {', '.join(OPTIMIZER_NAMES.values())} (case-insensitive).")
     allowed = _OPTIMIZER_PARAMS[name]
     params = dict(allowed)
     for key, value in opt.params.items():
@@ -319,8 +327,10 @@ def _validate_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
             if not isinstance(value, bool):
                 raise ConfigError(f"{path}: {value!r} is not allowed; expected true/false.")
         elif isinstance(default, list):
-            if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(_is_number(v) and 0 <= v < 1 for v in value)):
-                raise ConfigError(f"{path}: {value!r} is not allowed; expected two numbers in [0, 1), e.g. [0.9, 0.999].")
+            if not (isinstance(value, (list, tuple)) and len(value) == 2
+                    and all(_is_number(v) and 0 <= v < 1 for v in value)):
+                raise ConfigError(f"{path}: {value!r} is not allowed; "
+                                  "expected two numbers in [0, 1), e.g. [0.9, 0.999].")
             value = [float(v) for v in value]
         elif not _is_number(value) or value < 0:
             raise ConfigError(f"{path}: {value!r} is not allowed; expected a number >= 0.")
@@ -328,7 +338,8 @@ def _validate_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
     if not params.get("bias_correction", True):
         raise ConfigError("optimizer.params.bias_correction: false is not supported yet; remove it or set it to true.")
     if params.get("amsgrad"):
-        raise ConfigError("optimizer.params.amsgrad: true is not supported (DeepSpeed's Adam has no AMSGrad either); remove it.")
+        raise ConfigError("optimizer.params.amsgrad: true is not supported "
+                          "(DeepSpeed's Adam has no AMSGrad either); remove it.")
     return OptimizerConfig(type=OPTIMIZER_NAMES[name], params=params)
 
 
@@ -352,7 +363,8 @@ def _validate_scheduler(sched: SchedulerConfig) -> SchedulerConfig:
     if sched.type not in SCHEDULE_PARAMS:
         guess = closest(sched.type, SCHEDULE_PARAMS)
         hint = f" Did you mean '{guess}'?" if guess else ""
-        raise ConfigError(f"scheduler.type: unknown schedule '{sched.type}'.{hint} Allowed: {', '.join(SCHEDULE_PARAMS)}.")
+        raise ConfigError(f"scheduler.type: unknown schedule '{sched.type}'.{hint} "
+                          f"Allowed: {', '.join(SCHEDULE_PARAMS)}.")
     allowed = SCHEDULE_PARAMS[sched.type]
     for key in params:
         if key not in allowed:
@@ -386,8 +398,10 @@ def load_config(source: str | os.PathLike | dict | Config) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a JSON object at the top level, got {type(raw).__name__}.")
     aio = raw.get("aio")
-    if isinstance(aio, dict) and None not in (aio.get("thread_count"), aio.get("intra_op_parallelism")) and aio["thread_count"] != aio["intra_op_parallelism"]:
-        raise ConfigError("aio: thread_count and intra_op_parallelism are the same setting (DeepSpeed renamed it); give one.")
+    if (isinstance(aio, dict) and None not in (aio.get("thread_count"), aio.get("intra_op_parallelism"))
+            and aio["thread_count"] != aio["intra_op_parallelism"]):
+        raise ConfigError("aio: thread_count and intra_op_parallelism are the same setting "
+                          "(DeepSpeed renamed it); give one.")
     cfg = parse_section(Config, _strip_unsupported(raw))
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one.")
@@ -396,8 +410,10 @@ def load_config(source: str | os.PathLike | dict | Config) -> Config:
     if cfg.scheduler is not None:
         cfg = _replace(cfg, scheduler=_validate_scheduler(cfg.scheduler))
     check_config(cfg)
-    if _given(cfg.gradient_accumulation_steps) is not None and _given(cfg.train_batch_size) is None and _given(cfg.train_micro_batch_size_per_gpu) is None:
-        raise ConfigError("batch size: gradient_accumulation_steps alone is not enough; also set train_batch_size or train_micro_batch_size_per_gpu.")
+    if (_given(cfg.gradient_accumulation_steps) is not None and _given(cfg.train_batch_size) is None
+            and _given(cfg.train_micro_batch_size_per_gpu) is None):
+        raise ConfigError("batch size: gradient_accumulation_steps alone is not enough; "
+                          "also set train_batch_size or train_micro_batch_size_per_gpu.")
     return cfg
 
 

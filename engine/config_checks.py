@@ -112,11 +112,13 @@ def _check_client_objects(cfg: Config, optimizer, lr_scheduler, model_parameters
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("optimizer: given both in the config and as initialize(optimizer=...); keep one")
     if optimizer is None and cfg.optimizer is None:
-        raise ConfigError("optimizer: missing; add an 'optimizer' section to the config or pass initialize(optimizer=...)")
+        raise ConfigError("optimizer: missing; "
+                          "add an 'optimizer' section to the config or pass initialize(optimizer=...)")
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("scheduler: given both in the config and as initialize(lr_scheduler=...); keep one")
     if optimizer is not None and model_parameters is not None:
-        raise ValueError("model_parameters is for the config's optimizer; a passed optimizer already names its parameters")
+        raise ValueError("model_parameters is for the config's optimizer; "
+                         "a passed optimizer already names its parameters")
 
 
 def _check_client_optimizer_rebuild(client: torch.optim.Optimizer, lr_scheduler) -> None:
@@ -146,7 +148,8 @@ def _check_offload(cfg: Config, topology: Topology, optimizer) -> None:
     offload, offload_param = zero.offload_optimizer, zero.offload_param
     if offload_param.device in OFFLOADED and (optimizer is not None or offload.device not in OFFLOADED):
         raise ConfigError("zero_optimization.offload_param: offloaded parameter shards are stepped by the offloaded "
-                          "optimizer where they live; also set zero_optimization.offload_optimizer.device (cpu or nvme) "
+                          "optimizer where they live; "
+                          "also set zero_optimization.offload_optimizer.device (cpu or nvme) "
                           "and give the optimizer in the config's 'optimizer' section")
     if optimizer is not None and offload.device in OFFLOADED:
         raise ConfigError("zero_optimization.offload_optimizer: offloading a client optimizer's states is not "

@@ -99,7 +99,8 @@ class StepMetrics:
             "Train/skipped_steps": float(summary.skipped_steps),
             "Time/step_ms": step_s * 1000.0,
             "Comm/bytes_per_step": float(self.comm.total_bytes - comm.total_bytes),
-            **{f"Comm/{kind}_bytes_per_step": float(getattr(self.comm, f"{kind}_bytes") - getattr(comm, f"{kind}_bytes"))
+            **{f"Comm/{kind}_bytes_per_step":
+               float(getattr(self.comm, f"{kind}_bytes") - getattr(comm, f"{kind}_bytes"))
                for kind in _COLLECTIVES},
             **{f"Memory/chunk_bytes/{kind}": float(n) for kind, n in summary.chunk_bytes().items()},
             **_offload_scalars(offload, moved),
@@ -133,6 +134,7 @@ def _synchronize(device: torch.device) -> None:
 def _count_token_ids(args: tuple, kwargs: dict) -> int:
     """Tokens in this micro-batch when the model takes integer token ids (first int tensor found)."""
     for value in (*args, *kwargs.values(), *(args[0].values() if args and isinstance(args[0], dict) else ())):
-        if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() >= 1 and value.dtype != torch.bool:
+        if (isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() >= 1
+                and value.dtype != torch.bool):
             return value.numel()
     return 0

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
 # Imported before any process group starts, for its side effect: torch.distributed.nn.functional binds `group.WORLD`
 # as a default argument when first imported, and torch imports it lazily (torch.optim.Optimizer -> torch._dynamo ->
 # fsdp -> _shard). Imported after init_process_group, it would hold the world group past destroy_process_group until
@@ -148,7 +149,8 @@ class Topology:
         """This topology with the row and column groups of every tp group's q×q mesh."""
         q = math.isqrt(self.tp_size)
         if q * q != self.tp_size or q < 2:
-            raise ValueError(f"tensor_parallel.size {self.tp_size} with mode \"2d\" must be a square q² (4, 9, 16, ...), "
+            raise ValueError(f"tensor_parallel.size {self.tp_size} with mode \"2d\" "
+                             "must be a square q² (4, 9, 16, ...), "
                              "one rank per block of the q×q mesh; use a square size, or mode \"1d\"")
         row_group = col_group = None
         _, mesh_row, mesh_col = mesh_position(self.tp_rank, self.tp_size)

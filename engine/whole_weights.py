@@ -14,7 +14,8 @@ from engine.zero.param_gather import ParamGatherer
 
 
 def full_state_dict(module: nn.Module, chunked: ChunkedParams, gatherer: ParamGatherer | None,
-                    group: dist.ProcessGroup | None, counter: CommCounter, keep: bool) -> dict[str, torch.Tensor] | None:
+                    group: dist.ProcessGroup | None, counter: CommCounter,
+                    keep: bool) -> dict[str, torch.Tensor] | None:
     """`module.state_dict()`'s keys with whole values copied to CPU (None where not `keep`). Parameters
     are read from their chunks one chunk at a time: their fp32 masters under bf16 / fp16 (Note [master
     weights]), gathered under stage 3 (Note [sharded parameters]); every rank must call this."""

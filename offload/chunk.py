@@ -23,7 +23,6 @@ import torch
 
 from offload.states import TensorState, check_transition, chunk_state
 
-
 DEFAULT_CHUNK_CAPACITY = 1 << 22  # elements: 16 MiB of fp32, large enough for full-speed NVMe and collectives
 
 

@@ -52,8 +52,8 @@ from offload.host_pool import HostBufferPool
 from offload.nvme import NvmeStore
 from offload.policy import PlacementPolicy, is_above, next_tier, worth_prefetching
 from offload.residency import ChunkEntry, Residency, budget_message, held_bytes
-from offload.stats import ManagerStats
 from offload.states import TensorState, check_transition
+from offload.stats import ManagerStats
 from offload.tracer import TracePhase, Tracer
 from offload.transfers import Transfers
 from offload.units import fmt_bytes
@@ -213,9 +213,11 @@ class ChunkManager:
         if location is Location.RELEASED:
             raise ValueError(f"use free({chunk}) to drop a chunk's payload, not move(..., RELEASED)")
         if entry.chunk.pinned:
-            raise OffloadError(f"chunk {entry.describe()} is in use (a tensor is in COMPUTE): release it before moving it")
+            raise OffloadError(f"chunk {entry.describe()} is in use (a tensor is in COMPUTE): "
+                               "release it before moving it")
         if location is Location.NVME and self.store is None:
-            raise OffloadError(f"cannot move chunk {entry.describe()} to NVMe: no nvme_dir was given to the ChunkManager")
+            raise OffloadError(f"cannot move chunk {entry.describe()} to NVMe: "
+                               "no nvme_dir was given to the ChunkManager")
         self._transfers.settle_finished()
         self._move(entry, location, protect={chunk})
         if wait:

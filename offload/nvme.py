@@ -9,10 +9,10 @@ write (a full disk) never destroys the previous file; reads of that key refuse i
 date) until a write succeeds, so stale data is never handed out. A caller that keeps its own
 copy until the write succeeds (the chunk manager does) passes `keep_previous=False`: the key's
 file is overwritten in place, which spares a new file's allocation and the old one's unlink
-(with `discard`, ~20 ms per 128 MiB here); after a failure reads refuse the key just the same. Files are padded to a multiple of
-`block_size` (zeros, or what lies past the tensor in its storage: Note [nvme direct io] in
-offload/direct_io.py, which also says which transfers copy through staging buffers); the true
-length is kept in memory with the checksum.
+(with `discard`, ~20 ms per 128 MiB here); after a failure reads refuse the key just the same.
+Files are padded to a multiple of `block_size` (zeros, or what lies past the tensor in its storage:
+Note [nvme direct io] in offload/direct_io.py, which also says which transfers copy through
+staging buffers); the true length is kept in memory with the checksum.
 
 Note [nvme integrity]
 Every write records the payload's length and the CRC-32 of the tensor's bytes, computed in the
@@ -64,8 +64,17 @@ from dataclasses import dataclass, replace
 import torch
 from torch.profiler import record_function
 
-from offload.direct_io import (PAGE, DirectFiles, StagingPool, Truncated, as_buffer, bytes_of, in_place_span,
-                               padded_size, storage_bytes)
+from offload.direct_io import (
+    PAGE,
+    DirectFiles,
+    StagingPool,
+    Truncated,
+    as_buffer,
+    bytes_of,
+    in_place_span,
+    padded_size,
+    storage_bytes,
+)
 from offload.errors import SwapDirectoryError, SwapIntegrityError, SwapUsageError, SwapWriteError
 
 __all__ = ["NvmeStore", "NvmeStats", "SwapHandle"]
@@ -356,7 +365,8 @@ class NvmeStore:
         def damaged(what: str) -> SwapIntegrityError:
             return SwapIntegrityError(
                 f"swap file {rec.path!r} of key {key!r} {what}; it was changed outside the store (or the disk is "
-                f"failing); the {'scratch destination holds undefined bytes' if scratch else 'destination was left unchanged'}"
+                f"failing); the "
+                f"{'scratch destination holds undefined bytes' if scratch else 'destination was left unchanged'}"
                 f", write the key again from a good copy")
         try:
             self._files.transfer(rec.path, [as_buffer(buf)], write=False)

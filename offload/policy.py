@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from offload.chunk import Chunk, Location
-from offload.tracer import Access, Trace, Tracer, TracePhase
+from offload.tracer import Access, Trace, TracePhase, Tracer
 
 if TYPE_CHECKING:
     from offload.residency import ChunkEntry

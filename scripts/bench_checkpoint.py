@@ -27,10 +27,21 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (KEEP_FREED_MEMORY_ENV, DiskCounter, add_json_option, fmt_bytes, free_port,  # noqa: E402
-                          init_gloo, publish_report, result_record, spawn_ranks, write_results)
-from engine.estimate.report import markdown_table  # noqa: E402
+from bench_common import (  # noqa: E402
+    KEEP_FREED_MEMORY_ENV,
+    DiskCounter,
+    add_json_option,
+    fmt_bytes,
+    free_port,
+    init_gloo,
+    publish_report,
+    result_record,
+    spawn_ranks,
+    write_results,
+)
 from disk_baseline import dd_bandwidth  # noqa: E402
+
+from engine.estimate.report import markdown_table  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -174,11 +185,11 @@ def rank_main(rank: int, world: int, port: int, args, root: str, results) -> Non
             tag = f"round{r}"
             rec = out[(name, mode)]
             if mode == "sync":
-                rec["save"].append(timed(lambda: system.save(tag)))
+                rec["save"].append(timed(lambda system=system, tag=tag: system.save(tag)))
                 if rank == 0:
                     rec["bytes"].append(dir_bytes(system.path(tag)))
                     drop_cached(system.path(tag))
-                rec["load"].append(timed(lambda: system.load(tag)))
+                rec["load"].append(timed(lambda system=system, tag=tag: system.load(tag)))
             else:
                 dist.barrier()
                 start = time.perf_counter()

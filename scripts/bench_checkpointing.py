@@ -28,8 +28,18 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (KEEP_FREED_MEMORY_ENV, SavedActivationBytes, add_json_option, fmt_bytes,  # noqa: E402
-                          median, publish_report, result_record, spawn_ranks, write_results)
+from bench_common import (  # noqa: E402
+    KEEP_FREED_MEMORY_ENV,
+    SavedActivationBytes,
+    add_json_option,
+    fmt_bytes,
+    median,
+    publish_report,
+    result_record,
+    spawn_ranks,
+    write_results,
+)
+
 from engine.estimate.report import markdown_table  # noqa: E402
 from engine.estimate.runtime import peak_rss_bytes  # noqa: E402
 

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.estimate.runtime import reset_peak_rss
 from engine import topology
+from engine.estimate.runtime import reset_peak_rss
 from offload import units
 
 try:

@@ -31,10 +31,26 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (KEEP_FREED_MEMORY_ENV, CpuMeter, LoopbackCounter, add_json_option, barrier_time,  # noqa: E402
-                          command_line, fmt_bytes, free_port, init_gloo, machine_line, max_over_ranks, median,
-                          release_free_heap_and_reset_peak, result_record, spawn_ranks, write_results,
-                          write_text)
+from bench_common import (  # noqa: E402
+    KEEP_FREED_MEMORY_ENV,
+    CpuMeter,
+    LoopbackCounter,
+    add_json_option,
+    barrier_time,
+    command_line,
+    fmt_bytes,
+    free_port,
+    init_gloo,
+    machine_line,
+    max_over_ranks,
+    median,
+    release_free_heap_and_reset_peak,
+    result_record,
+    spawn_ranks,
+    write_results,
+    write_text,
+)
+
 from engine.estimate.report import markdown_table  # noqa: E402
 from engine.estimate.runtime import peak_rss_bytes  # noqa: E402
 
@@ -50,7 +66,8 @@ def parse_elements(text: str) -> int:
     try:
         value = int(float(digits) * scale)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"chunk size {text!r}: give elements as an int or with K/M/G, e.g. 4M")
+        raise argparse.ArgumentTypeError(
+            f"chunk size {text!r}: give elements as an int or with K/M/G, e.g. 4M") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"chunk size {text!r} must be >= 1 element")
     return value

@@ -20,6 +20,7 @@ import tempfile
 import time
 
 from bench_common import add_json_option, free_port, median, publish_report, result_record, write_results
+
 from engine.estimate.report import markdown_table
 
 JOB = """import torch, torch.distributed as dist
@@ -96,7 +97,8 @@ def main(argv=None) -> None:
                                       strategy="launch", metric="wall time", seconds=peer)]
     header = (f"Wall time of a job whose {4} processes join a gloo group, all-reduce once and exit; median of "
               f"{args.rounds} alternating rounds. torchrun: started by hand, one per node with --node_rank "
-              "and the same master address and port; tiers: `tiers launch --launcher local` with a hostfile of that many nodes.")
+              "and the same master address and port; "
+              "tiers: `tiers launch --launcher local` with a hostfile of that many nodes.")
     table = markdown_table(["layout", "torchrun (s)", "tiers launch (s)", "ratio (target ≤ 1.0)",
                             "tiers per round (s)"], rows)
     publish_report("\n\n".join([header, table]), start, args.out)

@@ -50,12 +50,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import (DiskCounter, add_json_option, command_line, machine_line, median, result_record,  # noqa: E402
-                          write_results, write_text)
-from engine.estimate.report import markdown_table  # noqa: E402
-from disk_baseline import (Meter, Phase, filesystem_line, page_aligned, page_cache_bytes, raw_buffers,  # noqa: E402
-                           raw_round)
+from bench_common import (  # noqa: E402
+    DiskCounter,
+    add_json_option,
+    command_line,
+    machine_line,
+    median,
+    result_record,
+    write_results,
+    write_text,
+)
+from disk_baseline import Meter, Phase, filesystem_line, page_aligned, page_cache_bytes, raw_buffers, raw_round  # noqa: E402
 
+from engine.estimate.report import markdown_table  # noqa: E402
 from offload import Budgets, ChunkManager, Location  # noqa: E402
 from offload.direct_io import aligned_empty  # noqa: E402
 from offload.nvme import NvmeStore  # noqa: E402
@@ -197,7 +204,8 @@ class ManagerPager:
 
 
 def simulate_compute(chunk: torch.Tensor, seconds: float) -> float:
-    """Stands for the step's compute on `chunk`: sleeps (leaves the cores to the I/O threads); returns the time spent."""
+    """Stands for the step's compute on `chunk`: sleeps (leaves the cores to the I/O threads); returns the time
+    spent."""
     t0 = time.perf_counter()
     if seconds > 0:
         time.sleep(seconds)
@@ -234,7 +242,8 @@ def measure_prefetch(work: str, args, src: list[torch.Tensor], disk: DiskCounter
         calibration, _, p = run_loop(on_demand, 0.0, disk, total)
         compute_s = calibration / on_demand.steps
         phases.append(p)
-        print(f"prefetch: one chunk accessed on demand takes {compute_s * 1e3:.1f} ms: the compute per step", flush=True)
+        print(f"prefetch: one chunk accessed on demand takes {compute_s * 1e3:.1f} ms: the compute per step",
+              flush=True)
         run_loop(ahead, compute_s, disk, total)  # the warm-up iteration: the manager records its trace
         for _ in range(args.rounds):
             od, od_c, p_od = run_loop(on_demand, compute_s, disk, total)
@@ -285,7 +294,8 @@ def report(args, raw: list[dict], store: list[dict], pf: dict | None, costs: dic
         return [label, f"{mbs(secs(runs, w)):,.0f}", f"{mbs(secs(runs, r)):,.0f}",
                 f"{median([x[w].cpu_s for x in runs]) / (total / 1e9):.2f}",
                 f"{median([x[r].cpu_s for x in runs]) / (total / 1e9):.2f}",
-                ", ".join(f"{mbs(x[w].seconds):,.0f}" for x in runs), ", ".join(f"{mbs(x[r].seconds):,.0f}" for x in runs),
+                ", ".join(f"{mbs(x[w].seconds):,.0f}" for x in runs),
+                ", ".join(f"{mbs(x[r].seconds):,.0f}" for x in runs),
                 f"{max(p.other_disk for p in phases):.1%}", f"{max(p.other_cores for p in phases):.2f}"]
 
     has_dd = "dd_w" in raw[0]
@@ -304,11 +314,13 @@ def report(args, raw: list[dict], store: list[dict], pf: dict | None, costs: dic
         rounds = [min(raw_r[k].seconds for k in (f"py_{d}", f"dd_{d}") if k in raw_r) / store_r[d].seconds
                   for raw_r, store_r in zip(raw, store)]
         targets.append([f"store {name} / best raw", f"{mbs(secs(store, d)):,.0f} / {best[d]:,.0f} MB/s ({who})",
-                        f"{ratio:.2f}", ", ".join(f"{x:.2f}" for x in rounds), f"≥ {TARGET:.2f}", "PASS" if ratio >= TARGET else "BELOW"])
+                        f"{ratio:.2f}", ", ".join(f"{x:.2f}" for x in rounds), f"≥ {TARGET:.2f}",
+                        "PASS" if ratio >= TARGET else "BELOW"])
     if pf is not None:
         targets.append(["prefetch hiding", f"{pf['od'] - pf['od_c']:.2f} s read on demand, "
                         f"{pf['pf'] - pf['pf_c']:.2f} s exposed with prefetch", f"{pf['hiding']:.1%}",
-                        ", ".join(f"{h:.1%}" for h in pf["per_round"]), f"≥ {TARGET:.0%}", "PASS" if pf["hiding"] >= TARGET else "BELOW"])
+                        ", ".join(f"{h:.1%}" for h in pf["per_round"]), f"≥ {TARGET:.0%}",
+                        "PASS" if pf["hiding"] >= TARGET else "BELOW"])
 
     st = {k: median([x[k] for x in store]) for k in ("w_throttled", "r_throttled", "w_staged", "r_staged")}
     io_w, io_r = args.chunk_bytes / (best["w"] * 1e6), args.chunk_bytes / (best["r"] * 1e6)
@@ -317,7 +329,8 @@ def report(args, raw: list[dict], store: list[dict], pf: dict | None, costs: dic
     lines = [
         "### NVMe tier: NvmeStore swap-out / swap-in vs raw sequential bandwidth of the same disk",
         "",
-        f"{args.n_chunks} chunks × {args.chunk_mb} MiB = {total / GiB:g} GiB per pass; NvmeStore(threads={args.threads}, "
+        f"{args.n_chunks} chunks × {args.chunk_mb} MiB = {total / GiB:g} GiB per pass; "
+        f"NvmeStore(threads={args.threads}, "
         f"queue_depth={args.queue_depth}, block_size={args.block_size_kb} KiB); {buffers}. "
         f"Median over {args.rounds} alternating rounds (raw, then store); MB/s = 10^6 B/s; CPU s/GB: CPU seconds "
         f"of the process(es) doing the transfers per 10^9 B ({os.cpu_count()} cores); the last two columns: the most "
@@ -338,9 +351,11 @@ def report(args, raw: list[dict], store: list[dict], pf: dict | None, costs: dic
             f"measured without compute; simulated with time.sleep), prefetch_depth {args.prefetch_depth}; the "
             f"prefetching manager over the whole run: {pf['stats'].prefetches} prefetches, {pf['stats'].prefetch_hits} "
             f"hits, {pf['stats'].prefetch_misses} misses, {pf['stats'].blocking_waits} blocking waits, "
-            f"{pf['stats'].clean_drops} clean drops, {pf['stats'].moved_bytes['cpu->nvme'] / 1e6:,.0f} MB written back. "
+            f"{pf['stats'].clean_drops} clean drops, "
+            f"{pf['stats'].moved_bytes['cpu->nvme'] / 1e6:,.0f} MB written back. "
             f"Median on-demand loop {pf['od']:.2f} s ({pf['od_c']:.2f} s compute), prefetch loop {pf['pf']:.2f} s "
-            f"({pf['pf_c']:.2f} s compute); other disk traffic at most {pf['other_disk']:.1%}, other cores at most {pf['other_cores']:.2f}.",
+            f"({pf['pf_c']:.2f} s compute); other disk traffic at most {pf['other_disk']:.1%}, "
+            f"other cores at most {pf['other_cores']:.2f}.",
             "",
         ]
     lines += [
@@ -414,7 +429,8 @@ def run(args, work: str) -> str:
     allocate, alloc_what = chunk_allocator(args.block_size)
     print(f"chunk buffers: {alloc_what}; disk traffic counted on: {disk.device}", flush=True)
     numel = args.chunk_bytes // DTYPE.itemsize
-    base = torch.randint(-2**30, 2**30, (MiB // DTYPE.itemsize,), dtype=DTYPE, generator=torch.Generator().manual_seed(0))
+    base = torch.randint(-2**30, 2**30, (MiB // DTYPE.itemsize,), dtype=DTYPE,
+                         generator=torch.Generator().manual_seed(0))
     src = [allocate(numel) for _ in range(args.n_chunks)]
     for i, c in enumerate(src):
         fill_chunk(c, i, base)

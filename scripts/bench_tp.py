@@ -35,10 +35,22 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (KEEP_FREED_MEMORY_ENV, SavedActivationBytes, command_line, fmt_bytes, free_port,  # noqa: E402
-                          init_gloo, machine_line, result_record, spawn_ranks, write_results, write_text)
-from engine.estimate.report import markdown_table  # noqa: E402
+from bench_common import (  # noqa: E402
+    KEEP_FREED_MEMORY_ENV,
+    SavedActivationBytes,
+    command_line,
+    fmt_bytes,
+    free_port,
+    init_gloo,
+    machine_line,
+    result_record,
+    spawn_ranks,
+    write_results,
+    write_text,
+)
 from bench_dp import Loop, alternate_rounds, make_batches, parse_args, summarize, torch_loop  # noqa: E402
+
+from engine.estimate.report import markdown_table  # noqa: E402
 
 LABELS = {"ours": "tiers 1D tensor parallel", "ours2d": "tiers 2D tensor parallel (SUMMA)",
           "peer": "torch DTensor TP (parallelize_module)"}

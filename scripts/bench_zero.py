@@ -31,11 +31,31 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (KEEP_FREED_MEMORY_ENV, command_line, fmt_bytes, free_port, init_gloo,  # noqa: E402
-                          machine_line, result_record, spawn_ranks, write_results, write_text)
+from bench_common import (  # noqa: E402
+    KEEP_FREED_MEMORY_ENV,
+    command_line,
+    fmt_bytes,
+    free_port,
+    init_gloo,
+    machine_line,
+    result_record,
+    spawn_ranks,
+    write_results,
+    write_text,
+)
+from bench_dp import (  # noqa: E402
+    Loop,
+    alternate_rounds,
+    build_model,
+    engine_config,
+    make_batches,
+    parse_args,
+    summarize,
+    tokens_per_step,
+    torch_loop,
+)
+
 from engine.estimate.report import markdown_table  # noqa: E402
-from bench_dp import (Loop, alternate_rounds, build_model, engine_config, make_batches, parse_args,  # noqa: E402
-                      summarize, tokens_per_step, torch_loop)
 
 SYSTEMS = ("ours", "peer")
 PEERS = {1: "torch ZeroRedundancyOptimizer + DDP", 2: "torch DDP", 3: "torch FSDP2 (fully_shard per block)"}
@@ -138,8 +158,8 @@ def report(args, psi: int, runs: dict[str, list[dict]], elapsed_s: float) -> str
         f"{target(args.stage)}. Peak RSS/rank: the most over the ranks, median over rounds, each system's own "
         "(Note [peak memory of one system] in bench_common.py).",
         "",
-        markdown_table(["system", "step time (s)", "ratio vs peer", "fwd / bwd / opt (s)", "loopback bytes/rank/step", "× Ψ·4B",
-                        "peak RSS/rank", "per-round s/step", "other cores (max)", "last loss"], rows),
+        markdown_table(["system", "step time (s)", "ratio vs peer", "fwd / bwd / opt (s)", "loopback bytes/rank/step",
+                        "× Ψ·4B", "peak RSS/rank", "per-round s/step", "other cores (max)", "last loss"], rows),
         "",
         "Processes started with " + " ".join(f"{k}={v}" for k, v in KEEP_FREED_MEMORY_ENV.items())
         + " (Note [malloc in benchmarks] in bench_common.py).",

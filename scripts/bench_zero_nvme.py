@@ -33,11 +33,22 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (DiskCounter, add_json_option, fmt_bytes, free_port, init_gloo, one_thread,  # noqa: E402
-                          publish_report, result_record, spawn_ranks, write_results)
+from bench_common import (  # noqa: E402
+    DiskCounter,
+    add_json_option,
+    fmt_bytes,
+    free_port,
+    init_gloo,
+    one_thread,
+    publish_report,
+    result_record,
+    spawn_ranks,
+    write_results,
+)
+from disk_baseline import dd_bandwidth  # noqa: E402
+
 from engine.estimate.report import markdown_table  # noqa: E402
 from engine.estimate.runtime import peak_rss_bytes  # noqa: E402
-from disk_baseline import dd_bandwidth  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,7 +88,8 @@ def rank_main(rank: int, world: int, port: int, args, step_in_backward: bool, re
     engine = initialize(gpt_from_preset(args.model), engine_config(args, args.dir, step_in_backward))
     vocab = preset_config(args.model).vocab_size
     g = torch.Generator().manual_seed(rank)
-    batches = [torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g) for _ in range(args.warmup + args.steps)]
+    batches = [torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g)
+               for _ in range(args.warmup + args.steps)]
     manager = engine.optimizer.manager
     times, moved = [], []
     for i, x in enumerate(batches):
@@ -135,7 +147,8 @@ def main(argv=None) -> None:
             f"rank {r['rank']}: NVMe holds {fmt_bytes(r['held']['nvme'])}, CPU tier holds "
             f"{fmt_bytes(r['held']['cpu'])} (peak {fmt_bytes(r['peak_cpu'])})" for r in ranks)
             + f"; manager counters, rank 0, whole run ({ranks[0]['steps']} steps): "
-            + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in ranks[0]["counters"].items()))
+            + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                        for k, v in ranks[0]["counters"].items()))
     text = "\n".join([
         "### ZeRO stage 3 through NVMe (2 ranks, gloo, CPU, 1 thread/rank)",
         "",

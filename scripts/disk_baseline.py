@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import psutil
 import torch
-
 from bench_common import CpuMeter, DiskCounter
 
 MiB = 1 << 20
@@ -38,7 +37,8 @@ def raw_buffers(src: list[torch.Tensor], dst: list[torch.Tensor], raw_bs: int, b
     same bytes from the same memory (a reused buffer measured faster here); else one page-aligned
     buffer, stamped per MiB before each write."""
     def pieces(chunks):
-        return [c.view(torch.uint8)[j:j + raw_bs] for c in chunks for j in range(0, c.numel() * c.element_size(), raw_bs)]
+        return [c.view(torch.uint8)[j:j + raw_bs]
+                for c in chunks for j in range(0, c.numel() * c.element_size(), raw_bs)]
 
     nbytes = src[0].numel() * src[0].element_size()
     if nbytes % raw_bs == 0 and all(c.data_ptr() % mmap.PAGESIZE == 0 for c in src + dst):
@@ -160,7 +160,8 @@ def filesystem_line(path: str, disk: DiskCounter) -> str:
             for line in f:
                 dev, mnt, fstype, options = line.split()[:4]
                 mnt = mnt.replace("\\040", " ")
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and (best is None or len(mnt) >= len(best[1])):
+                if ((real == mnt or real.startswith(mnt.rstrip("/") + "/"))
+                        and (best is None or len(mnt) >= len(best[1]))):
                     best = (dev, mnt, fstype, options)
     except OSError:
         pass

@@ -80,7 +80,9 @@ def run_distributed(worker, world_size: int, args: tuple = (), timeout_s: float 
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in collected and p.exitcode not in (None, 0)]
                 if dead:
-                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} without reporting")
+                    raise RuntimeError(
+                        f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} without reporting"
+                    ) from None
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")

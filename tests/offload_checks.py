@@ -8,7 +8,8 @@ import torch
 from offload.chunk import Location
 from offload.manager import ChunkManager
 
-_INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.int64: torch.int64}
+_INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+           torch.int64: torch.int64}
 
 
 def random_bits(shape, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:

@@ -107,13 +107,16 @@ def train_engine(engine, batches: list[torch.Tensor], rank: int, world: int, acc
 def assert_close_relative(actual: list[float], expected: list[float], rtol: float = FP32_RTOL) -> None:
     assert len(actual) == len(expected), (actual, expected)
     for i, (a, e) in enumerate(zip(actual, expected)):
-        assert abs(a - e) <= rtol * abs(e), f"step {i}: {a} vs reference {e} (relative {abs(a - e) / abs(e):.2e} > {rtol})"
+        assert abs(a - e) <= rtol * abs(e), \
+            f"step {i}: {a} vs reference {e} (relative {abs(a - e) / abs(e):.2e} > {rtol})"
 
 
-def assert_params_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float = FP32_RTOL) -> None:
+def assert_params_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                        rtol: float = FP32_RTOL) -> None:
     assert actual.keys() == expected.keys()
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=rtol * 0.1, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=rtol * 0.1,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def param_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:

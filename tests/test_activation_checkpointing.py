@@ -80,7 +80,8 @@ def assert_same_training(results: dict, baseline: str = "off") -> None:
         for step, (a, b) in enumerate(zip(losses, ref_losses)):
             assert abs(a - b) <= RTOL * abs(b), f"{name}, step {step}: loss {a} vs {b} without checkpointing"
         for step, (a, b) in enumerate(zip(grads, ref_grads)):
-            torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-12, msg=lambda m: f"{name}, step {step}: {m}")
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-12,
+                                       msg=lambda m, name=name, step=step: f"{name}, step {step}: {m}")
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
@@ -316,7 +317,8 @@ def _partition_refuses_split_inputs_worker(rank, world):
 
 def test_partitioning_an_input_that_differs_between_tp_ranks_is_an_error():
     for message in run_distributed(_partition_refuses_split_inputs_worker, 2, timeout_s=60):
-        assert message is not None and "the input of per_head_scores differs between the tensor-parallel ranks" in message
+        assert (message is not None
+                and "the input of per_head_scores differs between the tensor-parallel ranks" in message)
 
 
 def test_a_key_value_cache_is_refused_in_a_checkpointed_block():
@@ -418,6 +420,7 @@ def test_checkpointing_cuts_the_peak_rss_of_a_100m_model_on_a_long_sequence(monk
     process, torch included) falls by at least 30%."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
+
     from tests.rss import MALLOC_ENV
     monkeypatch.setenv(*MALLOC_ENV)  # freed memory goes back to the OS (tests/rss.py)
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
@@ -425,4 +428,5 @@ def test_checkpointing_cuts_the_peak_rss_of_a_100m_model_on_a_long_sequence(monk
     (psi, loss_off, rss_off), (_, loss_on, rss_on) = off, on
     assert 95e6 < psi < 105e6
     assert loss_on == loss_off
-    assert rss_on <= 0.7 * rss_off, f"peak RSS {rss_on / 2**30:.2f} GiB with checkpointing, {rss_off / 2**30:.2f} without"
+    assert rss_on <= 0.7 * rss_off, \
+        f"peak RSS {rss_on / 2**30:.2f} GiB with checkpointing, {rss_off / 2**30:.2f} without"

@@ -18,8 +18,16 @@ from safetensors.torch import load_file
 from engine import initialize
 from engine.cli import main
 from tests.distributed import run_distributed
-from tests.reference import (assert_close_relative, assert_params_close, param_snapshot, tiny_gpt, token_batches,
-                             train_engine, train_reference, trained_params)
+from tests.reference import (
+    assert_close_relative,
+    assert_params_close,
+    param_snapshot,
+    tiny_gpt,
+    token_batches,
+    train_engine,
+    train_reference,
+    trained_params,
+)
 from tests.test_data_parallel import adamw
 from tests.test_zero import zero_config
 

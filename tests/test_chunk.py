@@ -20,7 +20,8 @@ def test_views_alias_their_chunk_and_keep_values():
 
 
 def test_packing_is_in_registration_order_with_padding_only_at_chunk_ends():
-    slots, sizes = plan_slots([torch.Size([6]), torch.Size([3]), torch.Size([4]), torch.Size([25]), torch.Size([2])], 10)
+    slots, sizes = plan_slots([torch.Size([6]), torch.Size([3]), torch.Size([4]), torch.Size([25]), torch.Size([2])],
+                              10)
     assert [(s.chunk, s.offset) for s in slots] == [(0, 0), (0, 6), (1, 0), (2, 0), (3, 0)]
     assert sizes == [10, 10, 25, 2]  # oversized tensor gets its own chunk; the last chunk is trimmed
 

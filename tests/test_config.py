@@ -264,15 +264,19 @@ def test_sgd_rejects_adam_params():
         ({"wall_clock_breakdown": 1}, ["wall_clock_breakdown", "1", "true/false"]),
         ({"fp16": [True]}, ["fp16", "[true]", "an object"]),
         ({"zero_optimization": [0]}, ["zero_optimization", "[0]", "an object"]),
-        ({"zero_optimization": {"offload_optimizer": "cpu"}}, ["zero_optimization.offload_optimizer", '"cpu"', "an object"]),
+        ({"zero_optimization": {"offload_optimizer": "cpu"}},
+         ["zero_optimization.offload_optimizer", '"cpu"', "an object"]),
         ({"optimizer": ["Adam"]}, ["optimizer", '["Adam"]', "an object"]),
         ({"optimizer": {"type": "Adam", "params": [0.1]}}, ["optimizer.params", "[0.1]", "an object"]),
         ({"tensorboard": {"output_path": 5}}, ["tensorboard.output_path", "5", "a string"]),
-        ({"zero_optimization": {"reduce_bucket_size": 5.5}}, ["zero_optimization.reduce_bucket_size", "5.5", "an integer"]),
+        ({"zero_optimization": {"reduce_bucket_size": 5.5}},
+         ["zero_optimization.reduce_bucket_size", "5.5", "an integer"]),
         ({"activation_checkpointing": {"modules": "Block"}}, ["activation_checkpointing.modules", '"Block"', "a list"]),
         ({"optimizer": {"type": "Adam", "params": {"lr": "fast"}}}, ["optimizer.params.lr", "'fast'", "a number >= 0"]),
-        ({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.5]}}}, ["optimizer.params.betas", "[0.9, 1.5]", "[0, 1)"]),
-        ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": "yes"}}}, ["optimizer.params.adam_w_mode", "'yes'", "true/false"]),
+        ({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.5]}}},
+         ["optimizer.params.betas", "[0.9, 1.5]", "[0, 1)"]),
+        ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": "yes"}}},
+         ["optimizer.params.adam_w_mode", "'yes'", "true/false"]),
     ],
 )
 def test_wrong_type_names_key_value_and_allowed(raw, fragments):
@@ -314,8 +318,10 @@ def test_out_of_range_names_key_value_and_bound(raw, path, value, bound):
 
 
 def test_range_boundaries_are_inclusive():
-    assert load_config({"zero_optimization": {"offload_optimizer": {"ratio": 1.0}}}).zero_optimization.offload_optimizer.ratio == 1.0
-    assert load_config({"zero_optimization": {"offload_optimizer": {"ratio": 0}}}).zero_optimization.offload_optimizer.ratio == 0.0
+    assert load_config(
+        {"zero_optimization": {"offload_optimizer": {"ratio": 1.0}}}).zero_optimization.offload_optimizer.ratio == 1.0
+    assert load_config(
+        {"zero_optimization": {"offload_optimizer": {"ratio": 0}}}).zero_optimization.offload_optimizer.ratio == 0.0
     assert load_config({"fp16": {"hysteresis": 1}}).fp16.hysteresis == 1
     assert load_config({"gradient_clipping": 0}).gradient_clipping == 0.0
 
@@ -331,7 +337,8 @@ def test_literal_choices_are_listed():
 
 def test_literal_choices_are_case_insensitive():
     assert load_config({"tensor_parallel": {"mode": "2D"}}).tensor_parallel.mode == "2d"
-    assert load_config({"zero_optimization": {"offload_optimizer": {"device": "None"}}}).zero_optimization.offload_optimizer.device == "none"
+    assert (load_config({"zero_optimization": {"offload_optimizer": {"device": "None"}}})
+            .zero_optimization.offload_optimizer.device == "none")
     assert load_config({"train_batch_size": "AUTO", "train_micro_batch_size_per_gpu": 2}).train_batch_size == "auto"
 
 
@@ -380,7 +387,8 @@ def test_scheduler_type_typo_suggests_closest():
     msg = raises({"scheduler": {"type": "WarmupLr"}}, "scheduler.type", "'WarmupLr'", "Did you mean 'WarmupLR'?",
                  "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle")
     assert msg.startswith("scheduler.type:")
-    raises({"scheduler": {"type": "WarmupCosinLR", "params": {"total_num_steps": 10}}}, "Did you mean 'WarmupCosineLR'?")
+    raises({"scheduler": {"type": "WarmupCosinLR", "params": {"total_num_steps": 10}}},
+           "Did you mean 'WarmupCosineLR'?")
     raises({"scheduler": {"params": {"warmup_max_lr": 0.1}}}, "scheduler.type", "unknown schedule ''")
 
 

@@ -39,13 +39,17 @@ def test_one_batch_value_alone_means_accumulation_one(dp):
 
 @pytest.mark.parametrize("dp", DPS)
 def test_auto_batch_values_are_derived(dp):
-    cfg = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4})
+    cfg = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
+                       "gradient_accumulation_steps": 4})
     assert cfg.batch_sizes(dp) == BatchSizes(8 * dp, 2, 4)
-    cfg = load_config({"train_batch_size": 16 * dp, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2})
+    cfg = load_config({"train_batch_size": 16 * dp, "train_micro_batch_size_per_gpu": "auto",
+                       "gradient_accumulation_steps": 2})
     assert cfg.batch_sizes(dp) == BatchSizes(16 * dp, 8, 2)
-    cfg = load_config({"train_batch_size": 12 * dp, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": "auto"})
+    cfg = load_config({"train_batch_size": 12 * dp, "train_micro_batch_size_per_gpu": 3,
+                       "gradient_accumulation_steps": "auto"})
     assert cfg.batch_sizes(dp) == BatchSizes(12 * dp, 3, 4)
-    cfg = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 5, "gradient_accumulation_steps": "auto"})
+    cfg = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 5,
+                       "gradient_accumulation_steps": "auto"})
     assert cfg.batch_sizes(dp) == BatchSizes(5 * dp, 5, 1)
 
 
@@ -57,7 +61,8 @@ def test_inconsistent_batch_values_show_all_three_and_the_rule(dp):
     msg = str(info.value)
     for fragment in ("train_batch_size=100", "train_micro_batch_size_per_gpu=4", "gradient_accumulation_steps=2",
                      f"data-parallel size={dp}", f"4×2×{dp} = {8 * dp}",
-                     "train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps × data-parallel size"):
+                     "train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps × "
+                     "data-parallel size"):
         assert fragment in msg, msg
 
 

@@ -11,7 +11,6 @@ import pytest
 from engine.config import load_config
 from tests.test_config import raises
 
-
 # --- tensor parallelism and activation checkpointing -------------------------------------------
 
 

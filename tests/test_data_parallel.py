@@ -8,8 +8,15 @@ from torch import nn
 
 from engine import initialize
 from tests.distributed import run_distributed
-from tests.reference import (assert_close_relative, assert_params_close, param_snapshot, tiny_gpt, token_batches,
-                             train_engine, train_reference)
+from tests.reference import (
+    assert_close_relative,
+    assert_params_close,
+    param_snapshot,
+    tiny_gpt,
+    token_batches,
+    train_engine,
+    train_reference,
+)
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -76,7 +83,8 @@ def test_accumulation_equals_larger_micro_batch():
     for micro, accumulation in [(2, 2), (4, 1)]:
         cfg = {**dp_config(micro, accumulation, clip=0.0), "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
         engine = initialize(tiny_gpt(), cfg)
-        runs.append((train_engine(engine, token_batches(STEPS, 4), 0, 1, accumulation)[0], param_snapshot(engine.module)))
+        runs.append((train_engine(engine, token_batches(STEPS, 4), 0, 1, accumulation)[0],
+                     param_snapshot(engine.module)))
     assert_close_relative(runs[0][0], runs[1][0])
     assert_params_close(runs[0][1], runs[1][1])
 
@@ -108,7 +116,8 @@ class PartlyUsed(nn.Module):
 def _partly_used_worker(rank, world, stage):
     torch.manual_seed(0)
     model = PartlyUsed()
-    engine = initialize(model, {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    engine = initialize(model, {"train_micro_batch_size_per_gpu": 4,
+                                "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
                                 "gradient_clipping": 10.0, "zero_optimization": {"stage": stage, "chunk_size": 80},
                                 "steps_per_print": 10**6})
     g = torch.Generator().manual_seed(3)

@@ -10,7 +10,8 @@ from engine import initialize
 from engine.config import load_config
 from engine.estimate import Strategy, estimate, model_states
 from engine.estimate.estimator import trace_strategy
-from engine.estimate.runtime import peak_rss_bytes as process_peak_rss, reset_peak_rss
+from engine.estimate.runtime import peak_rss_bytes as process_peak_rss
+from engine.estimate.runtime import reset_peak_rss
 from engine.models import gpt_bench30m
 from tests.distributed import run_distributed
 from tests.reference import tiny_gpt, token_batches, train_engine

@@ -7,8 +7,15 @@ import torch
 
 from engine import initialize
 from tests.distributed import run_distributed
-from tests.reference import (assert_close_relative, assert_params_close, param_snapshot, token_batches, trained_params,
-                             train_engine, train_reference)
+from tests.reference import (
+    assert_close_relative,
+    assert_params_close,
+    param_snapshot,
+    token_batches,
+    train_engine,
+    train_reference,
+    trained_params,
+)
 from tests.test_data_parallel import ADAMW, adamw
 
 transformers = pytest.importorskip("transformers")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli import main as tiers
-from engine.launcher import LaunchError, LauncherKind, LaunchOptions, make_plan, node_commands, parse_hostfile
+from engine.launcher import LauncherKind, LaunchError, LaunchOptions, make_plan, node_commands, parse_hostfile
 from engine.launcher.environment import parse_env_file
 from engine.launcher.hosts import expand_nodelist, select_resources
 from tests.distributed import free_port
@@ -244,14 +244,17 @@ def test_scripts_launch_is_the_same_command(tmp_path):
 
 def test_the_default_launcher_is_ssh_with_a_hostfile_and_local_without(tmp_path):
     (tmp_path / "hf").write_text("a slots=1\n")
-    with_hostfile = make_plan(LaunchOptions(script="t.py", hostfile=str(tmp_path / "hf")), environ={}, cwd=str(tmp_path))
+    with_hostfile = make_plan(LaunchOptions(script="t.py", hostfile=str(tmp_path / "hf")), environ={},
+                              cwd=str(tmp_path))
     without = make_plan(LaunchOptions(script="t.py", nproc_per_node=3), environ={}, cwd=str(tmp_path))
     assert with_hostfile.launcher is LauncherKind.SSH and with_hostfile.master_addr == "a"
-    assert without.launcher is LauncherKind.LOCAL and [(n.host, n.slots) for n in without.nodes] == [("localhost", (0, 1, 2))]
+    assert (without.launcher is LauncherKind.LOCAL
+            and [(n.host, n.slots) for n in without.nodes] == [("localhost", (0, 1, 2))])
 
 
 def test_this_machines_cuda_visible_devices_is_not_sent_to_other_nodes(tmp_path):
-    plan = _plan(tmp_path, "ssh", include="worker-1@worker-2:1", environ={"CUDA_VISIBLE_DEVICES": "0", "CUDA_HOME": "/c"})
+    plan = _plan(tmp_path, "ssh", include="worker-1@worker-2:1",
+                 environ={"CUDA_VISIBLE_DEVICES": "0", "CUDA_HOME": "/c"})
     first, second = (_remote_words(c.argv[-1]) for c in node_commands(plan))
     assert "CUDA_HOME=/c" in first and not any(w.startswith("CUDA_VISIBLE_DEVICES") for w in first)
     assert "CUDA_VISIBLE_DEVICES=1" in second  # the node's own slots

@@ -23,7 +23,8 @@ def _tensors(n: int, numel: int = 256, seed: int = 0) -> list[torch.Tensor]:
 
 def _manager(tmp_path=None, device=None, cpu=None, **kw) -> ChunkManager:
     nvme = dict(nvme_dir=str(tmp_path), nvme_block_size=4096) if tmp_path is not None else {}
-    return ChunkManager("cpu", Budgets(device=device, cpu=cpu), prefetch_depth=kw.pop("prefetch_depth", 0), **nvme, **kw)
+    return ChunkManager("cpu", Budgets(device=device, cpu=cpu), prefetch_depth=kw.pop("prefetch_depth", 0),
+                        **nvme, **kw)
 
 
 def _locations(m: ChunkManager, n: int) -> list[str]:

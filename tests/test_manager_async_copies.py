@@ -150,7 +150,8 @@ def test_random_async_copies_prefetch_and_faults(tmp_path, seed, monkeypatch):
             except BudgetError as e:
                 violations.append(f"{where}: BudgetError in a feasible program: {e}")
             except SwapIntegrityError:
-                assert cid in corrupted or any(c in corrupted for c in range(n)), f"{where}: integrity error, no corruption"
+                assert cid in corrupted or any(c in corrupted for c in range(n)), \
+                    f"{where}: integrity error, no corruption"
                 if cid in corrupted and m.chunk(cid).location is Location.NVME and not m.chunk(cid).pinned:
                     m.free(cid)  # the only copy was altered: reported; start it over as zeros
                     corrupted.discard(cid)

@@ -117,8 +117,8 @@ def test_a_prefetch_in_flight_does_not_make_a_feasible_access_fail(tmp_path, pre
 
 
 def test_a_failing_prefetch_does_not_leave_the_accessed_chunk_in_compute(tmp_path, monkeypatch):
-    """Regression (was a bug): access() marks the chunk COMPUTE and then prefetches; a prefetch that evicts to a full disk
-    waits for that swap-out (`leaving`) and its SwapWriteError escapes from access(). The caller
+    """Regression (was a bug): access() marks the chunk COMPUTE and then prefetches; a prefetch that evicts to
+    a full disk waits for that swap-out (`leaving`) and its SwapWriteError escapes from access(). The caller
     gets no views but the chunk stays pinned forever (it can never be evicted or moved again)."""
     m = _nvme_manager(tmp_path, cpu=2 * KIB, prefetch_depth=1)
     m.register("p", _tensors(4), capacity=256, location=Location.NVME)
@@ -159,8 +159,8 @@ def test_a_released_chunk_in_the_trace_does_not_stop_prefetching(tmp_path):
 
 
 def test_a_failed_allocation_does_not_leak_budget(tmp_path):
-    """Regression (was a bug): Residency.allocate adds the bytes to the tier before allocating; an allocation that raises
-    (torch.OutOfMemoryError on CUDA, a failed pinned allocation) leaves them charged for good."""
+    """Regression (was a bug): Residency.allocate adds the bytes to the tier before allocating; an allocation
+    that raises (torch.OutOfMemoryError on CUDA, a failed pinned allocation) leaves them charged for good."""
     m = _nvme_manager(tmp_path, cpu=4 * KIB, prefetch_depth=0)
     m.register("p", _tensors(2), capacity=256, location=Location.NVME)
     assert m.used_bytes(Location.CPU) == 0

@@ -8,8 +8,15 @@ import torch
 
 from engine import initialize
 from tests.distributed import run_distributed
-from tests.reference import (assert_close_relative, param_snapshot, tiny_gpt, token_batches, train_engine,
-                             train_reference_mixed, trained_params)
+from tests.reference import (
+    assert_close_relative,
+    param_snapshot,
+    tiny_gpt,
+    token_batches,
+    train_engine,
+    train_reference_mixed,
+    trained_params,
+)
 from tests.test_data_parallel import ADAMW, adamw
 from tests.test_zero import GLOBAL_BATCH, model_state_bytes, zero_config
 
@@ -38,7 +45,7 @@ def assert_weights_close(actual, expected, dtype, run_dtype, atol=1e-3):
     for name in expected:
         assert actual[name].dtype == dtype, name
         torch.testing.assert_close(actual[name].float(), expected[name].float(), rtol=WEIGHT_RTOL[run_dtype], atol=atol,
-                                   msg=lambda m: f"{name}: {m}")
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _worker(rank, world, stage, dtype, accumulation, nvme_dir=None):

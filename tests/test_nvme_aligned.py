@@ -13,7 +13,7 @@ import torch
 from offload.direct_io import PAGE, aligned_empty
 from offload.errors import SwapIntegrityError
 from offload.nvme import NvmeStore
-from tests.nvme_helpers import payload_bytes, odd_tensor, swap_files
+from tests.nvme_helpers import odd_tensor, payload_bytes, swap_files
 
 
 def _padding_of(t: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Mixed precision and loss scaling: fp16 overflow skips and rescales; bf16 trains; clipping; schedules in the engine."""
+"""Mixed precision and loss scaling: fp16 overflow skips and rescales; bf16 trains; clipping; schedules in the
+engine."""
 
 from __future__ import annotations
 
@@ -144,7 +145,8 @@ def test_wall_clock_breakdown_logs_phases(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     engine = initialize(tiny_gpt(), config(wall_clock_breakdown=True,
-                                           tensorboard={"enabled": True, "output_path": str(tmp_path), "job_name": "w"}))
+                                           tensorboard={"enabled": True, "output_path": str(tmp_path),
+                                                        "job_name": "w"}))
     train_engine(engine, token_batches(2, 4), 0, 1, 1)
     engine.close()
     events = EventAccumulator(str(tmp_path / "w"))

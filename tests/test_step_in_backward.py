@@ -10,8 +10,16 @@ import pytest
 from engine import initialize
 from engine.config import ConfigError
 from tests.distributed import run_distributed
-from tests.reference import (assert_close_relative, assert_params_close, micro_batches, param_snapshot, tiny_gpt,
-                             token_batches, trained_params, train_reference)
+from tests.reference import (
+    assert_close_relative,
+    assert_params_close,
+    micro_batches,
+    param_snapshot,
+    tiny_gpt,
+    token_batches,
+    train_reference,
+    trained_params,
+)
 from tests.test_data_parallel import adamw
 from tests.test_zero import GLOBAL_BATCH, STEPS, zero_config
 

@@ -8,8 +8,15 @@ import torch
 
 from engine import initialize
 from tests.distributed import run_distributed
-from tests.reference import (assert_close_relative, assert_params_close, micro_batches, param_snapshot, tiny_gpt,
-                             token_batches, train_reference)
+from tests.reference import (
+    assert_close_relative,
+    assert_params_close,
+    micro_batches,
+    param_snapshot,
+    tiny_gpt,
+    token_batches,
+    train_reference,
+)
 from tests.test_data_parallel import ADAMW, adamw
 
 TP_RTOL = 1e-4
@@ -113,7 +120,7 @@ def check_against_reference(model: str, results: list, world: int, tp: int, mode
     mean_losses = [sum(r[0][i] for r in results) / world for i in range(STEPS)]  # each dp group's mean, averaged
     assert_close_relative(mean_losses, ref_losses, rtol=TP_RTOL)
     whole = sum(p.numel() for p in ref_params.values())
-    for losses, norms, full, local_numel, dp_rank, sharded in results:
+    for _losses, norms, full, local_numel, _dp_rank, sharded in results:
         assert_close_relative(norms, ref_norms, rtol=TP_RTOL)
         assert list(full) == ref_keys
         assert_params_close({k: full[k] for k in ref_params}, ref_params, rtol=TP_RTOL)

@@ -14,8 +14,14 @@ from engine.tensor_parallel import Mesh2D, TPGroup, apply_tensor_parallel, cross
 from engine.tensor_parallel.layers_2d import Classifier2D, Embedding2D, Linear2D, Norm2D
 from engine.topology import Topology
 from tests.distributed import run_distributed
-from tests.reference import assert_close_relative, assert_params_close, param_snapshot, tiny_gpt, token_batches, \
-    train_reference
+from tests.reference import (
+    assert_close_relative,
+    assert_params_close,
+    param_snapshot,
+    tiny_gpt,
+    token_batches,
+    train_reference,
+)
 from tests.test_data_parallel import adamw
 from tests.test_tensor_parallel import GLOBAL_BATCH, STEPS, TP_RTOL, tp_config
 
@@ -272,7 +278,8 @@ def test_2d_plans_refuse_a_layer_left_whole_and_1d_styles():
     with pytest.raises(ValueError, match=r"module 'blocks.0.ln_1' \(LayerNorm\) holds parameters but has no 2D style"):
         apply_tensor_parallel(model, plan, MESH.whole, mesh=MESH)
     assert {name: type(m) for name, m in model.named_modules()} == before  # nothing changed
-    with pytest.raises(ValueError, match=r"plan\['lm_head'\]: style 'colwise' is not a 2d style; choose from linear_2d"):
+    with pytest.raises(ValueError,
+                       match=r"plan\['lm_head'\]: style 'colwise' is not a 2d style; choose from linear_2d"):
         apply_tensor_parallel(model, {**GPT_2D_USER_PLAN, "lm_head": "colwise"}, MESH.whole, mesh=MESH)
     with pytest.raises(ValueError, match=r"no built-in 2d plan for Sequential .* cannot place module '0'"):
         apply_tensor_parallel(nn.Sequential(nn.Linear(4, 4)), "auto", MESH.whole, mesh=MESH)

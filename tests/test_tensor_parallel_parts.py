@@ -11,8 +11,14 @@ from engine import initialize
 from engine.config import ConfigError
 from engine.tensor_parallel import TPGroup, apply_tensor_parallel, vocab_parallel_cross_entropy
 from tests.distributed import run_distributed
-from tests.reference import (assert_close_relative, assert_params_close, param_snapshot, tiny_gpt, token_batches,
-                             train_reference)
+from tests.reference import (
+    assert_close_relative,
+    assert_params_close,
+    param_snapshot,
+    tiny_gpt,
+    token_batches,
+    train_reference,
+)
 from tests.test_data_parallel import adamw
 from tests.test_tensor_parallel import GLOBAL_BATCH, STEPS, TP_RTOL, build, tp_config
 

@@ -58,7 +58,8 @@ def test_missing_data_file_is_named(tmp_path):
 def _torchrun(tmp_path, args, restarts=0):
     data = tmp_path / "corpus.txt"
     data.write_text("def f(x):\n    return x * 2\n" * 400)
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     if restarts:  # torch's fix for restarts (engine/topology.py refuses them without it)
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -108,7 +109,8 @@ def test_the_tensor_parallel_configs_train_under_torchrun(tmp_path, config, proc
     """configs/tp.json (1D over 2 ranks) and configs/tp2d.json (2D on a 2×2 mesh) as the README runs them."""
     data = tmp_path / "corpus.txt"
     data.write_text("def f(x):\n    return x * 2\n" * 400)
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
            str(SCRIPT), "--config", str(REPO / "configs" / config), "--model", "tiny", "--data", str(data),
            "--steps", "3", "--eval-every", "3", "--eval-batches", "1"]

@@ -11,8 +11,16 @@ import torch
 
 from engine import initialize
 from tests.distributed import run_distributed
-from tests.reference import (assert_close_relative, assert_params_close, param_snapshot, tiny_gpt, token_batches,
-                             trained_params, train_engine, train_reference)
+from tests.reference import (
+    assert_close_relative,
+    assert_params_close,
+    param_snapshot,
+    tiny_gpt,
+    token_batches,
+    train_engine,
+    train_reference,
+    trained_params,
+)
 from tests.test_data_parallel import ADAMW, adamw
 
 STEPS = 4
@@ -26,7 +34,8 @@ def zero_config(stage: int, micro: int, accumulation: int, chunk_size: int = 20_
         "optimizer": {"type": "AdamW", "params": ADAMW},
         "gradient_clipping": 1.0,
         # threshold 0: under stage 3 every parameter of the tiny model is sharded (the default keeps them all whole)
-        "zero_optimization": {"stage": stage, "chunk_size": chunk_size, "stage3_param_persistence_threshold": 0, **zero},
+        "zero_optimization": {"stage": stage, "chunk_size": chunk_size, "stage3_param_persistence_threshold": 0,
+                              **zero},
         "steps_per_print": 10**6,
     }
 
@@ -234,7 +243,7 @@ def _whole_weights_worker(rank, world, stage):
 def test_full_state_dict_and_gathered_parameters(reference, stage):
     _, _, ref_params = reference
     results = run_distributed(_whole_weights_worker, 2, args=(stage,))
-    for rank, (full, rank0, after_modify, params) in enumerate(results):
+    for rank, (full, rank0, after_modify, _params) in enumerate(results):
         assert full.keys() == tiny_gpt().state_dict().keys()
         assert_params_close({k: full[k] for k in ref_params}, ref_params)  # the trained weights, on every rank
         assert (rank0 is None) == (rank != 0)

@@ -10,10 +10,18 @@ from torch import nn
 from engine import initialize, zero_init
 from engine.models import gpt_from_preset
 from tests.distributed import run_distributed
-from tests.reference import (assert_close_relative, assert_params_close, param_snapshot, tiny_gpt, token_batches,
-                             train_engine, train_reference, trained_params)
-from tests.test_data_parallel import adamw
+from tests.reference import (
+    assert_close_relative,
+    assert_params_close,
+    param_snapshot,
+    tiny_gpt,
+    token_batches,
+    train_engine,
+    train_reference,
+    trained_params,
+)
 from tests.rss import MALLOC_ENV, build_after_warm_up, peak_rss_bytes, stage3_config
+from tests.test_data_parallel import adamw
 from tests.test_zero import GLOBAL_BATCH, zero_config
 
 transformers = pytest.importorskip("transformers")

@@ -12,9 +12,18 @@ from torch import nn
 
 from engine import initialize
 from tests.distributed import run_distributed
+from tests.reference import (
+    assert_close_relative,
+    assert_params_close,
+    micro_batches,
+    param_snapshot,
+    tiny_gpt,
+    token_batches,
+    train_engine,
+    train_reference,
+    trained_params,
+)
 from tests.rss import MALLOC_ENV, build_after_warm_up, peak_rss_bytes, stage3_config
-from tests.reference import (assert_close_relative, assert_params_close, micro_batches, param_snapshot, tiny_gpt,
-                             token_batches, train_engine, train_reference, trained_params)
 from tests.test_data_parallel import adamw
 from tests.test_zero import GLOBAL_BATCH, zero_config
 

@@ -40,8 +40,8 @@ def encode_client_state(value, tensors: dict[str, torch.Tensor], path: str = "cl
     if isinstance(value, dict):
         bad = [k for k in value if not isinstance(k, str)]
         if bad:
-            raise TypeError(f"{path}: key {bad[0]!r} is not a string; a checkpoint's client_state is JSON with tensors, "
-                            "so dict keys must be strings")
+            raise TypeError(f"{path}: key {bad[0]!r} is not a string; "
+                            "a checkpoint's client_state is JSON with tensors, so dict keys must be strings")
         if TENSOR_REF in value:
             raise TypeError(f"{path}: the key {TENSOR_REF!r} is reserved for tensor references; rename it")
         return {k: encode_client_state(v, tensors, f"{path}[{k!r}]") for k, v in value.items()}

@@ -7,8 +7,9 @@ code, unlike a pickle). Writing one:
 - its SHA-256 is computed by reading the file back (what reached the file, not what was meant to):
   the manifest records it with the size.
 Reading one: the size and SHA-256 are checked first, in 16 MiB reads (large reads are what this
-disk's buffered path needs to reach its bandwidth), each hashed while the next is read; only then is the file opened (memory-mapped),
-so a truncated, altered or missing file is an error naming it before any of its bytes are used.
+disk's buffered path needs to reach its bandwidth), each hashed while the next is read; only then
+is the file opened (memory-mapped), so a truncated, altered or missing file is an error naming it
+before any of its bytes are used.
 A failed write (ENOSPC, EIO, ...) removes its own partial file and raises `CheckpointWriteError`
 with the errno's name, the path and the fix.
 """
@@ -114,7 +115,8 @@ def verify(directory: str, record: FileRecord) -> str:
                                        "is incomplete: load another tag, or restore the file")
     size = os.path.getsize(path)
     if size != record.nbytes:
-        raise CheckpointIntegrityError(f"checkpoint file {path} has {size:,} bytes, the manifest says {record.nbytes:,} "
+        raise CheckpointIntegrityError(f"checkpoint file {path} has {size:,} bytes, "
+                                       f"the manifest says {record.nbytes:,} "
                                        "(truncated or replaced); load another tag, or restore the file")
     if file_sha256(path) != record.sha256:
         raise CheckpointIntegrityError(f"checkpoint file {path} does not match its SHA-256 in the manifest (altered "

@@ -93,8 +93,8 @@ class Checkpoint:
             with open(path) as f:
                 manifest = json.load(f)
         except (OSError, ValueError) as e:
-            raise CheckpointIntegrityError(f"{path} cannot be read as JSON ({e}); the manifest is damaged: load another "
-                                           "tag") from None
+            raise CheckpointIntegrityError(f"{path} cannot be read as JSON ({e}); "
+                                           "the manifest is damaged: load another tag") from None
         if manifest.get("format") != FORMAT:
             raise CheckpointError(f"{path} is not a Tiers checkpoint manifest")
         if manifest.get("version") != VERSION:

@@ -35,8 +35,16 @@ import warnings
 import torch.distributed as dist
 
 from engine.checkpoint.encoding import encode_client_state, json_options, json_state
-from engine.checkpoint.files import (CheckpointError, CheckpointWriteError, FileRecord, fsync_path, write_error,
-                                     write_json, write_tensors, write_text)
+from engine.checkpoint.files import (
+    CheckpointError,
+    CheckpointWriteError,
+    FileRecord,
+    fsync_path,
+    write_error,
+    write_json,
+    write_tensors,
+    write_text,
+)
 from engine.checkpoint.live_states import LiveStates
 from engine.checkpoint.reader import FORMAT, LATEST, MANIFEST, TAG, VERSION, rank_file
 from engine.checkpoint.snapshot import RankSnapshot, take_snapshot
@@ -204,7 +212,8 @@ class Saver:
         self._committed = final
         return final
 
-    def _commit(self, save_dir: str, partial: str, tag: str, common: dict, reports: list, save_latest: bool) -> str | None:
+    def _commit(self, save_dir: str, partial: str, tag: str, common: dict, reports: list,
+                save_latest: bool) -> str | None:
         """Rank 0: manifest, rename, `latest`. Returns an error message or None."""
         files = []
         for rank, (_, record, info) in enumerate(reports):

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.checkpoint.live_states import LiveStates
 from engine.checkpoint.encoding import encode_spec
+from engine.checkpoint.live_states import LiveStates
 from engine.checkpoint.training_state import TrainingState
 from engine.tensor_parallel.rng import RNGStreams, Stream
 

@@ -162,8 +162,9 @@ def _tensor_parallel(model: nn.Module, cfg: Config):
     if size == 1:
         yield 1
         return
-    from engine.tensor_parallel import Mesh2D, TPGroup, apply_tensor_parallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from engine.tensor_parallel import Mesh2D, TPGroup, apply_tensor_parallel
 
     if dist.is_initialized():
         raise RuntimeError("the tensor-parallel estimate builds its own (fake) process group; run it in a process "

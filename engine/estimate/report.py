@@ -8,7 +8,6 @@ from typing import Sequence
 from engine.estimate.estimator import Estimate
 from offload.units import fmt_bytes
 
-
 # bytes in the estimate's tables: powers of 1000 (as budgets are given: "8GB") with two decimals, e.g. '0.86 GB'
 human_bytes = functools.partial(fmt_bytes, si=True, digits=2)
 

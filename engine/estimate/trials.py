@@ -62,9 +62,10 @@ def run_trial(factory: Callable[[], nn.Module], config: dict, world: int, seq_le
                 except queue.Empty:
                     dead = [p for p in ranks if p.exitcode not in (None, 0)]
                     if dead:
-                        raise TrialError(f"rank {ranks.index(dead[0])} died with exit code {dead[0].exitcode}")
+                        raise TrialError(
+                            f"rank {ranks.index(dead[0])} died with exit code {dead[0].exitcode}") from None
                     if time.monotonic() > deadline:
-                        raise TrialError(f"no result within {timeout_s:.0f} s")
+                        raise TrialError(f"no result within {timeout_s:.0f} s") from None
                 if reports and isinstance(reports[-1], str):
                     raise TrialError(reports[-1])
         except TrialError:
@@ -102,6 +103,7 @@ def _train(rank, world, port, factory, config, seq_len, steps, warmup) -> dict:
     # offloaded optimizer, so the ranks share the cores
     torch.set_num_threads(max(os.cpu_count() // world, 1) if torch.cuda.is_available() else 1)
     import torch.distributed as dist
+
     from engine import initialize
 
     torch.manual_seed(0)

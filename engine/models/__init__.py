@@ -6,11 +6,11 @@ Stands alone: depends only on torch and the Python standard library.
 from engine.models.data import TokenBatches, default_corpus_bytes, load_corpus
 from engine.models.gpt import (
     GPT,
+    MLP,
     PRESETS,
     Block,
     CausalSelfAttention,
     GPTConfig,
-    MLP,
     gpt_bench30m,
     gpt_from_preset,
     gpt_small,

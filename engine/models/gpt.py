@@ -236,7 +236,8 @@ def gpt_from_preset(name: str, **overrides) -> GPT:
     return GPT(preset_config(name, **overrides))
 
 
-# No-argument factories, for tools that take a model as `module:factory` (`tiers estimate --model engine.models:gpt_small`).
+# No-argument factories, for tools that take a model as `module:factory`
+# (`tiers estimate --model engine.models:gpt_small`).
 def gpt_tiny() -> GPT:
     return gpt_from_preset("tiny")
 

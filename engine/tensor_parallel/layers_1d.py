@@ -4,8 +4,8 @@ A column-parallel linear keeps a slice of the output features (its output is spl
 ranks, or gathered back with gather_output); a row-parallel linear keeps a slice of the input
 features and sums the ranks' partial outputs; a vocab-parallel embedding keeps a slice of the
 vocabulary rows. Each sharded parameter's ShardSpec says how its shards reassemble into the
-original tensor (engine.full_state_dict; engine/tensor_parallel/shards.py). Weights keep the layout of the module they replace:
-nn.Linear's [out, in], or Hugging Face Conv1D's [in, out] (`transposed`).
+original tensor (engine.full_state_dict; engine/tensor_parallel/shards.py). Weights keep the layout
+of the module they replace: nn.Linear's [out, in], or Hugging Face Conv1D's [in, out] (`transposed`).
 """
 
 from __future__ import annotations

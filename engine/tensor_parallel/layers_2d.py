@@ -90,7 +90,8 @@ class Norm2D(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return f"{'rms' if self.rms else 'layer'} norm over {self.hidden}, eps={self.eps}, mesh={self.mesh.q}x{self.mesh.q}"
+        return (f"{'rms' if self.rms else 'layer'} norm over {self.hidden}, eps={self.eps}, "
+                f"mesh={self.mesh.q}x{self.mesh.q}")
 
 
 def _check_embedding(module: nn.Module, name: str) -> None:

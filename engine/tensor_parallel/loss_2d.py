@@ -15,7 +15,8 @@ from engine.tensor_parallel.mappings import reduce_from_tp
 from engine.tensor_parallel.mappings_2d import Mesh2D, batch_block
 
 
-def cross_entropy_2d(logits: torch.Tensor, target: torch.Tensor, mesh: Mesh2D, ignore_index: int = -100) -> torch.Tensor:
+def cross_entropy_2d(logits: torch.Tensor, target: torch.Tensor, mesh: Mesh2D,
+                     ignore_index: int = -100) -> torch.Tensor:
     """logits [batch/q, ..., V] of this rank's batch block; target [batch, ...] token ids of the whole batch."""
     target = batch_block(target, mesh, "cross-entropy target")
     if logits.shape[:-1] != target.shape:

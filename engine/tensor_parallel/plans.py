@@ -94,7 +94,8 @@ def _adjust_llama(model: nn.Module, tp: int) -> list[Change]:
 
 
 BUILT_IN = {
-    "GPT": Plan("example GPT", {"wte": "vocab", "blocks.*.attn.c_attn": "colwise_qkv", "blocks.*.attn.c_proj": "rowwise",
+    "GPT": Plan("example GPT", {"wte": "vocab", "blocks.*.attn.c_attn": "colwise_qkv",
+                                "blocks.*.attn.c_proj": "rowwise",
                                 "blocks.*.mlp.c_fc": "colwise", "blocks.*.mlp.c_proj": "rowwise",
                                 "lm_head": "colwise_gather", "wpe": "replicate"}, _adjust_example_gpt,
                 {"blocks.*.attn": Stream.SHARDED, "blocks.*.attn.resid_dropout": Stream.REPLICATED}),
