@@ -71,7 +71,8 @@ class ChunkedParams:
             by_kind: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
             for p in group["params"]:
                 if id(p) in seen:
-                    raise ValueError(f"parameter '{self.name_of(p)}' is listed twice in the param groups; list each parameter once")
+                    raise ValueError(f"parameter '{self.name_of(p)}' is listed twice in the param groups; list each "
+                                     "parameter once")
                 seen.add(id(p))
                 if not p.requires_grad:
                     continue
@@ -312,8 +313,8 @@ class ChunkedParams:
             if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype or p.device != view.device:
                 raise RuntimeError(
                     f"parameter '{self.name_of(p)}' no longer lives in its chunk (now {p.dtype} on {p.device}), so it "
-                    "would silently stop training; convert or move the model (.to(), .half(), ...) before initialize(), "
-                    "and load weights with load_state_dict() without assign=True")
+                    "would silently stop training; convert or move the model (.to(), .half(), ...) before "
+                    "initialize(), and load weights with load_state_dict() without assign=True")
             if self.sharded_grads is None:  # stage 2: .grad is None between backward passes
                 self.adopt_foreign_grad(p)
 

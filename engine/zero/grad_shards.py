@@ -23,12 +23,13 @@ not been written since `zero`: logically zero).
 
 Note [offloaded gradient shards]
 With `offload_optimizer` the persistent shards live in the optimizer's ChunkManager (kind "grad",
-one chunk per shard, homed where the states are; its handle is the state's `grad_handle`), as ZeRO-Offload keeps gradients with the
-optimizer: 4Ψ/N bytes that would otherwise stay in memory. The shard tensors become placeholders
-(storage of size 0; .grad bindings keep their identity). `retire` accesses the shard's chunk, adds
-and releases it; `zero` frees the chunks (a freed chunk comes back as zeros without any I/O). The
-consumers stream through them: the global norm reads one shard at a time, and the optimizer
-scales and steps each shard when it steps its parameter (Note [offloaded optimizer states]).
+one chunk per shard, homed where the states are; its handle is the state's `grad_handle`), as
+ZeRO-Offload keeps gradients with the optimizer: 4Ψ/N bytes that would otherwise stay in memory. The
+shard tensors become placeholders (storage of size 0; .grad bindings keep their identity). `retire`
+accesses the shard's chunk, adds and releases it; `zero` frees the chunks (a freed chunk comes back as
+zeros without any I/O). The consumers stream through them: the global norm reads one shard at a time,
+and the optimizer scales and steps each shard when it steps its parameter (Note [offloaded optimizer
+states]).
 """
 
 from __future__ import annotations

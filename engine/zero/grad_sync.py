@@ -35,7 +35,8 @@ class GradReducer:
     def __init__(self, chunked: ChunkedParams, group: dist.ProcessGroup | None, counter: CommCounter,
                  overlap: bool = True, reduce_scatter: bool = True, on_chunk_complete=None):
         self.chunked = chunked
-        self.on_chunk_complete = on_chunk_complete  # stage 3: a chunk whose gradients are all in (Note [gathering around modules])
+        # stage 3: a chunk whose gradients are all in (Note [gathering around modules])
+        self.on_chunk_complete = on_chunk_complete
         self.scatter = chunked.sharded and reduce_scatter
         self.group = group
         self.counter = counter

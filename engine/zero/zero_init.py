@@ -100,7 +100,8 @@ class InitRecording:
             for write in writes[last_whole or 0:] if last_whole is not None else writes:
                 torch.set_rng_state(write.rng_state)
                 target = value.as_strided(*write.geometry)
-                args, kwargs = tree_map(lambda a: target if a is _TARGET else a, (write.args, write.kwargs))
+                args, kwargs = tree_map(lambda a, target=target: target if a is _TARGET else a,
+                                        (write.args, write.kwargs))
                 with torch.no_grad():
                     write.func(*args, **kwargs)
         finally:
@@ -200,7 +201,8 @@ def zero_init(config=None):
         handle.remove()
 
 
-def zero_init_placeholders(model: nn.Module, device: torch.device) -> tuple[InitRecording | None, dict[int, torch.Tensor]]:
+def zero_init_placeholders(model: nn.Module,
+                           device: torch.device) -> tuple[InitRecording | None, dict[int, torch.Tensor]]:
     """Swaps each meta parameter of a model built under `zero_init` for a real Parameter on `device` whose
     memory is not touched (torch.empty; the chunks take its place next); returns the recording and
     id(new parameter) -> its meta parameter. (None, {}) for a model without meta parameters."""
