@@ -98,6 +98,7 @@ def _is_mesh_or_one(size: int) -> bool:
 def check_run(cfg: Config, topology: Topology, *, optimizer=None, lr_scheduler=None, model_parameters=None,
               built_under_zero_init: bool = False) -> None:
     """What `cfg` rules out for this run: the client objects passed to initialize() and the layout."""
+    cfg.batch_sizes(topology.dp_world_size)  # raises when the batch sizes do not add up over these ranks
     _check_client_objects(cfg, optimizer, lr_scheduler, model_parameters)
     if topology.tp_size > 1:
         _check_tensor_parallel(optimizer, model_parameters, built_under_zero_init)

@@ -38,24 +38,25 @@ class Engine:
     """Wraps a model and optimizer; built by `engine.initialize`. The data-parallel work of each call runs in
     the ZeRO runtime's phases (Note [step phases])."""
 
-    def __init__(self, module: nn.Module, config: Config, batch: BatchSizes, topology: Topology,
-                 runtime: ZeroRuntime, lr_scheduler, loss_scaler: LossScaler, precision: PrecisionPolicy,
-                 monitor: Monitor, tensor_parallel: TensorParallel | None = None,
+    def __init__(self, module: nn.Module, config: Config, topology: Topology, runtime: ZeroRuntime, lr_scheduler,
+                 loss_scaler: LossScaler, monitor: Monitor, tensor_parallel: TensorParallel | None = None,
                  checkpointing: ActivationCheckpointing | None = None):
-        self.module, self.config, self.batch, self.topology = module, config, batch, topology
+        self.module, self.config, self.topology = module, config, topology
+        self.batch: BatchSizes = config.batch_sizes(topology.dp_world_size)
         self.runtime, self.optimizer, self.lr_scheduler = runtime, runtime.optimizer, lr_scheduler
-        self.loss_scaler, self.precision, self.monitor = loss_scaler, precision, monitor
+        self.loss_scaler, self.monitor = loss_scaler, monitor
+        self.precision = PrecisionPolicy.from_config(config)
         self.tensor_parallel = tensor_parallel  # what the tp plan sharded (Note [tensor-parallel plans])
         # Note [activation checkpointing]: the config's options, for the wrapped modules and activation_checkpoint
         self.activation_checkpointing = checkpointing or ActivationCheckpointing(config.activation_checkpointing,
                                                                                  topology.device)
-        self.progress = TrainingProgress(batch.gradient_accumulation_steps)
+        self.progress = TrainingProgress(self.batch.gradient_accumulation_steps)
         self._global_grad_norm: float | None = None
         runtime.start(module)
         monitor.step_metrics.exclude_traffic_so_far()  # the start-up broadcast is not a step's traffic
         self._saver = Saver(TrainingState(  # Note [checkpoint commit]
             module, runtime.chunked, runtime.optimizer, lr_scheduler, loss_scaler, self.progress, topology,
-            tensor_parallel, config.tensor_parallel.mode, config.zero_optimization.stage, precision.compute_dtype,
+            tensor_parallel, config.tensor_parallel.mode, config.zero_optimization.stage, self.precision.compute_dtype,
             runtime.gather_updated_params), config.checkpoint)
 
     # ---- identity -------------------------------------------------------------------------

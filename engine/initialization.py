@@ -85,7 +85,6 @@ def initialize(
     topology = Topology.from_environment(tp_size=cfg.tensor_parallel.size, tp_mode=cfg.tensor_parallel.mode)
     check_run(cfg, topology, optimizer=optimizer, lr_scheduler=lr_scheduler, model_parameters=model_parameters,
               built_under_zero_init=any(p.is_meta for p in model.parameters()))
-    batch = cfg.batch_sizes(topology.dp_world_size)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     recording, meta_of = zero_init_placeholders(model, topology.device)  # Note [zero_init]
@@ -99,8 +98,7 @@ def initialize(
         materialize_parameters(model, chunked, recording, meta_of, topology.device, topology.dp_group)
     loss_scaler = build_loss_scaler(cfg)
     runtime = zero_runtime(model, cfg, chunked, optimizer, topology, loss_scaler)
-    return Engine(model, cfg, batch, topology, runtime,
-                  _scheduler(cfg, optimizer, lr_scheduler), loss_scaler, PrecisionPolicy.from_config(cfg),
+    return Engine(model, cfg, topology, runtime, _scheduler(cfg, optimizer, lr_scheduler), loss_scaler,
                   build_monitor(cfg, topology, runtime, checkpointing), tensor_parallel, checkpointing)
 
 
