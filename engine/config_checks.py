@@ -1,7 +1,8 @@
 """Every check of a combination of settings, in one place: what a config alone rules out (`check_config`,
-run by load_config) and what a config rules out together with the run it is given to (`check_run`, run by
-initialize before it builds anything: the world size, a client optimizer or scheduler, a model built under
-zero_init). Each error names the key, the value and the fix."""
+run by load_config), what it rules out with the objects passed to initialize() (`check_client_objects`), and
+with the run it is given to (`check_run`: the world size, a client optimizer or scheduler, a model built under
+zero_init; `check_offload` also guards build_chunk_optimizer used on its own). initialize() runs them before
+it builds anything. Each error names the key, the value and the fix."""
 
 from __future__ import annotations
 
@@ -97,19 +98,20 @@ def _is_mesh_or_one(size: int) -> bool:
 
 def check_run(cfg: Config, topology: Topology, *, optimizer=None, lr_scheduler=None, model_parameters=None,
               built_under_zero_init: bool = False) -> None:
-    """What `cfg` rules out for this run: the client objects passed to initialize() and the layout."""
+    """What `cfg` rules out for this run (after check_client_objects, which needs no process group): the batch
+    sizes over these ranks, the layout, offloading, a client optimizer rebuilt over shards."""
     cfg.batch_sizes(topology.dp_world_size)  # raises when the batch sizes do not add up over these ranks
-    _check_client_objects(cfg, optimizer, lr_scheduler, model_parameters)
     if topology.tp_size > 1:
         _check_tensor_parallel(optimizer, model_parameters, built_under_zero_init)
-    _check_offload(cfg, topology, optimizer)
     _check_step_in_backward(cfg, topology)
+    check_offload(cfg, topology.dp_world_size, optimizer)
     sharded = cfg.zero_optimization.stage >= 1 and topology.dp_world_size > 1
     if optimizer is not None and (sharded or cfg.bf16.enabled or cfg.fp16.enabled or built_under_zero_init):
         _check_client_optimizer_rebuild(optimizer, lr_scheduler)
 
 
-def _check_client_objects(cfg: Config, optimizer, lr_scheduler, model_parameters) -> None:
+def check_client_objects(cfg: Config, optimizer=None, lr_scheduler=None, model_parameters=None) -> None:
+    """The optimizer, scheduler and parameters passed to initialize(), against the config's sections."""
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("optimizer: given both in the config and as initialize(optimizer=...); keep one")
     if optimizer is None and cfg.optimizer is None:
@@ -144,7 +146,9 @@ def _check_tensor_parallel(optimizer, model_parameters, built_under_zero_init: b
                           "parallelism; build it normally (each rank then keeps only its shards after initialize)")
 
 
-def _check_offload(cfg: Config, topology: Topology, optimizer) -> None:
+def check_offload(cfg: Config, dp_world_size: int, optimizer=None) -> None:
+    """What offloading needs: the config's optimizer, stepping where parameter shards live (stage 3 over 2 or
+    more ranks, fp32), one swap directory."""
     zero = cfg.zero_optimization
     offload, offload_param = zero.offload_optimizer, zero.offload_param
     if offload_param.device in OFFLOADED and (optimizer is not None or offload.device not in OFFLOADED):
@@ -161,7 +165,7 @@ def _check_offload(cfg: Config, topology: Topology, optimizer) -> None:
         raise ConfigError(f"zero_optimization.offload_param.device: {offload_param.device!r} — offloading 16-bit "
                           "parameter shards with fp32 master weights is not supported yet; train in fp32 with "
                           "offload_param, or keep bf16/fp16 and remove offload_param")
-    if topology.dp_world_size == 1:
+    if dp_world_size == 1:
         raise ConfigError(f"zero_optimization.offload_param.device: {offload_param.device!r} — parameter shards are "
                           "offloaded only when ZeRO stage 3 shards them over 2 or more data-parallel ranks, and this "
                           "run has one; not supported yet in a single process: remove offload_param (optimizer "

@@ -22,7 +22,7 @@ from torch import nn
 from engine.activation_checkpointing import ActivationCheckpointing
 from engine.comm import CommCounter, broadcast_from
 from engine.config import Config, load_config
-from engine.config_checks import check_run
+from engine.config_checks import check_client_objects, check_offload, check_run
 from engine.engine import Engine
 from engine.lr_schedules import build_lr_scheduler
 from engine.monitor import Monitor
@@ -39,7 +39,7 @@ from engine.zero.offload_policy import OffloadPolicy, build_offloaded_optimizer
 from engine.zero.param_gather import ParamGatherer
 from engine.zero.policy import ChunkKind, ShardingPolicy
 from engine.zero.runtime import ZeroRuntime
-from engine.zero.zero_init import materialize_parameters, zero_init_placeholders
+from engine.zero.zero_init import materialize_parameters, zero_init_placeholders, zero_init_recording
 from offload.chunk import DEFAULT_CHUNK_CAPACITY, best_capacity
 
 # reduce_bucket_size defaults to 5e8 elements (DeepSpeed); a chunk that large would leave nothing
@@ -82,9 +82,10 @@ def initialize(
     model_parameters: parameters or param-group dicts for the config's optimizer (default: all).
     """
     cfg = load_config(config)
+    check_client_objects(cfg, optimizer, lr_scheduler, model_parameters)
     topology = Topology.from_environment(tp_size=cfg.tensor_parallel.size, tp_mode=cfg.tensor_parallel.mode)
     check_run(cfg, topology, optimizer=optimizer, lr_scheduler=lr_scheduler, model_parameters=model_parameters,
-              built_under_zero_init=any(p.is_meta for p in model.parameters()))
+              built_under_zero_init=zero_init_recording(model) is not None)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     recording, meta_of = zero_init_placeholders(model, topology.device)  # Note [zero_init]
@@ -151,6 +152,7 @@ def build_chunk_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.dev
                           client: torch.optim.Optimizer | None = None) -> torch.optim.Optimizer:
     """The optimizer over the chunks: the config's, with its states placed by the OffloadPolicy (Note [offload
     policy]); or the client's, rebuilt over this rank's shards or fp32 masters when there are any."""
+    check_offload(cfg, chunked.shard_count, client)  # (initialize checked it already; this step may run alone)
     policy = OffloadPolicy.from_config(cfg, chunked)
     if client is None and policy.offloads:
         return build_offloaded_optimizer(cfg, chunked, device, policy)

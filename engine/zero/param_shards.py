@@ -77,11 +77,6 @@ class ShardedParams:
     def persistent(self) -> list[bool]:
         return [s.persistent for s in self.states]
 
-    @property
-    def managed(self) -> list[int | None]:
-        """Each shard's manager chunk (None: in memory)."""
-        return [s.param_handle for s in self.states]
-
     def offload_to(self, manager: ChunkManager, home: Location, compute: Location) -> None:
         """Moves every non-persistent shard into `manager` on `home`; the shard tensors become placeholders."""
         self._manager, self._compute = manager, compute

@@ -106,8 +106,10 @@ class ZeroRuntime:
             with self._released_parameter_hint():
                 yield
         finally:
-            self.post_forward()
-            self.phase = TrainingPhase.IDLE
+            try:
+                self.post_forward()
+            finally:
+                self.phase = TrainingPhase.IDLE
 
     def pre_forward(self) -> None:
         with record_function("tiers.zero.pre_forward"):
@@ -145,28 +147,30 @@ class ZeroRuntime:
 
     @contextlib.contextmanager
     def backward(self, boundary: bool, loss_scale: float):
-        """Around autograd's backward of one micro-batch; `boundary`: it ends the accumulation."""
-        reduces = self.pre_backward(boundary, loss_scale)
+        """Around autograd's backward of one micro-batch; `boundary`: it ends the accumulation. Whether it reduces
+        is decided (and refused, for a second synchronized backward) before anything is armed."""
+        every_backward = self.chunked.sharded_grads is not None  # Note [sharded gradients]
+        reduces = self.reducer is not None and (every_backward or (boundary and not self.inside_no_sync))
+        if reduces:
+            self._check_one_synchronized_backward(every_backward)
+        self._enter(TrainingPhase.BACKWARD)
         try:
+            self.pre_backward(reduces, boundary, loss_scale)
             with self._released_parameter_hint():
                 yield
             self.post_backward(reduces)
         except BaseException as e:
             self._abandon_backward(reduces, e)
             raise
+        self.phase = TrainingPhase.IDLE
 
-    def pre_backward(self, boundary: bool, loss_scale: float) -> bool:
-        """Arms the reducer when this backward reduces (Note [micro-steps and boundaries]); returns whether it does."""
+    def pre_backward(self, reduces: bool, boundary: bool, loss_scale: float) -> None:
+        """Arms the reducer when this backward reduces (Note [micro-steps and boundaries])."""
         with record_function("tiers.zero.pre_backward"):
-            every_backward = self.chunked.sharded_grads is not None  # Note [sharded gradients]
-            reduces = self.reducer is not None and (every_backward or (boundary and not self.inside_no_sync))
             if reduces:
-                self._check_one_synchronized_backward(every_backward)
                 self.reducer.arm(self._shard_stepper(loss_scale) if self.steps_in_backward and boundary else None)
-            self._enter(TrainingPhase.BACKWARD)
             if self.gatherer is not None:
                 self.gatherer.begin(Pass.BACKWARD)
-            return reduces
 
     def _check_one_synchronized_backward(self, every_backward: bool) -> None:
         if self.synchronized and not every_backward:
@@ -200,17 +204,18 @@ class ZeroRuntime:
             if reduces:
                 self.reducer.complete_backward()
                 self.synchronized = True
-            self._enter(TrainingPhase.IDLE)
 
     def _abandon_backward(self, reduces: bool, error: BaseException) -> None:
-        """After a failed backward: nothing stays gathered, nothing more is reduced or stepped."""
-        if self.gatherer is not None and self.gatherer.phase is not Pass.IDLE:
-            self.gatherer.end()
+        """After a failed backward: idle, nothing stays gathered, nothing more is reduced or stepped (even when
+        releasing fails too)."""
         self.phase = TrainingPhase.IDLE
-        if not reduces:
-            return
-        self.reducer.disarm()  # also drops the step callback: nothing more is stepped
-        if self.steps_in_backward and self.optimizer.stepped_early:
+        try:
+            if self.gatherer is not None and self.gatherer.phase is not Pass.IDLE:
+                self.gatherer.end()
+        finally:
+            if reduces:
+                self.reducer.disarm()  # also drops the step callback: nothing more is stepped
+        if reduces and self.steps_in_backward and self.optimizer.stepped_early:
             raise RuntimeError(
                 f"backward failed after offload_optimizer.step_in_backward had updated {self.optimizer.stepped_early} "
                 "parameter shard(s) with their final gradients: the model is partly updated and cannot be rolled "
@@ -228,7 +233,8 @@ class ZeroRuntime:
     @contextlib.contextmanager
     def step(self, loss_scale: float):
         """Around the update at an accumulation boundary: pre_step, then (yielding its GradStats) the caller's
-        update, then post_step. A failure leaves the engine idle, its gradients as they were."""
+        update, then post_step. A failure leaves the engine idle (not rolled back: the gradients may be reduced,
+        unscaled and clipped, the model partly updated)."""
         self._enter(TrainingPhase.STEP)
         try:
             stats = self.pre_step(loss_scale)

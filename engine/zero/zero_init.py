@@ -201,19 +201,29 @@ def zero_init(config=None):
         handle.remove()
 
 
+def zero_init_recording(model: nn.Module) -> InitRecording | None:
+    """What `zero_init` recorded while the model was built (None for a model without meta parameters); raises
+    for a meta parameter it did not build."""
+    metas = [p for p in model.parameters() if p.is_meta]
+    if not metas:
+        return None
+    recording = next((getattr(p, "tiers_zero_init", None) for p in metas), None)
+    strays = [n for n, p in model.named_parameters() if p.is_meta and not (recording and recording.knows(p))]
+    if strays:
+        raise ValueError(f"parameter {strays[0]!r} is on the meta device but was not built inside engine.zero_init(); "
+                         "build the model inside `with zero_init():`, or give it real weights before initialize()")
+    return recording
+
+
 def zero_init_placeholders(model: nn.Module,
                            device: torch.device) -> tuple[InitRecording | None, dict[int, torch.Tensor]]:
     """Swaps each meta parameter of a model built under `zero_init` for a real Parameter on `device` whose
     memory is not touched (torch.empty; the chunks take its place next); returns the recording and
     id(new parameter) -> its meta parameter. (None, {}) for a model without meta parameters."""
-    metas = {id(p): p for p in model.parameters() if p.is_meta}
-    if not metas:
+    recording = zero_init_recording(model)
+    if recording is None:
         return None, {}
-    recording = next((getattr(p, "tiers_zero_init", None) for p in metas.values()), None)
-    strays = [n for n, p in model.named_parameters() if p.is_meta and not (recording and recording.knows(p))]
-    if strays:
-        raise ValueError(f"parameter {strays[0]!r} is on the meta device but was not built inside engine.zero_init(); "
-                         "build the model inside `with zero_init():`, or give it real weights before initialize()")
+    metas = {id(p): p for p in model.parameters() if p.is_meta}
     replacement: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):  # tied parameters: one replacement for all their places
