@@ -19,6 +19,7 @@ not to the OS. The NVMe store's staging buffers, used only for chunks too small 
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 
 import torch
@@ -94,6 +95,24 @@ class HostBufferPool:
         """What `trim(None, spare)` would free."""
         kept = self._free.get(spare) if spare is not None else None
         return self.free_bytes - (kept[0].untyped_storage().nbytes() if kept else 0)
+
+
+def pinned_memory_available() -> bool:
+    """Whether this process can allocate pinned (page-locked) host memory: torch pins through an accelerator's
+    driver (CUDA, or another accelerator backend), so a CPU-only machine has no pinned allocator."""
+    accelerator = getattr(torch, "accelerator", None)
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
+def pinning(requested: bool) -> bool:
+    """`pin_memory` as honoured here: as requested where a pinned allocator exists; else off, said once in the log
+    (offload configs carry "pin_memory": true for GPU machines, and the same config runs on a CPU-only one)."""
+    if requested and not pinned_memory_available():
+        logging.getLogger("tiers.offload").warning(
+            "pin_memory: this machine has no pinned-memory allocator (no CUDA or other accelerator), so host "
+            "buffers are ordinary memory")
+        return False
+    return requested
 
 
 def pinned_block_size(nbytes: int) -> int:

@@ -48,7 +48,7 @@ import torch
 from offload.chunk import DEFAULT_CHUNK_CAPACITY, Chunk, Location, best_capacity, plan_slots
 from offload.copy_engine import CopyEngine
 from offload.errors import OffloadError
-from offload.host_pool import HostBufferPool
+from offload.host_pool import HostBufferPool, pinning
 from offload.nvme import NvmeStore
 from offload.policy import PlacementPolicy, is_above, next_tier, worth_prefetching
 from offload.residency import ChunkEntry, Residency, budget_message, held_bytes
@@ -96,7 +96,7 @@ class ChunkManager:
         for name, value in (("device", budgets.device), ("cpu", budgets.cpu)):
             if value is not None and value < 0:
                 raise ValueError(f"the {name} budget must be >= 0 bytes or None (unbounded), got {value}")
-        pinned = self.device.type == "cuda" if pin_memory is None else pin_memory
+        pinned = self.device.type == "cuda" if pin_memory is None else pinning(pin_memory)
         self.store = (NvmeStore(nvme_dir, threads=nvme_threads, queue_depth=nvme_queue_depth,
                                 block_size=nvme_block_size) if nvme_dir else None)
         self.pool = HostBufferPool(pinned=pinned, block_size=self.store.block_size if self.store else 1 << 20,
