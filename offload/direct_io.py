@@ -11,7 +11,7 @@ Which bytes move from where:
   whole pages, and only the rest (under a block and a page) is copied to a staging buffer. The
   file's padding is then whatever the storage holds past the tensor: not payload, not checksummed.
 - A read goes through a staging buffer, even into an aligned tensor: the destination is not
-  touched until the file's size and CRC are verified (Note [nvme integrity]), and no byte past
+  touched until the file's size and checksum are verified (Note [nvme integrity]), and no byte past
   the destination tensor is written (it may be a neighbouring view of the storage). Only a
   caller that declares the destination scratch (`read(..., scratch=True)`: contents and storage
   padding its own) has an aligned destination read in place, padding included.

@@ -282,7 +282,26 @@ def test_flipped_byte_is_refused_and_destination_kept(tmp_path, aligned):
         byte = f.read(1)
         f.seek(5000)
         f.write(bytes([byte[0] ^ 0x10]))
-    _assert_read_refused(store, path, "is corrupt: CRC-32", aligned)
+    _assert_read_refused(store, path, "is corrupt: XXH3-64", aligned)
+    store.close()
+
+
+def test_another_keys_file_of_the_same_size_is_refused_and_destination_kept(tmp_path, aligned):
+    store, path = _damaged_store(tmp_path, aligned)
+    store.write("other", _host_tensor(aligned, torch.randn(3000))).wait()
+    [other] = [os.path.join(store.path, name) for name in swap_files(store) if os.path.join(store.path, name) != path]
+    os.replace(other, path)  # the victim's file now holds the other key's bytes
+    _assert_read_refused(store, path, "is corrupt: XXH3-64", aligned)
+    store.close()
+
+
+def test_blocks_in_another_order_are_refused_and_destination_kept(tmp_path, aligned):
+    store, path = _damaged_store(tmp_path, aligned)
+    with open(path, "r+b") as f:  # the file's first two 4 KiB blocks exchanged: same bytes, other order
+        first, second = f.read(4096), f.read(4096)
+        f.seek(0)
+        f.write(second + first)
+    _assert_read_refused(store, path, "is corrupt: XXH3-64", aligned)
     store.close()
 
 
