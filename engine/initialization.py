@@ -153,7 +153,8 @@ def build_chunk_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.dev
     """The optimizer over the chunks: the config's, with its states placed by the OffloadPolicy (Note [offload
     policy]); or the client's, rebuilt over this rank's shards or fp32 masters when there are any."""
     check_offload(cfg, chunked.shard_count, client)  # (initialize checked it already; this step may run alone)
-    policy = OffloadPolicy.from_config(cfg, chunked)
+    policy = OffloadPolicy.from_config(cfg, grads_sharded=chunked.sharded_grads is not None,
+                                       masters=chunked.masters is not None)
     if client is None and policy.offloads:
         return build_offloaded_optimizer(cfg, chunked, device, policy)
     if client is None:

@@ -81,7 +81,8 @@ def test_offload_policy_homes_each_kind_as_the_table_says(tmp_path):
         cfg = load_config({**CONFIG, "bf16": {"enabled": bf16}, "zero_optimization": zero})
         topology = _single_rank_view(dp)
         chunked = chunk_parameters(tiny_gpt(), cfg, topology, [{"params": list(tiny_gpt().parameters())}])
-        return OffloadPolicy.from_config(cfg, chunked).homes
+        return OffloadPolicy.from_config(cfg, grads_sharded=chunked.sharded_grads is not None,
+                                         masters=chunked.masters is not None).homes
 
     assert homes(1) == {ChunkKind.OPTIM: Location.NVME}
     assert homes(2) == {ChunkKind.OPTIM: Location.NVME}  # one rank: gradients are not sharded

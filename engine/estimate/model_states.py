@@ -27,8 +27,9 @@ from engine.config import Config
 from engine.initialization import chunk_layout, persistence_threshold
 from engine.optim import build_optimizer
 from engine.precision import PrecisionPolicy
+from engine.zero.offload_policy import OffloadPolicy, nvme_window
 from engine.zero.policy import ChunkKind, ShardingPolicy
-from offload.chunk import plan_slots
+from offload.chunk import Location, plan_slots
 
 FP32 = 4
 
@@ -161,27 +162,20 @@ def _placement(config: Config, chunks: list[ChunkSpec], param: int, grad: int, s
                shard_params: bool, shard_grads: bool, masters: bool, largest: int) -> Tiers:
     """Which tier each kind lives on (Note [offloaded optimizer states]). On a machine without an accelerator
     the device tier is CPU memory too, but it is still reported as the device tier."""
-    zero = config.zero_optimization
-    optimizer_home = zero.offload_optimizer.device if zero.offload_optimizer.device in ("cpu", "nvme") else None
-    param_home = zero.offload_param.device if zero.offload_param.device in ("cpu", "nvme") else None
+    configured = OffloadPolicy.from_config(config, grads_sharded=shard_grads, masters=masters)
+    policy = configured  # parameters are offloaded only as stage-3 shards (Note [offloaded parameter shards])
+    if not shard_params:
+        policy = OffloadPolicy({k: v for k, v in configured.homes.items() if k is not ChunkKind.PARAM})
+    optimizer_home = policy.home(ChunkKind.OPTIM)
     if optimizer_home is None:
         return Tiers(device=param + grad + states + master_bytes)
-    tiers = Tiers().on(optimizer_home, states).on("device", master_bytes)
-    grads_offloaded = shard_grads and not masters
-    tiers = tiers.on(optimizer_home if grads_offloaded else "device", grad)
-    if param_home is not None and shard_params:
-        persistent = sum(c.nbytes for c in chunks if c.persistent)
-        tiers = tiers.on(param_home, param - persistent).on("device", persistent)
-    else:
-        tiers = tiers.on("device", param)
+    tier = {kind: (home.value if home is not None else "device") for kind in ChunkKind
+            for home in [policy.home(kind)]}
+    tiers = Tiers().on(tier[ChunkKind.OPTIM], states).on("device", master_bytes).on(tier[ChunkKind.GRAD], grad)
+    persistent = sum(c.nbytes for c in chunks if c.persistent) if policy.home(ChunkKind.PARAM) else 0
+    tiers = tiers.on(tier[ChunkKind.PARAM], param - persistent).on("device", persistent)
     # NVMe kinds stream through a CPU window of buffer_count stepped tensors each (the CPU budget initialize sets)
-    block = config.aio.block_size
-    window = 0
     user_budget = config.memory.budget_bytes("cpu_budget")
-    if user_budget is not None and (optimizer_home == "nvme" or param_home == "nvme"):
+    if user_budget is not None and configured.uses(Location.NVME):
         return tiers.on("cpu", max(user_budget - tiers.cpu, 0))  # the manager may fill the user's CPU budget
-    if optimizer_home == "nvme":
-        window += zero.offload_optimizer.buffer_count * (3 if grads_offloaded else 2) * (largest + block)
-    if param_home == "nvme" and shard_params:
-        window += zero.offload_param.buffer_count * (largest + block)
-    return tiers.on("cpu", window)
+    return tiers.on("cpu", nvme_window(config, policy, largest))

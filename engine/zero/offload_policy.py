@@ -38,12 +38,14 @@ class OffloadPolicy:
     homes: dict[ChunkKind, Location]
 
     @classmethod
-    def from_config(cls, cfg: Config, chunked: ChunkedParams) -> "OffloadPolicy":
+    def from_config(cls, cfg: Config, *, grads_sharded: bool, masters: bool) -> "OffloadPolicy":
+        """grads_sharded: this run keeps gradient shards (stage 2-3, 2 or more ranks); masters: bf16/fp16 with
+        fp32 master weights (their fp32 gradients stay where the step stages them)."""
         zero = cfg.zero_optimization
         homes = {}
         if zero.offload_optimizer.device in _TIERS:
             homes[ChunkKind.OPTIM] = _TIERS[zero.offload_optimizer.device]
-            if chunked.sharded_grads is not None and chunked.masters is None:  # Note [offloaded gradient shards]
+            if grads_sharded and not masters:  # Note [offloaded gradient shards]
                 homes[ChunkKind.GRAD] = homes[ChunkKind.OPTIM]
         if zero.offload_param.device in _TIERS:
             homes[ChunkKind.PARAM] = _TIERS[zero.offload_param.device]
@@ -68,7 +70,7 @@ def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch
     zero, aio = cfg.zero_optimization, cfg.aio
     offload, offload_param = zero.offload_optimizer, zero.offload_param
     groups = chunked.optimizer_param_groups()  # over the stepped tensors, before any is offloaded
-    window = _nvme_window(cfg, groups, policy)
+    window = nvme_window(cfg, policy, max(p.numel() * p.element_size() for g in groups for p in g["params"]))
     user_budget = cfg.memory.budget_bytes("cpu_budget")  # the user's cap replaces the default
     on_cpu, on_nvme = policy.uses(Location.CPU), policy.uses(Location.NVME)
     budget = user_budget if user_budget is not None else (window if on_nvme and not on_cpu else None)
@@ -95,11 +97,10 @@ def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch
     return optimizer
 
 
-def _nvme_window(cfg: Config, groups: list[dict], policy: OffloadPolicy) -> int:
+def nvme_window(cfg: Config, policy: OffloadPolicy, largest: int) -> int:
     """CPU bytes for the chunks streamed through from NVMe: `buffer_count` of each kind, each the largest
-    stepped tensor plus an O_DIRECT block (state chunks: exp_avg + exp_avg_sq, 2x a tensor)."""
+    stepped tensor (`largest` bytes) plus an O_DIRECT block (state chunks: exp_avg + exp_avg_sq, 2x a tensor)."""
     zero, block = cfg.zero_optimization, cfg.aio.block_size
-    largest = max(p.numel() * p.element_size() for g in groups for p in g["params"])
     window = 0
     if policy.home(ChunkKind.OPTIM) is Location.NVME:
         per_buffer = 3 if policy.home(ChunkKind.GRAD) is not None else 2  # (+ the gradient shard, streamed along)
