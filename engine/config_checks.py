@@ -161,15 +161,6 @@ def check_offload(cfg: Config, dp_world_size: int, optimizer=None) -> None:
                           "supported yet; give the optimizer in the config's 'optimizer' section instead")
     if offload_param.device not in OFFLOADED:
         return
-    if cfg.bf16.enabled or cfg.fp16.enabled:
-        raise ConfigError(f"zero_optimization.offload_param.device: {offload_param.device!r} — offloading 16-bit "
-                          "parameter shards with fp32 master weights is not supported yet; train in fp32 with "
-                          "offload_param, or keep bf16/fp16 and remove offload_param")
-    if dp_world_size == 1:
-        raise ConfigError(f"zero_optimization.offload_param.device: {offload_param.device!r} — parameter shards are "
-                          "offloaded only when ZeRO stage 3 shards them over 2 or more data-parallel ranks, and this "
-                          "run has one; not supported yet in a single process: remove offload_param (optimizer "
-                          "states still offload) or launch more ranks")
     if offload.device == "nvme" == offload_param.device and offload_param.nvme_path != offload.nvme_path:
         raise ConfigError("zero_optimization.offload_param.nvme_path: Tiers keeps parameter shards and optimizer "
                           "states in one swap directory; give both the same nvme_path")
@@ -184,12 +175,15 @@ def _check_step_in_backward(cfg: Config, topology: Topology) -> None:
     if zero.offload_optimizer.device not in OFFLOADED:
         raise ConfigError(f"{key}: steps the offloaded optimizer; set zero_optimization.offload_optimizer.device to "
                           "cpu or nvme, or remove step_in_backward")
-    if zero.stage < 2 or topology.dp_world_size == 1:
-        raise ConfigError(f"{key}: needs gradient shards, i.e. ZeRO stage 2 or 3 over 2 or more data-parallel ranks "
-                          f"(this run: stage {zero.stage}, {topology.dp_world_size} rank(s)); remove step_in_backward")
-    if cfg.bf16.enabled or cfg.fp16.enabled:
-        raise ConfigError(f"{key}: not supported yet with bf16/fp16 (fp32 master gradients are staged after backward); "
-                          "train in fp32 or remove step_in_backward")
+    paged = zero.stage == 3 and zero.offload_param.device in OFFLOADED  # Note [paging in one process]
+    if zero.stage < 2 or (topology.dp_world_size == 1 and not paged):
+        raise ConfigError(f"{key}: needs gradient shards, i.e. ZeRO stage 2 or 3 over 2 or more data-parallel ranks, "
+                          f"or stage 3 with offload_param in one process (this run: stage {zero.stage}, "
+                          f"{topology.dp_world_size} rank(s)); remove step_in_backward")
+    if cfg.fp16.enabled:
+        raise ConfigError(f"{key}: fp16 skips a step whose gradients overflow, which is known only once every "
+                          "gradient is in, and step_in_backward updates before that; use bf16 (no loss scaling), "
+                          "or remove step_in_backward")
     if cfg.gradient_clipping > 0:
         raise ConfigError(f"{key}: clipping by the global gradient norm needs every gradient before the first "
                           f"update, and step_in_backward updates during backward; set gradient_clipping to 0 "

@@ -22,7 +22,7 @@ from torch import nn
 from engine.activation_checkpointing import ActivationCheckpointing
 from engine.comm import CommCounter, broadcast_from
 from engine.config import Config, load_config
-from engine.config_checks import check_client_objects, check_offload, check_run
+from engine.config_checks import OFFLOADED, check_client_objects, check_offload, check_run
 from engine.engine import Engine
 from engine.lr_schedules import build_lr_scheduler
 from engine.monitor import Monitor
@@ -142,7 +142,8 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
                             shard_count=shards, shard_rank=topology.dp_rank if shards > 1 else 0,
                             shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
                             persistence_threshold=persistence_threshold(cfg), pending=pending,
-                            compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype)
+                            compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype,
+                            page_params=cfg.zero_optimization.offload_param.device in OFFLOADED)
     if tensor_parallel is not None:
         chunked.norm_weights = tensor_parallel.norm_weights(model)
     return chunked
@@ -177,8 +178,8 @@ def zero_runtime(model: nn.Module, cfg: Config, chunked: ChunkedParams, optimize
                                  prefetch, zero.stage3_max_live_parameters)
     overlap = zero.overlap_comm is not False  # stage 0 overlaps unless told not to
     reducer = (GradReducer(chunked, topology.dp_group, comm, overlap, zero.reduce_scatter,
-                           gatherer.on_grads_complete if gatherer else None)
-               if topology.is_distributed else None)
+                           gatherer.on_grads_complete if gatherer else None, peers=topology.is_distributed)
+               if topology.is_distributed or chunked.sharded_grads is not None else None)
     clipper = GradientClipper(chunked, topology, comm, cfg.gradient_clipping, loss_scaler.checks_overflow,
                               norm_logged=cfg.tensorboard.enabled)
     return ZeroRuntime(chunked, optimizer, topology, comm, clipper, gatherer, reducer,

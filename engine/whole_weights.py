@@ -44,12 +44,12 @@ def _chunk_values(chunked: ChunkedParams, gatherer: ParamGatherer | None, index:
         with gatherer.gathered([index]):
             yield lambda p: p.detach()
         return
-    shard = chunked.masters.masters[index]  # this rank's fp32 master of the chunk (all of it unsharded)
-    full = shard
-    if chunked.sharded:
-        full = torch.empty(shard.numel() * chunked.shard_count, dtype=shard.dtype, device=shard.device)
-        all_gather_into(full, shard, group, counter, async_op=False)
-    yield lambda p: chunked.master_values(p, full)
+    with chunked.masters.master(index, writes=False) as shard:  # this rank's fp32 master (all of it unsharded)
+        full = shard
+        if chunked.sharded:
+            full = torch.empty(shard.numel() * chunked.shard_count, dtype=shard.dtype, device=shard.device)
+            all_gather_into(full, shard, group, counter, async_op=False)
+        yield lambda p: chunked.master_values(p, full)
 
 
 @contextlib.contextmanager

@@ -87,9 +87,14 @@ def test_offload_policy_homes_each_kind_as_the_table_says(tmp_path):
     assert homes(1) == {ChunkKind.OPTIM: Location.NVME}
     assert homes(2) == {ChunkKind.OPTIM: Location.NVME}  # one rank: gradients are not sharded
     assert homes(2, dp=2) == {ChunkKind.OPTIM: Location.NVME, ChunkKind.GRAD: Location.NVME}
-    assert homes(2, bf16=True, dp=2) == {ChunkKind.OPTIM: Location.NVME}  # fp32 master gradients stay
+    # 16-bit gradient shards go with the masters (Note [offloaded master weights])
+    assert homes(2, bf16=True, dp=2) == {ChunkKind.OPTIM: Location.NVME, ChunkKind.GRAD: Location.NVME}
     assert homes(3, param="cpu", dp=2) == {ChunkKind.OPTIM: Location.NVME, ChunkKind.GRAD: Location.NVME,
                                            ChunkKind.PARAM: Location.CPU}
+    # one rank pages its shards (Note [paging in one process])
+    assert homes(3, bf16=True, param="nvme") == {ChunkKind.OPTIM: Location.NVME, ChunkKind.GRAD: Location.NVME,
+                                                 ChunkKind.PARAM: Location.NVME}
+    assert homes(3) == {ChunkKind.OPTIM: Location.NVME}  # without offload_param one rank keeps whole chunks
 
 
 def _single_rank_view(dp: int) -> Topology:

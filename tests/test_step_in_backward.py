@@ -83,7 +83,7 @@ def test_stepping_in_backward_matches_single_process(unclipped_reference, tmp_pa
 
 def _misuse_worker(rank, world, nvme_dir):
     refusals = {}
-    for name, change in {"clipping": {"gradient_clipping": 1.0}, "bf16": {"bf16": {"enabled": True}}}.items():
+    for name, change in {"clipping": {"gradient_clipping": 1.0}, "fp16": {"fp16": {"enabled": True}}}.items():
         try:
             initialize(tiny_gpt(seed=rank), early_config(2, world, nvme_dir, **change))
         except ConfigError as e:
@@ -123,7 +123,7 @@ def _misuse_worker(rank, world, nvme_dir):
 def test_stepping_in_backward_refuses_what_it_cannot_do(tmp_path):
     for refusals in run_distributed(_misuse_worker, 2, args=(str(tmp_path),)):
         assert "set gradient_clipping to 0" in refusals["clipping"]
-        assert "bf16/fp16" in refusals["bf16"]
+        assert "fp16 skips a step whose gradients overflow" in refusals["fp16"] and "use bf16" in refusals["fp16"]
         assert "ZeRO stage 2 or 3" in refusals["stage 1"]
         assert "already updated the model" in refusals["second backward"]
         message, cause = refusals["failed backward"]
@@ -131,7 +131,7 @@ def test_stepping_in_backward_refuses_what_it_cannot_do(tmp_path):
         assert "injected failure" in cause
 
 
-def test_stepping_in_backward_needs_an_offloaded_optimizer_and_more_than_one_rank(tmp_path):
+def test_stepping_in_backward_needs_an_offloaded_optimizer_and_gradient_shards(tmp_path):
     cfg = early_config(2, 1, str(tmp_path))
     with pytest.raises(ConfigError, match="2 or more data-parallel ranks"):
         initialize(tiny_gpt(), cfg)
@@ -166,3 +166,36 @@ def test_a_shard_step_failing_on_one_rank_raises_there_without_hanging_the_other
     assert ok == "ok"  # rank 0 finished its backward: rank 1 still launched every reduction
     message, cause = failed
     assert "partly updated" in message and "injected: the swap disk failed" in cause
+
+
+def _bf16_worker(rank, world, nvme_dir, early):
+    """bf16, stage 3, everything offloaded to NVMe; step_in_backward on or off."""
+    cfg = early_config(3, world, nvme_dir, "nvme", "nvme", bf16={"enabled": True})
+    cfg["zero_optimization"]["offload_optimizer"]["step_in_backward"] = early
+    engine = initialize(tiny_gpt(seed=rank), cfg)
+    losses, stepped = [], []
+    for x in token_batches(STEPS, GLOBAL_BATCH):
+        for micro in micro_batches(x, rank, world, ACCUMULATION):
+            loss = engine(micro, micro)
+            engine.backward(loss)
+            stepped.append(engine.optimizer.stepped_early)
+            engine.step()
+            losses.append(loss.item())
+    params = trained_params(engine)  # the fp32 masters
+    engine.close()
+    return losses, params, stepped
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_stepping_in_backward_with_bf16_equals_stepping_after_it(tmp_path, world):
+    """Note [offloaded master weights]: each 16-bit gradient shard is widened, stepped into its fp32 master and
+    rounded into its bf16 shard during backward; the result is that of stepping after backward. One process
+    pages its shards through NVMe (Note [paging in one process])."""
+    runs = {}
+    for early in (False, True):
+        args = (str(tmp_path), early)
+        runs[early] = [_bf16_worker(0, 1, *args)] if world == 1 else run_distributed(_bf16_worker, world, args=args)
+    for (losses, params, stepped), (ref_losses, ref_params, ref_stepped) in zip(runs[True], runs[False]):
+        assert losses == ref_losses  # the same bf16 forward every micro-step
+        assert_params_close(params, ref_params)
+        assert ref_stepped == [0] * len(ref_stepped) and stepped[1] > 0 and stepped[0] == 0

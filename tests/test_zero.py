@@ -270,10 +270,13 @@ def _offload_worker(rank, world, stage, device, nvme_dir, param_device):
 
 @pytest.mark.parametrize("stage,device,param_device,world", [
     (1, "cpu", None, 2), (1, "nvme", None, 2), (2, "cpu", None, 2), (2, "nvme", None, 2), (3, "cpu", None, 2),
-    (3, "nvme", None, 2), (3, "cpu", "cpu", 2), (3, "nvme", "nvme", 2), (3, "nvme", "nvme", 4)])
+    (3, "nvme", None, 2), (3, "cpu", "cpu", 2), (3, "nvme", "nvme", 2), (3, "nvme", "nvme", 4),
+    (3, "cpu", "cpu", 1), (3, "nvme", "nvme", 1), (3, "cpu", "nvme", 1)])
 def test_offload_matches_single_process(reference, tmp_path, stage, device, param_device, world):
+    """world 1: in this process, without a process group (Note [paging in one process])."""
     ref_losses, ref_norms, ref_params = reference
-    results = run_distributed(_offload_worker, world, args=(stage, device, str(tmp_path), param_device))
+    args = (stage, device, str(tmp_path), param_device)
+    results = [_offload_worker(0, 1, *args)] if world == 1 else run_distributed(_offload_worker, world, args=args)
     assert_close_relative([sum(r[0][i] for r in results) / world for i in range(STEPS)], ref_losses)
     assert_close_relative(results[0][1], ref_norms)
     psi = sum(p.numel() for p in ref_params.values())
@@ -287,8 +290,10 @@ def test_offload_matches_single_process(reference, tmp_path, stage, device, para
             assert in_memory["grad"] == 0  # gradient shards live in the manager too (freed after each step)
         held = stats.resident_bytes["cpu"] + stats.resident_bytes["nvme"]
         assert in_manager * psi / world <= held
-        if device == "nvme":
-            assert stats.resident_bytes["nvme"] > 0 and stats.moved_bytes["nvme->cpu"] > 0
+        if "nvme" in (device, param_device):
+            assert stats.moved_bytes["nvme->cpu"] > 0 and stats.prefetches > 0
+        if device == "nvme" == (param_device or "nvme"):
+            assert stats.resident_bytes["nvme"] > 0
             streamed = in_manager + (4 if stage >= 2 else 0)  # bytes per owned element that pass through the manager
             assert stats.peak_bytes["cpu"] < streamed * psi / world  # only a window of chunks in memory at once
             assert stats.prefetches > 0  # later steps read ahead from the first step's trace

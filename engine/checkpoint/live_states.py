@@ -72,11 +72,20 @@ class LiveStates:
     def values(self, index: int, writes: bool):
         """This rank's stepped elements of chunk `index`, fp32 (a master under bf16 / fp16), for the block."""
         chunked = self.chunked
-        if chunked.masters is None and chunked.sharded_params is not None:
+        if chunked.masters is not None:
+            with chunked.masters.master(index, writes=writes) as master:  # maybe offloaded
+                yield master
+        elif chunked.sharded_params is not None:
             with chunked.sharded_params.shard(index, writes=writes) as shard:  # maybe offloaded
                 yield shard
-            return
-        yield self._stepped[index]
+        else:
+            yield self._stepped[index]
+
+    @property
+    def values_offloaded(self) -> bool:
+        """Whether `values` may be views of a chunk manager's buffers (valid only inside the block)."""
+        chunked = self.chunked
+        return chunked.masters.offloaded if chunked.masters is not None else chunked.sharded_params is not None
 
     @contextlib.contextmanager
     def optimizer_state(self, index: int, writes: bool):

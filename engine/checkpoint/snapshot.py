@@ -51,7 +51,7 @@ def take_snapshot(run: TrainingState, states: LiveStates, copy: bool) -> RankSna
     tensor_states: list[str] = []
     scalar_states: list[str] = []
     if owns_chunks:
-        offloaded_values = chunked.sharded_params is not None and chunked.masters is None
+        offloaded_values = states.values_offloaded
         for i in range(len(states)):
             with states.values(i, writes=False) as values:
                 snap.tensors[f"chunk.{i}.param"] = keep(values, offloaded_values)

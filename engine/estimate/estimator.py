@@ -120,9 +120,7 @@ def estimate(factory: Callable[[], nn.Module], config: dict, world: int, tp_size
 def default_strategies(config: dict, world: int, tp_sizes: list[int] | None, nvme: bool) -> list[Strategy]:
     """The candidates at `world` ranks for tensor-parallel sizes 1, the config's and `tp_sizes`."""
     base = load_config(config)
-    masters = PrecisionPolicy.from_config(base).compute_dtype != torch.float32
-    return candidate_strategies(world, sorted({1, base.tensor_parallel.size, *(tp_sizes or [])}), nvme=nvme,
-                                offload_param=not masters)
+    return candidate_strategies(world, sorted({1, base.tensor_parallel.size, *(tp_sizes or [])}), nvme=nvme)
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,12 @@ steps follows from the sharding policy (Note [sharding policy]) over N data-para
           measured by stepping the config's optimizer once on a small tensor, plus 4 bytes of fp32
           master weight with bf16/fp16
 These three numbers are what `Engine.model_state_bytes()` counts. Offload moves kinds between
-tiers (Note [offloaded optimizer states]): optimizer states, and with fp32 stages 2-3 the gradient
-shards, to CPU or NVMe; with offload_param the parameter shards too. Transient buffers (a stage-2
-gradient chunk while it is reduced, stage-3 gathered chunks, bf16 fp32 gradients at the update)
-are reported apart, as they add to the peak but not to the state at rest.
+tiers (Note [offload policy]): optimizer states and fp32 masters, and with stages 2-3 the gradient
+shards, to CPU or NVMe; with offload_param the parameter shards too, in one process as well
+(Note [paging in one process]). Transient buffers (a stage-2 gradient chunk while it is reduced,
+stage-3 gathered chunks, bf16 fp32 gradients at the update: all of them, or with managed gradient
+shards the one being stepped) are reported apart, as they add to the peak but not to the state at
+rest.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import Config
+from engine.config_checks import OFFLOADED
 from engine.initialization import chunk_layout, persistence_threshold
 from engine.optim import build_optimizer
 from engine.precision import PrecisionPolicy
@@ -129,8 +132,9 @@ def model_states(params: list[TrainableParam], config: Config, dp: int) -> Model
     def stepped(c: ChunkSpec) -> int:
         return c.numel // shards
 
-    shard_params = sharded and policy.shards(ChunkKind.PARAM)
-    shard_grads = sharded and policy.shards(ChunkKind.GRAD)
+    paged = zero.offload_param.device in OFFLOADED  # Note [paging in one process]: shards of one rank too
+    shard_params = (sharded or paged) and policy.shards(ChunkKind.PARAM)
+    shard_grads = (sharded or paged) and policy.shards(ChunkKind.GRAD)
     param = sum(stepped(c) * c.dtype.itemsize if shard_params and not c.persistent else c.nbytes for c in chunks)
     grad = sum(stepped(c) * c.dtype.itemsize if shard_grads else c.nbytes for c in chunks)
     state_dtype = {c.dtype for c in chunks} if not masters else {torch.float32}
@@ -149,7 +153,9 @@ def model_states(params: list[TrainableParam], config: Config, dp: int) -> Model
                      _prefetch_numel(config) + 2 * largest)
         gathered = window * (released[0].dtype.itemsize if released else 0)
     in_flight = 2 * max(c.nbytes for c in chunks) if shard_grads else 0  # one filling, one being reduced
-    update_extra = sum(stepped(c) * FP32 for c in chunks) if masters else 0
+    # fp32 gradients staged for every master; managed 16-bit shards are widened one stepped tensor at a time
+    streamed = zero.offload_optimizer.device in OFFLOADED and shard_grads
+    update_extra = (largest_stepped if streamed else sum(stepped(c) * FP32 for c in chunks)) if masters else 0
     return ModelStates(param, grad, states + master_bytes, tiers, gathered, in_flight, update_extra, tuple(chunks))
 
 
@@ -171,7 +177,8 @@ def _placement(config: Config, chunks: list[ChunkSpec], param: int, grad: int, s
         return Tiers(device=param + grad + states + master_bytes)
     tier = {kind: (home.value if home is not None else "device") for kind in ChunkKind
             for home in [policy.home(kind)]}
-    tiers = Tiers().on(tier[ChunkKind.OPTIM], states).on("device", master_bytes).on(tier[ChunkKind.GRAD], grad)
+    # Note [offloaded master weights]: the masters live with the states
+    tiers = Tiers().on(tier[ChunkKind.OPTIM], states + master_bytes).on(tier[ChunkKind.GRAD], grad)
     persistent = sum(c.nbytes for c in chunks if c.persistent) if policy.home(ChunkKind.PARAM) else 0
     tiers = tiers.on(tier[ChunkKind.PARAM], param - persistent).on("device", persistent)
     # NVMe kinds stream through a CPU window of buffer_count stepped tensors each (the CPU budget initialize sets)

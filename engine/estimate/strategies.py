@@ -52,8 +52,9 @@ class Strategy:
 def candidate_strategies(world: int, tp_sizes: list[int], nvme: bool = True,
                          offload_param: bool = True) -> list[Strategy]:
     """Every stage / offload / tensor-parallel combination worth comparing at `world` ranks, cheapest
-    communication first: DDP, ZeRO-1/2, TP, ZeRO-3, then CPU offload and NVMe. offload_param=False leaves
-    out parameter offload (the engine refuses it with bf16/fp16 masters)."""
+    communication first: DDP, ZeRO-1/2, TP, ZeRO-3, then CPU offload and NVMe (parameters offloaded too, in
+    one data-parallel rank as well: Note [paging in one process]). offload_param=False leaves out parameter
+    offload."""
     offloads = ["cpu"] + (["nvme"] if nvme else [])
     for tp in tp_sizes:
         if tp < 1 or world % tp:
@@ -63,8 +64,9 @@ def candidate_strategies(world: int, tp_sizes: list[int], nvme: bool = True,
     out += [Strategy(stage, tp) for tp in sharded for stage in (1, 2)]
     out += [Strategy(3, tp) for tp in sharded]
     for tp in tp_sizes:
-        for stage in ([1, 2, 3] if tp in sharded else [1]):
-            out += [Strategy(stage, tp, device) for device in offloads]
+        for stage in ([1, 2, 3] if tp in sharded else [1, 3]):
+            if tp in sharded or stage == 1:
+                out += [Strategy(stage, tp, device) for device in offloads]
             if stage == 3 and offload_param:
                 out += [Strategy(3, tp, device, device) for device in offloads]
     return sorted(out, key=lambda s: (s.offload_optimizer != "none", s.offload_optimizer == "nvme", s.stage == 3,

@@ -52,17 +52,20 @@ class ChunkedParams:
     def __init__(self, param_groups: list[dict], capacity: int, device: torch.device, first_capacity: int | None = None,
                  names: dict[int, str] | None = None, shard_count: int = 1, shard_rank: int = 0,
                  shard_grads: bool = False, shard_params: bool = False, persistence_threshold: int = 0,
-                 pending: set[int] | None = None, compute_dtype: torch.dtype = torch.float32):
+                 pending: set[int] | None = None, compute_dtype: torch.dtype = torch.float32,
+                 page_params: bool = False):
         """pending: ids of parameters whose values `load` brings later (zero_init); memory that would only
         hold values transiently is then left untouched (uninitialized payloads). compute_dtype bf16/fp16:
-        16-bit chunks with fp32 masters (Note [master weights])."""
+        16-bit chunks with fp32 masters (Note [master weights]). page_params: stage 3's shards (and stage 2's
+        gradient shards) even with one shard, so that offload_param can page chunks in around their use
+        (Note [paging in one process])."""
         for what, value in (("capacity", capacity), ("first chunk capacity", first_capacity or shard_count)):
             if value % shard_count:
                 raise ValueError(f"chunk {what} {value} is not a multiple of the shard count {shard_count}")
         self.shard_count, self.shard_rank = shard_count, shard_rank
         pending = pending or set()
         self.values_pending = values_pending = bool(pending)
-        sharding = shard_count > 1
+        sharding = shard_count > 1 or page_params  # per-rank shards exist (of the whole chunk, with one rank)
         self.groups: list[ChunkGroup] = []
         self._names = names or {}
         seen: set[int] = set()
@@ -92,7 +95,7 @@ class ChunkedParams:
                                                                                    and shard_params and not persistent),
                                              **layout)
                     grad_chunks = ChunkList([p.data for p in params], copy_values=False,
-                                            zeroed=not (values_pending and sharding and shard_grads), **layout)
+                                            zeroed=not (sharding and shard_grads), **layout)  # released at once
                 for p, pv, gv in zip(params, param_chunks.views, grad_chunks.views):
                     p.data = pv
                     p.grad = gv
@@ -102,7 +105,7 @@ class ChunkedParams:
         # Note [chunk phases]: one state per chunk index (param and grad chunk alike), in group order
         self.states: list[ChunkState] = []
         self._slot_of: dict[int, tuple[int, Slot]] = {}  # id(parameter) -> (its chunk's index, its slot)
-        stage3 = shard_params and self.sharded
+        stage3 = shard_params and sharding
         for g in self.groups:
             base = len(self.states)
             members: list[list[tuple[nn.Parameter, Slot, torch.Tensor]]] = [[] for _ in g.param_chunks.chunks]
@@ -131,7 +134,7 @@ class ChunkedParams:
                 state.stepped = state.param_shard
         # stage 2: persistent gradient shards; full gradient chunks only during backward (Note [sharded gradients])
         self.sharded_grads: ShardedGrads | None = None
-        if shard_grads and self.sharded:
+        if shard_grads and sharding:
             self.sharded_grads = ShardedGrads(self.states, shard_rank, shard_count)
             for state in self.states:
                 state.stepped_grad = state.grad_shard
@@ -195,8 +198,9 @@ class ChunkedParams:
                 part = self._owned_range(index, slot) if index is not None else None
                 if part is not None:
                     start, lo, hi = part
-                    self.masters.masters[index].narrow(0, lo - start, hi - lo).copy_(
-                        self.masters.targets[index].narrow(0, lo - start, hi - lo))
+                    with self.masters.target(index, writes=False) as target, \
+                            self.masters.master(index, writes=True) as master:  # wherever they live
+                        master.narrow(0, lo - start, hi - lo).copy_(target.narrow(0, lo - start, hi - lo))
 
     def finish_loading(self) -> None:
         """After every `load`: zero the padding (uninitialized memory) and, with stage 3, release the chunks."""
@@ -273,18 +277,22 @@ class ChunkedParams:
         """Gradient shards in the chunk manager (Note [offloaded gradient shards])."""
         return self.sharded_grads is not None and self.sharded_grads.managed is not None
 
-    def streamed_grad_square_sum(self) -> torch.Tensor:
-        """Note [offloaded gradient shards]: the sum of squares of this rank's per-parameter gradient norms
-        (as grad_norm_pieces cuts and weighs them), reading one managed shard at a time; float64."""
-        total = torch.zeros((), dtype=torch.float64)
-        for index in range(len(self.states)):
-            total += self.grad_square_sum(index)
-        return total
+    def streamed_grad_norms(self, unscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Note [offloaded gradient shards]: the norms of this rank's gradient pieces (as grad_norm_pieces cuts
+        them) and their weights, reading one managed shard at a time (see grad_norms)."""
+        norms, weights = zip(*(self.grad_norms(index, unscale) for index in range(len(self.states))))
+        return torch.cat(norms), torch.cat(weights)
 
-    def grad_square_sum(self, index: int) -> torch.Tensor:
-        """The same sum over managed gradient shard `index` alone."""
+    def grad_norms(self, index: int, unscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 norms, float64 weights) of the pieces of managed gradient shard `index`, widened to fp32 and
+        multiplied by `unscale` first, as the in-memory fp32 gradients are before their norms are taken."""
         with self.sharded_grads.shard(index, writes=False) as shard:
-            return weighted_square_sum(self._norm_pieces(index, shard)).cpu()
+            if shard.dtype != torch.float32 or unscale != 1.0:
+                shard = shard.float()
+                if unscale != 1.0:
+                    shard.mul_(unscale)
+            norms, weights = piece_norms(self._norm_pieces(index, shard))
+            return norms.cpu(), weights
 
     def stepped_grad_chunks(self) -> dict[int, int]:
         """id(stepped tensor) -> the manager chunk of its gradient shard, when those are managed."""
@@ -348,10 +356,15 @@ class ChunkedParams:
             state.stepped.grad = state.stepped_grad
 
 
-def weighted_square_sum(pieces: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
-    """sum of weight * ||piece||^2, float64 (per-piece norms keep fp32 accuracy, as torch's clip_grad_norm_)."""
+def piece_norms(pieces: list[tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the fp32 norm of each piece, its weight in float64): per-piece norms keep fp32 accuracy, as torch's
+    clip_grad_norm_ takes them per parameter."""
+    weights = torch.tensor([w for _, w in pieces], dtype=torch.float64)
     if not pieces:
-        return torch.zeros((), dtype=torch.float64)
-    norms = torch.stack(torch._foreach_norm([piece for piece, _ in pieces], 2.0)).double()
-    weights = torch.tensor([w for _, w in pieces], dtype=torch.float64, device=norms.device)
-    return (norms.square() * weights).sum()
+        return torch.zeros(0), weights
+    return torch.stack(torch._foreach_norm([piece for piece, _ in pieces], 2.0)), weights
+
+
+def square_sum_of_norms(norms: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum of weight * norm^2 in float64."""
+    return (norms.double().square() * weights.to(norms.device)).sum()

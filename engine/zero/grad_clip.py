@@ -21,7 +21,7 @@ import torch
 
 from engine.comm import CommCounter, all_reduce_sum
 from engine.topology import Topology
-from engine.zero.chunked_params import ChunkedParams, weighted_square_sum
+from engine.zero.chunked_params import ChunkedParams, piece_norms, square_sum_of_norms
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class GradStats:
 
     norm: float | None
     overflow: bool = False
-    streamed_scale: float = 1.0
+    streamed_scale: tuple[float, ...] = ()  # factors applied in turn (the unscaling, then the clipping)
 
 
 class GradientClipper:
@@ -54,26 +54,28 @@ class GradientClipper:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
         if not self.needs_norm:
             return GradStats(None)
-        pieces = self.chunked.grad_norm_pieces()
-        if not self.chunked.sharded and self.topology.tp_size == 1:
-            norms = torch._foreach_norm([piece for piece, _ in pieces], 2.0)
-            total = torch.linalg.vector_norm(torch.stack(norms), 2.0).item()
-        else:  # each rank holds a shard of the gradient: sum the squares over the groups
-            total = math.sqrt(self.summed_over_ranks(weighted_square_sum(pieces)))
-        stats, coef = self._clipped(total)
+        stats, coef = self._clipped(self._total(*piece_norms(self.chunked.grad_norm_pieces())))
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
         return stats
 
+    def _total(self, norms: torch.Tensor, weights: torch.Tensor) -> float:
+        """The global norm from this rank's per-piece norms and their weights."""
+        if not self.chunked.sharded and self.topology.tp_size == 1:
+            return torch.linalg.vector_norm(norms, 2.0).item()
+        # each rank holds a shard of the gradient: sum the squares over the groups
+        return math.sqrt(self.summed_over_ranks(square_sum_of_norms(norms, weights)))
+
     def _prepare_streamed(self, loss_scale: float, early_square: torch.Tensor | None) -> GradStats:
+        """Gradients in the chunk manager: read one shard at a time for the norm; the optimizer unscales and
+        clips each as it steps it, by the same factors in the same order as in memory."""
+        unscale = 1.0 / loss_scale
         if not self.needs_norm:
-            return GradStats(None, streamed_scale=1.0 / loss_scale)
+            return GradStats(None, streamed_scale=(unscale,))
         if early_square is not None:
-            return GradStats(math.sqrt(self.summed_over_ranks(early_square)) / loss_scale,
-                             streamed_scale=1.0 / loss_scale)
-        square = self.summed_over_ranks(self.chunked.streamed_grad_square_sum())
-        stats, coef = self._clipped(math.sqrt(square) / loss_scale)
-        return GradStats(stats.norm, stats.overflow, coef / loss_scale)
+            return GradStats(math.sqrt(self.summed_over_ranks(early_square)), streamed_scale=(unscale,))
+        stats, coef = self._clipped(self._total(*self.chunked.streamed_grad_norms(unscale)))
+        return GradStats(stats.norm, stats.overflow, (unscale, coef))
 
     def summed_over_ranks(self, square: torch.Tensor) -> float:
         """A rank's (weighted) sum of squared gradient pieces, summed over the data-parallel shards and the

@@ -33,18 +33,17 @@ class GradReducer:
     """
 
     def __init__(self, chunked: ChunkedParams, group: dist.ProcessGroup | None, counter: CommCounter,
-                 overlap: bool = True, reduce_scatter: bool = True, on_chunk_complete=None):
+                 overlap: bool = True, reduce_scatter: bool = True, on_chunk_complete=None, peers: bool = True):
+        """peers=False: one rank paging its gradient shards (Note [paging in one process]); nothing to sum, the
+        chunks' shards are retired as they complete."""
         self.chunked = chunked
         # stage 3: a chunk whose gradients are all in (Note [gathering around modules])
         self.on_chunk_complete = on_chunk_complete
         self.scatter = chunked.sharded and reduce_scatter
+        self.peers = peers
         self.group = group
         self.counter = counter
         self.overlap = overlap
-        # Note [chunk packing] leaves padding only at a chunk's end: all-reduce the used prefix alone
-        # (a reduce-scatter takes the whole chunk: its shards are equal slices of it)
-        self.payloads = [s.grad_chunk.payload if self.scatter else s.grad_chunk.payload.narrow(0, 0, s.grad_chunk.used)
-                         for s in chunked.states]
         self.states = chunked.states  # Note [chunk phases]: each chunk's gradients arrived, against those expected
         self._chunk_of = chunked.chunk_index()
         first_use = [min(chunked.position_of(p) for p in s.params) for s in self.states]
@@ -115,12 +114,20 @@ class GradReducer:
         if self._sharded_grads is not None:
             self._retire_finished()  # frees finished chunks' buffers during backward, not only after it
             self._sharded_grads.complete(index)  # zeros where this rank had no gradient: the others may
-        if self.scatter:
-            work = reduce_scatter_sum_in_place(self.payloads[index], self.group, self.chunked.shard_rank,
+        if not self.peers:
+            work = _DONE
+        elif self.scatter:
+            work = reduce_scatter_sum_in_place(self._payload(index), self.group, self.chunked.shard_rank,
                                                self.chunked.shard_count, self.counter, async_op=True)
         else:
-            work = all_reduce_sum(self.payloads[index], self.group, self.counter, async_op=True)
+            work = all_reduce_sum(self._payload(index), self.group, self.counter, async_op=True)
         self._works.append((index, work))
+
+    def _payload(self, index: int):
+        """What chunk `index` reduces: Note [chunk packing] leaves padding only at a chunk's end, so an all-reduce
+        takes the used prefix alone (a reduce-scatter takes the whole chunk: its shards are equal slices of it)."""
+        chunk = self.states[index].grad_chunk
+        return chunk.payload if self.scatter else chunk.payload.narrow(0, 0, chunk.used)
 
     def finish_backward(self) -> None:
         """Launches the chunks backward did not complete (unused parameters, or all without overlap), in order."""
@@ -175,3 +182,16 @@ class GradReducer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+class _Done:
+    """The handle of a reduction with no peers to wait for (one rank)."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+_DONE = _Done()

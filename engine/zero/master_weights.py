@@ -15,11 +15,33 @@ exp_avg, exp_avg_sq). At each update:
 - `drop_grads` empties the fp32 gradients again.
 As in DeepSpeed, the masters start as the 16-bit weights widened (`sync_from_params`, once every
 rank holds its starting values). fp32 runs have no masters: their chunks are stepped directly.
+
+Note [offloaded master weights]
+With `offload_optimizer` the masters are optimizer state like Adam's moments (kind OPTIM, Note
+[offload policy]), so they live in the same ChunkManager, one "master" chunk per stepped tensor,
+homed with the states (as ZeRO-Offload keeps fp32 masters beside Adam on the CPU); the master
+tensors become placeholders (storage of size 0, as offloaded parameter shards are). The offloaded
+optimizer then steps each master's manager view and rounds it into its 16-bit tensor at once
+(which may itself be in the manager: Note [offloaded parameter shards]), so no update holds more
+than one tensor's fp32 values outside the manager. When the gradient shards are in the manager too
+(stage 2-3: Note [offloaded gradient shards]) they stay 16-bit there, and the step widens each one
+as it steps it, instead of staging fp32 gradients for every master before the update. Bytes per
+parameter, stage 3 with parameters offloaded over N ranks: 2/N (16-bit parameter shard) + 2/N
+(16-bit gradient shard) + 12/N (fp32 master, exp_avg, exp_avg_sq), all of it on the offload tier;
+the compute device holds the gathered 16-bit chunks of the modules running and the CPU a window of
+the streamed chunks. Every access to a master (checkpoints, full_state_dict, gathered_parameters)
+goes through `master(index, writes)`, wherever it lives.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, ContextManager
+
 import torch
+
+from offload.chunk import Location
+from offload.manager import ChunkManager
 
 
 class MasterWeights:
@@ -33,12 +55,49 @@ class MasterWeights:
         self.grads = [torch.empty(g.shape, dtype=torch.float32, device=g.device) for g in grad_sources]
         self._grad_nbytes = [g.untyped_storage().nbytes() for g in self.grads]
         self.drop_grads()
+        self.handles: list[int] | None = None  # Note [offloaded master weights]: their manager chunks
+        self._manager: ChunkManager | None = None
+        self._compute = Location.CPU
+        self._target_access: Callable[[int, bool], ContextManager[torch.Tensor]] | None = None
+
+    def offload_to(self, manager: ChunkManager, home: Location, compute: Location,
+                   target_access: Callable[[int, bool], ContextManager[torch.Tensor]]) -> None:
+        """Note [offloaded master weights]: the masters move into `manager` on `home` (as zeros: `sync_from_params`
+        writes them) and become placeholders; `target_access(i, writes)` gives 16-bit tensor i wherever it lives."""
+        self._manager, self._compute, self._target_access = manager, compute, target_access
+        self.handles = []
+        for master in self.masters:
+            zeros = torch.zeros((), dtype=master.dtype, device=master.device).expand(master.shape)  # no memory
+            handle = manager.register("master", [zeros], location=home, capacity=master.numel())[0].chunk
+            manager.free(handle)  # zeros, without a payload or a file, until written
+            master.untyped_storage().resize_(0)
+            self.handles.append(handle)
+
+    @property
+    def offloaded(self) -> bool:
+        return self.handles is not None
+
+    @contextlib.contextmanager
+    def master(self, index: int, writes: bool):
+        """Master `index`, wherever it lives, for the duration of the block."""
+        if self.handles is None:
+            yield self.masters[index]
+            return
+        with self._manager.accessed(self.handles[index], self._compute, writes=writes) as (view,):
+            yield view
+
+    def target(self, index: int, writes: bool) -> ContextManager[torch.Tensor]:
+        """The 16-bit tensor master `index` stands for, wherever it lives."""
+        if self._target_access is None:
+            return contextlib.nullcontext(self.targets[index])
+        return self._target_access(index, writes)
 
     def sync_from_params(self) -> None:
         """Masters := their 16-bit tensors, widened."""
         with torch.no_grad():
-            for master, target in zip(self.masters, self.targets):
-                master.copy_(target)
+            for i in range(len(self.masters)):
+                with self.target(i, writes=False) as target, self.master(i, writes=True) as master:
+                    master.copy_(target)
 
     def stage_grads(self) -> None:
         with torch.no_grad():
@@ -47,13 +106,16 @@ class MasterWeights:
                 grad.copy_(source)
 
     def update_params(self) -> None:
+        """16-bit tensors := their masters, rounded."""
         with torch.no_grad():
-            for target, master in zip(self.targets, self.masters):
-                target.copy_(master)
+            for i in range(len(self.masters)):
+                with self.master(i, writes=False) as master, self.target(i, writes=True) as target:
+                    target.copy_(master)
 
     def drop_grads(self) -> None:
         for grad in self.grads:
             grad.untyped_storage().resize_(0)
 
     def nbytes(self) -> int:
+        """Bytes of the masters held in memory (offloaded ones are counted by their manager)."""
         return sum(m.untyped_storage().nbytes() for m in self.masters)

@@ -4,10 +4,11 @@ it places them in.
 Note [offload policy]
 Like the sharding policy (Note [sharding policy]), a table says, per kind of chunk, where its payload
 lives between uses — its home tier; a kind not in the table stays on the compute device:
-  OPTIM   optimizer states (and fp32 masters)   offload_optimizer.device
+  OPTIM   optimizer states and fp32 masters     offload_optimizer.device (Note [offloaded master weights])
   GRAD    gradient shards                       the optimizer states' tier, when they are stepped with
-                                                them (ZeRO stage 2-3 in fp32: Note [offloaded gradient shards])
-  PARAM   parameter shards                      offload_param.device (stage 3: Note [offloaded parameter shards])
+                                                them (ZeRO stage 2-3: Note [offloaded gradient shards])
+  PARAM   parameter shards                      offload_param.device (stage 3: Note [offloaded parameter shards];
+                                                in one process too: Note [paging in one process])
 Every offloaded kind lives in one ChunkManager. Its CPU budget is, by default, what is homed on the CPU
 plus a window of `buffer_count` chunks of each kind streamed from NVMe (with room for O_DIRECT
 padding); `memory.cpu_budget` replaces it. Offloaded chunks are stepped where the optimizer runs: on
@@ -36,20 +37,21 @@ class OffloadPolicy:
     """Each offloaded chunk kind's home tier (Note [offload policy])."""
 
     homes: dict[ChunkKind, Location]
+    masters: bool = False  # OPTIM includes fp32 master weights (bf16 / fp16)
 
     @classmethod
     def from_config(cls, cfg: Config, *, grads_sharded: bool, masters: bool) -> "OffloadPolicy":
-        """grads_sharded: this run keeps gradient shards (stage 2-3, 2 or more ranks); masters: bf16/fp16 with
-        fp32 master weights (their fp32 gradients stay where the step stages them)."""
+        """grads_sharded: this run keeps gradient shards (stage 2-3 over 2 or more ranks, or paged in one
+        process); masters: bf16/fp16 with fp32 master weights."""
         zero = cfg.zero_optimization
         homes = {}
         if zero.offload_optimizer.device in _TIERS:
             homes[ChunkKind.OPTIM] = _TIERS[zero.offload_optimizer.device]
-            if grads_sharded and not masters:  # Note [offloaded gradient shards]
+            if grads_sharded:  # Note [offloaded gradient shards]
                 homes[ChunkKind.GRAD] = homes[ChunkKind.OPTIM]
         if zero.offload_param.device in _TIERS:
             homes[ChunkKind.PARAM] = _TIERS[zero.offload_param.device]
-        return cls(homes)
+        return cls(homes, masters=masters and ChunkKind.OPTIM in homes)
 
     def home(self, kind: ChunkKind) -> Location | None:
         """Where chunks of `kind` live between uses; None: on the compute device."""
@@ -83,15 +85,21 @@ def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch
                            prefetch_depth=max(offload.buffer_count - 2, 1))
     # Adam runs where the parameters are when they are on the CPU; on CUDA the chunks visit the device
     compute = Location.CPU if device.type == "cpu" else Location.DEVICE
-    param_chunks = None
+    param_chunks, round_into = None, None
     if policy.home(ChunkKind.PARAM) is not None:
         chunked.sharded_params.offload_to(manager, policy.home(ChunkKind.PARAM), compute)
         param_chunks = chunked.sharded_params.stepped_chunks()
     if policy.home(ChunkKind.GRAD) is not None:
         chunked.sharded_grads.offload_to(manager, policy.home(ChunkKind.GRAD), compute)
+    masters = chunked.masters
+    if masters is not None:  # Note [offloaded master weights]: stepped in the manager, rounded as stepped
+        shards = chunked.sharded_params
+        masters.offload_to(manager, policy.home(ChunkKind.OPTIM), compute, shards.shard if shards else None)
+        param_chunks = {id(m): h for m, h in zip(masters.masters, masters.handles)}
+        round_into = lambda i: masters.target(i, writes=True)  # noqa: E731
     optimizer = OffloadedOptimizer(lambda g: build_optimizer(cfg.optimizer, g), groups,
                                    manager, policy.home(ChunkKind.OPTIM), compute, param_chunks,
-                                   chunked.stepped_grad_chunks())
+                                   chunked.stepped_grad_chunks(), round_into)
     if user_budget is None and on_nvme and on_cpu:  # one kind homed on CPU, the other streamed from NVMe
         manager.budgets = Budgets(cpu=manager.used_bytes(Location.CPU) + window)
     return optimizer
@@ -103,7 +111,8 @@ def nvme_window(cfg: Config, policy: OffloadPolicy, largest: int) -> int:
     zero, block = cfg.zero_optimization, cfg.aio.block_size
     window = 0
     if policy.home(ChunkKind.OPTIM) is Location.NVME:
-        per_buffer = 3 if policy.home(ChunkKind.GRAD) is not None else 2  # (+ the gradient shard, streamed along)
+        # exp_avg + exp_avg_sq (+ the gradient shard, + the fp32 master, streamed along)
+        per_buffer = 2 + (policy.home(ChunkKind.GRAD) is not None) + policy.masters
         window += zero.offload_optimizer.buffer_count * per_buffer * (largest + block)
     if policy.home(ChunkKind.PARAM) is Location.NVME:
         window += zero.offload_param.buffer_count * (largest + block)

@@ -51,10 +51,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, make: Callable[[list[dict]], torch.optim.Optimizer], groups: list[dict],
                  manager: ChunkManager, home: Location, compute: Location, param_chunks: dict[int, int] | None = None,
-                 grad_chunks: dict[int, int] | None = None):
+                 grad_chunks: dict[int, int] | None = None, round_into: Callable[[int], object] | None = None):
         """param_chunks: id(stepped tensor) -> the manager chunk holding its values, for placeholders;
         grad_chunks: the same for its gradient (Note [offloaded gradient shards]), multiplied by the `grad_scale`
-        the step is given (the loss-scale and clipping factors) as it is stepped."""
+        the step is given (the loss-scale and clipping factors) as it is stepped, and widened to the stepped
+        tensor's dtype when it is 16-bit; round_into(i): for fp32 masters (Note [offloaded master weights]), a
+        context manager giving the 16-bit tensor stepped tensor i (param-group order) is rounded into."""
         probe = torch.zeros(1, requires_grad=True)
         template = make([{"params": [probe]}])
         super().__init__(groups, dict(template.defaults))  # lr, betas, ...: for schedulers
@@ -62,6 +64,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.manager, self.compute = manager, compute
         self._param_chunks = param_chunks or {}
         self._grad_chunks = grad_chunks or {}
+        self._round_into = round_into
         self._items: list[tuple[torch.optim.Optimizer, torch.Tensor, int | None, dict]] = []
         self._stepped_early: set[int] = set()  # Note [stepping in backward]: items already stepped this iteration
         self._item_of_grad: dict[int, int] = {}  # gradient chunk -> the item it steps
@@ -78,32 +81,33 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     self._item_of_grad[self._grad_chunks[id(p)]] = len(self._items)
                 self._items.append((opt, p, chunk, {"names": names, "group": group}))
 
-    def step(self, closure=None, *, grad_scale: float = 1.0) -> None:
-        """Steps every tensor not stepped early; gradients held in the manager are multiplied by `grad_scale`."""
+    def step(self, closure=None, *, grad_scale: float | tuple[float, ...] = 1.0) -> None:
+        """Steps every tensor not stepped early; gradients held in the manager are multiplied by `grad_scale` (a
+        factor, or factors applied in turn)."""
         if closure is not None:
             raise ValueError("an offloaded optimizer steps without a closure")
         for i, item in enumerate(self._items):
             if i not in self._stepped_early:
-                self._step_one(*item, grad_scale)
+                self._step_one(i, *item, grad_scale)
         self._stepped_early.clear()
         self.manager.end_iteration()
 
-    def step_early(self, grad_chunk: int, grad_scale: float = 1.0) -> None:
+    def step_early(self, grad_chunk: int, grad_scale: float | tuple[float, ...] = 1.0) -> None:
         """Note [stepping in backward]: steps the tensor whose gradient is manager chunk `grad_chunk` now (its
         reduced gradient is final); the next `step` skips it."""
         i = self._item_of_grad[grad_chunk]
         if i in self._stepped_early:
             raise RuntimeError(f"gradient chunk {grad_chunk} was already stepped in this iteration")
         self._stepped_early.add(i)  # counted even if the step raises: its state may be half-updated
-        self._step_one(*self._items[i], grad_scale)
+        self._step_one(i, *self._items[i], grad_scale)
 
     @property
     def stepped_early(self) -> int:
         """How many tensors were stepped since the last `step` (Note [stepping in backward])."""
         return len(self._stepped_early)
 
-    def _step_one(self, opt: torch.optim.Optimizer, p: torch.Tensor, chunk: int | None, info: dict,
-                  grad_scale: float) -> None:
+    def _step_one(self, index: int, opt: torch.optim.Optimizer, p: torch.Tensor, chunk: int | None, info: dict,
+                  grad_scale: float | tuple[float, ...]) -> None:
         """One stepped tensor: its states (and offloaded values, gradient) accessed, stepped, released —
         released and rebound to the placeholder even when the step raises."""
         inner = opt.param_groups[0]
@@ -121,8 +125,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if grad_chunk is not None:  # read-only: dropped below once stepped, never written back
                 (grad,) = self.manager.access(grad_chunk, self.compute, writes=False)
                 accessed.append(grad_chunk)
-                if grad_scale != 1.0:
-                    grad.mul_(grad_scale)
+                if grad.dtype != target.dtype:  # a 16-bit gradient shard for an fp32 master
+                    grad = grad.to(target.dtype)
+                for factor in _factors(grad_scale):  # one by one, as the in-memory gradients are scaled
+                    grad.mul_(factor)
                 target.grad = grad
             state = opt.state[target]
             if chunk is not None:
@@ -134,6 +140,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if key != "params":
                     inner[key] = value  # a scheduler changed the outer group
             opt.step()
+            if self._round_into is not None:  # Note [offloaded master weights]
+                with torch.no_grad(), self._round_into(index) as low:
+                    low.copy_(target)
         finally:
             state = opt.state.get(target, {})
             for name in info["names"]:
@@ -181,3 +190,8 @@ def _state_layout(make, p: torch.Tensor) -> tuple[list[str], list[torch.Tensor]]
     names = [k for k, v in opt.state[probe].items() if torch.is_tensor(v) and v.shape == probe.shape]
     return names, [torch.zeros_like(p) for _ in names]
 
+
+
+def _factors(scale: float | tuple[float, ...]) -> list[float]:
+    """The factors other than 1 of a gradient scale given as one factor or several."""
+    return [f for f in (scale if isinstance(scale, tuple) else (scale,)) if f != 1.0]

@@ -30,6 +30,18 @@ an NVMe copy stays current, so eviction drops it without a write), copies it int
 of the full chunk and releases it before the all-gather starts, so gathers in flight pin nothing in
 the manager; the optimizer steps the manager's view in place of the placeholder
 (Note [offloaded optimizer states]).
+
+Note [paging in one process]
+One device is the most common reason to offload, so `offload_param` works with a data-parallel
+world of one too: ChunkedParams is built with `page_params`, which keeps stage 3's machinery with a
+single shard per chunk — the whole chunk. Each shard lives in the ChunkManager (CPU or NVMe), a
+"gather" copies it into the chunk's storage instead of an all-gather, and the same gatherer hooks
+page it in before the modules that use it run, ahead of them by the recorded trace, and release it
+after; the GradReducer, with no peers, retires each complete gradient chunk into its managed
+shard at once (Note [offloaded gradient shards]) and the chunk's parameters are released in
+backward as on many ranks. Between uses only persistent chunks (below the persistence threshold)
+stay in memory. Nothing else changes: the optimizer, checkpoints and the global norm see one rank
+whose shards are its chunks.
 """
 
 from __future__ import annotations
@@ -139,7 +151,10 @@ class ShardedParams:
             shard = shard_of(writer, self.rank, self.world)
             with self.shard(index, writes=False) as view:
                 shard.copy_(view)
-        state.gather_work = all_gather_into(writer, shard, group, counter, async_op=True)
+        if self.world > 1:
+            state.gather_work = all_gather_into(writer, shard, group, counter, async_op=True)
+        elif shard.data_ptr() != writer.data_ptr():  # one rank: its shard is the chunk (Note [paging in one process])
+            writer.copy_(shard)
         state.to(ChunkPhase.GATHERING)
         self.live_numel += writer.numel()
         return True
@@ -148,7 +163,8 @@ class ShardedParams:
         state = self.states[index]
         if state.phase is ChunkPhase.GATHERING:
             work, state.gather_work = state.gather_work, None
-            work.wait()
+            if work is not None:
+                work.wait()
             state.to(ChunkPhase.GATHERED)
 
     def release(self, index: int) -> None:

@@ -31,7 +31,7 @@ from torch.profiler import record_function
 
 from engine.comm import CommCounter, all_gather_in_place, broadcast_from
 from engine.topology import Topology
-from engine.zero.chunked_params import ChunkedParams
+from engine.zero.chunked_params import ChunkedParams, square_sum_of_norms
 from engine.zero.grad_clip import GradientClipper, GradStats
 from engine.zero.grad_sync import GradReducer
 from engine.zero.param_gather import ParamGatherer, Pass
@@ -186,14 +186,14 @@ class ZeroRuntime:
 
     def _shard_stepper(self, loss_scale: float):
         """Note [stepping in backward]: each reduced shard of the coming backward is final; step it at once."""
-        grad_scale = 1.0 / loss_scale  # no clipping (refused by check_run)
+        unscale = 1.0 / loss_scale  # no clipping (refused by check_run)
         self._early_square = torch.zeros((), dtype=torch.float64) if self.clipper.needs_norm else None
         managed = self.chunked.sharded_grads.managed
 
         def step_reduced_shard(index: int) -> None:
             if self._early_square is not None:
-                self._early_square += self.chunked.grad_square_sum(index)
-            self.optimizer.step_early(managed[index], grad_scale)
+                self._early_square += square_sum_of_norms(*self.chunked.grad_norms(index, unscale))
+            self.optimizer.step_early(managed[index], unscale)
 
         return step_reduced_shard
 
@@ -253,8 +253,8 @@ class ZeroRuntime:
             if chunked.sharded_grads is not None:
                 chunked.sharded_grads.settle()  # shards no backward wrote (Note [sharded gradients])
             chunked.sync_views()
-            if chunked.masters is not None:  # bf16 / fp16: Note [master weights]
-                chunked.masters.stage_grads()
+            if chunked.masters is not None and not chunked.grads_managed:  # Note [master weights]
+                chunked.masters.stage_grads()  # (managed 16-bit shards are widened as stepped)
             stepped_early = chunked.grads_managed and self.optimizer.stepped_early  # Note [stepping in backward]
             return self.clipper.prepare(loss_scale, self._early_square if stepped_early else None)
 
@@ -266,8 +266,8 @@ class ZeroRuntime:
                 self.optimizer.step(grad_scale=grads.streamed_scale)
             else:
                 self.optimizer.step()
-            if self.chunked.masters is not None:
-                self.chunked.masters.update_params()
+            if self.chunked.masters is not None and not self.chunked.masters.offloaded:
+                self.chunked.masters.update_params()  # (offloaded ones are rounded as stepped)
             self.gather_updated_params()
 
     def gather_updated_params(self) -> None:
