@@ -84,21 +84,30 @@ class InitRecording:
     def knows(self, p: torch.Tensor) -> bool:
         return p.is_meta and _storage_key(p) in self.records
 
-    def materialize(self, p: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """`p`'s values as a normal construction would have made them (a new real tensor)."""
+    def live_writes(self, p: torch.Tensor) -> list[_Write]:
+        """The writes that decide `p`'s values: from the last one that overwrote all of it (earlier values are dead),
+        or all of them, applied to its initial value."""
+        writes = self.records[_storage_key(p)].writes
+        last_whole = max((i for i, w in enumerate(writes) if w.whole), default=0)
+        return writes[last_whole:]
+
+    def materialize(self, p: torch.Tensor, rng_states: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """`p`'s values as a normal construction would have made them: a new tensor on the CPU, where the writes
+        were recorded (their RNG states are the CPU generator's). rng_states: the state before each live write,
+        in place of those recorded here (rank 0's, Note [zero_init])."""
         record = self.records[_storage_key(p)]
-        writes = record.writes
-        last_whole = max((i for i, w in enumerate(writes) if w.whole), default=None)
-        if last_whole is None and record.initial is None:
+        writes = self.live_writes(p)
+        starts_whole = bool(writes) and writes[0].whole
+        if not starts_whole and record.initial is None:
             raise RuntimeError(f"zero_init: parameter {record.name} {tuple(record.shape)} was never initialized (it "
                                "was created with torch.empty and nothing wrote to it), so it has no values to rebuild")
-        # replayed on the CPU, where the writes were recorded: their RNG states are the CPU generator's
-        value = (torch.empty(record.shape, dtype=record.dtype) if last_whole is not None
+        value = (torch.empty(record.shape, dtype=record.dtype) if starts_whole
                  else record.initial.to("cpu", copy=True))
+        states = rng_states if rng_states is not None else [w.rng_state for w in writes]
         saved = torch.get_rng_state()
         try:
-            for write in writes[last_whole or 0:] if last_whole is not None else writes:
-                torch.set_rng_state(write.rng_state)
+            for write, state in zip(writes, states, strict=True):
+                torch.set_rng_state(state)
                 target = value.as_strided(*write.geometry)
                 args, kwargs = tree_map(lambda a, target=target: target if a is _TARGET else a,
                                         (write.args, write.kwargs))
@@ -106,7 +115,7 @@ class InitRecording:
                     write.func(*args, **kwargs)
         finally:
             torch.set_rng_state(saved)
-        return value.to(device)
+        return value
 
     def fingerprint(self) -> int:
         """A checksum of every recorded RNG state, in order: equal on ranks that built the same weights."""
@@ -245,7 +254,7 @@ def materialize_parameters(model: nn.Module, chunked, recording: InitRecording, 
         for p in model.parameters():  # a tied parameter once
             if id(p) not in meta_of:
                 continue
-            value = recording.materialize(meta_of[id(p)], device)
+            value = recording.materialize(meta_of[id(p)]).to(device)
             if id(p) in chunked_ids:
                 chunked.load(p, value)
             else:
