@@ -95,10 +95,11 @@ def initialize(
     groups = _param_groups(model, optimizer, model_parameters, meta_of)
     chunked = chunk_parameters(model, cfg, topology, groups, pending=set(meta_of), tensor_parallel=tensor_parallel)
     optimizer = build_chunk_optimizer(cfg, chunked, topology.device, optimizer)
+    comm = CommCounter()
     if recording is not None:  # after offloading: shards may load straight into the chunk manager
-        materialize_parameters(model, chunked, recording, meta_of, topology.device, topology.dp_group)
+        materialize_parameters(model, chunked, recording, meta_of, topology.device, topology.dp_group, comm)
     loss_scaler = build_loss_scaler(cfg)
-    runtime = zero_runtime(model, cfg, chunked, optimizer, topology, loss_scaler)
+    runtime = zero_runtime(model, cfg, chunked, optimizer, topology, loss_scaler, comm)
     return Engine(model, cfg, topology, runtime, _scheduler(cfg, optimizer, lr_scheduler), loss_scaler,
                   build_monitor(cfg, topology, runtime, checkpointing), tensor_parallel, checkpointing)
 
@@ -166,11 +167,12 @@ def build_chunk_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.dev
 
 
 def zero_runtime(model: nn.Module, cfg: Config, chunked: ChunkedParams, optimizer: torch.optim.Optimizer,
-                 topology: Topology, loss_scaler) -> ZeroRuntime:
+                 topology: Topology, loss_scaler, comm: CommCounter | None = None) -> ZeroRuntime:
     """The phases of a training step over `chunked` (Note [step phases]): stage 3 gathers parameters around
     the modules that use them (Note [gathering around modules]); with 2 or more data-parallel ranks gradient
-    chunks are reduced as backward fills them (Note [reduction order])."""
-    zero, comm = cfg.zero_optimization, CommCounter()
+    chunks are reduced as backward fills them (Note [reduction order]). comm: the counter of the collectives so
+    far (zero_init's), if any."""
+    zero, comm = cfg.zero_optimization, comm if comm is not None else CommCounter()
     gatherer = None
     if chunked.sharded_params is not None:
         prefetch = zero.stage3_prefetch_bucket_size if zero.stage3_prefetch_bucket_size != "auto" else 50_000_000

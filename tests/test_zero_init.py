@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from engine import initialize, zero_init
-from engine.models import gpt_from_preset
 from tests.distributed import run_distributed
 from tests.reference import (
     assert_close_relative,
@@ -46,27 +45,79 @@ def test_materialized_weights_are_those_of_a_normal_construction(name):
         assert n == m and torch.equal(p, q), n  # bit-identical
 
 
-def _stage_worker(rank, world, stage, name):
+def _stage_worker(rank, world, stage, name, seed_per_rank=False):
     build = _builders()[name]
     with zero_init():
-        model = build(seed=0)
+        model = build(seed=rank if seed_per_rank else 0)
     loss_fn = None if name == "gpt" else (lambda e, x: e(input_ids=x, labels=x).loss)
     engine = initialize(model, zero_config(stage, GLOBAL_BATCH // world, 1))
+    start = trained_params(engine)
     losses, _ = train_engine(engine, token_batches(3, GLOBAL_BATCH), rank, world, 1, loss_fn=loss_fn)
-    return losses, trained_params(engine), engine.comm.broadcast_bytes
+    return losses, trained_params(engine), engine.comm.broadcast_bytes, start
+
+
+def _trains_like_plain_pytorch(stage, name, seed_per_rank):
+    """Each rank's (starting parameters, broadcast bytes), after checking that training matches plain PyTorch
+    from the model built normally under seed 0 (rank 0's)."""
+    reference = _builders()[name](seed=0)
+    start = param_snapshot(reference)
+    loss_fn = None if name == "gpt" else (lambda m, x: m(input_ids=x, labels=x).loss)
+    ref_losses, _ = train_reference(reference, token_batches(3, GLOBAL_BATCH), adamw, clip=1.0, loss_fn=loss_fn)
+    results = run_distributed(_stage_worker, 2, args=(stage, name, seed_per_rank), timeout_s=180)
+    assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
+    for _, params, _, initial in results:
+        assert_params_close(params, param_snapshot(reference))
+        assert initial.keys() == start.keys()
+        for n in start:
+            assert torch.equal(initial[n], start[n]), n  # bit-identical to rank 0's normal construction
+    return 4 * sum(t.numel() for t in start.values()), [broadcast for _, _, broadcast, _ in results]
 
 
 @pytest.mark.parametrize("stage,name", [(1, "gpt"), (3, "gpt"), (3, "hf_llama")])
 def test_a_zero_init_model_trains_like_plain_pytorch(stage, name):
-    reference = _builders()[name](seed=0)
-    loss_fn = None if name == "gpt" else (lambda m, x: m(input_ids=x, labels=x).loss)
-    ref_losses, _ = train_reference(reference, token_batches(3, GLOBAL_BATCH), adamw, clip=1.0, loss_fn=loss_fn)
-    results = run_distributed(_stage_worker, 2, args=(stage, name), timeout_s=180)
-    assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
-    psi_bytes = 4 * sum(p.numel() for p in reference.parameters())
-    for _, params, broadcast in results:
-        assert_params_close(params, param_snapshot(reference))
-        assert broadcast < psi_bytes / 10  # every rank built the same weights: only buffers are broadcast
+    psi_bytes, broadcasts = _trains_like_plain_pytorch(stage, name, seed_per_rank=False)
+    for broadcast in broadcasts:
+        assert broadcast < psi_bytes / 10  # every rank built the same weights: only buffers and checksums move
+
+
+@pytest.mark.parametrize("stage,name", [(3, "gpt"), (2, "gpt"), (3, "hf_llama")])
+def test_ranks_seeded_differently_get_rank_0s_model(stage, name):
+    """Rank 1 seeds with 1, rank 0 with 0: both end with the weights of a normal construction under seed 0."""
+    psi_bytes, broadcasts = _trains_like_plain_pytorch(stage, name, seed_per_rank=True)
+    for broadcast in broadcasts:
+        assert broadcast < psi_bytes / 2  # rank 0's RNG states moved (5 KB per parameter), not its weights
+
+
+class RandomStart(nn.Module):
+    """Parameters whose values the recorded calls do not decide: one made with random values, one given a
+    random tensor by copy_; next to them, a layer initialized by calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.offset = nn.Parameter(torch.randn(8))
+        self.scale = nn.Parameter(torch.empty(8))
+        with torch.no_grad():
+            self.scale.copy_(torch.randn(8))
+
+
+def _random_start_worker(rank, world, stage):
+    torch.manual_seed(rank)
+    with zero_init():
+        model = RandomStart()
+    engine = initialize(model, zero_config(stage, 2, 1, chunk_size=16))  # stage 3: every chunk split in two
+    return trained_params(engine), engine.comm.broadcast_bytes
+
+
+@pytest.mark.parametrize("stage", [3, 1])
+def test_parameters_made_with_random_values_are_rank_0s_on_every_rank(stage):
+    torch.manual_seed(0)
+    reference = param_snapshot(RandomStart())
+    for params, broadcast in run_distributed(_random_start_worker, 2, args=(stage,)):
+        assert params.keys() == reference.keys()
+        for n in reference:
+            assert torch.equal(params[n], reference[n]), n
+        assert broadcast >= 2 * 8 * 4  # offset and scale came from rank 0 whole
 
 
 class CopiesMetaValues(nn.Module):
@@ -144,10 +195,9 @@ def test_param_groups_built_after_zero_init_name_the_materialized_parameters(sta
         assert all(torch.isfinite(torch.tensor(losses))) and sorted(set(decays)) == [0.0, 0.1]
 
 
-def _per_rank_seed_worker(rank, world):
-    torch.manual_seed(rank)  # a different model on every rank
+def _different_models_worker(rank, world):
     with zero_init():
-        model = gpt_from_preset("tiny")
+        model = nn.Sequential(nn.Linear(4, 4 + rank), nn.Linear(4 + rank, 1))
     try:
         initialize(model, zero_config(3, 2, 1))
     except RuntimeError as e:
@@ -155,6 +205,8 @@ def _per_rank_seed_worker(rank, world):
     return None
 
 
-def test_zero_init_with_a_seed_per_rank_is_refused():
-    for message in run_distributed(_per_rank_seed_worker, 2):
-        assert message is not None and "built the model from different random states" in message
+def test_ranks_that_build_different_models_are_told_which_parameter_differs():
+    zero, one = run_distributed(_different_models_worker, 2)
+    assert zero is not None and "rank 1 built a different model from rank 0's" in zero
+    assert one is not None and "this rank (1) built a different model from rank 0's: parameter '0.weight' (5, 4)" in one
+    assert "build the same model on every rank" in zero and "build the same model on every rank" in one

@@ -80,7 +80,7 @@ class ZeroRuntime:
         if self.topology.is_distributed:
             in_chunks = {id(p) for p in chunked.params}
             with torch.no_grad():
-                # zero_init built the same values on every rank from the same recorded RNG states (Note [zero_init])
+                # zero_init gave every rank rank 0's values, shard by shard (Note [zero_init])
                 for payload in chunked.param_payloads() if not chunked.values_pending else []:
                     broadcast_from(payload, 0, self.topology.dp_group, self.comm)
                 for t in [p for p in module.parameters() if id(p) not in in_chunks] + list(module.buffers()):

@@ -3,7 +3,7 @@
 Note [zero_init]
     with zero_init():
         model = Build()                 # every parameter is on the meta device
-    engine = initialize(model, config)  # each rank materializes its own shards only
+    engine = initialize(model, config)  # each rank materializes its shards of rank 0's model
 
 Inside the block, every parameter a module registers is swapped for a meta-device parameter of
 the same shape (torch's module parameter-registration hook; the real tensor the module made is
@@ -14,29 +14,44 @@ call that writes into such a parameter — `nn.init.*_` functions, in-place tens
 call on a throw-away real tensor of the parameter's size, so the RNG advances exactly as in a
 normal construction (what runs after the block sees the same random numbers).
 `initialize` then materializes one parameter at a time: it replays, on a real tensor, the
-parameter's calls from the last one that overwrote all of it (earlier values are dead), each with
-its recorded RNG state, hands the result to the chunks (stage 3 keeps this rank's shard of it,
+parameter's live calls (from the last one that overwrote all of it: earlier values are dead), each
+with an RNG state set first, hands the result to the chunks (stage 3 keeps this rank's shard of it,
 other stages the whole of it) and frees it. The values are bit-identical to a normal construction
-under the same seed, and the working set is the largest single parameter.
+under that seed, and the working set is the largest single parameter.
 A parameter created with its values (`Parameter(torch.ones(n))`) keeps that real tensor as its
 initial value until a later call overwrites all of it. A write this cannot replay — one whose
 other arguments are meta tensors (values computed on the meta device) — raises at once, naming
 the parameter, rather than producing different weights.
+The ranks may seed differently (DeepSpeed's zero.Init does not ask them not to); each ends with the
+shards of rank 0's model, and no rank holds a full model:
+- rank 0 broadcasts each parameter's name, shape, dtype and number of live calls; where a rank's
+  names, shapes or dtypes differ it built another model, and every rank raises;
+- where some rank recorded other RNG states than rank 0 (one fingerprint each), rank 0 broadcasts
+  its states before the live calls (5 KB each, no parameter values) and every rank replays its own
+  calls with them: the same code on the same shapes draws rank 0's numbers;
+- what the RNG states do not decide (an initial value made with random numbers outside the
+  recorded calls, `Parameter(torch.randn(n))`; a tensor argument, `copy_(torch.randn(n))`; a rank
+  that made other calls) is found by checking, not by reasoning about the calls: each rank hashes
+  every value it built (XXH3-64), and a parameter whose hash differs from rank 0's on some rank is
+  broadcast whole from rank 0, one at a time, each rank keeping its shard.
+With the same seed everywhere, only the layout, one fingerprint and one hash per parameter move.
 """
 
 from __future__ import annotations
 
 import contextlib
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+import xxhash
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map
 
+from engine.comm import CommCounter, all_reduce_max, broadcast_from
 from engine.config import load_config
 
 # calls that overwrite every element of the tensor they are given without reading it
@@ -84,21 +99,30 @@ class InitRecording:
     def knows(self, p: torch.Tensor) -> bool:
         return p.is_meta and _storage_key(p) in self.records
 
-    def materialize(self, p: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """`p`'s values as a normal construction would have made them (a new real tensor)."""
+    def live_writes(self, p: torch.Tensor) -> list[_Write]:
+        """The writes that decide `p`'s values: from the last one that overwrote all of it (earlier values are dead),
+        or all of them, applied to its initial value."""
+        writes = self.records[_storage_key(p)].writes
+        last_whole = max((i for i, w in enumerate(writes) if w.whole), default=0)
+        return writes[last_whole:]
+
+    def materialize(self, p: torch.Tensor, rng_states: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """`p`'s values as a normal construction would have made them: a new tensor on the CPU, where the writes
+        were recorded (their RNG states are the CPU generator's). rng_states: the state before each live write,
+        in place of those recorded here (rank 0's, Note [zero_init])."""
         record = self.records[_storage_key(p)]
-        writes = record.writes
-        last_whole = max((i for i, w in enumerate(writes) if w.whole), default=None)
-        if last_whole is None and record.initial is None:
+        writes = self.live_writes(p)
+        starts_whole = bool(writes) and writes[0].whole
+        if not starts_whole and record.initial is None:
             raise RuntimeError(f"zero_init: parameter {record.name} {tuple(record.shape)} was never initialized (it "
                                "was created with torch.empty and nothing wrote to it), so it has no values to rebuild")
-        # replayed on the CPU, where the writes were recorded: their RNG states are the CPU generator's
-        value = (torch.empty(record.shape, dtype=record.dtype) if last_whole is not None
+        value = (torch.empty(record.shape, dtype=record.dtype) if starts_whole
                  else record.initial.to("cpu", copy=True))
+        states = rng_states if rng_states is not None else [w.rng_state for w in writes]
         saved = torch.get_rng_state()
         try:
-            for write in writes[last_whole or 0:] if last_whole is not None else writes:
-                torch.set_rng_state(write.rng_state)
+            for write, state in zip(writes, states, strict=True):
+                torch.set_rng_state(state)
                 target = value.as_strided(*write.geometry)
                 args, kwargs = tree_map(lambda a, target=target: target if a is _TARGET else a,
                                         (write.args, write.kwargs))
@@ -106,15 +130,7 @@ class InitRecording:
                     write.func(*args, **kwargs)
         finally:
             torch.set_rng_state(saved)
-        return value.to(device)
-
-    def fingerprint(self) -> int:
-        """A checksum of every recorded RNG state, in order: equal on ranks that built the same weights."""
-        crc = 0
-        for record in self.records.values():
-            for write in record.writes:
-                crc = zlib.crc32(write.rng_state.numpy().tobytes(), crc)
-        return crc
+        return value
 
 
 class _Target:
@@ -236,35 +252,113 @@ def zero_init_placeholders(model: nn.Module,
 
 
 def materialize_parameters(model: nn.Module, chunked, recording: InitRecording, meta_of: dict[int, torch.Tensor],
-                           device: torch.device, group: dist.ProcessGroup | None) -> None:
-    """Note [zero_init]: each placeholder's values, one parameter at a time, into the chunks (this rank's
-    shard under stage 3) or, for a parameter that does not train, into the parameter itself."""
-    _check_same_weights_on_every_rank(recording, group, device)
+                           device: torch.device, group: dist.ProcessGroup | None, comm: CommCounter) -> None:
+    """Note [zero_init]: rank 0's values of each placeholder, one parameter at a time, into the chunks (this
+    rank's shard under stage 3) or, for a parameter that does not train, into the parameter itself."""
+    named = [(n, p) for n, p in model.named_parameters() if id(p) in meta_of]  # a tied parameter once
+    metas = [meta_of[id(p)] for _, p in named]
+    ranks = _RankZero(device, group, comm) if _distributed(group) else None
+    rng_states = ranks.rng_states(recording, named, metas) if ranks else [None] * len(named)
     chunked_ids = {id(p) for p in chunked.params}
+
+    def load(p: nn.Parameter, value: torch.Tensor) -> None:
+        if id(p) in chunked_ids:
+            chunked.load(p, value)
+        else:
+            p.data = value
+
+    checksums = []
     with torch.no_grad():
-        for p in model.parameters():  # a tied parameter once
-            if id(p) not in meta_of:
-                continue
-            value = recording.materialize(meta_of[id(p)], device)
-            if id(p) in chunked_ids:
-                chunked.load(p, value)
-            else:
-                p.data = value
+        for (_, p), meta, states in zip(named, metas, rng_states):
+            value = recording.materialize(meta, states)
+            checksums.append(_checksum(value) if ranks else 0)
+            load(p, value.to(device))
+        for i in ranks.differing(checksums) if ranks else []:  # values not rebuilt from RNG states alone
+            load(named[i][1], ranks.value(recording, metas[i]))
         chunked.finish_loading()
 
 
-def _check_same_weights_on_every_rank(recording: InitRecording, group: dist.ProcessGroup | None,
-                                      device: torch.device) -> None:
-    """Each rank materializes its shards from its own recording, with no broadcast from rank 0: the
-    recordings must agree (a per-rank seed before `with zero_init()` would silently mix models)."""
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    mine = recording.fingerprint()
-    lowest = torch.tensor([mine], dtype=torch.int64, device=device)  # on the device: NCCL
-    highest = lowest.clone()
-    dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
-    if lowest.item() != highest.item():
-        raise RuntimeError("zero_init: the ranks built the model from different random states (a seed per rank?); "
-                           "seed every rank the same before `with zero_init():` (each rank keeps only its shards, "
-                           "so nothing is broadcast from rank 0)")
+def _distributed(group: dist.ProcessGroup | None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _checksum(value: torch.Tensor) -> int:
+    """XXH3-64 of the tensor's bytes, as a signed int64."""
+    data = value.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    return xxhash.xxh3_64_intdigest(data) - 2**63
+
+
+class _RankZero:
+    """Brings rank 0's construction to every rank of `group` (Note [zero_init]); collectives on `device` (NCCL)."""
+
+    def __init__(self, device: torch.device, group: dist.ProcessGroup | None, comm: CommCounter):
+        self.device, self.group, self.comm = device, group, comm
+        self.rank = dist.get_rank(group)
+
+    def rng_states(self, recording: InitRecording, named: list, metas: list) -> list[list[torch.Tensor]]:
+        """Per parameter, rank 0's RNG states before its live writes (this rank's own where it made another number
+        of them: its values then differ, and `differing` finds them). Raises on every rank when a rank built a
+        different model."""
+        own = [[w.rng_state for w in recording.live_writes(m)] for m in metas]
+        zero_counts, same_states = self._agree(named, own)
+        if same_states:
+            return own  # the same seed everywhere: nothing to send
+        flat = [s for states in own for s in states]
+        width = torch.get_rng_state().numel()
+        states = (torch.stack(flat) if self.rank == 0 and flat
+                  else torch.empty(sum(zero_counts), width, dtype=torch.uint8)).to(self.device)
+        broadcast_from(states, 0, self.group, self.comm)
+        zero = states.cpu().split(zero_counts)
+        # rows cloned: torch.set_rng_state crashes on a view that starts inside its storage (torch 2.13)
+        return [[r.clone() for r in z] if len(z) == len(o) else o for z, o in zip(zero, own)]
+
+    def _agree(self, named: list, own: list[list[torch.Tensor]]) -> tuple[list[int], bool]:
+        """Rank 0's number of live writes per parameter, and whether every rank recorded rank 0's RNG states;
+        raises on every rank when one built a different model (other names, shapes, dtypes)."""
+        layout = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, len(s)) for (n, p), s in zip(named, own)]
+        fingerprint = xxhash.xxh3_64_intdigest(b"".join(s.numpy().tobytes() for states in own for s in states))
+        plan = [(layout, fingerprint)]
+        with record_function("tiers.comm.broadcast"):
+            dist.broadcast_object_list(plan, group=self.group, group_src=0, device=self.device)
+        zero_layout, zero_fingerprint = plan[0]
+        difference = _model_difference(layout, zero_layout)
+        flags = torch.tensor([self.rank + 1 if difference else 0, int(fingerprint != zero_fingerprint)],
+                             device=self.device)
+        all_reduce_max(flags, self.group, self.comm)
+        culprit, states_differ = (int(f) for f in flags.tolist())
+        if culprit:
+            raise RuntimeError(_different_models_message(self.rank, culprit - 1, difference))
+        return [entry[-1] for entry in zero_layout], not states_differ
+
+    def differing(self, checksums: list[int]) -> list[int]:
+        """Indices of the parameters whose values differ from rank 0's on some rank (same list on every rank)."""
+        zero = torch.tensor(checksums, dtype=torch.int64, device=self.device)
+        broadcast_from(zero, 0, self.group, self.comm)
+        mask = (zero.cpu() != torch.tensor(checksums, dtype=torch.int64)).to(torch.int64).to(self.device)
+        all_reduce_max(mask, self.group, self.comm)
+        return mask.nonzero().flatten().tolist()
+
+    def value(self, recording: InitRecording, meta: torch.Tensor) -> torch.Tensor:
+        """Rank 0's values of one parameter, broadcast from it."""
+        value = (recording.materialize(meta).to(self.device) if self.rank == 0
+                 else torch.empty(meta.shape, dtype=meta.dtype, device=self.device))
+        broadcast_from(value, 0, self.group, self.comm)
+        return value
+
+
+def _model_difference(mine: list[tuple], zero: list[tuple]) -> str | None:
+    """How this rank's parameters (name, shape, dtype, requires_grad) differ from rank 0's; None where they agree."""
+    for a, b in zip(mine, zero):
+        if a[:4] != b[:4]:
+            return f"parameter {a[0]!r} {a[1]} {a[2]} requires_grad={a[3]} here, {b[0]!r} {b[1]} {b[2]} " \
+                   f"requires_grad={b[3]} on rank 0"
+    if len(mine) != len(zero):
+        return f"{len(mine)} parameters here, {len(zero)} on rank 0"
+    return None
+
+
+def _different_models_message(rank: int, culprit: int, difference: str | None) -> str:
+    what = f"this rank ({rank}) built a different model from rank 0's: {difference}" if difference else \
+        f"rank {culprit} built a different model from rank 0's (its error names the parameter)"
+    return (f"zero_init: {what}; build the same model on every rank under `with zero_init():` (the seeds may "
+            "differ: every rank gets rank 0's weights)")
