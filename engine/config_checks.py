@@ -54,13 +54,16 @@ def check_config(cfg: Config) -> None:
          "all ranks share; remove the key"),
         (cfg.checkpoint.parallel_write.pipeline_stage, "checkpoint.parallel_write.pipeline_stage", True,
          "Tiers has no pipeline stages (every rank already writes its own file); remove the key"),
-        (zero.placement != "static", "zero_optimization.placement", zero.placement,
-         "automatic placement is not supported yet; use \"static\""),
+        (zero.placement == "auto" and zero.offload_optimizer.device not in OFFLOADED, "zero_optimization.placement",
+         zero.placement, "places the chunks the chunk manager holds, and nothing is offloaded; set "
+         "zero_optimization.offload_optimizer.device (and offload_param.device) to cpu or nvme, or use \"static\""),
         (cfg.tensor_parallel.mode == "2d" and not _is_mesh_or_one(cfg.tensor_parallel.size), "tensor_parallel.size",
          cfg.tensor_parallel.size, "mode \"2d\" runs on a q×q mesh, so the size must be a square q² with q ≥ 2 "
          "(4, 9, 16, ...); use such a size, or mode \"1d\""),
-        (cfg.memory.device_budget is not None, "memory.device_budget", cfg.memory.device_budget,
-         "a device budget is not supported yet; remove the key"),
+        (cfg.memory.device_budget is not None and zero.offload_optimizer.device not in OFFLOADED,
+         "memory.device_budget", cfg.memory.device_budget, "caps the chunks the chunk manager pages onto the device, "
+         "and nothing is offloaded; set zero_optimization.offload_optimizer.device (and offload_param.device) to cpu "
+         "or nvme, or remove the key"),
         (cfg.memory.budget_bytes("cpu_budget") is not None and zero.offload_optimizer.device not in OFFLOADED,
          "memory.cpu_budget", cfg.memory.cpu_budget, "a CPU budget without optimizer offload is not supported yet "
          "(in this release it caps the offloaded optimizer states only); set "

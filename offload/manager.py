@@ -88,11 +88,13 @@ class ChunkManager:
                  nvme_dir: str | None = None, nvme_threads: int = 2, nvme_queue_depth: int = 8,
                  nvme_block_size: int = 1 << 20,
                  pin_memory: bool | None = None, prefetch_depth: int = 4, keep_free_bytes: int = 1 << 28,
-                 device_capacity: int | None = None):
+                 device_capacity: int | None = None, budget_keys: dict[Location, str] | None = None):
+        """budget_keys: the setting that sets each tier's budget (e.g. a config key), named in BudgetError."""
         self.device = torch.device(device)
         self.budgets = budgets
         self.prefetch_depth = prefetch_depth
         self.device_capacity = device_capacity
+        self.budget_keys = budget_keys or {}
         for name, value in (("device", budgets.device), ("cpu", budgets.cpu)):
             if value is not None and value < 0:
                 raise ValueError(f"the {name} budget must be >= 0 bytes or None (unbounded), got {value}")
@@ -113,10 +115,13 @@ class ChunkManager:
     # ---- registration
 
     def register(self, kind: str, tensors: Sequence[torch.Tensor], *, location: Location = Location.CPU,
-                 capacity: int | None = None, dtype: torch.dtype | None = None) -> list[TensorRef]:
+                 capacity: int | None = None, dtype: torch.dtype | None = None,
+                 zeros: bool = False) -> list[TensorRef]:
         """Copies `tensors` (in use order) into new chunks of `kind` on `location`; returns where each went.
 
         `capacity` (elements) defaults to the one near DEFAULT_CHUNK_CAPACITY that wastes least padding.
+        zeros=True: only the tensors' shapes count; the chunks start FREE (zeros, as after `free`: no payload
+        and no swap file until a first access), so registering states that start at zero costs no memory or I/O.
         """
         self._check_open()
         if not tensors:
@@ -136,7 +141,10 @@ class ChunkManager:
             chunk = entries[slot.chunk].chunk
             refs.append(TensorRef(first + slot.chunk, len(chunk.slots)))
             members.setdefault(first + slot.chunk, []).append((len(chunk.slots), tensor))
-            chunk.add(slot, TensorState.HOLD)
+            chunk.add(slot, TensorState.FREE if zeros else TensorState.HOLD)
+        if zeros:
+            self._kinds.setdefault(kind, []).extend(e.id for e in entries)
+            return refs
         try:
             for entry in entries:
                 self._materialize(entry, Location.CPU if location is Location.NVME else location, {entry.id})
@@ -407,7 +415,7 @@ class ChunkManager:
                         f"{fmt_bytes(self.device_capacity - budget)} of non-chunk memory the trace recorded here")
             raise BudgetError(budget_message(self._chunks, location, nbytes, budget, protect,
                                              evictable=location is Location.DEVICE or self.store is not None,
-                                             note=note))
+                                             note=note, key=self.budget_keys.get(location)))
         self._stats.peak_bytes[location.value] = max(self._stats.peak_bytes.get(location.value, 0),
                                                      self.used_bytes(location) + nbytes)
         return True

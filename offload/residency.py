@@ -130,21 +130,27 @@ def held_bytes(buf: torch.Tensor) -> int:
 
 
 def budget_message(chunks: Residency, location: Location, nbytes: int, budget: float, protect: set[int], *,
-                   evictable: bool, note: str = "") -> str:
-    """Why a tier cannot take `nbytes` more: its budget, the demand, and what holds it (pinned, moving)."""
+                   evictable: bool, note: str = "", key: str | None = None) -> str:
+    """Why a tier cannot take `nbytes` more: its budget, the demand, and what holds it (pinned, moving); `key`:
+    the setting that sets this budget, named with the value it needs (the pinned chunks and the demand)."""
     here = chunks.at(location)
     pinned = [e for e in here if e.chunk.pinned]
     moving = [e for e in here if e.transfer is not None or e.id in protect]
     what = f"{fmt_bytes(nbytes)} more on the {location.value} tier" + (f" ({note})" if note else "")
     if nbytes > budget:
+        fix = f"set {key} to at least {fmt_bytes(nbytes)}" if key else "raise that budget"
         return (f"cannot place {what}: a chunk of {fmt_bytes(nbytes)} is larger than the whole {location.value} "
-                f"budget of {fmt_bytes(budget)}; raise that budget or register with a smaller chunk capacity")
+                f"budget of {fmt_bytes(budget)}; {fix} or register with a smaller chunk capacity")
     lines = [f"cannot place {what}: its budget is {fmt_bytes(budget)} and {fmt_bytes(chunks.used(location))} "
              f"are in use", f"pinned in COMPUTE: {_listing(pinned)}", f"being moved: {_listing(moving)}"]
     if not evictable:
         lines.append(f"chunks on the {location.value} tier cannot be evicted: no nvme_dir was given")
-    lines.append(f"raise the {location.value} budget, release chunks that are done (release()), "
-                 f"or give a lower tier room")
+    if key:
+        needed = sum(e.held for e in pinned) + nbytes
+        lines.append(f"the chunks this step uses together need {fmt_bytes(needed)}: set {key} to at least that")
+    else:
+        lines.append(f"raise the {location.value} budget, release chunks that are done (release()), "
+                     f"or give a lower tier room")
     return "; ".join(lines)
 
 

@@ -108,3 +108,29 @@ def test_a_hugging_face_config_file_is_a_model_spec_that_spawned_trials_can_rece
     factory = pickle.loads(pickle.dumps(model_factory(str(path))))  # as multiprocessing's spawn sends it
     model = build_model(factory, "meta")
     assert type(model).__name__ == "LlamaForCausalLM" and all(p.is_meta for p in model.parameters())
+
+
+def test_the_estimate_places_one_process_16_bit_offload_where_the_engine_puts_it(tmp_path):
+    """bf16, stage 3, everything on NVMe in one process (Notes [paging in one process], [offloaded master
+    weights]): 2 + 2 + 12 bytes per element, all of it on NVMe, and the manager holds exactly those payloads."""
+    cfg = zero_config(3, 2, 1)
+    cfg["bf16"] = {"enabled": True}
+    for kind in ("offload_optimizer", "offload_param"):
+        cfg["zero_optimization"][kind] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    config = load_config(cfg)
+    states = model_states(trace_strategy(tiny_gpt, config, None, activations=False).params, config, 1)
+    padded = sum(c.numel for c in states.chunks)
+    assert states.by_kind() == {"param": 2 * padded, "grad": 2 * padded, "optim": 12 * padded}
+    assert states.tiers.device == 0 and states.tiers.nvme == 16 * padded
+    assert states.update_extra == 4 * max(c.numel for c in states.chunks)  # one fp32 gradient at a time
+    engine = initialize(tiny_gpt(), cfg)
+    x = token_batches(1, 2)[0]
+    engine.backward(engine(x, x))
+    engine.step()  # the states exist from the first step on
+    engine.backward(engine(x, x))  # the gradient shards too, until the next step frees them
+    manager = engine.optimizer.manager
+    held = sum(manager.chunk(c).nbytes for kind in ("param", "grad", "master", "optim")
+               for c in manager.chunks_of(kind))
+    assert held == 16 * padded
+    assert engine.model_state_bytes() == {"param": 0, "grad": 0, "optim": 0}  # nothing outside the manager
+    engine.close()

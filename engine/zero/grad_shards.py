@@ -114,8 +114,8 @@ class ShardedGrads:
         for state in self.states:
             shard = state.grad_shard
             zeros = torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.shape)  # no memory
-            chunk = manager.register("grad", [zeros], location=home, capacity=shard.numel())[0].chunk
-            manager.free(chunk)  # zeros, without a payload or a file
+            # zeros, without a payload or a file
+            chunk = manager.register("grad", [zeros], location=home, capacity=shard.numel(), zeros=True)[0].chunk
             shard.untyped_storage().resize_(0)
             state.grad_handle = chunk
 

@@ -68,8 +68,8 @@ class MasterWeights:
         self.handles = []
         for master in self.masters:
             zeros = torch.zeros((), dtype=master.dtype, device=master.device).expand(master.shape)  # no memory
-            handle = manager.register("master", [zeros], location=home, capacity=master.numel())[0].chunk
-            manager.free(handle)  # zeros, without a payload or a file, until written
+            # zeros, without a payload or a file, until written
+            handle = manager.register("master", [zeros], location=home, capacity=master.numel(), zeros=True)[0].chunk
             master.untyped_storage().resize_(0)
             self.handles.append(handle)
 

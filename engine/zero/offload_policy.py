@@ -13,12 +13,27 @@ Every offloaded kind lives in one ChunkManager. Its CPU budget is, by default, w
 plus a window of `buffer_count` chunks of each kind streamed from NVMe (with room for O_DIRECT
 padding); `memory.cpu_budget` replaces it. Offloaded chunks are stepped where the optimizer runs: on
 the CPU when the parameters are there, else they visit the device.
+
+Note [device tier]
+By default the manager's device tier is used only on an accelerator, without a budget: chunks
+visit it when used. `memory.device_budget` or `zero_optimization.placement: "auto"` make it a
+budgeted cache above the homes (ColossalAI Gemini's and PatrickStar's device chunks): every use
+pages a chunk in (on a CPU-only machine the device tier is RAM too, accounted apart), it stays
+while the budget has room, and the eviction order (Note [eviction order]) sends chunks back down,
+device → CPU → NVMe. device_budget caps the bytes of chunks resident there; "auto" caps them, at
+every moment of the step, at the device's capacity (its total memory; this machine's RAM on a CPU)
+minus the non-chunk memory the manager's trace recorded at that moment (activations, workspace:
+Note [trace and divergence]), and under device_budget too when both are set. The optimizer steps
+each tensor where its values are: on the device when they are resident there, else on the CPU.
+A budget smaller than one step's working set (the largest chunks used together) raises the
+manager's BudgetError, which names the budget, the demand and what holds the tier.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from engine.config import Config
@@ -76,7 +91,11 @@ def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch
     user_budget = cfg.memory.budget_bytes("cpu_budget")  # the user's cap replaces the default
     on_cpu, on_nvme = policy.uses(Location.CPU), policy.uses(Location.NVME)
     budget = user_budget if user_budget is not None else (window if on_nvme and not on_cpu else None)
-    manager = ChunkManager(device, Budgets(cpu=budget),
+    device_budget, auto = cfg.memory.budget_bytes("device_budget"), zero.placement == "auto"
+    device_tier = device_budget is not None or auto  # Note [device tier]
+    manager = ChunkManager(device, Budgets(device=device_budget, cpu=budget),
+                           device_capacity=device_capacity(device) if auto else None,
+                           budget_keys={Location.DEVICE: "memory.device_budget", Location.CPU: "memory.cpu_budget"},
                            nvme_dir=(offload.nvme_path if offload.device == "nvme" else offload_param.nvme_path)
                            if on_nvme else None,
                            nvme_threads=aio.intra_op_parallelism or aio.thread_count or 2,
@@ -84,7 +103,7 @@ def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch
                            pin_memory=offload.pin_memory or offload_param.pin_memory,
                            prefetch_depth=max(offload.buffer_count - 2, 1))
     # Adam runs where the parameters are when they are on the CPU; on CUDA the chunks visit the device
-    compute = Location.CPU if device.type == "cpu" else Location.DEVICE
+    compute = Location.CPU if device.type == "cpu" and not device_tier else Location.DEVICE
     param_chunks, round_into = None, None
     if policy.home(ChunkKind.PARAM) is not None:
         chunked.sharded_params.offload_to(manager, policy.home(ChunkKind.PARAM), compute)
@@ -99,10 +118,17 @@ def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch
         round_into = lambda i: masters.target(i, writes=True)  # noqa: E731
     optimizer = OffloadedOptimizer(lambda g: build_optimizer(cfg.optimizer, g), groups,
                                    manager, policy.home(ChunkKind.OPTIM), compute, param_chunks,
-                                   chunked.stepped_grad_chunks(), round_into)
+                                   chunked.stepped_grad_chunks(), round_into, step_where_resident=device_tier)
     if user_budget is None and on_nvme and on_cpu:  # one kind homed on CPU, the other streamed from NVMe
         manager.budgets = Budgets(cpu=manager.used_bytes(Location.CPU) + window)
     return optimizer
+
+
+def device_capacity(device: torch.device) -> int:
+    """Note [device tier]: the memory of the compute device (a CPU's: this machine's RAM)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return psutil.virtual_memory().total
 
 
 def nvme_window(cfg: Config, policy: OffloadPolicy, largest: int) -> int:

@@ -51,12 +51,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, make: Callable[[list[dict]], torch.optim.Optimizer], groups: list[dict],
                  manager: ChunkManager, home: Location, compute: Location, param_chunks: dict[int, int] | None = None,
-                 grad_chunks: dict[int, int] | None = None, round_into: Callable[[int], object] | None = None):
+                 grad_chunks: dict[int, int] | None = None, round_into: Callable[[int], object] | None = None,
+                 step_where_resident: bool = False):
         """param_chunks: id(stepped tensor) -> the manager chunk holding its values, for placeholders;
         grad_chunks: the same for its gradient (Note [offloaded gradient shards]), multiplied by the `grad_scale`
         the step is given (the loss-scale and clipping factors) as it is stepped, and widened to the stepped
         tensor's dtype when it is 16-bit; round_into(i): for fp32 masters (Note [offloaded master weights]), a
-        context manager giving the 16-bit tensor stepped tensor i (param-group order) is rounded into."""
+        context manager giving the 16-bit tensor stepped tensor i (param-group order) is rounded into;
+        step_where_resident: a tensor whose values are in the manager is stepped on the tier they are on (Note
+        [device tier])."""
         probe = torch.zeros(1, requires_grad=True)
         template = make([{"params": [probe]}])
         super().__init__(groups, dict(template.defaults))  # lr, betas, ...: for schedulers
@@ -65,6 +68,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._param_chunks = param_chunks or {}
         self._grad_chunks = grad_chunks or {}
         self._round_into = round_into
+        self.step_where_resident = step_where_resident
         self._items: list[tuple[torch.optim.Optimizer, torch.Tensor, int | None, dict]] = []
         self._stepped_early: set[int] = set()  # Note [stepping in backward]: items already stepped this iteration
         self._item_of_grad: dict[int, int] = {}  # gradient chunk -> the item it steps
@@ -74,8 +78,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 names, states = _state_layout(make, p)
                 chunk = None  # an optimizer without state tensors (plain SGD) has nothing to offload
                 if states:
-                    chunk = manager.register("optim", states, location=home,
-                                             capacity=sum(s.numel() for s in states))[0].chunk
+                    chunk = manager.register("optim", states, location=home,  # zeros: no memory or I/O yet
+                                             capacity=sum(s.numel() for s in states), zeros=True)[0].chunk
                     opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device)}
                 if id(p) in self._grad_chunks:
                     self._item_of_grad[self._grad_chunks[id(p)]] = len(self._items)
@@ -112,18 +116,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         released and rebound to the placeholder even when the step raises."""
         inner = opt.param_groups[0]
         values, grad_chunk = self._param_chunks.get(id(p)), self._grad_chunks.get(id(p))
+        where = self._step_location(values)
         accessed: list[int] = []
         target, bound_grad = p, p.grad
         try:
             if values is not None:  # an offloaded shard: step its manager view in the placeholder's place
-                (target,) = self.manager.access(values, self.compute)
+                (target,) = self.manager.access(values, where)
                 accessed.append(values)
-                target.grad = p.grad
+                target.grad = None if p.grad is None else p.grad.to(target.device)
                 inner["params"] = [target]
                 if p in opt.state:
                     opt.state[target] = opt.state.pop(p)
             if grad_chunk is not None:  # read-only: dropped below once stepped, never written back
-                (grad,) = self.manager.access(grad_chunk, self.compute, writes=False)
+                (grad,) = self.manager.access(grad_chunk, where, writes=False)
                 accessed.append(grad_chunk)
                 if grad.dtype != target.dtype:  # a 16-bit gradient shard for an fp32 master
                     grad = grad.to(target.dtype)
@@ -132,7 +137,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 target.grad = grad
             state = opt.state[target]
             if chunk is not None:
-                views = self.manager.access(chunk, self.compute)
+                views = self.manager.access(chunk, where)
                 accessed.append(chunk)
                 for name, view in zip(info["names"], views):
                     state[name] = view
@@ -155,6 +160,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for c in accessed:
                 # a consumed gradient is dropped at once (no write-back): its room serves the next reads
                 self.manager.release(c, TensorState.FREE if c == grad_chunk else TensorState.HOLD)
+
+    def _step_location(self, values: int | None) -> Location:
+        """Where a tensor is stepped: on the compute tier; with a budgeted device tier (Note [device tier]) where
+        its values are (on the device if they are resident there, else on the CPU)."""
+        if not self.step_where_resident or values is None:
+            return self.compute
+        return Location.DEVICE if self.manager.chunk(values).location is Location.DEVICE else Location.CPU
 
     @contextlib.contextmanager
     def accessed_state(self, index: int, writes: bool):
@@ -188,7 +200,7 @@ def _state_layout(make, p: torch.Tensor) -> tuple[list[str], list[torch.Tensor]]
     opt = make([{"params": [probe]}])
     opt.step()
     names = [k for k, v in opt.state[probe].items() if torch.is_tensor(v) and v.shape == probe.shape]
-    return names, [torch.zeros_like(p) for _ in names]
+    return names, [torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape) for _ in names]
 
 
 

@@ -95,9 +95,10 @@ class ShardedParams:
         for state in self.states:
             if not state.persistent:
                 shard = state.param_shard
-                # values still to come (zero_init loads them through shard()): registered as zeros, no memory
+                # values still to come (zero_init loads them through shard()): registered as zeros, no memory or I/O
                 values = shard if self._copied else torch.zeros((), dtype=shard.dtype).expand(shard.shape)
-                state.param_handle = manager.register("param", [values], location=home, capacity=shard.numel())[0].chunk
+                state.param_handle = manager.register("param", [values], location=home, capacity=shard.numel(),
+                                                      zeros=not self._copied)[0].chunk
                 shard.untyped_storage().resize_(0)
 
     @contextlib.contextmanager
