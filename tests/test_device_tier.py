@@ -11,8 +11,14 @@ from engine import initialize
 from engine.config import ConfigError
 from offload.chunk import Location
 from offload.manager import BudgetError
-from tests.reference import assert_close_relative, assert_params_close, tiny_gpt, token_batches, train_engine, \
-    trained_params
+from tests.reference import (
+    assert_close_relative,
+    assert_params_close,
+    tiny_gpt,
+    token_batches,
+    train_engine,
+    trained_params,
+)
 from tests.test_zero import GLOBAL_BATCH, STEPS, reference, zero_config  # noqa: F401 (reference: a fixture)
 
 CHUNK = 20_000  # elements per chunk: 80 kB in fp32
