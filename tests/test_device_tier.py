@@ -14,14 +14,24 @@ from offload.manager import BudgetError
 from tests.reference import (
     assert_close_relative,
     assert_params_close,
+    param_snapshot,
     tiny_gpt,
     token_batches,
     train_engine,
+    train_reference,
     trained_params,
 )
-from tests.test_zero import GLOBAL_BATCH, STEPS, reference, zero_config  # noqa: F401 (reference: a fixture)
+from tests.test_data_parallel import adamw
+from tests.test_zero import GLOBAL_BATCH, STEPS, zero_config
 
 CHUNK = 20_000  # elements per chunk: 80 kB in fp32
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = tiny_gpt()
+    losses, norms = train_reference(model, token_batches(STEPS, GLOBAL_BATCH), adamw, clip=1.0)
+    return losses, norms, param_snapshot(model)
 
 
 def device_config(stage: int, home: str, nvme_dir: str, **memory) -> dict:
