@@ -56,9 +56,6 @@ def test_activation_checkpointing_options_load():
     [
         ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
          "zero_optimization.offload_optimizer.ratio", "0.5"),
-        ({"zero_optimization": {"placement": "auto"}}, "zero_optimization.placement", '"auto"'),
-        ({"memory": {"device_budget": "8GB"}}, "memory.device_budget", '"8GB"'),
-        ({"memory": {"device_budget": 1 << 30}}, "memory.device_budget", str(1 << 30)),
         ({"memory": {"cpu_budget": "64GB"}}, "memory.cpu_budget", '"64GB"'),  # without optimizer offload
         ({"activation_checkpointing": {"contiguous_memory_optimization": True}},
          "activation_checkpointing.contiguous_memory_optimization", "true"),
