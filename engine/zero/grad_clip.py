@@ -7,9 +7,10 @@ rank holds only a shard of each gradient (ZeRO stage >= 1, or tensor parallelism
 its pieces' squares and the sums are added over the groups (Note [global norm under tensor
 parallelism]). The norm costs a pass over every gradient, so it is taken only when clipping, an
 fp16 overflow check or TensorBoard uses it. Gradients the chunk manager holds (Note [offloaded
-gradient shards]) are read one shard at a time for the norm; their unscaling and clipping become
-one factor the offloaded optimizer applies as it steps each shard. bf16/fp32 never overflow: as in
-DeepSpeed the update proceeds (and shows the NaN).
+gradient shards]) are read one shard at a time for the norm (widened to fp32 and unscaled first,
+as in memory); their unscaling and clipping become two factors the offloaded optimizer applies in
+turn as it steps each shard, so the result equals the in-memory path's. bf16/fp32 never overflow:
+as in DeepSpeed the update proceeds (and shows the NaN).
 """
 
 from __future__ import annotations
