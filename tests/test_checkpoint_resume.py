@@ -32,6 +32,8 @@ LAYOUTS = {  # name -> (stage, offload, extra config)
     "stage2_nvme": (2, "nvme", {}),
     "stage3_nvme": (3, "nvme", {}),  # parameter shards on NVMe too
     "stage2_bf16": (2, None, {"bf16": {"enabled": True}}),
+    # fp32 masters, 16-bit gradient and parameter shards all in the manager (Note [offloaded master weights])
+    "stage3_nvme_bf16": (3, "nvme", {"bf16": {"enabled": True}}),
     "tp2": (0, None, {"tensor_parallel": {"size": 2}}),
     # written in the background while the next steps change the weights: the snapshot must be a copy
     "stage1_async": (1, None, {"checkpoint": {"async_save": True}}),
