@@ -178,3 +178,21 @@ def test_save_16bit_model_in_bf16(tmp_path):
     exported, masters = load_file(path), engine.full_state_dict()
     assert exported["wte.weight"].dtype == torch.bfloat16
     assert all(torch.equal(exported[k], masters[k].to(torch.bfloat16)) for k in masters)
+
+
+def test_then_loads_in_one_process_paging_everything_through_nvme(chain, reference, tmp_path):
+    """Note [paging in one process]: the 4-rank stage-2 checkpoint loads into one process whose parameter shards,
+    gradients and optimizer states all live on NVMe, and training goes on as PyTorch's."""
+    root, _, _ = chain
+    offload = {"device": "nvme", "nvme_path": str(tmp_path)}
+    cfg = config(1, 3, offload_optimizer=offload, offload_param=offload)
+    cfg.update(aio={"block_size": 4096}, memory={"cpu_budget": 600_000})  # far below the 1.9 MB of states
+    engine = initialize(model(), cfg)
+    path, _ = engine.load_checkpoint(os.path.join(root, "stage2_dp4"))
+    assert path.endswith("global_step4") and engine.global_step == 4
+    losses, _ = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH)[4:], 0, 1, 1)
+    assert_close_relative(losses, reference[0][4:])
+    assert_params_close(trained_params(engine), reference[1])
+    stats = engine.optimizer.manager.stats
+    assert stats.resident_bytes["nvme"] > 0 and stats.peak_bytes["cpu"] <= 600_000
+    engine.close()
