@@ -1,0 +1,145 @@
+"""Running one rank's part of a pipeline schedule over the stage modules it holds.
+
+Note [running a pipeline schedule]
+Each rank walks its action list (Note [pipeline schedules as data]) in order:
+- F(s, j): stage s's input is micro-batch j's (stage 0) or what stage s - 1 sent; the rank runs the
+  stage module on it, keeps the input and output for the backward, and sends the output (detached)
+  to the rank of stage s + 1; the last stage applies the loss to its output and micro-batch j's
+  target and keeps the loss, divided by m (the step's loss is the mean over its micro-batches, as
+  DeepSpeed's train_batch reports it).
+- B(s, j): autograd's backward from the loss (last stage) or from the output with the gradient
+  stage s + 1 sent; the input's gradient goes to the rank of stage s - 1. Parameter gradients
+  accumulate over the micro-batches in .grad, as gradient accumulation does.
+- I(s, j) and W(s, j) (zero bubble) split that: I computes the input's gradient only (autograd.grad
+  with the graph kept) and sends it; W accumulates the parameters' gradients (backward with
+  `inputs=` the stage's parameters) and frees what the micro-batch kept.
+Sends are non-blocking (isend) and waited for at the end of the step; a receive waits for its data
+(irecv, then wait). Every message carries a tag made of its kind, stage and micro-batch, so messages
+between the same two ranks in both directions (interleaved stages) cannot be confused; its shape
+and dtype go first in a small header (a tag of its own), so stages may change shapes. A schedule `simulate` accepts
+cannot deadlock here: no send ever blocks, and each receive matches a send its peer issues in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.pipeline.schedules import Action, ActionKind, Schedule
+from engine.pipeline.simulate import simulate
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
+_HEADER = 8  # dtype code, ndim, up to 6 sizes
+
+
+@dataclass
+class _Kept:
+    """What a micro-batch's forward on one stage kept for its backward."""
+
+    input: torch.Tensor | None
+    output: torch.Tensor  # the stage's output, or the loss on the last stage
+    output_grad: torch.Tensor | None = None  # kept by I for W (None on the last stage: the loss)
+
+
+@dataclass
+class StepResult:
+    losses: list[float] = field(default_factory=list)  # the last stage's per-micro-batch losses (others: empty)
+
+
+class PipelineRunner:
+    """Runs `schedule`'s actions for `rank` over `stages` (stage index -> module) in `group` (pipeline ranks in
+    order; None: the default group)."""
+
+    def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module],
+                 loss_fn: Callable[[torch.Tensor, object], torch.Tensor], group: dist.ProcessGroup | None = None):
+        simulate(schedule)  # refuses an incomplete or deadlocking schedule before anything runs
+        held = [s for s in range(schedule.stages) if schedule.rank_of(s) == rank]
+        if sorted(stages) != held:
+            raise ValueError(f"rank {rank} holds pipeline stage(s) {held} but was given modules for {sorted(stages)}; "
+                             f"stage s lives on rank s mod {schedule.ranks}")
+        self.schedule, self.rank, self.stages, self.loss_fn, self.group = schedule, rank, stages, loss_fn, group
+        self.last = schedule.stages - 1
+
+    def run(self, inputs: list, targets: list) -> StepResult:
+        """One step: micro-batch j's input (used by stage 0) and target (used by the last stage) are inputs[j] and
+        targets[j]; gradients accumulate in the stage modules' parameters."""
+        kept: dict[tuple[int, int], _Kept] = {}
+        sends: list[dist.Work] = []
+        result = StepResult()
+        for action in self.schedule.actions[self.rank]:
+            if action.kind is ActionKind.FORWARD:
+                self._forward(action, inputs, targets, kept, sends, result)
+            elif action.kind is ActionKind.BACKWARD_WEIGHT:
+                self._weight_grad(action, kept)
+            else:
+                self._backward(action, kept, sends)
+        for work in sends:
+            work.wait()
+        return result
+
+    def _forward(self, a: Action, inputs, targets, kept, sends, result: StepResult) -> None:
+        s, j = a.stage, a.microbatch
+        x = inputs[j] if s == 0 else self._recv(ActionKind.FORWARD, s - 1, j).requires_grad_()
+        out = self.stages[s](x)
+        if s == self.last:
+            loss = self.loss_fn(out, targets[j]) / self.schedule.microbatches
+            result.losses.append(loss.item() * self.schedule.microbatches)
+            out = loss
+        else:
+            sends += self._send(out.detach(), ActionKind.FORWARD, s, j, s + 1)
+        kept[(s, j)] = _Kept(x if s > 0 else None, out)
+
+    def _backward(self, a: Action, kept, sends) -> None:
+        """B (everything) or I (the input's gradient only, the graph kept for W)."""
+        s, j = a.stage, a.microbatch
+        k = kept[(s, j)] if a.kind is ActionKind.BACKWARD_INPUT else kept.pop((s, j))
+        grad = None if s == self.last else self._recv(ActionKind.BACKWARD, s + 1, j)
+        if a.kind is ActionKind.BACKWARD:
+            torch.autograd.backward(k.output, grad)
+            input_grad = k.input.grad if k.input is not None else None
+        elif k.input is not None:
+            (input_grad,) = torch.autograd.grad(k.output, k.input, grad, retain_graph=True)
+            k.output_grad = grad  # W replays the output's gradient
+        else:
+            input_grad, k.output_grad = None, grad
+        if s > 0:
+            sends += self._send(input_grad, ActionKind.BACKWARD, s, j, s - 1)
+
+    def _weight_grad(self, a: Action, kept) -> None:
+        k = kept.pop((a.stage, a.microbatch))
+        params = [p for p in self.stages[a.stage].parameters() if p.requires_grad]
+        torch.autograd.backward(k.output, k.output_grad, inputs=params)
+
+    # ---- point to point ----------------------------------------------------------------------------
+    def _tag(self, kind: ActionKind, stage: int, microbatch: int) -> int:
+        direction = 0 if kind is ActionKind.FORWARD else 1
+        return (microbatch * self.schedule.stages + stage) * 2 + direction
+
+    def _peer(self, stage: int) -> int:
+        """The global rank of the pipeline rank holding `stage`."""
+        pipeline_rank = self.schedule.rank_of(stage)
+        return dist.get_global_rank(self.group, pipeline_rank) if self.group is not None else pipeline_rank
+
+    def _send(self, tensor: torch.Tensor, kind: ActionKind, stage: int, microbatch: int, to_stage: int) -> list:
+        tag, dst = self._tag(kind, stage, microbatch), self._peer(to_stage)
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+        payload = tensor.contiguous()
+        return [dist.isend(header.to(payload.device), dst, self.group, tag=2 * tag),
+                dist.isend(payload, dst, self.group, tag=2 * tag + 1)]
+
+    def _recv(self, kind: ActionKind, stage: int, microbatch: int) -> torch.Tensor:
+        """What stage `stage` sent for micro-batch `microbatch` (its output, or its input's gradient)."""
+        tag, src = self._tag(kind, stage, microbatch), self._peer(stage)
+        device = next(next(iter(self.stages.values())).parameters()).device
+        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+        dist.irecv(header, src, self.group, tag=2 * tag).wait()
+        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+        tensor = torch.empty([int(n) for n in header[2:2 + ndim]], dtype=dtype, device=device)
+        dist.irecv(tensor, src, self.group, tag=2 * tag + 1).wait()
+        return tensor

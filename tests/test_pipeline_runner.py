@@ -1,0 +1,73 @@
+"""Running a pipeline schedule across processes (Note [running a pipeline schedule]): each schedule's losses and
+accumulated gradients equal one process running the whole model over the same micro-batches (fp32 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.pipeline import PipelineRunner, build_schedule
+from tests.distributed import run_distributed
+from tests.reference import FP32_RTOL
+
+WIDTH, LAYERS, BATCH = 16, 8, 4
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS - 1)]
+    return nn.Sequential(*blocks, nn.Linear(WIDTH, 3))
+
+
+def data(m: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return ([torch.randn(BATCH, WIDTH, generator=g) for _ in range(m)],
+            [torch.randn(BATCH, 3, generator=g) for _ in range(m)])
+
+
+def stage_modules(net: nn.Sequential, stages: int) -> list[nn.Sequential]:
+    per = LAYERS // stages
+    return [net[s * per:(s + 1) * per] for s in range(stages)]
+
+
+def _worker(rank, world, name, m, v):
+    schedule = build_schedule(name, world, m, v)
+    net = model()
+    parts = stage_modules(net, schedule.stages)
+    mine = {s: parts[s] for s in range(schedule.stages) if schedule.rank_of(s) == rank}
+    runner = PipelineRunner(schedule, rank, mine, F.mse_loss)
+    inputs, targets = data(m)
+    result = runner.run(inputs, targets)
+    grads = {f"{s}.{n}": p.grad.clone() for s, part in mine.items() for n, p in part.named_parameters()}
+    return result.losses, grads
+
+
+@pytest.mark.parametrize("name,world,m,v", [("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("zero_bubble", 2, 5, 1),
+                                            ("interleaved", 2, 4, 2), ("1f1b", 4, 6, 1), ("zero_bubble", 4, 6, 1)])
+def test_a_pipelined_step_equals_one_process(name, world, m, v):
+    net = model()
+    inputs, targets = data(m)
+    ref_losses = []
+    for x, y in zip(inputs, targets):
+        loss = F.mse_loss(net(x), y)
+        (loss / m).backward()
+        ref_losses.append(loss.item())
+    parts = stage_modules(net, world * v)
+    expected = {f"{s}.{n}": p.grad for s, part in enumerate(parts) for n, p in part.named_parameters()}
+
+    results = run_distributed(_worker, world, args=(name, m, v))
+    last = build_schedule(name, world, m, v).rank_of(world * v - 1)
+    assert results[last][0] == pytest.approx(ref_losses, rel=FP32_RTOL)
+    assert all(not losses for r, (losses, _) in enumerate(results) if r != last)
+    got = {k: g for _, grads in results for k, g in grads.items()}
+    assert got.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=FP32_RTOL, atol=FP32_RTOL * 0.1, msg=key)
+
+
+def test_a_rank_given_the_wrong_stages_is_told_which_it_holds():
+    schedule = build_schedule("interleaved", 2, 2, 2)
+    with pytest.raises(ValueError, match=r"rank 1 holds pipeline stage\(s\) \[1, 3\] but was given modules for \[1\]"):
+        PipelineRunner(schedule, 1, {1: nn.Linear(2, 2)}, F.mse_loss)
