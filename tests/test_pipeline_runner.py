@@ -3,6 +3,8 @@ accumulated gradients equal one process running the whole model over the same mi
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -71,3 +73,48 @@ def test_a_rank_given_the_wrong_stages_is_told_which_it_holds():
     schedule = build_schedule("interleaved", 2, 2, 2)
     with pytest.raises(ValueError, match=r"rank 1 holds pipeline stage\(s\) \[1, 3\] but was given modules for \[1\]"):
         PipelineRunner(schedule, 1, {1: nn.Linear(2, 2)}, F.mse_loss)
+
+
+class _SavedBytes:
+    """Bytes of the tensors autograd keeps for backward, live and at their peak (saved_tensors_hooks)."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def pack(self, tensor):
+        box = _Box(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(box, self._free, nbytes)
+        return box
+
+    def _free(self, nbytes):
+        self.live -= nbytes
+
+    @staticmethod
+    def unpack(box):
+        return box.tensor
+
+
+class _Box:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def _memory_worker(rank, world, name, m):
+    schedule = build_schedule(name, world, m)
+    parts = stage_modules(model(), schedule.stages)
+    runner = PipelineRunner(schedule, rank, {rank: parts[rank]}, F.mse_loss)
+    saved = _SavedBytes()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, _SavedBytes.unpack):
+        runner.run(*data(m))
+    return saved.peak
+
+
+def test_1f1b_keeps_saved_activations_flat_as_micro_batches_grow_and_gpipe_does_not():
+    peaks = {(name, m): run_distributed(_memory_worker, 2, args=(name, m))[0]
+             for name in ("1f1b", "gpipe") for m in (2, 4, 8)}
+    assert peaks[("1f1b", 2)] == peaks[("1f1b", 4)] == peaks[("1f1b", 8)] > 0  # at most p micro-batches on rank 0
+    assert peaks[("gpipe", 8)] == 2 * peaks[("gpipe", 4)] == 4 * peaks[("gpipe", 2)]  # every micro-batch's
+    assert peaks[("gpipe", 2)] == peaks[("1f1b", 2)]  # the same two micro-batches in flight at m = p
