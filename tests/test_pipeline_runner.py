@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.pipeline import PipelineRunner, build_schedule
+from engine.pipeline import PipelineRunner, PipelineTimeout, build_schedule
 from tests.distributed import run_distributed
 from tests.reference import FP32_RTOL
 
@@ -118,3 +118,30 @@ def test_1f1b_keeps_saved_activations_flat_as_micro_batches_grow_and_gpipe_does_
     assert peaks[("1f1b", 2)] == peaks[("1f1b", 4)] == peaks[("1f1b", 8)] > 0  # at most p micro-batches on rank 0
     assert peaks[("gpipe", 8)] == 2 * peaks[("gpipe", 4)] == 4 * peaks[("gpipe", 2)]  # every micro-batch's
     assert peaks[("gpipe", 2)] == peaks[("1f1b", 2)]  # the same two micro-batches in flight at m = p
+
+
+class _Failing(nn.Module):
+    def forward(self, x):
+        raise RuntimeError("injected failure in stage 1")
+
+
+def _timeout_worker(rank, world):
+    schedule = build_schedule("1f1b", world, 2)
+    parts = stage_modules(model(), 2)
+    stage = parts[0] if rank == 0 else nn.Sequential(_Failing(), nn.Linear(1, 1))  # rank 1 fails at once
+    runner = PipelineRunner(schedule, rank, {rank: stage}, F.mse_loss, timeout_s=2.0)
+    try:
+        runner.run(*data(2))
+    except PipelineTimeout as e:
+        return "timeout", str(e)
+    except RuntimeError as e:
+        return "failed", str(e)
+    return "finished", ""
+
+
+def test_a_rank_waiting_on_a_failed_peer_says_what_it_waits_for():
+    (kind0, message0), (kind1, message1) = run_distributed(_timeout_worker, 2, timeout_s=60)
+    assert kind1 == "failed" and "injected failure in stage 1" in message1
+    assert kind0 == "timeout"
+    assert message0.startswith("pipeline rank 0 is on B0.0, waiting for the input gradient of stage 1, micro-batch 0, "
+                               "from rank 1; nothing came in 2 s"), message0

@@ -18,11 +18,15 @@ Sends are non-blocking (isend) and waited for at the end of the step; a receive 
 between the same two ranks in both directions (interleaved stages) cannot be confused; its shape
 and dtype go first in a small header (a tag of its own), so stages may change shapes. A schedule `simulate` accepts
 cannot deadlock here: no send ever blocks, and each receive matches a send its peer issues in order.
+A receive that waits longer than `timeout_s` (a peer that failed or hangs) raises PipelineTimeout
+naming the action this rank is on and the stage, micro-batch and rank it waits for, instead of
+hanging without a word.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -45,6 +49,10 @@ class _Kept:
     output_grad: torch.Tensor | None = None  # kept by I for W (None on the last stage: the loss)
 
 
+class PipelineTimeout(RuntimeError):
+    """A receive waited longer than the runner's timeout: names the action running and what it waits for."""
+
+
 @dataclass
 class StepResult:
     losses: list[float] = field(default_factory=list)  # the last stage's per-micro-batch losses (others: empty)
@@ -55,7 +63,9 @@ class PipelineRunner:
     order; None: the default group)."""
 
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module],
-                 loss_fn: Callable[[torch.Tensor, object], torch.Tensor], group: dist.ProcessGroup | None = None):
+                 loss_fn: Callable[[torch.Tensor, object], torch.Tensor], group: dist.ProcessGroup | None = None,
+                 timeout_s: float = 600.0):
+        """timeout_s: how long a receive waits before PipelineTimeout names the action and what it waits for."""
         simulate(schedule)  # refuses an incomplete or deadlocking schedule before anything runs
         held = [s for s in range(schedule.stages) if schedule.rank_of(s) == rank]
         if sorted(stages) != held:
@@ -63,6 +73,8 @@ class PipelineRunner:
                              f"stage s lives on rank s mod {schedule.ranks}")
         self.schedule, self.rank, self.stages, self.loss_fn, self.group = schedule, rank, stages, loss_fn, group
         self.last = schedule.stages - 1
+        self.timeout = timedelta(seconds=timeout_s)
+        self._action: Action | None = None  # the one running, for a timeout's report
 
     def run(self, inputs: list, targets: list) -> StepResult:
         """One step: micro-batch j's input (used by stage 0) and target (used by the last stage) are inputs[j] and
@@ -71,6 +83,7 @@ class PipelineRunner:
         sends: list[dist.Work] = []
         result = StepResult()
         for action in self.schedule.actions[self.rank]:
+            self._action = action
             if action.kind is ActionKind.FORWARD:
                 self._forward(action, inputs, targets, kept, sends, result)
             elif action.kind is ActionKind.BACKWARD_WEIGHT:
@@ -138,8 +151,19 @@ class PipelineRunner:
         tag, src = self._tag(kind, stage, microbatch), self._peer(stage)
         device = next(next(iter(self.stages.values())).parameters()).device
         header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-        dist.irecv(header, src, self.group, tag=2 * tag).wait()
+        self._wait(dist.irecv(header, src, self.group, tag=2 * tag), kind, stage, microbatch)
         dtype, ndim = _DTYPES[int(header[0])], int(header[1])
         tensor = torch.empty([int(n) for n in header[2:2 + ndim]], dtype=dtype, device=device)
-        dist.irecv(tensor, src, self.group, tag=2 * tag + 1).wait()
+        self._wait(dist.irecv(tensor, src, self.group, tag=2 * tag + 1), kind, stage, microbatch)
         return tensor
+
+    def _wait(self, work: dist.Work, kind: ActionKind, stage: int, microbatch: int) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            what = "output" if kind is ActionKind.FORWARD else "input gradient"
+            raise PipelineTimeout(
+                f"pipeline rank {self.rank} is on {self._action}, waiting for the {what} of stage {stage}, "
+                f"micro-batch {microbatch}, from rank {self.schedule.rank_of(stage)}; nothing came in "
+                f"{self.timeout.total_seconds():.0f} s: that rank failed or is stuck (its own report says on what)"
+            ) from e
