@@ -74,6 +74,8 @@ class PipelineRunner:
         self.schedule, self.rank, self.stages, self.loss_fn, self.group = schedule, rank, stages, loss_fn, group
         self.last = schedule.stages - 1
         self.timeout = timedelta(seconds=timeout_s)
+        # where received tensors go: the stages' device (a stage without parameters: the CPU)
+        self.device = next((p.device for m in stages.values() for p in m.parameters()), torch.device("cpu"))
         self._action: Action | None = None  # the one running, for a timeout's report
 
     def run(self, inputs: list, targets: list) -> StepResult:
@@ -149,11 +151,10 @@ class PipelineRunner:
     def _recv(self, kind: ActionKind, stage: int, microbatch: int) -> torch.Tensor:
         """What stage `stage` sent for micro-batch `microbatch` (its output, or its input's gradient)."""
         tag, src = self._tag(kind, stage, microbatch), self._peer(stage)
-        device = next(next(iter(self.stages.values())).parameters()).device
-        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
         self._wait(dist.irecv(header, src, self.group, tag=2 * tag), kind, stage, microbatch)
         dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-        tensor = torch.empty([int(n) for n in header[2:2 + ndim]], dtype=dtype, device=device)
+        tensor = torch.empty([int(n) for n in header[2:2 + ndim]], dtype=dtype, device=self.device)
         self._wait(dist.irecv(tensor, src, self.group, tag=2 * tag + 1), kind, stage, microbatch)
         return tensor
 

@@ -45,7 +45,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import xxhash
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.profiler import record_function
@@ -53,6 +52,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from engine.comm import CommCounter, all_reduce_max, broadcast_from
 from engine.config import load_config
+from offload.nvme import checksum  # the project's one XXH3-64
 
 # calls that overwrite every element of the tensor they are given without reading it
 _OVERWRITES = {
@@ -284,8 +284,7 @@ def _distributed(group: dist.ProcessGroup | None) -> bool:
 
 def _checksum(value: torch.Tensor) -> int:
     """XXH3-64 of the tensor's bytes, as a signed int64."""
-    data = value.detach().contiguous().view(-1).view(torch.uint8).numpy()
-    return xxhash.xxh3_64_intdigest(data) - 2**63
+    return checksum(value.detach().contiguous().view(-1).view(torch.uint8).numpy()) - 2**63
 
 
 class _RankZero:
@@ -316,7 +315,7 @@ class _RankZero:
         """Rank 0's number of live writes per parameter, and whether every rank recorded rank 0's RNG states;
         raises on every rank when one built a different model (other names, shapes, dtypes)."""
         layout = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, len(s)) for (n, p), s in zip(named, own)]
-        fingerprint = xxhash.xxh3_64_intdigest(b"".join(s.numpy().tobytes() for states in own for s in states))
+        fingerprint = checksum(b"".join(s.numpy().tobytes() for states in own for s in states))
         plan = [(layout, fingerprint)]
         with record_function("tiers.comm.broadcast"):
             dist.broadcast_object_list(plan, group=self.group, group_src=0, device=self.device)
