@@ -118,8 +118,8 @@ def _pipeline_checks(cfg: Config) -> list[tuple[bool, str, object, str]]:
         (pp.enabled and zero.offload_optimizer.device in OFFLOADED, "zero_optimization.offload_optimizer.device",
          zero.offload_optimizer.device, "offloading under pipeline parallelism is not built yet; use \"none\" with "
          "pipeline.stages > 1"),
-        (pp.enabled and cfg.tensor_parallel.size > 1, "tensor_parallel.size", cfg.tensor_parallel.size,
-         "tensor parallelism inside a pipeline stage is not built yet; use tensor_parallel.size 1 with "
+        (pp.enabled and cfg.tensor_parallel.size > 1 and cfg.tensor_parallel.mode == "2d", "tensor_parallel.mode",
+         "2d", "2D tensor parallelism inside a pipeline stage is not built yet; use mode \"1d\" with "
          "pipeline.stages > 1"),
     ]
 

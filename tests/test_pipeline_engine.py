@@ -67,11 +67,17 @@ def pipeline_config(pp: int, schedule: str, dp: int, accumulation: int, v: int =
 def stage_params(engine) -> dict[str, torch.Tensor]:
     """This rank's parameters under their names in the whole model."""
     names = engine.pipeline.split.names
+    if engine.tensor_parallel is not None:  # whole weights from the tp shards (Note [tensor-parallel plans])
+        local = {names[id(p)]: p.detach() for p in engine.module.parameters()}
+        return {k: v.clone() for k, v in engine.tensor_parallel.join_state_dict(local, engine.device).items()}
     return {names[id(p)]: p.detach().clone() for p in engine.module.parameters()}
 
 
 def _worker(rank, world, name, pp, schedule, accumulation, v, stage, extra):
-    engine = initialize(MODELS[name](), pipeline_config(pp, schedule, world // pp, accumulation, v, stage, **extra))
+    tp = extra.get("tensor_parallel", {}).get("size", 1)
+    engine = initialize(MODELS[name](), pipeline_config(pp, schedule, world // pp // tp, accumulation, v, stage,
+                                                        **extra))
+    assert (engine.tensor_parallel is not None) == (tp > 1)
     dp_rank, dp = engine.topology.dp_rank, engine.dp_world_size
     losses, norms = [], []
     for batch in token_batches(STEPS, GLOBAL_BATCH):
@@ -126,3 +132,8 @@ def test_hugging_face_models_at_pp2(name, schedule):
 
 def test_with_activation_checkpointing():
     check_against_reference("gpt", 2, 2, "1f1b", extra={"activation_checkpointing": {"enabled": True}})
+
+
+def test_pp2_by_tp2():
+    """Tensor parallelism inside each stage: the plan shards the blocks, then the pipeline cuts them."""
+    check_against_reference("gpt_untied", 4, 2, "1f1b", extra={"tensor_parallel": {"size": 2}})
