@@ -128,6 +128,7 @@ class PipelineModel:
     state: StageState
     names: dict[int, str]  # id(parameter) -> its name in the whole model
     shared: dict[int, tuple[int, ...]] = field(default_factory=dict)  # id -> the pipeline ranks holding it
+    keys: tuple[str, ...] = ()  # the whole model's state-dict keys, in its order (checkpoints, full_state_dict)
 
     @property
     def param_by_id(self) -> dict[int, nn.Parameter]:
@@ -144,6 +145,7 @@ class PipelineModel:
 def split_model(model: nn.Module, plan: StagePlan, rank: int) -> PipelineModel:
     """Vacates in `model` what pipeline rank `rank` does not hold, and builds its stages' views."""
     names = {id(p): n for n, p in model.named_parameters()}
+    keys = tuple(model.state_dict(keep_vars=True))  # before vacating: every stage's keys
     ranks_of = _ranks_of_parameters(model, plan)
     mine = set(plan.stages_of_rank(rank))
     state = StageState()
@@ -160,7 +162,7 @@ def split_model(model: nn.Module, plan: StagePlan, rank: int) -> PipelineModel:
             _replace(model, name, VacantModule(name, place, plan.describe_stage(stage), state))
     views = {s: _view(model, plan, s, state, originals, outside) for s in sorted(mine)}
     shared = {pid: tuple(sorted(r)) for pid, r in ranks_of.items() if len(r) > 1}
-    return PipelineModel(plan, rank, model, views, state, names, shared)
+    return PipelineModel(plan, rank, model, views, state, names, shared, keys)
 
 
 def _ranks_of_parameters(model: nn.Module, plan: StagePlan) -> dict[int, set[int]]:
