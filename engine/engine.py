@@ -59,7 +59,7 @@ class Engine:
         self._saver = Saver(TrainingState(  # Note [checkpoint commit]
             module, runtime.chunked, runtime.optimizer, lr_scheduler, loss_scaler, self.progress, topology,
             tensor_parallel, config.tensor_parallel.mode, config.zero_optimization.stage, self.precision.compute_dtype,
-            runtime.gather_updated_params), config.checkpoint)
+            runtime.gather_updated_params, pipeline.split if pipeline is not None else None), config.checkpoint)
 
     # ---- identity -------------------------------------------------------------------------
     @property
