@@ -112,9 +112,6 @@ def _pipeline_checks(cfg: Config) -> list[tuple[bool, str, object, str]]:
          "schedule to \"interleaved\", or virtual_stages to 1"),
         (not partition_ok, "pipeline.partition", pp.partition,
          f"is one of {', '.join(PARTITIONS)}, or a list of the module names that start each stage"),
-        (pp.enabled and zero.stage >= 2, "zero_optimization.stage", zero.stage,
-         "ZeRO stages 2 and 3 under pipeline parallelism are not built yet; use stage 0 or 1 with pipeline.stages "
-         f"{pp.stages}, or pipeline.stages 1"),
         (pp.enabled and zero.offload_optimizer.device in OFFLOADED, "zero_optimization.offload_optimizer.device",
          zero.offload_optimizer.device, "offloading under pipeline parallelism is not built yet; use \"none\" with "
          "pipeline.stages > 1"),
