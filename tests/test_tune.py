@@ -66,3 +66,19 @@ def test_estimate_command_prints_every_strategy_and_what_fits(tmp_path, capsys):
                  "optim->nvme param->nvme"):
         assert name in printed
     assert "Largest model that fits: ~" in printed
+
+
+def test_candidates_put_pipelines_after_the_cheaper_strategies_and_their_config_has_the_section():
+    from engine.estimate import Strategy, candidate_strategies
+
+    names = [s.name for s in candidate_strategies(4, [1], nvme=False, pp_sizes=[2, 4])]
+    assert names.index("PP2-1f1b DDP") > names.index("ZeRO-3")  # pipelines after every strategy without offload
+    assert names.index("PP4-1f1b DDP") > names.index("PP2-1f1b ZeRO-1")  # shorter pipelines first
+    assert names.index("PP4-1f1b DDP") < names.index("ZeRO-1 optim->cpu")
+    assert "PP4-1f1b ZeRO-1" not in names and "PP4-1f1b ZeRO-1 optim->cpu" in names  # one data-parallel rank
+    assert candidate_strategies(4, [1], nvme=False) == candidate_strategies(4, [1], nvme=False, pp_sizes=[1])
+    base = {"pipeline": {"stages": 2, "partition": "uniform"}, "train_micro_batch_size_per_gpu": 1}
+    assert Strategy(1, pp=4, schedule="interleaved", virtual_stages=2).config(base, None)["pipeline"] == {
+        "stages": 4, "schedule": "interleaved", "virtual_stages": 2, "partition": "uniform"}
+    assert "pipeline" not in Strategy(1).config(base, None)  # like tensor_parallel: a strategy without one drops it
+
