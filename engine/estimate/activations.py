@@ -11,7 +11,7 @@ zeros beforehand, so autograd accumulates into them in place as it does into the
 Activation memory grows with the micro batch: the step is traced at two small batches and
 extrapolated linearly (a fixed part, like parameter gradients before accumulation, and a part per
 sample). Kernel workspaces outside autograd's tensors (cuBLAS, oneDNN scratch) are not seen.
-Given the model's units (the pieces a pipeline splits it into), the
+Given the model's units (the pieces a pipeline splits it into, Note [estimating a pipeline]), the
 trace also tags each allocation with the unit whose forward was running (the last one entered:
 the loss after the output head counts as the head's) and reports, per unit, the bytes still alive
 when the backward starts (what a stage holds for each micro-batch in flight) and its output's bytes
