@@ -6,8 +6,8 @@ Note [tuning]
    NVMe; NVMe only with a directory to swap to), each for a few steps on this machine (trials.py).
    With a time budget, a trial starts only if the trials so far plus one more as long as the longest
    so far stay within it (the first always runs). Pipelined strategies (Note [estimating a
-   pipeline]) are listed with their estimate and bubble but not tried: the trials drive the engine
-   one micro-batch at a time, and a pipelined step runs all of its micro-batches at once.
+   pipeline]) are listed with their estimate and bubble, and tried like the others, their steps run
+   by engine.train_batch (Note [a pipelined step]).
 3. A trial's measured memory is checked too: peak RSS against the CPU budget; the device budget
    against max_memory_allocated on CUDA, or, where the compute device is the CPU, against the peak
    RSS less the runtime and less what the offload manager held in CPU memory (the device tier's
@@ -42,7 +42,6 @@ class Verdict(enum.Enum):
     OVER_MEASURED = "rejected: measured over budget"
     FAILED = "failed"
     NOT_TRIED = "not tried: time budget spent"
-    ESTIMATED_ONLY = "fits the estimate; not tried (trials do not run pipelines yet)"
 
 
 @dataclass
@@ -80,9 +79,6 @@ def tune(factory: Callable[[], nn.Module], world: int, budgets: RankBudgets, con
     for row in est.rows:
         if not row.fits:
             result.candidates.append(Candidate(row, Verdict.OVER_ESTIMATE, "; ".join(row.misfits)))
-            continue
-        if row.pipeline is not None:
-            result.candidates.append(Candidate(row, Verdict.ESTIMATED_ONLY))
             continue
         if time_budget_s is not None and time.monotonic() - started + longest > time_budget_s:
             result.candidates.append(Candidate(row, Verdict.NOT_TRIED))
