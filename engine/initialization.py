@@ -13,6 +13,7 @@ Each is usable on its own; initialize() is their composition.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from typing import Callable, Iterable
@@ -28,6 +29,7 @@ from engine.engine import Engine
 from engine.lr_schedules import build_lr_scheduler
 from engine.monitor import Monitor
 from engine.optim import build_optimizer
+from engine.pipeline.block_timing import measured_costs
 from engine.pipeline.driver import PipelineDriver, shared_parameter_groups, sync_shared_values
 from engine.pipeline.model_split import PipelineModel, plan_stages, split_model
 from engine.precision import PrecisionPolicy, build_loss_scaler
@@ -155,7 +157,9 @@ def split_pipeline(model: nn.Module, cfg: Config, topology: Topology,
     lowest one's values; (None, {}) without a pipeline config."""
     if not cfg.pipeline.enabled:
         return None, {}
-    split = split_model(model, plan_stages(model, cfg.pipeline), topology.pp_rank)
+    micro_batch = cfg.batch_sizes(topology.dp_world_size).micro_batch_size
+    measure = functools.partial(measured_costs, model, micro_batch=micro_batch, device=topology.device)
+    split = split_model(model, plan_stages(model, cfg.pipeline, measure), topology.pp_rank)
     groups = shared_parameter_groups(split, topology)
     sync_shared_values(split, groups, comm)
     return split, groups

@@ -187,3 +187,17 @@ def test_config_errors_name_the_fix():
     engine = initialize(example_gpt(), {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}})
     with pytest.raises(RuntimeError, match="engine.train_batch runs a pipeline schedule"):
         engine.train_batch(iter([]))
+
+
+def _time_partition_worker(rank, world):
+    engine = initialize(example_gpt(), pipeline_config(2, "1f1b", 1, M, pipeline={"stages": 2, "partition": "time"}))
+    plan = engine.pipeline.split.plan
+    losses = [engine.train_batch(iter([{"input_ids": mb, "labels": mb} for mb in x.chunk(M)]))
+              for x in token_batches(2, 8)]
+    return plan.starts, losses
+
+
+def test_a_partition_by_measured_time_cuts_every_rank_at_the_same_block_and_trains():
+    (starts, losses), (other_starts, other_losses) = run_distributed(_time_partition_worker, 2, timeout_s=120)
+    assert starts == other_starts and starts[0] == 0 and 0 < starts[1] < 4
+    assert losses == other_losses and losses[1] < losses[0]
