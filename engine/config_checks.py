@@ -53,7 +53,7 @@ def check_config(cfg: Config) -> None:
          "node-local checkpoint storage is not supported yet: every rank writes into one directory on a filesystem "
          "all ranks share; remove the key"),
         (cfg.checkpoint.parallel_write.pipeline_stage, "checkpoint.parallel_write.pipeline_stage", True,
-         "Tiers has no pipeline stages (every rank already writes its own file); remove the key"),
+         "every rank already writes its own file, pipeline stages included; remove the key"),
         (zero.placement == "auto" and zero.offload_optimizer.device not in OFFLOADED, "zero_optimization.placement",
          zero.placement, "places the chunks the chunk manager holds, and nothing is offloaded; set "
          "zero_optimization.offload_optimizer.device (and offload_param.device) to cpu or nvme, or use \"static\""),
