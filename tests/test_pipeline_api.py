@@ -201,3 +201,39 @@ def test_a_partition_by_measured_time_cuts_every_rank_at_the_same_block_and_trai
     (starts, losses), (other_starts, other_losses) = run_distributed(_time_partition_worker, 2, timeout_s=120)
     assert starts == other_starts and starts[0] == 0 and 0 < starts[1] < 4
     assert losses == other_losses and losses[1] < losses[0]
+
+
+def varying_length_steps() -> list[list[torch.Tensor]]:
+    """Two steps of M micro-batches whose sequence lengths differ within and between steps."""
+    g = torch.Generator().manual_seed(3)
+    return [[torch.randint(0, 256, (2, 8 + 4 * ((j + step) % 3)), generator=g) for j in range(M)] for step in range(2)]
+
+
+def _varying_length_worker(rank, world):
+    engine = initialize(example_gpt(), pipeline_config(2, "zero_bubble", 1, M))
+    losses = [engine.train_batch(iter([{"input_ids": x, "labels": x} for x in step]))
+              for step in varying_length_steps()]
+    names = engine.pipeline.split.names
+    return losses, {names[id(p)]: p.detach().clone() for p in engine.module.parameters()}
+
+
+def test_micro_batches_of_different_sequence_lengths():
+    """Each message's shape travels in its header, so stages take whatever length each micro-batch has."""
+    model = example_gpt()
+    optimizer = adamw(list(model.parameters()))
+    ref_losses = []
+    for step in varying_length_steps():
+        total = 0.0
+        for x in step:
+            loss = model(x, x)
+            (loss / M).backward()
+            total += loss.item() / M
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_losses.append(total)
+    held = {}
+    for losses, params in run_distributed(_varying_length_worker, 2, timeout_s=120):
+        assert_close_relative(losses, ref_losses)
+        held.update(params)
+    assert_params_close(held, param_snapshot(model))
