@@ -129,7 +129,8 @@ def test_dp2_by_pp2_under_zero(stage, schedule, v):
     check_against_reference("gpt", 4, 2, schedule, accumulation=2, stage=stage, v=v)
 
 
-@pytest.mark.parametrize("name,schedule", [("hf_gpt2", "gpipe"), ("hf_gpt2", "1f1b"), ("hf_llama", "1f1b")])
+@pytest.mark.parametrize("name,schedule", [("hf_gpt2", "gpipe"), ("hf_gpt2", "1f1b"), ("hf_llama", "gpipe"),
+                                           ("hf_llama", "1f1b")])
 def test_hugging_face_models_at_pp2(name, schedule):
     """GPT-2 (lm_head tied to wte across the first and last stage; blocks return tuples) and Llama (rotary
     position embeddings and the causal mask computed before the blocks, on every stage)."""
