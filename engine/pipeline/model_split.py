@@ -19,7 +19,9 @@ inputs, on a view of the model whose block list holds only that stage's blocks:
   raises, naming the module (a model that calls a module on the other side of its blocks from where
   it registers it is refused, not silently wrong).
 - so every value a later stage needs from the inputs (labels for a loss computed at the end, the
-  attention mask, position ids) reaches it: every stage reads the micro-batch itself.
+  attention mask, position ids) reaches it: every stage reads the micro-batch itself. Only the hidden
+  state crosses a stage boundary: blocks that hand other values to the next block (T5's position
+  bias, taken from the previous block's output) are not supported yet.
 - the model object itself (engine.module) keeps exactly this rank's parameters under their own
   names: what another rank holds is replaced by VacantModules. A parameter that modules of two stages
   use (GPT-2's lm_head.weight is wte.weight) is held by both ranks: it starts from the lowest one's
