@@ -60,17 +60,19 @@ def _loss(out):
 def pipeline_config(pp: int, schedule: str, dp: int, accumulation: int, v: int = 1, stage: int = 0, **extra) -> dict:
     return {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp // accumulation,
             "gradient_accumulation_steps": accumulation, "optimizer": {"type": "AdamW", "params": ADAMW},
-            "gradient_clipping": 1.0, "steps_per_print": 10**6, "zero_optimization": {"stage": stage},
+            "gradient_clipping": 1.0, "steps_per_print": 10**6,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
             "pipeline": {"stages": pp, "schedule": schedule, "virtual_stages": v}, **extra}
 
 
 def stage_params(engine) -> dict[str, torch.Tensor]:
-    """This rank's parameters under their names in the whole model."""
+    """This rank's parameters under their names in the whole model (gathered under stage 3)."""
     names = engine.pipeline.split.names
+    with engine.gathered_parameters():
+        local = {names[id(p)]: p.detach().clone() for p in engine.module.parameters()}
     if engine.tensor_parallel is not None:  # whole weights from the tp shards (Note [tensor-parallel plans])
-        local = {names[id(p)]: p.detach() for p in engine.module.parameters()}
-        return {k: v.clone() for k, v in engine.tensor_parallel.join_state_dict(local, engine.device).items()}
-    return {names[id(p)]: p.detach().clone() for p in engine.module.parameters()}
+        return engine.tensor_parallel.join_state_dict(local, engine.device)
+    return local
 
 
 def _worker(rank, world, name, pp, schedule, accumulation, v, stage, extra):
@@ -119,11 +121,16 @@ def test_pp4_with_untied_weights():
     check_against_reference("gpt_untied", 4, 4, "1f1b")
 
 
-def test_dp2_by_pp2_under_zero1():
-    check_against_reference("gpt", 4, 2, "1f1b", accumulation=2, stage=1)
+@pytest.mark.parametrize("stage,schedule,v", [(1, "1f1b", 1), (2, "1f1b", 1), (3, "1f1b", 1),
+                                              (3, "zero_bubble", 1), (2, "interleaved", 2)])
+def test_dp2_by_pp2_under_zero(stage, schedule, v):
+    """Gradients accumulate per stage over the micro-batches and are reduced once per step; stage 3 gathers each
+    module's parameters around its forward and backward (every parameter sharded: threshold 0)."""
+    check_against_reference("gpt", 4, 2, schedule, accumulation=2, stage=stage, v=v)
 
 
-@pytest.mark.parametrize("name,schedule", [("hf_gpt2", "gpipe"), ("hf_gpt2", "1f1b"), ("hf_llama", "1f1b")])
+@pytest.mark.parametrize("name,schedule", [("hf_gpt2", "gpipe"), ("hf_gpt2", "1f1b"), ("hf_llama", "gpipe"),
+                                           ("hf_llama", "1f1b")])
 def test_hugging_face_models_at_pp2(name, schedule):
     """GPT-2 (lm_head tied to wte across the first and last stage; blocks return tuples) and Llama (rotary
     position embeddings and the causal mask computed before the blocks, on every stage)."""

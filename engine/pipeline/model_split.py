@@ -5,7 +5,8 @@ A model is cut where users cut it by hand: its block list (engine.block_list: th
 of same-class modules) is divided into S = pipeline.stages × virtual_stages contiguous runs of
 blocks, balanced by parameters (the modules before the list, such as the embeddings, count towards
 the first run, the modules after it, such as the final norm and the output layer, towards the last)
-or uniformly, or at the blocks pipeline.partition names. Stage s lives on pipeline rank s mod P.
+or uniformly, or by each block's forward time measured on one synthetic micro-batch (rank 0's
+measurement, broadcast), or at the blocks pipeline.partition names. Stage s lives on pipeline rank s mod P.
 Nothing is traced or rewritten: each stage runs the model's own forward, from the micro-batch's own
 inputs, on a view of the model whose block list holds only that stage's blocks:
 - the first block takes the hidden state the previous stage sent in place of its own input (stage
@@ -18,7 +19,9 @@ inputs, on a view of the model whose block list holds only that stage's blocks:
   raises, naming the module (a model that calls a module on the other side of its blocks from where
   it registers it is refused, not silently wrong).
 - so every value a later stage needs from the inputs (labels for a loss computed at the end, the
-  attention mask, position ids) reaches it: every stage reads the micro-batch itself.
+  attention mask, position ids) reaches it: every stage reads the micro-batch itself. Only the hidden
+  state crosses a stage boundary: blocks that hand other values to the next block (T5's position
+  bias, taken from the previous block's output) are not supported yet.
 - the model object itself (engine.module) keeps exactly this rank's parameters under their own
   names: what another rank holds is replaced by VacantModules. A parameter that modules of two stages
   use (GPT-2's lm_head.weight is wte.weight) is held by both ranks: it starts from the lowest one's
@@ -70,8 +73,9 @@ class StagePlan:
         return f"pipeline stage {stage} (rank {stage % self.ranks}, blocks {blocks.start}-{blocks.stop - 1})"
 
 
-def plan_stages(model: nn.Module, config: PipelineConfig) -> StagePlan:
-    """Note [pipeline stages of an unmodified model]: the cut of `model` that `config` asks for."""
+def plan_stages(model: nn.Module, config: PipelineConfig, measure=None) -> StagePlan:
+    """Note [pipeline stages of an unmodified model]: the cut of `model` that `config` asks for. measure(blocks)
+    gives (each block's seconds, before them, after them) for partition "time"."""
     found = find_block_list(model)
     if found is None:
         raise ValueError(f"pipeline: {type(model).__name__} has no nn.ModuleList of same-class blocks to cut into "
@@ -89,9 +93,9 @@ def plan_stages(model: nn.Module, config: PipelineConfig) -> StagePlan:
         head = sum(count(model.get_submodule(n)) for n, place in outside if place is Place.BEFORE)
         tail = sum(count(model.get_submodule(n)) for n, place in outside if place is Place.AFTER)
         starts = balanced_starts([count(b) for b in blocks], stages, head, tail)
-    else:
-        raise ValueError(f"pipeline.partition: {config.partition!r} is not built yet; use \"parameters\", "
-                         "\"uniform\" or the names of the blocks that start each stage")
+    else:  # "time"
+        costs, head, tail = measure(blocks)
+        starts = balanced_starts(costs, stages, head, tail)
     return StagePlan(list_name, tuple(starts), len(blocks), tuple(outside), config.stages)
 
 

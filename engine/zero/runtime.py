@@ -70,6 +70,7 @@ class ZeroRuntime:
         self.steps_in_backward = steps_in_backward  # Note [stepping in backward]
         self.phase = TrainingPhase.IDLE
         self.inside_no_sync = False
+        self.accumulating_locally = False  # Note [a pipelined step]: no backward reduces; the update reduces all
         self.synchronized = False  # a synchronized backward ran since the last update
         self._early_square: torch.Tensor | None = None  # norm pieces of shards stepped in backward
 
@@ -146,11 +147,23 @@ class ZeroRuntime:
             self.inside_no_sync = previous
 
     @contextlib.contextmanager
+    def accumulate_locally(self):
+        """Backward passes inside reduce nothing, under every ZeRO stage: gradients accumulate in this rank's full
+        gradient chunks (stage 2 and 3 keep them live until the update), and the update reduces them all once
+        (Note [a pipelined step])."""
+        previous, self.accumulating_locally = self.accumulating_locally, True
+        try:
+            yield
+        finally:
+            self.accumulating_locally = previous
+
+    @contextlib.contextmanager
     def backward(self, boundary: bool, loss_scale: float):
         """Around autograd's backward of one micro-batch; `boundary`: it ends the accumulation. Whether it reduces
         is decided (and refused, for a second synchronized backward) before anything is armed."""
         every_backward = self.chunked.sharded_grads is not None  # Note [sharded gradients]
-        reduces = self.reducer is not None and (every_backward or (boundary and not self.inside_no_sync))
+        reduces = self.reducer is not None and not self.accumulating_locally and (
+            every_backward or (boundary and not self.inside_no_sync))
         if reduces:
             self._check_one_synchronized_backward(every_backward)
         self._enter(TrainingPhase.BACKWARD)
@@ -247,8 +260,9 @@ class ZeroRuntime:
         """Every gradient reduced, in fp32 where the optimizer reads it, unscaled and clipped."""
         with record_function("tiers.zero.pre_step"):
             chunked = self.chunked
-            if self.reducer is not None and not self.synchronized and chunked.sharded_grads is None:
-                self.reducer.reduce_all()  # the boundary backward ran inside no_sync()
+            unreduced = chunked.sharded_grads is None or self.reducer is not None and self.reducer.holds_unreduced()
+            if self.reducer is not None and not self.synchronized and unreduced:
+                self.reducer.reduce_all()  # the boundary backward ran inside no_sync() or accumulate_locally()
             self.synchronized = False
             if chunked.sharded_grads is not None:
                 chunked.sharded_grads.settle()  # shards no backward wrote (Note [sharded gradients])
