@@ -2,9 +2,9 @@
 
 A run trained SAVED steps under one layout, saved, loaded under another and trained to STEPS must follow the
 uninterrupted single-process reference (fp32 1e-5): its losses, final parameters and Adam moments, the lr schedule
-going on where it stopped. Legs: pp 2 -> pp 1 and pp 4, pp 1 -> pp 2, dp 2 x pp 2 (ZeRO-1) -> pp 4, pp 2 x tp 2
--> pp 1; the same layout resumes bit for bit (dropout on); full_state_dict, save_16bit_model and `tiers convert`
-give the unsplit model's state dict.
+going on where it stopped. Legs: pp 2 -> pp 1 and pp 4, pp 1 -> pp 2 (1F1B, interleaved), dp 2 x pp 2 -> pp 4
+(ZeRO-1) and -> pp 1 (ZeRO-3), pp 2 x tp 2 -> pp 1; the same layout resumes bit for bit (dropout on);
+full_state_dict, save_16bit_model and `tiers convert` give the unsplit model's state dict.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def config(pp: int = 1, dp: int = 1, tp: int = 1, stage: int = 0, virtual: int =
     cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp // ACCUMULATION,
            "gradient_accumulation_steps": ACCUMULATION, "optimizer": {"type": "AdamW", "params": ADAMW},
            "scheduler": SCHEDULER, "gradient_clipping": 1.0, "steps_per_print": 10**6,
-           "zero_optimization": {"stage": stage}}
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}  # 0: every one sharded
     if pp > 1:
         cfg["pipeline"] = {"stages": pp, "schedule": "1f1b" if virtual == 1 else "interleaved",
                            "virtual_stages": virtual}
@@ -137,6 +137,11 @@ def _four_rank_worker(rank, world, root):
     train(engine, batches[:SAVED])
     engine.save_checkpoint(os.path.join(root, "dp2_pp2"), client_state=CLIENT)
     out["saved_dp2_pp2"] = engine.full_state_dict()
+    engine.close()
+    engine = initialize(model(), config(pp=2, dp=2, stage=3))
+    train(engine, batches[:SAVED])
+    engine.save_checkpoint(os.path.join(root, "dp2_pp2_zero3"), client_state=CLIENT)
+    out["saved_dp2_pp2_zero3"] = engine.full_state_dict()
     engine.close()
     engine = initialize(model(), config(pp=2, tp=2))
     train(engine, batches[:SAVED])
@@ -259,6 +264,12 @@ def test_pp1_loads_at_interleaved_pp2(legs, reference):
 def test_dp2_by_pp2_under_zero1_loads_at_pp4(legs, reference):
     _, _, four = legs
     check_stages(four, "dp2_pp2_to_pp4", reference, four[0]["saved_dp2_pp2"])
+
+
+def test_dp2_by_pp2_under_zero3_loads_at_pp1(legs, reference):
+    root, _, four = legs
+    out = resume(initialize(model(), config()), os.path.join(root, "dp2_pp2_zero3"), token_batches(STEPS, GLOBAL_BATCH))
+    check_leg(out, reference, four[0]["saved_dp2_pp2_zero3"])
 
 
 def test_pp2_by_tp2_loads_at_pp1(legs, reference):
