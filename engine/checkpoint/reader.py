@@ -4,10 +4,10 @@ Note [reading a checkpoint anywhere]
 A parameter (or one optimizer state of it) is addressed by its name, the tensor-parallel rank
 whose piece it is, and a range of that piece's flattened elements. The manifest's chunk lists turn
 that into pieces of files (Note [checkpoint layout]): the pipeline rank and chunk holding it, its
-offset, and the data-parallel shards of the chunk the range crosses. So any pipeline size reads
-any other's: a stage loads the names it holds, wherever they were saved. A reader first *plans* — lists the pieces
-it will read, hence the files to verify — and only then reads, so every file is checked before any
-state is changed. A layout with the same tensor-parallel cut reads exactly its own elements; a
+offset, and the data-parallel shards of the chunk the range crosses (so a pipeline stage loads the
+names it holds wherever they were saved, under any pipeline size). A reader first *plans* — lists
+the pieces it will read, hence the files to verify — and only then reads, so every file is checked
+before any state is changed. A layout with the same tensor-parallel cut reads exactly its own elements; a
 different cut reads every saved piece of a parameter, joins them into the whole tensor
 (Spec.join) and takes its own piece (Spec.take), one parameter at a time.
 """
