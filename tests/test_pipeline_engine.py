@@ -61,7 +61,8 @@ def pipeline_config(pp: int, schedule: str, dp: int, accumulation: int, v: int =
     return {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp // accumulation,
             "gradient_accumulation_steps": accumulation, "optimizer": {"type": "AdamW", "params": ADAMW},
             "gradient_clipping": 1.0, "steps_per_print": 10**6,
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            # small chunks: several per stage, so stage 3 has chunks to gather ahead
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "chunk_size": 20_000},
             "pipeline": {"stages": pp, "schedule": schedule, "virtual_stages": v}, **extra}
 
 
@@ -86,7 +87,10 @@ def _worker(rank, world, name, pp, schedule, accumulation, v, stage, extra):
         mbs = [{"input_ids": x, "labels": x} for x in micro_batches(batch, dp_rank, dp, accumulation)]
         losses.append(engine.train_batch(iter(mbs)))
         norms.append(engine.get_global_grad_norm())
-    return losses, norms, stage_params(engine)
+    gatherer = engine.gatherer
+    traces = None if gatherer is None else (gatherer.prefetched, {str(k): t.divergences
+                                                                  for k, t in gatherer.traces.items()})
+    return losses, norms, stage_params(engine), traces
 
 
 def check_against_reference(name: str, world: int, pp: int, schedule: str, accumulation: int = 4, v: int = 1,
@@ -94,12 +98,15 @@ def check_against_reference(name: str, world: int, pp: int, schedule: str, accum
     ref_losses, ref_params, ref_norms = reference(name)
     results = run_distributed(_worker, world, args=(name, pp, schedule, accumulation, v, stage, extra or {}),
                               timeout_s=240)
-    for losses, norms, _ in results:  # the step's loss and the global norm on every rank
+    for losses, norms, _, traces in results:  # the step's loss and the global norm on every rank
         assert_close_relative(losses, ref_losses)
         assert_close_relative(norms, ref_norms)
+        if stage == 3:  # each action follows its own gather trace: none diverged, and chunks were prefetched
+            prefetched, divergences = traces
+            assert prefetched > 0 and not any(divergences.values()), traces
     held: dict[str, torch.Tensor] = {}
-    assert all(len(params) < len(ref_params) for _, _, params in results)  # each rank holds its stages only
-    for _, _, params in results:
+    assert all(len(params) < len(ref_params) for _, _, params, _ in results)  # each rank holds its stages only
+    for _, _, params, _ in results:
         for key, value in params.items():
             if key in held:  # a parameter two stages hold (tied), or every data-parallel rank: the same values
                 torch.testing.assert_close(value, held[key], rtol=0, atol=0)
@@ -122,10 +129,11 @@ def test_pp4_with_untied_weights():
 
 
 @pytest.mark.parametrize("stage,schedule,v", [(1, "1f1b", 1), (2, "1f1b", 1), (3, "1f1b", 1),
-                                              (3, "zero_bubble", 1), (2, "interleaved", 2)])
+                                              (3, "zero_bubble", 1), (3, "interleaved", 2)])
 def test_dp2_by_pp2_under_zero(stage, schedule, v):
     """Gradients accumulate per stage over the micro-batches and are reduced once per step; stage 3 gathers each
-    module's parameters around its forward and backward (every parameter sharded: threshold 0)."""
+    module's parameters around its forward and backward (every parameter sharded: threshold 0), prefetching by a
+    trace per stage and action kind (two stages per rank under interleaved)."""
     check_against_reference("gpt", 4, 2, schedule, accumulation=2, stage=stage, v=v)
 
 

@@ -8,8 +8,11 @@ the schedule (Note [running a pipeline schedule]). Each forward runs inside the 
 phase and the precision's autocast, each backward inside its backward phase, the whole step inside
 the runtime's accumulate_locally: under every ZeRO stage, gradients accumulate per stage over the m
 micro-batches in the rank's full gradient chunks (stages 2 and 3 keep them live through the step)
-and are reduced over the stage's data-parallel ranks once, by the update; stage 3 gathers each
-module's parameters around its forward and its backward as without a pipeline. Each micro-batch's
+and are reduced over the stage's data-parallel ranks once, by the update. Stage 3 gathers each
+module's parameters around its forward and its backward as without a pipeline, prefetching by a
+gather trace (Note [gather trace]) kept per stage and action kind: the schedule runs the same
+actions every step, so each of them follows its own record instead of the stages' passes
+interleaving in one. Each micro-batch's
 loss enters backward multiplied by loss_scale / (m · dp), as engine.backward scales it. Before the
 update, the gradients of a parameter two pipeline ranks hold are summed over them; the global norm
 (clipping, fp16 overflow) sums the stages' squares (Note [global norm, unscaling and clipping]) with
@@ -31,7 +34,7 @@ import torch.distributed as dist
 from engine.comm import CommCounter, all_reduce_sum, broadcast_from
 from engine.pipeline.executor import PipelineRunner, StepResult
 from engine.pipeline.model_split import PipelineModel
-from engine.pipeline.schedules import ActionKind, build_schedule
+from engine.pipeline.schedules import Action, ActionKind, build_schedule
 from engine.pipeline.simulate import simulate
 from engine.pipeline.stage_modules import StageOutput
 from engine.precision import PrecisionPolicy
@@ -92,10 +95,12 @@ class PipelineDriver:
         for view in self.split.views.values():  # the copies on the path to the blocks keep a flag of their own
             view.train(training)
 
-    def _phase(self, kind: ActionKind):
-        if kind is ActionKind.FORWARD:
-            return _forward_phase(self.runtime, self.precision, self.topology.device)
-        return self.runtime.backward(False, self._loss_scale)
+    def _phase(self, action: Action):
+        """The engine's phase for `action`; under stage 3 each (stage, kind) follows a gather trace of its own."""
+        key = (action.stage, action.kind)
+        if action.kind is ActionKind.FORWARD:
+            return _forward_phase(self.runtime, self.precision, self.topology.device, key)
+        return self.runtime.backward(False, self._loss_scale, key)
 
     # ---- a stage's forward -----------------------------------------------------------------------
     def _stage_function(self, stage: int):
@@ -155,8 +160,8 @@ class PipelineDriver:
 
 
 @contextlib.contextmanager
-def _forward_phase(runtime, precision: PrecisionPolicy, device: torch.device):
-    with runtime.forward(), precision.autocast(device):
+def _forward_phase(runtime, precision: PrecisionPolicy, device: torch.device, key):
+    with runtime.forward(key), precision.autocast(device):
         yield
 
 

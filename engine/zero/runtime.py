@@ -100,10 +100,11 @@ class ZeroRuntime:
 
     # ---- forward ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def forward(self):
+    def forward(self, trace_key=None):
+        """trace_key: a pipeline action's (stage, kind), whose stage-3 gathers follow a record of their own."""
         self._enter(TrainingPhase.FORWARD)
         try:
-            self.pre_forward()
+            self.pre_forward(trace_key)
             with self._released_parameter_hint():
                 yield
         finally:
@@ -112,10 +113,10 @@ class ZeroRuntime:
             finally:
                 self.phase = TrainingPhase.IDLE
 
-    def pre_forward(self) -> None:
+    def pre_forward(self, trace_key=None) -> None:
         with record_function("tiers.zero.pre_forward"):
             if self.gatherer is not None:
-                self.gatherer.begin(Pass.FORWARD)
+                self.gatherer.begin(Pass.FORWARD, trace_key)
 
     def post_forward(self) -> None:
         with record_function("tiers.zero.post_forward"):
@@ -158,7 +159,7 @@ class ZeroRuntime:
             self.accumulating_locally = previous
 
     @contextlib.contextmanager
-    def backward(self, boundary: bool, loss_scale: float):
+    def backward(self, boundary: bool, loss_scale: float, trace_key=None):
         """Around autograd's backward of one micro-batch; `boundary`: it ends the accumulation. Whether it reduces
         is decided (and refused, for a second synchronized backward) before anything is armed."""
         every_backward = self.chunked.sharded_grads is not None  # Note [sharded gradients]
@@ -168,7 +169,7 @@ class ZeroRuntime:
             self._check_one_synchronized_backward(every_backward)
         self._enter(TrainingPhase.BACKWARD)
         try:
-            self.pre_backward(reduces, boundary, loss_scale)
+            self.pre_backward(reduces, boundary, loss_scale, trace_key)
             with self._released_parameter_hint():
                 yield
             self.post_backward(reduces)
@@ -177,13 +178,13 @@ class ZeroRuntime:
             raise
         self.phase = TrainingPhase.IDLE
 
-    def pre_backward(self, reduces: bool, boundary: bool, loss_scale: float) -> None:
+    def pre_backward(self, reduces: bool, boundary: bool, loss_scale: float, trace_key=None) -> None:
         """Arms the reducer when this backward reduces (Note [micro-steps and boundaries])."""
         with record_function("tiers.zero.pre_backward"):
             if reduces:
                 self.reducer.arm(self._shard_stepper(loss_scale) if self.steps_in_backward and boundary else None)
             if self.gatherer is not None:
-                self.gatherer.begin(Pass.BACKWARD)
+                self.gatherer.begin(Pass.BACKWARD, trace_key)
 
     def _check_one_synchronized_backward(self, every_backward: bool) -> None:
         if self.synchronized and not every_backward:
