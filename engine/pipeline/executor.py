@@ -10,9 +10,10 @@ Each rank walks its action list (Note [pipeline schedules as data]) in order:
 - B(s, j): autograd's backward from the loss (last stage) or from the output with the gradient
   stage s + 1 sent; the input's gradient goes to the rank of stage s - 1. Parameter gradients
   accumulate over the micro-batches in .grad, as gradient accumulation does.
-- I(s, j) and W(s, j) (zero bubble) split that: I computes the input's gradient only (autograd.grad
-  with the graph kept) and sends it; W accumulates the parameters' gradients (backward with
-  `inputs=` the stage's parameters) and frees what the micro-batch kept.
+- I(s, j) and W(s, j) (zero bubble) split that: I computes the input's gradient only and sends it;
+  W accumulates the parameters' gradients from what I left at the nodes where their branches join
+  the input's path (Note [splitting backward into input and weight passes]) and frees what the
+  micro-batch kept.
 Sends are non-blocking (isend) and waited for at the end of the step; a receive waits for its data
 (irecv, then wait). Every message carries a tag made of its kind, stage and micro-batch, so messages
 between the same two ranks in both directions (interleaved stages) cannot be confused; its shape
@@ -37,6 +38,8 @@ from torch import nn
 
 from engine.pipeline.schedules import Action, ActionKind, Schedule
 from engine.pipeline.simulate import simulate
+from engine.pipeline.weight_grads import WeightPass
+from engine.pipeline.weight_grads import input_grad as split_input_grad
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 _HEADER = 8  # dtype code, ndim, up to 6 sizes
@@ -52,6 +55,7 @@ class _Kept:
     input: torch.Tensor | None
     output: torch.Tensor  # the stage's output, or the loss on the last stage
     output_grad: torch.Tensor | None = None  # kept by I for W (None on the last stage: the loss)
+    weight_pass: WeightPass | None = None  # kept by I for W where the stage has an input path
 
 
 class PipelineTimeout(RuntimeError):
@@ -177,9 +181,8 @@ class PipelineRunner:
             if a.kind is ActionKind.BACKWARD:
                 torch.autograd.backward(k.output, grad)
                 input_grad = k.input.grad if k.input is not None else None
-            elif k.input is not None:
-                (input_grad,) = torch.autograd.grad(k.output, k.input, grad, retain_graph=True)
-                k.output_grad = grad  # W replays the output's gradient
+            elif k.input is not None:  # Note [splitting backward into input and weight passes]
+                input_grad, k.weight_pass = split_input_grad(k.output, grad, k.input, self._trainable(a.stage))
             else:
                 input_grad, k.output_grad = None, grad
         if s > 0:
@@ -187,9 +190,14 @@ class PipelineRunner:
 
     def _weight_grad(self, a: Action, kept, result: StepResult) -> None:
         k = kept.pop((a.stage, a.microbatch))
-        params = [p for p in self.params[a.stage] if p.requires_grad]
         with self._computing(a, result):
-            torch.autograd.backward(k.output, k.output_grad, inputs=params)
+            if k.weight_pass is not None:
+                k.weight_pass.run()
+            else:  # the first stage: no input path, so W is the whole backward
+                torch.autograd.backward(k.output, k.output_grad, inputs=self._trainable(a.stage))
+
+    def _trainable(self, stage: int) -> list[nn.Parameter]:
+        return [p for p in self.params[stage] if p.requires_grad]
 
     # ---- point to point ----------------------------------------------------------------------------
     def _tag(self, kind: ActionKind, stage: int, microbatch: int) -> int:
