@@ -17,11 +17,10 @@ torch's fused AdamW over the parameters the rank holds:
 The report says whether both ran the same compute actions in the same order on every rank (logged as they ran).
 
 Bubble: on every rank, the seconds spent in compute actions (forward, backward, input- and weight-gradient
-passes and the loss; receive waits taken out) are clocked. Idle = step time - compute - optimizer step;
-bubble = idle / (step time - optimizer step), the idle fraction of the pipelined part of the step. It is
-printed per rank next to the schedule's formula ((p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1)
-interleaved; zero bubble: engine.pipeline.simulate with F = I = W) and next to the same schedule simulated
-with the costs measured (free communication): the gap between those two is communication and waiting.
+passes and the loss; sends and receives taken out) are clocked. Idle = step time - compute - optimizer step;
+bubble = idle / (step time - optimizer step), the idle fraction of the pipelined part of the step, printed per
+rank next to the schedule's formula ((p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved; zero
+bubble: engine.pipeline.simulate with F = I = W), with the compute per action that explains the difference.
 Also printed: whether torch's own splitter (`pipeline()`, torch.export) splits the example GPT and a small
 Hugging Face GPT-2 (built from a GPT2Config, no download), and if not the exception's first line.
 
@@ -162,7 +161,7 @@ def make_batches(args, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 # ---- clocks around compute actions ------------------------------------------------------------------------
 class ComputeClock:
-    """Seconds spent per kind of compute action (F, B, I, W), the receive waits inside them taken out, and the
+    """Seconds spent per kind of compute action (F, B, I, W), the sends and receives inside them taken out, and the
     actions run since the last `new_step()` (F0.3: forward of stage 0, micro-batch 3)."""
 
     def __init__(self):
@@ -187,8 +186,8 @@ class ComputeClock:
             self._kind = outer
 
     @contextmanager
-    def waiting(self):
-        """A receive inside an action: its time is not compute."""
+    def communicating(self):
+        """A send or receive inside an action: its time is not compute."""
         start = time.perf_counter()
         try:
             yield
@@ -209,7 +208,8 @@ class ComputeClock:
 
 
 class ClockedRunner(PipelineRunner):
-    """tiers' runner with each compute action clocked (its receives are waits, not compute)."""
+    """tiers' runner with each compute action clocked (its sends and receives are not compute: torch runs them
+    outside its stages' compute methods)."""
 
     def __init__(self, *args, clock: ComputeClock, **kwargs):
         super().__init__(*args, **kwargs)
@@ -227,9 +227,13 @@ class ClockedRunner(PipelineRunner):
         with self.clock.action("W", a.stage, a.microbatch):
             super()._weight_grad(a, *rest)
 
-    def _wait(self, *args):
-        with self.clock.waiting():
-            super()._wait(*args)
+    def _send(self, *args):
+        with self.clock.communicating():
+            return super()._send(*args)
+
+    def _recv(self, *args):
+        with self.clock.communicating():
+            return super()._recv(*args)
 
 
 def clocked_stage_class():
@@ -559,7 +563,7 @@ def report(args, psi: int, by_rank: dict, splits: list[tuple[str, str]]) -> str:
         "torch's own splitter, `pipeline(model, mb_args, split_spec={middle block: SplitPoint.BEGINNING})` "
         "(torch.export), on a 4-block model:",
         "",
-        *[f"- {what}: {outcome}" for what, outcome in splits],
+        *([f"- {what}: {outcome}" for what, outcome in splits] or ["- not tried (--no-split-check)"]),
     ]
     return "\n".join(lines)
 
