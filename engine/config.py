@@ -162,6 +162,23 @@ class TensorParallelConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """Note [pipeline stages of an unmodified model]: `stages` pipeline ranks, each holding a contiguous run of
+    the model's blocks (`virtual_stages` runs per rank under "interleaved"); one optimizer step takes
+    gradient_accumulation_steps micro-batches through the schedule (DeepSpeed's convention)."""
+
+    stages: int = bounded(1, min=1)
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"
+    virtual_stages: int = bounded(1, min=1)
+    partition: str | list = "parameters"
+    timeout_s: float = bounded(600.0, gt=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.stages > 1
+
+
+@dataclass(frozen=True)
 class MemoryConfig:
     device_budget: int | str | None = None
     cpu_budget: int | str | None = None
@@ -213,6 +230,7 @@ class Config:
     wall_clock_breakdown: bool = False
     zero_allow_untested_optimizer: bool = False
     tensor_parallel: TensorParallelConfig = section(TensorParallelConfig)
+    pipeline: PipelineConfig = section(PipelineConfig)
     memory: MemoryConfig = section(MemoryConfig)
     seed: int | None = None
 
@@ -273,7 +291,7 @@ _UNSUPPORTED_TOP_LEVEL_OFF_VALUES: dict[str, Any] = {
 }
 _UNSUPPORTED_TOP_LEVEL_SECTIONS = (
     "amp", "flops_profiler", "comms_logger", "wandb", "csv_monitor", "comet", "compression_training",
-    "data_efficiency", "curriculum_learning", "elasticity", "pipeline", "sparse_attention", "autotuning",
+    "data_efficiency", "curriculum_learning", "elasticity", "sparse_attention", "autotuning",
     "data_types", "hybrid_engine", "eigenvalue", "progressive_layer_drop", "quantize_training",
     "nebula", "weight_quantization", "compile",
 )

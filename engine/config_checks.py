@@ -89,9 +89,39 @@ def check_config(cfg: Config) -> None:
         (ac.contiguous_memory_optimization, "activation_checkpointing.contiguous_memory_optimization", True,
          "copying saved inputs into one preallocated buffer is not supported yet; set it to false"),
     ]
+    checks += _pipeline_checks(cfg)
     for failed, key, value, why in checks:
         if failed:
             raise ConfigError(f"{key}: {json.dumps(value)} — {why}.")
+
+
+PARTITIONS = ("parameters", "uniform", "time")
+
+
+def _pipeline_checks(cfg: Config) -> list[tuple[bool, str, object, str]]:
+    """Note [pipeline stages of an unmodified model]: what a pipeline config alone rules out."""
+    pp, zero = cfg.pipeline, cfg.zero_optimization
+    partition_ok = (pp.partition in PARTITIONS if isinstance(pp.partition, str)
+                    else all(isinstance(name, str) for name in pp.partition))
+    return [
+        (pp.schedule == "interleaved" and pp.virtual_stages < 2 and pp.enabled, "pipeline.virtual_stages",
+         pp.virtual_stages, "schedule \"interleaved\" runs 2 or more stages per rank; set virtual_stages to 2 or "
+         "more, or use schedule \"1f1b\""),
+        (pp.schedule != "interleaved" and pp.virtual_stages != 1, "pipeline.virtual_stages", pp.virtual_stages,
+         f"only schedule \"interleaved\" runs several stages per rank (this config: \"{pp.schedule}\"); set "
+         "schedule to \"interleaved\", or virtual_stages to 1"),
+        (not partition_ok, "pipeline.partition", pp.partition,
+         f"is one of {', '.join(PARTITIONS)}, or a list of the module names that start each stage"),
+        (pp.enabled and zero.stage >= 2, "zero_optimization.stage", zero.stage,
+         "ZeRO stages 2 and 3 under pipeline parallelism are not built yet; use stage 0 or 1 with pipeline.stages "
+         f"{pp.stages}, or pipeline.stages 1"),
+        (pp.enabled and zero.offload_optimizer.device in OFFLOADED, "zero_optimization.offload_optimizer.device",
+         zero.offload_optimizer.device, "offloading under pipeline parallelism is not built yet; use \"none\" with "
+         "pipeline.stages > 1"),
+        (pp.enabled and cfg.tensor_parallel.size > 1, "tensor_parallel.size", cfg.tensor_parallel.size,
+         "tensor parallelism inside a pipeline stage is not built yet; use tensor_parallel.size 1 with "
+         "pipeline.stages > 1"),
+    ]
 
 
 def _is_mesh_or_one(size: int) -> bool:
@@ -104,13 +134,28 @@ def check_run(cfg: Config, topology: Topology, *, optimizer=None, lr_scheduler=N
     """What `cfg` rules out for this run (after check_client_objects, which needs no process group): the batch
     sizes over these ranks, the layout, offloading, a client optimizer rebuilt over shards."""
     cfg.batch_sizes(topology.dp_world_size)  # raises when the batch sizes do not add up over these ranks
+    if cfg.pipeline.enabled:
+        _check_pipeline_run(cfg, topology, built_under_zero_init)
     if topology.tp_size > 1:
         _check_tensor_parallel(optimizer, model_parameters, built_under_zero_init)
     _check_step_in_backward(cfg, topology)
     check_offload(cfg, topology.dp_world_size, optimizer)
     sharded = cfg.zero_optimization.stage >= 1 and topology.dp_world_size > 1
-    if optimizer is not None and (sharded or cfg.bf16.enabled or cfg.fp16.enabled or built_under_zero_init):
+    rebuilt = sharded or cfg.bf16.enabled or cfg.fp16.enabled or built_under_zero_init or cfg.pipeline.enabled
+    if optimizer is not None and rebuilt:
         _check_client_optimizer_rebuild(optimizer, lr_scheduler)
+
+
+def _check_pipeline_run(cfg: Config, topology: Topology, built_under_zero_init: bool) -> None:
+    pp = cfg.pipeline
+    accumulation = cfg.batch_sizes(topology.dp_world_size).gradient_accumulation_steps
+    if pp.schedule == "interleaved" and accumulation % pp.stages:
+        raise ConfigError(f"gradient_accumulation_steps: {accumulation} — schedule \"interleaved\" runs the "
+                          f"micro-batches in rounds of pipeline.stages ({pp.stages}); use a multiple of {pp.stages}")
+    if built_under_zero_init:
+        raise ConfigError("pipeline: building the model under zero_init() is not supported yet with pipeline "
+                          "parallelism; build it normally (each rank keeps only its stage's parameters after "
+                          "initialize)")
 
 
 def check_client_objects(cfg: Config, optimizer=None, lr_scheduler=None, model_parameters=None) -> None:
@@ -128,12 +173,13 @@ def check_client_objects(cfg: Config, optimizer=None, lr_scheduler=None, model_p
 
 
 def _check_client_optimizer_rebuild(client: torch.optim.Optimizer, lr_scheduler) -> None:
-    """ZeRO stage >= 1, bf16/fp16 and zero_init rebuild a client optimizer over the shards or masters."""
+    """ZeRO stage >= 1, bf16/fp16, zero_init and pipeline stages rebuild a client optimizer over the shards,
+    masters or the stage's parameters."""
     if lr_scheduler is not None and hasattr(lr_scheduler, "step"):
-        raise ValueError("with ZeRO stage >= 1 or bf16/fp16 the optimizer passed to initialize() is rebuilt over "
-                         "this rank's shards or fp32 master weights, so a scheduler built on it would drive the "
-                         "old one; pass lr_scheduler as a callable that takes the optimizer (e.g. "
-                         "lambda opt: LambdaLR(opt, f))")
+        raise ValueError("with ZeRO stage >= 1, bf16/fp16 or pipeline stages the optimizer passed to initialize() "
+                         "is rebuilt over this rank's shards, fp32 master weights or stage parameters, so a "
+                         "scheduler built on it would drive the old one; pass lr_scheduler as a callable that "
+                         "takes the optimizer (e.g. lambda opt: LambdaLR(opt, f))")
     if client.state:
         raise ValueError(f"the {type(client).__name__} passed to initialize() already holds state; with ZeRO "
                          "stage >= 1 it is rebuilt over this rank's shards, so pass a freshly built optimizer")

@@ -26,6 +26,7 @@ from engine.checkpoint import Saver, load_checkpoint, write_state_dict
 from engine.checkpoint.training_state import TrainingState
 from engine.config import BatchSizes, Config
 from engine.monitor import Monitor
+from engine.pipeline.driver import PipelineDriver, pull_microbatches
 from engine.precision import LossScaler, PrecisionPolicy
 from engine.progress import TrainingProgress
 from engine.step_metrics import UpdateSummary
@@ -40,7 +41,7 @@ class Engine:
 
     def __init__(self, module: nn.Module, config: Config, topology: Topology, runtime: ZeroRuntime, lr_scheduler,
                  loss_scaler: LossScaler, monitor: Monitor, tensor_parallel: TensorParallel | None = None,
-                 checkpointing: ActivationCheckpointing | None = None):
+                 checkpointing: ActivationCheckpointing | None = None, pipeline: PipelineDriver | None = None):
         self.module, self.config, self.topology = module, config, topology
         self.batch: BatchSizes = config.batch_sizes(topology.dp_world_size)
         self.runtime, self.optimizer, self.lr_scheduler = runtime, runtime.optimizer, lr_scheduler
@@ -50,6 +51,7 @@ class Engine:
         # Note [activation checkpointing]: the config's options, for the wrapped modules and activation_checkpoint
         self.activation_checkpointing = checkpointing or ActivationCheckpointing(config.activation_checkpointing,
                                                                                  topology.device)
+        self.pipeline = pipeline  # Note [a pipelined step]: train_batch / eval_batch run the schedule
         self.progress = TrainingProgress(self.batch.gradient_accumulation_steps)
         self._global_grad_norm: float | None = None
         runtime.start(module)
@@ -126,7 +128,8 @@ class Engine:
 
     def __call__(self, *args, **kwargs):
         """The module's forward under the precision policy; tensor arguments are moved to the engine's device."""
-        args, kwargs = _to_device((args, kwargs), self.device)
+        self._refuse_under_pipeline("forward")
+        args, kwargs = to_device((args, kwargs), self.device)
         if self.module.training and torch.is_grad_enabled():  # eval forwards are not training throughput
             self.monitor.step_metrics.on_training_forward(args, kwargs)
         with (self.monitor.step_metrics.timed("forward"), self.precision.autocast(self.device),
@@ -153,6 +156,7 @@ class Engine:
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Scales the loss (accumulation mean, fp16 loss scale) and runs autograd (Note [micro-steps and
         boundaries])."""
+        self._refuse_under_pipeline("backward")
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it "
                              "(e.g. .mean()) first")
@@ -166,9 +170,52 @@ class Engine:
 
     def step(self) -> None:
         """Called after every micro-batch; updates the model at the accumulation boundary."""
+        self._refuse_under_pipeline("step")
         self.runtime.check_steppable()
         if not self.progress.end_micro_step():
             return
+        self._update()
+
+    def train_batch(self, data_iter=None) -> float:
+        """Under a pipeline config (Note [a pipelined step]): takes the step's gradient_accumulation_steps
+        micro-batches from `data_iter` (each a dict of the model's keyword arguments, a tensor, or a tuple), runs
+        them through the pipeline schedule and updates the model; returns the step's mean loss on every rank.
+        Every rank of the pipeline passes an iterator over the same micro-batches (its data-parallel rank's)."""
+        pipeline = self._pipeline_for("train_batch")
+        microbatches = self._microbatches(data_iter)
+        self.runtime.check_steppable()
+        for mb in microbatches:
+            args, kwargs = ((), mb) if isinstance(mb, dict) else ((mb,), {})
+            self.monitor.step_metrics.on_training_forward(args, kwargs)
+        loss = pipeline.train(microbatches, self.loss_scaler.scale)
+        self.monitor.step_metrics.on_loss(torch.tensor(loss))
+        for _ in microbatches:
+            self.progress.end_micro_step()
+        self._update()
+        return loss
+
+    def eval_batch(self, data_iter=None) -> float:
+        """Under a pipeline config: the forwards of gradient_accumulation_steps micro-batches from `data_iter`
+        in eval mode, without gradients; returns their mean loss on every rank."""
+        return self._pipeline_for("eval_batch").evaluate(self._microbatches(data_iter))
+
+    def _microbatches(self, data_iter) -> list:
+        return to_device(pull_microbatches(data_iter, self.gradient_accumulation_steps), self.device)
+
+    def _pipeline_for(self, call: str) -> PipelineDriver:
+        if self.pipeline is None:
+            raise RuntimeError(f"engine.{call} runs a pipeline schedule, and this config has no pipeline "
+                               "(pipeline.stages is 1); call the engine's forward, backward and step per micro-batch")
+        return self.pipeline
+
+    def _refuse_under_pipeline(self, call: str) -> None:
+        if self.pipeline is not None:
+            raise RuntimeError(f"engine.{call} runs one micro-batch, and under a pipeline config a micro-batch "
+                               "runs across every stage of the schedule; call engine.train_batch(data_iter) (or "
+                               "eval_batch) once per step instead of forward, backward and step")
+
+    def _update(self) -> None:
+        """The update at an accumulation boundary: reduce, unscale, clip, step, log."""
         with self.monitor.step_metrics.timed("optimizer"), self.runtime.step(self.loss_scaler.scale) as grads:
             if not grads.overflow:
                 self.runtime.update(grads)
@@ -177,9 +224,13 @@ class Engine:
             self.loss_scaler.update(grads.overflow)
         self._global_grad_norm = grads.norm
         self.progress.end_update(skipped=grads.overflow)
+        extra = {}
+        if self.pipeline is not None and self.pipeline.last_bubble is not None:
+            extra = {"Pipeline/bubble_fraction": self.pipeline.last_bubble,
+                     "Pipeline/bubble_fraction_formula": self.pipeline.formula_bubble}
         self.monitor.end_update(UpdateSummary(
             self.global_step, self.get_lr()[0], self.loss_scaler.scale, self.skipped_steps, grads.norm,
-            self.train_batch_size, self.dp_world_size, self.model_state_bytes))
+            self.train_batch_size, self.dp_world_size, self.model_state_bytes, extra))
 
     def zero_grad(self) -> None:
         """Clears accumulated gradients (the engine also does this after every update)."""
@@ -291,12 +342,12 @@ class Engine:
         self.runtime.close()
 
 
-def _to_device(value, device: torch.device):
+def to_device(value, device: torch.device):
     """Tensors in (nested tuples, lists, dicts of) forward arguments, moved to `device`."""
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=True) if value.device != device else value
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
+        return type(value)(to_device(v, device) for v in value)
     if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
+        return {k: to_device(v, device) for k, v in value.items()}
     return value

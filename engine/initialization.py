@@ -3,6 +3,7 @@
     load_config            → Config (every key and combination checked: engine.config_checks)
     parallelize_tensors    the tensor-parallel plan replaces layers (Note [tensor-parallel plans])
     apply_activation_checkpointing
+    split_pipeline         this rank keeps its pipeline stages' blocks (Note [pipeline stages of an unmodified model])
     chunk_parameters       parameters packed into chunks, sharded by the ZeRO stage's ShardingPolicy
     build_chunk_optimizer  the optimizer over the chunks; states placed by the OffloadPolicy
     zero_runtime           the phases of a training step (Note [step phases])
@@ -27,6 +28,8 @@ from engine.engine import Engine
 from engine.lr_schedules import build_lr_scheduler
 from engine.monitor import Monitor
 from engine.optim import build_optimizer
+from engine.pipeline.driver import PipelineDriver
+from engine.pipeline.model_split import PipelineModel, plan_stages, split_model
 from engine.precision import PrecisionPolicy, build_loss_scaler
 from engine.step_metrics import StepMetrics
 from engine.tensor_parallel import Mesh2D, TensorParallel, TPGroup, apply_tensor_parallel
@@ -74,16 +77,24 @@ def initialize(
     optimizer: torch.optim.Optimizer | None = None,
     lr_scheduler=None,
     model_parameters: Iterable | None = None,
+    loss_fn: Callable | None = None,
 ) -> Engine:
     """Wraps `model` for training as `config` says: the steps below, applied in order to the model.
 
     optimizer: a torch optimizer over `model`'s parameters, instead of the config's `optimizer`.
     lr_scheduler: a scheduler, or a callable taking the optimizer, instead of the config's `scheduler`.
     model_parameters: parameters or param-group dicts for the config's optimizer (default: all).
+    loss_fn: under a pipeline config, loss_fn(output, micro-batch or its labels) gives the loss train_batch
+        backpropagates, for a model whose output carries none (Note [a pipelined step]).
     """
     cfg = load_config(config)
     check_client_objects(cfg, optimizer, lr_scheduler, model_parameters)
-    topology = Topology.from_environment(tp_size=cfg.tensor_parallel.size, tp_mode=cfg.tensor_parallel.mode)
+    if loss_fn is not None and not cfg.pipeline.enabled:
+        raise ValueError("initialize(loss_fn=...) is the loss train_batch uses under a pipeline config, and this "
+                         "config has none (pipeline.stages is 1); compute the loss yourself and call "
+                         "engine.backward(loss)")
+    topology = Topology.from_environment(tp_size=cfg.tensor_parallel.size, tp_mode=cfg.tensor_parallel.mode,
+                                         pp_size=cfg.pipeline.stages)
     check_run(cfg, topology, optimizer=optimizer, lr_scheduler=lr_scheduler, model_parameters=model_parameters,
               built_under_zero_init=zero_init_recording(model) is not None)
     if cfg.seed is not None:
@@ -93,15 +104,23 @@ def initialize(
     tensor_parallel = parallelize_tensors(model, cfg, topology)
     checkpointing = apply_activation_checkpointing(model, cfg, topology, tensor_parallel)
     groups = _param_groups(model, optimizer, model_parameters, meta_of)
-    chunked = chunk_parameters(model, cfg, topology, groups, pending=set(meta_of), tensor_parallel=tensor_parallel)
-    optimizer = build_chunk_optimizer(cfg, chunked, topology.device, optimizer)
+    split = split_pipeline(model, cfg, topology)
+    if split is not None:  # this rank's parameters, named as in the whole model
+        groups = [dict(g, params=[p for p in g["params"] if split.holds(p)]) for g in groups]
+        groups = [g for g in groups if g["params"]]
+    chunked = chunk_parameters(model, cfg, topology, groups, pending=set(meta_of), tensor_parallel=tensor_parallel,
+                               names=split.names if split is not None else None)
+    optimizer = build_chunk_optimizer(cfg, chunked, topology.device, optimizer, rebuild=split is not None)
     comm = CommCounter()
     if recording is not None:  # after offloading: shards may load straight into the chunk manager
         materialize_parameters(model, chunked, recording, meta_of, topology.device, topology.dp_group, comm)
+    pipeline = build_pipeline(split, cfg, topology, chunked, comm, loss_fn) if split is not None else None
     loss_scaler = build_loss_scaler(cfg)
     runtime = zero_runtime(model, cfg, chunked, optimizer, topology, loss_scaler, comm)
+    if pipeline is not None:
+        pipeline.attach(runtime)
     return Engine(model, cfg, topology, runtime, _scheduler(cfg, optimizer, lr_scheduler), loss_scaler,
-                  build_monitor(cfg, topology, runtime, checkpointing), tensor_parallel, checkpointing)
+                  build_monitor(cfg, topology, runtime, checkpointing), tensor_parallel, checkpointing, pipeline)
 
 
 def parallelize_tensors(model: nn.Module, cfg: Config, topology: Topology) -> TensorParallel | None:
@@ -129,16 +148,39 @@ def apply_activation_checkpointing(model: nn.Module, cfg: Config, topology: Topo
     return checkpointing
 
 
+def split_pipeline(model: nn.Module, cfg: Config, topology: Topology) -> PipelineModel | None:
+    """Note [pipeline stages of an unmodified model]: `model` keeps what this rank's pipeline stages hold, and
+    the views those stages run; None without a pipeline config."""
+    if not cfg.pipeline.enabled:
+        return None
+    return split_model(model, plan_stages(model, cfg.pipeline), topology.pp_rank)
+
+
+def build_pipeline(split: PipelineModel, cfg: Config, topology: Topology, chunked: ChunkedParams, comm: CommCounter,
+                   loss_fn: Callable | None) -> PipelineDriver:
+    """Note [a pipelined step]: the driver of train_batch / eval_batch over this rank's stages; parameters two
+    pipeline ranks hold start equal, and count once in the global norm."""
+    microbatches = cfg.batch_sizes(topology.dp_world_size).gradient_accumulation_steps
+    driver = PipelineDriver(split, cfg.pipeline.schedule, microbatches, topology, PrecisionPolicy.from_config(cfg),
+                            comm, loss_fn, cfg.pipeline.timeout_s)
+    driver.sync_shared_values()
+    for pid, ranks in split.shared_here().items():
+        if topology.pp_rank != ranks[0]:
+            chunked.norm_weights[pid] = 0.0
+    return driver
+
+
 def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: list[dict],
-                     pending: set[int] = frozenset(), tensor_parallel: TensorParallel | None = None) -> ChunkedParams:
+                     pending: set[int] = frozenset(), tensor_parallel: TensorParallel | None = None,
+                     names: dict[int, str] | None = None) -> ChunkedParams:
     """The trainable parameters of `groups` packed into chunks and sharded over the data-parallel ranks as the
     ZeRO stage's ShardingPolicy says (Note [sharding policy]); `pending`: ids of parameters whose values
-    zero_init brings later."""
+    zero_init brings later; `names`: id -> name, when the model no longer names them all (a pipeline split)."""
     policy = ShardingPolicy(cfg.zero_optimization.stage)
     shards = topology.dp_world_size if policy.shards(ChunkKind.OPTIM) else 1
     trainable = [p.shape for g in groups for p in g["params"] if p.requires_grad]
     capacity, first_capacity = chunk_layout(cfg, trainable, shards)
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = names or {id(p): n for n, p in model.named_parameters()}
     chunked = ChunkedParams(groups, capacity, topology.device, first_capacity, names,
                             shard_count=shards, shard_rank=topology.dp_rank if shards > 1 else 0,
                             shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
@@ -151,9 +193,10 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
 
 
 def build_chunk_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.device,
-                          client: torch.optim.Optimizer | None = None) -> torch.optim.Optimizer:
+                          client: torch.optim.Optimizer | None = None, rebuild: bool = False) -> torch.optim.Optimizer:
     """The optimizer over the chunks: the config's, with its states placed by the OffloadPolicy (Note [offload
-    policy]); or the client's, rebuilt over this rank's shards or fp32 masters when there are any."""
+    policy]); or the client's, rebuilt over this rank's shards or fp32 masters when there are any, or when
+    `rebuild` (a pipeline stage: the client holds every stage's parameters)."""
     check_offload(cfg, chunked.shard_count, client)  # (initialize checked it already; this step may run alone)
     policy = OffloadPolicy.from_config(cfg, grads_sharded=chunked.sharded_grads is not None,
                                        masters=chunked.masters is not None)
@@ -161,7 +204,7 @@ def build_chunk_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.dev
         return build_offloaded_optimizer(cfg, chunked, device, policy)
     if client is None:
         return build_optimizer(cfg.optimizer, chunked.optimizer_param_groups())
-    if chunked.sharded or chunked.masters is not None or chunked.values_pending:
+    if chunked.sharded or chunked.masters is not None or chunked.values_pending or rebuild:
         return _rebuilt_over_shards(client, chunked)
     return client
 

@@ -27,6 +27,7 @@ class UpdateSummary:
     samples: int  # train_batch_size: samples over all data-parallel ranks
     dp_world_size: int
     chunk_bytes: Callable[[], dict[str, int]]  # model state this rank holds, by kind (read only when logged)
+    extra: dict[str, float] = dataclasses.field(default_factory=dict)  # e.g. the pipeline's bubble
 
 
 class StepMetrics:
@@ -105,6 +106,7 @@ class StepMetrics:
             **{f"Memory/chunk_bytes/{kind}": float(n) for kind, n in summary.chunk_bytes().items()},
             **_offload_scalars(offload, moved),
         }
+        metrics.update(summary.extra)
         if summary.grad_norm is not None:
             metrics["Train/grad_norm"] = summary.grad_norm
         if self.recompute_seconds is not None:

@@ -7,6 +7,10 @@ d*tp .. d*tp + tp - 1; dp group t holds ranks t, t + tp, t + 2tp, ... (the same 
 tp group, i.e. the same shard of every tensor-parallel weight). Every rank creates every group,
 in the same order (torch.distributed.new_group requires it).
 
+With pipeline parallelism (pp stages) the pipeline is outermost, as in Megatron: world = pp × dp × tp,
+global rank = pp_rank * dp * tp + dp_rank * tp + tp_rank; the tp and dp groups above live inside one
+pipeline rank's dp × tp ranks, and a pp group holds the pp ranks with the same dp and tp rank.
+
 Under 2D tensor parallelism (tp = q²) the tp group is a q×q mesh, row-major: tp rank t sits at row
 t // q, column t % q. A row group holds the q ranks of one row (one batch block, every hidden
 block), a column group the q ranks of one column (one hidden block, every batch block).
@@ -103,13 +107,23 @@ class Topology:
     # every rank, gloo, for checkpoint control messages only (Note [checkpoint commit]): a group of its own,
     # so a background save never interleaves its collectives with training's; None in one process
     control_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None  # None: no pipeline (pp_size 1)
+    pp_size: int = 1
+    pp_rank: int = 0
 
     @property
     def is_distributed(self) -> bool:
         return self.dp_world_size > 1
 
+    def global_rank(self, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None) -> int:
+        """The global rank at (pp_rank, dp_rank, tp_rank); this rank's dp and tp rank by default."""
+        dp_rank = self.dp_rank if dp_rank is None else dp_rank
+        tp_rank = self.tp_rank if tp_rank is None else tp_rank
+        return (pp_rank * self.dp_world_size + dp_rank) * self.tp_size + tp_rank
+
     @classmethod
-    def from_environment(cls, device: torch.device | None = None, tp_size: int = 1, tp_mode: str = "1d") -> "Topology":
+    def from_environment(cls, device: torch.device | None = None, tp_size: int = 1, tp_mode: str = "1d",
+                         pp_size: int = 1) -> "Topology":
         device = device or compute_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)  # also when the caller created the process group
@@ -118,9 +132,14 @@ class Topology:
             if tp_size != 1:
                 raise ValueError(f"tensor_parallel.size {tp_size} needs {tp_size} processes (one per shard), and this "
                                  f"run has 1; launch with torchrun --nproc_per_node {tp_size} (or a multiple of it)")
+            if pp_size != 1:
+                raise ValueError(f"pipeline.stages {pp_size} needs {pp_size} processes (one per stage), and this run "
+                                 f"has 1; launch with torchrun --nproc_per_node {pp_size} (or a multiple of it)")
             return cls(1, 0, None, 1, 0, device)
         world, rank = dist.get_world_size(), dist.get_rank()
-        if tp_size == 1:
+        if pp_size > 1:
+            topology = cls._with_pipeline(world, rank, device, tp_size, pp_size)
+        elif tp_size == 1:
             topology = cls(world, rank, None, world, rank, device)
         else:
             topology = cls._with_tensor_parallel(world, rank, device, tp_size)
@@ -144,6 +163,28 @@ class Topology:
             if rank % tp == t:
                 dp_group = group
         return cls(world, rank, dp_group, dp, rank // tp, device, tp_group, tp, rank % tp)
+
+    @classmethod
+    def _with_pipeline(cls, world: int, rank: int, device: torch.device, tp: int, pp: int) -> "Topology":
+        """Note [dp x tp layout], pipeline outermost: every group of the pp × dp × tp grid."""
+        if world % (pp * tp):
+            raise ValueError(f"pipeline.stages {pp} × tensor_parallel.size {tp} must divide the world size {world} "
+                             f"(world = pp × dp × tp); launch a multiple of {pp * tp} processes")
+        dp = world // (pp * tp)
+        pp_rank, dp_rank, tp_rank = rank // (dp * tp), rank // tp % dp, rank % tp
+        at = lambda p, d, t: (p * dp + d) * tp + t  # noqa: E731
+        mine = {}
+        for p in range(pp):  # every rank creates every group, in the same order
+            for d in range(dp):
+                mine.setdefault("tp", {})[(p, d)] = dist.new_group([at(p, d, t) for t in range(tp)])
+            for t in range(tp):
+                mine.setdefault("dp", {})[(p, t)] = dist.new_group([at(p, d, t) for d in range(dp)])
+        for d in range(dp):
+            for t in range(tp):
+                mine.setdefault("pp", {})[(d, t)] = dist.new_group([at(p, d, t) for p in range(pp)])
+        return cls(world, rank, mine["dp"][(pp_rank, tp_rank)], dp, dp_rank, device,
+                   mine["tp"][(pp_rank, dp_rank)] if tp > 1 else None, tp, tp_rank,
+                   pp_group=mine["pp"][(dp_rank, tp_rank)], pp_size=pp, pp_rank=pp_rank)
 
     def _with_mesh(self) -> "Topology":
         """This topology with the row and column groups of every tp group's q×q mesh."""

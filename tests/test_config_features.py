@@ -110,7 +110,7 @@ def test_not_yet_supported_features_load_at_their_off_values():
 
 
 @pytest.mark.parametrize("section", ["flops_profiler", "amp", "comms_logger", "wandb", "csv_monitor", "elasticity",
-                                     "pipeline", "autotuning", "compression_training"])
+                                     "autotuning", "compression_training"])
 def test_deepspeed_only_sections(section):
     raises({section: {"enabled": True}}, section, "not supported yet")
     cfg = load_config({section: {"enabled": False}, "train_micro_batch_size_per_gpu": 1})

@@ -39,9 +39,9 @@ def _worker(rank, world, name, m, v):
     net = model()
     parts = stage_modules(net, schedule.stages)
     mine = {s: parts[s] for s in range(schedule.stages) if schedule.rank_of(s) == rank}
-    runner = PipelineRunner(schedule, rank, mine, F.mse_loss)
+    runner = PipelineRunner.over_modules(schedule, rank, mine, F.mse_loss)
     inputs, targets = data(m)
-    result = runner.run(inputs, targets)
+    result = runner.run(list(zip(inputs, targets)))
     grads = {f"{s}.{n}": p.grad.clone() for s, part in mine.items() for n, p in part.named_parameters()}
     return result.losses, grads
 
@@ -72,7 +72,7 @@ def test_a_pipelined_step_equals_one_process(name, world, m, v):
 def test_a_rank_given_the_wrong_stages_is_told_which_it_holds():
     schedule = build_schedule("interleaved", 2, 2, 2)
     with pytest.raises(ValueError, match=r"rank 1 holds pipeline stage\(s\) \[1, 3\] but was given modules for \[1\]"):
-        PipelineRunner(schedule, 1, {1: nn.Linear(2, 2)}, F.mse_loss)
+        PipelineRunner.over_modules(schedule, 1, {1: nn.Linear(2, 2)}, F.mse_loss)
 
 
 class _SavedBytes:
@@ -105,10 +105,10 @@ class _Box:
 def _memory_worker(rank, world, name, m):
     schedule = build_schedule(name, world, m)
     parts = stage_modules(model(), schedule.stages)
-    runner = PipelineRunner(schedule, rank, {rank: parts[rank]}, F.mse_loss)
+    runner = PipelineRunner.over_modules(schedule, rank, {rank: parts[rank]}, F.mse_loss)
     saved = _SavedBytes()
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, _SavedBytes.unpack):
-        runner.run(*data(m))
+        runner.run(list(zip(*data(m))))
     return saved.peak
 
 
@@ -129,9 +129,9 @@ def _timeout_worker(rank, world):
     schedule = build_schedule("1f1b", world, 2)
     parts = stage_modules(model(), 2)
     stage = parts[0] if rank == 0 else nn.Sequential(_Failing(), nn.Linear(1, 1))  # rank 1 fails at once
-    runner = PipelineRunner(schedule, rank, {rank: stage}, F.mse_loss, timeout_s=2.0)
+    runner = PipelineRunner.over_modules(schedule, rank, {rank: stage}, F.mse_loss, timeout_s=2.0)
     try:
-        runner.run(*data(2))
+        runner.run(list(zip(*data(2))))
     except PipelineTimeout as e:
         return "timeout", str(e)
     except RuntimeError as e:

@@ -7,6 +7,7 @@ import fnmatch
 
 from torch import nn
 
+from engine.block_list import find_block_list
 from engine.config import ConfigError
 
 
@@ -33,15 +34,8 @@ def select_modules(model: nn.Module, patterns: list[str] | None, every_n: int) -
 
 
 def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The children of the model's largest ModuleList whose children are all of one class; largest by the
-    parameters it holds, then by length (so a model's layers win over one layer's list of experts)."""
-    best, best_size = None, (0, 0)
-    for name, m in model.named_modules():
-        kinds = {type(c) for c in m.children()}
-        if isinstance(m, nn.ModuleList) and len(kinds) == 1 and not issubclass(*kinds, (nn.ModuleList, nn.ModuleDict)):
-            size = (sum(p.numel() for p in m.parameters()), len(m))
-            if best is None or size > best_size:
-                best, best_size = (name, m), size
+    """The children of the model's block list (engine.block_list.find_block_list)."""
+    best = find_block_list(model)
     if best is None:
         raise ConfigError(f"activation_checkpointing.modules: {type(model).__name__} has no nn.ModuleList of "
                           "same-class blocks to checkpoint by default; name the modules to checkpoint, by class name "

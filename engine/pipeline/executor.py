@@ -2,11 +2,11 @@
 
 Note [running a pipeline schedule]
 Each rank walks its action list (Note [pipeline schedules as data]) in order:
-- F(s, j): stage s's input is micro-batch j's (stage 0) or what stage s - 1 sent; the rank runs the
-  stage module on it, keeps the input and output for the backward, and sends the output (detached)
-  to the rank of stage s + 1; the last stage applies the loss to its output and micro-batch j's
-  target and keeps the loss, divided by m (the step's loss is the mean over its micro-batches, as
-  DeepSpeed's train_batch reports it).
+- F(s, j): stage s's input is micro-batch j's (stage 0) or what stage s - 1 sent; the rank runs
+  the stage on it (a function of the received tensor and the micro-batch), keeps the input and
+  output for the backward, and sends the output (detached) to the rank of stage s + 1; the last
+  stage's function gives micro-batch j's loss, which it keeps, times loss_factor / m (the step's
+  loss is the mean over its micro-batches, as DeepSpeed's train_batch reports it).
 - B(s, j): autograd's backward from the loss (last stage) or from the output with the gradient
   stage s + 1 sent; the input's gradient goes to the rank of stage s - 1. Parameter gradients
   accumulate over the micro-batches in .grad, as gradient accumulation does.
@@ -16,8 +16,8 @@ Each rank walks its action list (Note [pipeline schedules as data]) in order:
 Sends are non-blocking (isend) and waited for at the end of the step; a receive waits for its data
 (irecv, then wait). Every message carries a tag made of its kind, stage and micro-batch, so messages
 between the same two ranks in both directions (interleaved stages) cannot be confused; its shape
-and dtype go first in a small header (a tag of its own), so stages may change shapes. A schedule `simulate` accepts
-cannot deadlock here: no send ever blocks, and each receive matches a send its peer issues in order.
+and dtype go first in a small header (a tag of its own), so stages may change shapes. A schedule
+`simulate` accepts cannot deadlock here: no send ever blocks, and each receive matches a send its peer issues in order.
 A receive that waits longer than `timeout_s` (a peer that failed or hangs) raises PipelineTimeout
 naming the action this rank is on and the stage, micro-batch and rank it waits for, instead of
 hanging without a word.
@@ -25,6 +25,8 @@ hanging without a word.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
@@ -38,6 +40,9 @@ from engine.pipeline.simulate import simulate
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 _HEADER = 8  # dtype code, ndim, up to 6 sizes
+
+
+StageFunction = Callable[[torch.Tensor | None, object], torch.Tensor]
 
 
 @dataclass
@@ -56,78 +61,135 @@ class PipelineTimeout(RuntimeError):
 @dataclass
 class StepResult:
     losses: list[float] = field(default_factory=list)  # the last stage's per-micro-batch losses (others: empty)
+    compute_s: float = 0.0  # seconds in this rank's actions, receives excluded
+    wall_s: float = 0.0  # seconds of the whole step on this rank, the final wait for sends included
+
+    @property
+    def bubble(self) -> float:
+        """The measured bubble: the share of the step this rank spent waiting instead of computing."""
+        return 1.0 - self.compute_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def _no_phase(kind: ActionKind):
+    return contextlib.nullcontext()
 
 
 class PipelineRunner:
-    """Runs `schedule`'s actions for `rank` over `stages` (stage index -> module) in `group` (pipeline ranks in
-    order; None: the default group)."""
+    """Runs `schedule`'s actions for `rank` over `stages` (stage index -> function of (the received tensor, or
+    None on stage 0; the micro-batch) giving the stage's output, or on the last stage its loss) in `group`
+    (pipeline ranks in order; None: the default group). `params`: each stage's parameters, which W passes
+    accumulate into; `around`: a context each action runs in, by kind (the engine's phases)."""
 
-    def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module],
-                 loss_fn: Callable[[torch.Tensor, object], torch.Tensor], group: dist.ProcessGroup | None = None,
-                 timeout_s: float = 600.0):
-        """timeout_s: how long a receive waits before PipelineTimeout names the action and what it waits for."""
+    def __init__(self, schedule: Schedule, rank: int, stages: dict[int, StageFunction],
+                 params: dict[int, list[nn.Parameter]], group: dist.ProcessGroup | None = None,
+                 timeout_s: float = 600.0, device: torch.device | None = None,
+                 around: Callable[[ActionKind], contextlib.AbstractContextManager] = _no_phase):
+        """timeout_s: how long a receive waits before PipelineTimeout names the action and what it waits for;
+        device: where received tensors go (default: the first parameter's device, else the CPU)."""
         simulate(schedule)  # refuses an incomplete or deadlocking schedule before anything runs
         held = [s for s in range(schedule.stages) if schedule.rank_of(s) == rank]
         if sorted(stages) != held:
             raise ValueError(f"rank {rank} holds pipeline stage(s) {held} but was given modules for {sorted(stages)}; "
                              f"stage s lives on rank s mod {schedule.ranks}")
-        self.schedule, self.rank, self.stages, self.loss_fn, self.group = schedule, rank, stages, loss_fn, group
+        self.schedule, self.rank, self.stages, self.params, self.group = schedule, rank, stages, params, group
+        self.around = around
         self.last = schedule.stages - 1
         self.timeout = timedelta(seconds=timeout_s)
-        # where received tensors go: the stages' device (a stage without parameters: the CPU)
-        self.device = next((p.device for m in stages.values() for p in m.parameters()), torch.device("cpu"))
+        self.device = device or next((p.device for ps in params.values() for p in ps), torch.device("cpu"))
         self._action: Action | None = None  # the one running, for a timeout's report
 
-    def run(self, inputs: list, targets: list) -> StepResult:
-        """One step: micro-batch j's input (used by stage 0) and target (used by the last stage) are inputs[j] and
-        targets[j]; gradients accumulate in the stage modules' parameters."""
+    @classmethod
+    def over_modules(cls, schedule: Schedule, rank: int, modules: dict[int, nn.Module],
+                     loss_fn: Callable[[torch.Tensor, object], torch.Tensor], group: dist.ProcessGroup | None = None,
+                     timeout_s: float = 600.0) -> "PipelineRunner":
+        """A runner over stage modules called on a tensor, whose micro-batches are (input, target) pairs: stage 0
+        takes the input, the last stage's output and the target go into loss_fn."""
+        last = schedule.stages - 1
+
+        def stage_function(s: int, module: nn.Module) -> StageFunction:
+            def run(received, microbatch):
+                out = module(microbatch[0] if received is None else received)
+                return loss_fn(out, microbatch[1]) if s == last else out
+            return run
+
+        return cls(schedule, rank, {s: stage_function(s, m) for s, m in modules.items()},
+                   {s: list(m.parameters()) for s, m in modules.items()}, group, timeout_s)
+
+    def run(self, microbatches: list, loss_factor: float = 1.0, train: bool = True) -> StepResult:
+        """One step over `microbatches` (every stage reads micro-batch j's object; stage 0 and the last use it);
+        gradients of (loss_factor × each loss / m) accumulate in the stages' parameters. train=False runs the
+        forwards only, without autograd."""
         kept: dict[tuple[int, int], _Kept] = {}
         sends: list[dist.Work] = []
         result = StepResult()
-        for action in self.schedule.actions[self.rank]:
-            self._action = action
-            if action.kind is ActionKind.FORWARD:
-                self._forward(action, inputs, targets, kept, sends, result)
-            elif action.kind is ActionKind.BACKWARD_WEIGHT:
-                self._weight_grad(action, kept)
-            else:
-                self._backward(action, kept, sends)
+        start = time.perf_counter()
+        with torch.set_grad_enabled(train and torch.is_grad_enabled()):
+            for action in self.schedule.actions[self.rank]:
+                if not train and action.kind is not ActionKind.FORWARD:
+                    continue
+                self._action = action
+                if action.kind is ActionKind.FORWARD:
+                    self._forward(action, microbatches, kept, sends, result, loss_factor, train)
+                elif action.kind is ActionKind.BACKWARD_WEIGHT:
+                    self._weight_grad(action, kept, result)
+                else:
+                    self._backward(action, kept, sends, result)
         for work in sends:
             work.wait()
+        result.wall_s = time.perf_counter() - start
         return result
 
-    def _forward(self, a: Action, inputs, targets, kept, sends, result: StepResult) -> None:
-        s, j = a.stage, a.microbatch
-        x = inputs[j] if s == 0 else self._recv(ActionKind.FORWARD, s - 1, j).requires_grad_()
-        out = self.stages[s](x)
-        if s == self.last:
-            loss = self.loss_fn(out, targets[j]) / self.schedule.microbatches
-            result.losses.append(loss.item() * self.schedule.microbatches)
-            out = loss
-        else:
-            sends += self._send(out.detach(), ActionKind.FORWARD, s, j, s + 1)
-        kept[(s, j)] = _Kept(x if s > 0 else None, out)
+    @contextlib.contextmanager
+    def _computing(self, kind: ActionKind, result: StepResult):
+        """Runs the action's compute inside the caller's phase, counting its seconds."""
+        start = time.perf_counter()
+        try:
+            with self.around(kind):
+                yield
+        finally:
+            result.compute_s += time.perf_counter() - start
 
-    def _backward(self, a: Action, kept, sends) -> None:
+    def _forward(self, a: Action, microbatches: list, kept, sends, result: StepResult, loss_factor: float,
+                 train: bool) -> None:
+        s, j = a.stage, a.microbatch
+        x = None if s == 0 else self._recv(ActionKind.FORWARD, s - 1, j)
+        if x is not None and train and x.is_floating_point():
+            x.requires_grad_()
+        with self._computing(a.kind, result):
+            out = self.stages[s](x, microbatches[j])
+            if s == self.last:
+                if out.dim() != 0:
+                    raise ValueError(f"the last pipeline stage gave a loss of shape {tuple(out.shape)}; the loss must "
+                                     "be a scalar (reduce it, e.g. .mean())")
+                result.losses.append(out.item())
+                out = out * (loss_factor / self.schedule.microbatches) if train else out
+        if s != self.last:
+            sends += self._send(out.detach(), ActionKind.FORWARD, s, j, s + 1)
+        if train:
+            kept[(s, j)] = _Kept(x if s > 0 else None, out)
+
+    def _backward(self, a: Action, kept, sends, result: StepResult) -> None:
         """B (everything) or I (the input's gradient only, the graph kept for W)."""
         s, j = a.stage, a.microbatch
         k = kept[(s, j)] if a.kind is ActionKind.BACKWARD_INPUT else kept.pop((s, j))
         grad = None if s == self.last else self._recv(ActionKind.BACKWARD, s + 1, j)
-        if a.kind is ActionKind.BACKWARD:
-            torch.autograd.backward(k.output, grad)
-            input_grad = k.input.grad if k.input is not None else None
-        elif k.input is not None:
-            (input_grad,) = torch.autograd.grad(k.output, k.input, grad, retain_graph=True)
-            k.output_grad = grad  # W replays the output's gradient
-        else:
-            input_grad, k.output_grad = None, grad
+        with self._computing(a.kind, result):
+            if a.kind is ActionKind.BACKWARD:
+                torch.autograd.backward(k.output, grad)
+                input_grad = k.input.grad if k.input is not None else None
+            elif k.input is not None:
+                (input_grad,) = torch.autograd.grad(k.output, k.input, grad, retain_graph=True)
+                k.output_grad = grad  # W replays the output's gradient
+            else:
+                input_grad, k.output_grad = None, grad
         if s > 0:
             sends += self._send(input_grad, ActionKind.BACKWARD, s, j, s - 1)
 
-    def _weight_grad(self, a: Action, kept) -> None:
+    def _weight_grad(self, a: Action, kept, result: StepResult) -> None:
         k = kept.pop((a.stage, a.microbatch))
-        params = [p for p in self.stages[a.stage].parameters() if p.requires_grad]
-        torch.autograd.backward(k.output, k.output_grad, inputs=params)
+        params = [p for p in self.params[a.stage] if p.requires_grad]
+        with self._computing(a.kind, result):
+            torch.autograd.backward(k.output, k.output_grad, inputs=params)
 
     # ---- point to point ----------------------------------------------------------------------------
     def _tag(self, kind: ActionKind, stage: int, microbatch: int) -> int:

@@ -1,16 +1,16 @@
 """Before an update: unscale the gradients, take their global norm, clip by it, detect fp16 overflow.
 
 Note [global norm, unscaling and clipping]
-The norm is taken per parameter and then over those norms, as torch's clip_grad_norm_ does: one
-fp32 reduction over a whole multi-million-element chunk loses ~1e-5 of relative accuracy. Where a
-rank holds only a shard of each gradient (ZeRO stage >= 1, or tensor parallelism), each rank sums
-its pieces' squares and the sums are added over the groups (Note [global norm under tensor
-parallelism]). The norm costs a pass over every gradient, so it is taken only when clipping, an
-fp16 overflow check or TensorBoard uses it. Gradients the chunk manager holds (Note [offloaded
-gradient shards]) are read one shard at a time for the norm (widened to fp32 and unscaled first,
-as in memory); their unscaling and clipping become two factors the offloaded optimizer applies in
-turn as it steps each shard, so the result equals the in-memory path's. bf16/fp32 never overflow:
-as in DeepSpeed the update proceeds (and shows the NaN).
+The norm is taken per parameter and then over those norms, as torch's clip_grad_norm_ does: one fp32
+reduction over a whole multi-million-element chunk loses ~1e-5 of relative accuracy. Where a rank
+holds only a shard of each gradient (ZeRO stage >= 1, or tensor parallelism), each rank sums its
+pieces' squares and the sums are added over the groups (Note [global norm under tensor
+parallelism]); under a pipeline, over the stages too. The norm costs a pass over every gradient, so
+it is taken only when clipping, an fp16 overflow check or TensorBoard uses it. Gradients the chunk
+manager holds (Note [offloaded gradient shards]) are read one shard at a time for the norm (widened
+to fp32 and unscaled first, as in memory); their unscaling and clipping become two factors the
+offloaded optimizer applies in turn as it steps each shard, so the result equals the in-memory
+path's. bf16/fp32 never overflow: as in DeepSpeed the update proceeds (and shows the NaN).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class GradientClipper:
 
     def _total(self, norms: torch.Tensor, weights: torch.Tensor) -> float:
         """The global norm from this rank's per-piece norms and their weights."""
-        if not self.chunked.sharded and self.topology.tp_size == 1:
+        if not self.chunked.sharded and self.topology.tp_size == 1 and self.topology.pp_size == 1:
             return torch.linalg.vector_norm(norms, 2.0).item()
         # each rank holds a shard of the gradient: sum the squares over the groups
         return math.sqrt(self.summed_over_ranks(square_sum_of_norms(norms, weights)))
@@ -80,12 +80,15 @@ class GradientClipper:
 
     def summed_over_ranks(self, square: torch.Tensor) -> float:
         """A rank's (weighted) sum of squared gradient pieces, summed over the data-parallel shards and the
-        tensor-parallel ranks (Note [global norm under tensor parallelism])."""
+        tensor-parallel ranks (Note [global norm under tensor parallelism]) and the pipeline stages (Note [a
+        pipelined step])."""
         square = square.to(self.topology.device)
         if self.chunked.sharded:
             all_reduce_sum(square, self.topology.dp_group, self.comm, async_op=False)
         if self.topology.tp_size > 1:
             all_reduce_sum(square, self.topology.tp_group, self.comm, async_op=False)
+        if self.topology.pp_size > 1:
+            all_reduce_sum(square, self.topology.pp_group, self.comm, async_op=False)
         return square.item()
 
     def _clipped(self, total: float) -> tuple[GradStats, float]:

@@ -1,0 +1,203 @@
+"""engine.train_batch / eval_batch under a pipeline config: the step's micro-batches through the schedule, inside
+the engine's phases, then what an update needs from every stage.
+
+Note [a pipelined step]
+train_batch pulls gradient_accumulation_steps micro-batches (m) from the iterator on every rank (every
+stage reads the micro-batch's inputs itself: Note [pipeline stages of an unmodified model]) and runs
+the schedule (Note [running a pipeline schedule]). Each forward runs inside the runtime's forward
+phase and the precision's autocast, each backward inside its backward phase, the whole step inside
+no_sync: gradients accumulate per stage over the m micro-batches and are reduced over the stage's
+data-parallel ranks once, by the update (as a boundary backward inside no_sync is). Each micro-batch's
+loss enters backward multiplied by loss_scale / (m · dp), as engine.backward scales it. Before the
+update, the gradients of a parameter two pipeline ranks hold are summed over them; the global norm
+(clipping, fp16 overflow) sums the stages' squares (Note [global norm, unscaling and clipping]) with
+such a parameter counted once, so every stage clips by the same factor and skips the same fp16 step.
+The step's loss is the mean of the m micro-batch losses, sent from the last stage to every pipeline
+rank and averaged over the data-parallel ranks, as DeepSpeed's train_batch returns it. The measured
+bubble (the share of the step a rank waits) is averaged over the pipeline ranks for TensorBoard, next
+to the schedule's own fraction on unit costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from engine.comm import CommCounter, all_reduce_sum, broadcast_from
+from engine.pipeline.executor import PipelineRunner, StepResult
+from engine.pipeline.model_split import PipelineModel
+from engine.pipeline.schedules import ActionKind, build_schedule
+from engine.pipeline.simulate import simulate
+from engine.pipeline.stage_modules import StageOutput
+from engine.precision import PrecisionPolicy
+from engine.topology import Topology
+
+LossFunction = Callable[[object, object], torch.Tensor]
+
+
+class PipelineDriver:
+    """Runs a step's micro-batches through this rank's stages of `split` (Note [a pipelined step])."""
+
+    def __init__(self, split: PipelineModel, schedule_name: str, microbatches: int, topology: Topology,
+                 precision: PrecisionPolicy, comm: CommCounter, loss_fn: LossFunction | None = None,
+                 timeout_s: float = 600.0):
+        self.split, self.topology, self.precision, self.comm = split, topology, precision, comm
+        self.loss_fn = loss_fn
+        plan = split.plan
+        self.schedule = build_schedule(schedule_name, plan.ranks, microbatches, plan.stages // plan.ranks)
+        self.formula_bubble = simulate(self.schedule).bubble
+        self.runtime = None  # set by attach(): the engine's phases
+        stages = {s: self._stage_function(s) for s in split.views}
+        params = {s: list(view.parameters()) for s, view in split.views.items()}
+        self.runner = PipelineRunner(self.schedule, topology.pp_rank, stages, params, topology.pp_group, timeout_s,
+                                     topology.device, around=self._phase)
+        self.shared_groups = _shared_parameter_groups(split, topology)
+        self._loss_scale = 1.0
+        self.last_bubble: float | None = None
+
+    def attach(self, runtime) -> None:
+        """The engine's ZeRO runtime, whose phases every action runs in."""
+        self.runtime = runtime
+
+    # ---- one step --------------------------------------------------------------------------------
+    def train(self, microbatches: list, loss_scale: float) -> float:
+        """Runs the schedule over `microbatches`, leaving the stages' gradients accumulated and shared parameters'
+        gradients summed; returns the step's mean loss (on every rank)."""
+        self._loss_scale = loss_scale
+        self._set_mode(True)
+        with self.runtime.no_sync() if self.runtime.reducer is not None else contextlib.nullcontext():
+            result = self.runner.run(microbatches, loss_factor=loss_scale / self.topology.dp_world_size)
+        self._sum_shared_gradients()
+        self.last_bubble = self._mean_over_pipeline(result.bubble)
+        return self._step_loss(result)
+
+    def evaluate(self, microbatches: list) -> float:
+        """The forwards only, with the model in eval mode; returns the mean loss on every rank."""
+        was_training = self.split.holder.training
+        self._set_mode(False)
+        try:
+            result = self.runner.run(microbatches, train=False)
+        finally:
+            self._set_mode(was_training)
+        return self._step_loss(result)
+
+    def _set_mode(self, training: bool) -> None:
+        self.split.holder.train(training)
+        for view in self.split.views.values():  # the copies on the path to the blocks keep a flag of their own
+            view.train(training)
+
+    def _phase(self, kind: ActionKind):
+        if kind is ActionKind.FORWARD:
+            return _forward_phase(self.runtime, self.precision, self.topology.device)
+        return self.runtime.backward(False, self._loss_scale)
+
+    # ---- a stage's forward -----------------------------------------------------------------------
+    def _stage_function(self, stage: int):
+        view, state, last = self.split.views[stage], self.split.state, self.split.plan.stages - 1
+
+        def run(received: torch.Tensor | None, microbatch) -> torch.Tensor:
+            state.begin(received)
+            try:
+                out = _call(view, microbatch, with_loss_fn=self.loss_fn is not None)
+            except StageOutput as sent:
+                return sent.value
+            finally:
+                state.end()
+            if stage != last:
+                raise RuntimeError(f"pipeline stage {stage}'s forward returned without reaching its last block; the "
+                                   "model's forward skipped blocks of its block list")
+            return self._loss(out, microbatch)
+
+        return run
+
+    def _loss(self, out, microbatch) -> torch.Tensor:
+        if self.loss_fn is not None:
+            target = microbatch[1] if isinstance(microbatch, (tuple, list)) else microbatch
+            return self.loss_fn(out, target)
+        loss = out if torch.is_tensor(out) else getattr(out, "loss", None)
+        if loss is None and isinstance(out, dict):
+            loss = out.get("loss")
+        if not torch.is_tensor(loss) or loss.dim() != 0:
+            raise ValueError(f"the model returned {type(out).__name__} without a scalar loss: under a pipeline "
+                             "config train_batch needs the loss from the model's output (pass labels in the "
+                             "micro-batch, e.g. {\"input_ids\": x, \"labels\": y}) or initialize(..., loss_fn=f) "
+                             "with f(output, micro-batch or its labels)")
+        return loss
+
+    # ---- what the stages share ---------------------------------------------------------------------
+    def sync_shared_values(self) -> None:
+        """A parameter several pipeline ranks hold starts from the lowest one's values."""
+        params = self.split.param_by_id
+        with torch.no_grad():
+            for pid, ranks in self.split.shared_here().items():
+                broadcast_from(params[pid].data, 0, self.shared_groups[ranks], self.comm)
+
+    def _sum_shared_gradients(self) -> None:
+        params = self.split.param_by_id
+        for pid, ranks in self.split.shared_here().items():
+            p = params[pid]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            all_reduce_sum(p.grad, self.shared_groups[ranks], self.comm, async_op=False)
+
+    def _mean_over_pipeline(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.topology.device)
+        all_reduce_sum(t, self.topology.pp_group, self.comm, async_op=False)
+        return t.item() / self.topology.pp_size
+
+    def _step_loss(self, result: StepResult) -> float:
+        """The mean micro-batch loss, from the last stage to every pipeline rank, averaged over data parallel."""
+        t = torch.tensor([sum(result.losses) / max(len(result.losses), 1)], dtype=torch.float64,
+                         device=self.topology.device)
+        broadcast_from(t, self.topology.pp_size - 1, self.topology.pp_group, self.comm)
+        if self.topology.dp_world_size > 1:
+            all_reduce_sum(t, self.topology.dp_group, self.comm, async_op=False)
+        return t.item() / self.topology.dp_world_size
+
+
+@contextlib.contextmanager
+def _forward_phase(runtime, precision: PrecisionPolicy, device: torch.device):
+    with runtime.forward(), precision.autocast(device):
+        yield
+
+
+def _call(view, microbatch, with_loss_fn: bool):
+    """The model's forward on a micro-batch: keyword arguments from a dict; with a loss_fn, (inputs, labels) as
+    DeepSpeed's pipeline takes them; else a tuple's elements as positional arguments, or one tensor."""
+    if isinstance(microbatch, dict):
+        return view(**microbatch)
+    if isinstance(microbatch, (tuple, list)):
+        inputs = microbatch[0] if with_loss_fn else microbatch
+        return view(*inputs) if isinstance(inputs, (tuple, list)) else view(inputs)
+    return view(microbatch)
+
+
+def pull_microbatches(data_iter: Iterator, count: int) -> list:
+    """`count` micro-batches from the iterator, or an error saying how many it had."""
+    if data_iter is None or not hasattr(data_iter, "__next__"):
+        raise TypeError(f"train_batch/eval_batch take an iterator over micro-batches (e.g. iter(loader)), got "
+                        f"{type(data_iter).__name__}")
+    batches = []
+    for _ in range(count):
+        try:
+            batches.append(next(data_iter))
+        except StopIteration:
+            raise ValueError(f"the data iterator ran out after {len(batches)} of the step's {count} micro-batches "
+                             "(gradient_accumulation_steps); give it whole steps") from None
+    return batches
+
+
+def _shared_parameter_groups(split: PipelineModel, topology: Topology) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """One group per set of pipeline ranks sharing a parameter, within this rank's dp and tp position; every rank
+    creates every such group, in the same order."""
+    groups = {}
+    for ranks in sorted(set(split.shared.values())):
+        for dp_rank in range(topology.dp_world_size):
+            for tp_rank in range(topology.tp_size):
+                group = dist.new_group([topology.global_rank(r, dp_rank, tp_rank) for r in ranks])
+                if dp_rank == topology.dp_rank and tp_rank == topology.tp_rank:
+                    groups[ranks] = group
+    return groups
