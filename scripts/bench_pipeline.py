@@ -100,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--schedules", type=parse_list, default=list(SCHEDULES),
                     help=f"comma-separated, of {', '.join(SCHEDULES)} (default all)")
     ap.add_argument("--virtual-stages", type=int, default=2, help="stages per rank of the interleaved schedule")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per run (default 4)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per run (default 3)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps before them (default 1)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="rounds of (train_batch, runner, torch) per configuration (default 2)")
