@@ -4,10 +4,12 @@
     .venv/bin/python scripts/bench_pipeline.py --schedules 1f1b --microbatches 8 --rounds 1
 
 Same harness as bench_dp.py (spawned ranks, one thread each, fresh models under one seed, alternating
-rounds, barrier-timed steps). The model is the example GPT (bench30m with 8 blocks, untied lm_head so
-that the embedding and the head can live on different stages), cut into p·v stages of equal blocks:
-stage 0 also holds the embeddings, the last stage ln_f and lm_head. Every system takes the same m
-micro-batches of b sequences per step through the same schedule and updates with AdamW (lr 1e-4, fp32):
+rounds, barrier-timed steps; the step time is the median of every timed step on rank 0 over the rounds,
+the per-round figures the mean step between two barriers). The model is the example GPT (bench30m with 8
+blocks, untied lm_head so that the embedding and the head can live on different stages), cut into p·v
+stages of equal blocks: stage 0 also holds the embeddings, the last stage ln_f and lm_head. Every system
+takes the same m micro-batches of b sequences per step through the same schedule and updates with AdamW
+(lr 1e-4, fp32):
   tiers train_batch  what a user runs: initialize(model, {"pipeline": {"stages": p, "schedule": ..,
                      "virtual_stages": v, "partition": "uniform"}, "gradient_accumulation_steps": m, ..})
                      and engine.train_batch(iterator of {"input_ids", "labels"} micro-batches); the engine
@@ -253,12 +255,15 @@ def timed_run(system, batches, args) -> dict:
     cpu = CpuMeter()
     t0 = barrier_time()
     cpu.start()
+    ends = [t0]
     for x, y in batches[args.warmup:]:
         system.step(x, y)
+        ends.append(time.perf_counter())
     t1 = barrier_time()
     cpu.stop()
     steps, clock = args.steps, system.clock
-    return {"step_s": (t1 - t0) / steps, "compute_s": clock.total / steps if clock else float("nan"),
+    return {"step_s": (t1 - t0) / steps, "step_times": [b - a for a, b in zip(ends, ends[1:])],
+            "compute_s": clock.total / steps if clock else float("nan"),
             "optimizer_s": system.optimizer_s / steps,
             "per_kind_s": {k: clock.seconds[k] / max(clock.counts[k], 1) for k in clock.counts} if clock else {},
             "telemetry_bubble": median(system.bubbles) if system.bubbles else float("nan"),
@@ -304,7 +309,9 @@ def summarize(by_rank: dict[int, dict], key: tuple) -> dict:
     def per_rank(field) -> list[float]:
         return [median([field(rs[r]) for rs in rounds]) for r in ranks]
 
-    return {"step_s": median([rs[0]["step_s"] for rs in rounds]),
+    # every timed step of every round on rank 0 (the pipeline couples the ranks' steps): the median shrugs off
+    # another process's burst on this shared machine better than the median of a few rounds' means does
+    return {"step_s": median([t for rs in rounds for t in rs[0]["step_times"]]),
             "per_round": [rs[0]["step_s"] for rs in rounds],
             "bubble": per_rank(bubble), "telemetry": per_rank(lambda run: run["telemetry_bubble"]),
             "compute_s": per_rank(lambda run: run["compute_s"]),
@@ -441,7 +448,8 @@ def report(args, psi: int, by_rank: dict, splits: list[tuple[str, str]]) -> str:
         "tiers `train_batch` (the engine splits the model and steps its own AdamW), tiers' PipelineRunner over the "
         "script's stage modules with torch's fused AdamW, and torch's PipelineStage over the same modules under its "
         f"schedule, with fused AdamW. Median over {args.rounds} alternating rounds of {args.warmup} warm-up + "
-        f"{args.steps} timed steps; the benchmark's ratio is train_batch ÷ torch (bold), target ≤ 1.0. Peak "
+        f"{args.steps} timed steps (step time: the median of all timed steps on rank 0; per round: the mean between "
+        "two barriers); the benchmark's ratio is train_batch ÷ torch (bold), target ≤ 1.0. Peak "
         "RSS/rank: the most over the ranks, each system's own.",
         "",
         markdown_table(["schedule", "m", "torch schedule", "s/step train_batch / runner / torch", "train_batch ÷ torch",
