@@ -74,7 +74,7 @@ BENCHMARKS = (
               quick=QUICK_TRAINING, worlds=(2, 4), seconds={2: 198, 4: 147}, heads=10, quick_heads=2),
     Benchmark("pipeline", "bench_pipeline.py", "Pipeline parallelism vs torch.distributed.pipelining",
               quick=("--model", "tiny", "--layers", "4", "--seq", "32", "--steps", "2", "--warmup", "1",
-                     "--rounds", "1"), worlds=(2,), seconds={2: 600}),
+                     "--rounds", "1"), worlds=(2,), seconds={2: 420}),
     Benchmark("checkpointing", "bench_checkpointing.py", "Activation checkpointing vs torch.utils.checkpoint by hand",
               quick=("--model", "tiny", "--micro-batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1",
                      "--rounds", "1", "--threads", "1"), seconds={None: 261}),
