@@ -170,7 +170,7 @@ class PipelineConfig:
     stages: int = bounded(1, min=1)
     schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = "1f1b"
     virtual_stages: int = bounded(1, min=1)
-    partition: str | list = "parameters"
+    partition: str | list[str] = "parameters"
     timeout_s: float = bounded(600.0, gt=0)
 
     @property

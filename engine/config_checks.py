@@ -53,7 +53,7 @@ def check_config(cfg: Config) -> None:
          "node-local checkpoint storage is not supported yet: every rank writes into one directory on a filesystem "
          "all ranks share; remove the key"),
         (cfg.checkpoint.parallel_write.pipeline_stage, "checkpoint.parallel_write.pipeline_stage", True,
-         "Tiers has no pipeline stages (every rank already writes its own file); remove the key"),
+         "every rank already writes its own file, pipeline stages included; remove the key"),
         (zero.placement == "auto" and zero.offload_optimizer.device not in OFFLOADED, "zero_optimization.placement",
          zero.placement, "places the chunks the chunk manager holds, and nothing is offloaded; set "
          "zero_optimization.offload_optimizer.device (and offload_param.device) to cpu or nvme, or use \"static\""),
@@ -112,14 +112,11 @@ def _pipeline_checks(cfg: Config) -> list[tuple[bool, str, object, str]]:
          "schedule to \"interleaved\", or virtual_stages to 1"),
         (not partition_ok, "pipeline.partition", pp.partition,
          f"is one of {', '.join(PARTITIONS)}, or a list of the module names that start each stage"),
-        (pp.enabled and zero.stage >= 2, "zero_optimization.stage", zero.stage,
-         "ZeRO stages 2 and 3 under pipeline parallelism are not built yet; use stage 0 or 1 with pipeline.stages "
-         f"{pp.stages}, or pipeline.stages 1"),
         (pp.enabled and zero.offload_optimizer.device in OFFLOADED, "zero_optimization.offload_optimizer.device",
          zero.offload_optimizer.device, "offloading under pipeline parallelism is not built yet; use \"none\" with "
          "pipeline.stages > 1"),
-        (pp.enabled and cfg.tensor_parallel.size > 1, "tensor_parallel.size", cfg.tensor_parallel.size,
-         "tensor parallelism inside a pipeline stage is not built yet; use tensor_parallel.size 1 with "
+        (pp.enabled and cfg.tensor_parallel.size > 1 and cfg.tensor_parallel.mode == "2d", "tensor_parallel.mode",
+         "2d", "2D tensor parallelism inside a pipeline stage is not built yet; use mode \"1d\" with "
          "pipeline.stages > 1"),
     ]
 

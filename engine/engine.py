@@ -59,7 +59,7 @@ class Engine:
         self._saver = Saver(TrainingState(  # Note [checkpoint commit]
             module, runtime.chunked, runtime.optimizer, lr_scheduler, loss_scaler, self.progress, topology,
             tensor_parallel, config.tensor_parallel.mode, config.zero_optimization.stage, self.precision.compute_dtype,
-            runtime.gather_updated_params), config.checkpoint)
+            runtime.gather_updated_params, pipeline.split if pipeline is not None else None), config.checkpoint)
 
     # ---- identity -------------------------------------------------------------------------
     @property
@@ -238,17 +238,20 @@ class Engine:
 
     # ---- whole weights ------------------------------------------------------------------------
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
-        """The model's full state dict (keys as `module.state_dict()`), copied to CPU, on every rank; with
-        rank0_only, on rank 0 only (the others get None). Stages 0-2 keep every parameter whole on every
-        rank; stage 3 gathers one chunk at a time (every rank must call this). With bf16 / fp16 the
-        parameters are their fp32 master weights."""
+        """The model's full state dict (keys as `module.state_dict()`; under a pipeline, the unsplit model's,
+        gathered from the stages), copied to CPU, on every rank; with rank0_only, on rank 0 only (the others get
+        None). Stages 0-2 keep every parameter whole on every rank; stage 3 gathers one chunk at a time (every
+        rank must call this). With bf16 / fp16 the parameters are their fp32 master weights."""
         keep = not rank0_only or self.topology.rank == 0
-        if self.tensor_parallel is None:
+        if self.tensor_parallel is None and self.pipeline is None:
             return whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.dp_group, self.comm,
                                                  keep)
-        # every tp rank contributes its shards (Note [tensor-parallel plans])
-        local = whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.dp_group, self.comm, True)
-        whole = self.tensor_parallel.join_state_dict(local, self.device)
+        # every tp rank contributes its shards (Note [tensor-parallel plans]), every pipeline rank its stages
+        whole = whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.dp_group, self.comm, True)
+        if self.tensor_parallel is not None:
+            whole = self.tensor_parallel.join_state_dict(whole, self.device)
+        if self.pipeline is not None:
+            whole = whole_weights.join_stages(whole, self.pipeline.split.keys, self.topology, self.comm, keep)
         return whole if keep else None
 
     # ---- checkpoints (engine/checkpoint/) -------------------------------------------------------------
@@ -285,10 +288,9 @@ class Engine:
                                "zero_optimization.stage3_gather_16bit_weights_on_model_save to true (DeepSpeed saves "
                                "nothing without it), or save a checkpoint and run `tiers convert` on it")
         state = self.full_state_dict(rank0_only=True)
+        chunked = whole_weights.chunked_keys(self.module, self.chunked, self.topology)  # every stage's
         if state is None:
             return None
-        chunked = {key for key, t in self.module.state_dict(keep_vars=True).items()
-                   if id(t) in self.chunked.chunk_index()}
         dtype = self.precision.compute_dtype
         state = {k: v.to(dtype) if k in chunked else v for k, v in state.items()}
         return write_state_dict(save_dir, save_filename, state)

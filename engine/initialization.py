@@ -13,6 +13,7 @@ Each is usable on its own; initialize() is their composition.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from typing import Callable, Iterable
@@ -28,7 +29,8 @@ from engine.engine import Engine
 from engine.lr_schedules import build_lr_scheduler
 from engine.monitor import Monitor
 from engine.optim import build_optimizer
-from engine.pipeline.driver import PipelineDriver
+from engine.pipeline.block_timing import measured_costs
+from engine.pipeline.driver import PipelineDriver, shared_parameter_groups, sync_shared_values
 from engine.pipeline.model_split import PipelineModel, plan_stages, split_model
 from engine.precision import PrecisionPolicy, build_loss_scaler
 from engine.step_metrics import StepMetrics
@@ -103,18 +105,18 @@ def initialize(
     model.to(topology.device)
     tensor_parallel = parallelize_tensors(model, cfg, topology)
     checkpointing = apply_activation_checkpointing(model, cfg, topology, tensor_parallel)
+    comm = CommCounter()
     groups = _param_groups(model, optimizer, model_parameters, meta_of)
-    split = split_pipeline(model, cfg, topology)
+    split, shared_groups = split_pipeline(model, cfg, topology, comm)
     if split is not None:  # this rank's parameters, named as in the whole model
         groups = [dict(g, params=[p for p in g["params"] if split.holds(p)]) for g in groups]
         groups = [g for g in groups if g["params"]]
     chunked = chunk_parameters(model, cfg, topology, groups, pending=set(meta_of), tensor_parallel=tensor_parallel,
                                names=split.names if split is not None else None)
     optimizer = build_chunk_optimizer(cfg, chunked, topology.device, optimizer, rebuild=split is not None)
-    comm = CommCounter()
     if recording is not None:  # after offloading: shards may load straight into the chunk manager
         materialize_parameters(model, chunked, recording, meta_of, topology.device, topology.dp_group, comm)
-    pipeline = build_pipeline(split, cfg, topology, chunked, comm, loss_fn) if split is not None else None
+    pipeline = build_pipeline(split, shared_groups, cfg, topology, chunked, comm, loss_fn) if split else None
     loss_scaler = build_loss_scaler(cfg)
     runtime = zero_runtime(model, cfg, chunked, optimizer, topology, loss_scaler, comm)
     if pipeline is not None:
@@ -148,22 +150,28 @@ def apply_activation_checkpointing(model: nn.Module, cfg: Config, topology: Topo
     return checkpointing
 
 
-def split_pipeline(model: nn.Module, cfg: Config, topology: Topology) -> PipelineModel | None:
+def split_pipeline(model: nn.Module, cfg: Config, topology: Topology,
+                   comm: CommCounter) -> tuple[PipelineModel | None, dict]:
     """Note [pipeline stages of an unmodified model]: `model` keeps what this rank's pipeline stages hold, and
-    the views those stages run; None without a pipeline config."""
+    the views those stages run, with the groups of the pipeline ranks sharing parameters, which start from the
+    lowest one's values; (None, {}) without a pipeline config."""
     if not cfg.pipeline.enabled:
-        return None
-    return split_model(model, plan_stages(model, cfg.pipeline), topology.pp_rank)
+        return None, {}
+    micro_batch = cfg.batch_sizes(topology.dp_world_size).micro_batch_size
+    measure = functools.partial(measured_costs, model, micro_batch=micro_batch, device=topology.device)
+    split = split_model(model, plan_stages(model, cfg.pipeline, measure), topology.pp_rank)
+    groups = shared_parameter_groups(split, topology)
+    sync_shared_values(split, groups, comm)
+    return split, groups
 
 
-def build_pipeline(split: PipelineModel, cfg: Config, topology: Topology, chunked: ChunkedParams, comm: CommCounter,
-                   loss_fn: Callable | None) -> PipelineDriver:
+def build_pipeline(split: PipelineModel, shared_groups: dict, cfg: Config, topology: Topology, chunked: ChunkedParams,
+                   comm: CommCounter, loss_fn: Callable | None) -> PipelineDriver:
     """Note [a pipelined step]: the driver of train_batch / eval_batch over this rank's stages; parameters two
-    pipeline ranks hold start equal, and count once in the global norm."""
+    pipeline ranks hold count once in the global norm."""
     microbatches = cfg.batch_sizes(topology.dp_world_size).gradient_accumulation_steps
     driver = PipelineDriver(split, cfg.pipeline.schedule, microbatches, topology, PrecisionPolicy.from_config(cfg),
-                            comm, loss_fn, cfg.pipeline.timeout_s)
-    driver.sync_shared_values()
+                            comm, shared_groups, loss_fn, cfg.pipeline.timeout_s)
     for pid, ranks in split.shared_here().items():
         if topology.pp_rank != ranks[0]:
             chunked.norm_weights[pid] = 0.0

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import CommCounter, all_gather_into, broadcast_from
+from engine.topology import Topology
 from engine.zero.chunked_params import ChunkedParams
 from engine.zero.param_gather import ParamGatherer
 
@@ -34,6 +35,39 @@ def full_state_dict(module: nn.Module, chunked: ChunkedParams, gatherer: ParamGa
             if keep:
                 out.update({key: values_of(entries[key]).to("cpu", copy=True) for key in by_chunk[index]})
     return {key: out[key] for key in entries} if keep else None
+
+
+def join_stages(local: dict[str, torch.Tensor], keys: tuple[str, ...], topology: Topology, counter: CommCounter,
+                keep: bool) -> dict[str, torch.Tensor] | None:
+    """Under a pipeline: the whole model's state dict, keyed and ordered as the unsplit model's (`keys`), from each
+    pipeline rank's `local` one (its holder's keys: a tied weight comes from each stage under its own key). Each
+    pipeline rank broadcasts its entries over its pipeline group in turn; with `keep` False on every rank of that
+    group (rank0_only elsewhere than rank 0's group) nothing is sent."""
+    group, device = topology.pp_group, topology.device
+    if not keep and (topology.dp_rank, topology.tp_rank) != (0, 0):
+        return None  # global rank 0's pipeline group is the one at dp rank 0, tp rank 0
+    out = dict(local)
+    for src in range(topology.pp_size):
+        mine = src == topology.pp_rank
+        header = [[(k, tuple(t.shape), t.dtype) for k, t in local.items()] if mine else None]
+        dist.broadcast_object_list(header, group=group, group_src=src, device=device)
+        for key, shape, dtype in header[0]:
+            t = local[key].to(device, copy=True) if mine else torch.empty(shape, dtype=dtype, device=device)
+            broadcast_from(t, src, group, counter)
+            if keep and not mine:
+                out.setdefault(key, t.to("cpu"))
+    return {key: out[key] for key in keys} if keep else None
+
+
+def chunked_keys(module: nn.Module, chunked: ChunkedParams, topology: Topology) -> set[str]:
+    """The state-dict keys of parameters held in chunks (trainable), of every pipeline stage's model."""
+    index = chunked.chunk_index()
+    keys = {key for key, t in module.state_dict(keep_vars=True).items() if id(t) in index}
+    if topology.pp_size == 1:
+        return keys
+    every: list = [None] * topology.pp_size
+    dist.all_gather_object(every, keys, group=topology.pp_group)
+    return set().union(*every)
 
 
 @contextlib.contextmanager

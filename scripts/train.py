@@ -3,11 +3,13 @@
     python scripts/train.py                                    # one process
     torchrun --standalone --nproc_per_node 2 scripts/train.py  # data parallel over 2 processes
     python scripts/train.py --config configs/bf16.json --model tiny --steps 50
+    torchrun --standalone --nproc_per_node 2 scripts/train.py --config configs/pipeline.json  # 2 stages
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 \
         scripts/train.py --save-every 50 --resume auto
 
 Everything about *how* it trains (batch sizes, optimizer, lr schedule, precision, ZeRO, TensorBoard)
-is in the JSON config; this file is an ordinary PyTorch loop around `model_engine = initialize(...)`.
+is in the JSON config; this file is an ordinary PyTorch loop around `model_engine = initialize(...)`
+(under a pipeline config, one `model_engine.train_batch(...)` per step instead of forward, backward, step).
 The lr schedule's total_num_steps is set to --steps, so the cosine decay spans the run.
 With --save-every K it saves a checkpoint every K steps into --save-dir (with the data stream's position),
 and with --resume auto it continues from the latest complete one: under torchrun --max-restarts, a rank
@@ -68,6 +70,7 @@ model = gpt_from_preset(args.model, **({"block_size": args.block_size} if args.b
 model_engine = initialize(model, config)  # starts torch.distributed itself under torchrun
 master = model_engine.topology.rank == 0  # one printer, also when tp ranks share a dp rank
 device = model_engine.device
+pipelined = model_engine.pipeline is not None
 block_size = model.config.block_size
 
 tokens = load_corpus(args.data)
@@ -106,12 +109,23 @@ def evaluate() -> float:
     """Mean loss over the same --eval-batches val batches every time (per rank), averaged over ranks."""
     model_engine.eval()
     val_batches.reset()
+    if pipelined:  # whole steps of micro-batches through the schedule; eval_batch averages over the ranks
+        rounds = max(args.eval_batches // model_engine.gradient_accumulation_steps, 1)
+        total = sum(model_engine.eval_batch(step_micro_batches_of(val_batches)) for _ in range(rounds))
+        model_engine.train()
+        return total / rounds
     total = 0.0
     for _ in range(args.eval_batches):
         batch = val_batches.next_batch()
         total += model_engine(batch["input_ids"].to(device), batch["labels"].to(device)).item()
     model_engine.train()
     return mean_over_ranks(total / args.eval_batches)
+
+
+def step_micro_batches_of(batches: TokenBatches):
+    """An iterator over one step's micro-batches, as train_batch / eval_batch take them."""
+    return iter([{"input_ids": b["input_ids"].to(device), "labels": b["labels"].to(device)}
+                 for b in (batches.next_batch() for _ in range(model_engine.gradient_accumulation_steps))])
 
 
 def memory() -> str:
@@ -126,7 +140,8 @@ def duration(seconds: float) -> str:
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
-# ---- training loop: one micro-batch per iteration; the engine updates every accumulation boundary ----
+# ---- training loop: one micro-batch per iteration (a whole step under a pipeline); the engine updates every
+# accumulation boundary ----
 eval_loss = evaluate()
 if master:
     resumed = f" | resumed from {resumed_from}" if resumed_from else ""
@@ -138,11 +153,15 @@ loss_log = open(args.loss_log, "a") if args.loss_log and master else None
 t_start = t_mark = time.perf_counter()
 step_at_mark = first_step = model_engine.global_step
 while model_engine.global_step < args.steps:
-    batch = train_batches.next_batch()
-    loss = model_engine(batch["input_ids"].to(device), batch["labels"].to(device))
-    model_engine.backward(loss)
-    updated = model_engine.is_gradient_accumulation_boundary()
-    model_engine.step()
+    if pipelined:  # the step's micro-batches through the pipeline schedule, and the update
+        loss = torch.tensor(model_engine.train_batch(step_micro_batches_of(train_batches)))
+        updated = True
+    else:
+        batch = train_batches.next_batch()
+        loss = model_engine(batch["input_ids"].to(device), batch["labels"].to(device))
+        model_engine.backward(loss)
+        updated = model_engine.is_gradient_accumulation_boundary()
+        model_engine.step()
     loss_sum += loss.detach().float()
     loss_count += 1
     if args.loss_log:

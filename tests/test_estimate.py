@@ -134,3 +134,84 @@ def test_the_estimate_places_one_process_16_bit_offload_where_the_engine_puts_it
     assert held == 16 * padded
     assert engine.model_state_bytes() == {"param": 0, "grad": 0, "optim": 0}  # nothing outside the manager
     engine.close()
+
+
+# ---- pipelines (Note [estimating a pipeline]) ----------------------------------------------------------------------
+
+def pipeline_config(microbatches: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": microbatches,
+            "steps_per_print": 10**6, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+
+
+def test_a_pipeline_rank_holds_its_stages_parameters_and_the_heaviest_rank_is_reported():
+    from engine.models import gpt_small
+
+    est = estimate(gpt_small, pipeline_config(8), 4, strategies=[Strategy(0), Strategy(0, pp=2), Strategy(0, pp=4)],
+                   compute_on_cpu=True)
+    whole, two, four = est.rows
+    assert two.strategy.name == "PP2-1f1b DDP" and whole.pipeline is None
+    assert 0.45 <= two.states.param / whole.states.param <= 0.56  # about half of the model per rank
+    assert 0.2 <= four.states.param / whole.states.param <= 0.32
+    tied = gpt_small().wte.weight.numel()  # the embedding is the output head too: both end stages hold it
+    for row in (two, four):
+        assert sum(row.pipeline.stage_params) == est.params + tied
+        assert abs(row.pipeline.stage_params[0] - row.pipeline.stage_params[-1]) <= 0.1 * row.pipeline.stage_params[0]
+    # 4 layers on 4 ranks: [embeddings + layer 0], [layer 1], [layer 2], [layer 3 + final norm + head]; rank 0 holds
+    # the most micro-batches (4) and as many parameters as any, so its peak is the highest
+    assert four.pipeline.in_flight == (4, 3, 2, 1) and four.pipeline.rank == 0
+    assert four.pipeline.stage_params[0] == max(four.pipeline.stage_params)
+    assert 4 * four.pipeline.stage_params[0] <= four.states.param <= 1.05 * 4 * four.pipeline.stage_params[0]
+
+
+def test_1f1b_holds_fewer_micro_batches_activations_than_gpipe():
+    from engine.models import gpt_small
+
+    est = estimate(gpt_small, pipeline_config(8), 2, compute_on_cpu=True,
+                   strategies=[Strategy(0), Strategy(0, pp=2, schedule="gpipe"), Strategy(0, pp=2)])
+    whole, gpipe, one_f_one_b = est.rows
+    assert gpipe.pipeline.in_flight == (8, 8) and one_f_one_b.pipeline.in_flight == (2, 1)
+    assert gpipe.activations > 3 * one_f_one_b.activations  # 8 micro-batches of a stage against 2
+    # 1F1B's rank 0 holds 2 micro-batches of half the layers: about what one micro-batch of the whole model holds
+    assert 0.8 * whole.activations <= one_f_one_b.activations <= 1.2 * whole.activations
+    assert gpipe.pipeline.bubble == pytest.approx(one_f_one_b.pipeline.bubble)  # the same bubble, more memory
+
+
+@pytest.mark.parametrize("stages,microbatches", [(2, 8), (4, 8), (4, 2)])
+def test_the_printed_bubble_is_1f1bs_formula(stages, microbatches):
+    from engine.estimate import format_estimate
+    from engine.models import gpt_small
+
+    est = estimate(gpt_small, pipeline_config(microbatches), 4, strategies=[Strategy(1, pp=stages)],
+                   compute_on_cpu=True)
+    bubble = (stages - 1) / (microbatches + stages - 1)
+    (row,) = est.rows
+    assert row.pipeline.bubble == pytest.approx(bubble) and row.pipeline.microbatches == microbatches
+    printed = format_estimate(est)
+    assert f"{bubble:.1%} (m={microbatches}" in printed and f"bubble {bubble:.1%}" in printed
+    starved = microbatches < stages  # fewer micro-batches than stages is called out, with the setting to change
+    assert (f"only {microbatches} < {stages} stages!" in printed) == starved
+    assert ("set it to 16 or more" in printed) == starved
+    # the step's compute: the busiest rank's share of the work, stretched by the bubble
+    assert row.pipeline.compute_factor == pytest.approx(1 / stages / (1 - bubble), rel=0.3)
+
+
+def test_a_pipeline_split_follows_the_partition_and_one_that_cannot_be_made_is_named():
+    from engine.estimate import format_estimate
+    from engine.models import gpt_small
+
+    config = pipeline_config(4)
+    config["pipeline"] = {"partition": ["blocks.1"]}  # stage 1 starts at the second layer
+    est = estimate(gpt_small, config, 2, compute_on_cpu=True,
+                   strategies=[Strategy(0, pp=2), Strategy(0, pp=2, schedule="interleaved", virtual_stages=4)])
+    (row,) = est.rows
+    assert row.strategy.config({}, None)["pipeline"] == {"stages": 2, "schedule": "1f1b"}
+    assert row.config["pipeline"]["partition"] == ["blocks.1"]
+    model = gpt_small()
+    layer = sum(p.numel() for p in model.blocks[0].parameters())
+    embeddings = model.wte.weight.numel() + model.wpe.weight.numel()
+    final_norm = sum(p.numel() for p in model.ln_f.parameters())
+    # stage 0: the embeddings and the first layer; stage 1: three layers, the final norm and the (tied) head
+    assert row.pipeline.stage_params == (embeddings + layer, 3 * layer + final_norm + model.wte.weight.numel())
+    assert est.skipped == ["PP2-interleaved-v4 DDP: pipeline.partition: the names ['blocks.1'] start 2 stages, but "
+                           "the pipeline has 8; name the module that starts each stage"]
+    assert "Not estimated: PP2-interleaved-v4 DDP" in format_estimate(est)

@@ -104,9 +104,10 @@ def test_a_rank_killed_under_torchrun_restarts_from_the_last_checkpoint_and_ends
     assert expected in out, f"expected '{expected}' as the uninterrupted run ended:\n{out}"
 
 
-@pytest.mark.parametrize("config, processes", [("tp.json", 2), ("tp2d.json", 4)])
-def test_the_tensor_parallel_configs_train_under_torchrun(tmp_path, config, processes):
-    """configs/tp.json (1D over 2 ranks) and configs/tp2d.json (2D on a 2×2 mesh) as the README runs them."""
+@pytest.mark.parametrize("config, processes", [("tp.json", 2), ("tp2d.json", 4), ("pipeline.json", 2)])
+def test_the_tensor_parallel_and_pipeline_configs_train_under_torchrun(tmp_path, config, processes):
+    """configs/tp.json (1D over 2 ranks), configs/tp2d.json (2D on a 2×2 mesh) and configs/pipeline.json (2
+    pipeline stages: a train_batch per step) as the README runs them."""
     data = tmp_path / "corpus.txt"
     data.write_text("def f(x):\n    return x * 2\n" * 400)
     env = {k: v for k, v in os.environ.items()

@@ -22,7 +22,7 @@ def test_tune_picks_the_fastest_fitting_config_and_writes_it(tmp_path, monkeypat
     ddp = result.candidates[0]
     assert ddp.row.strategy.stage == 0 and ddp.verdict is Verdict.OVER_ESTIMATE and ddp.trial is None
     chosen = result.chosen
-    assert chosen is not None and chosen.row.strategy.stage > 0
+    assert chosen is not None and (chosen.row.strategy.stage > 0 or chosen.row.strategy.pp > 1)  # not DDP
     assert chosen.trial.peak_rss <= BUDGETS.cpu  # it fits, measured
     assert measured_misfits(chosen.trial, chosen.row, BUDGETS, result.estimate.compute_on_cpu) == []
     assert len(result.tried()) >= 2  # a choice was made between trials
@@ -38,6 +38,7 @@ def test_tune_picks_the_fastest_fitting_config_and_writes_it(tmp_path, monkeypat
     written = json.loads(out.read_text())
     assert written == chosen.row.config
     assert load_config(written).zero_optimization.stage == chosen.row.strategy.stage
+    assert load_config(written).pipeline.stages == chosen.row.strategy.pp
 
 
 def test_tune_and_estimate_commands_name_bad_input(tmp_path, capsys):
@@ -66,3 +67,43 @@ def test_estimate_command_prints_every_strategy_and_what_fits(tmp_path, capsys):
                  "optim->nvme param->nvme"):
         assert name in printed
     assert "Largest model that fits: ~" in printed
+
+
+def test_candidates_put_pipelines_after_the_cheaper_strategies_and_their_config_has_the_section():
+    from engine.estimate import Strategy, candidate_strategies
+
+    names = [s.name for s in candidate_strategies(4, [1], nvme=False, pp_sizes=[2, 4])]
+    assert names.index("PP2-1f1b DDP") > names.index("ZeRO-3")  # pipelines after every strategy without offload
+    assert names.index("PP4-1f1b DDP") > names.index("PP2-1f1b ZeRO-1")  # shorter pipelines first
+    assert names.index("PP4-1f1b DDP") < names.index("ZeRO-1 optim->cpu")
+    assert "PP4-1f1b ZeRO-1" not in names and "PP4-1f1b ZeRO-1 optim->cpu" in names  # one data-parallel rank
+    assert candidate_strategies(4, [1], nvme=False) == candidate_strategies(4, [1], nvme=False, pp_sizes=[1])
+    base = {"pipeline": {"stages": 2, "partition": "uniform"}, "train_micro_batch_size_per_gpu": 1}
+    assert Strategy(1, pp=4, schedule="interleaved", virtual_stages=2).config(base, None)["pipeline"] == {
+        "stages": 4, "schedule": "interleaved", "virtual_stages": 2, "partition": "uniform"}
+    assert "pipeline" not in Strategy(1).config(base, None)  # like tensor_parallel: a strategy without one drops it
+
+
+def test_tune_lists_pipelines_at_world_4_with_their_bubble_and_tries_them(monkeypatch):
+    import engine.estimate.tune as tune_module
+    from engine.estimate.trials import TrialResult
+
+    tried = []
+
+    def fake_trial(factory, config, world, seq_len, **kwargs):  # the trials themselves are tested above
+        tried.append(config)
+        return TrialResult(step_s=1.0 + len(tried), peak_rss=0, device_peak=None, managed_cpu_peak=0)
+
+    monkeypatch.setattr(tune_module, "run_trial", fake_trial)
+    result = tune(gpt_bench30m, 4, RankBudgets(), steps=1)
+    names = [c.row.strategy.name for c in result.candidates]
+    pipelined = [c for c in result.candidates if c.row.pipeline is not None]
+    assert {"PP2-1f1b DDP", "PP2-1f1b ZeRO-1", "PP4-1f1b DDP"} <= {c.row.strategy.name for c in pipelined}
+    assert all(c.trial is not None for c in pipelined)
+    assert sum("pipeline" in config for config in tried) == len(pipelined) and len(tried) == len(names)
+    assert names.index("PP2-1f1b DDP") > names.index("ZeRO-3")
+    assert result.chosen.row.strategy.name == "DDP"  # the first trial was the fastest here
+    table = format_tune(result)
+    # the default config gives 1 micro-batch per step: the bubble of 2 and 4 stages is shown, and what to set
+    assert "50.0% (m=1, only 1 < 2 stages!)" in table and "75.0% (m=1, only 1 < 4 stages!)" in table
+    assert "PP4-1f1b: gradient_accumulation_steps gives 1 micro-batch(es) per step for 4 pipeline stages" in table

@@ -1,9 +1,9 @@
 """Whole-model exports: `tiers convert` (a checkpoint to one fp32 state dict) and engine.save_16bit_model.
 
 Note [consolidating a checkpoint]
-`tiers convert CKPT OUT` writes the model's state dict — every key of `module.state_dict()` (split
-into files in the model's order), with whole (tensor-parallel pieces joined) values, fp32 for
-parameters — as safetensors:
+`tiers convert CKPT OUT` writes the model's state dict — every key of `module.state_dict()` (the
+unsplit model's under a pipeline; split into files in the model's order), with whole
+(tensor-parallel pieces joined, pipeline stages merged) values, fp32 for parameters — as safetensors:
 OUT/model.safetensors, or with --max-shard-size OUT/model-0000k-of-0000n.safetensors plus
 model.safetensors.index.json (Hugging Face's layout, so `from_pretrained` can read it). It streams:
 one parameter is read at a time (memory-mapped slices of the rank files), and values are kept

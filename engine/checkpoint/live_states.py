@@ -13,6 +13,13 @@ stage or offload) and consolidation (`tiers convert`) possible without a convers
 Gradients are not saved: a checkpoint is taken at an accumulation boundary, where they are zero.
 Parameters outside chunks (frozen ones) and buffers are saved whole by data-parallel rank 0 of
 each tensor-parallel rank ("extra" entries).
+Under a pipeline (layout "pp" > 1, manifest version 2) each pipeline rank has chunk lists of its
+own, and so its own sections: "chunks", "extras", "param_groups" and "lr_scheduler" become lists by
+pipeline rank (its optimizer has the param groups of the parameters it holds). Chunk members carry
+their names in the whole model (Note [pipeline stages of an unmodified model]), so a name is found in
+whichever stage's files hold it; a tied weight two stages hold is saved by both and read from the
+first. "state_dict_keys" are the unsplit model's, and "aliases" every stage's, including a stage's
+later key for a tied weight it holds (the last stage's lm_head.weight -> wte.weight).
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 Note [reading a checkpoint anywhere]
 A parameter (or one optimizer state of it) is addressed by its name, the tensor-parallel rank
 whose piece it is, and a range of that piece's flattened elements. The manifest's chunk lists turn
-that into pieces of files (Note [checkpoint layout]): the chunk holding it, its offset, and the
-data-parallel shards of the chunk the range crosses. A reader first *plans* — lists the pieces
-it will read, hence the files to verify — and only then reads, so every file is checked before any
-state is changed. A layout with the same tensor-parallel cut reads exactly its own elements; a
+that into pieces of files (Note [checkpoint layout]): the pipeline rank and chunk holding it, its
+offset, and the data-parallel shards of the chunk the range crosses (so a pipeline stage loads the
+names it holds wherever they were saved, under any pipeline size). A reader first *plans* — lists
+the pieces it will read, hence the files to verify — and only then reads, so every file is checked
+before any state is changed. A layout with the same tensor-parallel cut reads exactly its own elements; a
 different cut reads every saved piece of a parameter, joins them into the whole tensor
 (Spec.join) and takes its own piece (Spec.take), one parameter at a time.
 """
@@ -29,6 +30,7 @@ from engine.tensor_parallel.mappings import TPGroup
 
 FORMAT = "tiers-checkpoint"
 VERSION = 1
+PIPELINE_VERSION = 2  # per-stage sections, lists by pipeline rank (Note [checkpoint layout]); pp 1 writes VERSION
 MANIFEST = "manifest.json"
 LATEST = "latest"
 
@@ -55,6 +57,7 @@ class Location:
     chunk: int
     offset: int
     shape: tuple[int, ...]
+    pp: int = 0  # the pipeline rank whose files hold it
 
     @property
     def numel(self) -> int:
@@ -97,32 +100,43 @@ class Checkpoint:
                                            "the manifest is damaged: load another tag") from None
         if manifest.get("format") != FORMAT:
             raise CheckpointError(f"{path} is not a Tiers checkpoint manifest")
-        if manifest.get("version") != VERSION:
-            raise CheckpointError(f"{path} has format version {manifest.get('version')}; this Tiers reads version "
-                                  f"{VERSION}")
+        if manifest.get("version") not in (VERSION, PIPELINE_VERSION):
+            raise CheckpointError(f"{path} has format version {manifest.get('version')}; this Tiers reads versions "
+                                  f"{VERSION} and {PIPELINE_VERSION}")
         self.manifest = manifest
         self.layout = manifest["layout"]
         self.tp_size = self.layout["tp"]
+        self.pp_size = self.layout.get("pp", 1)
         self.shard_count = self.layout["shard_count"]
         bad = [f["name"] for f in manifest["files"] if not _RANK_FILE.fullmatch(f["name"])]
         if bad:
             raise CheckpointIntegrityError(f"{path} lists the file {bad[0]!r}, which is not a rank file name; the "
                                            "manifest is damaged or not written by Tiers")
         self.files = {f["name"]: FileRecord(f["name"], f["bytes"], f["sha256"]) for f in manifest["files"]}
-        self._file_of = {(f["dp_rank"], f["tp_rank"]): f["name"] for f in manifest["files"]}
+        self._file_of = {(f.get("pp_rank", 0), f["dp_rank"], f["tp_rank"]): f["name"] for f in manifest["files"]}
         self._rank_file = {f["rank"]: f["name"] for f in manifest["files"]}
-        self.chunk_numels: dict[int, list[int]] = {}
-        self.locations: dict[int, dict[str, Location]] = {}
-        for tp, chunks in manifest["chunks"].items():
-            tp = int(tp)
-            self.chunk_numels[tp] = [c["numel"] for c in chunks]
-            self.locations[tp] = {name: Location(i, offset, tuple(shape))
-                                  for i, c in enumerate(chunks) for name, offset, shape in c["members"]}
-        self.extras = {int(tp): {k: tuple(v["shape"]) for k, v in entries.items()}
-                       for tp, entries in manifest["extras"].items()}
+        self.chunk_numels: dict[tuple[int, int], list[int]] = {}  # (pp rank, tp rank) -> its chunks' sizes
+        self.locations: dict[int, dict[str, Location]] = {}  # tp rank -> name -> where (every stage's names)
+        self.extras: dict[int, dict[str, int]] = {}  # tp rank -> key -> the pipeline rank holding it
+        for pp, (chunks_of, extras_of) in enumerate(zip(self.stages("chunks"), self.stages("extras"))):
+            for tp, chunks in chunks_of.items():
+                tp = int(tp)
+                self.chunk_numels[(pp, tp)] = [c["numel"] for c in chunks]
+                found = self.locations.setdefault(tp, {})
+                for i, c in enumerate(chunks):
+                    for name, offset, shape in c["members"]:  # two stages holding one (tied): the first's is read
+                        found.setdefault(name, Location(i, offset, tuple(shape), pp))
+            for tp, entries in extras_of.items():
+                held = self.extras.setdefault(int(tp), {})
+                for key in entries:
+                    held.setdefault(key, pp)
         self.specs = {name: decode_spec(spec) for name, spec in manifest["tp_specs"].items()}
         self.tensor_states: list[str] = manifest["optimizer"]["tensor_states"]
         self.scalar_states: list[str] = manifest["optimizer"]["scalar_states"]
+
+    def stages(self, key: str) -> list:
+        """A per-stage manifest entry as a list by pipeline rank (one element without a pipeline)."""
+        return self.manifest[key] if self.pp_size > 1 else [self.manifest[key]]
 
     # ---- planning ---------------------------------------------------------------------------
     def has_param(self, name: str) -> bool:
@@ -138,7 +152,7 @@ class Checkpoint:
         """Where elements [start, stop) of tp rank `tp_rank`'s piece of parameter `name` are stored; kind "param"
         (fp32 values) or a tensor state name (e.g. "exp_avg")."""
         loc = self.locations[tp_rank][name]
-        numel = self.chunk_numels[tp_rank][loc.chunk]
+        numel = self.chunk_numels[(loc.pp, tp_rank)][loc.chunk]
         _, n = shard_range(numel, 0, self.shard_count)
         a, b = loc.offset + start, loc.offset + stop
         key = f"chunk.{loc.chunk}.{'param' if kind == 'param' else 'optim.' + kind}"
@@ -146,16 +160,16 @@ class Checkpoint:
         for d in range(a // n, (b - 1) // n + 1) if b > a else ():
             first, _ = shard_range(numel, d, self.shard_count)
             lo, hi = max(a, first), min(b, first + n)
-            out.append(Piece(self._file_of[(d, tp_rank)], key, lo - first, hi - first, lo - a))
+            out.append(Piece(self._file_of[(loc.pp, d, tp_rank)], key, lo - first, hi - first, lo - a))
         return out
 
     def scalar_piece(self, name: str, state: str, tp_rank: int) -> Piece:
         """Where the scalar optimizer state `state` (e.g. "step") of the chunk holding `name` is (shard 0's copy)."""
         loc = self.locations[tp_rank][name]
-        return Piece(self._file_of[(0, tp_rank)], f"chunk.{loc.chunk}.optim.{state}", 0, 0, 0)
+        return Piece(self._file_of[(loc.pp, 0, tp_rank)], f"chunk.{loc.chunk}.optim.{state}", 0, 0, 0)
 
     def extra_piece(self, key: str, tp_rank: int) -> Piece:
-        return Piece(self._file_of[(0, tp_rank)], f"extra.{key}", 0, 0, 0)
+        return Piece(self._file_of[(self.extras[tp_rank][key], 0, tp_rank)], f"extra.{key}", 0, 0, 0)
 
     def rank_file(self, rank: int) -> str | None:
         return self._rank_file.get(rank)

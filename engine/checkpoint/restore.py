@@ -60,10 +60,13 @@ class LoadPlan:
                     mine.append((m, lo, hi))
                 self._check_shape(m.name, m.shape)
             self.members.append(mine)
-        self._check_names("parameter", live_names, set(checkpoint.param_names()))
-        extras, _ = extra_entries(run.module, run.chunked.chunk_index())
+        extras, _ = extra_entries(run.module, run.chunked)
         self.extras = extras
-        self._check_names("buffer or frozen parameter", set(extras), set(checkpoint.extras[0]))
+        whole = run.pipeline is None  # a pipeline stage holds part of the model: its keys are checked whole
+        if not whole:
+            self._check_names("state-dict key", set(run.pipeline.keys), set(checkpoint.manifest["state_dict_keys"]))
+        self._check_names("parameter", live_names, set(checkpoint.param_names()), whole)
+        self._check_names("buffer or frozen parameter", set(extras), set(checkpoint.extras[0]), whole)
         if self.with_optimizer and self.states.offloaded and len(self.states):
             with self.states.optimizer_state(0, writes=False) as live:
                 keeps = sorted(live)
@@ -73,8 +76,9 @@ class LoadPlan:
                                       f"{keeps}; use the same optimizer, or load with load_optimizer_states=False")
         self.files = self._files()
 
-    def _check_names(self, what: str, live: set[str], saved: set[str]) -> None:
-        missing, unexpected = sorted(live - saved), sorted(saved - live)
+    def _check_names(self, what: str, live: set[str], saved: set[str], whole: bool = True) -> None:
+        """`live` (a pipeline stage's, when not `whole`: part of the saved names) against the checkpoint's."""
+        missing, unexpected = sorted(live - saved), sorted(saved - live) if whole else []
         if missing or unexpected:
             raise CheckpointError(
                 f"{self.checkpoint.directory} does not fit this model: {what}s missing from the checkpoint: "
@@ -83,7 +87,7 @@ class LoadPlan:
 
     def _check_shape(self, name: str, live_shape: tuple[int, ...]) -> None:
         ckpt = self.checkpoint
-        if name not in ckpt.locations[0]:
+        if not ckpt.has_param(name):
             return  # reported by _check_names
         if self.same_cut:
             saved = ckpt.local_shape(name, self.tp_rank)
@@ -206,6 +210,8 @@ def load_checkpoint(run: TrainingState, control: Control, load_dir: str, tag: st
     try:
         checkpoint = Checkpoint(directory)
         plan = LoadPlan(run, checkpoint, with_optimizer)
+        stage = _stage_entries(run, checkpoint, not load_module_only and load_optimizer_states,
+                               not load_module_only and load_lr_scheduler_states)
         reader = PieceReader(checkpoint)
         own = checkpoint.rank_file(run.topology.rank) if _same_world(run, checkpoint) else None
         reader.verify(plan.files | ({own} if own and not load_module_only else set()) | _client_files(checkpoint))
@@ -215,7 +221,7 @@ def load_checkpoint(run: TrainingState, control: Control, load_dir: str, tag: st
     try:  # planned and verified: a failure now is unexpected, and the ranks still agree before any collective
         plan.execute(reader)
         if not load_module_only:
-            _restore_training_state(run, checkpoint, reader, load_optimizer_states, load_lr_scheduler_states, own)
+            _restore_training_state(run, checkpoint, reader, stage, own)
         error = None
     except Exception as e:
         error = (type(e).__name__, f"rank {control.rank}: loading {directory} failed part-way ({e}); the engine's "
@@ -241,7 +247,7 @@ def _same_world(run: TrainingState, checkpoint: Checkpoint) -> bool:
     """The same ranks on the same kind of device: each rank can take its own generators back."""
     layout, topo = checkpoint.layout, run.topology
     return (layout["world_size"] == topo.world_size and layout["tp"] == topo.tp_size
-            and layout.get("device") == topo.device.type)
+            and layout.get("pp", 1) == topo.pp_size and layout.get("device") == topo.device.type)
 
 
 def _client_files(checkpoint: Checkpoint) -> set[str]:
@@ -256,18 +262,48 @@ def _has_tensor_refs(value) -> bool:
     return False
 
 
-def _restore_training_state(run: TrainingState, checkpoint: Checkpoint, reader: PieceReader, optimizer_states: bool,
-                            scheduler_states: bool, own: str | None) -> None:
+def _stage_entries(run: TrainingState, checkpoint: Checkpoint, optimizer_states: bool,
+                   scheduler_states: bool) -> dict:
+    """The param groups' options and the scheduler's state this rank restores (None: not restored). A pipeline
+    stage's optimizer has the param groups of the parameters it holds, so the checkpoint keeps them per stage:
+    under the same pipeline size each rank takes its own stage's; otherwise every saved stage must agree."""
+    topo = run.topology
+    out = {"param_groups": None, "lr_scheduler": None}
+    for key, wanted in (("param_groups", optimizer_states), ("lr_scheduler", scheduler_states)):
+        entries = checkpoint.stages(key)
+        if not wanted:
+            continue
+        if checkpoint.pp_size == topo.pp_size:
+            out[key] = entries[topo.pp_rank]
+        elif all(e == entries[0] for e in entries):
+            out[key] = entries[0]
+        else:
+            raise CheckpointError(
+                f"{checkpoint.directory}: its {checkpoint.pp_size} pipeline stages saved different {key} (param "
+                f"groups that only some stages hold), which cannot be divided among {topo.pp_size} stages yet; load "
+                f"it under pipeline.stages {checkpoint.pp_size}, or pass load_optimizer_states=False and "
+                "load_lr_scheduler_states=False")
+    saved, live = out["param_groups"], run.optimizer.param_groups
+    pipelined = checkpoint.pp_size > 1 or topo.pp_size > 1
+    if saved is not None and pipelined and len(saved) != len(live) and any(g != saved[0] for g in saved):
+        raise CheckpointError(
+            f"{checkpoint.directory}: this pipeline stage's optimizer has {len(live)} param groups and the checkpoint "
+            f"{len(saved)} with different options, so which is which is unknown; load it under the pipeline.stages "
+            f"it was saved with ({checkpoint.pp_size}), or pass load_optimizer_states=False")
+    return out
+
+
+def _restore_training_state(run: TrainingState, checkpoint: Checkpoint, reader: PieceReader, stage: dict,
+                            own: str | None) -> None:
     manifest = checkpoint.manifest
     counters = manifest["engine"]
     run.progress.global_step, run.progress.micro_step = counters["global_step"], counters["micro_step"]
     run.progress.skipped_steps = counters["skipped_steps"]
     run.loss_scaler.load_state_dict(manifest["loss_scaler"])
-    if optimizer_states:
-        for group, saved in zip(run.optimizer.param_groups, manifest["param_groups"]):
-            restore_options(group, saved)
-    if scheduler_states and run.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
-        run.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
+    for group, saved in zip(run.optimizer.param_groups, stage["param_groups"] or []):
+        restore_options(group, saved)
+    if stage["lr_scheduler"] is not None and run.lr_scheduler is not None:
+        run.lr_scheduler.load_state_dict(stage["lr_scheduler"])
     if own is not None:  # the same world: each rank's own generators (another world starts its streams afresh)
         record = manifest["ranks"][run.topology.rank]
         restore_rng(run, lambda key: reader.tensor(Piece(own, key, 0, 0, 0)), record)

@@ -34,7 +34,7 @@ import warnings
 
 import torch.distributed as dist
 
-from engine.checkpoint.encoding import encode_client_state, json_options, json_state
+from engine.checkpoint.encoding import encode_client_state, json_state
 from engine.checkpoint.files import (
     CheckpointError,
     CheckpointWriteError,
@@ -46,7 +46,7 @@ from engine.checkpoint.files import (
     write_text,
 )
 from engine.checkpoint.live_states import LiveStates
-from engine.checkpoint.reader import FORMAT, LATEST, MANIFEST, TAG, VERSION, rank_file
+from engine.checkpoint.reader import FORMAT, LATEST, MANIFEST, PIPELINE_VERSION, TAG, VERSION, rank_file
 from engine.checkpoint.snapshot import RankSnapshot, take_snapshot
 from engine.checkpoint.training_state import TrainingState
 from engine.config import CheckpointConfig
@@ -172,14 +172,11 @@ class Saver:
         """Rank 0: what every rank shares (counters, schedules, options, client state), for the manifest."""
         state, progress = self.state, self.state.progress
         client = encode_client_state(client_state or {}, snapshot.tensors)
-        scheduler = state.lr_scheduler
         return {
             "tag": tag,
             "engine": {"global_step": progress.global_step, "micro_step": progress.micro_step,
                        "skipped_steps": progress.skipped_steps},
-            "lr_scheduler": json_state("lr_scheduler", scheduler.state_dict()) if scheduler is not None else None,
             "loss_scaler": json_state("loss_scaler", state.loss_scaler.state_dict()),
-            "param_groups": [json_options(g) for g in state.optimizer.param_groups],
             "client_state": client,
         }
 
@@ -221,27 +218,37 @@ class Saver:
             if not os.path.isfile(os.path.join(partial, record.name)):
                 return (f"rank {rank} wrote {record.name}, but rank 0 does not see it in {partial}: every rank must "
                         "save into one directory on a filesystem they all share")
-            files.append({"name": record.name, "rank": rank, "dp_rank": info["dp_rank"], "tp_rank": info["tp_rank"],
-                          "bytes": record.nbytes, "sha256": record.sha256})
-        first_of_tp = {info["tp_rank"]: info for _, _, info in reports if info["dp_rank"] == 0}
+            files.append({"name": record.name, "rank": rank, "pp_rank": info["pp_rank"], "dp_rank": info["dp_rank"],
+                          "tp_rank": info["tp_rank"], "bytes": record.nbytes, "sha256": record.sha256})
         states = next((info["optimizer_states"] for _, _, info in reports if info["optimizer_states"]["tensor_states"]
                        or info["optimizer_states"]["scalar_states"]), reports[0][2]["optimizer_states"])
         state = self.state
         topo = state.topology
+        head = {(info["pp_rank"], info["tp_rank"]): info for _, _, info in reports if info["dp_rank"] == 0}
+        stages = range(topo.pp_size)
+
+        def per_stage(value):  # Note [checkpoint layout]: a list by pipeline rank under a pipeline (version 2)
+            values = [value(p) for p in stages]
+            return values if topo.pp_size > 1 else values[0]
+
         manifest = {
-            "format": FORMAT, "version": VERSION, "tag": tag, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "layout": {"world_size": topo.world_size, "dp": topo.dp_world_size, "tp": topo.tp_size,
-                       "tp_mode": state.tp_mode, "stage": state.stage,
+            "format": FORMAT, "version": VERSION if topo.pp_size == 1 else PIPELINE_VERSION, "tag": tag,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "layout": {"world_size": topo.world_size, "pp": topo.pp_size, "dp": topo.dp_world_size,
+                       "tp": topo.tp_size, "tp_mode": state.tp_mode, "stage": state.stage,
                        "shard_count": state.chunked.shard_count, "device": topo.device.type,
                        "compute_dtype": str(state.compute_dtype).removeprefix("torch."),
                        "optimizer": _optimizer_name(state.optimizer)},
             **{k: v for k, v in common.items() if k != "tag"},
+            "lr_scheduler": per_stage(lambda p: head[(p, 0)]["lr_scheduler"]),
+            "param_groups": per_stage(lambda p: head[(p, 0)]["param_groups"]),
             "optimizer": states,
-            "chunks": {str(tp): info["chunks"] for tp, info in sorted(first_of_tp.items())},
-            "extras": {str(tp): info["extras"] for tp, info in sorted(first_of_tp.items())},
-            "aliases": first_of_tp[0]["aliases"],
-            "state_dict_keys": first_of_tp[0]["keys"],
-            "tp_specs": first_of_tp[0]["tp_specs"],
+            "chunks": per_stage(lambda p: {str(t): head[(p, t)]["chunks"] for t in range(topo.tp_size)}),
+            "extras": per_stage(lambda p: {str(t): head[(p, t)]["extras"] for t in range(topo.tp_size)}),
+            # the whole model's: every stage's aliases, the unsplit model's keys (Note [checkpoint layout])
+            "aliases": {k: v for p in stages for k, v in head[(p, 0)]["aliases"].items()},
+            "state_dict_keys": list(state.pipeline.keys) if state.pipeline is not None else head[(0, 0)]["keys"],
+            "tp_specs": head[(0, 0)]["tp_specs"],
             "ranks": [{"rank": r, "rng": info["rng"]} for r, (_, _, info) in enumerate(reports)],
             "files": files,
         }

@@ -9,10 +9,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.checkpoint.encoding import encode_spec
+from engine.checkpoint.encoding import encode_spec, json_options, json_state
 from engine.checkpoint.live_states import LiveStates
 from engine.checkpoint.training_state import TrainingState
 from engine.tensor_parallel.rng import RNGStreams, Stream
+from engine.zero.chunked_params import ChunkedParams
 
 
 @dataclass
@@ -21,15 +22,19 @@ class RankSnapshot:
     record: dict = field(default_factory=dict)  # JSON: who wrote it, what it holds
 
 
-def extra_entries(module: nn.Module, chunk_of: dict[int, int]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def extra_entries(module: nn.Module, chunked: ChunkedParams) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The state-dict entries outside chunks (frozen parameters, buffers) by key, and aliases: a key whose tensor is
-    another key's (tied weights) -> that first key."""
+    another key's (tied weights) -> that first key, or the chunked parameter's own name when it differs from the key
+    (a pipeline stage holding a tied weight under its later key: Note [checkpoint layout])."""
     extras, aliases, first = {}, {}, {}
+    chunk_of = chunked.chunk_index()
     for key, tensor in module.state_dict(keep_vars=True).items():
         if id(tensor) in first:
             aliases[key] = first[id(tensor)]
             continue
-        first[id(tensor)] = key
+        first[id(tensor)] = chunked.name_of(tensor) if id(tensor) in chunk_of else key
+        if first[id(tensor)] != key:
+            aliases[key] = first[id(tensor)]
         if id(tensor) not in chunk_of:
             extras[key] = tensor
     return extras, aliases
@@ -41,7 +46,7 @@ def take_snapshot(run: TrainingState, states: LiveStates, copy: bool) -> RankSna
     view or the device is copied to CPU memory either way."""
     topo, chunked = run.topology, run.chunked
     snap = RankSnapshot()
-    snap.record = {"rank": topo.rank, "dp_rank": topo.dp_rank, "tp_rank": topo.tp_rank}
+    snap.record = {"rank": topo.rank, "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "tp_rank": topo.tp_rank}
     owns_chunks = chunked.shard_count > 1 or topo.dp_rank == 0  # stage 0: one copy, data-parallel rank 0's
 
     def keep(t: torch.Tensor, transient: bool) -> torch.Tensor:
@@ -66,7 +71,7 @@ def take_snapshot(run: TrainingState, states: LiveStates, copy: bool) -> RankSna
         snap.record["chunks"] = [{"numel": states.chunk_numel(i),
                                   "members": [[m.name, m.offset, list(m.shape)] for m in states.members(i)]}
                                  for i in range(len(states))]
-        extras, aliases = extra_entries(run.module, chunked.chunk_index())
+        extras, aliases = extra_entries(run.module, chunked)
         for key, t in extras.items():
             snap.tensors[f"extra.{key}"] = keep(t, False)
         snap.record["extras"] = {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
@@ -75,6 +80,10 @@ def take_snapshot(run: TrainingState, states: LiveStates, copy: bool) -> RankSna
         snap.record["keys"] = list(run.module.state_dict(keep_vars=True))  # the model's key order
         tp = run.tensor_parallel
         snap.record["tp_specs"] = {name: encode_spec(spec) for name, spec in tp.specs.items()} if tp else {}
+        # per pipeline stage: each stage's optimizer has the param groups of the parameters it holds
+        snap.record["param_groups"] = [json_options(g) for g in run.optimizer.param_groups]
+        scheduler = run.lr_scheduler
+        snap.record["lr_scheduler"] = None if scheduler is None else json_state("lr_scheduler", scheduler.state_dict())
     _rng(run, snap)
     return snap
 

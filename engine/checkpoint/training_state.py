@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from engine.pipeline.model_split import PipelineModel
 from engine.precision import LossScaler
 from engine.progress import TrainingProgress
 from engine.tensor_parallel import TensorParallel
@@ -32,3 +33,4 @@ class TrainingState:
     stage: int  # zero_optimization.stage
     compute_dtype: torch.dtype
     gather_updated_params: Callable[[], None]  # sharded stages: every rank's updated shards into whole chunks
+    pipeline: PipelineModel | None = None  # this rank's part of a split model (Note [checkpoint layout])

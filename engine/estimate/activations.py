@@ -11,13 +11,18 @@ zeros beforehand, so autograd accumulates into them in place as it does into the
 Activation memory grows with the micro batch: the step is traced at two small batches and
 extrapolated linearly (a fixed part, like parameter gradients before accumulation, and a part per
 sample). Kernel workspaces outside autograd's tensors (cuBLAS, oneDNN scratch) are not seen.
+Given the model's units (the pieces a pipeline splits it into, Note [estimating a pipeline]), the
+trace also tags each allocation with the unit whose forward was running (the last one entered:
+the loss after the output head counts as the head's) and reports, per unit, the bytes still alive
+when the backward starts (what a stage holds for each micro-batch in flight) and its output's bytes
+(what a stage sends to the next).
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -31,12 +36,20 @@ class LiveAllocations(TorchDispatchMode):
     def __init__(self, known: list[torch.Tensor]):
         super().__init__()
         self._known = {t.untyped_storage()._cdata for t in known}
-        self._live: dict[int, int] = {}
+        self._live: dict[int, tuple[int, int]] = {}  # storage -> (bytes, tag)
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.tag = 0  # what new allocations are attributed to (the unit whose forward runs)
 
     def _freed(self, key: int) -> None:
-        self.live_bytes -= self._live.pop(key)
+        self.live_bytes -= self._live.pop(key)[0]
+
+    def live_by_tag(self, tags: int) -> tuple[int, ...]:
+        """Live bytes now, per tag 0 .. tags - 1."""
+        out = [0] * tags
+        for nbytes, tag in self._live.values():
+            out[tag] += nbytes
+        return tuple(out)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -47,7 +60,7 @@ class LiveAllocations(TorchDispatchMode):
             key = storage._cdata
             if key in self._live or key in self._known:
                 continue
-            self._live[key] = storage.nbytes()
+            self._live[key] = (storage.nbytes(), self.tag)
             self.live_bytes += storage.nbytes()
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
             weakref.finalize(storage, self._freed, key)
@@ -55,20 +68,50 @@ class LiveAllocations(TorchDispatchMode):
 
 
 @dataclass(frozen=True)
+class StepBytes:
+    """One traced micro-step: its peak, and per unit (none if no units were given) the bytes its forward
+    allocated that are still alive when the backward starts, and the bytes of its output."""
+
+    peak: int
+    held: tuple[int, ...] = ()
+    outputs: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class ActivationTrace:
-    """Peak bytes of a traced micro-step at two batch sizes, and the linear fit through them."""
+    """A traced micro-step at two batch sizes, and the linear fit through them."""
 
     small_batch: int
-    small_peak: int
+    small: StepBytes
     large_batch: int
-    large_peak: int
+    large: StepBytes
+
+    @property
+    def small_peak(self) -> int:
+        return self.small.peak
+
+    @property
+    def large_peak(self) -> int:
+        return self.large.peak
 
     @property
     def per_sample(self) -> float:
         return (self.large_peak - self.small_peak) / (self.large_batch - self.small_batch)
 
+    def _at(self, small: float, large: float, micro_batch: int) -> int:
+        per_sample = (large - small) / (self.large_batch - self.small_batch)
+        return max(round(small + per_sample * (micro_batch - self.small_batch)), 0)
+
     def peak_at(self, micro_batch: int) -> int:
-        return max(round(self.small_peak + self.per_sample * (micro_batch - self.small_batch)), 0)
+        return self._at(self.small_peak, self.large_peak, micro_batch)
+
+    def held_at(self, micro_batch: int) -> list[int]:
+        """Per unit: the bytes its forward leaves alive for the backward, at `micro_batch`."""
+        return [self._at(a, b, micro_batch) for a, b in zip(self.small.held, self.large.held)]
+
+    def outputs_at(self, micro_batch: int) -> list[int]:
+        """Per unit: the bytes of its output at `micro_batch`."""
+        return [self._at(a, b, micro_batch) for a, b in zip(self.small.outputs, self.large.outputs)]
 
 
 def language_model_inputs(model: nn.Module, batch: int, seq_len: int,
@@ -117,6 +160,14 @@ def loss_of(output) -> torch.Tensor:
 def peak_step_bytes(model: nn.Module, batch: int, seq_len: int,
                     inputs: Callable[[nn.Module, int, int], tuple[tuple, dict]] = language_model_inputs) -> int:
     """Note [tracing activations]: peak live bytes of one forward + backward of a meta-device model."""
+    return step_bytes(model, batch, seq_len, inputs=inputs).peak
+
+
+def step_bytes(model: nn.Module, batch: int, seq_len: int, units: Sequence[Sequence[nn.Module]] = (),
+               inputs: Callable[[nn.Module, int, int], tuple[tuple, dict]] = language_model_inputs) -> StepBytes:
+    """Note [tracing activations]: one forward + backward of a meta-device model, its allocations attributed
+    to `units` (each a group of modules, the groups run in this order in the forward; a unit's output is its
+    last module's)."""
     params = list(model.parameters())
     if any(not p.is_meta for p in params):
         raise ValueError("trace a model on the meta device (build it under `with torch.device('meta'):`)")
@@ -127,15 +178,42 @@ def peak_step_bytes(model: nn.Module, batch: int, seq_len: int,
     known = params + [p.grad for p in params if p.grad is not None] + list(model.buffers())
     known += [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     mode = LiveAllocations(known)
-    with mode:
-        loss_of(model(*args, **kwargs)).backward()
-    for p in params:
-        p.grad = None
-    return mode.peak_bytes
+    outputs = [0] * len(units)
+    forward = [True]  # False in the backward: a checkpoint's recomputation is not the forward
+
+    def enter(tag: int):
+        def hook(module, args):
+            if forward[0]:
+                mode.tag = tag
+        return hook
+
+    def leave(tag: int):
+        def hook(module, args, output):
+            first = next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)), None)
+            if first is not None and forward[0]:
+                outputs[tag] = first.numel() * first.element_size()
+        return hook
+
+    handles = [h for tag, group in enumerate(units) for unit in group
+               for h in (unit.register_forward_pre_hook(enter(tag)), unit.register_forward_hook(leave(tag)))]
+    try:
+        with mode:
+            loss = loss_of(model(*args, **kwargs))
+            held = mode.live_by_tag(len(units)) if units else ()
+            forward[0] = False
+            loss.backward()
+            del loss
+    finally:
+        for h in handles:
+            h.remove()
+        for p in params:
+            p.grad = None
+    return StepBytes(mode.peak_bytes, held, tuple(outputs))
 
 
-def trace_activations(model: nn.Module, seq_len: int, batch_multiple: int = 1) -> ActivationTrace:
-    """Peak step bytes at batches m and 2m (m = batch_multiple, e.g. the 2D mesh's q), for extrapolation."""
+def trace_activations(model: nn.Module, seq_len: int, batch_multiple: int = 1,
+                      units: Sequence[Sequence[nn.Module]] = ()) -> ActivationTrace:
+    """Step bytes at batches m and 2m (m = batch_multiple, e.g. the 2D mesh's q), for extrapolation."""
     small, large = batch_multiple, 2 * batch_multiple
-    return ActivationTrace(small, peak_step_bytes(model, small, seq_len), large,
-                           peak_step_bytes(model, large, seq_len))
+    return ActivationTrace(small, step_bytes(model, small, seq_len, units), large,
+                           step_bytes(model, large, seq_len, units))

@@ -12,9 +12,10 @@ For one rank of a strategy (Note [estimating model states] for the states):
                 built weights plus whole param and gradient chunks, before any optimizer state
                 exists; the device peak (and on the CPU the host peak) takes the larger of build
                 and training
-The largest model that fits scales the parts that grow with the parameter count (states, chunks,
-the build) and keeps activations and the runtime at this model's; it is a guide for a wider or
-deeper model of the same shape, not a promise.
+A pipelined strategy's row is its pipeline rank with the highest device peak (Note [estimating a
+pipeline]). The largest model that fits scales the parts that grow with the parameter count
+(states, chunks, the build) and keeps activations and the runtime at this model's; it is a guide
+for a wider or deeper model of the same shape, not a promise.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.config import Config, load_config
+from engine.config_schema import ConfigError
 from engine.estimate.activations import ActivationTrace, default_seq_len, trace_activations
 from engine.estimate.model_spec import build_model
 from engine.estimate.model_states import ModelStates, TrainableParam, model_states
+from engine.estimate.pipeline_stages import PipelineEstimate, PipelineSpec, Unit, model_units, plan_pipeline
 from engine.estimate.runtime import runtime_host_bytes
 from engine.estimate.strategies import Strategy, candidate_strategies
 from engine.precision import PrecisionPolicy
@@ -60,6 +63,7 @@ class StrategyEstimate:
     nvme: int
     misfits: tuple[str, ...] = ()  # why it does not fit the budgets (empty: fits)
     largest_factor: float | None = None  # how many times this model's parameters fit (None: no budget given)
+    pipeline: PipelineEstimate | None = None  # pipelined strategies: the bubble, in flight, the stage split
 
     @property
     def fits(self) -> bool:
@@ -75,6 +79,7 @@ class Estimate:
     compute_on_cpu: bool
     budgets: RankBudgets
     rows: list[StrategyEstimate] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # pipelined strategies that cannot run, and why
 
     def fitting(self) -> list[StrategyEstimate]:
         return [r for r in self.rows if r.fits]
@@ -87,14 +92,16 @@ class Estimate:
 def estimate(factory: Callable[[], nn.Module], config: dict, world: int, tp_sizes: list[int] | None = None,
              budgets: RankBudgets = RankBudgets(), seq_len: int | None = None, compute_on_cpu: bool | None = None,
              zero_init: bool = False, strategies: list[Strategy] | None = None,
-             nvme_path: str | None = None) -> Estimate:
+             nvme_path: str | None = None, pp_sizes: list[int] | None = None) -> Estimate:
     """Note [peak memory estimate] for each strategy (default: every candidate at `world` ranks with
-    tensor-parallel sizes `tp_sizes`, default 1 and the config's) of the model `factory` builds, trained
-    with `config` (a config dict: its batch size, precision, optimizer and chunk settings are kept)."""
+    tensor-parallel sizes `tp_sizes`, default 1 and the config's, and pipeline sizes `pp_sizes`, default
+    default_strategies') of the model `factory` builds, trained with `config` (a config dict: its batch size,
+    precision, optimizer and chunk settings are kept). A pipelined strategy that cannot run (the model has too
+    few layers, the schedule needs other micro-batch counts) is left out and named in `skipped`."""
     if compute_on_cpu is None:
         compute_on_cpu = not torch.cuda.is_available()
     if strategies is None:
-        strategies = default_strategies(config, world, tp_sizes, nvme=True)
+        strategies = default_strategies(config, world, tp_sizes, nvme=True, pp_sizes=pp_sizes)
     meta = build_model(factory, "meta")
     seq_len = seq_len or default_seq_len(meta)
     result = Estimate(sum(p.numel() for p in meta.parameters()), world, 0, seq_len, compute_on_cpu, budgets)
@@ -102,25 +109,55 @@ def estimate(factory: Callable[[], nn.Module], config: dict, world: int, tp_size
     traces: dict[tuple, StrategyTrace] = {}
     for strategy in strategies:
         cfg_dict = strategy.config(config, nvme_path)
-        cfg = load_config(cfg_dict)
-        dp = world // strategy.tp
-        micro = cfg.batch_sizes(dp).micro_batch_size
-        result.micro_batch = micro
+        try:
+            cfg = load_config(cfg_dict)
+        except ConfigError as e:
+            if strategy.pp == 1:
+                raise
+            result.skipped.append(f"{strategy.name}: {e}")
+            continue
+        spec = PipelineSpec.of(cfg_dict, cfg)
+        if world % (strategy.tp * spec.stages):
+            raise ValueError(f"{strategy.name}: pipeline {spec.stages} x tensor-parallel {strategy.tp} does not "
+                             f"divide the world size {world}")
+        dp = world // (strategy.tp * spec.stages)
+        batch = cfg.batch_sizes(dp)
+        result.micro_batch = batch.micro_batch_size
         key = (strategy.tp, cfg.tensor_parallel.mode)
         if key not in traces:
             traces[key] = trace_strategy(factory, cfg, seq_len)
         trace = traces[key]
-        states = model_states(trace.params, cfg, dp)
-        row = _combine(strategy, cfg_dict, states, trace.activations.peak_at(micro),
-                       runtime, 0 if zero_init else trace.built, compute_on_cpu)
+        built = 0 if zero_init else trace.built
+        if spec.stages == 1:
+            states = model_states(trace.params, cfg, dp)
+            row = _combine(strategy, cfg_dict, states, trace.activations.peak_at(batch.micro_batch_size),
+                           runtime, built, compute_on_cpu)
+        else:
+            try:
+                row = _pipelined(strategy, cfg_dict, cfg, spec, trace, dp, batch.gradient_accumulation_steps,
+                                 batch.micro_batch_size, runtime, built, compute_on_cpu)
+            except ValueError as e:  # too few layers for the stages, a schedule that needs other micro-batches
+                result.skipped.append(f"{strategy.name}: {e}")
+                continue
         result.rows.append(_judge(row, budgets, compute_on_cpu))
     return result
 
 
-def default_strategies(config: dict, world: int, tp_sizes: list[int] | None, nvme: bool) -> list[Strategy]:
-    """The candidates at `world` ranks for tensor-parallel sizes 1, the config's and `tp_sizes`."""
+DEFAULT_PIPELINE_SIZES = (2, 4, 8)
+
+
+def default_strategies(config: dict, world: int, tp_sizes: list[int] | None, nvme: bool,
+                       pp_sizes: list[int] | None = None) -> list[Strategy]:
+    """The candidates at `world` ranks for tensor-parallel sizes 1, the config's and `tp_sizes`, and pipeline sizes
+    the config's and `pp_sizes` (default: 2, 4 and 8 where they divide the world size), run by the config's
+    pipeline schedule (default 1F1B)."""
     base = load_config(config)
-    return candidate_strategies(world, sorted({1, base.tensor_parallel.size, *(tp_sizes or [])}), nvme=nvme)
+    spec = PipelineSpec.of(config, base)
+    if pp_sizes is None:
+        pp_sizes = [pp for pp in DEFAULT_PIPELINE_SIZES if world % pp == 0]
+    return candidate_strategies(world, sorted({1, base.tensor_parallel.size, *(tp_sizes or [])}), nvme=nvme,
+                                pp_sizes=sorted({spec.stages, *pp_sizes}), schedule=spec.schedule,
+                                virtual_stages=spec.virtual_stages)
 
 
 @dataclass(frozen=True)
@@ -130,6 +167,7 @@ class StrategyTrace:
     params: list[TrainableParam]  # this rank's trainable parameters after the tensor-parallel plan
     activations: ActivationTrace | None
     built: int  # bytes of the whole model as built, before the plan and the chunks
+    units: tuple[Unit, ...] = ()  # what a pipeline splits into stages (Note [estimating a pipeline])
 
 
 def trace_strategy(factory: Callable[[], nn.Module], cfg: Config, seq_len: int | None,
@@ -141,14 +179,17 @@ def trace_strategy(factory: Callable[[], nn.Module], cfg: Config, seq_len: int |
     with _tensor_parallel(model, cfg) as q:
         if compute != torch.float32:
             model.to(compute)  # 16-bit chunks: the model computes in the compute dtype
-        params = [TrainableParam(p.shape, p.dtype) for p in model.parameters() if p.requires_grad]
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        params = [TrainableParam(p.shape, p.dtype) for p in trainable]
+        units = tuple(model_units(model, trainable))
         if not activations:
-            return StrategyTrace(params, None, built)
+            return StrategyTrace(params, None, built, units)
         if cfg.activation_checkpointing.enabled:
             from engine.activation_checkpointing import ActivationCheckpointing
             ActivationCheckpointing(cfg.activation_checkpointing, torch.device("meta")).wrap_modules(model)
-        trace = trace_activations(model, seq_len or default_seq_len(model), batch_multiple=q)
-    return StrategyTrace(params, trace, built)
+        trace = trace_activations(model, seq_len or default_seq_len(model), batch_multiple=q,
+                                  units=[u.modules for u in units])
+    return StrategyTrace(params, trace, built, units)
 
 
 @contextlib.contextmanager
@@ -178,6 +219,18 @@ def _tensor_parallel(model: nn.Module, cfg: Config):
         yield mesh.q if mesh else 1
     finally:
         dist.destroy_process_group()
+
+
+def _pipelined(strategy: Strategy, config: dict, cfg: Config, spec: PipelineSpec, trace: StrategyTrace, dp: int,
+               microbatches: int, micro_batch: int, runtime: int, built: int, compute_on_cpu: bool) -> StrategyEstimate:
+    """Note [estimating a pipeline]: every pipeline rank's peaks; the row is the rank with the highest device
+    peak."""
+    plan, shares = plan_pipeline(spec, trace.units, [p.shape.numel() for p in trace.params], trace.activations,
+                                 microbatches, micro_batch)
+    rows = [_combine(strategy, config, model_states([trace.params[i] for i in share.params], cfg, dp),
+                     share.activations, runtime, built, compute_on_cpu) for share in shares]
+    rank = max(range(len(rows)), key=lambda r: (rows[r].device_peak, rows[r].host_peak))
+    return dataclasses.replace(rows[rank], pipeline=dataclasses.replace(plan, rank=rank))
 
 
 def _combine(strategy: Strategy, config: dict, states: ModelStates, activations: int, runtime: int, built: int,

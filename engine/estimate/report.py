@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
-from engine.estimate.estimator import Estimate
+from engine.estimate.estimator import Estimate, StrategyEstimate
+from engine.estimate.pipeline_stages import PipelineEstimate
 from offload.units import fmt_bytes
 
 # bytes in the estimate's tables: powers of 1000 (as budgets are given: "8GB") with two decimals, e.g. '0.86 GB'
@@ -31,11 +32,39 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
 
 
+def bubble_cell(pipeline: PipelineEstimate | None) -> str:
+    """The idle fraction of a pipelined step, flagged when there are fewer micro-batches than stages."""
+    if pipeline is None:
+        return "—"
+    starved = f", only {pipeline.microbatches} < {pipeline.stages} stages!" if pipeline.starved else ""
+    return f"{pipeline.bubble:.1%} (m={pipeline.microbatches}{starved})"
+
+
+def pipeline_note(r: StrategyEstimate) -> str:
+    """One line on a pipelined row (Note [estimating a pipeline]): the bubble, what is in flight, the step."""
+    p = r.pipeline
+    stages = ", ".join(human_count(n) for n in p.stage_params)
+    line = (f"{r.strategy.name}: m = {p.microbatches} micro-batch(es) per step (gradient_accumulation_steps), bubble "
+            f"{p.bubble:.1%}; the row is pipeline rank {p.rank}, which holds {p.in_flight[p.rank]} micro-batch "
+            f"stage(s) of activations at once (ranks: {', '.join(map(str, p.in_flight))}); stage parameters "
+            f"{stages}; a step's compute ≈ {p.compute_factor:.2f}x one unpipelined replica's, plus "
+            f"{human_bytes(p.p2p_bytes)} point-to-point per rank.")
+    return line + (" " + starved_advice(p) if p.starved else "")
+
+
+def starved_advice(p: PipelineEstimate) -> str:
+    """What a pipeline with fewer micro-batches than stages costs, and the gradient_accumulation_steps to set."""
+    return (f"gradient_accumulation_steps gives {p.microbatches} micro-batch(es) per step for {p.stages} pipeline "
+            f"stages, so {p.bubble:.0%} of the step idles; set it to {4 * p.stages} or more (1F1B's bubble is then "
+            f"at most {(p.stages - 1) / (5 * p.stages - 1):.0%}).")
+
+
 def format_estimate(est: Estimate) -> str:
     """A markdown table of every strategy's per-rank bytes, then which strategies fit and the largest model."""
     device = "device (CPU)" if est.compute_on_cpu else "device"
+    pipelined = any(r.pipeline is not None for r in est.rows)
     headers = ["strategy", "param", "grad", "optim", f"{device} states", "cpu states", "nvme", "activations",
-               f"{device} peak", "host peak", "fits", "largest model"]
+               f"{device} peak", "host peak", "fits", "largest model"] + (["bubble"] if pipelined else [])
     rows = []
     for r in est.rows:
         largest = est.largest_params(r)
@@ -43,7 +72,8 @@ def format_estimate(est: Estimate) -> str:
                      human_bytes(r.states.optim), human_bytes(r.states.tiers.device), human_bytes(r.states.tiers.cpu),
                      human_bytes(r.nvme), human_bytes(r.activations), human_bytes(r.device_peak),
                      human_bytes(r.host_peak), "yes" if r.fits else "no: " + "; ".join(r.misfits),
-                     "—" if largest is None else human_count(largest)])
+                     "—" if largest is None else human_count(largest)]
+                    + ([bubble_cell(r.pipeline)] if pipelined else []))
     budget = ", ".join(f"{tier} {human_bytes(v)}" for tier, v in
                        (("device", est.budgets.device), ("cpu", est.budgets.cpu), ("nvme", est.budgets.nvme))
                        if v is not None) or "none given"
@@ -51,6 +81,12 @@ def format_estimate(est: Estimate) -> str:
             f"{est.micro_batch} x {est.seq_len} tokens; bytes per rank; budgets per rank: {budget}.")
     notes = [f"host peak = the runtime ({human_bytes(est.rows[0].runtime) if est.rows else '?'}, measured) + CPU "
              "states" + (" + the device peak (the compute device is the CPU)" if est.compute_on_cpu else "") + "."]
+    seen = set()
+    for r in est.rows:  # one line per pipeline shape (the ZeRO stage and offload do not change it)
+        if r.pipeline is not None and (r.strategy.tp, r.pipeline.stages, r.pipeline.schedule) not in seen:
+            seen.add((r.strategy.tp, r.pipeline.stages, r.pipeline.schedule))
+            notes.append(pipeline_note(r))
+    notes += [f"Not estimated: {reason}" for reason in est.skipped]
     fitting = est.fitting()
     if est.budgets != type(est.budgets)():
         if fitting:

@@ -117,9 +117,12 @@ def _train(rank, world, port, factory, config, seq_len, steps, warmup) -> dict:
         if dist.is_initialized():
             dist.barrier()
         start = time.perf_counter()
-        for _ in range(engine.gradient_accumulation_steps):
-            ids = torch.randint(0, vocab, (micro, seq_len), generator=generator).to(engine.device)
-            args, kwargs = language_model_inputs(model, micro, seq_len, ids)
+        batches = [language_model_inputs(model, micro, seq_len, torch.randint(0, vocab, (micro, seq_len),
+                                                                           generator=generator).to(engine.device))
+                   for _ in range(engine.gradient_accumulation_steps)]
+        if engine.pipeline is not None:  # the step's micro-batches through the schedule (Note [a pipelined step])
+            engine.train_batch(iter([kwargs if kwargs else args for args, kwargs in batches]))
+        for args, kwargs in batches if engine.pipeline is None else []:
             engine.backward(loss_of(engine(*args, **kwargs)))
             engine.step()
         if dist.is_initialized():

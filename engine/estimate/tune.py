@@ -2,10 +2,12 @@
 
 Note [tuning]
 1. The estimate (Note [peak memory estimate]) rules out every strategy whose peaks exceed a budget.
-2. The rest are tried in the estimate's order (DDP, ZeRO-1/2, TP, ZeRO-3, CPU offload, NVMe; NVMe
-   only with a directory to swap to), each for a few steps on this machine (trials.py). With a time
-   budget, a trial starts only if the trials so far plus one more as long as the longest so far
-   stay within it (the first always runs).
+2. The rest are tried in the estimate's order (DDP, ZeRO-1/2, TP, ZeRO-3, pipelines, CPU offload,
+   NVMe; NVMe only with a directory to swap to), each for a few steps on this machine (trials.py).
+   With a time budget, a trial starts only if the trials so far plus one more as long as the longest
+   so far stay within it (the first always runs). Pipelined strategies (Note [estimating a
+   pipeline]) are listed with their estimate and bubble, and tried like the others, their steps run
+   by engine.train_batch (Note [a pipelined step]).
 3. A trial's measured memory is checked too: peak RSS against the CPU budget; the device budget
    against max_memory_allocated on CUDA, or, where the compute device is the CPU, against the peak
    RSS less the runtime and less what the offload manager held in CPU memory (the device tier's
@@ -26,7 +28,7 @@ from typing import Callable
 from torch import nn
 
 from engine.estimate.estimator import Estimate, RankBudgets, StrategyEstimate, default_strategies, estimate
-from engine.estimate.report import human_bytes, markdown_table
+from engine.estimate.report import bubble_cell, human_bytes, markdown_table, starved_advice
 from engine.estimate.trials import TrialError, TrialResult, run_trial
 
 DEFAULT_CONFIG = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
@@ -65,11 +67,12 @@ class TuneResult:
 
 def tune(factory: Callable[[], nn.Module], world: int, budgets: RankBudgets, config: dict | None = None,
          nvme_path: str | None = None, time_budget_s: float | None = None, steps: int = 3, warmup: int = 1,
-         seq_len: int | None = None, tp_sizes: list[int] | None = None) -> TuneResult:
+         seq_len: int | None = None, tp_sizes: list[int] | None = None,
+         pp_sizes: list[int] | None = None) -> TuneResult:
     """Note [tuning]."""
     started, longest = time.monotonic(), 0.0
     config = config or DEFAULT_CONFIG
-    strategies = default_strategies(config, world, tp_sizes, nvme=nvme_path is not None)
+    strategies = default_strategies(config, world, tp_sizes, nvme=nvme_path is not None, pp_sizes=pp_sizes)
     est = estimate(factory, config, world, budgets=budgets, seq_len=seq_len, strategies=strategies,
                    nvme_path=nvme_path)
     result = TuneResult(est)
@@ -119,18 +122,24 @@ def measured_device_bytes(measured: TrialResult, row: StrategyEstimate, compute_
 def format_tune(result: TuneResult) -> str:
     """The table of every candidate: estimated and measured memory, step time, and what became of it."""
     on_cpu = result.estimate.compute_on_cpu
+    pipelined = any(c.row.pipeline is not None for c in result.candidates)
     headers = ["strategy", "est. device peak", "est. host peak", "step (s)", "peak RSS", "device used", "result"]
+    headers += ["bubble"] if pipelined else []
     rows = []
     for c in result.candidates:
         t = c.trial
         rows.append([c.row.strategy.name, human_bytes(c.row.device_peak), human_bytes(c.row.host_peak),
                      f"{t.step_s:.3f}" if t else "—", human_bytes(t.peak_rss) if t else "—",
                      human_bytes(measured_device_bytes(t, c.row, on_cpu)) if t else "—",
-                     c.verdict.value + (f" ({c.reason})" if c.reason else "")])
+                     c.verdict.value + (f" ({c.reason})" if c.reason else "")]
+                    + ([bubble_cell(c.row.pipeline)] if pipelined else []))
     chosen = result.chosen
     verdict = (f"Chosen: {chosen.row.strategy.name}, {chosen.trial.step_s:.3f} s/step." if chosen else
                "Nothing fits and finished: raise the budgets, add ranks or NVMe (--nvme), or lower the micro batch.")
-    return "\n".join([markdown_table(headers, rows), "", verdict])
+    starved = {c.row.strategy.name.split()[0]: c.row.pipeline for c in result.candidates
+               if c.row.pipeline is not None and c.row.pipeline.starved}
+    warnings = [f"{name}: {starved_advice(p)}" for name, p in starved.items()]
+    return "\n".join([markdown_table(headers, rows), "", verdict, *warnings])
 
 
 def write_config(result: TuneResult, path: str) -> None:

@@ -6,8 +6,13 @@ train_batch pulls gradient_accumulation_steps micro-batches (m) from the iterato
 stage reads the micro-batch's inputs itself: Note [pipeline stages of an unmodified model]) and runs
 the schedule (Note [running a pipeline schedule]). Each forward runs inside the runtime's forward
 phase and the precision's autocast, each backward inside its backward phase, the whole step inside
-no_sync: gradients accumulate per stage over the m micro-batches and are reduced over the stage's
-data-parallel ranks once, by the update (as a boundary backward inside no_sync is). Each micro-batch's
+the runtime's accumulate_locally: under every ZeRO stage, gradients accumulate per stage over the m
+micro-batches in the rank's full gradient chunks (stages 2 and 3 keep them live through the step)
+and are reduced over the stage's data-parallel ranks once, by the update. Stage 3 gathers each
+module's parameters around its forward and its backward as without a pipeline, prefetching by a
+gather trace (Note [gather trace]) kept per stage and action kind: the schedule runs the same
+actions every step, so each of them follows its own record instead of the stages' passes
+interleaving in one. Each micro-batch's
 loss enters backward multiplied by loss_scale / (m · dp), as engine.backward scales it. Before the
 update, the gradients of a parameter two pipeline ranks hold are summed over them; the global norm
 (clipping, fp16 overflow) sums the stages' squares (Note [global norm, unscaling and clipping]) with
@@ -29,7 +34,7 @@ import torch.distributed as dist
 from engine.comm import CommCounter, all_reduce_sum, broadcast_from
 from engine.pipeline.executor import PipelineRunner, StepResult
 from engine.pipeline.model_split import PipelineModel
-from engine.pipeline.schedules import ActionKind, build_schedule
+from engine.pipeline.schedules import Action, ActionKind, build_schedule
 from engine.pipeline.simulate import simulate
 from engine.pipeline.stage_modules import StageOutput
 from engine.precision import PrecisionPolicy
@@ -42,8 +47,9 @@ class PipelineDriver:
     """Runs a step's micro-batches through this rank's stages of `split` (Note [a pipelined step])."""
 
     def __init__(self, split: PipelineModel, schedule_name: str, microbatches: int, topology: Topology,
-                 precision: PrecisionPolicy, comm: CommCounter, loss_fn: LossFunction | None = None,
-                 timeout_s: float = 600.0):
+                 precision: PrecisionPolicy, comm: CommCounter, shared_groups: dict[tuple[int, ...], object],
+                 loss_fn: LossFunction | None = None, timeout_s: float = 600.0):
+        """shared_groups: from shared_parameter_groups, one per set of pipeline ranks sharing parameters."""
         self.split, self.topology, self.precision, self.comm = split, topology, precision, comm
         self.loss_fn = loss_fn
         plan = split.plan
@@ -54,7 +60,7 @@ class PipelineDriver:
         params = {s: list(view.parameters()) for s, view in split.views.items()}
         self.runner = PipelineRunner(self.schedule, topology.pp_rank, stages, params, topology.pp_group, timeout_s,
                                      topology.device, around=self._phase)
-        self.shared_groups = _shared_parameter_groups(split, topology)
+        self.shared_groups = shared_groups
         self._loss_scale = 1.0
         self.last_bubble: float | None = None
 
@@ -68,7 +74,7 @@ class PipelineDriver:
         gradients summed; returns the step's mean loss (on every rank)."""
         self._loss_scale = loss_scale
         self._set_mode(True)
-        with self.runtime.no_sync() if self.runtime.reducer is not None else contextlib.nullcontext():
+        with self.runtime.accumulate_locally():
             result = self.runner.run(microbatches, loss_factor=loss_scale / self.topology.dp_world_size)
         self._sum_shared_gradients()
         self.last_bubble = self._mean_over_pipeline(result.bubble)
@@ -89,10 +95,12 @@ class PipelineDriver:
         for view in self.split.views.values():  # the copies on the path to the blocks keep a flag of their own
             view.train(training)
 
-    def _phase(self, kind: ActionKind):
-        if kind is ActionKind.FORWARD:
-            return _forward_phase(self.runtime, self.precision, self.topology.device)
-        return self.runtime.backward(False, self._loss_scale)
+    def _phase(self, action: Action):
+        """The engine's phase for `action`; under stage 3 each (stage, kind) follows a gather trace of its own."""
+        key = (action.stage, action.kind)
+        if action.kind is ActionKind.FORWARD:
+            return _forward_phase(self.runtime, self.precision, self.topology.device, key)
+        return self.runtime.backward(False, self._loss_scale, key)
 
     # ---- a stage's forward -----------------------------------------------------------------------
     def _stage_function(self, stage: int):
@@ -128,13 +136,6 @@ class PipelineDriver:
         return loss
 
     # ---- what the stages share ---------------------------------------------------------------------
-    def sync_shared_values(self) -> None:
-        """A parameter several pipeline ranks hold starts from the lowest one's values."""
-        params = self.split.param_by_id
-        with torch.no_grad():
-            for pid, ranks in self.split.shared_here().items():
-                broadcast_from(params[pid].data, 0, self.shared_groups[ranks], self.comm)
-
     def _sum_shared_gradients(self) -> None:
         params = self.split.param_by_id
         for pid, ranks in self.split.shared_here().items():
@@ -159,8 +160,8 @@ class PipelineDriver:
 
 
 @contextlib.contextmanager
-def _forward_phase(runtime, precision: PrecisionPolicy, device: torch.device):
-    with runtime.forward(), precision.autocast(device):
+def _forward_phase(runtime, precision: PrecisionPolicy, device: torch.device, key):
+    with runtime.forward(key), precision.autocast(device):
         yield
 
 
@@ -190,7 +191,16 @@ def pull_microbatches(data_iter: Iterator, count: int) -> list:
     return batches
 
 
-def _shared_parameter_groups(split: PipelineModel, topology: Topology) -> dict[tuple[int, ...], dist.ProcessGroup]:
+def sync_shared_values(split: PipelineModel, groups: dict[tuple[int, ...], dist.ProcessGroup],
+                       comm: CommCounter) -> None:
+    """A parameter several pipeline ranks hold starts from the lowest one's values (before it is chunked)."""
+    params = split.param_by_id
+    with torch.no_grad():
+        for pid, ranks in split.shared_here().items():
+            broadcast_from(params[pid].data, 0, groups[ranks], comm)
+
+
+def shared_parameter_groups(split: PipelineModel, topology: Topology) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """One group per set of pipeline ranks sharing a parameter, within this rank's dp and tp position; every rank
     creates every such group, in the same order."""
     groups = {}

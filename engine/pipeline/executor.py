@@ -70,7 +70,7 @@ class StepResult:
         return 1.0 - self.compute_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def _no_phase(kind: ActionKind):
+def _no_phase(action: Action):
     return contextlib.nullcontext()
 
 
@@ -78,12 +78,12 @@ class PipelineRunner:
     """Runs `schedule`'s actions for `rank` over `stages` (stage index -> function of (the received tensor, or
     None on stage 0; the micro-batch) giving the stage's output, or on the last stage its loss) in `group`
     (pipeline ranks in order; None: the default group). `params`: each stage's parameters, which W passes
-    accumulate into; `around`: a context each action runs in, by kind (the engine's phases)."""
+    accumulate into; `around`: the context each action runs in (the engine's phases)."""
 
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, StageFunction],
                  params: dict[int, list[nn.Parameter]], group: dist.ProcessGroup | None = None,
                  timeout_s: float = 600.0, device: torch.device | None = None,
-                 around: Callable[[ActionKind], contextlib.AbstractContextManager] = _no_phase):
+                 around: Callable[[Action], contextlib.AbstractContextManager] = _no_phase):
         """timeout_s: how long a receive waits before PipelineTimeout names the action and what it waits for;
         device: where received tensors go (default: the first parameter's device, else the CPU)."""
         simulate(schedule)  # refuses an incomplete or deadlocking schedule before anything runs
@@ -140,11 +140,11 @@ class PipelineRunner:
         return result
 
     @contextlib.contextmanager
-    def _computing(self, kind: ActionKind, result: StepResult):
+    def _computing(self, action: Action, result: StepResult):
         """Runs the action's compute inside the caller's phase, counting its seconds."""
         start = time.perf_counter()
         try:
-            with self.around(kind):
+            with self.around(action):
                 yield
         finally:
             result.compute_s += time.perf_counter() - start
@@ -155,7 +155,7 @@ class PipelineRunner:
         x = None if s == 0 else self._recv(ActionKind.FORWARD, s - 1, j)
         if x is not None and train and x.is_floating_point():
             x.requires_grad_()
-        with self._computing(a.kind, result):
+        with self._computing(a, result):
             out = self.stages[s](x, microbatches[j])
             if s == self.last:
                 if out.dim() != 0:
@@ -173,7 +173,7 @@ class PipelineRunner:
         s, j = a.stage, a.microbatch
         k = kept[(s, j)] if a.kind is ActionKind.BACKWARD_INPUT else kept.pop((s, j))
         grad = None if s == self.last else self._recv(ActionKind.BACKWARD, s + 1, j)
-        with self._computing(a.kind, result):
+        with self._computing(a, result):
             if a.kind is ActionKind.BACKWARD:
                 torch.autograd.backward(k.output, grad)
                 input_grad = k.input.grad if k.input is not None else None
@@ -188,7 +188,7 @@ class PipelineRunner:
     def _weight_grad(self, a: Action, kept, result: StepResult) -> None:
         k = kept.pop((a.stage, a.microbatch))
         params = [p for p in self.params[a.stage] if p.requires_grad]
-        with self._computing(a.kind, result):
+        with self._computing(a, result):
             torch.autograd.backward(k.output, k.output_grad, inputs=params)
 
     # ---- point to point ----------------------------------------------------------------------------

@@ -5,7 +5,8 @@ A model is cut where users cut it by hand: its block list (engine.block_list: th
 of same-class modules) is divided into S = pipeline.stages × virtual_stages contiguous runs of
 blocks, balanced by parameters (the modules before the list, such as the embeddings, count towards
 the first run, the modules after it, such as the final norm and the output layer, towards the last)
-or uniformly, or at the blocks pipeline.partition names. Stage s lives on pipeline rank s mod P.
+or uniformly, or by each block's forward time measured on one synthetic micro-batch (rank 0's
+measurement, broadcast), or at the blocks pipeline.partition names. Stage s lives on pipeline rank s mod P.
 Nothing is traced or rewritten: each stage runs the model's own forward, from the micro-batch's own
 inputs, on a view of the model whose block list holds only that stage's blocks:
 - the first block takes the hidden state the previous stage sent in place of its own input (stage
@@ -18,7 +19,9 @@ inputs, on a view of the model whose block list holds only that stage's blocks:
   raises, naming the module (a model that calls a module on the other side of its blocks from where
   it registers it is refused, not silently wrong).
 - so every value a later stage needs from the inputs (labels for a loss computed at the end, the
-  attention mask, position ids) reaches it: every stage reads the micro-batch itself.
+  attention mask, position ids) reaches it: every stage reads the micro-batch itself. Only the hidden
+  state crosses a stage boundary: blocks that hand other values to the next block (T5's position
+  bias, taken from the previous block's output) are not supported yet.
 - the model object itself (engine.module) keeps exactly this rank's parameters under their own
   names: what another rank holds is replaced by VacantModules. A parameter that modules of two stages
   use (GPT-2's lm_head.weight is wte.weight) is held by both ranks: it starts from the lowest one's
@@ -70,8 +73,9 @@ class StagePlan:
         return f"pipeline stage {stage} (rank {stage % self.ranks}, blocks {blocks.start}-{blocks.stop - 1})"
 
 
-def plan_stages(model: nn.Module, config: PipelineConfig) -> StagePlan:
-    """Note [pipeline stages of an unmodified model]: the cut of `model` that `config` asks for."""
+def plan_stages(model: nn.Module, config: PipelineConfig, measure=None) -> StagePlan:
+    """Note [pipeline stages of an unmodified model]: the cut of `model` that `config` asks for. measure(blocks)
+    gives (each block's seconds, before them, after them) for partition "time"."""
     found = find_block_list(model)
     if found is None:
         raise ValueError(f"pipeline: {type(model).__name__} has no nn.ModuleList of same-class blocks to cut into "
@@ -89,9 +93,9 @@ def plan_stages(model: nn.Module, config: PipelineConfig) -> StagePlan:
         head = sum(count(model.get_submodule(n)) for n, place in outside if place is Place.BEFORE)
         tail = sum(count(model.get_submodule(n)) for n, place in outside if place is Place.AFTER)
         starts = balanced_starts([count(b) for b in blocks], stages, head, tail)
-    else:
-        raise ValueError(f"pipeline.partition: {config.partition!r} is not built yet; use \"parameters\", "
-                         "\"uniform\" or the names of the blocks that start each stage")
+    else:  # "time"
+        costs, head, tail = measure(blocks)
+        starts = balanced_starts(costs, stages, head, tail)
     return StagePlan(list_name, tuple(starts), len(blocks), tuple(outside), config.stages)
 
 
@@ -128,6 +132,7 @@ class PipelineModel:
     state: StageState
     names: dict[int, str]  # id(parameter) -> its name in the whole model
     shared: dict[int, tuple[int, ...]] = field(default_factory=dict)  # id -> the pipeline ranks holding it
+    keys: tuple[str, ...] = ()  # the whole model's state-dict keys, in its order (checkpoints, full_state_dict)
 
     @property
     def param_by_id(self) -> dict[int, nn.Parameter]:
@@ -144,6 +149,7 @@ class PipelineModel:
 def split_model(model: nn.Module, plan: StagePlan, rank: int) -> PipelineModel:
     """Vacates in `model` what pipeline rank `rank` does not hold, and builds its stages' views."""
     names = {id(p): n for n, p in model.named_parameters()}
+    keys = tuple(model.state_dict(keep_vars=True))  # before vacating: every stage's keys
     ranks_of = _ranks_of_parameters(model, plan)
     mine = set(plan.stages_of_rank(rank))
     state = StageState()
@@ -160,7 +166,7 @@ def split_model(model: nn.Module, plan: StagePlan, rank: int) -> PipelineModel:
             _replace(model, name, VacantModule(name, place, plan.describe_stage(stage), state))
     views = {s: _view(model, plan, s, state, originals, outside) for s in sorted(mine)}
     shared = {pid: tuple(sorted(r)) for pid, r in ranks_of.items() if len(r) > 1}
-    return PipelineModel(plan, rank, model, views, state, names, shared)
+    return PipelineModel(plan, rank, model, views, state, names, shared, keys)
 
 
 def _ranks_of_parameters(model: nn.Module, plan: StagePlan) -> dict[int, set[int]]:

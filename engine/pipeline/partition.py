@@ -45,6 +45,6 @@ def starts_from_names(block_names: list[str], first_names: list[str], parts: int
                          f"({block_names[0]} .. {block_names[-1]}); name the blocks that start each stage")
     starts = [block_names.index(n) for n in names]
     if len(starts) != parts or starts != sorted(set(starts)):
-        raise ValueError(f"pipeline.partition: {len(starts)} distinct blocks in increasing order are needed to start "
-                         f"the {parts} stages, got {first_names}")
+        raise ValueError(f"pipeline.partition: {parts} distinct blocks in increasing order start the {parts} stages "
+                         f"(the first block may be left out), got {first_names}")
     return starts

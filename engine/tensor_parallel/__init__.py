@@ -47,14 +47,14 @@ class TensorParallel:
         group: every tp rank calls it)."""
         out = dict(local)
         for key, spec in self.specs.items():
-            if key not in local or key in self.tied:
+            if key not in local or self.tied.get(key) in local:  # a tied weight is gathered once, as its first
                 continue
             shard = local[key].to(device, copy=True)  # one tensor at a time through the device (nccl)
             gathered = torch.empty((self.tp.size,) + tuple(shard.shape), dtype=shard.dtype, device=device)
             all_gather_into(gathered.view(-1), shard.view(-1), self.tp.group, self.tp.counter, async_op=False)
             out[key] = spec.join(list(gathered.unbind(0))).to(local[key].device)
-        for key, first in self.tied.items():  # a tied weight (lm_head = embedding) is gathered once
-            if key in local:
+        for key, first in self.tied.items():  # (a pipeline stage may hold it under its later name only)
+            if key in local and first in local:
                 out[key] = out[first]
         return out
 

@@ -149,6 +149,11 @@ class GradReducer:
             self._launch(self.sequence[self._cursor])
             self._cursor += 1
 
+    def holds_unreduced(self) -> bool:
+        """Stage 2/3: whether some full gradient chunk holds gradients no reduction took yet (backward passes
+        inside accumulate_locally)."""
+        return any(state.grad_live for state in self.states)
+
     def reduce_all(self) -> None:
         """Reduces every chunk now (no synchronized backward ran since the last update)."""
         self.arm()

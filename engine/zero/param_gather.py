@@ -51,7 +51,9 @@ class ParamGatherer:
         self.group, self.counter = group, counter
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
         self.phase = Pass.IDLE
-        self.traces = {Pass.FORWARD: GatherTrace(), Pass.BACKWARD: GatherTrace()}
+        # one record per pass kind; under a pipeline, per pass kind and schedule action (Note [a pipelined step])
+        self.traces: dict = {Pass.FORWARD: GatherTrace(), Pass.BACKWARD: GatherTrace()}
+        self._trace = None  # the running pass's
         self.prefetched = 0  # gathers started ahead of demand, over the run
         self._ahead: set[int] = set()  # gathered ahead of demand, not demanded yet
         self._module_chunks: dict[nn.Module, tuple[int, ...]] = {}
@@ -68,9 +70,11 @@ class ParamGatherer:
             self._handles.append(module.register_forward_hook(self._after_forward))
 
     # ---- passes --------------------------------------------------------------------------------
-    def begin(self, phase: Pass) -> None:
+    def begin(self, phase: Pass, key=None) -> None:
+        """Starts a pass; `key` (a pipeline action's stage and kind) gives it a trace of its own."""
         self.phase = phase
-        self.traces[phase].begin()
+        self._trace = self.traces.setdefault(phase if key is None else (phase, key), GatherTrace())
+        self._trace.begin()
         for state in self.states:
             state.done.clear()
 
@@ -78,8 +82,8 @@ class ParamGatherer:
         """Ends the pass: every non-persistent chunk is released (in-flight gathers are waited for), except
         those user code holds gathered (`gathered`)."""
         if self.phase is not Pass.IDLE:
-            self.traces[self.phase].end()
-        self.phase = Pass.IDLE
+            self._trace.end()
+        self.phase, self._trace = Pass.IDLE, None
         self._ahead.clear()
         for c in range(len(self.shards)):
             self.release(c)
@@ -113,7 +117,7 @@ class ParamGatherer:
     # ---- gathering -----------------------------------------------------------------------------
     def demand(self, chunks: tuple[int, ...]) -> None:
         """Gathers `chunks` (waiting for them) and, following the trace, starts the next ones."""
-        trace = self.traces.get(self.phase)
+        trace = self._trace
         for c in chunks:
             if trace is not None and (self.shards.is_released(c) or c in self._ahead):
                 trace.demand(c)  # a demand is a chunk's first use since it was last released

@@ -70,6 +70,7 @@ class ZeroRuntime:
         self.steps_in_backward = steps_in_backward  # Note [stepping in backward]
         self.phase = TrainingPhase.IDLE
         self.inside_no_sync = False
+        self.accumulating_locally = False  # Note [a pipelined step]: no backward reduces; the update reduces all
         self.synchronized = False  # a synchronized backward ran since the last update
         self._early_square: torch.Tensor | None = None  # norm pieces of shards stepped in backward
 
@@ -99,10 +100,11 @@ class ZeroRuntime:
 
     # ---- forward ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def forward(self):
+    def forward(self, trace_key=None):
+        """trace_key: a pipeline action's (stage, kind), whose stage-3 gathers follow a record of their own."""
         self._enter(TrainingPhase.FORWARD)
         try:
-            self.pre_forward()
+            self.pre_forward(trace_key)
             with self._released_parameter_hint():
                 yield
         finally:
@@ -111,10 +113,10 @@ class ZeroRuntime:
             finally:
                 self.phase = TrainingPhase.IDLE
 
-    def pre_forward(self) -> None:
+    def pre_forward(self, trace_key=None) -> None:
         with record_function("tiers.zero.pre_forward"):
             if self.gatherer is not None:
-                self.gatherer.begin(Pass.FORWARD)
+                self.gatherer.begin(Pass.FORWARD, trace_key)
 
     def post_forward(self) -> None:
         with record_function("tiers.zero.post_forward"):
@@ -146,16 +148,28 @@ class ZeroRuntime:
             self.inside_no_sync = previous
 
     @contextlib.contextmanager
-    def backward(self, boundary: bool, loss_scale: float):
+    def accumulate_locally(self):
+        """Backward passes inside reduce nothing, under every ZeRO stage: gradients accumulate in this rank's full
+        gradient chunks (stage 2 and 3 keep them live until the update), and the update reduces them all once
+        (Note [a pipelined step])."""
+        previous, self.accumulating_locally = self.accumulating_locally, True
+        try:
+            yield
+        finally:
+            self.accumulating_locally = previous
+
+    @contextlib.contextmanager
+    def backward(self, boundary: bool, loss_scale: float, trace_key=None):
         """Around autograd's backward of one micro-batch; `boundary`: it ends the accumulation. Whether it reduces
         is decided (and refused, for a second synchronized backward) before anything is armed."""
         every_backward = self.chunked.sharded_grads is not None  # Note [sharded gradients]
-        reduces = self.reducer is not None and (every_backward or (boundary and not self.inside_no_sync))
+        reduces = self.reducer is not None and not self.accumulating_locally and (
+            every_backward or (boundary and not self.inside_no_sync))
         if reduces:
             self._check_one_synchronized_backward(every_backward)
         self._enter(TrainingPhase.BACKWARD)
         try:
-            self.pre_backward(reduces, boundary, loss_scale)
+            self.pre_backward(reduces, boundary, loss_scale, trace_key)
             with self._released_parameter_hint():
                 yield
             self.post_backward(reduces)
@@ -164,13 +178,13 @@ class ZeroRuntime:
             raise
         self.phase = TrainingPhase.IDLE
 
-    def pre_backward(self, reduces: bool, boundary: bool, loss_scale: float) -> None:
+    def pre_backward(self, reduces: bool, boundary: bool, loss_scale: float, trace_key=None) -> None:
         """Arms the reducer when this backward reduces (Note [micro-steps and boundaries])."""
         with record_function("tiers.zero.pre_backward"):
             if reduces:
                 self.reducer.arm(self._shard_stepper(loss_scale) if self.steps_in_backward and boundary else None)
             if self.gatherer is not None:
-                self.gatherer.begin(Pass.BACKWARD)
+                self.gatherer.begin(Pass.BACKWARD, trace_key)
 
     def _check_one_synchronized_backward(self, every_backward: bool) -> None:
         if self.synchronized and not every_backward:
@@ -247,8 +261,9 @@ class ZeroRuntime:
         """Every gradient reduced, in fp32 where the optimizer reads it, unscaled and clipped."""
         with record_function("tiers.zero.pre_step"):
             chunked = self.chunked
-            if self.reducer is not None and not self.synchronized and chunked.sharded_grads is None:
-                self.reducer.reduce_all()  # the boundary backward ran inside no_sync()
+            unreduced = chunked.sharded_grads is None or self.reducer is not None and self.reducer.holds_unreduced()
+            if self.reducer is not None and not self.synchronized and unreduced:
+                self.reducer.reduce_all()  # the boundary backward ran inside no_sync() or accumulate_locally()
             self.synchronized = False
             if chunked.sharded_grads is not None:
                 chunked.sharded_grads.settle()  # shards no backward wrote (Note [sharded gradients])

@@ -1,0 +1,62 @@
+"""Cutting a model into pipeline stages (Note [pipeline stages of an unmodified model]): balanced runs of blocks, the
+modules before and after them, and what a rank keeps; no process group needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import PipelineConfig
+from engine.pipeline.model_split import plan_stages, split_model
+from engine.pipeline.partition import balanced_starts, starts_from_names
+from engine.pipeline.stage_modules import Place, VacantModule
+from tests.reference import tiny_gpt
+from tests.test_pipeline_engine import example_gpt
+
+
+def test_balanced_runs_minimize_the_costliest_stage_counting_what_runs_before_and_after_the_blocks():
+    assert balanced_starts([1.0] * 4, 2) == [0, 2]
+    assert balanced_starts([1.0] * 4, 2, head=2.0) == [0, 1]  # the embeddings weigh on stage 0: it gets 1 block
+    assert balanced_starts([1.0] * 4, 2, tail=2.0) == [0, 3]  # the head weighs on the last stage: 1 block
+    assert balanced_starts([4.0, 1.0, 1.0, 1.0, 1.0], 2) == [0, 1]
+    assert balanced_starts([1.0] * 6, 3) == [0, 2, 4]
+    with pytest.raises(ValueError, match="3 pipeline stages need at least 3 blocks, and the model has 2"):
+        balanced_starts([1.0, 1.0], 3)
+
+
+def test_named_starts():
+    names = [f"h.{i}" for i in range(4)]
+    assert starts_from_names(names, ["h.2"], 2) == [0, 2]
+    assert starts_from_names(names, ["h.0", "h.1", "h.3"], 3) == [0, 1, 3]
+    with pytest.raises(ValueError, match="'h.9' is not one of the model's blocks"):
+        starts_from_names(names, ["h.9"], 2)
+    with pytest.raises(ValueError, match="3 distinct blocks in increasing order start the 3 stages"):
+        starts_from_names(names, ["h.2", "h.1"], 3)
+
+
+def test_the_example_gpt_is_cut_at_its_blocks_with_the_embeddings_first_and_the_head_last():
+    model = example_gpt()
+    plan = plan_stages(model, PipelineConfig(stages=2, partition="uniform"))
+    assert (plan.list_name, plan.starts, plan.block_count) == ("blocks", (0, 2), 4)
+    assert plan.outside == (("wte", Place.BEFORE), ("wpe", Place.BEFORE), ("ln_f", Place.AFTER),
+                            ("lm_head", Place.AFTER))  # drop has no parameters: it runs on every stage
+    by_parameters = plan_stages(model, PipelineConfig(stages=2))
+    # the tied embedding counts on both ends (wte + wpe before, ln_f + lm_head after: about equal), so 2 and 2
+    assert by_parameters.starts == (0, 2)
+    # a 4096-token vocabulary: 262k parameters at each end against ~50k per block, so the middle stage takes two
+    big_vocab = tiny_gpt(0, n_layer=4, tie_weights=False, vocab_size=4096)
+    assert plan_stages(big_vocab, PipelineConfig(stages=3)).starts == (0, 1, 3)
+    assert plan_stages(big_vocab, PipelineConfig(stages=3, partition="uniform")).starts == (0, 1, 2)
+
+
+def test_a_rank_keeps_its_stage_and_names_what_it_does_not_hold():
+    model = example_gpt()
+    whole = {n: p for n, p in model.named_parameters()}
+    split = split_model(model, plan_stages(model, PipelineConfig(stages=2, partition="uniform")), rank=1)
+    kept = {split.names[id(p)] for p in model.parameters()}
+    assert kept == {n for n in whole if n.startswith(("blocks.2.", "blocks.3.", "ln_f.", "wte."))}  # wte: lm_head's
+    assert split.shared == {id(whole["wte.weight"]): (0, 1)}
+    assert isinstance(model.blocks[0], VacantModule) and isinstance(model.wpe, VacantModule)
+    with pytest.raises(RuntimeError, match=r"wte is held by pipeline stage 0 \(rank 0, blocks 0-1\) and was "
+                                           r"called outside the pipeline.*engine.train_batch"):
+        model(torch.zeros(1, 4, dtype=torch.long))
