@@ -69,8 +69,8 @@ from bench_common import (  # noqa: E402
 )
 from bench_pipeline_parts import (  # noqa: E402
     TORCH_SCHEDULES,
-    ClockedRunner,
     ComputeClock,
+    clocked_runner,
     lm_loss,
     split_attempts,
     stage_modules,
@@ -224,8 +224,8 @@ def tiers_engine(args, schedule_name: str, m: int, rank: int) -> EngineSystem:
 def tiers_runner(args, schedule_name: str, m: int, rank: int) -> ClockedSystem:
     schedule = build_schedule(schedule_name, args.world, m, virtual_stages(args, schedule_name))
     stages, _ = my_stages(args, schedule_name, rank)
-    runner = ClockedRunner.over_modules(schedule, rank, stages, lm_loss)
-    clock = runner.clock = ComputeClock()
+    clock = ComputeClock()
+    runner = clocked_runner(schedule, rank, stages, lm_loss, clock)
 
     def pipeline(x, y):
         result = runner.run(list(zip(x.chunk(m), y.chunk(m))))

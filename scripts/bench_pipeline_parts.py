@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.pipeline import ActionKind, PipelineRunner
+from engine.pipeline import Action, PipelineRunner
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
                    "zero_bubble": "ScheduleInterleavedZeroBubble"}
@@ -88,6 +88,10 @@ class ComputeClock:
             if self._kind is not None:
                 self.seconds[self._kind] -= time.perf_counter() - start
 
+    def around(self, action: Action):
+        """The runner's `around` hook: clocks the action it wraps."""
+        return self.action(action.kind.value, action.stage, action.microbatch)
+
     def add(self, kind: str, seconds: float) -> None:
         self.seconds[kind] += seconds
 
@@ -100,18 +104,21 @@ class ComputeClock:
         return sum(self.seconds.values())
 
 
-class ClockedRunner(PipelineRunner):
-    """tiers' runner with each compute action clocked by kind and logged, through the runner's own compute section
-    (sends and receives are outside it, as torch's are outside its stage's compute methods). Set `clock` before
-    running."""
+def clocked_runner(schedule, rank: int, modules: dict[int, nn.Module], loss_fn, clock: ComputeClock) -> PipelineRunner:
+    """tiers' runner over stage modules (micro-batches are (ids, labels) pairs: stage 0 takes the ids, the last
+    stage's output and the labels go into loss_fn), each compute action clocked by kind and logged through the
+    runner's own `around` hook: sends and receives lie outside it, as torch's lie outside its stage's compute
+    methods."""
+    last = schedule.stages - 1
 
-    clock: ComputeClock
+    def stage_function(s: int, module: nn.Module):
+        def run(received, microbatch):
+            out = module(microbatch[0] if received is None else received)
+            return loss_fn(out, microbatch[1]) if s == last else out
+        return run
 
-    @contextmanager
-    def _computing(self, kind: ActionKind, result):
-        a = self._action
-        with self.clock.action(kind.value, a.stage, a.microbatch), super()._computing(kind, result):
-            yield
+    return PipelineRunner(schedule, rank, {s: stage_function(s, m) for s, m in modules.items()},
+                          {s: list(m.parameters()) for s, m in modules.items()}, around=clock.around)
 
 
 def clocked_stage_class():
