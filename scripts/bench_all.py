@@ -72,6 +72,9 @@ BENCHMARKS = (
               seconds={None: 1500}, takes_dir=True),
     Benchmark("tp", "bench_tp.py", "Tensor parallelism (1D and 2D) vs torch DTensor tensor parallel",
               quick=QUICK_TRAINING, worlds=(2, 4), seconds={2: 198, 4: 147}, heads=10, quick_heads=2),
+    Benchmark("pipeline", "bench_pipeline.py", "Pipeline parallelism vs torch.distributed.pipelining",
+              quick=("--model", "tiny", "--layers", "4", "--seq", "32", "--steps", "2", "--warmup", "1",
+                     "--rounds", "1"), worlds=(2,), seconds={2: 420}),
     Benchmark("checkpointing", "bench_checkpointing.py", "Activation checkpointing vs torch.utils.checkpoint by hand",
               quick=("--model", "tiny", "--micro-batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1",
                      "--rounds", "1", "--threads", "1"), seconds={None: 261}),
@@ -177,8 +180,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--only", type=lambda t: parse_list(t, str, "--only"), default=None,
                     help=f"comma-separated benchmarks to run, of: {', '.join(NAMES)}")
     ap.add_argument("--world", type=lambda t: parse_list(t, int, "--world"), default=None,
-                    help="comma-separated world sizes for the benchmarks that take --world (dp, zero1-3, tp); "
-                         "default: dp and zero at 2, tp at 2 and 4. Above the core count a run gets --rounds 1")
+                    help="comma-separated world sizes for the benchmarks that take --world (dp, zero1-3, tp, "
+                         "pipeline); default: dp, zero and pipeline at 2, tp at 2 and 4. Above the core count a run "
+                         "gets --rounds 1")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure, for offload, zero_nvme and "
                     "checkpoint (default: each script's own)")
     ap.add_argument("--out", default=None, help="the report (default docs/benchmarks.md; with --quick, "
