@@ -1,0 +1,136 @@
+"""Ring attention (context parallelism) on any device, CPU included: each rank keeps its queries, and the keys and
+values of every rank pass around the ring of sequence-parallel ranks, one block per step.
+
+Note [ring attention]
+The sequence is split over S ranks in 2S chunks, zigzag: rank r holds chunks r and 2S-1-r, so that
+under a causal mask every rank has the same work (contiguous shards leave the last rank 2S-1 times the
+first's). Attention is computed from the tokens' global positions, so any layout works; zigzag is
+what `zigzag_positions` gives. Forward: for S steps each rank attends its queries to the block of
+keys and values it holds (its own first), keeps each block's output and log-sum-exp, and merges them
+in fp32 (out = Σ out_b · exp(lse_b − lse)); meanwhile the block moves to the next rank. A block no
+query may see under the mask is skipped (its output weight is zero). Backward is exact, as flash
+attention's: with the final output O and log-sum-exp L kept, each block's probabilities are
+recomputed as exp(q·kᵀ·scale − L), dV_b = Pᵀ·dO, dS = P ⊙ (dO·Vᵀ − rowsum(dO ⊙ O)), dQ += dS·K·scale,
+dK_b = dSᵀ·Q·scale; the blocks travel the ring again, each carrying the dK and dV summed so far, and
+after S steps one more hop brings them home to the rank that owns that block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def zigzag_positions(seq_len: int, rank: int, size: int, device=None) -> torch.Tensor:
+    """The global positions of the tokens rank `rank` of `size` holds under the zigzag split of `seq_len`."""
+    if seq_len % (2 * size):
+        raise ValueError(f"ring attention splits the sequence into 2 × {size} equal chunks; a sequence of {seq_len} "
+                         f"tokens does not divide by {2 * size}: pad it to a multiple of {2 * size}")
+    chunk = seq_len // (2 * size)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    second = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk, device=device)
+    return torch.cat([first, second])
+
+
+class _Ring:
+    """Passing a block to the next rank of the sequence-parallel group while receiving one from the previous."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = self._global((self.rank + 1) % self.size)
+        self.prev = self._global((self.rank - 1) % self.size)
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+    def shift(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Sends `tensors` to the next rank; returns the previous rank's."""
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return received
+
+
+def _block_scores(q, k, q_pos, k_pos, scale):
+    """fp32 scores of queries against one key block, -inf where the causal mask hides a key."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    hidden = q_pos[:, None] < k_pos[None, :]
+    return scores.masked_fill(hidden, float("-inf"))
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    return bool(q_pos.max() >= k_pos.min())
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's q over every rank's k, v (Note [ring attention]); [B, H, T_local, D]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, positions, group, scale):
+        ring = _Ring(group)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        block = [k, v, positions]
+        for step in range(ring.size):
+            k_b, v_b, pos_b = block
+            if step + 1 < ring.size:
+                following = ring.shift(block)
+            if _visible(positions, pos_b):
+                scores = _block_scores(q, k_b, positions, pos_b, scale)
+                lse_b = torch.logsumexp(scores, dim=-1)
+                probs = torch.exp(scores - lse_b.unsqueeze(-1)).nan_to_num(0.0)  # rows with no visible key: 0
+                out_b = torch.matmul(probs, v_b.float())
+                merged = torch.logaddexp(lse, lse_b)
+                keep = torch.exp(lse - merged).nan_to_num(0.0).unsqueeze(-1)
+                take = torch.exp(lse_b - merged).nan_to_num(0.0).unsqueeze(-1)
+                out, lse = out * keep + out_b * take, merged
+            if step + 1 < ring.size:
+                block = following
+        ctx.save_for_backward(q, k, v, positions, out, lse)
+        ctx.group, ctx.scale = group, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, positions, out, lse = ctx.saved_tensors
+        ring, scale = _Ring(ctx.group), ctx.scale
+        grad_out = grad_out.float()
+        delta = (grad_out * out).sum(-1, keepdim=True)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk, dv = torch.zeros(k.shape, dtype=torch.float32, device=k.device), torch.zeros(
+            v.shape, dtype=torch.float32, device=v.device)
+        block = [k, v, positions, dk, dv]
+        for step in range(ring.size):
+            k_b, v_b, pos_b, dk_b, dv_b = block
+            if _visible(positions, pos_b):
+                scores = _block_scores(q, k_b, positions, pos_b, scale)
+                probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+                dv_b = dv_b + torch.matmul(probs.transpose(-1, -2), grad_out)
+                dscores = probs * (torch.matmul(grad_out, v_b.float().transpose(-1, -2)) - delta)
+                dq += torch.matmul(dscores, k_b.float()) * scale
+                dk_b = dk_b + torch.matmul(dscores.transpose(-1, -2), q.float()) * scale
+            block = [k_b, v_b, pos_b, dk_b, dv_b]
+            if step + 1 < ring.size:
+                block = ring.shift(block)
+        dk_home, dv_home = ring.shift([block[3], block[4]])  # one more hop: every block back to its owner
+        return dq.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype), None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   group: dist.ProcessGroup | None, scale: float | None = None) -> torch.Tensor:
+    """Causal attention over the whole sequence for this rank's queries `q` ([B, H, T_local, D]), the keys and
+    values of every rank of `group` passing around the ring; `positions`: the global position of each local
+    token (zigzag_positions). Keys and values with fewer heads (GQA) are repeated to q's heads."""
+    if k.shape[1] != q.shape[1]:
+        if q.shape[1] % k.shape[1]:
+            raise ValueError(f"{q.shape[1]} query heads do not divide into {k.shape[1]} key/value heads")
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return RingAttention.apply(q, k, v, positions, group, scale)
