@@ -1,5 +1,6 @@
-"""Ring attention (Note [ring attention]): each rank's queries over the whole sequence, keys and values passed around
-the ring, equal causal attention over the full sequence in one process, forward and backward (fp32 1e-5)."""
+"""Attention over a sequence split across ranks equals causal attention over the full sequence in one process, forward
+and backward (fp32 1e-5): ring attention (Note [ring attention]: each rank's queries, keys and values passed around
+the ring, zigzag layout) and Ulysses (Note [Ulysses attention]: heads split around attention, contiguous layout)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.sequence_parallel import ring_attention, zigzag_positions
+from engine.sequence_parallel import ring_attention, ulysses_attention, zigzag_positions
 from tests.distributed import run_distributed
 from tests.reference import FP32_RTOL
 
@@ -21,17 +22,21 @@ def full_inputs(kv_heads: int):
     return q, k, v, torch.randn(B, H, T, D, generator=g)
 
 
-def _worker(rank, world, kv_heads):
+def _worker(rank, world, kv_heads, mode):
     q, k, v, grad = full_inputs(kv_heads)
-    pos = zigzag_positions(T, rank, world)
+    if mode == "ring":
+        pos = zigzag_positions(T, rank, world)
+    else:  # Ulysses: a contiguous slice
+        pos = torch.arange(rank * T // world, (rank + 1) * T // world)
     mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*mine, pos, None)
+    out = ring_attention(*mine, pos, None) if mode == "ring" else ulysses_attention(*mine, None)
     out.backward(grad[:, :, pos])
     return pos, out.detach(), [t.grad for t in mine]
 
 
-@pytest.mark.parametrize("world,kv_heads", [(2, H), (4, H), (2, 2)])
-def test_ring_attention_equals_full_causal_attention_forward_and_backward(world, kv_heads):
+@pytest.mark.parametrize("mode,world,kv_heads", [("ring", 2, H), ("ring", 4, H), ("ring", 2, 2), ("ulysses", 2, H),
+                                                 ("ulysses", 4, H), ("ulysses", 4, 2)])
+def test_split_sequence_attention_equals_full_causal_attention_forward_and_backward(mode, world, kv_heads):
     q, k, v, grad = full_inputs(kv_heads)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     q_, k_, v_ = leaves
@@ -39,7 +44,7 @@ def test_ring_attention_equals_full_causal_attention_forward_and_backward(world,
     out = F.scaled_dot_product_attention(q_, k_.repeat_interleave(repeat, 1), v_.repeat_interleave(repeat, 1),
                                          is_causal=True)
     out.backward(grad)
-    for pos, got, grads in run_distributed(_worker, world, args=(kv_heads,), timeout_s=120):
+    for pos, got, grads in run_distributed(_worker, world, args=(kv_heads, mode), timeout_s=120):
         torch.testing.assert_close(got, out.detach()[:, :, pos], rtol=FP32_RTOL, atol=1e-6)
         for name, g, ref in zip("qkv", grads, leaves):
             torch.testing.assert_close(g, ref.grad[:, :, pos], rtol=FP32_RTOL, atol=1e-6, msg=name)
@@ -53,3 +58,17 @@ def test_zigzag_gives_every_rank_equal_causal_work_and_refuses_lengths_it_cannot
     assert len(set(work)) == 1  # contiguous shards would give 36, 100, 164, 228 visible pairs
     with pytest.raises(ValueError, match="does not divide by 8: pad it to a multiple of 8"):
         zigzag_positions(30, 0, 4)
+
+
+def _uneven_heads_worker(rank, world):
+    q = torch.zeros(1, 3, 4, 2)
+    try:
+        ulysses_attention(q, q, q, None)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_ulysses_names_the_fix_when_heads_do_not_divide():
+    message = run_distributed(_uneven_heads_worker, 2, timeout_s=60)[0]
+    assert "2 does not divide 3; use sequence_parallel.mode \"ring\"" in message
