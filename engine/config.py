@@ -179,6 +179,19 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True)
+class SequenceParallelConfig:
+    """Note [sequence parallelism]: each sample's sequence split over `size` ranks; attention over the whole
+    sequence by "ulysses" (heads split around it), "ring" (keys and values passed around), or "auto"."""
+
+    size: int = bounded(1, min=1)
+    mode: Literal["ulysses", "ring", "auto"] = "auto"
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+
+@dataclass(frozen=True)
 class MemoryConfig:
     device_budget: int | str | None = None
     cpu_budget: int | str | None = None
@@ -231,6 +244,7 @@ class Config:
     zero_allow_untested_optimizer: bool = False
     tensor_parallel: TensorParallelConfig = section(TensorParallelConfig)
     pipeline: PipelineConfig = section(PipelineConfig)
+    sequence_parallel: SequenceParallelConfig = section(SequenceParallelConfig)
     memory: MemoryConfig = section(MemoryConfig)
     seed: int | None = None
 
@@ -420,7 +434,7 @@ def load_config(source: str | os.PathLike | dict | Config) -> Config:
             and aio["thread_count"] != aio["intra_op_parallelism"]):
         raise ConfigError("aio: thread_count and intra_op_parallelism are the same setting "
                           "(DeepSpeed renamed it); give one.")
-    cfg = parse_section(Config, _strip_unsupported(raw))
+    cfg = parse_section(Config, _strip_unsupported(_with_sequence_parallel_size(raw)))
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one.")
     if cfg.optimizer is not None:
@@ -433,6 +447,21 @@ def load_config(source: str | os.PathLike | dict | Config) -> Config:
         raise ConfigError("batch size: gradient_accumulation_steps alone is not enough; "
                           "also set train_batch_size or train_micro_batch_size_per_gpu.")
     return cfg
+
+
+def _with_sequence_parallel_size(raw: dict) -> dict:
+    """DeepSpeed's top-level `sequence_parallel_size` is `sequence_parallel.size`."""
+    if "sequence_parallel_size" not in raw:
+        return raw
+    raw = dict(raw)
+    size = raw.pop("sequence_parallel_size")
+    section_ = dict(raw.get("sequence_parallel") or {})
+    if "size" in section_ and section_["size"] != size:
+        raise ConfigError(f"sequence_parallel_size ({size}) and sequence_parallel.size ({section_['size']}) are the "
+                          "same setting and differ; give one")
+    section_["size"] = size
+    raw["sequence_parallel"] = section_
+    return raw
 
 
 def _replace(cfg: Config, **changes: Any) -> Config:

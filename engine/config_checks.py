@@ -90,6 +90,13 @@ def check_config(cfg: Config) -> None:
          "copying saved inputs into one preallocated buffer is not supported yet; set it to false"),
     ]
     checks += _pipeline_checks(cfg)
+    sp = cfg.sequence_parallel
+    checks += [
+        (sp.enabled and cfg.pipeline.enabled, "sequence_parallel.size", sp.size,
+         "sequence parallelism with pipeline stages is not built yet; use pipeline.stages 1 with it"),
+        (sp.enabled and cfg.tensor_parallel.size > 1, "sequence_parallel.size", sp.size,
+         "sequence parallelism with tensor parallelism is not built yet; use tensor_parallel.size 1 with it"),
+    ]
     for failed, key, value, why in checks:
         if failed:
             raise ConfigError(f"{key}: {json.dumps(value)} — {why}.")
@@ -130,7 +137,7 @@ def check_run(cfg: Config, topology: Topology, *, optimizer=None, lr_scheduler=N
               built_under_zero_init: bool = False) -> None:
     """What `cfg` rules out for this run (after check_client_objects, which needs no process group): the batch
     sizes over these ranks, the layout, offloading, a client optimizer rebuilt over shards."""
-    cfg.batch_sizes(topology.dp_world_size)  # raises when the batch sizes do not add up over these ranks
+    cfg.batch_sizes(topology.data_parallel_size)  # raises when the batch sizes do not add up over these ranks
     if cfg.pipeline.enabled:
         _check_pipeline_run(cfg, topology, built_under_zero_init)
     if topology.tp_size > 1:
@@ -145,7 +152,7 @@ def check_run(cfg: Config, topology: Topology, *, optimizer=None, lr_scheduler=N
 
 def _check_pipeline_run(cfg: Config, topology: Topology, built_under_zero_init: bool) -> None:
     pp = cfg.pipeline
-    accumulation = cfg.batch_sizes(topology.dp_world_size).gradient_accumulation_steps
+    accumulation = cfg.batch_sizes(topology.data_parallel_size).gradient_accumulation_steps
     if pp.schedule == "interleaved" and accumulation % pp.stages:
         raise ConfigError(f"gradient_accumulation_steps: {accumulation} — schedule \"interleaved\" runs the "
                           f"micro-batches in rounds of pipeline.stages ({pp.stages}); use a multiple of {pp.stages}")

@@ -17,6 +17,8 @@ advances and `skipped_steps` counts it (as DeepSpeed).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -29,6 +31,7 @@ from engine.monitor import Monitor
 from engine.pipeline.driver import PipelineDriver, pull_microbatches
 from engine.precision import LossScaler, PrecisionPolicy
 from engine.progress import TrainingProgress
+from engine.sequence_parallel.runtime import SequenceSplit
 from engine.step_metrics import UpdateSummary
 from engine.tensor_parallel import TensorParallel
 from engine.topology import Topology
@@ -41,9 +44,10 @@ class Engine:
 
     def __init__(self, module: nn.Module, config: Config, topology: Topology, runtime: ZeroRuntime, lr_scheduler,
                  loss_scaler: LossScaler, monitor: Monitor, tensor_parallel: TensorParallel | None = None,
-                 checkpointing: ActivationCheckpointing | None = None, pipeline: PipelineDriver | None = None):
+                 checkpointing: ActivationCheckpointing | None = None, pipeline: PipelineDriver | None = None,
+                 sequence: SequenceSplit | None = None):
         self.module, self.config, self.topology = module, config, topology
-        self.batch: BatchSizes = config.batch_sizes(topology.dp_world_size)
+        self.batch: BatchSizes = config.batch_sizes(topology.data_parallel_size)
         self.runtime, self.optimizer, self.lr_scheduler = runtime, runtime.optimizer, lr_scheduler
         self.loss_scaler, self.monitor = loss_scaler, monitor
         self.precision = PrecisionPolicy.from_config(config)
@@ -52,6 +56,7 @@ class Engine:
         self.activation_checkpointing = checkpointing or ActivationCheckpointing(config.activation_checkpointing,
                                                                                  topology.device)
         self.pipeline = pipeline  # Note [a pipelined step]: train_batch / eval_batch run the schedule
+        self.sequence = sequence  # Note [sequence parallelism]: this rank's part of each sequence
         self.progress = TrainingProgress(self.batch.gradient_accumulation_steps)
         self._global_grad_norm: float | None = None
         runtime.start(module)
@@ -132,8 +137,12 @@ class Engine:
         args, kwargs = to_device((args, kwargs), self.device)
         if self.module.training and torch.is_grad_enabled():  # eval forwards are not training throughput
             self.monitor.step_metrics.on_training_forward(args, kwargs)
+        split_attention = contextlib.nullcontext()
+        if self.sequence is not None:
+            args, kwargs = self.sequence.split(args, kwargs)
+            split_attention = self.sequence.attention()
         with (self.monitor.step_metrics.timed("forward"), self.precision.autocast(self.device),
-              self.runtime.forward()):
+              self.runtime.forward(), split_attention):
             return self.module(*args, **kwargs)
 
     forward = __call__
@@ -162,6 +171,8 @@ class Engine:
                              "(e.g. .mean()) first")
         self.monitor.step_metrics.on_loss(loss)
         factor = self.loss_scaler.scale / (self.gradient_accumulation_steps * self.dp_world_size)
+        if self.sequence is not None:  # this rank's share of the sample's tokens (Note [sequence parallelism])
+            factor *= self.sequence.token_weight
         scaled = loss.float() * factor if factor != 1.0 else loss
         with (self.monitor.step_metrics.timed("backward"),
               self.runtime.backward(self.is_gradient_accumulation_boundary(), self.loss_scaler.scale)):

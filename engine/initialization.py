@@ -33,6 +33,7 @@ from engine.pipeline.block_timing import measured_costs
 from engine.pipeline.driver import PipelineDriver, shared_parameter_groups, sync_shared_values
 from engine.pipeline.model_split import PipelineModel, plan_stages, split_model
 from engine.precision import PrecisionPolicy, build_loss_scaler
+from engine.sequence_parallel.runtime import SequenceSplit, choose_mode
 from engine.step_metrics import StepMetrics
 from engine.tensor_parallel import Mesh2D, TensorParallel, TPGroup, apply_tensor_parallel
 from engine.tensor_parallel.rng import RNGStreams
@@ -96,7 +97,7 @@ def initialize(
                          "config has none (pipeline.stages is 1); compute the loss yourself and call "
                          "engine.backward(loss)")
     topology = Topology.from_environment(tp_size=cfg.tensor_parallel.size, tp_mode=cfg.tensor_parallel.mode,
-                                         pp_size=cfg.pipeline.stages)
+                                         pp_size=cfg.pipeline.stages, sp_size=cfg.sequence_parallel.size)
     check_run(cfg, topology, optimizer=optimizer, lr_scheduler=lr_scheduler, model_parameters=model_parameters,
               built_under_zero_init=zero_init_recording(model) is not None)
     if cfg.seed is not None:
@@ -122,7 +123,8 @@ def initialize(
     if pipeline is not None:
         pipeline.attach(runtime)
     return Engine(model, cfg, topology, runtime, _scheduler(cfg, optimizer, lr_scheduler), loss_scaler,
-                  build_monitor(cfg, topology, runtime, checkpointing), tensor_parallel, checkpointing, pipeline)
+                  build_monitor(cfg, topology, runtime, checkpointing), tensor_parallel, checkpointing, pipeline,
+                  split_sequences(model, cfg, topology))
 
 
 def parallelize_tensors(model: nn.Module, cfg: Config, topology: Topology) -> TensorParallel | None:
@@ -157,7 +159,7 @@ def split_pipeline(model: nn.Module, cfg: Config, topology: Topology,
     lowest one's values; (None, {}) without a pipeline config."""
     if not cfg.pipeline.enabled:
         return None, {}
-    micro_batch = cfg.batch_sizes(topology.dp_world_size).micro_batch_size
+    micro_batch = cfg.batch_sizes(topology.data_parallel_size).micro_batch_size
     measure = functools.partial(measured_costs, model, micro_batch=micro_batch, device=topology.device)
     split = split_model(model, plan_stages(model, cfg.pipeline, measure), topology.pp_rank)
     groups = shared_parameter_groups(split, topology)
@@ -165,11 +167,24 @@ def split_pipeline(model: nn.Module, cfg: Config, topology: Topology,
     return split, groups
 
 
+def split_sequences(model: nn.Module, cfg: Config, topology: Topology) -> SequenceSplit | None:
+    """Note [sequence parallelism]: how this rank's part of each sequence is taken and its attention run; None
+    without sequence parallelism. "auto" says which mode it chose."""
+    sp = cfg.sequence_parallel
+    if not sp.enabled:
+        return None
+    mode = choose_mode(sp.mode, model, sp.size)
+    if sp.mode == "auto" and topology.rank == 0:
+        print(f"[tiers] sequence_parallel.mode auto: {mode} over {sp.size} ranks (Ulysses when the model's attention "
+              "heads divide by the size, else ring)", flush=True)
+    return SequenceSplit(topology.sp_group, sp.size, topology.sp_rank, mode, model)
+
+
 def build_pipeline(split: PipelineModel, shared_groups: dict, cfg: Config, topology: Topology, chunked: ChunkedParams,
                    comm: CommCounter, loss_fn: Callable | None) -> PipelineDriver:
     """Note [a pipelined step]: the driver of train_batch / eval_batch over this rank's stages; parameters two
     pipeline ranks hold count once in the global norm."""
-    microbatches = cfg.batch_sizes(topology.dp_world_size).gradient_accumulation_steps
+    microbatches = cfg.batch_sizes(topology.data_parallel_size).gradient_accumulation_steps
     driver = PipelineDriver(split, cfg.pipeline.schedule, microbatches, topology, PrecisionPolicy.from_config(cfg),
                             comm, shared_groups, loss_fn, cfg.pipeline.timeout_s)
     for pid, ranks in split.shared_here().items():

@@ -110,6 +110,15 @@ class Topology:
     pp_group: dist.ProcessGroup | None = None  # None: no pipeline (pp_size 1)
     pp_size: int = 1
     pp_rank: int = 0
+    sp_group: dist.ProcessGroup | None = None  # None: no sequence parallelism (sp_size 1)
+    sp_size: int = 1
+    sp_rank: int = 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different samples: the data-parallel ranks less the sequence-parallel ones, which share
+        each sample (Note [sequence parallelism])."""
+        return self.dp_world_size // self.sp_size
 
     @property
     def is_distributed(self) -> bool:
@@ -123,7 +132,7 @@ class Topology:
 
     @classmethod
     def from_environment(cls, device: torch.device | None = None, tp_size: int = 1, tp_mode: str = "1d",
-                         pp_size: int = 1) -> "Topology":
+                         pp_size: int = 1, sp_size: int = 1) -> "Topology":
         device = device or compute_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)  # also when the caller created the process group
@@ -132,12 +141,15 @@ class Topology:
             if tp_size != 1:
                 raise ValueError(f"tensor_parallel.size {tp_size} needs {tp_size} processes (one per shard), and this "
                                  f"run has 1; launch with torchrun --nproc_per_node {tp_size} (or a multiple of it)")
-            if pp_size != 1:
-                raise ValueError(f"pipeline.stages {pp_size} needs {pp_size} processes (one per stage), and this run "
-                                 f"has 1; launch with torchrun --nproc_per_node {pp_size} (or a multiple of it)")
+            for key, size in (("pipeline.stages", pp_size), ("sequence_parallel.size", sp_size)):
+                if size != 1:
+                    raise ValueError(f"{key} {size} needs {size} processes, and this run has 1; launch with torchrun "
+                                     f"--nproc_per_node {size} (or a multiple of it)")
             return cls(1, 0, None, 1, 0, device)
         world, rank = dist.get_world_size(), dist.get_rank()
-        if pp_size > 1:
+        if sp_size > 1:
+            topology = cls._with_sequence_parallel(world, rank, device, sp_size)
+        elif pp_size > 1:
             topology = cls._with_pipeline(world, rank, device, tp_size, pp_size)
         elif tp_size == 1:
             topology = cls(world, rank, None, world, rank, device)
@@ -163,6 +175,20 @@ class Topology:
             if rank % tp == t:
                 dp_group = group
         return cls(world, rank, dp_group, dp, rank // tp, device, tp_group, tp, rank % tp)
+
+    @classmethod
+    def _with_sequence_parallel(cls, world: int, rank: int, device: torch.device, sp: int) -> "Topology":
+        """Note [sequence parallelism]: world = dp × sp, the sp ranks of one sample adjacent; every rank holds the
+        same weights, so gradients and ZeRO shards span the world."""
+        if world % sp:
+            raise ValueError(f"sequence_parallel.size {sp} must divide the world size {world} (world = dp × sp); "
+                             f"launch a multiple of {sp} processes")
+        sp_group = None
+        for d in range(world // sp):  # every rank creates every group, in the same order
+            group = dist.new_group(list(range(d * sp, (d + 1) * sp)))
+            if rank // sp == d:
+                sp_group = group
+        return cls(world, rank, None, world, rank, device, sp_group=sp_group, sp_size=sp, sp_rank=rank % sp)
 
     @classmethod
     def _with_pipeline(cls, world: int, rank: int, device: torch.device, tp: int, pp: int) -> "Topology":

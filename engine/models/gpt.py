@@ -165,11 +165,14 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
 
     # --------------------------------------------------------------- forward
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None):
         """Return logits ``[B, T, vocab]``, or the mean cross-entropy loss if ``labels``.
 
         ``labels`` are next-token targets with the same shape as ``input_ids``
         (already shifted by the caller); positions equal to -100 are ignored.
+        ``position_ids`` (default 0 .. T-1) are the tokens' positions, as under
+        sequence parallelism, where a rank holds a part of the sequence.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
@@ -178,7 +181,7 @@ class GPT(nn.Module):
             raise ValueError(
                 f"sequence length {T} exceeds block_size {self.config.block_size}"
             )
-        pos = torch.arange(T, device=input_ids.device)
+        pos = torch.arange(T, device=input_ids.device) if position_ids is None else position_ids
         x = self.drop(self.wte(input_ids) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)

@@ -49,7 +49,7 @@ class _Ring:
 
     def shift(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Sends `tensors` to the next rank; returns the previous rank's."""
-        received = [torch.empty_like(t) for t in tensors]
+        received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
         for work in dist.batch_isend_irecv(ops):

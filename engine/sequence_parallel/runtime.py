@@ -1,0 +1,144 @@
+"""Running an unmodified model's forward on this rank's part of each sequence.
+
+Note [sequence parallelism]
+With sequence_parallel.size S, the S ranks of a group train on the same samples, each on a part of
+every sequence (world = dp × S; every rank holds the same weights, so gradients are averaged and ZeRO
+shards over all of them). engine(...) splits the forward's sequence-shaped arguments along dim 1:
+- `input_ids`, `inputs_embeds`, `token_type_ids`, `labels` and any positional tensor of the same
+  sequence length; the parts are contiguous for Ulysses, zigzag for ring (Note [ring attention]);
+- `labels` are shifted before they are split (the next token of a part's last position lives on
+  another rank): Hugging Face models get `shift_labels` (their loss then does not shift again);
+  models that take already-shifted labels (the example GPT) get theirs as they are;
+- `position_ids` are the tokens' global positions (given ones are split like the rest).
+Inside the forward, a TorchFunctionMode routes every F.scaled_dot_product_attention call (causal,
+without a mask) to ring or Ulysses attention over the group; a mask tensor or attention dropout is
+refused, naming what to do. "auto" picks Ulysses when the model's heads divide by S, else ring, and
+says which. The model's loss is its mean over this rank's tokens; engine.backward weighs it by this
+rank's share of the group's counted tokens (labels other than -100) times S, so that averaging the
+gradients over the ranks gives the loss over every token of the sample, whatever S and the padding.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from engine.sequence_parallel.ring_attention import ring_attention, zigzag_positions
+from engine.sequence_parallel.ulysses import ulysses_attention
+
+IGNORE_INDEX = -100
+_SPLIT_KEYWORDS = ("input_ids", "inputs_embeds", "token_type_ids", "labels", "position_ids", "shift_labels")
+
+
+def choose_mode(mode: str, model, size: int) -> str:
+    """"auto": Ulysses when the model's attention heads divide by `size`, else ring."""
+    if mode != "auto":
+        return mode
+    config = getattr(model, "config", None)
+    heads = next((getattr(config, k) for k in ("num_attention_heads", "n_head") if hasattr(config, k)), None)
+    return "ulysses" if heads is not None and heads % size == 0 else "ring"
+
+
+class SequenceSplit:
+    """Splits a forward's arguments over the ranks of `group` and runs the forward's attention over them."""
+
+    def __init__(self, group: dist.ProcessGroup | None, size: int, rank: int, mode: str, model: nn.Module):
+        self.group, self.size, self.rank, self.mode = group, size, rank, mode
+        # labels the model shifts itself (Hugging Face): passed as shift_labels
+        self.hf_labels = type(model).__module__.startswith("transformers.")
+        # positional arguments by name, so that labels passed positionally are found
+        self.positional = [p.name for p in inspect.signature(model.forward).parameters.values()
+                           if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        self.token_weight = 1.0  # of the last forward's loss (Note [sequence parallelism])
+
+    def positions(self, seq_len: int, device) -> torch.Tensor:
+        if self.mode == "ring":
+            return zigzag_positions(seq_len, self.rank, self.size, device)
+        if seq_len % self.size:
+            raise ValueError(f"sequence_parallel.size {self.size} splits each sequence into equal parts, and a "
+                             f"sequence of {seq_len} tokens does not divide by {self.size}; pad it to a multiple")
+        part = seq_len // self.size
+        return torch.arange(self.rank * part, (self.rank + 1) * part, device=device)
+
+    def split(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """This rank's part of every sequence-shaped argument, labels shifted first, global positions added."""
+        seq_len = _sequence_length(args, kwargs)
+        named = dict(zip(self.positional, args))
+        if len(named) == len(args) and not named.keys() & kwargs.keys():  # every positional one has a name
+            args, kwargs = (), {**named, **kwargs}
+        kwargs = dict(kwargs)
+        if "attention_mask" in kwargs and kwargs["attention_mask"] is not None:
+            raise ValueError("sequence parallelism splits the sequence, and an attention_mask cannot be split with it "
+                             "(padding or packed documents); give full-length sequences without a mask")
+        labels = kwargs.get("labels")
+        if labels is not None and self.hf_labels:  # shifted on the whole sequence, before it is split
+            kwargs["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        positions = self.positions(seq_len, _device(args, kwargs))
+        if "position_ids" not in kwargs or kwargs["position_ids"] is None:
+            kwargs["position_ids"] = positions.unsqueeze(0)
+        local = lambda t: t[:, positions] if torch.is_tensor(t) and t.dim() >= 2 and t.shape[1] == seq_len else t  # noqa: E731
+        args = tuple(local(a) for a in args)
+        kwargs = {k: local(v) if k in _SPLIT_KEYWORDS else v for k, v in kwargs.items()}
+        counted = kwargs.get("shift_labels", kwargs.get("labels"))
+        self.token_weight = self._token_weight(counted)
+        return args, kwargs
+
+    def _token_weight(self, local_labels: torch.Tensor | None) -> float:
+        """S × this rank's share of the group's counted tokens (1.0 without labels: equal shares)."""
+        if local_labels is None:
+            return 1.0
+        counts = torch.tensor([float((local_labels != IGNORE_INDEX).sum())], dtype=torch.float64)
+        total = counts.clone()
+        dist.all_reduce(total, group=self.group)
+        return float(counts / total) * self.size if total.item() > 0 else 1.0
+
+    def attention(self):
+        """The context the forward runs in: its attention over the group."""
+        return _SplitAttention(self)
+
+
+class _SplitAttention(TorchFunctionMode):
+    def __init__(self, split: SequenceSplit):
+        super().__init__()
+        self.split = split
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+        if mask is not None or not causal:
+            raise ValueError("sequence parallelism runs causal attention without a mask tensor over the split "
+                             "sequence; this model's attention passes a mask (or is not causal): load it with "
+                             "attn_implementation=\"sdpa\" and no attention_mask, or use sequence_parallel.size 1")
+        if dropout:
+            raise ValueError("attention dropout is not supported under sequence parallelism; set the model's "
+                             "attention dropout to 0")
+        scale = kwargs.get("scale")
+        if self.split.mode == "ring":
+            return ring_attention(q, k, v, self.split.positions(q.shape[2] * self.split.size, q.device),
+                                  self.split.group, scale)
+        return ulysses_attention(q, k, v, self.split.group, scale)
+
+
+def _sequence_length(args: tuple, kwargs: dict) -> int:
+    for value in list(args) + [kwargs.get(k) for k in ("input_ids", "inputs_embeds")]:
+        if torch.is_tensor(value) and value.dim() >= 2:
+            return value.shape[1]
+    raise ValueError("sequence parallelism needs the token sequence ([batch, sequence]) as the forward's first "
+                     "argument or as input_ids / inputs_embeds")
+
+
+def _device(args: tuple, kwargs: dict):
+    for value in list(args) + list(kwargs.values()):
+        if torch.is_tensor(value):
+            return value.device
+    return None
