@@ -1,0 +1,99 @@
+"""Sequence parallelism as users meet it (Note [sequence parallelism]): activation memory per rank falls as 1/S,
+"auto" picks and says its mode, and inputs or models it cannot split are refused naming the fix."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+from engine import initialize
+from tests.distributed import run_distributed
+from tests.reference import tiny_gpt, token_batches
+from tests.test_data_parallel import ADAMW
+
+SEQ = 128
+
+
+def config(sp: int, mode: str = "auto") -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": ADAMW},
+            "steps_per_print": 10**6, "sequence_parallel": {"size": sp, "mode": mode}}
+
+
+class SavedBytes:
+    """Bytes of activations autograd keeps for backward at their peak (saved_tensors_hooks); the weights it keeps
+    (parameters' storage) are not activations and are left out."""
+
+    def __init__(self, weights):
+        self.live = self.peak = 0
+        self.weights = {p.untyped_storage().data_ptr() for p in weights}
+
+    def pack(self, tensor):
+        holder = _Holder(tensor)
+        if tensor.untyped_storage().data_ptr() in self.weights:
+            return holder
+        self.live += tensor.numel() * tensor.element_size()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(holder, self._free, tensor.numel() * tensor.element_size())
+        return holder
+
+    def _free(self, nbytes):  # (weights were never counted: their holders carry no finalizer)
+        self.live -= nbytes
+
+    @staticmethod
+    def unpack(holder):
+        return holder.tensor
+
+
+class _Holder:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def _saved_worker(rank, world, mode):
+    engine = initialize(tiny_gpt(0, block_size=SEQ), config(world, mode) if world > 1 else config(1))
+    x = token_batches(1, 2, seq=SEQ)[0]
+    saved = SavedBytes(engine.module.parameters())
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, SavedBytes.unpack):
+        loss = engine(x, x)
+    engine.backward(loss)
+    return saved.peak
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_saved_activation_bytes_per_rank_fall_as_one_over_s(mode):
+    whole = run_distributed(_saved_worker, 1, args=(mode,), timeout_s=60)[0]
+    halves = run_distributed(_saved_worker, 2, args=(mode,), timeout_s=60)
+    for peak in halves:
+        assert 0.45 * whole <= peak <= 0.55 * whole, (peak, whole)
+
+
+def _auto_worker(rank, world, heads):
+    engine = initialize(tiny_gpt(0, n_head=heads, n_embd=48), config(2))
+    return engine.sequence.mode
+
+
+def test_auto_picks_ulysses_when_heads_divide_and_ring_when_they_do_not(capfd):
+    assert run_distributed(_auto_worker, 2, args=(2,), timeout_s=60) == ["ulysses", "ulysses"]
+    assert run_distributed(_auto_worker, 2, args=(3,), timeout_s=60) == ["ring", "ring"]
+    assert "sequence_parallel.mode auto: ring over 2 ranks" in capfd.readouterr().out
+
+
+def _errors_worker(rank, world):
+    errors = []
+    engine = initialize(tiny_gpt(0), config(2, "ulysses"))
+    x = token_batches(1, 2, seq=30)[0]
+    for call in (lambda: engine(x[:, :15], x[:, :15]),
+                 lambda: engine(input_ids=x[:, :16], labels=x[:, :16], attention_mask=torch.ones(2, 16))):
+        try:
+            call()
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_inputs_it_cannot_split_are_refused_naming_the_fix():
+    errors = run_distributed(_errors_worker, 2, timeout_s=60)[0]
+    assert "a sequence of 15 tokens does not divide by 2; pad it to a multiple" in errors[0]
+    assert "an attention_mask cannot be split" in errors[1]
