@@ -122,9 +122,12 @@ def initialize(
     runtime = zero_runtime(model, cfg, chunked, optimizer, topology, loss_scaler, comm)
     if pipeline is not None:
         pipeline.attach(runtime)
+    sequence = split_sequences(model, cfg, topology)
+    if sequence is not None:  # a checkpointed block's recompute runs its attention over the split sequence too
+        checkpointing.recompute_context = sequence.attention
     return Engine(model, cfg, topology, runtime, _scheduler(cfg, optimizer, lr_scheduler), loss_scaler,
                   build_monitor(cfg, topology, runtime, checkpointing), tensor_parallel, checkpointing, pipeline,
-                  split_sequences(model, cfg, topology))
+                  sequence)
 
 
 def parallelize_tensors(model: nn.Module, cfg: Config, topology: Topology) -> TensorParallel | None:

@@ -56,6 +56,8 @@ class ActivationCheckpointing:
         self.recompute_seconds = 0.0  # profile: summed over the run
         self.recomputes = 0
         self.wrapped: list[str] = []  # names of the modules whose forward is checkpointed
+        # a context every recompute runs in besides the user's: sequence parallelism's split attention
+        self.recompute_context = None
 
     # ---- modules --------------------------------------------------------------------------------
     def wrap_modules(self, model: nn.Module) -> list[str]:
@@ -168,24 +170,28 @@ class _Recompute:
         if self.streams_at_forward is not None:
             owner.streams.restore(self.streams_at_forward)
         owner._synchronize(owner.config.profile)
-        self._entered.append((current, time.perf_counter()))
+        stack = contextlib.ExitStack()
+        self._entered.append((current, time.perf_counter(), stack))
         try:
+            if owner.recompute_context is not None:
+                stack.enter_context(owner.recompute_context())
             if self.user_context is not None:
-                self.user_context.__enter__()
+                stack.enter_context(self.user_context)
         except BaseException:
+            stack.close()
             self._leave()
             raise
         return self
 
     def __exit__(self, *exc) -> bool:
         try:
-            return bool(self.user_context.__exit__(*exc)) if self.user_context is not None else False
+            return bool(self._entered[-1][2].__exit__(*exc))
         finally:
             self._leave()
 
     def _leave(self) -> None:
         owner = self.owner
-        current, start = self._entered.pop()
+        current, start, _ = self._entered.pop()
         owner._synchronize(owner.config.profile)
         owner.recompute_seconds += time.perf_counter() - start
         owner.recomputes += 1
