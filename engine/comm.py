@@ -19,18 +19,21 @@ class CommCounter:
     reduce_scatter_bytes: int = 0
     all_gather_bytes: int = 0
     reduce_bytes: int = 0  # the tensor reduced to one rank (2D tensor parallelism)
+    all_to_all_bytes: int = 0  # the input of an all-to-all (Ulysses attention)
+    p2p_bytes: int = 0  # tensors sent to one peer (ring attention)
 
     @property
     def total_bytes(self) -> int:
         return (self.all_reduce_bytes + self.broadcast_bytes + self.reduce_scatter_bytes + self.all_gather_bytes
-                + self.reduce_bytes)
+                + self.reduce_bytes + self.all_to_all_bytes + self.p2p_bytes)
 
     def ring_bytes(self, world: int) -> float:
         """Bytes each rank sends over a ring for these collectives: an all-reduce of n bytes sends
-        2(w-1)/w·n, a reduce-scatter or all-gather of n bytes (w-1)/w·n, a broadcast or reduce n (at most)."""
+        2(w-1)/w·n, a reduce-scatter, all-gather or all-to-all of n bytes (w-1)/w·n, a broadcast or reduce n (at
+        most), a point-to-point send n."""
         part = (world - 1) / world
-        return ((2 * self.all_reduce_bytes + self.reduce_scatter_bytes + self.all_gather_bytes) * part
-                + self.broadcast_bytes + self.reduce_bytes)
+        return ((2 * self.all_reduce_bytes + self.reduce_scatter_bytes + self.all_gather_bytes
+                 + self.all_to_all_bytes) * part + self.broadcast_bytes + self.reduce_bytes + self.p2p_bytes)
 
 
 def shard_range(numel: int, rank: int, count: int) -> tuple[int, int]:

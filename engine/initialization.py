@@ -122,7 +122,7 @@ def initialize(
     runtime = zero_runtime(model, cfg, chunked, optimizer, topology, loss_scaler, comm)
     if pipeline is not None:
         pipeline.attach(runtime)
-    sequence = split_sequences(model, cfg, topology)
+    sequence = split_sequences(model, cfg, topology, comm)
     if sequence is not None:  # a checkpointed block's recompute runs its attention over the split sequence too
         checkpointing.recompute_context = sequence.attention
     return Engine(model, cfg, topology, runtime, _scheduler(cfg, optimizer, lr_scheduler), loss_scaler,
@@ -170,7 +170,8 @@ def split_pipeline(model: nn.Module, cfg: Config, topology: Topology,
     return split, groups
 
 
-def split_sequences(model: nn.Module, cfg: Config, topology: Topology) -> SequenceSplit | None:
+def split_sequences(model: nn.Module, cfg: Config, topology: Topology,
+                    comm: CommCounter | None = None) -> SequenceSplit | None:
     """Note [sequence parallelism]: how this rank's part of each sequence is taken and its attention run; None
     without sequence parallelism. "auto" says which mode it chose."""
     sp = cfg.sequence_parallel
@@ -180,7 +181,7 @@ def split_sequences(model: nn.Module, cfg: Config, topology: Topology) -> Sequen
     if sp.mode == "auto" and topology.rank == 0:
         print(f"[tiers] sequence_parallel.mode auto: {mode} over {sp.size} ranks (Ulysses when the model's attention "
               "heads divide by the size, else ring)", flush=True)
-    return SequenceSplit(topology.sp_group, sp.size, topology.sp_rank, mode, model)
+    return SequenceSplit(topology.sp_group, sp.size, topology.sp_rank, mode, model, comm)
 
 
 def build_pipeline(split: PipelineModel, shared_groups: dict, cfg: Config, topology: Topology, chunked: ChunkedParams,

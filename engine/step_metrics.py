@@ -12,7 +12,7 @@ import torch
 
 from engine.comm import CommCounter
 
-_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
 
 
 @dataclass(frozen=True)

@@ -97,3 +97,25 @@ def test_inputs_it_cannot_split_are_refused_naming_the_fix():
     errors = run_distributed(_errors_worker, 2, timeout_s=60)[0]
     assert "a sequence of 15 tokens does not divide by 2; pad it to a multiple" in errors[0]
     assert "an attention_mask cannot be split" in errors[1]
+
+
+def _bytes_worker(rank, world, mode):
+    engine = initialize(tiny_gpt(0, block_size=SEQ), config(world, mode))
+    x = token_batches(1, 2, seq=SEQ)[0]
+    before = (engine.comm.all_to_all_bytes, engine.comm.p2p_bytes)
+    engine.backward(engine(x, x))
+    return engine.comm.all_to_all_bytes - before[0], engine.comm.p2p_bytes - before[1]
+
+
+@pytest.mark.parametrize("mode,world", [("ulysses", 2), ("ring", 2), ("ring", 4)])
+def test_attention_bytes_per_step_equal_the_formulas(mode, world):
+    """Per attention layer, this rank's q, k, v, out are [B, H, T/S, D] fp32 (n bytes each). Ulysses: four
+    all-to-alls forward (q, k, v, out) and four backward: 8n. Ring: forward sends k, v and the positions S-1 times;
+    backward sends k, v, positions, dK, dV S-1 times and dK, dV once more: (S-1)(2n + p) + (S-1)(4n + p) + 2n."""
+    layers, b, t = 2, 2, SEQ // world  # the tiny GPT: 2 blocks, 64 wide, 2 heads
+    n = b * 64 * t * 4
+    positions = t * 8
+    expected = {"ulysses": (layers * 8 * n, 0),
+                "ring": (0, layers * ((world - 1) * (2 * n + positions) + (world - 1) * (4 * n + positions) + 2 * n))}
+    for got in run_distributed(_bytes_worker, world, args=(mode,), timeout_s=60):
+        assert got == expected[mode]

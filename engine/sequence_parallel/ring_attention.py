@@ -22,6 +22,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from engine.comm import CommCounter
+
 
 def zigzag_positions(seq_len: int, rank: int, size: int, device=None) -> torch.Tensor:
     """The global positions of the tokens rank `rank` of `size` holds under the zigzag split of `seq_len`."""
@@ -37,8 +39,8 @@ def zigzag_positions(seq_len: int, rank: int, size: int, device=None) -> torch.T
 class _Ring:
     """Passing a block to the next rank of the sequence-parallel group while receiving one from the previous."""
 
-    def __init__(self, group: dist.ProcessGroup | None):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup | None, counter: CommCounter | None):
+        self.group, self.counter = group, counter
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.next = self._global((self.rank + 1) % self.size)
@@ -50,6 +52,8 @@ class _Ring:
     def shift(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Sends `tensors` to the next rank; returns the previous rank's."""
         received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+        if self.counter is not None:
+            self.counter.p2p_bytes += sum(t.numel() * t.element_size() for t in tensors)
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
         for work in dist.batch_isend_irecv(ops):
@@ -72,8 +76,8 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's q over every rank's k, v (Note [ring attention]); [B, H, T_local, D]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, group, scale):
-        ring = _Ring(group)
+    def forward(ctx, q, k, v, positions, group, scale, counter):
+        ring = _Ring(group, counter)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         block = [k, v, positions]
@@ -93,13 +97,13 @@ class RingAttention(torch.autograd.Function):
             if step + 1 < ring.size:
                 block = following
         ctx.save_for_backward(q, k, v, positions, out, lse)
-        ctx.group, ctx.scale = group, scale
+        ctx.group, ctx.scale, ctx.counter = group, scale, counter
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, positions, out, lse = ctx.saved_tensors
-        ring, scale = _Ring(ctx.group), ctx.scale
+        ring, scale = _Ring(ctx.group, ctx.counter), ctx.scale
         grad_out = grad_out.float()
         delta = (grad_out * out).sum(-1, keepdim=True)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -119,18 +123,20 @@ class RingAttention(torch.autograd.Function):
             if step + 1 < ring.size:
                 block = ring.shift(block)
         dk_home, dv_home = ring.shift([block[3], block[4]])  # one more hop: every block back to its owner
-        return dq.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                   group: dist.ProcessGroup | None, scale: float | None = None) -> torch.Tensor:
+                   group: dist.ProcessGroup | None, scale: float | None = None,
+                   counter: CommCounter | None = None) -> torch.Tensor:
     """Causal attention over the whole sequence for this rank's queries `q` ([B, H, T_local, D]), the keys and
     values of every rank of `group` passing around the ring; `positions`: the global position of each local
-    token (zigzag_positions). Keys and values with fewer heads (GQA) are repeated to q's heads."""
+    token (zigzag_positions). Keys and values with fewer heads (GQA) are repeated to q's heads. counter: where the
+    bytes sent are counted (p2p_bytes)."""
     if k.shape[1] != q.shape[1]:
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"{q.shape[1]} query heads do not divide into {k.shape[1]} key/value heads")
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return RingAttention.apply(q, k, v, positions, group, scale)
+    return RingAttention.apply(q, k, v, positions, group, scale, counter)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from engine.comm import CommCounter
 from engine.sequence_parallel.ring_attention import ring_attention, zigzag_positions
 from engine.sequence_parallel.ulysses import ulysses_attention
 
@@ -47,8 +48,11 @@ def choose_mode(mode: str, model, size: int) -> str:
 class SequenceSplit:
     """Splits a forward's arguments over the ranks of `group` and runs the forward's attention over them."""
 
-    def __init__(self, group: dist.ProcessGroup | None, size: int, rank: int, mode: str, model: nn.Module):
+    def __init__(self, group: dist.ProcessGroup | None, size: int, rank: int, mode: str, model: nn.Module,
+                 counter: CommCounter | None = None):
+        """counter: where the attention's all-to-all and point-to-point bytes are counted (the engine's)."""
         self.group, self.size, self.rank, self.mode = group, size, rank, mode
+        self.counter = counter
         # labels the model shifts itself (Hugging Face): passed as shift_labels
         self.hf_labels = type(model).__module__.startswith("transformers.")
         # positional arguments by name, so that labels passed positionally are found
@@ -125,8 +129,8 @@ class _SplitAttention(TorchFunctionMode):
         scale = kwargs.get("scale")
         if self.split.mode == "ring":
             return ring_attention(q, k, v, self.split.positions(q.shape[2] * self.split.size, q.device),
-                                  self.split.group, scale)
-        return ulysses_attention(q, k, v, self.split.group, scale)
+                                  self.split.group, scale, self.split.counter)
+        return ulysses_attention(q, k, v, self.split.group, scale, counter=self.split.counter)
 
 
 def _sequence_length(args: tuple, kwargs: dict) -> int:

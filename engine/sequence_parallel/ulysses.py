@@ -18,11 +18,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from engine.comm import CommCounter
 
-def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+
+def _all_to_all(x: torch.Tensor, group, counter: CommCounter | None) -> torch.Tensor:
     """x's first dimension, one slice per rank of `group`, exchanged: slice j goes to rank j, and slice j of the
     result is what rank j sent."""
     x = x.contiguous()
+    if counter is not None:
+        counter.all_to_all_bytes += x.numel() * x.element_size()
     out = torch.empty_like(x)  # (after contiguous: empty_like keeps a permuted tensor's strides)
     dist.all_to_all_single(out, x, group=group)
     return out
@@ -32,45 +36,46 @@ class _SequenceToHeads(torch.autograd.Function):
     """[B, H, T/S, D] (a sequence slice, every head) -> [B, H/S, T, D] (every position, a slice of the heads)."""
 
     @staticmethod
-    def forward(ctx, x, group, size):
-        ctx.group, ctx.size = group, size
-        return sequence_to_heads(x, group, size)
+    def forward(ctx, x, group, size, counter):
+        ctx.group, ctx.size, ctx.counter = group, size, counter
+        return sequence_to_heads(x, group, size, counter)
 
     @staticmethod
     def backward(ctx, grad):
-        return heads_to_sequence(grad, ctx.group, ctx.size), None, None
+        return heads_to_sequence(grad, ctx.group, ctx.size, ctx.counter), None, None, None
 
 
 class _HeadsToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, size):
-        ctx.group, ctx.size = group, size
-        return heads_to_sequence(x, group, size)
+    def forward(ctx, x, group, size, counter):
+        ctx.group, ctx.size, ctx.counter = group, size, counter
+        return heads_to_sequence(x, group, size, counter)
 
     @staticmethod
     def backward(ctx, grad):
-        return sequence_to_heads(grad, ctx.group, ctx.size), None, None
+        return sequence_to_heads(grad, ctx.group, ctx.size, ctx.counter), None, None, None
 
 
-def sequence_to_heads(x: torch.Tensor, group, size: int) -> torch.Tensor:
+def sequence_to_heads(x: torch.Tensor, group, size: int, counter: CommCounter | None = None) -> torch.Tensor:
     b, h, t, d = x.shape
     parts = x.reshape(b, size, h // size, t, d).permute(1, 0, 2, 3, 4)  # [S (to), B, H/S, T/S, D]
-    received = _all_to_all(parts, group)  # [S (from: its sequence slice), B, H/S, T/S, D]
+    received = _all_to_all(parts, group, counter)  # [S (from: its sequence slice), B, H/S, T/S, D]
     return received.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * t, d)
 
 
-def heads_to_sequence(x: torch.Tensor, group, size: int) -> torch.Tensor:
+def heads_to_sequence(x: torch.Tensor, group, size: int, counter: CommCounter | None = None) -> torch.Tensor:
     b, h_part, t_all, d = x.shape
     t = t_all // size
     parts = x.reshape(b, h_part, size, t, d).permute(2, 0, 1, 3, 4)  # [S (to: its sequence slice), B, H/S, T/S, D]
-    received = _all_to_all(parts, group)  # [S (from: its head slice), B, H/S, T/S, D]
+    received = _all_to_all(parts, group, counter)  # [S (from: its head slice), B, H/S, T/S, D]
     return received.permute(1, 0, 2, 3, 4).reshape(b, size * h_part, t, d)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
-                      scale: float | None = None, is_causal: bool = True) -> torch.Tensor:
+                      scale: float | None = None, is_causal: bool = True,
+                      counter: CommCounter | None = None) -> torch.Tensor:
     """Attention over the whole sequence for this rank's contiguous slice of it ([B, H, T/S, D] each), heads split
-    over the ranks of `group` around it (Note [Ulysses attention])."""
+    over the ranks of `group` around it (Note [Ulysses attention]); counter: where all-to-all bytes are counted."""
     size = dist.get_world_size(group)
     heads = q.shape[1]
     if heads % size:
@@ -81,6 +86,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
             raise ValueError(f"{heads} query heads do not divide into {k.shape[1]} key/value heads")
         k, v = (t.repeat_interleave(heads // k.shape[1], dim=1) for t in (k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q, k, v = (_SequenceToHeads.apply(t, group, size) for t in (q, k, v))
+    q, k, v = (_SequenceToHeads.apply(t, group, size, counter) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
-    return _HeadsToSequence.apply(out, group, size)
+    return _HeadsToSequence.apply(out, group, size, counter)
