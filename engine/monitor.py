@@ -5,7 +5,8 @@ TensorBoard tags (README lists them):
   Throughput/samples_per_sec, Throughput/tokens_per_sec (when token ids are seen),
   Time/step_ms, Memory/rss_bytes, Memory/device_allocated_bytes and
   Memory/device_peak_bytes (CUDA), Memory/chunk_bytes/{param,grad,optim} (model state held by this
-  rank), Comm/bytes_per_step and Comm/{all_reduce,reduce_scatter,all_gather}_bytes_per_step; with
+  rank), Comm/bytes_per_step and Comm/{all_reduce,reduce_scatter,all_gather,all_to_all,p2p}_bytes_per_step;
+  under a pipeline Pipeline/bubble_fraction and Pipeline/bubble_fraction_formula; with
   wall_clock_breakdown also
   Time/forward_ms, Time/backward_ms, Time/optimizer_ms (summed over the update's micro-steps); with
   activation_checkpointing.profile also Time/recompute_ms (the update's recomputes, summed).
