@@ -119,3 +119,25 @@ def test_attention_bytes_per_step_equal_the_formulas(mode, world):
                 "ring": (0, layers * ((world - 1) * (2 * n + positions) + (world - 1) * (4 * n + positions) + 2 * n))}
     for got in run_distributed(_bytes_worker, world, args=(mode,), timeout_s=60):
         assert got == expected[mode]
+
+
+class NoPositions(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+
+    def forward(self, x):
+        return self.layers[0](x).sum()
+
+
+def _no_positions_worker(rank, world):
+    try:
+        initialize(NoPositions(), config(2, "ring"))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_a_model_without_position_ids_is_refused():
+    message = run_distributed(_no_positions_worker, 2, timeout_s=60)[0]
+    assert "NoPositions.forward takes no position_ids; add a position_ids argument" in message

@@ -4,12 +4,13 @@ Note [sequence parallelism]
 With sequence_parallel.size S, the S ranks of a group train on the same samples, each on a part of
 every sequence (world = dp × S; every rank holds the same weights, so gradients are averaged and ZeRO
 shards over all of them). engine(...) splits the forward's sequence-shaped arguments along dim 1:
-- `input_ids`, `inputs_embeds`, `token_type_ids`, `labels` and any positional tensor of the same
-  sequence length; the parts are contiguous for Ulysses, zigzag for ring (Note [ring attention]);
+- every tensor argument of the sequence's length along dim 1 (input_ids, labels, token_type_ids,
+  ...); the parts are contiguous for Ulysses, zigzag for ring (Note [ring attention]);
 - `labels` are shifted before they are split (the next token of a part's last position lives on
   another rank): Hugging Face models get `shift_labels` (their loss then does not shift again);
   models that take already-shifted labels (the example GPT) get theirs as they are;
-- `position_ids` are the tokens' global positions (given ones are split like the rest).
+- `position_ids` are the tokens' global positions (given ones are split like the rest); a model
+  whose forward takes no position_ids is refused (its positions would be the part's, silently).
 Inside the forward, a TorchFunctionMode routes every F.scaled_dot_product_attention call (causal,
 without a mask) to ring or Ulysses attention over the group; a mask tensor or attention dropout is
 refused, naming what to do. "auto" picks Ulysses when the model's heads divide by S, else ring, and
@@ -33,7 +34,6 @@ from engine.sequence_parallel.ring_attention import ring_attention, zigzag_posit
 from engine.sequence_parallel.ulysses import ulysses_attention
 
 IGNORE_INDEX = -100
-_SPLIT_KEYWORDS = ("input_ids", "inputs_embeds", "token_type_ids", "labels", "position_ids", "shift_labels")
 
 
 def choose_mode(mode: str, model, size: int) -> str:
@@ -56,8 +56,14 @@ class SequenceSplit:
         # labels the model shifts itself (Hugging Face): passed as shift_labels
         self.hf_labels = type(model).__module__.startswith("transformers.")
         # positional arguments by name, so that labels passed positionally are found
-        self.positional = [p.name for p in inspect.signature(model.forward).parameters.values()
-                           if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        parameters = inspect.signature(model.forward).parameters.values()
+        self.positional = [p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        self.takes_positions = any(p.name == "position_ids" or p.kind is inspect.Parameter.VAR_KEYWORD
+                                   for p in parameters)
+        if not self.takes_positions:
+            raise ValueError(f"sequence parallelism gives each rank its tokens' global positions as position_ids, "
+                             f"and {type(model).__name__}.forward takes no position_ids; add a position_ids argument "
+                             "that the model's position embedding (or rotary) uses")
         self.token_weight = 1.0  # of the last forward's loss (Note [sequence parallelism])
 
     def positions(self, seq_len: int, device) -> torch.Tensor:
@@ -87,7 +93,7 @@ class SequenceSplit:
             kwargs["position_ids"] = positions.unsqueeze(0)
         local = lambda t: t[:, positions] if torch.is_tensor(t) and t.dim() >= 2 and t.shape[1] == seq_len else t  # noqa: E731
         args = tuple(local(a) for a in args)
-        kwargs = {k: local(v) if k in _SPLIT_KEYWORDS else v for k, v in kwargs.items()}
+        kwargs = {k: local(v) for k, v in kwargs.items()}  # every sequence-shaped argument
         counted = kwargs.get("shift_labels", kwargs.get("labels"))
         self.token_weight = self._token_weight(counted)
         return args, kwargs
