@@ -3,8 +3,6 @@ accumulated gradients equal one process running the whole model over the same mi
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +11,7 @@ from torch import nn
 from engine.pipeline import PipelineRunner, PipelineTimeout, build_schedule
 from tests.distributed import run_distributed
 from tests.reference import FP32_RTOL
+from tests.saved_bytes import SavedBytes
 
 WIDTH, LAYERS, BATCH = 16, 8, 4
 
@@ -75,39 +74,12 @@ def test_a_rank_given_the_wrong_stages_is_told_which_it_holds():
         PipelineRunner.over_modules(schedule, 1, {1: nn.Linear(2, 2)}, F.mse_loss)
 
 
-class _SavedBytes:
-    """Bytes of the tensors autograd keeps for backward, live and at their peak (saved_tensors_hooks)."""
-
-    def __init__(self):
-        self.live = self.peak = 0
-
-    def pack(self, tensor):
-        box = _Box(tensor)
-        nbytes = tensor.numel() * tensor.element_size()
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(box, self._free, nbytes)
-        return box
-
-    def _free(self, nbytes):
-        self.live -= nbytes
-
-    @staticmethod
-    def unpack(box):
-        return box.tensor
-
-
-class _Box:
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-
 def _memory_worker(rank, world, name, m):
     schedule = build_schedule(name, world, m)
     parts = stage_modules(model(), schedule.stages)
     runner = PipelineRunner.over_modules(schedule, rank, {rank: parts[rank]}, F.mse_loss)
-    saved = _SavedBytes()
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, _SavedBytes.unpack):
+    saved = SavedBytes()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, SavedBytes.unpack):
         runner.run(list(zip(*data(m))))
     return saved.peak
 

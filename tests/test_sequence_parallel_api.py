@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 
 from engine import initialize
 from tests.distributed import run_distributed
 from tests.reference import tiny_gpt, token_batches
+from tests.saved_bytes import SavedBytes
 from tests.test_data_parallel import ADAMW
 
 SEQ = 128
@@ -19,36 +18,6 @@ SEQ = 128
 def config(sp: int, mode: str = "auto") -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": ADAMW},
             "steps_per_print": 10**6, "sequence_parallel": {"size": sp, "mode": mode}}
-
-
-class SavedBytes:
-    """Bytes of activations autograd keeps for backward at their peak (saved_tensors_hooks); the weights it keeps
-    (parameters' storage) are not activations and are left out."""
-
-    def __init__(self, weights):
-        self.live = self.peak = 0
-        self.weights = {p.untyped_storage().data_ptr() for p in weights}
-
-    def pack(self, tensor):
-        holder = _Holder(tensor)
-        if tensor.untyped_storage().data_ptr() in self.weights:
-            return holder
-        self.live += tensor.numel() * tensor.element_size()
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(holder, self._free, tensor.numel() * tensor.element_size())
-        return holder
-
-    def _free(self, nbytes):  # (weights were never counted: their holders carry no finalizer)
-        self.live -= nbytes
-
-    @staticmethod
-    def unpack(holder):
-        return holder.tensor
-
-
-class _Holder:
-    def __init__(self, tensor):
-        self.tensor = tensor
 
 
 def _saved_worker(rank, world, mode):

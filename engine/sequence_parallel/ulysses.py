@@ -32,31 +32,22 @@ def _all_to_all(x: torch.Tensor, group, counter: CommCounter | None) -> torch.Te
     return out
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    """[B, H, T/S, D] (a sequence slice, every head) -> [B, H/S, T, D] (every position, a slice of the heads)."""
+class _Exchange(torch.autograd.Function):
+    """sequence_to_heads (to_heads) or heads_to_sequence; the backward of either is the other."""
 
     @staticmethod
-    def forward(ctx, x, group, size, counter):
-        ctx.group, ctx.size, ctx.counter = group, size, counter
-        return sequence_to_heads(x, group, size, counter)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return heads_to_sequence(grad, ctx.group, ctx.size, ctx.counter), None, None, None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, size, counter):
-        ctx.group, ctx.size, ctx.counter = group, size, counter
-        return heads_to_sequence(x, group, size, counter)
+    def forward(ctx, x, group, size, counter, to_heads: bool):
+        ctx.group, ctx.size, ctx.counter, ctx.to_heads = group, size, counter, to_heads
+        return (sequence_to_heads if to_heads else heads_to_sequence)(x, group, size, counter)
 
     @staticmethod
     def backward(ctx, grad):
-        return sequence_to_heads(grad, ctx.group, ctx.size, ctx.counter), None, None, None
+        back = heads_to_sequence if ctx.to_heads else sequence_to_heads
+        return back(grad, ctx.group, ctx.size, ctx.counter), None, None, None, None
 
 
 def sequence_to_heads(x: torch.Tensor, group, size: int, counter: CommCounter | None = None) -> torch.Tensor:
+    """[B, H, T/S, D] (a sequence slice, every head) -> [B, H/S, T, D] (every position, a slice of the heads)."""
     b, h, t, d = x.shape
     parts = x.reshape(b, size, h // size, t, d).permute(1, 0, 2, 3, 4)  # [S (to), B, H/S, T/S, D]
     received = _all_to_all(parts, group, counter)  # [S (from: its sequence slice), B, H/S, T/S, D]
@@ -64,6 +55,7 @@ def sequence_to_heads(x: torch.Tensor, group, size: int, counter: CommCounter | 
 
 
 def heads_to_sequence(x: torch.Tensor, group, size: int, counter: CommCounter | None = None) -> torch.Tensor:
+    """The inverse of sequence_to_heads."""
     b, h_part, t_all, d = x.shape
     t = t_all // size
     parts = x.reshape(b, h_part, size, t, d).permute(2, 0, 1, 3, 4)  # [S (to: its sequence slice), B, H/S, T/S, D]
@@ -86,6 +78,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
             raise ValueError(f"{heads} query heads do not divide into {k.shape[1]} key/value heads")
         k, v = (t.repeat_interleave(heads // k.shape[1], dim=1) for t in (k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q, k, v = (_SequenceToHeads.apply(t, group, size, counter) for t in (q, k, v))
+    q, k, v = (_Exchange.apply(t, group, size, counter, True) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
-    return _HeadsToSequence.apply(out, group, size, counter)
+    return _Exchange.apply(out, group, size, counter, False)
