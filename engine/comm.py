@@ -20,7 +20,7 @@ class CommCounter:
     all_gather_bytes: int = 0
     reduce_bytes: int = 0  # the tensor reduced to one rank (2D tensor parallelism)
     all_to_all_bytes: int = 0  # the input of an all-to-all (Ulysses attention)
-    p2p_bytes: int = 0  # tensors sent to one peer (ring attention)
+    p2p_bytes: int = 0  # tensors sent to one peer (ring attention, pipeline stages)
 
     @property
     def total_bytes(self) -> int:

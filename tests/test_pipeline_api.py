@@ -99,15 +99,20 @@ def test_a_user_model_trains_and_evaluates_as_in_one_process(style):
 def _telemetry_worker(rank, world, log_dir):
     cfg = pipeline_config(2, "gpipe", 1, M, tensorboard={"enabled": True, "output_path": log_dir, "job_name": "pp"})
     engine = initialize(example_gpt(), cfg)
+    sent = []
     for x in token_batches(2, 8):
+        before = engine.comm.p2p_bytes
         engine.train_batch(iter([{"input_ids": mb, "labels": mb} for mb in x.chunk(M)]))
+        sent.append(engine.comm.p2p_bytes - before)
     engine.close()
-    return engine.pipeline.formula_bubble
+    return engine.pipeline.formula_bubble, sent
 
 
 def test_the_bubble_goes_to_tensorboard_next_to_the_formula(tmp_path):
-    formula = run_distributed(_telemetry_worker, 2, args=(str(tmp_path),), timeout_s=120)[0]
+    (formula, sent), (_, sent_back) = run_distributed(_telemetry_worker, 2, args=(str(tmp_path),), timeout_s=120)
     assert formula == pytest.approx((2 - 1) / (M + 2 - 1))
+    # each micro-batch's hidden state [2, 32, 64] fp32 goes forward and its gradient back, each with a 64-byte header
+    assert sent == sent_back == [M * (2 * 32 * 64 * 4 + 64)] * 2
     events = EventAccumulator(str(tmp_path / "pp"))
     events.Reload()
     measured = [e.value for e in events.Scalars("Pipeline/bubble_fraction")]

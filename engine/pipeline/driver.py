@@ -59,7 +59,7 @@ class PipelineDriver:
         stages = {s: self._stage_function(s) for s in split.views}
         params = {s: list(view.parameters()) for s, view in split.views.items()}
         self.runner = PipelineRunner(self.schedule, topology.pp_rank, stages, params, topology.pp_group, timeout_s,
-                                     topology.device, around=self._phase)
+                                     topology.device, around=self._phase, counter=comm)
         self.shared_groups = shared_groups
         self._loss_scale = 1.0
         self.last_bubble: float | None = None

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.comm import CommCounter
 from engine.pipeline.schedules import Action, ActionKind, Schedule
 from engine.pipeline.simulate import simulate
 from engine.pipeline.weight_grads import WeightPass
@@ -87,16 +88,18 @@ class PipelineRunner:
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, StageFunction],
                  params: dict[int, list[nn.Parameter]], group: dist.ProcessGroup | None = None,
                  timeout_s: float = 600.0, device: torch.device | None = None,
-                 around: Callable[[Action], contextlib.AbstractContextManager] = _no_phase):
+                 around: Callable[[Action], contextlib.AbstractContextManager] = _no_phase,
+                 counter: CommCounter | None = None):
         """timeout_s: how long a receive waits before PipelineTimeout names the action and what it waits for;
-        device: where received tensors go (default: the first parameter's device, else the CPU)."""
+        device: where received tensors go (default: the first parameter's device, else the CPU); counter: where
+        the bytes sent are counted (p2p_bytes)."""
         simulate(schedule)  # refuses an incomplete or deadlocking schedule before anything runs
         held = [s for s in range(schedule.stages) if schedule.rank_of(s) == rank]
         if sorted(stages) != held:
             raise ValueError(f"rank {rank} holds pipeline stage(s) {held} but was given modules for {sorted(stages)}; "
                              f"stage s lives on rank s mod {schedule.ranks}")
         self.schedule, self.rank, self.stages, self.params, self.group = schedule, rank, stages, params, group
-        self.around = around
+        self.around, self.counter = around, counter
         self.last = schedule.stages - 1
         self.timeout = timedelta(seconds=timeout_s)
         self.device = device or next((p.device for ps in params.values() for p in ps), torch.device("cpu"))
@@ -215,6 +218,8 @@ class PipelineRunner:
         header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
         header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
         payload = tensor.contiguous()
+        if self.counter is not None:
+            self.counter.p2p_bytes += header.numel() * header.element_size() + payload.numel() * payload.element_size()
         return [dist.isend(header.to(payload.device), dst, self.group, tag=2 * tag),
                 dist.isend(payload, dst, self.group, tag=2 * tag + 1)]
 
