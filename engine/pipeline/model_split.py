@@ -31,6 +31,7 @@ inputs, on a view of the model whose block list holds only that stage's blocks:
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -134,8 +135,9 @@ class PipelineModel:
     shared: dict[int, tuple[int, ...]] = field(default_factory=dict)  # id -> the pipeline ranks holding it
     keys: tuple[str, ...] = ()  # the whole model's state-dict keys, in its order (checkpoints, full_state_dict)
 
-    @property
+    @functools.cached_property
     def param_by_id(self) -> dict[int, nn.Parameter]:
+        """This rank's parameters by id (the split is done: the holder keeps these from here on)."""
         return {id(p): p for p in self.holder.parameters()}
 
     def holds(self, p: nn.Parameter) -> bool:
