@@ -7,8 +7,10 @@ under a causal mask every rank has the same work (contiguous shards leave the la
 first's). Attention is computed from the tokens' global positions, so any layout works; zigzag is
 what `zigzag_positions` gives. Forward: for S steps each rank attends its queries to the block of
 keys and values it holds (its own first), keeps each block's output and log-sum-exp, and merges them
-in fp32 (out = Σ out_b · exp(lse_b − lse)); meanwhile the block moves to the next rank. A block no
-query may see under the mask is skipped (its output weight is zero). Backward is exact, as flash
+in fp32 (out = Σ out_b · exp(lse_b − lse)); meanwhile the block moves to the next rank. Within a
+block, each run of consecutive query positions meets only the runs of keys it may see, so a chunk
+the mask hides whole is never computed: under zigzag every rank computes 2S + 1 chunk pairs per
+layer (contiguous shards: 4(r + 1) for rank r, the last rank 4S). Backward is exact, as flash
 attention's: with the final output O and log-sum-exp L kept, each block's probabilities are
 recomputed as exp(q·kᵀ·scale − L), dV_b = Pᵀ·dO, dS = P ⊙ (dO·Vᵀ − rowsum(dO ⊙ O)), dQ += dS·K·scale,
 dK_b = dSᵀ·Q·scale; the blocks travel the ring again, each carrying the dK and dV summed so far, and
@@ -62,14 +64,60 @@ class _Ring:
 
 
 def _block_scores(q, k, q_pos, k_pos, scale):
-    """fp32 scores of queries against one key block, -inf where the causal mask hides a key."""
+    """fp32 scores of queries against keys, -inf where the causal mask hides a key."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     hidden = q_pos[:, None] < k_pos[None, :]
     return scores.masked_fill(hidden, float("-inf"))
 
 
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
-    return bool(q_pos.max() >= k_pos.min())
+def _runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(start, end, first position) of each run of consecutive positions (a zigzag part has two)."""
+    values = positions.tolist()
+    starts = [0] + [i for i in range(1, len(values)) if values[i] != values[i - 1] + 1]
+    return [(a, b, values[a]) for a, b in zip(starts, starts[1:] + [len(values)])]
+
+
+def _meetings(q_pos: torch.Tensor, k_pos: torch.Tensor):
+    """For each run of queries, the indices of the keys of the runs it may see (a run wholly after every query
+    is skipped: the mask would hide it whole): (query slice, key indices) pairs."""
+    k_runs = _runs(k_pos)
+    for start, end, _ in _runs(q_pos):
+        last = int(q_pos[end - 1])
+        seen = [torch.arange(a, b, device=k_pos.device) for a, b, first in k_runs if first <= last]
+        if seen:
+            yield slice(start, end), torch.cat(seen)
+
+
+def attend_block(q, k_b, v_b, q_pos, k_pos, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 output and log-sum-exp of queries `q` against one block of keys and values, computed only where
+    runs of queries and keys meet under the causal mask (rows that see no key: output 0, lse -inf)."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    for rows, keys in _meetings(q_pos, k_pos):
+        scores = _block_scores(q[..., rows, :], k_b.index_select(-2, keys), q_pos[rows], k_pos[keys], scale)
+        lse_r = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse_r.unsqueeze(-1)).nan_to_num(0.0)  # rows with no visible key: 0
+        out[..., rows, :] = torch.matmul(probs, v_b.index_select(-2, keys).float())
+        lse[..., rows] = lse_r
+    return out, lse
+
+
+def block_gradients(q, k_b, v_b, q_pos, k_pos, scale, grad_out, delta, lse):
+    """This block's share of dQ and its dK, dV (fp32), from the final log-sum-exp `lse` and
+    delta = rowsum(dO ⊙ O), over the same meetings of runs as attend_block."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k_b.shape, dtype=torch.float32, device=k_b.device)
+    dv = torch.zeros(v_b.shape, dtype=torch.float32, device=v_b.device)
+    for rows, keys in _meetings(q_pos, k_pos):
+        q_r, k_r, v_r = q[..., rows, :].float(), k_b.index_select(-2, keys).float(), v_b.index_select(-2, keys).float()
+        probs = torch.exp(_block_scores(q_r, k_r, q_pos[rows], k_pos[keys], scale)
+                          - lse[..., rows].unsqueeze(-1)).nan_to_num(0.0)
+        go = grad_out[..., rows, :]
+        dv.index_add_(-2, keys, torch.matmul(probs.transpose(-1, -2), go))
+        dscores = probs * (torch.matmul(go, v_r.transpose(-1, -2)) - delta[..., rows, :])
+        dq[..., rows, :] += torch.matmul(dscores, k_r) * scale
+        dk.index_add_(-2, keys, torch.matmul(dscores.transpose(-1, -2), q_r) * scale)
+    return dq, dk, dv
 
 
 class RingAttention(torch.autograd.Function):
@@ -85,15 +133,11 @@ class RingAttention(torch.autograd.Function):
             k_b, v_b, pos_b = block
             if step + 1 < ring.size:
                 following = ring.shift(block)
-            if _visible(positions, pos_b):
-                scores = _block_scores(q, k_b, positions, pos_b, scale)
-                lse_b = torch.logsumexp(scores, dim=-1)
-                probs = torch.exp(scores - lse_b.unsqueeze(-1)).nan_to_num(0.0)  # rows with no visible key: 0
-                out_b = torch.matmul(probs, v_b.float())
-                merged = torch.logaddexp(lse, lse_b)
-                keep = torch.exp(lse - merged).nan_to_num(0.0).unsqueeze(-1)
-                take = torch.exp(lse_b - merged).nan_to_num(0.0).unsqueeze(-1)
-                out, lse = out * keep + out_b * take, merged
+            out_b, lse_b = attend_block(q, k_b, v_b, positions, pos_b, scale)
+            merged = torch.logaddexp(lse, lse_b)
+            keep = torch.exp(lse - merged).nan_to_num(0.0).unsqueeze(-1)
+            take = torch.exp(lse_b - merged).nan_to_num(0.0).unsqueeze(-1)
+            out, lse = out * keep + out_b * take, merged
             if step + 1 < ring.size:
                 block = following
         ctx.save_for_backward(q, k, v, positions, out, lse)
@@ -112,14 +156,9 @@ class RingAttention(torch.autograd.Function):
         block = [k, v, positions, dk, dv]
         for step in range(ring.size):
             k_b, v_b, pos_b, dk_b, dv_b = block
-            if _visible(positions, pos_b):
-                scores = _block_scores(q, k_b, positions, pos_b, scale)
-                probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-                dv_b = dv_b + torch.matmul(probs.transpose(-1, -2), grad_out)
-                dscores = probs * (torch.matmul(grad_out, v_b.float().transpose(-1, -2)) - delta)
-                dq += torch.matmul(dscores, k_b.float()) * scale
-                dk_b = dk_b + torch.matmul(dscores.transpose(-1, -2), q.float()) * scale
-            block = [k_b, v_b, pos_b, dk_b, dv_b]
+            dq_b, dk_own, dv_own = block_gradients(q, k_b, v_b, positions, pos_b, scale, grad_out, delta, lse)
+            dq += dq_b
+            block = [k_b, v_b, pos_b, dk_b + dk_own, dv_b + dv_own]
             if step + 1 < ring.size:
                 block = ring.shift(block)
         dk_home, dv_home = ring.shift([block[3], block[4]])  # one more hop: every block back to its owner
