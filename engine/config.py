@@ -159,6 +159,7 @@ class TensorParallelConfig:
     size: int = bounded(1, min=1)
     mode: Literal["1d", "2d"] = "1d"
     plan: str | dict = "auto"
+    sequence_parallel: bool = False  # Note [Megatron sequence parallelism]
 
 
 @dataclass(frozen=True)

@@ -86,12 +86,24 @@ def check_config(cfg: Config) -> None:
         (ac.partition_activations and tp.mode == "2d" and tp.size > 1, "activation_checkpointing.partition_activations",
          True, "splits inputs that every tensor-parallel rank holds whole; under mode \"2d\" each rank holds its own "
          "block of the activations already; set it to false"),
+        (ac.partition_activations and tp.sequence_parallel and tp.size > 1,
+         "activation_checkpointing.partition_activations", True, "splits inputs that every tensor-parallel rank holds "
+         "whole; under tensor_parallel.sequence_parallel each rank holds its own part of the sequence already; set "
+         "it to false"),
         (ac.contiguous_memory_optimization, "activation_checkpointing.contiguous_memory_optimization", True,
          "copying saved inputs into one preallocated buffer is not supported yet; set it to false"),
     ]
     checks += _pipeline_checks(cfg)
     sp = cfg.sequence_parallel
     checks += [
+        (tp.sequence_parallel and tp.size == 1, "tensor_parallel.sequence_parallel", True,
+         "splits the activations between the tensor-parallel layers over the tensor-parallel ranks, and "
+         "tensor_parallel.size is 1; set the size to 2 or more, or use the top-level sequence_parallel (Ulysses, "
+         "ring) without tensor parallelism"),
+        (tp.sequence_parallel and tp.mode == "2d", "tensor_parallel.sequence_parallel", True,
+         "is for mode \"1d\"; under mode \"2d\" every activation is split over the mesh already; set it to false"),
+        (tp.sequence_parallel and cfg.pipeline.enabled, "tensor_parallel.sequence_parallel", True,
+         "with pipeline stages is not built yet; use pipeline.stages 1 with it, or set it to false"),
         (sp.enabled and cfg.pipeline.enabled, "sequence_parallel.size", sp.size,
          "sequence parallelism with pipeline stages is not built yet; use pipeline.stages 1 with it"),
         (sp.enabled and cfg.tensor_parallel.size > 1, "sequence_parallel.size", sp.size,

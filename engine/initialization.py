@@ -140,7 +140,8 @@ def parallelize_tensors(model: nn.Module, cfg: Config, topology: Topology) -> Te
         for t in list(model.parameters()) + list(model.buffers()):
             broadcast_from(t.data, 0, tp.group, tp.counter)
     mesh = Mesh2D.of(tp, topology.tp_row_group, topology.tp_col_group) if cfg.tensor_parallel.mode == "2d" else None
-    return apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp, RNGStreams(tp, topology.device), mesh)
+    return apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp, RNGStreams(tp, topology.device), mesh,
+                                 cfg.tensor_parallel.sequence_parallel)
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: Config, topology: Topology,

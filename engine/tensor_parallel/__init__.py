@@ -20,6 +20,7 @@ from engine.tensor_parallel.mappings import TPGroup
 from engine.tensor_parallel.mappings_2d import Mesh2D
 from engine.tensor_parallel.plans import apply_plan, resolve_plan
 from engine.tensor_parallel.rng import RNGStreams
+from engine.tensor_parallel.sequence_1d import SequenceShards
 from engine.tensor_parallel.shards import Spec
 from engine.tensor_parallel.vocab_cross_entropy import vocab_parallel_cross_entropy
 
@@ -36,6 +37,7 @@ class TensorParallel:
     streams: RNGStreams | None = None  # Note [tensor-parallel RNG]
     tied: dict[str, str] = field(default_factory=dict)  # name -> the first name of the same (tied) parameter
     mesh: Mesh2D | None = None  # 2D only (Note [2D tensor parallelism])
+    sequence: SequenceShards | None = None  # 1D with sequence_parallel (Note [Megatron sequence parallelism])
 
     def norm_weights(self, model: nn.Module) -> dict[int, float]:
         """id(parameter) -> its weight in the squared global norm (Note [global norm under tensor parallelism])."""
@@ -68,14 +70,16 @@ class TensorParallel:
 
 
 def apply_tensor_parallel(model: nn.Module, plan: str | dict, tp: TPGroup, streams: RNGStreams | None = None,
-                          mesh: Mesh2D | None = None) -> TensorParallel:
+                          mesh: Mesh2D | None = None, sequence_parallel: bool = False) -> TensorParallel:
     """Replaces the model's layers by the plan's parallel layers, in place (Note [tensor-parallel plans]); with
     `streams`, dropout in the plan's split regions draws per-rank masks (Note [tensor-parallel RNG]). With
-    `mesh` the plan is a 2D one (Note [2D tensor parallelism])."""
-    specs = apply_plan(model, resolve_plan(model, plan, "2d" if mesh else "1d"), tp, streams, mesh)
+    `mesh` the plan is a 2D one (Note [2D tensor parallelism]); with `sequence_parallel` a 1D plan also splits
+    the activations between its regions along the sequence (Note [Megatron sequence parallelism])."""
+    sequence = SequenceShards(tp) if sequence_parallel else None
+    specs = apply_plan(model, resolve_plan(model, plan, "2d" if mesh else "1d"), tp, streams, mesh, sequence)
     first: dict[int, str] = {}
     tied = {}
     for name, p in model.named_parameters(remove_duplicate=False):  # in model order: the first name comes first
         if name in specs and first.setdefault(id(p), name) != name:
             tied[name] = first[id(p)]
-    return TensorParallel(tp, specs, streams, tied, mesh)
+    return TensorParallel(tp, specs, streams, tied, mesh, sequence)

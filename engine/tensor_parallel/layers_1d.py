@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.tensor_parallel.mappings import TPGroup, copy_to_tp, gather_from_tp, reduce_from_tp
+from engine.tensor_parallel.sequence_1d import SequenceShards
 from engine.tensor_parallel.shards import ShardSpec, shard_param, shared_or_sharded
 
 
@@ -29,7 +30,11 @@ class ColumnParallelLinear(nn.Module):
     """y = x Wᵀ (+ b) with this rank's slice of the output features (of each of `parts` fused blocks).
 
     Forward: copy the input to the tp region (its backward all-reduces the input gradient), local
-    matmul; with gather_output, all-gather the output slices (else the output stays split)."""
+    matmul; with gather_output, all-gather the output slices (else the output stays split). Under
+    sequence parallelism (`sequence`) the input arrives gathered along the sequence by the region's entry
+    instead (Note [Megatron sequence parallelism])."""
+
+    sequence: SequenceShards | None = None
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, tp: TPGroup, *, transposed: bool = False,
                  parts: int = 1, gather_output: bool = False):
@@ -48,6 +53,8 @@ class ColumnParallelLinear(nn.Module):
         return cls(weight, bias, tp, transposed=transposed, parts=parts, gather_output=gather_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence is not None:
+            return self.sequence.column_linear(x, self.weight, self.bias, self.transposed)
         y = _linear(copy_to_tp(x, self.tp), self.weight, self.bias, self.transposed)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
@@ -58,7 +65,10 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = x Wᵀ + b with this rank's slice of the input features; the input arrives split (from a
     column-parallel layer). Forward: local matmul, all-reduce the partial outputs, add the
-    (replicated) bias. Backward: the gradient passes through the all-reduce unchanged."""
+    (replicated) bias. Backward: the gradient passes through the all-reduce unchanged. Under sequence
+    parallelism (`sequence`) the partial outputs are reduce-scattered along the sequence instead."""
+
+    sequence: SequenceShards | None = None
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, tp: TPGroup, *, transposed: bool = False):
         super().__init__()
@@ -73,7 +83,8 @@ class RowParallelLinear(nn.Module):
         return cls(weight, module.bias, tp, transposed=transposed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(_linear(x, self.weight, None, self.transposed), self.tp)
+        y = _linear(x, self.weight, None, self.transposed)
+        y = self.sequence.reduce_scatter(y) if self.sequence is not None else reduce_from_tp(y, self.tp)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -82,7 +93,10 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """An embedding whose rows (the vocabulary) are split over the tp ranks. Forward: each rank looks
-    up the ids in its range (zeros elsewhere), then the ranks' outputs are all-reduced."""
+    up the ids in its range (zeros elsewhere), then the ranks' outputs are all-reduced (reduce-scattered
+    along the sequence under sequence parallelism)."""
+
+    sequence: SequenceShards | None = None
 
     def __init__(self, weight: nn.Parameter, vocab_size: int, padding_idx: int | None, tp: TPGroup):
         super().__init__()
@@ -108,7 +122,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight, self.local_padding_idx)
-        return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.sequence.reduce_scatter(out) if self.sequence is not None else reduce_from_tp(out, self.tp)
 
     def extra_repr(self) -> str:
         return f"vocab {self.start}..{self.end - 1} of {self.vocab_size}, tp={self.tp.size}"

@@ -46,6 +46,7 @@ from engine.tensor_parallel.layers_2d import Classifier2D, Embedding2D, Linear2D
 from engine.tensor_parallel.mappings import TPGroup
 from engine.tensor_parallel.mappings_2d import Mesh2D
 from engine.tensor_parallel.rng import RNGStreams, Stream
+from engine.tensor_parallel.sequence_1d import SequenceRegions, SequenceShards
 
 STYLES = {"1d": ("colwise", "colwise_qkv", "colwise_gather", "rowwise", "vocab", "replicate"),
           "2d": ("linear_2d", "linear_2d_qkv", "norm_2d", "embedding_2d", "position_embedding_2d", "classifier_2d",
@@ -60,6 +61,7 @@ class Plan:
     adjust: Callable[[nn.Module, int], list] | None = field(default=None, compare=False)
     rng: dict[str, Stream] = field(default_factory=dict)  # glob -> dropout stream (Note [tensor-parallel RNG])
     mode: str = "1d"
+    sequence: SequenceRegions | None = None  # Note [Megatron sequence parallelism]; built-in 1D plans only
 
 
 def _divide(owner: str, attr: str, value: int, parts: int) -> int:
@@ -98,17 +100,21 @@ BUILT_IN = {
                                 "blocks.*.attn.c_proj": "rowwise",
                                 "blocks.*.mlp.c_fc": "colwise", "blocks.*.mlp.c_proj": "rowwise",
                                 "lm_head": "colwise_gather", "wpe": "replicate"}, _adjust_example_gpt,
-                {"blocks.*.attn": Stream.SHARDED, "blocks.*.attn.resid_dropout": Stream.REPLICATED}),
+                {"blocks.*.attn": Stream.SHARDED, "blocks.*.attn.resid_dropout": Stream.REPLICATED},
+                sequence=SequenceRegions(("blocks.*.attn", "blocks.*.mlp"), ("wpe",), ("ln_f",))),
     "GPT2LMHeadModel": Plan("Hugging Face GPT-2", {
         "transformer.wte": "vocab", "transformer.wpe": "replicate", "transformer.h.*.attn.c_attn": "colwise_qkv",
         "transformer.h.*.attn.c_proj": "rowwise", "transformer.h.*.mlp.c_fc": "colwise",
         "transformer.h.*.mlp.c_proj": "rowwise", "lm_head": "colwise_gather"}, _adjust_gpt2,
-        {"transformer.h.*.attn": Stream.SHARDED, "transformer.h.*.attn.resid_dropout": Stream.REPLICATED}),
+        {"transformer.h.*.attn": Stream.SHARDED, "transformer.h.*.attn.resid_dropout": Stream.REPLICATED},
+        sequence=SequenceRegions(("transformer.h.*.attn", "transformer.h.*.mlp"), ("transformer.wpe",),
+                                 ("transformer.ln_f",))),
     "LlamaForCausalLM": Plan("Hugging Face Llama", {
         "model.embed_tokens": "vocab", "model.layers.*.self_attn.[qkv]_proj": "colwise",
         "model.layers.*.self_attn.o_proj": "rowwise", "model.layers.*.mlp.gate_proj": "colwise",
         "model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise",
-        "lm_head": "colwise_gather"}, _adjust_llama, {"model.layers.*.self_attn": Stream.SHARDED}),
+        "lm_head": "colwise_gather"}, _adjust_llama, {"model.layers.*.self_attn": Stream.SHARDED},
+        sequence=SequenceRegions(("model.layers.*.self_attn", "model.layers.*.mlp"), (), ("model.norm",))),
 }
 
 BUILT_IN_2D = {
@@ -153,12 +159,18 @@ def resolve_plan(model: nn.Module, plan: str | dict, mode: str = "1d") -> Plan:
 
 
 def apply_plan(model: nn.Module, plan: Plan, tp: TPGroup, streams: RNGStreams | None = None,
-               mesh: Mesh2D | None = None) -> dict[str, object]:
-    """Replaces the planned modules in place and puts the plan's modules on their dropout streams (under 2D, the
-    whole model on the per-rank stream); returns {parameter name: spec} for the sharded parameters. `mesh` is
-    required by a 2D plan. Everything is checked before the first change."""
+               mesh: Mesh2D | None = None, sequence: SequenceShards | None = None) -> dict[str, object]:
+    """Replaces the planned modules in place and puts the plan's modules on their dropout streams (under 2D or
+    sequence parallelism, the whole model on the per-rank stream); returns {parameter name: spec} for the
+    sharded parameters. `mesh` is required by a 2D plan; `sequence` splits the activations between the
+    tensor-parallel regions along the sequence (Note [Megatron sequence parallelism]). Everything is checked
+    before the first change."""
     if (plan.mode == "2d") != (mesh is not None):
         raise ValueError(f"a {plan.mode} plan needs {'a' if plan.mode == '2d' else 'no'} 2D mesh")
+    if sequence is not None and plan.sequence is None:
+        raise ValueError(f"tensor_parallel.sequence_parallel needs to know where {type(model).__name__}'s "
+                         f"attention and MLP take their inputs, which the built-in 1D plans ({', '.join(BUILT_IN)}) "
+                         f"say and the {plan.name} does not; use a built-in plan, or turn sequence_parallel off")
     changes = plan.adjust(model, mesh.q if mesh else tp.size) if plan.adjust is not None else []
     shared: dict = {}  # tied weights: sharded once (see shards.shared_or_sharded)
     replaced = {}
@@ -177,7 +189,15 @@ def apply_plan(model: nn.Module, plan: Plan, tp: TPGroup, streams: RNGStreams | 
         setattr(module, attr, value)
     if mesh is not None:
         model.register_forward_pre_hook(_refuse_unsplit_inputs, with_kwargs=True)
-    if streams is not None and mesh is not None:  # every activation is split: no replicated region
+    if sequence is not None:
+        for layer in replaced.values():
+            if not getattr(layer, "gather_output", False):  # the lm_head takes the gathered final norm's output
+                layer.sequence = sequence
+        sharded = {id(getattr(layer, pname)) for layer in replaced.values()
+                   for pname, spec in (("weight", layer.weight_spec), ("bias", getattr(layer, "bias_spec", None)))
+                   if spec is not None and getattr(layer, pname, None) is not None}
+        sequence.apply(model, plan.sequence, [p for p in model.parameters() if id(p) not in sharded])
+    if streams is not None and (mesh is not None or sequence is not None):  # every activation is split
         streams.attach(model, Stream.SHARDED)
     elif streams is not None:
         for name, module in model.named_modules():
