@@ -26,8 +26,9 @@ def _worker(rank, world, kv_heads, mode):
     q, k, v, grad = full_inputs(kv_heads)
     if mode == "ring":
         pos = zigzag_positions(T, rank, world)
-    else:  # Ulysses: a contiguous slice
+    else:  # Ulysses, and ring on contiguous parts (its key runs then meet only earlier ranks' queries)
         pos = torch.arange(rank * T // world, (rank + 1) * T // world)
+        mode = "ring" if mode == "ring_contiguous" else mode
     mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
     out = ring_attention(*mine, pos, None) if mode == "ring" else ulysses_attention(*mine, None)
     out.backward(grad[:, :, pos])
@@ -35,7 +36,7 @@ def _worker(rank, world, kv_heads, mode):
 
 
 @pytest.mark.parametrize("mode,world,kv_heads", [("ring", 2, H), ("ring", 4, H), ("ring", 2, 2), ("ulysses", 2, H),
-                                                 ("ulysses", 4, H), ("ulysses", 4, 2)])
+                                                 ("ulysses", 4, H), ("ulysses", 4, 2), ("ring_contiguous", 4, H)])
 def test_split_sequence_attention_equals_full_causal_attention_forward_and_backward(mode, world, kv_heads):
     q, k, v, grad = full_inputs(kv_heads)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -72,3 +73,25 @@ def _uneven_heads_worker(rank, world):
 def test_ulysses_names_the_fix_when_heads_do_not_divide():
     message = run_distributed(_uneven_heads_worker, 2, timeout_s=60)[0]
     assert "2 does not divide 3; use sequence_parallel.mode \"ring\"" in message
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_the_explicit_fp32_blocks_equal_torchs_flash_kernel_on_every_meeting(layout):
+    """Off CPU the ring computes its blocks in explicit fp32; on CPU it calls the flash kernel. Both, on every
+    pair of parts of a 4-rank ring, give the same output, log-sum-exp and gradients."""
+    from engine.sequence_parallel.ring_attention import attend_block, block_gradients
+
+    size, part = 4, T // 4
+    parts = [zigzag_positions(T, r, size) if layout == "zigzag" else torch.arange(r * part, (r + 1) * part)
+             for r in range(size)]
+    q, k, v, grad = full_inputs(H)
+    for r in range(size):
+        for s in range(size):
+            args = (q[:, :, parts[r]], k[:, :, parts[s]], v[:, :, parts[s]], parts[r], parts[s], D ** -0.5)
+            fused, explicit = attend_block(*args, fused=True), attend_block(*args, fused=False)
+            torch.testing.assert_close(fused[0], explicit[0], rtol=FP32_RTOL, atol=1e-6)
+            torch.testing.assert_close(fused[1], explicit[1], rtol=FP32_RTOL, atol=1e-6)
+            finite = fused[1].clamp_min(-1e30)  # rows that see no key of this block: any finite lse
+            grads = [block_gradients(*args, grad[:, :, parts[r]], fused[0], finite, fused=f) for f in (True, False)]
+            for a, b in zip(*grads):
+                torch.testing.assert_close(a, b, rtol=FP32_RTOL, atol=1e-6)

@@ -26,7 +26,17 @@ from tests.test_data_parallel import ADAMW, adamw
 from tests.test_pipeline_engine import example_gpt, hf_gpt2, hf_llama
 
 STEPS, GLOBAL_BATCH, SEQ = 3, 4, 32
-MODELS = {"gpt": example_gpt, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama}
+def hf_llama_one_kv_head():
+    """Llama with fewer key/value heads (1) than sequence-parallel ranks (2)."""
+    model = hf_llama()
+    transformers = pytest.importorskip("transformers")
+    config = model.config
+    config.num_key_value_heads = 1
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+MODELS = {"gpt": example_gpt, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama, "hf_llama_1kv": hf_llama_one_kv_head}
 
 
 def loss_of(out):
@@ -53,7 +63,8 @@ def _worker(rank, world, name, sp, mode, stage):
 
 
 @pytest.mark.parametrize("name,mode", [("gpt", "ulysses"), ("gpt", "ring"), ("hf_gpt2", "ulysses"),
-                                       ("hf_gpt2", "ring"), ("hf_llama", "ulysses"), ("hf_llama", "ring")])
+                                       ("hf_gpt2", "ring"), ("hf_llama", "ulysses"), ("hf_llama", "ring"),
+                                       ("hf_llama_1kv", "ulysses"), ("hf_llama_1kv", "ring")])
 def test_sp2_equals_one_process_on_the_full_sequence(name, mode):
     check(name, 2, 2, mode, stage=0)
 

@@ -8,17 +8,22 @@ first's). Attention is computed from the tokens' global positions, so any layout
 what `zigzag_positions` gives. Forward: for S steps each rank attends its queries to the block of
 keys and values it holds (its own first), keeps each block's output and log-sum-exp, and merges them
 in fp32 (out = Σ out_b · exp(lse_b − lse)); meanwhile the block moves to the next rank. Within a
-block, each run of consecutive query positions meets only the runs of keys it may see, so a chunk
-the mask hides whole is never computed: under zigzag every rank computes 2S + 1 chunk pairs per
-layer (contiguous shards: 4(r + 1) for rank r, the last rank 4S). Backward is exact, as flash
-attention's: with the final output O and log-sum-exp L kept, each block's probabilities are
-recomputed as exp(q·kᵀ·scale − L), dV_b = Pᵀ·dO, dS = P ⊙ (dO·Vᵀ − rowsum(dO ⊙ O)), dQ += dS·K·scale,
-dK_b = dSᵀ·Q·scale; the blocks travel the ring again, each carrying the dK and dV summed so far, and
-after S steps one more hop brings them home to the rank that owns that block.
+block, queries and keys are cut in pieces (each zigzag chunk is one), and a piece of queries meets
+only the pieces of keys it may see: a pair the mask hides whole is never computed, a pair wholly
+visible runs torch's CPU flash-attention kernel without a mask and a piece against itself with its
+causal mask (the kernel returns the log-sum-exp the merges need); under zigzag every rank then
+computes 2S + 1 chunk pairs per layer (contiguous parts: 4r + 3 for rank r). Other overlaps, and
+other devices, are computed in explicit fp32. Backward is exact, as flash attention's: with the
+final output O and log-sum-exp L kept, each block's probabilities are recomputed as
+exp(q·kᵀ·scale − L), dV_b = Pᵀ·dO, dS = P ⊙ (dO·Vᵀ − rowsum(dO ⊙ O)), dQ += dS·K·scale,
+dK_b = dSᵀ·Q·scale (on CPU the flash kernel's backward, given O and L, computes the same); the
+blocks travel the ring again, each carrying the dK and dV summed so far, and after S steps one more
+hop brings them home to the rank that owns that block.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 
 import torch
@@ -70,53 +75,103 @@ def _block_scores(q, k, q_pos, k_pos, scale):
     return scores.masked_fill(hidden, float("-inf"))
 
 
-def _runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(start, end, first position) of each run of consecutive positions (a zigzag part has two)."""
+class Meeting(enum.Enum):
+    """How a piece of queries meets a piece of keys under the causal mask."""
+    ALL = "every key visible to every query"  # the keys come wholly before the queries
+    DIAGONAL = "the same positions: causal"
+    PARTIAL = "any other overlap: masked by position"
+
+
+def _pieces(positions: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """(start, end, first position, last position) of each run of consecutive positions, cut in pieces of at most
+    half the part (a zigzag part's two chunks; a contiguous part's halves)."""
     values = positions.tolist()
-    starts = [0] + [i for i in range(1, len(values)) if values[i] != values[i - 1] + 1]
-    return [(a, b, values[a]) for a, b in zip(starts, starts[1:] + [len(values)])]
+    longest = max(1, len(values) // 2)
+    starts = [0] + [i for i in range(1, len(values)) if values[i] != values[i - 1] + 1 or i % longest == 0]
+    return [(a, b, values[a], values[b - 1]) for a, b in zip(starts, starts[1:] + [len(values)])]
 
 
 def _meetings(q_pos: torch.Tensor, k_pos: torch.Tensor):
-    """For each run of queries, the indices of the keys of the runs it may see (a run wholly after every query
-    is skipped: the mask would hide it whole): (query slice, key indices) pairs."""
-    k_runs = _runs(k_pos)
-    for start, end, _ in _runs(q_pos):
-        last = int(q_pos[end - 1])
-        seen = [torch.arange(a, b, device=k_pos.device) for a, b, first in k_runs if first <= last]
-        if seen:
-            yield slice(start, end), torch.cat(seen)
+    """(query slice, key slice, Meeting) of every piece of queries and piece of keys the mask lets meet; a key
+    piece wholly after a query piece is skipped."""
+    k_pieces = _pieces(k_pos)
+    for qa, qb, q_first, q_last in _pieces(q_pos):
+        for ka, kb, k_first, k_last in k_pieces:
+            if k_first > q_last:
+                continue
+            if k_last <= q_first:
+                kind = Meeting.ALL
+            elif (k_first, k_last) == (q_first, q_last):
+                kind = Meeting.DIAGONAL
+            else:
+                kind = Meeting.PARTIAL
+            yield slice(qa, qb), slice(ka, kb), kind
 
 
-def attend_block(q, k_b, v_b, q_pos, k_pos, scale) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_kernel(q) -> bool:
+    """torch's CPU flash-attention kernel returns the log-sum-exp a ring needs; elsewhere the blocks are computed
+    in explicit fp32 (CUDA's kernels take other arguments; the explicit path is checked against the kernel on CPU)."""
+    return q.device.type == "cpu"
+
+
+def _meet(q, k, v, q_pos, k_pos, kind, scale, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 output and log-sum-exp of queries against keys (rows that see no key: output 0, lse -inf)."""
+    if kind is not Meeting.PARTIAL and fused:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, kind is Meeting.DIAGONAL, scale=scale)
+        return out.float(), lse.float()
+    scores = _block_scores(q, k, q_pos, k_pos, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return torch.matmul(probs, v.float()), lse
+
+
+def merge(out, lse, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attentions of the same queries over disjoint keys, merged in fp32 by their log-sum-exps."""
+    merged = torch.logaddexp(lse, lse_b)
+    keep = torch.exp(lse - merged).nan_to_num(0.0).unsqueeze(-1)
+    take = torch.exp(lse_b - merged).nan_to_num(0.0).unsqueeze(-1)
+    return out * keep + out_b * take, merged
+
+
+def attend_block(q, k_b, v_b, q_pos, k_pos, scale, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 output and log-sum-exp of queries `q` against one block of keys and values, computed only where
-    runs of queries and keys meet under the causal mask (rows that see no key: output 0, lse -inf)."""
+    pieces of queries and keys meet under the causal mask; `fused`: by torch's kernel (default: where it runs)."""
+    fused = fused_kernel(q) if fused is None else fused
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-    for rows, keys in _meetings(q_pos, k_pos):
-        scores = _block_scores(q[..., rows, :], k_b.index_select(-2, keys), q_pos[rows], k_pos[keys], scale)
-        lse_r = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - lse_r.unsqueeze(-1)).nan_to_num(0.0)  # rows with no visible key: 0
-        out[..., rows, :] = torch.matmul(probs, v_b.index_select(-2, keys).float())
-        lse[..., rows] = lse_r
+    for rows, keys, kind in _meetings(q_pos, k_pos):
+        out_m, lse_m = _meet(q[..., rows, :], k_b[..., keys, :], v_b[..., keys, :], q_pos[rows], k_pos[keys], kind,
+                             scale, fused)
+        out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], out_m, lse_m)
     return out, lse
 
 
-def block_gradients(q, k_b, v_b, q_pos, k_pos, scale, grad_out, delta, lse):
-    """This block's share of dQ and its dK, dV (fp32), from the final log-sum-exp `lse` and
-    delta = rowsum(dO ⊙ O), over the same meetings of runs as attend_block."""
+def block_gradients(q, k_b, v_b, q_pos, k_pos, scale, grad_out, out, lse, fused: bool | None = None):
+    """This block's share of dQ and its dK, dV (fp32), from the final output `out` and log-sum-exp `lse` (as
+    flash attention's backward: P = exp(q·kᵀ·scale − lse)), over the same meetings as attend_block."""
+    fused = fused_kernel(q) if fused is None else fused
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k_b.shape, dtype=torch.float32, device=k_b.device)
     dv = torch.zeros(v_b.shape, dtype=torch.float32, device=v_b.device)
-    for rows, keys in _meetings(q_pos, k_pos):
-        q_r, k_r, v_r = q[..., rows, :].float(), k_b.index_select(-2, keys).float(), v_b.index_select(-2, keys).float()
-        probs = torch.exp(_block_scores(q_r, k_r, q_pos[rows], k_pos[keys], scale)
-                          - lse[..., rows].unsqueeze(-1)).nan_to_num(0.0)
-        go = grad_out[..., rows, :]
-        dv.index_add_(-2, keys, torch.matmul(probs.transpose(-1, -2), go))
-        dscores = probs * (torch.matmul(go, v_r.transpose(-1, -2)) - delta[..., rows, :])
-        dq[..., rows, :] += torch.matmul(dscores, k_r) * scale
-        dk.index_add_(-2, keys, torch.matmul(dscores.transpose(-1, -2), q_r) * scale)
+    for rows, keys, kind in _meetings(q_pos, k_pos):
+        q_r, k_r, v_r, go = q[..., rows, :], k_b[..., keys, :], v_b[..., keys, :], grad_out[..., rows, :]
+        if kind is not Meeting.PARTIAL and fused:
+            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                go.to(q.dtype), q_r, k_r, v_r, out[..., rows, :].to(q.dtype), lse[..., rows], 0.0,
+                kind is Meeting.DIAGONAL, scale=scale)
+            dq_m, dk_m, dv_m = (g.float() for g in grads)
+        else:
+            q_r, k_r, v_r, go = q_r.float(), k_r.float(), v_r.float(), go.float()
+            probs = torch.exp(_block_scores(q_r, k_r, q_pos[rows], k_pos[keys], scale)
+                              - lse[..., rows].unsqueeze(-1)).nan_to_num(0.0)
+            dv_m = torch.matmul(probs.transpose(-1, -2), go)
+            delta = (go * out[..., rows, :]).sum(-1, keepdim=True)
+            dscores = probs * (torch.matmul(go, v_r.transpose(-1, -2)) - delta)
+            dq_m, dk_m = torch.matmul(dscores, k_r) * scale, torch.matmul(dscores.transpose(-1, -2), q_r) * scale
+        dq[..., rows, :] += dq_m
+        dk[..., keys, :] += dk_m
+        dv[..., keys, :] += dv_m
     return dq, dk, dv
 
 
@@ -133,11 +188,7 @@ class RingAttention(torch.autograd.Function):
             k_b, v_b, pos_b = block
             if step + 1 < ring.size:
                 following = ring.shift(block)
-            out_b, lse_b = attend_block(q, k_b, v_b, positions, pos_b, scale)
-            merged = torch.logaddexp(lse, lse_b)
-            keep = torch.exp(lse - merged).nan_to_num(0.0).unsqueeze(-1)
-            take = torch.exp(lse_b - merged).nan_to_num(0.0).unsqueeze(-1)
-            out, lse = out * keep + out_b * take, merged
+            out, lse = merge(out, lse, *attend_block(q, k_b, v_b, positions, pos_b, scale))
             if step + 1 < ring.size:
                 block = following
         ctx.save_for_backward(q, k, v, positions, out, lse)
@@ -148,15 +199,13 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, positions, out, lse = ctx.saved_tensors
         ring, scale = _Ring(ctx.group, ctx.counter), ctx.scale
-        grad_out = grad_out.float()
-        delta = (grad_out * out).sum(-1, keepdim=True)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk, dv = torch.zeros(k.shape, dtype=torch.float32, device=k.device), torch.zeros(
             v.shape, dtype=torch.float32, device=v.device)
         block = [k, v, positions, dk, dv]
         for step in range(ring.size):
             k_b, v_b, pos_b, dk_b, dv_b = block
-            dq_b, dk_own, dv_own = block_gradients(q, k_b, v_b, positions, pos_b, scale, grad_out, delta, lse)
+            dq_b, dk_own, dv_own = block_gradients(q, k_b, v_b, positions, pos_b, scale, grad_out, out, lse)
             dq += dq_b
             block = [k_b, v_b, pos_b, dk_b + dk_own, dv_b + dv_own]
             if step + 1 < ring.size:
