@@ -4,8 +4,9 @@ Note [Ulysses attention]
 Each of S ranks holds a contiguous 1/S of the sequence for every head. An all-to-all turns that into
 the whole sequence for 1/S of the heads; attention runs locally (causal, over the full sequence, the
 device's own scaled_dot_product_attention); a second all-to-all turns the output back into the
-sequence split. Each all-to-all moves (S-1)/S of a rank's q, k, v or output, so the bytes per link
-stay O(T/S) as S grows (DeepSpeed-Ulysses). Heads must divide by S; keys and values with fewer heads
+sequence split. q, k and v travel in one all-to-all (one synchronization instead of three). Each
+all-to-all moves (S-1)/S of what a rank sends, so the bytes per link stay O(T/S) as S grows
+(DeepSpeed-Ulysses). Heads must divide by S; keys and values with fewer heads
 than that (GQA) are repeated up to the query heads first, so they split like the queries. The
 backward of an all-to-all is the opposite all-to-all.
 """
@@ -33,34 +34,40 @@ def _all_to_all(x: torch.Tensor, group, counter: CommCounter | None) -> torch.Te
 
 
 class _Exchange(torch.autograd.Function):
-    """sequence_to_heads (to_heads) or heads_to_sequence; the backward of either is the other."""
+    """sequence_to_heads (to_heads) or heads_to_sequence of several tensors in one all-to-all; the backward of
+    either is the other."""
 
     @staticmethod
-    def forward(ctx, x, group, size, counter, to_heads: bool):
+    def forward(ctx, group, size, counter, to_heads: bool, *xs):
         ctx.group, ctx.size, ctx.counter, ctx.to_heads = group, size, counter, to_heads
-        return (sequence_to_heads if to_heads else heads_to_sequence)(x, group, size, counter)
+        return tuple((sequence_to_heads if to_heads else heads_to_sequence)(list(xs), group, size, counter))
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         back = heads_to_sequence if ctx.to_heads else sequence_to_heads
-        return back(grad, ctx.group, ctx.size, ctx.counter), None, None, None, None
+        return (None, None, None, None, *back(list(grads), ctx.group, ctx.size, ctx.counter))
 
 
-def sequence_to_heads(x: torch.Tensor, group, size: int, counter: CommCounter | None = None) -> torch.Tensor:
-    """[B, H, T/S, D] (a sequence slice, every head) -> [B, H/S, T, D] (every position, a slice of the heads)."""
-    b, h, t, d = x.shape
-    parts = x.reshape(b, size, h // size, t, d).permute(1, 0, 2, 3, 4)  # [S (to), B, H/S, T/S, D]
-    received = _all_to_all(parts, group, counter)  # [S (from: its sequence slice), B, H/S, T/S, D]
-    return received.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * t, d)
+def sequence_to_heads(xs: list[torch.Tensor], group, size: int,
+                      counter: CommCounter | None = None) -> list[torch.Tensor]:
+    """Each [B, H, T/S, D] (a sequence slice, every head) -> [B, H/S, T, D] (every position, a slice of the heads),
+    all of them in one all-to-all."""
+    b, h, t, d = xs[0].shape
+    parts = torch.stack([x.reshape(b, size, h // size, t, d).permute(1, 0, 2, 3, 4) for x in xs],
+                        dim=1)  # [S (to), n, B, H/S, T/S, D]
+    received = _all_to_all(parts, group, counter)  # [S (from: its sequence slice), n, B, H/S, T/S, D]
+    return [received[:, i].permute(1, 2, 0, 3, 4).reshape(b, h // size, size * t, d) for i in range(len(xs))]
 
 
-def heads_to_sequence(x: torch.Tensor, group, size: int, counter: CommCounter | None = None) -> torch.Tensor:
+def heads_to_sequence(xs: list[torch.Tensor], group, size: int,
+                      counter: CommCounter | None = None) -> list[torch.Tensor]:
     """The inverse of sequence_to_heads."""
-    b, h_part, t_all, d = x.shape
+    b, h_part, t_all, d = xs[0].shape
     t = t_all // size
-    parts = x.reshape(b, h_part, size, t, d).permute(2, 0, 1, 3, 4)  # [S (to: its sequence slice), B, H/S, T/S, D]
-    received = _all_to_all(parts, group, counter)  # [S (from: its head slice), B, H/S, T/S, D]
-    return received.permute(1, 0, 2, 3, 4).reshape(b, size * h_part, t, d)
+    parts = torch.stack([x.reshape(b, h_part, size, t, d).permute(2, 0, 1, 3, 4) for x in xs],
+                        dim=1)  # [S (to: its sequence slice), n, B, H/S, T/S, D]
+    received = _all_to_all(parts, group, counter)  # [S (from: its head slice), n, B, H/S, T/S, D]
+    return [received[:, i].permute(1, 0, 2, 3, 4).reshape(b, size * h_part, t, d) for i in range(len(xs))]
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
@@ -78,6 +85,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
             raise ValueError(f"{heads} query heads do not divide into {k.shape[1]} key/value heads")
         k, v = (t.repeat_interleave(heads // k.shape[1], dim=1) for t in (k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q, k, v = (_Exchange.apply(t, group, size, counter, True) for t in (q, k, v))
+    if q.shape == k.shape == v.shape:  # one all-to-all for the three
+        q, k, v = _Exchange.apply(group, size, counter, True, q, k, v)
+    else:  # e.g. a value head size other than the query's
+        q, k, v = (_Exchange.apply(group, size, counter, True, t)[0] for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
-    return _Exchange.apply(out, group, size, counter, False)
+    return _Exchange.apply(group, size, counter, False, out)[0]
