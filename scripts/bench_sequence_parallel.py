@@ -257,8 +257,8 @@ def report(args, memory: dict, steps: dict, balance: dict, elapsed_s: float) -> 
 def records(args, memory: dict, steps: dict, balance: dict) -> list[dict]:
     rows = {s: summarize(runs) for s, runs in steps.items()}
     out = []
-    for peer in ("ddp", "one"):
-        out += [result_record("sequence_parallel", f"{LABELS[m]} vs {peer}", world=2, peer=LABELS[peer],
+    for peer, against in (("ddp", ""), ("one", ", against one process")):
+        out += [result_record("sequence_parallel", LABELS[m] + against, world=2, peer=LABELS[peer],
                               strategy=f"SP {m}", ratio=rows[m]["step_s"] / rows[peer]["step_s"], target=1.0,
                               step_s=rows[m]["step_s"], throughput=args.micro_batch * args.seq / rows[m]["step_s"],
                               unit="tokens/s", peak_rss_per_rank_bytes=rows[m]["peak_rss"]) for m in MODES]
