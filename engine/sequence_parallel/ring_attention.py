@@ -7,7 +7,7 @@ under a causal mask every rank has the same work (contiguous shards leave the la
 first's). Attention is computed from the tokens' global positions, so any layout works; zigzag is
 what `zigzag_positions` gives. Forward: for S steps each rank attends its queries to the block of
 keys and values it holds (its own first), keeps each block's output and log-sum-exp, and merges them
-in fp32 (out = Σ out_b · exp(lse_b − lse)); meanwhile the block moves to the next rank. Within a
+in fp32 (out = Σ out_b · exp(lse_b − lse)); meanwhile (asynchronously) the block moves to the next rank. Within a
 block, queries and keys are cut in pieces (each zigzag chunk is one), and a piece of queries meets
 only the pieces of keys it may see: a pair the mask hides whole is never computed, a pair wholly
 visible runs torch's CPU flash-attention kernel without a mask and a piece against itself with its
@@ -56,16 +56,30 @@ class _Ring:
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
-    def shift(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Sends `tensors` to the next rank; returns the previous rank's."""
+    def start(self, tensors: list[torch.Tensor]) -> "_InFlight":
+        """Starts sending `tensors` to the next rank and receiving the previous rank's; wait() gives those."""
         received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
         if self.counter is not None:
             self.counter.p2p_bytes += sum(t.numel() * t.element_size() for t in tensors)
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        sent = [t.contiguous() for t in tensors]  # kept alive until the sends complete
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
-        for work in dist.batch_isend_irecv(ops):
+        return _InFlight(dist.batch_isend_irecv(ops), sent, received)
+
+    def shift(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Sends `tensors` to the next rank; returns the previous rank's."""
+        return self.start(tensors).wait()
+
+
+class _InFlight:
+    def __init__(self, works, sent, received):
+        self.works, self.sent, self.received = works, sent, received
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
             work.wait()
-        return received
+        self.sent = None
+        return self.received
 
 
 def _block_scores(q, k, q_pos, k_pos, scale):
@@ -186,11 +200,11 @@ class RingAttention(torch.autograd.Function):
         block = [k, v, positions]
         for step in range(ring.size):
             k_b, v_b, pos_b = block
-            if step + 1 < ring.size:
-                following = ring.shift(block)
+            if step + 1 < ring.size:  # the next block travels while this one is computed
+                following = ring.start(block)
             out, lse = merge(out, lse, *attend_block(q, k_b, v_b, positions, pos_b, scale))
             if step + 1 < ring.size:
-                block = following
+                block = following.wait()
         ctx.save_for_backward(q, k, v, positions, out, lse)
         ctx.group, ctx.scale, ctx.counter = group, scale, counter
         return out.to(q.dtype)
@@ -208,8 +222,8 @@ class RingAttention(torch.autograd.Function):
             dq_b, dk_own, dv_own = block_gradients(q, k_b, v_b, positions, pos_b, scale, grad_out, out, lse)
             dq += dq_b
             block = [k_b, v_b, pos_b, dk_b + dk_own, dv_b + dv_own]
-            if step + 1 < ring.size:
-                block = ring.shift(block)
+            if step + 1 < ring.size:  # one exchange with the gradients (measured: sending the keys and values
+                block = ring.shift(block)  # ahead, in a second exchange, cost more than it hid on 2 cores)
         dk_home, dv_home = ring.shift([block[3], block[4]])  # one more hop: every block back to its owner
         return dq.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype), None, None, None, None
 
