@@ -43,8 +43,9 @@ def loss_of(out):
     return out if torch.is_tensor(out) else out.loss
 
 
-def _worker(rank, world, name, sp, mode, stage):
-    cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // (world // sp), "gradient_accumulation_steps": 1,
+def _worker(rank, world, name, sp, mode, stage, accumulation=1):
+    cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // (world // sp) // accumulation,
+           "gradient_accumulation_steps": accumulation,
            "optimizer": {"type": "AdamW", "params": ADAMW}, "gradient_clipping": 1.0, "steps_per_print": 10**6,
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
            "sequence_parallel": {"size": sp, "mode": mode}}
@@ -52,11 +53,12 @@ def _worker(rank, world, name, sp, mode, stage):
     assert engine.sequence.mode == mode
     losses = []
     for batch in token_batches(STEPS, GLOBAL_BATCH, seq=SEQ):
-        (x,) = micro_batches(batch, rank // sp, world // sp, 1)
-        loss = loss_of(engine(input_ids=x, labels=x))
-        engine.backward(loss)
-        engine.step()
-        share = torch.tensor([loss.item() * engine.sequence.token_weight / sp], dtype=torch.float64)
+        share = torch.zeros(1, dtype=torch.float64)
+        for x in micro_batches(batch, rank // sp, world // sp, accumulation):
+            loss = loss_of(engine(input_ids=x, labels=x))
+            engine.backward(loss)
+            engine.step()
+            share += loss.item() * engine.sequence.token_weight / sp / accumulation
         dist.all_reduce(share)  # the group's loss over every token, summed over the data-parallel ranks
         losses.append(share.item() / (world // sp))
     return losses, trained_params(engine)
@@ -73,14 +75,21 @@ def test_dp2_by_sp2_under_zero3():
     check("hf_llama", 4, 2, "ring", stage=3)
 
 
-def check(name: str, world: int, sp: int, mode: str, stage: int) -> None:
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+def test_accumulation_over_two_micro_batches_under_zero2(mode):
+    """The loss weights and the accumulation mean compose: neither is off by the size or by the steps."""
+    check("gpt", 2, 2, mode, stage=2, accumulation=2)
+
+
+def check(name: str, world: int, sp: int, mode: str, stage: int, accumulation: int = 1) -> None:
     model = MODELS[name]()
     ref_losses, _ = train_reference(model, token_batches(STEPS, GLOBAL_BATCH, seq=SEQ), adamw, clip=1.0,
                                     loss_fn=lambda m, x: loss_of(m(input_ids=x, labels=x)))
     # ring attention computes in explicit fp32 blocks, another summation order than the SDPA kernel; Adam's
     # normalization magnifies that in small parameters, so its parameters are held to tensor parallelism's 1e-4
     params_rtol = 1e-4 if mode == "ring" else FP32_RTOL
-    for losses, params in run_distributed(_worker, world, args=(name, sp, mode, stage), timeout_s=240):
+    for losses, params in run_distributed(_worker, world, args=(name, sp, mode, stage, accumulation),
+                                          timeout_s=240):
         assert_close_relative(losses, ref_losses)
         assert_params_close(params, param_snapshot(model), rtol=params_rtol)
 
