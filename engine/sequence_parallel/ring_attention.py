@@ -7,8 +7,8 @@ under a causal mask every rank has the same work (contiguous shards leave the la
 first's). Attention is computed from the tokens' global positions, so any layout works; zigzag is
 what `zigzag_positions` gives. Forward: for S steps each rank attends its queries to the block of
 keys and values it holds (its own first), keeps each block's output and log-sum-exp, and merges them
-in fp32 (out = Σ out_b · exp(lse_b − lse)); meanwhile (asynchronously) the block moves to the next rank. Within a
-block, queries and keys are cut in pieces (each zigzag chunk is one), and a piece of queries meets
+in fp32 (out = Σ out_b · exp(lse_b − lse)); meanwhile (asynchronously) the next block travels. Within
+a block, queries and keys are cut in pieces (each zigzag chunk is one), and a piece of queries meets
 only the pieces of keys it may see: a pair the mask hides whole is never computed, a pair wholly
 visible runs torch's CPU flash-attention kernel without a mask and a piece against itself with its
 causal mask (the kernel returns the log-sum-exp the merges need); under zigzag every rank then

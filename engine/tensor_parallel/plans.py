@@ -171,6 +171,8 @@ def apply_plan(model: nn.Module, plan: Plan, tp: TPGroup, streams: RNGStreams | 
         raise ValueError(f"tensor_parallel.sequence_parallel needs to know where {type(model).__name__}'s "
                          f"attention and MLP take their inputs, which the built-in 1D plans ({', '.join(BUILT_IN)}) "
                          f"say and the {plan.name} does not; use a built-in plan, or turn sequence_parallel off")
+    if sequence is not None:
+        plan.sequence.check(model)
     changes = plan.adjust(model, mesh.q if mesh else tp.size) if plan.adjust is not None else []
     shared: dict = {}  # tied weights: sharded once (see shards.shared_or_sharded)
     replaced = {}

@@ -50,6 +50,16 @@ class SequenceRegions:
     slice_outputs: tuple[str, ...] = ()  # position embeddings: keep this rank's part of the output
     gather_outputs: tuple[str, ...] = ()  # the final norm: its output gathered for the rest of the model
 
+    def check(self, model: nn.Module) -> None:
+        """Refuses a model none of whose modules is a region's entry (before anything changes)."""
+        if not any(_matches(name, self.gather_inputs) for name, _ in model.named_modules()):
+            raise ValueError(f"tensor_parallel.sequence_parallel: no module of {type(model).__name__} matches the "
+                             f"plan's gather_inputs {list(self.gather_inputs)}; turn sequence_parallel off")
+
+
+def _matches(name: str, globs: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, g) for g in globs)
+
 
 class SequenceShards:
     """This rank's part of the sequence under Megatron sequence parallelism, and the collectives at the
@@ -117,19 +127,13 @@ class SequenceShards:
     def apply(self, model: nn.Module, regions: SequenceRegions, replicated: list[nn.Parameter]) -> None:
         """Hooks the regions' boundaries into `model`, and the tp all-reduce into the replicated parameters'
         gradients."""
-        matches = lambda name, globs: any(fnmatch.fnmatchcase(name, g) for g in globs)  # noqa: E731
-        found = {"gather_inputs": 0}
         for name, module in model.named_modules():
-            if matches(name, regions.gather_inputs):
+            if _matches(name, regions.gather_inputs):
                 module.register_forward_pre_hook(self._gather_hidden_states, with_kwargs=True)
-                found["gather_inputs"] += 1
-            if matches(name, regions.slice_outputs):
+            if _matches(name, regions.slice_outputs):
                 module.register_forward_hook(lambda _m, _a, out: self._slice_positions(out))
-            if matches(name, regions.gather_outputs):
+            if _matches(name, regions.gather_outputs):
                 module.register_forward_hook(lambda _m, _a, out: self.gather_output(out))
-        if not found["gather_inputs"]:
-            raise ValueError(f"tensor_parallel.sequence_parallel: no module of {type(model).__name__} matches the "
-                             f"plan's gather_inputs {list(regions.gather_inputs)}")
         for p in replicated:
             p.register_hook(self._sum_partial_gradient)
         takes_positions = any(p.name == "position_ids" for p in inspect.signature(model.forward).parameters.values())
