@@ -55,7 +55,7 @@ def build(model: str, seed: int = 0):
 def loss_of(model: str, module_or_engine, x: torch.Tensor) -> torch.Tensor:
     if model == "gpt":
         return module_or_engine(x, x)
-    return module_or_engine(input_ids=x, labels=x).loss
+    return module_or_engine(input_ids=x, labels=x, use_cache=False).loss  # no cache: it is refused under checkpointing
 
 
 _references: dict[str, tuple] = {}
@@ -72,7 +72,13 @@ def reference(model: str) -> tuple:
 
 def _tp_worker(rank, world, model, tp, stage, accumulation, mode):
     dp = world // tp
-    engine = initialize(build(model, seed=rank), tp_config(tp, dp, accumulation, stage, mode))
+    return train_tp(model, tp_config(tp, dp, accumulation, stage, mode), rank, tp, dp, accumulation)
+
+
+def train_tp(model: str, cfg: dict, rank: int, tp: int, dp: int, accumulation: int) -> tuple:
+    """STEPS steps of `model` under `cfg` (a tp group shares its data): the losses, gradient norms, whole state
+    dict, parameter elements on this rank, dp rank and the sharded parameters' names."""
+    engine = initialize(build(model, seed=rank), cfg)
     assert (engine.topology.tp_size, engine.dp_world_size) == (tp, dp)
     local_param_numel = sum(p.numel() for p in engine.module.parameters())
     losses, norms = [], []

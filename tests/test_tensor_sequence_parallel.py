@@ -16,7 +16,7 @@ from engine.config_schema import ConfigError
 from tests.distributed import run_distributed
 from tests.reference import assert_close_relative, assert_params_close, tiny_gpt, token_batches
 from tests.saved_bytes import SavedBytes
-from tests.test_tensor_parallel import GLOBAL_BATCH, STEPS, build, check_against_reference, tp_config
+from tests.test_tensor_parallel import check_against_reference, tp_config, train_tp
 
 FP32_RTOL = 1e-5
 
@@ -27,34 +27,10 @@ def sp_config(tp: int, dp: int, sequence_parallel: bool, accumulation: int = 1, 
     return cfg
 
 
-def loss_without_cache(model: str, engine, x: torch.Tensor) -> torch.Tensor:
-    """A Hugging Face model's key/value cache is refused under activation checkpointing."""
-    return engine(x, x) if model == "gpt" else engine(input_ids=x, labels=x, use_cache=False).loss
-
-
-def _train(model: str, cfg: dict, rank: int, dp: int, accumulation: int) -> tuple:
-    engine = initialize(build(model, seed=rank), cfg)
-    losses, norms = [], []
-    for x in token_batches(STEPS, GLOBAL_BATCH):
-        rows = x.shape[0] // dp
-        mine = x[engine.dp_rank * rows:(engine.dp_rank + 1) * rows]
-        step_losses = []
-        for micro in mine.chunk(accumulation):
-            loss = loss_without_cache(model, engine, micro)
-            engine.backward(loss)
-            engine.step()
-            step_losses.append(loss.item())
-        losses.append(sum(step_losses) / len(step_losses))
-        norms.append(engine.get_global_grad_norm())
-    full = engine.full_state_dict()
-    local_numel = sum(p.numel() for p in engine.module.parameters())
-    return losses, norms, full, local_numel, engine.dp_rank, set(engine.tensor_parallel.specs)
-
-
 def _with_and_without_worker(rank, world, models, stage, accumulation, checkpointing):
     extra = {"activation_checkpointing": {"enabled": True}} if checkpointing else {}
     dp = world // 2
-    return {model: [_train(model, sp_config(2, dp, sp, accumulation, stage, **extra), rank, dp, accumulation)
+    return {model: [train_tp(model, sp_config(2, dp, sp, accumulation, stage, **extra), rank, 2, dp, accumulation)
                     for sp in (False, True)] for model in models}
 
 
@@ -186,7 +162,7 @@ def test_configs_it_cannot_run_are_refused(tensor_parallel, extra, message):
 
 
 def _bf16_worker(rank, world):
-    return [_train("llama", sp_config(2, 1, sp, bf16={"enabled": True}), rank, 1, 1)[0] for sp in (False, True)]
+    return [train_tp("llama", sp_config(2, 1, sp, bf16={"enabled": True}), rank, 2, 1, 1)[0] for sp in (False, True)]
 
 
 def test_under_bf16_autocast_it_trains_as_tp_without_it():

@@ -85,7 +85,7 @@ class SequenceShards:
 
     def gather_input(self, part: torch.Tensor) -> torch.Tensor:
         """A region's input: every rank's part, gathered (backward: reduce-scatter)."""
-        gathered = _GatherSequence.apply(part, self)
+        gathered = _GatherSequence.apply(part, self, False)
         self._gathered = (weakref.ref(gathered), part)
         return gathered
 
@@ -122,7 +122,7 @@ class SequenceShards:
     def gather_output(self, part: torch.Tensor) -> torch.Tensor:
         """The split region's end: every rank's part, gathered; backward keeps this rank's part of the gradient,
         which is whole on every rank."""
-        return _GatherWholeGradient.apply(part, self)
+        return _GatherSequence.apply(part, self, True)
 
     def apply(self, model: nn.Module, regions: SequenceRegions, replicated: list[nn.Parameter]) -> None:
         """Hooks the regions' boundaries into `model`, and the tp all-reduce into the replicated parameters'
@@ -193,14 +193,19 @@ def _reduce_scatter(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 
 class _GatherSequence(torch.autograd.Function):
+    """Every rank's part, gathered. Backward: the ranks' partial gradients reduce-scattered, or, when the gradient
+    is whole on every rank (`whole_gradient`), this rank's part of it."""
+
     @staticmethod
-    def forward(ctx, part, shards):
-        ctx.shards = shards
+    def forward(ctx, part, shards, whole_gradient: bool):
+        ctx.shards, ctx.whole_gradient = shards, whole_gradient
         return gather_along(part, shards.tp, SEQ_DIM)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.shards.tp), None
+        if ctx.whole_gradient:
+            return ctx.shards.part(grad).contiguous(), None, None
+        return _reduce_scatter(grad, ctx.shards.tp), None, None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
@@ -212,17 +217,6 @@ class _ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return gather_along(grad, ctx.shards.tp, SEQ_DIM), None
-
-
-class _GatherWholeGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, part, shards):
-        ctx.shards = shards
-        return gather_along(part, shards.tp, SEQ_DIM)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.shards.part(grad).contiguous(), None
 
 
 class _ColumnOnGathered(torch.autograd.Function):
