@@ -122,7 +122,7 @@ def _meetings(q_pos: torch.Tensor, k_pos: torch.Tensor):
             yield slice(qa, qb), slice(ka, kb), kind
 
 
-def fused_kernel(q) -> bool:
+def _fused_kernel(q) -> bool:
     """torch's CPU flash-attention kernel returns the log-sum-exp a ring needs; elsewhere the blocks are computed
     in explicit fp32 (CUDA's kernels take other arguments; the explicit path is checked against the kernel on CPU)."""
     return q.device.type == "cpu"
@@ -151,7 +151,7 @@ def merge(out, lse, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
 def attend_block(q, k_b, v_b, q_pos, k_pos, scale, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 output and log-sum-exp of queries `q` against one block of keys and values, computed only where
     pieces of queries and keys meet under the causal mask; `fused`: by torch's kernel (default: where it runs)."""
-    fused = fused_kernel(q) if fused is None else fused
+    fused = _fused_kernel(q) if fused is None else fused
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     for rows, keys, kind in _meetings(q_pos, k_pos):
@@ -164,7 +164,7 @@ def attend_block(q, k_b, v_b, q_pos, k_pos, scale, fused: bool | None = None) ->
 def block_gradients(q, k_b, v_b, q_pos, k_pos, scale, grad_out, out, lse, fused: bool | None = None):
     """This block's share of dQ and its dK, dV (fp32), from the final output `out` and log-sum-exp `lse` (as
     flash attention's backward: P = exp(q·kᵀ·scale − lse)), over the same meetings as attend_block."""
-    fused = fused_kernel(q) if fused is None else fused
+    fused = _fused_kernel(q) if fused is None else fused
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k_b.shape, dtype=torch.float32, device=k_b.device)
     dv = torch.zeros(v_b.shape, dtype=torch.float32, device=v_b.device)
