@@ -106,8 +106,11 @@ def check_config(cfg: Config) -> None:
          "with pipeline stages is not built yet; use pipeline.stages 1 with it, or set it to false"),
         (sp.enabled and cfg.pipeline.enabled, "sequence_parallel.size", sp.size,
          "sequence parallelism with pipeline stages is not built yet; use pipeline.stages 1 with it"),
-        (sp.enabled and cfg.tensor_parallel.size > 1, "sequence_parallel.size", sp.size,
-         "sequence parallelism with tensor parallelism is not built yet; use tensor_parallel.size 1 with it"),
+        (sp.enabled and tp.size > 1 and tp.mode == "2d", "sequence_parallel.size", sp.size,
+         "sequence parallelism with 2D tensor parallelism is not built yet; use tensor_parallel.mode \"1d\" with it"),
+        (sp.enabled and tp.sequence_parallel, "sequence_parallel.size", sp.size,
+         "Ulysses or ring over the sequence together with tensor_parallel.sequence_parallel (Megatron's) is not "
+         "built; use one of them"),
     ]
     for failed, key, value, why in checks:
         if failed:

@@ -178,10 +178,10 @@ def split_sequences(model: nn.Module, cfg: Config, topology: Topology,
     sp = cfg.sequence_parallel
     if not sp.enabled:
         return None
-    mode = choose_mode(sp.mode, model, sp.size)
+    mode = choose_mode(sp.mode, model, sp.size, topology.tp_size)
     if sp.mode == "auto" and topology.rank == 0:
         print(f"[tiers] sequence_parallel.mode auto: {mode} over {sp.size} ranks (Ulysses when the model's attention "
-              "heads divide by the size, else ring)", flush=True)
+              "heads per tensor-parallel rank divide by the size, else ring)", flush=True)
     return SequenceSplit(topology.sp_group, sp.size, topology.sp_rank, mode, model, comm)
 
 

@@ -11,6 +11,10 @@ With pipeline parallelism (pp stages) the pipeline is outermost, as in Megatron:
 global rank = pp_rank * dp * tp + dp_rank * tp + tp_rank; the tp and dp groups above live inside one
 pipeline rank's dp × tp ranks, and a pp group holds the pp ranks with the same dp and tp rank.
 
+With sequence parallelism (sp ranks share each sample), world = dp × sp × tp, tp innermost and then sp:
+global rank = (dp_rank' * sp + sp_rank) * tp + tp_rank; the dp group of a tp rank holds its dp × sp ranks
+(dp_world_size = dp × sp, dp_rank = rank // tp), an sp group the sp ranks with the same dp and tp rank.
+
 Under 2D tensor parallelism (tp = q²) the tp group is a q×q mesh, row-major: tp rank t sits at row
 t // q, column t % q. A row group holds the q ranks of one row (one batch block, every hidden
 block), a column group the q ranks of one column (one hidden block, every batch block).
@@ -148,7 +152,7 @@ class Topology:
             return cls(1, 0, None, 1, 0, device)
         world, rank = dist.get_world_size(), dist.get_rank()
         if sp_size > 1:
-            topology = cls._with_sequence_parallel(world, rank, device, sp_size)
+            topology = cls._with_sequence_parallel(world, rank, device, sp_size, tp_size)
         elif pp_size > 1:
             topology = cls._with_pipeline(world, rank, device, tp_size, pp_size)
         elif tp_size == 1:
@@ -177,18 +181,31 @@ class Topology:
         return cls(world, rank, dp_group, dp, rank // tp, device, tp_group, tp, rank % tp)
 
     @classmethod
-    def _with_sequence_parallel(cls, world: int, rank: int, device: torch.device, sp: int) -> "Topology":
-        """Note [sequence parallelism]: world = dp × sp, the sp ranks of one sample adjacent; every rank holds the
-        same weights, so gradients and ZeRO shards span the world."""
-        if world % sp:
-            raise ValueError(f"sequence_parallel.size {sp} must divide the world size {world} (world = dp × sp); "
-                             f"launch a multiple of {sp} processes")
-        sp_group = None
-        for d in range(world // sp):  # every rank creates every group, in the same order
-            group = dist.new_group(list(range(d * sp, (d + 1) * sp)))
-            if rank // sp == d:
-                sp_group = group
-        return cls(world, rank, None, world, rank, device, sp_group=sp_group, sp_size=sp, sp_rank=rank % sp)
+    def _with_sequence_parallel(cls, world: int, rank: int, device: torch.device, sp: int,
+                                tp: int = 1) -> "Topology":
+        """Note [sequence parallelism]: world = dp × sp × tp, tp innermost, then the sp ranks of one sample
+        (rank = (d·sp + s)·tp + t). The ranks of one tp rank hold the same weights, so gradients and ZeRO shards
+        span their dp × sp ranks (all ranks without tensor parallelism)."""
+        if world % (sp * tp):
+            raise ValueError(f"sequence_parallel.size {sp} × tensor_parallel.size {tp} must divide the world size "
+                             f"{world} (world = dp × sp × tp); launch a multiple of {sp * tp} processes")
+        tp_group = sp_group = dp_group = None
+        for d in range(world // (sp * tp)):  # every rank creates every group, in the same order
+            for t in range(tp):
+                group = dist.new_group([(d * sp + s) * tp + t for s in range(sp)])
+                if rank // (sp * tp) == d and rank % tp == t:
+                    sp_group = group
+        if tp > 1:
+            for x in range(world // tp):
+                group = dist.new_group(list(range(x * tp, (x + 1) * tp)))
+                if rank // tp == x:
+                    tp_group = group
+            for t in range(tp):
+                group = dist.new_group(list(range(t, world, tp)))
+                if rank % tp == t:
+                    dp_group = group
+        return cls(world, rank, dp_group, world // tp, rank // tp, device, tp_group, tp, rank % tp,
+                   sp_group=sp_group, sp_size=sp, sp_rank=rank // tp % sp)
 
     @classmethod
     def _with_pipeline(cls, world: int, rank: int, device: torch.device, tp: int, pp: int) -> "Topology":

@@ -3,7 +3,9 @@
 Note [sequence parallelism]
 With sequence_parallel.size S, the S ranks of a group train on the same samples, each on a part of
 every sequence (world = dp × S; every rank holds the same weights, so gradients are averaged and ZeRO
-shards over all of them). engine(...) splits the forward's sequence-shaped arguments along dim 1:
+shards over all of them; with 1D tensor parallelism world = dp × S × t, and that holds for the ranks of
+one tp rank, each running its own heads: Note [dp x tp layout]). engine(...) splits the forward's
+sequence-shaped arguments along dim 1:
 - every tensor argument of the sequence's length along dim 1 (input_ids, labels, token_type_ids,
   ...); the parts are contiguous for Ulysses, zigzag for ring (Note [ring attention]);
 - `labels` are shifted before they are split (the next token of a part's last position lives on
@@ -13,8 +15,8 @@ shards over all of them). engine(...) splits the forward's sequence-shaped argum
   whose forward takes no position_ids is refused (its positions would be the part's, silently).
 Inside the forward, a TorchFunctionMode routes every F.scaled_dot_product_attention call (causal,
 without a mask) to ring or Ulysses attention over the group; a mask tensor or attention dropout is
-refused, naming what to do. "auto" picks Ulysses when the model's heads divide by S, else ring, and
-says which. The model's loss is its mean over this rank's tokens; engine.backward weighs it by this
+refused, naming what to do. "auto" picks Ulysses when the model's heads (per tp rank) divide by S,
+else ring, and says which. The model's loss is its mean over this rank's tokens; engine.backward weighs it by this
 rank's share of the group's counted tokens (labels other than -100) times S, so that averaging the
 gradients over the ranks gives the loss over every token of the sample, whatever S and the padding.
 """
@@ -36,13 +38,13 @@ from engine.sequence_parallel.ulysses import ulysses_attention
 IGNORE_INDEX = -100
 
 
-def choose_mode(mode: str, model, size: int) -> str:
-    """"auto": Ulysses when the model's attention heads divide by `size`, else ring."""
+def choose_mode(mode: str, model, size: int, tp_size: int = 1) -> str:
+    """"auto": Ulysses when the model's attention heads on one tensor-parallel rank divide by `size`, else ring."""
     if mode != "auto":
         return mode
     config = getattr(model, "config", None)
     heads = next((getattr(config, k) for k in ("num_attention_heads", "n_head") if hasattr(config, k)), None)
-    return "ulysses" if heads is not None and heads % size == 0 else "ring"
+    return "ulysses" if heads is not None and heads % tp_size == 0 and heads // tp_size % size == 0 else "ring"
 
 
 class SequenceSplit:
