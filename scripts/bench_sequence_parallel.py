@@ -185,18 +185,19 @@ def layouts(length: int, size: int) -> dict[str, list[torch.Tensor]]:
 
 
 def rank_attention_s(q, k, v, positions: list[torch.Tensor], rank: int) -> float:
-    """Seconds of rank `rank`'s attention compute for one layer, forward and backward, over every block."""
-    from engine.sequence_parallel.ring_attention import attend_block, block_gradients
+    """Seconds of rank `rank`'s attention compute for one layer, forward and backward, over every block (merged
+    as the ring merges them)."""
+    from engine.sequence_parallel.ring_attention import attend_block, block_gradients, merge
 
     scale = q[rank].shape[-1] ** -0.5
     t0 = time.perf_counter()
-    outs = [attend_block(q[rank], k[s], v[s], positions[rank], positions[s], scale) for s in range(len(positions))]
-    lse = torch.logsumexp(torch.stack([lse_b for _, lse_b in outs]), dim=0)
-    out = sum(o * torch.exp(l_b - lse).nan_to_num(0.0).unsqueeze(-1) for o, l_b in outs)
-    grad = torch.ones_like(out)
-    delta = (grad * out).sum(-1, keepdim=True)
+    out, lse = attend_block(q[rank], k[rank], v[rank], positions[rank], positions[rank], scale)
     for s in range(len(positions)):
-        block_gradients(q[rank], k[s], v[s], positions[rank], positions[s], scale, grad, delta, lse)
+        if s != rank:
+            out, lse = merge(out, lse, *attend_block(q[rank], k[s], v[s], positions[rank], positions[s], scale))
+    grad = torch.ones_like(out)
+    for s in range(len(positions)):
+        block_gradients(q[rank], k[s], v[s], positions[rank], positions[s], scale, grad, out, lse)
     return time.perf_counter() - t0
 
 

@@ -16,9 +16,10 @@ sequence-shaped arguments along dim 1:
 Inside the forward, a TorchFunctionMode routes every F.scaled_dot_product_attention call (causal,
 without a mask) to ring or Ulysses attention over the group; a mask tensor or attention dropout is
 refused, naming what to do. "auto" picks Ulysses when the model's heads (per tp rank) divide by S,
-else ring, and says which. The model's loss is its mean over this rank's tokens; engine.backward weighs it by this
-rank's share of the group's counted tokens (labels other than -100) times S, so that averaging the
-gradients over the ranks gives the loss over every token of the sample, whatever S and the padding.
+else ring, and says which. The model's loss is its mean over this rank's tokens; engine.backward
+weighs it by this rank's share of the group's counted tokens (labels other than -100) times S, so
+that averaging the gradients over the ranks gives the loss over every token of the sample, whatever
+S and the padding.
 """
 
 from __future__ import annotations
