@@ -193,6 +193,29 @@ class SequenceParallelConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Note [expert parallelism]: the experts of every MoE layer split over `expert_parallel_size` ranks of the
+    data-parallel group; `capacity_factor` null routes every token (dropless), a number caps each expert's tokens
+    at capacity_factor × k × tokens / experts (DeepSpeed's capacity mode); `aux_loss_coef` null keeps the model's
+    own coefficient, `z_loss_coef` adds the router z-loss."""
+
+    expert_parallel_size: int = bounded(1, min=1)
+    capacity_factor: float | None = bounded(None, gt=0)
+    min_capacity: int = bounded(4, min=0)
+    aux_loss_coef: float | None = bounded(None, min=0)
+    z_loss_coef: float = bounded(0.0, min=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.expert_parallel_size > 1
+
+    @property
+    def routes_model_experts(self) -> bool:
+        """A model's own (Hugging Face) expert modules are dispatched by Tiers: any key of this section set."""
+        return self != MoEConfig()
+
+
+@dataclass(frozen=True)
 class MemoryConfig:
     device_budget: int | str | None = None
     cpu_budget: int | str | None = None
@@ -246,6 +269,7 @@ class Config:
     tensor_parallel: TensorParallelConfig = section(TensorParallelConfig)
     pipeline: PipelineConfig = section(PipelineConfig)
     sequence_parallel: SequenceParallelConfig = section(SequenceParallelConfig)
+    moe: MoEConfig = section(MoEConfig)
     memory: MemoryConfig = section(MemoryConfig)
     seed: int | None = None
 

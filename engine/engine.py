@@ -27,6 +27,7 @@ from engine.activation_checkpointing import ActivationCheckpointing
 from engine.checkpoint import Saver, load_checkpoint, write_state_dict
 from engine.checkpoint.training_state import TrainingState
 from engine.config import BatchSizes, Config
+from engine.moe.plan import ExpertParallel
 from engine.monitor import Monitor
 from engine.pipeline.driver import PipelineDriver, pull_microbatches
 from engine.precision import LossScaler, PrecisionPolicy
@@ -45,7 +46,7 @@ class Engine:
     def __init__(self, module: nn.Module, config: Config, topology: Topology, runtime: ZeroRuntime, lr_scheduler,
                  loss_scaler: LossScaler, monitor: Monitor, tensor_parallel: TensorParallel | None = None,
                  checkpointing: ActivationCheckpointing | None = None, pipeline: PipelineDriver | None = None,
-                 sequence: SequenceSplit | None = None):
+                 sequence: SequenceSplit | None = None, experts: ExpertParallel | None = None):
         self.module, self.config, self.topology = module, config, topology
         self.batch: BatchSizes = config.batch_sizes(topology.data_parallel_size)
         self.runtime, self.optimizer, self.lr_scheduler = runtime, runtime.optimizer, lr_scheduler
@@ -57,6 +58,7 @@ class Engine:
                                                                                  topology.device)
         self.pipeline = pipeline  # Note [a pipelined step]: train_batch / eval_batch run the schedule
         self.sequence = sequence  # Note [sequence parallelism]: this rank's part of each sequence
+        self.experts = experts  # Note [expert parallelism]: the MoE layers, their traffic and router losses
         self.progress = TrainingProgress(self.batch.gradient_accumulation_steps)
         self._global_grad_norm: float | None = None
         runtime.start(module)
@@ -141,8 +143,9 @@ class Engine:
         if self.sequence is not None:
             args, kwargs = self.sequence.split(args, kwargs)
             split_attention = self.sequence.attention()
+        collecting = self.experts.collecting() if self.experts is not None else contextlib.nullcontext()
         with (self.monitor.step_metrics.timed("forward"), self.precision.autocast(self.device),
-              self.runtime.forward(), split_attention):
+              self.runtime.forward(), split_attention, collecting):
             return self.module(*args, **kwargs)
 
     forward = __call__
@@ -170,10 +173,12 @@ class Engine:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it "
                              "(e.g. .mean()) first")
         self.monitor.step_metrics.on_loss(loss)
+        aux = self.experts.take_aux_loss() if self.experts is not None else None
+        total = loss if aux is None else loss + aux.to(loss.device)  # engine.moe.MoE's weighted router losses
         factor = self.loss_scaler.scale / (self.gradient_accumulation_steps * self.dp_world_size)
         if self.sequence is not None:  # this rank's share of the sample's tokens (Note [sequence parallelism])
             factor *= self.sequence.token_weight
-        scaled = loss.float() * factor if factor != 1.0 else loss
+        scaled = total.float() * factor if factor != 1.0 else total
         with (self.monitor.step_metrics.timed("backward"),
               self.runtime.backward(self.is_gradient_accumulation_boundary(), self.loss_scaler.scale)):
             scaled.backward(retain_graph=retain_graph)
@@ -254,6 +259,11 @@ class Engine:
         None). Stages 0-2 keep every parameter whole on every rank; stage 3 gathers one chunk at a time (every
         rank must call this). With bf16 / fp16 the parameters are their fp32 master weights."""
         keep = not rank0_only or self.topology.rank == 0
+        if self.experts is not None and self.experts.ep_size > 1:  # every rank's experts (Note [expert parallelism])
+            whole = whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.dp_group, self.comm,
+                                                  True)
+            whole = self.experts.join_state_dict(whole, self.topology.ep_group, self.comm, self.device)
+            return whole if keep else None
         if self.tensor_parallel is None and self.pipeline is None:
             return whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.dp_group, self.comm,
                                                  keep)

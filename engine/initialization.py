@@ -2,6 +2,7 @@
 
     load_config            → Config (every key and combination checked: engine.config_checks)
     parallelize_tensors    the tensor-parallel plan replaces layers (Note [tensor-parallel plans])
+    place_experts          each MoE layer keeps this rank's experts (Note [expert parallelism])
     apply_activation_checkpointing
     split_pipeline         this rank keeps its pipeline stages' blocks (Note [pipeline stages of an unmodified model])
     chunk_parameters       parameters packed into chunks, sharded by the ZeRO stage's ShardingPolicy
@@ -27,6 +28,7 @@ from engine.config import Config, load_config
 from engine.config_checks import OFFLOADED, check_client_objects, check_offload, check_run
 from engine.engine import Engine
 from engine.lr_schedules import build_lr_scheduler
+from engine.moe.plan import ExpertParallel, apply_expert_parallel
 from engine.monitor import Monitor
 from engine.optim import build_optimizer
 from engine.pipeline.block_timing import measured_costs
@@ -38,7 +40,8 @@ from engine.step_metrics import StepMetrics
 from engine.tensor_parallel import Mesh2D, TensorParallel, TPGroup, apply_tensor_parallel
 from engine.tensor_parallel.rng import RNGStreams
 from engine.topology import Topology
-from engine.zero.chunked_params import ChunkedParams
+from engine.zero.chunk_state import ShardPlace
+from engine.zero.chunked_params import ChunkedParams, ExpertChunks
 from engine.zero.grad_clip import GradientClipper
 from engine.zero.grad_sync import GradReducer
 from engine.zero.offload_policy import OffloadPolicy, build_offloaded_optimizer
@@ -97,7 +100,8 @@ def initialize(
                          "config has none (pipeline.stages is 1); compute the loss yourself and call "
                          "engine.backward(loss)")
     topology = Topology.from_environment(tp_size=cfg.tensor_parallel.size, tp_mode=cfg.tensor_parallel.mode,
-                                         pp_size=cfg.pipeline.stages, sp_size=cfg.sequence_parallel.size)
+                                         pp_size=cfg.pipeline.stages, sp_size=cfg.sequence_parallel.size,
+                                         ep_size=cfg.moe.expert_parallel_size)
     check_run(cfg, topology, optimizer=optimizer, lr_scheduler=lr_scheduler, model_parameters=model_parameters,
               built_under_zero_init=zero_init_recording(model) is not None)
     if cfg.seed is not None:
@@ -105,15 +109,16 @@ def initialize(
     recording, meta_of = zero_init_placeholders(model, topology.device)  # Note [zero_init]
     model.to(topology.device)
     tensor_parallel = parallelize_tensors(model, cfg, topology)
-    checkpointing = apply_activation_checkpointing(model, cfg, topology, tensor_parallel)
     comm = CommCounter()
-    groups = _param_groups(model, optimizer, model_parameters, meta_of)
+    experts = place_experts(model, cfg, topology, comm)
+    checkpointing = apply_activation_checkpointing(model, cfg, topology, tensor_parallel)
+    groups = _param_groups(model, optimizer, model_parameters, meta_of, experts.dropped if experts else frozenset())
     split, shared_groups = split_pipeline(model, cfg, topology, comm)
     if split is not None:  # this rank's parameters, named as in the whole model
         groups = [dict(g, params=[p for p in g["params"] if split.holds(p)]) for g in groups]
         groups = [g for g in groups if g["params"]]
     chunked = chunk_parameters(model, cfg, topology, groups, pending=set(meta_of), tensor_parallel=tensor_parallel,
-                               names=split.names if split is not None else None)
+                               names=split.names if split is not None else None, experts=experts)
     optimizer = build_chunk_optimizer(cfg, chunked, topology.device, optimizer, rebuild=split is not None)
     if recording is not None:  # after offloading: shards may load straight into the chunk manager
         materialize_parameters(model, chunked, recording, meta_of, topology.device, topology.dp_group, comm)
@@ -127,7 +132,7 @@ def initialize(
         checkpointing.recompute_context = sequence.attention
     return Engine(model, cfg, topology, runtime, _scheduler(cfg, optimizer, lr_scheduler), loss_scaler,
                   build_monitor(cfg, topology, runtime, checkpointing), tensor_parallel, checkpointing, pipeline,
-                  sequence)
+                  sequence, experts)
 
 
 def parallelize_tensors(model: nn.Module, cfg: Config, topology: Topology) -> TensorParallel | None:
@@ -142,6 +147,13 @@ def parallelize_tensors(model: nn.Module, cfg: Config, topology: Topology) -> Te
     mesh = Mesh2D.of(tp, topology.tp_row_group, topology.tp_col_group) if cfg.tensor_parallel.mode == "2d" else None
     return apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp, RNGStreams(tp, topology.device), mesh,
                                  cfg.tensor_parallel.sequence_parallel)
+
+
+def place_experts(model: nn.Module, cfg: Config, topology: Topology, comm: CommCounter) -> ExpertParallel | None:
+    """Note [expert parallelism]: the model's MoE layers (engine.moe.MoE, and a Hugging Face model's experts when
+    the config has a `moe` section) keep this rank's experts and dispatch tokens to every rank's; None without any."""
+    return apply_expert_parallel(model, cfg.moe, topology.ep_group, topology.ep_size, topology.ep_rank,
+                                 topology.dp_group, comm)
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: Config, topology: Topology,
@@ -200,10 +212,11 @@ def build_pipeline(split: PipelineModel, shared_groups: dict, cfg: Config, topol
 
 def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: list[dict],
                      pending: set[int] = frozenset(), tensor_parallel: TensorParallel | None = None,
-                     names: dict[int, str] | None = None) -> ChunkedParams:
+                     names: dict[int, str] | None = None, experts: ExpertParallel | None = None) -> ChunkedParams:
     """The trainable parameters of `groups` packed into chunks and sharded over the data-parallel ranks as the
     ZeRO stage's ShardingPolicy says (Note [sharding policy]); `pending`: ids of parameters whose values
-    zero_init brings later; `names`: id -> name, when the model no longer names them all (a pipeline split)."""
+    zero_init brings later; `names`: id -> name, when the model no longer names them all (a pipeline split);
+    `experts`: their parameters' chunks are reduced and sharded over the expert-data-parallel group."""
     policy = ShardingPolicy(cfg.zero_optimization.stage)
     shards = topology.dp_world_size if policy.shards(ChunkKind.OPTIM) else 1
     trainable = [p.shape for g in groups for p in g["params"] if p.requires_grad]
@@ -214,10 +227,25 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
                             shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
                             persistence_threshold=persistence_threshold(cfg), pending=pending,
                             compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype,
-                            page_params=cfg.zero_optimization.offload_param.device in OFFLOADED)
+                            page_params=cfg.zero_optimization.offload_param.device in OFFLOADED,
+                            experts=_expert_chunks(experts, topology, shards > 1))
     if tensor_parallel is not None:
         chunked.norm_weights = tensor_parallel.norm_weights(model)
+    if chunked.has_experts and not chunked.sharded:  # each rank holds the whole gradient: count it once over dp
+        for p in chunked.params:
+            expert = chunked.states[chunked.chunk_index()[id(p)]].place.group is not None
+            chunked.norm_weights[id(p)] = 1.0 / (topology.expert_dp_size if expert else topology.dp_world_size)
     return chunked
+
+
+def _expert_chunks(experts: ExpertParallel | None, topology: Topology, sharded: bool) -> ExpertChunks | None:
+    """Note [expert parallelism]: with 2 or more ep ranks, expert chunks are reduced over (and with ZeRO
+    sharded across) the ranks holding the same experts."""
+    if experts is None or topology.ep_size == 1:
+        return None
+    place = ShardPlace(topology.expert_dp_rank if sharded else 0, topology.expert_dp_size if sharded else 1,
+                       topology.expert_dp_group)
+    return ExpertChunks(frozenset(id(p) for p in experts.expert_params()), place)
 
 
 def build_chunk_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.device,
@@ -276,17 +304,20 @@ def persistence_threshold(cfg: Config) -> int:
     return 100_000 if threshold == "auto" else threshold
 
 
-def _param_groups(model: nn.Module, optimizer, model_parameters, meta_of: dict[int, torch.Tensor]) -> list[dict]:
+def _param_groups(model: nn.Module, optimizer, model_parameters, meta_of: dict[int, torch.Tensor],
+                  dropped: frozenset[int] = frozenset()) -> list[dict]:
     """The param groups to chunk. zero_init: groups built before initialize() name the meta parameters their
-    placeholders replaced."""
+    placeholders replaced. dropped: ids of parameters of experts other ranks hold (Note [expert parallelism])."""
     replaced = {id(meta_of[id(p)]): p for p in model.parameters() if id(p) in meta_of}
-    groups = _given_param_groups(model, optimizer, model_parameters, replaced)
-    return [dict(g, params=[replaced.get(id(p), p) for p in g["params"]]) for g in groups]
+    groups = _given_param_groups(model, optimizer, model_parameters, replaced, dropped)
+    groups = [dict(g, params=[replaced.get(id(p), p) for p in g["params"] if id(p) not in dropped]) for g in groups]
+    return [g for g in groups if g["params"]]
 
 
-def _given_param_groups(model: nn.Module, optimizer, model_parameters, replaced: dict) -> list[dict]:
+def _given_param_groups(model: nn.Module, optimizer, model_parameters, replaced: dict,
+                        dropped: frozenset[int]) -> list[dict]:
     if optimizer is not None:
-        model_ids = {id(p) for p in model.parameters()} | set(replaced)
+        model_ids = {id(p) for p in model.parameters()} | set(replaced) | dropped
         groups = [dict(g) for g in optimizer.param_groups]
         stray = [p for g in groups for p in g["params"] if id(p) not in model_ids]
         if stray:

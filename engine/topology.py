@@ -15,6 +15,11 @@ With sequence parallelism (sp ranks share each sample), world = dp × sp × tp, 
 global rank = (dp_rank' * sp + sp_rank) * tp + tp_rank; the dp group of a tp rank holds its dp × sp ranks
 (dp_world_size = dp × sp, dp_rank = rank // tp), an sp group the sp ranks with the same dp and tp rank.
 
+With expert parallelism (Note [expert parallelism]) the data-parallel ranks split into ep × edp, ep innermost
+(DeepSpeed's layout): an ep group holds ep consecutive data-parallel ranks, which hold different experts and
+exchange tokens; an expert-data-parallel (edp) group holds the ranks with the same ep rank, which hold the same
+experts and reduce their gradients and ZeRO shards. Dense parameters still span the whole data-parallel group.
+
 Under 2D tensor parallelism (tp = q²) the tp group is a q×q mesh, row-major: tp rank t sits at row
 t // q, column t % q. A row group holds the q ranks of one row (one batch block, every hidden
 block), a column group the q ranks of one column (one hidden block, every batch block).
@@ -117,6 +122,24 @@ class Topology:
     sp_group: dist.ProcessGroup | None = None  # None: no sequence parallelism (sp_size 1)
     sp_size: int = 1
     sp_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None  # None: no expert parallelism (ep_size 1)
+    ep_size: int = 1
+    ep_rank: int = 0
+    edp_group: dist.ProcessGroup | None = None  # the ranks holding this rank's experts; None: the dp group
+    edp_size: int = 0  # 0: the dp group's size
+    edp_rank: int = -1  # -1: the dp rank
+
+    @property
+    def expert_dp_group(self) -> dist.ProcessGroup | None:
+        return self.edp_group if self.ep_size > 1 else self.dp_group
+
+    @property
+    def expert_dp_size(self) -> int:
+        return self.edp_size if self.ep_size > 1 else self.dp_world_size
+
+    @property
+    def expert_dp_rank(self) -> int:
+        return self.edp_rank if self.ep_size > 1 else self.dp_rank
 
     @property
     def data_parallel_size(self) -> int:
@@ -136,7 +159,7 @@ class Topology:
 
     @classmethod
     def from_environment(cls, device: torch.device | None = None, tp_size: int = 1, tp_mode: str = "1d",
-                         pp_size: int = 1, sp_size: int = 1) -> "Topology":
+                         pp_size: int = 1, sp_size: int = 1, ep_size: int = 1) -> "Topology":
         device = device or compute_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)  # also when the caller created the process group
@@ -145,7 +168,8 @@ class Topology:
             if tp_size != 1:
                 raise ValueError(f"tensor_parallel.size {tp_size} needs {tp_size} processes (one per shard), and this "
                                  f"run has 1; launch with torchrun --nproc_per_node {tp_size} (or a multiple of it)")
-            for key, size in (("pipeline.stages", pp_size), ("sequence_parallel.size", sp_size)):
+            for key, size in (("pipeline.stages", pp_size), ("sequence_parallel.size", sp_size),
+                              ("moe.expert_parallel_size", ep_size)):
                 if size != 1:
                     raise ValueError(f"{key} {size} needs {size} processes, and this run has 1; launch with torchrun "
                                      f"--nproc_per_node {size} (or a multiple of it)")
@@ -160,6 +184,8 @@ class Topology:
         else:
             topology = cls._with_tensor_parallel(world, rank, device, tp_size)
             topology = topology._with_mesh() if tp_mode == "2d" else topology
+        if ep_size > 1:
+            topology = topology._with_experts(ep_size)
         control = dist.new_group(list(range(world)), backend="gloo") if world > 1 else None
         return dataclasses.replace(topology, control_group=control)
 
@@ -228,6 +254,28 @@ class Topology:
         return cls(world, rank, mine["dp"][(pp_rank, tp_rank)], dp, dp_rank, device,
                    mine["tp"][(pp_rank, dp_rank)] if tp > 1 else None, tp, tp_rank,
                    pp_group=mine["pp"][(dp_rank, tp_rank)], pp_size=pp, pp_rank=pp_rank)
+
+    def _with_experts(self, ep: int) -> "Topology":
+        """Note [dp x tp layout], expert parallelism: the ep and edp groups inside the data-parallel group."""
+        if self.tp_size > 1 or self.pp_size > 1 or self.sp_size > 1:
+            raise ValueError(f"moe.expert_parallel_size {ep} together with tensor, pipeline or sequence parallelism is "
+                             "not built yet; use expert parallelism with data parallelism only")
+        world = self.world_size
+        if world % ep:
+            raise ValueError(f"moe.expert_parallel_size {ep} must divide the data-parallel size {world} "
+                             f"(dp = ep × edp); use a size that divides {world}, or launch a multiple of {ep} "
+                             "processes")
+        ep_group = edp_group = None
+        for e in range(world // ep):  # every rank creates every group, in the same order
+            group = dist.new_group(list(range(e * ep, (e + 1) * ep)))
+            if self.rank // ep == e:
+                ep_group = group
+        for r in range(ep):
+            group = dist.new_group(list(range(r, world, ep)))  # size 1 when ep = dp: never the world group
+            if self.rank % ep == r:
+                edp_group = group
+        return dataclasses.replace(self, ep_group=ep_group, ep_size=ep, ep_rank=self.rank % ep, edp_group=edp_group,
+                                   edp_size=world // ep, edp_rank=self.rank // ep)
 
     def _with_mesh(self) -> "Topology":
         """This topology with the row and column groups of every tp group's q×q mesh."""

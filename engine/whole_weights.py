@@ -80,9 +80,10 @@ def _chunk_values(chunked: ChunkedParams, gatherer: ParamGatherer | None, index:
         return
     with chunked.masters.master(index, writes=False) as shard:  # this rank's fp32 master (all of it unsharded)
         full = shard
-        if chunked.sharded:
-            full = torch.empty(shard.numel() * chunked.shard_count, dtype=shard.dtype, device=shard.device)
-            all_gather_into(full, shard, group, counter, async_op=False)
+        place = chunked.states[index].place
+        if place.count > 1:
+            full = torch.empty(shard.numel() * place.count, dtype=shard.dtype, device=shard.device)
+            all_gather_into(full, shard, place.group_or(group), counter, async_op=False)
         yield lambda p: chunked.master_values(p, full)
 
 

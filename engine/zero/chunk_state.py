@@ -30,6 +30,7 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from offload.chunk import Chunk, Slot
@@ -54,6 +55,20 @@ class IllegalPhaseTransition(RuntimeError):
     """A chunk was asked to move between two phases that Note [chunk phases] does not connect."""
 
 
+@dataclass(frozen=True)
+class ShardPlace:
+    """Which ranks a chunk is reduced over and sharded across: this rank holds shard `rank` of `count` (count 1:
+    the whole chunk); `group` None is the data-parallel group, a group of its own holds expert chunks (Note
+    [expert parallelism])."""
+
+    rank: int = 0
+    count: int = 1
+    group: dist.ProcessGroup | None = None
+
+    def group_or(self, default: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+        return self.group if self.group is not None else default
+
+
 @dataclass(eq=False, repr=False)
 class ChunkState:
     """Everything about chunk `index` (Note [chunk phases])."""
@@ -66,6 +81,7 @@ class ChunkState:
     grad_views: list[torch.Tensor]  # each member's view into the grad chunk
     phase: ChunkPhase = ChunkPhase.WHOLE
     persistent: bool = False  # stage 3: below the persistence threshold, never released
+    place: ShardPlace = ShardPlace()  # the ranks it is reduced over and sharded across
     # where this rank's values live
     param_shard: torch.Tensor | None = None  # stage 3: this rank's shard (a placeholder when offloaded)
     param_handle: int | None = None  # its manager chunk (Note [offloaded parameter shards])

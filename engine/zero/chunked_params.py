@@ -27,11 +27,20 @@ import torch
 from torch import nn
 
 from engine.comm import shard_of, shard_range
-from engine.zero.chunk_state import ChunkPhase, ChunkState
+from engine.zero.chunk_state import ChunkPhase, ChunkState, ShardPlace
 from engine.zero.grad_shards import ShardedGrads
 from engine.zero.master_weights import MasterWeights
 from engine.zero.param_shards import ShardedParams
 from offload.chunk import ChunkList, Slot
+
+
+@dataclass(frozen=True)
+class ExpertChunks:
+    """Note [expert parallelism]: the parameters (by id) of this rank's experts, packed into chunks of their own that
+    are reduced over, and sharded across, `place`'s expert-data-parallel group."""
+
+    params: frozenset[int]
+    place: ShardPlace
 
 
 @dataclass
@@ -43,6 +52,7 @@ class ChunkGroup:
     param_chunks: ChunkList
     grad_chunks: ChunkList
     persistent: bool = False  # stage 3: below the persistence threshold, never released (Note [sharded parameters])
+    place: ShardPlace = ShardPlace()  # its chunks' reduction group and shards (Note [expert parallelism])
     states: list[ChunkState] = field(default_factory=list)  # its chunks' states (Note [chunk phases])
 
 
@@ -53,16 +63,21 @@ class ChunkedParams:
                  names: dict[int, str] | None = None, shard_count: int = 1, shard_rank: int = 0,
                  shard_grads: bool = False, shard_params: bool = False, persistence_threshold: int = 0,
                  pending: set[int] | None = None, compute_dtype: torch.dtype = torch.float32,
-                 page_params: bool = False):
+                 page_params: bool = False, experts: ExpertChunks | None = None):
         """pending: ids of parameters whose values `load` brings later (zero_init); memory that would only
         hold values transiently is then left untouched (uninitialized payloads). compute_dtype bf16/fp16:
         16-bit chunks with fp32 masters (Note [master weights]). page_params: stage 3's shards (and stage 2's
         gradient shards) even with one shard, so that offload_param can page chunks in around their use
-        (Note [paging in one process])."""
+        (Note [paging in one process]). experts: parameters whose chunks have a place of their own."""
         for what, value in (("capacity", capacity), ("first chunk capacity", first_capacity or shard_count)):
             if value % shard_count:
                 raise ValueError(f"chunk {what} {value} is not a multiple of the shard count {shard_count}")
         self.shard_count, self.shard_rank = shard_count, shard_rank
+        dense = ShardPlace(shard_rank, shard_count)
+        self.has_experts = experts is not None
+        if experts is not None and shard_count % experts.place.count:
+            raise ValueError(f"expert chunks sharded {experts.place.count} ways must divide the shard count "
+                             f"{shard_count}")
         pending = pending or set()
         self.values_pending = values_pending = bool(pending)
         sharding = shard_count > 1 or page_params  # per-rank shards exist (of the whole chunk, with one rank)
@@ -71,7 +86,7 @@ class ChunkedParams:
         seen: set[int] = set()
         for group in param_groups:
             options = {k: v for k, v in group.items() if k != "params"}
-            by_kind: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
+            by_kind: dict[tuple[torch.dtype, bool, ShardPlace], list[nn.Parameter]] = {}
             for p in group["params"]:
                 if id(p) in seen:
                     raise ValueError(f"parameter '{self.name_of(p)}' is listed twice in the param groups; list each "
@@ -84,8 +99,9 @@ class ChunkedParams:
                                     "dtypes train; set requires_grad=False on it")
                 persistent = shard_params and p.numel() < persistence_threshold
                 dtype = compute_dtype if compute_dtype != torch.float32 else p.dtype
-                by_kind.setdefault((dtype, persistent), []).append(p)
-            for (dtype, persistent), params in by_kind.items():
+                place = experts.place if experts is not None and id(p) in experts.params else dense
+                by_kind.setdefault((dtype, persistent, place), []).append(p)
+            for (dtype, persistent, place), params in by_kind.items():
                 with torch.no_grad():
                     layout = dict(capacity=capacity, dtype=dtype, device=device, first_capacity=first_capacity,
                                   align=shard_count)
@@ -99,7 +115,7 @@ class ChunkedParams:
                 for p, pv, gv in zip(params, param_chunks.views, grad_chunks.views):
                     p.data = pv
                     p.grad = gv
-                self.groups.append(ChunkGroup(params, options, param_chunks, grad_chunks, persistent))
+                self.groups.append(ChunkGroup(params, options, param_chunks, grad_chunks, persistent, place))
         if not self.groups:
             raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
         # Note [chunk phases]: one state per chunk index (param and grad chunk alike), in group order
@@ -119,7 +135,8 @@ class ChunkedParams:
                 self.states.append(ChunkState(
                     index=base + i, params=[p for p, _, _ in m], slots=[s for _, s, _ in m], param_chunk=pc,
                     grad_chunk=gc, grad_views=[v for _, _, v in m], phase=phase, persistent=g.persistent,
-                    stepped=self._owned(pc.payload), stepped_grad=self._owned(gc.payload)))
+                    place=g.place, stepped=self._owned(pc.payload, g.place),
+                    stepped_grad=self._owned(gc.payload, g.place)))
             g.states = self.states[base:]
         # Note [global norm under tensor parallelism]: each parameter's share of the squared global norm
         self.norm_weights: dict[int, float] = {}
@@ -129,13 +146,13 @@ class ChunkedParams:
         # stage 3: persistent parameter shards; full chunks only while gathered (Note [sharded parameters])
         self.sharded_params: ShardedParams | None = None
         if stage3:
-            self.sharded_params = ShardedParams(self.states, shard_rank, shard_count, copy_payloads=not values_pending)
+            self.sharded_params = ShardedParams(self.states, copy_payloads=not values_pending)
             for state in self.states:
                 state.stepped = state.param_shard
         # stage 2: persistent gradient shards; full gradient chunks only during backward (Note [sharded gradients])
         self.sharded_grads: ShardedGrads | None = None
         if shard_grads and sharding:
-            self.sharded_grads = ShardedGrads(self.states, shard_rank, shard_count)
+            self.sharded_grads = ShardedGrads(self.states)
             for state in self.states:
                 state.stepped_grad = state.grad_shard
         # bf16 / fp16: the optimizer steps fp32 masters of the stepped tensors (Note [master weights])
@@ -154,7 +171,8 @@ class ChunkedParams:
     def _owned_range(self, index: int, slot: Slot) -> tuple[int, int, int] | None:
         """(start of this rank's elements in chunk `index`, lo, hi): the part [lo, hi) of the slot's elements
         (chunk offsets) this rank steps, or None when it steps none of them."""
-        start, n = shard_range(self.states[index].numel, self.shard_rank, self.shard_count)
+        place = self.states[index].place
+        start, n = shard_range(self.states[index].numel, place.rank, place.count)
         lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + n)
         return (start, lo, hi) if lo < hi else None
 
@@ -208,7 +226,7 @@ class ChunkedParams:
             for index, state in enumerate(self.states):
                 chunk = state.param_chunk
                 if self.sharded_params is not None and not state.persistent:
-                    start, n = shard_range(chunk.numel, self.shard_rank, self.shard_count)
+                    start, n = shard_range(chunk.numel, state.place.rank, state.place.count)
                     tail = max(chunk.used - start, 0)
                     if tail < n:
                         with self.sharded_params.shard(index, writes=True) as shard:
@@ -252,11 +270,11 @@ class ChunkedParams:
     def sharded(self) -> bool:
         return self.shard_count > 1
 
-    def _owned(self, payload: torch.Tensor) -> torch.Tensor:
+    def _owned(self, payload: torch.Tensor, place: ShardPlace) -> torch.Tensor:
         """This rank's shard of a payload (the whole payload when not sharded)."""
         if not self.sharded:
             return payload
-        return shard_of(payload, self.shard_rank, self.shard_count)
+        return shard_of(payload, place.rank, place.count)
 
     def grad_shards(self) -> list[torch.Tensor]:
         """The gradient elements this rank updates from: its shard of every grad chunk (all of them unsharded)."""
@@ -303,10 +321,10 @@ class ChunkedParams:
     def param_payloads(self) -> list[torch.Tensor]:
         return [s.param_chunk.payload for s in self.states]
 
-    def payloads_gathered_after_step(self) -> list[torch.Tensor]:
-        """The param chunks whose full copies persist and so are all-gathered after each sharded update:
-        all of them, or with stage 3 the persistent ones (the rest are gathered when next used)."""
-        return [s.param_chunk.payload for s in self.states if s.phase is ChunkPhase.WHOLE]
+    def states_gathered_after_step(self) -> list[ChunkState]:
+        """The chunks whose full copies persist and so are all-gathered after each sharded update: all of them, or
+        with stage 3 the persistent ones (the rest are gathered when next used)."""
+        return [s for s in self.states if s.phase is ChunkPhase.WHOLE]
 
     def chunk_index(self) -> dict[int, int]:
         """id(parameter) -> the index of its chunk among all param chunks (the same index for its grad chunk)."""

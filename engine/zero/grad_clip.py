@@ -62,7 +62,8 @@ class GradientClipper:
 
     def _total(self, norms: torch.Tensor, weights: torch.Tensor) -> float:
         """The global norm from this rank's per-piece norms and their weights."""
-        if not self.chunked.sharded and self.topology.tp_size == 1 and self.topology.pp_size == 1:
+        if not self.chunked.sharded and not self.chunked.has_experts and self.topology.tp_size == 1 \
+                and self.topology.pp_size == 1:
             return torch.linalg.vector_norm(norms, 2.0).item()
         # each rank holds a shard of the gradient: sum the squares over the groups
         return math.sqrt(self.summed_over_ranks(square_sum_of_norms(norms, weights)))
@@ -83,7 +84,7 @@ class GradientClipper:
         tensor-parallel ranks (Note [global norm under tensor parallelism]) and the pipeline stages (Note [a
         pipelined step])."""
         square = square.to(self.topology.device)
-        if self.chunked.sharded:
+        if self.chunked.sharded or self.chunked.has_experts:  # experts: other ranks hold other experts
             all_reduce_sum(square, self.topology.dp_group, self.comm, async_op=False)
         if self.topology.tp_size > 1:
             all_reduce_sum(square, self.topology.tp_group, self.comm, async_op=False)

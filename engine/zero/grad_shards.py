@@ -50,14 +50,14 @@ class ShardedGrads:
     """The persistent gradient shards and the transient full gradient chunks of one rank, kept in the chunks'
     states (Note [chunk phases]): the shard, whether the full buffer is live, which members wrote it."""
 
-    def __init__(self, states: list[ChunkState], rank: int, world: int):
+    def __init__(self, states: list[ChunkState]):
+        """Each chunk is sharded as its `place` says."""
         self.states = states
-        self.rank, self.world = rank, world
         # a shard is "fresh" (logically zero) until its first retire after a zero(): no pass over it to zero it,
         # and no memory touched before the optimizer may move it into a manager
         for state in states:
             payload = state.grad_chunk.payload
-            state.grad_shard = torch.empty(shard_range(payload.numel(), rank, world)[1], dtype=payload.dtype,
+            state.grad_shard = torch.empty(shard_range(payload.numel(), 0, state.place.count)[1], dtype=payload.dtype,
                                            device=payload.device)
             state.grad_fresh = True
         self._manager: ChunkManager | None = None  # Note [offloaded gradient shards]
@@ -132,7 +132,7 @@ class ShardedGrads:
     def retire(self, index: int) -> None:
         """After the chunk's reduce-scatter: its shard of the sum joins the persistent buffer; the buffer goes."""
         state = self.states[index]
-        mine = shard_of(state.grad_chunk.payload, self.rank, self.world)
+        mine = shard_of(state.grad_chunk.payload, state.place.rank, state.place.count)
         with self.shard(index) as shard:
             if state.grad_fresh:
                 shard.copy_(mine)

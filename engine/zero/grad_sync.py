@@ -114,13 +114,14 @@ class GradReducer:
         if self._sharded_grads is not None:
             self._retire_finished()  # frees finished chunks' buffers during backward, not only after it
             self._sharded_grads.complete(index)  # zeros where this rank had no gradient: the others may
+        place = self.states[index].place  # expert chunks reduce over their own group (Note [expert parallelism])
         if not self.peers:
             work = _DONE
         elif self.scatter:
-            work = reduce_scatter_sum_in_place(self._payload(index), self.group, self.chunked.shard_rank,
-                                               self.chunked.shard_count, self.counter, async_op=True)
+            work = reduce_scatter_sum_in_place(self._payload(index), place.group_or(self.group), place.rank,
+                                               place.count, self.counter, async_op=True)
         else:
-            work = all_reduce_sum(self._payload(index), self.group, self.counter, async_op=True)
+            work = all_reduce_sum(self._payload(index), place.group_or(self.group), self.counter, async_op=True)
         self._works.append((index, work))
 
     def _payload(self, index: int):

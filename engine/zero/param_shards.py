@@ -61,13 +61,13 @@ class ShardedParams:
     """The persistent parameter shards and the transient full parameter chunks of one rank, kept in the
     chunks' states: each non-persistent chunk cycles SHARDED → GATHERING → GATHERED (Note [chunk phases])."""
 
-    def __init__(self, states: list[ChunkState], rank: int, world: int, copy_payloads: bool = True):
-        """copy_payloads=False: the shards start uninitialized (zero_init writes them; the payloads hold nothing)."""
+    def __init__(self, states: list[ChunkState], copy_payloads: bool = True):
+        """copy_payloads=False: the shards start uninitialized (zero_init writes them; the payloads hold nothing).
+        Each chunk is sharded as its `place` says."""
         self.states = states
-        self.rank, self.world = rank, world
         for state in states:
             payload = state.param_chunk.payload
-            own = shard_of(payload, rank, world)
+            own = shard_of(payload, state.place.rank, state.place.count)
             if state.persistent:
                 state.param_shard = own  # a view: the payload always holds the values
                 continue
@@ -123,7 +123,7 @@ class ShardedParams:
         for state in self.states:
             if not state.persistent:
                 with self.shard(state.index, writes=True) as shard:
-                    shard.copy_(shard_of(state.param_chunk.payload, self.rank, self.world))
+                    shard.copy_(shard_of(state.param_chunk.payload, state.place.rank, state.place.count))
                 self.release(state.index)
 
     def release_loaded(self) -> None:
@@ -136,7 +136,7 @@ class ShardedParams:
         state = self.states[index]
         if not state.persistent:
             with self.shard(index, writes=True) as shard:
-                shard.copy_(shard_of(state.writer, self.rank, self.world))
+                shard.copy_(shard_of(state.writer, state.place.rank, state.place.count))
 
     def gather(self, index: int, group: dist.ProcessGroup | None, counter: CommCounter) -> bool:
         """Starts gathering a released chunk (a collective: every rank must gather the same chunks in the
@@ -149,11 +149,11 @@ class ShardedParams:
         if state.param_handle is None:
             shard = state.param_shard
         else:  # copied into its own slot of the output at once: the manager chunk is not held while in flight
-            shard = shard_of(writer, self.rank, self.world)
+            shard = shard_of(writer, state.place.rank, state.place.count)
             with self.shard(index, writes=False) as view:
                 shard.copy_(view)
-        if self.world > 1:
-            state.gather_work = all_gather_into(writer, shard, group, counter, async_op=True)
+        if state.place.count > 1:
+            state.gather_work = all_gather_into(writer, shard, state.place.group_or(group), counter, async_op=True)
         elif shard.data_ptr() != writer.data_ptr():  # one rank: its shard is the chunk (Note [paging in one process])
             writer.copy_(shard)
         state.to(ChunkPhase.GATHERING)

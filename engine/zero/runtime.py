@@ -82,8 +82,9 @@ class ZeroRuntime:
             in_chunks = {id(p) for p in chunked.params}
             with torch.no_grad():
                 # zero_init gave every rank rank 0's values, shard by shard (Note [zero_init])
-                for payload in chunked.param_payloads() if not chunked.values_pending else []:
-                    broadcast_from(payload, 0, self.topology.dp_group, self.comm)
+                for state in chunked.states if not chunked.values_pending else []:  # experts: over their group
+                    broadcast_from(state.param_chunk.payload, 0, state.place.group_or(self.topology.dp_group),
+                                   self.comm)
                 for t in [p for p in module.parameters() if id(p) not in in_chunks] + list(module.buffers()):
                     broadcast_from(t.data, 0, self.topology.dp_group, self.comm)
         if chunked.sharded_params is not None and not chunked.values_pending:  # zero_init wrote the shards
@@ -290,8 +291,9 @@ class ZeroRuntime:
         chunked = self.chunked
         if not chunked.sharded:
             return
-        works = [all_gather_in_place(payload, self.topology.dp_group, chunked.shard_rank, chunked.shard_count,
-                                     self.comm, async_op=True) for payload in chunked.payloads_gathered_after_step()]
+        works = [all_gather_in_place(state.param_chunk.payload, state.place.group_or(self.topology.dp_group),
+                                     state.place.rank, state.place.count, self.comm, async_op=True)
+                 for state in chunked.states_gathered_after_step()]
         for work in works:
             work.wait()
 

@@ -1,0 +1,187 @@
+"""Finding a model's MoE layers and placing their experts over the expert-parallel ranks (Note [expert parallelism]).
+
+Two kinds of layer are found, in an unmodified model:
+- engine.moe.MoE layers (the user's, DeepSpeed's API): experts as a ModuleList, kept by global id;
+- a Hugging Face model's experts modules, named by its config's `base_model_ep_plan` (Note [experts of an
+  unmodified model]): replaced, under the same name, by DispatchedExperts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+from torch import nn
+
+from engine.comm import CommCounter, all_gather_into, all_reduce_sum, broadcast_from
+from engine.moe.aux_losses import AuxLossSink
+from engine.moe.dispatch import ExpertPlacement, ExpertTraffic
+from engine.moe.experts import DispatchedExperts
+from engine.moe.layer import MoE
+
+
+class ExpertParallel:
+    """A model's MoE layers after placement: their expert parameters, what they routed, their router losses."""
+
+    def __init__(self, layers: dict[str, nn.Module], sink: AuxLossSink, ep_size: int, dropped: set[int]):
+        self.layers, self.sink, self.ep_size = layers, sink, ep_size
+        self.dropped = frozenset(dropped)  # ids of the parameters of experts other ranks hold
+
+    def expert_params(self) -> list[nn.Parameter]:
+        """This rank's experts' parameters (dense parameters of MoE layers, the gate and residual MLP, excluded)."""
+        params = []
+        for layer in self.layers.values():
+            experts = layer.experts if isinstance(layer, MoE) else layer
+            params += list(experts.parameters())
+        return params
+
+    def join_state_dict(self, local: dict[str, torch.Tensor], group, counter: CommCounter,
+                        device: torch.device) -> dict[str, torch.Tensor]:
+        """Every expert's tensors in a state dict of this rank's (a collective over the ep group): fused expert
+        tensors joined along their first dimension, engine.moe.MoE experts under their global ids."""
+        if self.ep_size == 1:
+            return local
+        out = dict(local)
+        for name, layer in self.layers.items():
+            if isinstance(layer, MoE):
+                p = layer.placement
+                for j, gid in enumerate(layer.experts):
+                    prefix = f"{name}.experts.{gid}."
+                    for key in [k for k in local if k.startswith(prefix)]:
+                        rest = key[len(prefix):]
+                        for r, t in enumerate(self._gathered(local[key], group, counter, device)):
+                            out[f"{name}.experts.{r * p.local + j}.{rest}"] = t
+                continue
+            for key, _ in layer.named_parameters():
+                full = f"{name}.{key}"
+                if full in local:
+                    out[full] = torch.cat(self._gathered(local[full], group, counter, device))
+        return out
+
+    def _gathered(self, t: torch.Tensor, group, counter: CommCounter, device: torch.device) -> list[torch.Tensor]:
+        """Every ep rank's `t` (the same shape on each), in ep-rank order, on t's device."""
+        mine = t.to(device, copy=True).contiguous()
+        every = torch.empty((self.ep_size,) + tuple(mine.shape), dtype=mine.dtype, device=device)
+        all_gather_into(every.view(-1), mine.view(-1), group, counter, async_op=False)
+        return [x.to(t.device) for x in every.unbind(0)]
+
+    def traffic(self) -> dict[str, ExpertTraffic]:
+        return {name: layer.traffic for name, layer in self.layers.items()}
+
+    @contextlib.contextmanager
+    def collecting(self):
+        """Around the engine's forward: router losses from engine.moe.MoE layers are kept for backward."""
+        with self.sink.collecting():
+            yield
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        return self.sink.take()
+
+    def metrics(self, group, counter: CommCounter) -> dict[str, float]:
+        """Since the last call, over every data-parallel rank (a collective: every rank calls it): tokens each
+        expert received, the fraction of assignments dropped by capacity, and this rank's token-exchange bytes."""
+        metrics: dict[str, float] = {}
+        names = list(self.layers)
+        counts = torch.stack([self.layers[n].traffic.tokens_per_expert for n in names]).double()
+        totals = torch.tensor([[float(self.layers[n].traffic.routed), float(self.layers[n].traffic.dropped)]
+                               for n in names], dtype=torch.float64)
+        both = torch.cat([counts.reshape(-1), totals.reshape(-1)])
+        if torch.distributed.is_initialized():
+            all_reduce_sum(both, group, counter, async_op=False)
+        counts, totals = both[:counts.numel()].view_as(counts), both[counts.numel():].view_as(totals)
+        for i, name in enumerate(names):
+            for e, c in enumerate(counts[i].tolist()):
+                metrics[f"MoE/{name}/tokens_expert_{e}"] = c
+            routed, dropped = totals[i].tolist()
+            metrics[f"MoE/{name}/drop_rate"] = dropped / routed if routed else 0.0
+            traffic = self.layers[name].traffic
+            metrics[f"MoE/{name}/all_to_all_bytes"] = float(traffic.comm.all_to_all_bytes)
+            traffic.reset()
+        return metrics
+
+
+def _pattern(key: str) -> re.Pattern:
+    return re.compile(r"(?:.+\.)?" + re.escape(key).replace(r"\*", r"\d+") + r"$")
+
+
+def hf_expert_modules(model: nn.Module) -> dict[str, tuple[nn.Module, list[str]]]:
+    """name -> (experts module, the parameter names split by expert), from the model's base_model_ep_plan."""
+    plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
+    containers = [_pattern(k) for k, v in plan.items() if v == "ep_dispatch_experts"]
+    split = {k: v for k, v in plan.items() if v != "ep_dispatch_experts"}
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, DispatchedExperts) or not any(p.match(name) for p in containers):
+            continue
+        params = [key for key, _ in module.named_parameters(recurse=False)
+                  if any(_pattern(k).match(f"{name}.{key}") for k in split)]
+        found[name] = (module, params)
+    return found
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def apply_expert_parallel(model: nn.Module, cfg, ep_group, ep_size: int, ep_rank: int, dp_group,
+                          comm: CommCounter) -> ExpertParallel | None:
+    """Note [expert parallelism]: every MoE layer of `model` keeps this rank's experts (rank `ep_rank` of `ep_size`),
+    whose values start as dp rank 0's; None when the model has no MoE layer Tiers routes. `cfg`: the moe section."""
+    sink = AuxLossSink()
+    layers: dict[str, nn.Module] = {}
+    dropped: set[int] = set()
+    moe_layers = {n: m for n, m in model.named_modules() if isinstance(m, MoE)}
+    hf = hf_expert_modules(model) if cfg.routes_model_experts else {}
+    if not moe_layers and not hf:
+        if cfg.enabled:
+            raise ValueError(
+                f"moe.expert_parallel_size {ep_size}: the model has no MoE layer Tiers can split: no engine.moe.MoE "
+                "layer, and no experts module named by its config's base_model_ep_plan (Hugging Face 5.x MoE models: "
+                "Mixtral, Qwen-MoE, ...); build its MoE layers with engine.moe.MoE, or set the size to 1")
+        return None
+    for name, layer in moe_layers.items():
+        if layer.ep_size not in (1, ep_size):
+            raise ValueError(f"{name}: engine.moe.MoE(ep_size={layer.ep_size}) but moe.expert_parallel_size is "
+                             f"{ep_size}; they must agree (or leave ep_size at 1 and let the config decide)")
+        placement = ExpertPlacement(layer.num_experts, ep_size, ep_rank, ep_group)
+        _from_first_rank(layer.experts.parameters(), ep_size, dp_group, comm)
+        dropped |= layer.keep_local_experts(placement)
+        layer.aux_sink = sink
+        layer.aux_loss_coef = cfg.aux_loss_coef or 0.0
+        layer.z_loss_coef = cfg.z_loss_coef
+        layers[name] = layer
+    if hf:
+        _check_model_losses(model, cfg)
+    for name, (experts, params) in hf.items():
+        placement = ExpertPlacement(experts.num_experts, ep_size, ep_rank, ep_group)
+        _from_first_rank(experts.parameters(), ep_size, dp_group, comm)
+        dispatched = DispatchedExperts(experts, params, placement, cfg.capacity_factor, cfg.min_capacity, name)
+        _replace(model, name, dispatched)
+        layers[name] = dispatched
+    return ExpertParallel(layers, sink, ep_size, dropped)
+
+
+def _from_first_rank(params, ep_size: int, group, comm: CommCounter) -> None:
+    """Whole expert tensors from data-parallel rank 0 before they are split (as a tensor-parallel plan does)."""
+    if ep_size == 1 or not torch.distributed.is_initialized():
+        return
+    with torch.no_grad():
+        for p in params:
+            broadcast_from(p.data, 0, group, comm)
+
+
+def _check_model_losses(model: nn.Module, cfg) -> None:
+    """A Hugging Face model computes its own router loss (router_aux_loss_coef); the config may set its
+    coefficient, and cannot add a z-loss to a router Tiers does not own."""
+    if cfg.z_loss_coef:
+        raise ValueError(f"moe.z_loss_coef {cfg.z_loss_coef}: the router z-loss is added by engine.moe.MoE layers, and "
+                         "this model's routers are its own; remove the key (or build the layers with engine.moe.MoE)")
+    if cfg.aux_loss_coef is None:
+        return
+    if not hasattr(model, "router_aux_loss_coef") or not getattr(model.config, "output_router_logits", False):
+        raise ValueError(f"moe.aux_loss_coef {cfg.aux_loss_coef}: this model adds its router's aux loss only with "
+                         "output_router_logits=True in its config (router_aux_loss_coef is the coefficient); set it, "
+                         "or remove the key")
+    model.router_aux_loss_coef = cfg.aux_loss_coef
