@@ -26,6 +26,7 @@ from engine import whole_weights
 from engine.activation_checkpointing import ActivationCheckpointing
 from engine.checkpoint import Saver, load_checkpoint, write_state_dict
 from engine.checkpoint.training_state import TrainingState
+from engine.comm import CommCounter
 from engine.config import BatchSizes, Config
 from engine.moe.plan import ExpertParallel
 from engine.monitor import Monitor
@@ -66,7 +67,8 @@ class Engine:
         self._saver = Saver(TrainingState(  # Note [checkpoint commit]
             module, runtime.chunked, runtime.optimizer, lr_scheduler, loss_scaler, self.progress, topology,
             tensor_parallel, config.tensor_parallel.mode, config.zero_optimization.stage, self.precision.compute_dtype,
-            runtime.gather_updated_params, pipeline.split if pipeline is not None else None), config.checkpoint)
+            runtime.gather_updated_params, pipeline.split if pipeline is not None else None, experts),
+            config.checkpoint)
 
     # ---- identity -------------------------------------------------------------------------
     @property
@@ -244,6 +246,8 @@ class Engine:
         if self.pipeline is not None and self.pipeline.last_bubble is not None:
             extra = {"Pipeline/bubble_fraction": self.pipeline.last_bubble,
                      "Pipeline/bubble_fraction_formula": self.pipeline.formula_bubble}
+        if self.experts is not None and self.config.tensorboard.enabled:  # (a collective: every rank's counts)
+            extra.update(self.experts.metrics(self.dp_group, CommCounter()))
         self.monitor.end_update(UpdateSummary(
             self.global_step, self.get_lr()[0], self.loss_scaler.scale, self.skipped_steps, grads.norm,
             self.train_batch_size, self.dp_world_size, self.model_state_bytes, extra))

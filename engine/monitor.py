@@ -9,7 +9,10 @@ TensorBoard tags (README lists them):
   under a pipeline Pipeline/bubble_fraction and Pipeline/bubble_fraction_formula; with
   wall_clock_breakdown also
   Time/forward_ms, Time/backward_ms, Time/optimizer_ms (summed over the update's micro-steps); with
-  activation_checkpointing.profile also Time/recompute_ms (the update's recomputes, summed).
+  activation_checkpointing.profile also Time/recompute_ms (the update's recomputes, summed); with MoE layers
+  (Note [expert parallelism]) MoE/<layer>/tokens_expert_<e> (assignments each expert received, every rank's),
+  MoE/<layer>/drop_rate (assignments dropped by capacity / routed) and MoE/<layer>/all_to_all_bytes (this rank's
+  token exchanges, forward and backward).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import torch
 
 from engine import initialize
 from tests.distributed import run_distributed
-from tests.moe_models import hf_loss, mixtral, never_route_to, qwen_moe, user_loss, UserMoEModel, SEQ, VOCAB
+from tests.moe_models import SEQ, VOCAB, UserMoEModel, hf_loss, mixtral, never_route_to, qwen_moe, user_loss
 from tests.reference import assert_close_relative, assert_params_close, micro_batches, param_snapshot, train_reference
 from tests.test_data_parallel import ADAMW, adamw
 

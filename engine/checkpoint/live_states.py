@@ -39,18 +39,36 @@ class Member:
     name: str
     offset: int  # element offset in the chunk
     shape: tuple[int, ...]
+    base: int = 0  # a fused expert tensor's slice: the element of the whole tensor it starts at
+    whole: tuple[int, ...] | None = None  # and the whole tensor's shape (Note [expert parallelism])
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def whole_shape(self) -> tuple[int, ...]:
+        return self.whole if self.whole is not None else self.shape
+
+    def span(self, lo: int, hi: int) -> tuple[int, int]:
+        """Chunk elements [lo, hi) of this member as elements of the whole tensor."""
+        return self.base + lo - self.offset, self.base + hi - self.offset
+
+    def record(self) -> list:
+        """As the manifest lists it: [name, offset, shape] (and [base, whole shape] for an expert slice)."""
+        extent = [self.base, list(self.whole)] if self.whole is not None else []
+        return [self.name, self.offset, list(self.shape), *extent]
 
 
 class LiveStates:
     """Access to one rank's chunked states (values, optimizer states) wherever they live: in memory, as a stage-3
     shard, or in the offloaded optimizer's chunk manager (CPU or NVMe)."""
 
-    def __init__(self, chunked: ChunkedParams, optimizer: torch.optim.Optimizer):
+    def __init__(self, chunked: ChunkedParams, optimizer: torch.optim.Optimizer,
+                 extents: dict[int, tuple[int, tuple[int, ...]]] | None = None):
+        """extents: id(parameter) -> (base, whole shape) of fused expert tensors holding this rank's experts."""
         self.chunked = chunked
+        self._extents = extents or {}
         self.optimizer = optimizer
         self._stepped = chunked.stepped_tensors()
         self._offloaded = hasattr(optimizer, "accessed_state")  # Note [offloaded optimizer states]
@@ -65,15 +83,23 @@ class LiveStates:
         return self.chunked.chunk_count()
 
     def members(self, index: int) -> list[Member]:
-        return [Member(self.chunked.name_of(p), slot.offset, tuple(slot.shape))
+        return [Member(self.chunked.name_of(p), slot.offset, tuple(slot.shape), *self._extents.get(id(p), (0, None)))
                 for p, slot in self.chunked.chunk_members(index)]
+
+    def is_expert(self, index: int) -> bool:
+        """Chunk `index` holds experts: reduced and sharded over its own group (Note [expert parallelism])."""
+        return self.chunked.states[index].place.group is not None
+
+    def shard_count(self, index: int) -> int:
+        return self.chunked.states[index].place.count
 
     def chunk_numel(self, index: int) -> int:
         return self.chunked.chunk_numel(index)
 
     def stepped_range(self, index: int) -> tuple[int, int]:
         """(first element, count) of chunk `index` this rank steps."""
-        return shard_range(self.chunk_numel(index), self.chunked.shard_rank, self.chunked.shard_count)
+        place = self.chunked.states[index].place
+        return shard_range(self.chunk_numel(index), place.rank, place.count)
 
     @contextlib.contextmanager
     def values(self, index: int, writes: bool):

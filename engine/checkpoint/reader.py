@@ -10,6 +10,11 @@ the pieces it will read, hence the files to verify — and only then reads, so e
 before any state is changed. A layout with the same tensor-parallel cut reads exactly its own elements; a
 different cut reads every saved piece of a parameter, joins them into the whole tensor
 (Spec.join) and takes its own piece (Spec.take), one parameter at a time.
+Experts (Note [expert parallelism], layout "ep" > 1) are found by global expert id: an expert chunk lists each
+ep rank's members ("ep_members"), is sharded over its own group ("shards" ways; shard d of ep rank e is in the file
+of data-parallel rank d·ep + e), and a fused expert tensor's member covers elements [base, base + its numel) of the
+whole tensor (experts first), so a parameter may have one location per ep rank and a range is read from those
+it crosses, whatever ep size reads it.
 """
 
 from __future__ import annotations
@@ -56,12 +61,20 @@ class Piece:
 class Location:
     chunk: int
     offset: int
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # what this chunk holds of it
     pp: int = 0  # the pipeline rank whose files hold it
+    ep: int = -1  # an expert chunk's ep rank; -1: a dense chunk, every ep rank's
+    shards: int = 1  # the data-parallel shards of its chunk
+    base: int = 0  # the element of the whole tensor it starts at (a fused expert tensor's slice)
+    whole: tuple[int, ...] | None = None  # the whole tensor's shape; None: `shape`
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def whole_shape(self) -> tuple[int, ...]:
+        return self.whole if self.whole is not None else self.shape
 
 
 def read_latest(directory: str) -> str | None:
@@ -108,6 +121,7 @@ class Checkpoint:
         self.tp_size = self.layout["tp"]
         self.pp_size = self.layout.get("pp", 1)
         self.shard_count = self.layout["shard_count"]
+        self.ep_size = self.layout.get("ep", 1)
         bad = [f["name"] for f in manifest["files"] if not _RANK_FILE.fullmatch(f["name"])]
         if bad:
             raise CheckpointIntegrityError(f"{path} lists the file {bad[0]!r}, which is not a rank file name; the "
@@ -116,7 +130,7 @@ class Checkpoint:
         self._file_of = {(f.get("pp_rank", 0), f["dp_rank"], f["tp_rank"]): f["name"] for f in manifest["files"]}
         self._rank_file = {f["rank"]: f["name"] for f in manifest["files"]}
         self.chunk_numels: dict[tuple[int, int], list[int]] = {}  # (pp rank, tp rank) -> its chunks' sizes
-        self.locations: dict[int, dict[str, Location]] = {}  # tp rank -> name -> where (every stage's names)
+        self.locations: dict[int, dict[str, list[Location]]] = {}  # tp rank -> name -> where (every stage's)
         self.extras: dict[int, dict[str, int]] = {}  # tp rank -> key -> the pipeline rank holding it
         for pp, (chunks_of, extras_of) in enumerate(zip(self.stages("chunks"), self.stages("extras"))):
             for tp, chunks in chunks_of.items():
@@ -124,8 +138,12 @@ class Checkpoint:
                 self.chunk_numels[(pp, tp)] = [c["numel"] for c in chunks]
                 found = self.locations.setdefault(tp, {})
                 for i, c in enumerate(chunks):
-                    for name, offset, shape in c["members"]:  # two stages holding one (tied): the first's is read
-                        found.setdefault(name, Location(i, offset, tuple(shape), pp))
+                    for location, name in self._chunk_locations(i, c, pp):
+                        held = found.setdefault(name, [])
+                        if not held or held[0].pp == pp:  # two stages holding one (tied): the first's is read
+                            held.append(location)
+                for held in found.values():
+                    held.sort(key=lambda loc: loc.base)
             for tp, entries in extras_of.items():
                 held = self.extras.setdefault(int(tp), {})
                 for key in entries:
@@ -133,6 +151,16 @@ class Checkpoint:
         self.specs = {name: decode_spec(spec) for name, spec in manifest["tp_specs"].items()}
         self.tensor_states: list[str] = manifest["optimizer"]["tensor_states"]
         self.scalar_states: list[str] = manifest["optimizer"]["scalar_states"]
+
+    def _chunk_locations(self, index: int, chunk: dict, pp: int):
+        """(location, name) of each member of saved chunk `index`: every ep rank's, for an expert chunk."""
+        if not chunk.get("expert"):
+            for name, offset, shape, *extent in chunk["members"]:
+                yield Location(index, offset, tuple(shape), pp, -1, self.shard_count, *_extent(extent)), name
+            return
+        for ep, members in enumerate(chunk["ep_members"]):
+            for name, offset, shape, *extent in members:
+                yield Location(index, offset, tuple(shape), pp, ep, chunk["shards"], *_extent(extent)), name
 
     def stages(self, key: str) -> list:
         """A per-stage manifest entry as a list by pipeline rank (one element without a pipeline)."""
@@ -146,27 +174,36 @@ class Checkpoint:
         return list(self.locations[0])
 
     def local_shape(self, name: str, tp_rank: int) -> tuple[int, ...]:
-        return self.locations[tp_rank][name].shape
+        return self.locations[tp_rank][name][0].whole_shape
+
+    def _file(self, loc: Location, shard: int, tp_rank: int) -> str:
+        """The file holding shard `shard` of the chunk at `loc` (an expert chunk's: of its ep rank's group)."""
+        dp = shard if loc.ep < 0 else shard * self.ep_size + loc.ep
+        return self._file_of[(loc.pp, dp, tp_rank)]
 
     def pieces(self, name: str, kind: str, tp_rank: int, start: int, stop: int) -> list[Piece]:
         """Where elements [start, stop) of tp rank `tp_rank`'s piece of parameter `name` are stored; kind "param"
         (fp32 values) or a tensor state name (e.g. "exp_avg")."""
-        loc = self.locations[tp_rank][name]
-        numel = self.chunk_numels[(loc.pp, tp_rank)][loc.chunk]
-        _, n = shard_range(numel, 0, self.shard_count)
-        a, b = loc.offset + start, loc.offset + stop
-        key = f"chunk.{loc.chunk}.{'param' if kind == 'param' else 'optim.' + kind}"
+        key = f"{'param' if kind == 'param' else 'optim.' + kind}"
         out = []
-        for d in range(a // n, (b - 1) // n + 1) if b > a else ():
-            first, _ = shard_range(numel, d, self.shard_count)
-            lo, hi = max(a, first), min(b, first + n)
-            out.append(Piece(self._file_of[(loc.pp, d, tp_rank)], key, lo - first, hi - first, lo - a))
+        for loc in self.locations[tp_rank][name]:  # (one per ep rank holding part of a fused expert tensor)
+            lo_el, hi_el = max(start, loc.base), min(stop, loc.base + loc.numel)
+            if lo_el >= hi_el:
+                continue
+            numel = self.chunk_numels[(loc.pp, tp_rank)][loc.chunk]
+            _, n = shard_range(numel, 0, loc.shards)
+            a, b = loc.offset + lo_el - loc.base, loc.offset + hi_el - loc.base
+            for d in range(a // n, (b - 1) // n + 1):
+                first, _ = shard_range(numel, d, loc.shards)
+                lo, hi = max(a, first), min(b, first + n)
+                out.append(Piece(self._file(loc, d, tp_rank), f"chunk.{loc.chunk}.{key}", lo - first, hi - first,
+                                 lo - a + lo_el - start))
         return out
 
     def scalar_piece(self, name: str, state: str, tp_rank: int) -> Piece:
         """Where the scalar optimizer state `state` (e.g. "step") of the chunk holding `name` is (shard 0's copy)."""
-        loc = self.locations[tp_rank][name]
-        return Piece(self._file_of[(loc.pp, 0, tp_rank)], f"chunk.{loc.chunk}.optim.{state}", 0, 0, 0)
+        loc = self.locations[tp_rank][name][0]
+        return Piece(self._file(loc, 0, tp_rank), f"chunk.{loc.chunk}.optim.{state}", 0, 0, 0)
 
     def extra_piece(self, key: str, tp_rank: int) -> Piece:
         return Piece(self._file_of[(self.extras[tp_rank][key], 0, tp_rank)], f"extra.{key}", 0, 0, 0)
@@ -230,6 +267,11 @@ class PieceReader:
 
     def close(self) -> None:
         self._open.clear()
+
+
+def _extent(saved: list) -> tuple[int, tuple[int, ...] | None]:
+    """A member's optional [base, whole shape] (a fused expert tensor's slice) as Location fields."""
+    return (saved[0], tuple(saved[1])) if saved else (0, None)
 
 
 def take_piece(full: torch.Tensor, spec, tp: TPGroup, name: str) -> torch.Tensor:

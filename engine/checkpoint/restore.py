@@ -18,7 +18,7 @@ import torch
 
 from engine.checkpoint.encoding import TENSOR_REF, decode_client_state, encode_spec, restore_options
 from engine.checkpoint.files import CheckpointError, CheckpointIntegrityError
-from engine.checkpoint.live_states import LiveStates, Member
+from engine.checkpoint.live_states import Member
 from engine.checkpoint.reader import Checkpoint, Piece, PieceReader, read_latest, take_piece
 from engine.checkpoint.saver import Control, _optimizer_name
 from engine.checkpoint.snapshot import extra_entries, restore_rng
@@ -30,7 +30,7 @@ class LoadPlan:
 
     def __init__(self, run: TrainingState, checkpoint: Checkpoint, with_optimizer: bool):
         self.run, self.checkpoint = run, checkpoint
-        self.states = LiveStates(run.chunked, run.optimizer)
+        self.states = run.live_states()
         topo = run.topology
         self.tp_rank = topo.tp_rank
         tp = run.tensor_parallel
@@ -58,14 +58,17 @@ class LoadPlan:
                 lo, hi = max(start, m.offset), min(start + n, m.offset + m.numel)
                 if lo < hi:
                     mine.append((m, lo, hi))
-                self._check_shape(m.name, m.shape)
+                self._check_shape(m.name, m.whole_shape)
             self.members.append(mine)
         extras, _ = extra_entries(run.module, run.chunked)
         self.extras = extras
         whole = run.pipeline is None  # a pipeline stage holds part of the model: its keys are checked whole
         if not whole:
             self._check_names("state-dict key", set(run.pipeline.keys), set(checkpoint.manifest["state_dict_keys"]))
-        self._check_names("parameter", live_names, set(checkpoint.param_names()), whole)
+        saved_names = set(checkpoint.param_names())
+        if run.experts is not None:  # engine.moe.MoE experts other ep ranks hold (Note [expert parallelism])
+            saved_names -= {n for n in saved_names - live_names if run.experts.names_an_expert(n)}
+        self._check_names("parameter", live_names, saved_names, whole)
         self._check_names("buffer or frozen parameter", set(extras), set(checkpoint.extras[0]), whole)
         if self.with_optimizer and self.states.offloaded and len(self.states):
             with self.states.optimizer_state(0, writes=False) as live:
@@ -111,7 +114,7 @@ class LoadPlan:
             for m, lo, hi in mine:
                 for kind in self._kinds():
                     if self.same_cut:
-                        pieces = ckpt.pieces(m.name, kind, self.tp_rank, lo - m.offset, hi - m.offset)
+                        pieces = ckpt.pieces(m.name, kind, self.tp_rank, *m.span(lo, hi))
                     else:
                         pieces = [p for t in range(ckpt.tp_size)
                                   for p in ckpt.pieces(m.name, kind, t, 0, math.prod(ckpt.local_shape(m.name, t)))]
@@ -150,7 +153,7 @@ class LoadPlan:
                 with states.values(j, writes=True) as values:
                     values.zero_()  # the padding
                     for m, lo, hi in mine:
-                        read(m.name, "param", lo - m.offset, hi - m.offset, values.narrow(0, lo - start, hi - lo))
+                        read(m.name, "param", *m.span(lo, hi), values.narrow(0, lo - start, hi - lo))
                 if self.with_optimizer:
                     loaded_states[j] = self._optimizer_state(j, mine, start, n, read, reader)
             if self.with_optimizer and not states.offloaded:
@@ -172,7 +175,7 @@ class LoadPlan:
                 for kind in ckpt.tensor_states:
                     live[kind].zero_()
                     for m, lo, hi in mine:
-                        read(m.name, kind, lo - m.offset, hi - m.offset, live[kind].narrow(0, lo - start, hi - lo))
+                        read(m.name, kind, *m.span(lo, hi), live[kind].narrow(0, lo - start, hi - lo))
                 for s, value in scalars.items():
                     live[s].copy_(value)
             return {}
@@ -180,7 +183,7 @@ class LoadPlan:
         for kind in ckpt.tensor_states:
             tensor = torch.zeros(n, dtype=torch.float32)
             for m, lo, hi in mine:
-                read(m.name, kind, lo - m.offset, hi - m.offset, tensor.narrow(0, lo - start, hi - lo))
+                read(m.name, kind, *m.span(lo, hi), tensor.narrow(0, lo - start, hi - lo))
             out[kind] = tensor
         return {**out, **scalars}
 

@@ -45,7 +45,6 @@ from engine.checkpoint.files import (
     write_tensors,
     write_text,
 )
-from engine.checkpoint.live_states import LiveStates
 from engine.checkpoint.reader import FORMAT, LATEST, MANIFEST, PIPELINE_VERSION, TAG, VERSION, rank_file
 from engine.checkpoint.snapshot import RankSnapshot, take_snapshot
 from engine.checkpoint.training_state import TrainingState
@@ -106,7 +105,7 @@ class Saver:
         asynchronous = self.config.async_save
         error, snapshot, common = None, None, None
         try:
-            snapshot = take_snapshot(state, LiveStates(state.chunked, state.optimizer), copy=asynchronous)
+            snapshot = take_snapshot(state, state.live_states(), copy=asynchronous)
             common = self._common_state(snapshot, tag, client_state) if self.control.rank == 0 else None
         except Exception as e:  # e.g. a client_state that is not JSON (rank 0), an NVMe read error (any rank)
             error = f"rank {self.control.rank}: {type(e).__name__}: {e}"
@@ -219,12 +218,15 @@ class Saver:
                 return (f"rank {rank} wrote {record.name}, but rank 0 does not see it in {partial}: every rank must "
                         "save into one directory on a filesystem they all share")
             files.append({"name": record.name, "rank": rank, "pp_rank": info["pp_rank"], "dp_rank": info["dp_rank"],
-                          "tp_rank": info["tp_rank"], "bytes": record.nbytes, "sha256": record.sha256})
+                          "tp_rank": info["tp_rank"], "ep_rank": info["ep_rank"], "bytes": record.nbytes,
+                          "sha256": record.sha256})
         states = next((info["optimizer_states"] for _, _, info in reports if info["optimizer_states"]["tensor_states"]
                        or info["optimizer_states"]["scalar_states"]), reports[0][2]["optimizer_states"])
         state = self.state
         topo = state.topology
         head = {(info["pp_rank"], info["tp_rank"]): info for _, _, info in reports if info["dp_rank"] == 0}
+        experts = {(info["pp_rank"], info["tp_rank"], info["ep_rank"]): info for _, _, info in reports
+                   if info["edp_rank"] == 0}  # each ep rank's expert chunks' members (Note [expert parallelism])
         stages = range(topo.pp_size)
 
         def per_stage(value):  # Note [checkpoint layout]: a list by pipeline rank under a pipeline (version 2)
@@ -235,7 +237,7 @@ class Saver:
             "format": FORMAT, "version": VERSION if topo.pp_size == 1 else PIPELINE_VERSION, "tag": tag,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "layout": {"world_size": topo.world_size, "pp": topo.pp_size, "dp": topo.dp_world_size,
-                       "tp": topo.tp_size, "tp_mode": state.tp_mode, "stage": state.stage,
+                       "tp": topo.tp_size, "ep": topo.ep_size, "tp_mode": state.tp_mode, "stage": state.stage,
                        "shard_count": state.chunked.shard_count, "device": topo.device.type,
                        "compute_dtype": str(state.compute_dtype).removeprefix("torch."),
                        "optimizer": _optimizer_name(state.optimizer)},
@@ -243,11 +245,14 @@ class Saver:
             "lr_scheduler": per_stage(lambda p: head[(p, 0)]["lr_scheduler"]),
             "param_groups": per_stage(lambda p: head[(p, 0)]["param_groups"]),
             "optimizer": states,
-            "chunks": per_stage(lambda p: {str(t): head[(p, t)]["chunks"] for t in range(topo.tp_size)}),
+            "chunks": per_stage(lambda p: {str(t): _with_experts(head[(p, t)]["chunks"],
+                                                                 [experts[(p, t, e)] for e in range(topo.ep_size)])
+                                           for t in range(topo.tp_size)}),
             "extras": per_stage(lambda p: {str(t): head[(p, t)]["extras"] for t in range(topo.tp_size)}),
             # the whole model's: every stage's aliases, the unsplit model's keys (Note [checkpoint layout])
             "aliases": {k: v for p in stages for k, v in head[(p, 0)]["aliases"].items()},
-            "state_dict_keys": list(state.pipeline.keys) if state.pipeline is not None else head[(0, 0)]["keys"],
+            "state_dict_keys": (list(state.pipeline.keys) if state.pipeline is not None
+                                else _every_key([experts[(0, 0, e)]["keys"] for e in range(topo.ep_size)])),
             "tp_specs": head[(0, 0)]["tp_specs"],
             "ranks": [{"rank": r, "rng": info["rng"]} for r, (_, _, info) in enumerate(reports)],
             "files": files,
@@ -270,6 +275,17 @@ class Saver:
         except OSError as e:
             return str(write_error(final, e))
         return None
+
+
+def _with_experts(chunks: list[dict], ep_heads: list[dict]) -> list[dict]:
+    """A chunk list with each expert chunk's members on every ep rank (Note [reading a checkpoint anywhere])."""
+    return [dict(c, ep_members=[h["chunks"][i]["members"] for h in ep_heads]) if c.get("expert") else c
+            for i, c in enumerate(chunks)]
+
+
+def _every_key(key_lists: list[list[str]]) -> list[str]:
+    """The state-dict keys of every ep rank's model (each holds its own experts), in order of first appearance."""
+    return list(dict.fromkeys(k for keys in key_lists for k in keys))
 
 
 def _optimizer_name(optimizer) -> str:

@@ -46,8 +46,11 @@ def take_snapshot(run: TrainingState, states: LiveStates, copy: bool) -> RankSna
     view or the device is copied to CPU memory either way."""
     topo, chunked = run.topology, run.chunked
     snap = RankSnapshot()
-    snap.record = {"rank": topo.rank, "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "tp_rank": topo.tp_rank}
-    owns_chunks = chunked.shard_count > 1 or topo.dp_rank == 0  # stage 0: one copy, data-parallel rank 0's
+    snap.record = {"rank": topo.rank, "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "tp_rank": topo.tp_rank,
+                   "ep_rank": topo.ep_rank, "edp_rank": topo.expert_dp_rank}
+
+    def owns(index: int) -> bool:  # unsharded: one copy, its group's first rank's (an expert chunk: each ep rank's)
+        return states.shard_count(index) > 1 or (topo.expert_dp_rank if states.is_expert(index) else topo.dp_rank) == 0
 
     def keep(t: torch.Tensor, transient: bool) -> torch.Tensor:
         t = t.detach()
@@ -55,9 +58,9 @@ def take_snapshot(run: TrainingState, states: LiveStates, copy: bool) -> RankSna
 
     tensor_states: list[str] = []
     scalar_states: list[str] = []
-    if owns_chunks:
-        offloaded_values = states.values_offloaded
-        for i in range(len(states)):
+    offloaded_values = states.values_offloaded
+    for i in range(len(states)):
+        if owns(i):
             with states.values(i, writes=False) as values:
                 snap.tensors[f"chunk.{i}.param"] = keep(values, offloaded_values)
             with states.optimizer_state(i, writes=False) as state:
@@ -67,17 +70,18 @@ def take_snapshot(run: TrainingState, states: LiveStates, copy: bool) -> RankSna
                     if name not in names:
                         names.append(name)
     snap.record["optimizer_states"] = {"tensor_states": tensor_states, "scalar_states": scalar_states}
-    if topo.dp_rank == 0:
-        snap.record["chunks"] = [{"numel": states.chunk_numel(i),
-                                  "members": [[m.name, m.offset, list(m.shape)] for m in states.members(i)]}
+    if topo.expert_dp_rank == 0:  # each ep rank's first rank: its experts' names (Note [checkpoint layout])
+        snap.record["chunks"] = [{"numel": states.chunk_numel(i), "members": [m.record() for m in states.members(i)],
+                                  **({"expert": True, "shards": states.shard_count(i)} if states.is_expert(i) else {})}
                                  for i in range(len(states))]
+        snap.record["keys"] = list(run.module.state_dict(keep_vars=True))  # the model's key order
+    if topo.dp_rank == 0:
         extras, aliases = extra_entries(run.module, chunked)
         for key, t in extras.items():
             snap.tensors[f"extra.{key}"] = keep(t, False)
         snap.record["extras"] = {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                                  for k, t in extras.items()}
         snap.record["aliases"] = aliases
-        snap.record["keys"] = list(run.module.state_dict(keep_vars=True))  # the model's key order
         tp = run.tensor_parallel
         snap.record["tp_specs"] = {name: encode_spec(spec) for name, spec in tp.specs.items()} if tp else {}
         # per pipeline stage: each stage's optimizer has the param groups of the parameters it holds

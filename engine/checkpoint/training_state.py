@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from engine.checkpoint.live_states import LiveStates
 from engine.pipeline.model_split import PipelineModel
 from engine.precision import LossScaler
 from engine.progress import TrainingProgress
@@ -34,3 +35,8 @@ class TrainingState:
     compute_dtype: torch.dtype
     gather_updated_params: Callable[[], None]  # sharded stages: every rank's updated shards into whole chunks
     pipeline: PipelineModel | None = None  # this rank's part of a split model (Note [checkpoint layout])
+    experts: object | None = None  # engine.moe.plan.ExpertParallel: this rank's experts (Note [expert parallelism])
+
+    def live_states(self) -> LiveStates:
+        """The chunked states as a checkpoint reads and writes them (fused expert tensors by their whole extent)."""
+        return LiveStates(self.chunked, self.optimizer, self.experts.extents() if self.experts is not None else None)

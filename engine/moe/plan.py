@@ -9,6 +9,7 @@ Two kinds of layer are found, in an unmodified model:
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 
 import torch
@@ -65,6 +66,22 @@ class ExpertParallel:
         every = torch.empty((self.ep_size,) + tuple(mine.shape), dtype=mine.dtype, device=device)
         all_gather_into(every.view(-1), mine.view(-1), group, counter, async_op=False)
         return [x.to(t.device) for x in every.unbind(0)]
+
+    def extents(self) -> dict[int, tuple[int, tuple[int, ...]]]:
+        """id(parameter) -> (its first element in the whole tensor, the whole tensor's shape) for the fused expert
+        tensors of Hugging Face layers: this rank's experts are a contiguous slice of the whole (experts first)."""
+        out = {}
+        for layer in self.layers.values():
+            if isinstance(layer, DispatchedExperts):
+                p = layer.placement
+                for t in layer.parameters():
+                    out[id(t)] = (p.first * math.prod(t.shape[1:]), (p.num_experts,) + tuple(t.shape[1:]))
+        return out
+
+    def names_an_expert(self, name: str) -> bool:
+        """Whether `name` is a parameter of an engine.moe.MoE layer's expert (whichever ep rank holds it)."""
+        return any(re.match(re.escape(layer) + r"\.experts\.\d+\.", name) for layer, module in self.layers.items()
+                   if isinstance(module, MoE))
 
     def traffic(self) -> dict[str, ExpertTraffic]:
         return {name: layer.traffic for name, layer in self.layers.items()}
