@@ -18,8 +18,10 @@ STEPS, BATCH = 3, 8
 BUILDERS = {"mixtral": mixtral, "mixtral_aux": lambda: mixtral(output_router_logits=True, router_aux_loss_coef=0.02),
             "qwen_moe": qwen_moe, "user": lambda: UserMoEModel(drop_tokens=False),
             "user_capacity": lambda: UserMoEModel(k=1, capacity_factor=1.0, min_capacity=1, use_rts=False),
-            "user_unreached": lambda: _unreached()}
-LOSSES = {"user": user_loss, "user_capacity": user_loss, "user_unreached": user_loss}
+            "user_unreached": lambda: _unreached(),
+            # no l_aux in the loss: the objective is then the same at every data-parallel size
+            "user_no_aux": lambda: UserMoEModel(drop_tokens=False, aux_weight=0.0)}
+LOSSES = {"user": user_loss, "user_capacity": user_loss, "user_unreached": user_loss, "user_no_aux": user_loss}
 
 
 def _unreached():
@@ -45,14 +47,16 @@ def reference_run(name: str, world: int) -> tuple[list[float], dict[str, torch.T
     return losses, param_snapshot(model)
 
 
-def config(stage: int, ep: int, **moe) -> dict:
+def config(stage: int, ep: int, offload: dict | None = None, **moe) -> dict:
+    """offload: e.g. {"offload_optimizer": {"device": "cpu"}}, merged into zero_optimization."""
     return {"train_batch_size": BATCH, "optimizer": {"type": "AdamW", "params": ADAMW}, "gradient_clipping": 1.0,
             "steps_per_print": 10**6, "moe": {"expert_parallel_size": ep, **moe},
-            "zero_optimization": {"stage": stage, "chunk_size": 20_000, "stage3_param_persistence_threshold": 0}}
+            "zero_optimization": {"stage": stage, "chunk_size": 20_000, "stage3_param_persistence_threshold": 0,
+                                  **(offload or {})}}
 
 
-def _train_worker(rank, world, name, stage, ep):
-    engine = initialize(BUILDERS[name](), config(stage, ep))
+def _train_worker(rank, world, name, stage, ep, offload=None):
+    engine = initialize(BUILDERS[name](), config(stage, ep, offload))
     loss_of = LOSSES.get(name, hf_loss)
     losses = []
     for x in batches():
@@ -65,9 +69,9 @@ def _train_worker(rank, world, name, stage, ep):
     return losses, engine.full_state_dict(), traffic
 
 
-def assert_matches_reference(name: str, world: int, stage: int, ep: int):
+def assert_matches_reference(name: str, world: int, stage: int, ep: int, offload: dict | None = None):
     ref_losses, ref_params = reference_run(name, world)
-    results = run_distributed(_train_worker, world, args=(name, stage, ep), timeout_s=240)
+    results = run_distributed(_train_worker, world, args=(name, stage, ep, offload), timeout_s=240)
     assert_close_relative([sum(r[0][i] for r in results) / world for i in range(STEPS)], ref_losses)
     for _, params, _ in results:
         assert_params_close({k: v for k, v in params.items() if k in ref_params}, ref_params)
@@ -84,6 +88,13 @@ def test_mixtral_expert_parallel_matches_plain_pytorch(stage):
 def test_mixtral_dp4_ep2_zero3():
     """dp 4 = ep 2 × edp 2: expert chunks sharded over 2 ranks, dense ones over 4."""
     assert_matches_reference("mixtral", 4, 3, 2)
+
+
+def test_mixtral_experts_offloaded(tmp_path):
+    """Expert chunks page like any chunk: ZeRO-3 with parameters offloaded to CPU and optimizer states to NVMe."""
+    offload = {"offload_param": {"device": "cpu"},
+               "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    assert_matches_reference("mixtral", 2, 3, 2, offload)
 
 
 def test_qwen_moe_expert_parallel_matches_plain_pytorch():
