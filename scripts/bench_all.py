@@ -78,6 +78,8 @@ BENCHMARKS = (
     Benchmark("sequence_parallel", "bench_sequence_parallel.py",
               "Sequence parallelism (Ulysses, ring) vs one process and DDP on the same tokens", quick=("--quick",),
               seconds={None: 600}),
+    Benchmark("moe", "bench_moe.py", "Mixture of experts: expert parallelism (ep 2) vs the model replicated under DDP",
+              quick=("--quick",), seconds={None: 120}),
     Benchmark("checkpointing", "bench_checkpointing.py", "Activation checkpointing vs torch.utils.checkpoint by hand",
               quick=("--model", "tiny", "--micro-batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1",
                      "--rounds", "1", "--threads", "1"), seconds={None: 261}),
