@@ -158,6 +158,9 @@ def check_run(cfg: Config, topology: Topology, *, optimizer=None, lr_scheduler=N
     if topology.tp_size > 1:
         _check_tensor_parallel(optimizer, model_parameters, built_under_zero_init)
     _check_step_in_backward(cfg, topology)
+    if cfg.moe.enabled and built_under_zero_init:
+        raise ConfigError("moe.expert_parallel_size: building the model under zero_init() is not supported yet with "
+                          "expert parallelism; build it normally (each rank keeps only its experts after initialize)")
     check_offload(cfg, topology.dp_world_size, optimizer)
     sharded = cfg.zero_optimization.stage >= 1 and topology.dp_world_size > 1
     rebuilt = sharded or cfg.bf16.enabled or cfg.fp16.enabled or built_under_zero_init or cfg.pipeline.enabled

@@ -314,6 +314,8 @@ class Engine:
                                "nothing without it), or save a checkpoint and run `tiers convert` on it")
         state = self.full_state_dict(rank0_only=True)
         chunked = whole_weights.chunked_keys(self.module, self.chunked, self.topology)  # every stage's
+        if self.experts is not None:  # and every ep rank's experts
+            chunked |= {k for k in state or {} if self.experts.names_an_expert(k)}
         if state is None:
             return None
         dtype = self.precision.compute_dtype

@@ -55,8 +55,8 @@ def config(stage: int, ep: int, offload: dict | None = None, **moe) -> dict:
                                   **(offload or {})}}
 
 
-def _train_worker(rank, world, name, stage, ep, offload=None):
-    engine = initialize(BUILDERS[name](), config(stage, ep, offload))
+def _train_worker(rank, world, name, stage, ep, offload=None, extra=None):
+    engine = initialize(BUILDERS[name](), {**config(stage, ep, offload), **(extra or {})})
     loss_of = LOSSES.get(name, hf_loss)
     losses = []
     for x in batches():
@@ -69,9 +69,10 @@ def _train_worker(rank, world, name, stage, ep, offload=None):
     return losses, engine.full_state_dict(), traffic
 
 
-def assert_matches_reference(name: str, world: int, stage: int, ep: int, offload: dict | None = None):
+def assert_matches_reference(name: str, world: int, stage: int, ep: int, offload: dict | None = None,
+                             extra: dict | None = None):
     ref_losses, ref_params = reference_run(name, world)
-    results = run_distributed(_train_worker, world, args=(name, stage, ep, offload), timeout_s=240)
+    results = run_distributed(_train_worker, world, args=(name, stage, ep, offload, extra), timeout_s=240)
     assert_close_relative([sum(r[0][i] for r in results) / world for i in range(STEPS)], ref_losses)
     for _, params, _ in results:
         assert_params_close({k: v for k, v in params.items() if k in ref_params}, ref_params)
@@ -111,6 +112,14 @@ def test_user_moe_layer_matches_plain_pytorch(name):
     if name == "user_capacity":  # the cut happened: some assignments were dropped, as in the reference
         kept = sum(int(r[2]["moe"].sum()) for r in results)
         assert kept < STEPS * BATCH * SEQ
+
+
+def test_moe_layer_under_activation_checkpointing():
+    """The MoE layer checkpointed under ZeRO-3: its recompute in backward exchanges tokens again on every rank,
+    and routing is counted once per forward (not again in the recompute)."""
+    extra = {"activation_checkpointing": {"enabled": True, "modules": ["MoE"]}}
+    results = assert_matches_reference("user", 2, 3, 2, extra=extra)
+    assert sum(int(r[2]["moe"].sum()) for r in results) == STEPS * BATCH * SEQ * 2  # top-2, dropless
 
 
 def test_expert_no_token_reaches_never_hangs():

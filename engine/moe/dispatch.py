@@ -56,18 +56,22 @@ class ExpertPlacement:
 @dataclass
 class ExpertTraffic:
     """What one MoE layer routed since it was last read: kept assignments per (global) expert, assignments
-    dropped by capacity, and the bytes of its token exchanges (forward and backward)."""
+    dropped by capacity (counted while `counting`: the engine's forwards, not a checkpointed block's recompute),
+    and the bytes of its token exchanges (all of them, forward and backward)."""
 
     num_experts: int
     tokens_per_expert: torch.Tensor = None
     dropped: int = 0
     routed: int = 0
     comm: CommCounter = field(default_factory=CommCounter)
+    counting: bool = True
 
     def __post_init__(self):
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64)
 
     def record(self, kept: torch.Tensor, routed: int) -> None:
+        if not self.counting:
+            return
         self.tokens_per_expert += kept.cpu()
         self.routed += routed
         self.dropped += routed - int(kept.sum())

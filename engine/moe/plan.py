@@ -28,6 +28,8 @@ class ExpertParallel:
     def __init__(self, layers: dict[str, nn.Module], sink: AuxLossSink, ep_size: int, dropped: set[int]):
         self.layers, self.sink, self.ep_size = layers, sink, ep_size
         self.dropped = frozenset(dropped)  # ids of the parameters of experts other ranks hold
+        for layer in layers.values():  # routing counted in the engine's forwards only (not in recomputes)
+            layer.traffic.counting = False
 
     def expert_params(self) -> list[nn.Parameter]:
         """This rank's experts' parameters (dense parameters of MoE layers, the gate and residual MLP, excluded)."""
@@ -88,9 +90,16 @@ class ExpertParallel:
 
     @contextlib.contextmanager
     def collecting(self):
-        """Around the engine's forward: router losses from engine.moe.MoE layers are kept for backward."""
-        with self.sink.collecting():
-            yield
+        """Around the engine's forward: router losses from engine.moe.MoE layers are kept for backward, and the
+        routing is counted."""
+        for layer in self.layers.values():
+            layer.traffic.counting = True
+        try:
+            with self.sink.collecting():
+                yield
+        finally:
+            for layer in self.layers.values():
+                layer.traffic.counting = False
 
     def take_aux_loss(self) -> torch.Tensor | None:
         return self.sink.take()
