@@ -80,3 +80,66 @@ def never_route_to(model: UserMoEModel, experts: list[int]) -> None:
     with torch.no_grad():
         model.moe.gate.wg.weight.abs_()
         model.moe.gate.wg.weight[experts] = -10.0
+
+
+class ExpertMLP(nn.Module):
+    """A 4.x-style gated expert (w1, w3 in; w2 out)."""
+
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(hidden, inner, bias=False), nn.Linear(hidden, inner, bias=False)
+        self.w2 = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MixtralSparseMoeBlock(nn.Module):
+    """The layout transformers 4.x gave Mixtral's MoE block (named as its class is): a bias-free gate, experts in a
+    ModuleList, softmax / top-k / renormalize routing, the experts called one by one in the block's own loop, and
+    (output, router_logits) returned. Checked against transformers 4.57.1's own class outside the test suite."""
+
+    def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k, self.num_experts, self.jitter_noise = top_k, num_experts, 0.0
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList([ExpertMLP(hidden, inner) for _ in range(num_experts)])
+
+    def forward(self, hidden_states):
+        batch, seq, hidden = hidden_states.shape
+        x = hidden_states.view(-1, hidden)
+        router_logits = self.gate(x)
+        weights, chosen = torch.topk(F.softmax(router_logits, dim=1, dtype=torch.float), self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            if token.numel():
+                out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out.reshape(batch, seq, hidden), router_logits
+
+
+class ModuleListMoEModel(nn.Module):
+    """A small decoder-free model around two 4.x-style blocks, its loss (with a Switch-style load-balancing term
+    from the blocks' router logits, as the 4.x models compute it) inside forward."""
+
+    def __init__(self, hidden: int = 16, num_experts: int = 4, top_k: int = 2, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, hidden)
+        self.norms = nn.ModuleList([nn.LayerNorm(hidden) for _ in range(2)])
+        self.blocks = nn.ModuleList([MixtralSparseMoeBlock(hidden, 2 * hidden, num_experts, top_k) for _ in range(2)])
+        self.head = nn.Linear(hidden, VOCAB)
+        self.num_experts, self.top_k = num_experts, top_k
+
+    def forward(self, x, labels):
+        h = self.embed(x)
+        aux = 0.0
+        for norm, block in zip(self.norms, self.blocks):
+            out, logits = block(norm(h))
+            h = h + out
+            probs = F.softmax(logits, dim=-1)
+            chosen = F.one_hot(torch.topk(probs, self.top_k, dim=-1).indices, self.num_experts).float().sum(1)
+            aux = aux + self.num_experts * (chosen.mean(0) * probs.mean(0)).sum()
+        logits = self.head(h)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)) + 0.01 * aux

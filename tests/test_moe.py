@@ -8,7 +8,17 @@ import torch
 
 from engine import initialize
 from tests.distributed import run_distributed
-from tests.moe_models import SEQ, VOCAB, UserMoEModel, hf_loss, mixtral, never_route_to, qwen_moe, user_loss
+from tests.moe_models import (
+    SEQ,
+    VOCAB,
+    ModuleListMoEModel,
+    UserMoEModel,
+    hf_loss,
+    mixtral,
+    never_route_to,
+    qwen_moe,
+    user_loss,
+)
 from tests.reference import assert_close_relative, assert_params_close, micro_batches, param_snapshot, train_reference
 from tests.test_data_parallel import ADAMW, adamw
 
@@ -20,8 +30,10 @@ BUILDERS = {"mixtral": mixtral, "mixtral_aux": lambda: mixtral(output_router_log
             "user_capacity": lambda: UserMoEModel(k=1, capacity_factor=1.0, min_capacity=1, use_rts=False),
             "user_unreached": lambda: _unreached(),
             # no l_aux in the loss: the objective is then the same at every data-parallel size
-            "user_no_aux": lambda: UserMoEModel(drop_tokens=False, aux_weight=0.0)}
-LOSSES = {"user": user_loss, "user_capacity": user_loss, "user_unreached": user_loss, "user_no_aux": user_loss}
+            "user_no_aux": lambda: UserMoEModel(drop_tokens=False, aux_weight=0.0),
+            "module_list": ModuleListMoEModel}
+LOSSES = {"user": user_loss, "user_capacity": user_loss, "user_unreached": user_loss, "user_no_aux": user_loss,
+          "module_list": user_loss}
 
 
 def _unreached():
@@ -120,6 +132,13 @@ def test_moe_layer_under_activation_checkpointing():
     extra = {"activation_checkpointing": {"enabled": True, "modules": ["MoE"]}}
     results = assert_matches_reference("user", 2, 3, 2, extra=extra)
     assert sum(int(r[2]["moe"].sum()) for r in results) == STEPS * BATCH * SEQ * 2  # top-2, dropless
+
+
+def test_module_list_blocks_of_transformers_4():
+    """The 4.x layout (experts in a ModuleList, routed in the block's forward; Note [experts in a module list]) at
+    ep 2 under ZeRO-3: the block keeps its class, name and return value, the loss its load-balancing term."""
+    results = assert_matches_reference("module_list", 2, 3, 2)
+    assert set(results[0][2]) == {"blocks.0", "blocks.1"}
 
 
 def test_expert_no_token_reaches_never_hangs():

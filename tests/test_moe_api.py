@@ -11,7 +11,16 @@ from engine import initialize
 from engine.moe import MoE
 from engine.moe.dispatch import capacity_of, order_assignments
 from tests.distributed import run_distributed
-from tests.moe_models import Expert, UserMoEModel, hf_loss, mixtral, user_loss
+from tests.moe_models import (
+    Expert,
+    MixtralSparseMoeBlock,
+    ModuleListMoEModel,
+    UserMoEModel,
+    hf_loss,
+    mixtral,
+    qwen_moe,
+    user_loss,
+)
 from tests.reference import assert_params_close, micro_batches, param_snapshot, tiny_gpt, train_reference
 from tests.test_data_parallel import adamw
 from tests.test_moe import BATCH, SEQ, batches, config
@@ -127,3 +136,17 @@ def test_refusals_name_the_fix():
 def test_moe_layer_refuses_what_it_cannot_do(args, text):
     with pytest.raises(ValueError, match=text):
         MoE(8, Expert(8), num_experts=4, **args)
+
+
+def test_routed_layers_keep_names_and_classes():
+    """In one process, a `moe` section routes a model's own MoE layers through Tiers' dispatch: a 4.x block stays an
+    instance of its class (transformers finds router logits by class), 5.x experts keep their module path; every
+    state-dict key is unchanged."""
+    for build in (ModuleListMoEModel, qwen_moe):
+        keys = list(build().state_dict())
+        engine = initialize(build(), {**config(0, 1, capacity_factor=4.0), "train_batch_size": 2})
+        assert list(engine.module.state_dict()) == keys
+        assert set(engine.experts.layers) and all(name in dict(engine.module.named_modules())
+                                                  for name in engine.experts.layers)
+        if build is ModuleListMoEModel:
+            assert all(isinstance(b, MixtralSparseMoeBlock) for b in engine.module.blocks)

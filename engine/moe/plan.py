@@ -1,9 +1,12 @@
 """Finding a model's MoE layers and placing their experts over the expert-parallel ranks (Note [expert parallelism]).
 
-Two kinds of layer are found, in an unmodified model:
+Three kinds of layer are found, in an unmodified model:
 - engine.moe.MoE layers (the user's, DeepSpeed's API): experts as a ModuleList, kept by global id;
-- a Hugging Face model's experts modules, named by its config's `base_model_ep_plan` (Note [experts of an
-  unmodified model]): replaced, under the same name, by DispatchedExperts.
+- a Hugging Face 5.x model's experts modules, named by its config's `base_model_ep_plan` (Note [experts of an
+  unmodified model]): replaced, under the same name, by DispatchedExperts;
+- a Hugging Face 4.x model's MoE blocks, experts in a ModuleList (Note [experts in a module list]): replaced,
+  under the same name, by RoutedExpertList.
+The last two are routed by Tiers only when the config has a `moe` section.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ from torch import nn
 from engine.comm import CommCounter, all_gather_into, all_reduce_sum, broadcast_from
 from engine.moe.aux_losses import AuxLossSink
 from engine.moe.dispatch import ExpertPlacement, ExpertTraffic
+from engine.moe.expert_list import RoutedExpertList, is_expert_list_block, routed_block_class
 from engine.moe.experts import DispatchedExperts
 from engine.moe.layer import MoE
+
+EXPERT_LISTS = (MoE, RoutedExpertList)  # experts as modules under their global ids (`<layer>.experts.<id>.`)
 
 
 class ExpertParallel:
@@ -35,7 +41,7 @@ class ExpertParallel:
         """This rank's experts' parameters (dense parameters of MoE layers, the gate and residual MLP, excluded)."""
         params = []
         for layer in self.layers.values():
-            experts = layer.experts if isinstance(layer, MoE) else layer
+            experts = layer.experts if isinstance(layer, EXPERT_LISTS) else layer
             params += list(experts.parameters())
         return params
 
@@ -47,7 +53,7 @@ class ExpertParallel:
             return local
         out = dict(local)
         for name, layer in self.layers.items():
-            if isinstance(layer, MoE):
+            if isinstance(layer, EXPERT_LISTS):
                 p = layer.placement
                 for j, gid in enumerate(layer.experts):
                     prefix = f"{name}.experts.{gid}."
@@ -81,9 +87,9 @@ class ExpertParallel:
         return out
 
     def names_an_expert(self, name: str) -> bool:
-        """Whether `name` is a parameter of an engine.moe.MoE layer's expert (whichever ep rank holds it)."""
+        """Whether `name` is a parameter of an expert kept by global id (whichever ep rank holds it)."""
         return any(re.match(re.escape(layer) + r"\.experts\.\d+\.", name) for layer, module in self.layers.items()
-                   if isinstance(module, MoE))
+                   if isinstance(module, EXPERT_LISTS))
 
     def traffic(self) -> dict[str, ExpertTraffic]:
         return {name: layer.traffic for name, layer in self.layers.items()}
@@ -160,7 +166,9 @@ def apply_expert_parallel(model: nn.Module, cfg, ep_group, ep_size: int, ep_rank
     dropped: set[int] = set()
     moe_layers = {n: m for n, m in model.named_modules() if isinstance(m, MoE)}
     hf = hf_expert_modules(model) if cfg.routes_model_experts else {}
-    if not moe_layers and not hf:
+    lists = {n: m for n, m in model.named_modules() if cfg.routes_model_experts and is_expert_list_block(m)
+             and not isinstance(m, EXPERT_LISTS)}
+    if not moe_layers and not hf and not lists:
         if cfg.enabled:
             raise ValueError(
                 f"moe.expert_parallel_size {ep_size}: the model has no MoE layer Tiers can split: no engine.moe.MoE "
@@ -178,7 +186,7 @@ def apply_expert_parallel(model: nn.Module, cfg, ep_group, ep_size: int, ep_rank
         layer.aux_loss_coef = cfg.aux_loss_coef or 0.0
         layer.z_loss_coef = cfg.z_loss_coef
         layers[name] = layer
-    if hf:
+    if hf or lists:
         _check_model_losses(model, cfg)
     for name, (experts, params) in hf.items():
         placement = ExpertPlacement(experts.num_experts, ep_size, ep_rank, ep_group)
@@ -186,6 +194,13 @@ def apply_expert_parallel(model: nn.Module, cfg, ep_group, ep_size: int, ep_rank
         dispatched = DispatchedExperts(experts, params, placement, cfg.capacity_factor, cfg.min_capacity, name)
         _replace(model, name, dispatched)
         layers[name] = dispatched
+    for name, block in lists.items():
+        placement = ExpertPlacement(len(block.experts), ep_size, ep_rank, ep_group)
+        _from_first_rank(block.experts.parameters(), ep_size, dp_group, comm)
+        routed = routed_block_class(type(block))(block, placement, cfg.capacity_factor, cfg.min_capacity, name)
+        dropped |= {id(p) for i, e in enumerate(block.experts) if str(i) not in routed.experts for p in e.parameters()}
+        _replace(model, name, routed)
+        layers[name] = routed
     return ExpertParallel(layers, sink, ep_size, dropped)
 
 
