@@ -272,6 +272,7 @@ class Config:
     moe: MoEConfig = section(MoEConfig)
     memory: MemoryConfig = section(MemoryConfig)
     seed: int | None = None
+    dataloader_drop_last: bool = False  # the loader deepspeed.initialize(training_data=...) returns (engine.compat)
 
     def batch_sizes(self, dp_world_size: int) -> BatchSizes:
         return resolve_batch_sizes(
@@ -325,15 +326,20 @@ _UNSUPPORTED_TOP_LEVEL_OFF_VALUES: dict[str, Any] = {
     "memory_breakdown": False,
     "dump_state": False,
     "disable_allgather": False,
-    "dataloader_drop_last": False,
     "communication_data_type": None,
 }
+# DeepSpeed sections Tiers does not have, off in DeepSpeed unless "enabled": true: accepted when they say so.
 _UNSUPPORTED_TOP_LEVEL_SECTIONS = (
-    "amp", "flops_profiler", "comms_logger", "wandb", "csv_monitor", "comet", "compression_training",
-    "data_efficiency", "curriculum_learning", "elasticity", "sparse_attention", "autotuning",
-    "data_types", "hybrid_engine", "eigenvalue", "progressive_layer_drop", "quantize_training",
-    "nebula", "weight_quantization", "compile",
+    "amp", "flops_profiler", "comms_logger", "wandb", "csv_monitor", "comet", "data_efficiency",
+    "curriculum_learning", "elasticity", "autotuning", "hybrid_engine", "eigenvalue", "progressive_layer_drop",
+    "quantize_training", "nebula",
 )
+# DeepSpeed sections whose presence turns a feature on (they have no "enabled"): accepted only holding
+# DeepSpeed's defaults (these values; a key not listed is a setting, so the section is on).
+_UNSUPPORTED_PRESENCE_SECTIONS: dict[str, dict[str, Any]] = {
+    "sparse_attention": {}, "compression_training": {}, "weight_quantization": {},
+    "data_types": {"grad_accum_dtype": None}, "compile": {"deepcompile": False},
+}
 
 _OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
     "adam": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "adam_w_mode": True,
@@ -360,6 +366,13 @@ def _strip_unsupported(raw: dict) -> dict:
             if not (isinstance(value, dict) and value.get("enabled", False) is False):
                 raise ConfigError(f"{key}: this DeepSpeed feature is not supported yet by Tiers; "
                                   f"remove the '{key}' section.")
+    for key, defaults in _UNSUPPORTED_PRESENCE_SECTIONS.items():
+        if key in raw:
+            value = raw.pop(key)
+            if not (isinstance(value, dict) and all(k in defaults and v == defaults[k] for k, v in value.items())):
+                raise ConfigError(f"{key}: {json.dumps(value)} — DeepSpeed turns this feature on by the section's "
+                                  f"presence, and Tiers does not have it; remove the '{key}' section (training "
+                                  "without it would not be what the config asks for).")
     return raw
 
 

@@ -110,11 +110,22 @@ def test_not_yet_supported_features_load_at_their_off_values():
 
 
 @pytest.mark.parametrize("section", ["flops_profiler", "amp", "comms_logger", "wandb", "csv_monitor", "elasticity",
-                                     "autotuning", "compression_training"])
+                                     "autotuning"])
 def test_deepspeed_only_sections(section):
     raises({section: {"enabled": True}}, section, "not supported yet")
     cfg = load_config({section: {"enabled": False}, "train_micro_batch_size_per_gpu": 1})
     assert not hasattr(cfg, section)
+
+
+@pytest.mark.parametrize("section, value", [("sparse_attention", {"mode": "fixed"}),
+                                            ("compression_training", {"weight_quantization": {"shared_parameters": {}}}),
+                                            ("data_types", {"grad_accum_dtype": "fp32"}),
+                                            ("compile", {"deepcompile": True}), ("weight_quantization", {"x": 1})])
+def test_deepspeed_sections_on_by_presence_are_refused(section, value):
+    """DeepSpeed turns these on by the section's presence (they have no "enabled"): accepted only at DeepSpeed's
+    defaults, refused by name otherwise (training without them is not what the config asks for)."""
+    raises({section: value}, section, "presence", "remove")
+    load_config({section: {}, "train_micro_batch_size_per_gpu": 1})
 
 
 def test_deepspeed_only_section_with_settings_but_disabled_loads():

@@ -1,0 +1,73 @@
+"""DeepSpeed's Python API on Tiers: `from engine.compat import deepspeed` in place of `import deepspeed`.
+
+    parser = deepspeed.add_config_arguments(parser)
+    deepspeed.init_distributed()
+    model_engine, optimizer, trainloader, lr_scheduler = deepspeed.initialize(
+        args=args, model=net, model_parameters=net.parameters(), training_data=trainset)
+
+The config is taken as DeepSpeed takes it (`config`, else `config_params`, else `args.deepspeed_config`; two of
+them is an error), training_data gives DeepSpeed's batches (engine.compat.deepspeed.data), and the engine answers
+DeepSpeed's calls (engine.compat.deepspeed.engine). What DeepSpeed has and Tiers does not raises, naming the call
+and what to use (docs/migrating-from-deepspeed.md).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from engine.compat.deepspeed import accelerator, checkpointing, comm, moe, zero  # noqa: F401
+from engine.compat.deepspeed.data import DeepSpeedDataLoader
+from engine.compat.deepspeed.engine import DeepSpeedEngine
+from engine.compat.deepspeed.launch import add_config_arguments, init_distributed
+from engine.compat.deepspeed.unsupported import refuse
+
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "zero", "checkpointing",
+           "accelerator", "comm", "moe"]
+
+
+def _config_of(args, config, config_params):
+    """DeepSpeed's rule: `config`, else `config_params`, else args.deepspeed_config (or the older deepscale_config);
+    the arguments and the call both naming one is an error."""
+    if config is None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if from_args is not None:
+        if config is not None:
+            raise ValueError("deepspeed.initialize: a config came in args.deepspeed_config and in the call "
+                             "(config / config_params); give one of them")
+        config = from_args
+    if config is None:
+        raise ValueError("deepspeed.initialize needs a config: pass config=... (a dict or a JSON path), or "
+                         "--deepspeed_config FILE on the command line (deepspeed.add_config_arguments(parser))")
+    return config
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               distributed_port: int = 29500, mpu=None, dist_init_required: bool | None = None, collate_fn=None,
+               config=None, mesh_param=None, config_params=None):
+    """(engine, optimizer, training_dataloader, lr_scheduler), as deepspeed.initialize returns them."""
+    from engine.initialization import initialize as tiers_initialize
+
+    if model is None:
+        raise ValueError("deepspeed.initialize: model is required")
+    if mpu is not None or mesh_param is not None:
+        refuse("deepspeed.initialize(mpu=... / mesh_param=...)", "tensor_parallel / pipeline / sequence_parallel "
+               "sections in the config (Tiers builds its own process groups)")
+    config = _config_of(args, config, config_params)
+    init_distributed(dist_init_required=dist_init_required)
+    engine = tiers_initialize(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                              model_parameters=model_parameters)
+    for p in engine.module.parameters():  # zero.GatheredParameters finds their engine (DeepSpeed tags them too)
+        p.tiers_engine = weakref.ref(engine)
+    loader = None
+    if training_data is not None:
+        topo = engine.topology
+        loader = DeepSpeedDataLoader(training_data, engine.train_micro_batch_size_per_gpu, topo.data_parallel_size,
+                                     topo.dp_rank // topo.sp_size, collate_fn, engine.config.dataloader_drop_last,
+                                     distributed=topo.world_size > 1)
+    wrapped = DeepSpeedEngine(engine, loader)
+    return wrapped, engine.optimizer, loader, engine.lr_scheduler
+
+
+def __getattr__(name: str):
+    refuse(f"deepspeed.{name}", "the calls listed in docs/migrating-from-deepspeed.md")
