@@ -247,7 +247,7 @@ class Engine:
             extra = {"Pipeline/bubble_fraction": self.pipeline.last_bubble,
                      "Pipeline/bubble_fraction_formula": self.pipeline.formula_bubble}
         if self.experts is not None and self.config.tensorboard.enabled:  # (a collective: every rank's counts)
-            extra.update(self.experts.metrics(self.dp_group, CommCounter()))
+            extra.update(self.experts.metrics(self.dp_group, CommCounter(), self.device))
         self.monitor.end_update(UpdateSummary(
             self.global_step, self.get_lr()[0], self.loss_scaler.scale, self.skipped_steps, grads.norm,
             self.train_batch_size, self.dp_world_size, self.model_state_bytes, extra))

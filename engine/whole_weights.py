@@ -87,6 +87,16 @@ def _chunk_values(chunked: ChunkedParams, gatherer: ParamGatherer | None, index:
         yield lambda p: chunked.master_values(p, full)
 
 
+def _modifier(place, modifier_rank: int, group: dist.ProcessGroup | None) -> tuple[int, dist.ProcessGroup | None]:
+    """(the group rank whose values win, the group) for a tensor reduced over `place`'s group: the data-parallel
+    group and `modifier_rank`; an expert chunk's own group (Note [expert parallelism]) and its member in the
+    modifier's place there (the ranks of ep rank e's group are e, e + ep, ...: group rank modifier_rank // ep)."""
+    if place is None or place.group is None:
+        return modifier_rank, group
+    ep = dist.get_world_size(group) // dist.get_world_size(place.group)
+    return modifier_rank // ep, place.group
+
+
 @contextlib.contextmanager
 def gathered_parameters(params: list[nn.Parameter], chunked: ChunkedParams, gatherer: ParamGatherer | None,
                         group: dist.ProcessGroup | None, counter: CommCounter, modifier_rank: int | None,
@@ -96,15 +106,16 @@ def gathered_parameters(params: list[nn.Parameter], chunked: ChunkedParams, gath
     chunk_of = chunked.chunk_index() if gatherer is not None else {}
     chunks = sorted({chunk_of[id(p)] for p in params if id(p) in chunk_of})
     whole = [p for p in params if id(p) not in chunk_of]
+    place_of = {pid: chunked.states[c].place for pid, c in chunked.chunk_index().items()}
     with gatherer.gathered(chunks) if chunks else contextlib.nullcontext():
         yield params
         if modifier_rank is not None and distributed:
             with torch.no_grad():
                 for p in whole:
-                    broadcast_from(p.data, modifier_rank, group, counter)
+                    broadcast_from(p.data, *_modifier(place_of.get(id(p)), modifier_rank, group), counter)
                 payloads = chunked.param_payloads()
                 for c in chunks:
-                    broadcast_from(payloads[c], modifier_rank, group, counter)
+                    broadcast_from(payloads[c], *_modifier(chunked.states[c].place, modifier_rank, group), counter)
                     chunked.sharded_params.refresh_shard(c)
     if modifier_rank is not None:
         chunked.resync_masters(params)

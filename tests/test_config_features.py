@@ -118,7 +118,7 @@ def test_deepspeed_only_sections(section):
 
 
 @pytest.mark.parametrize("section, value", [("sparse_attention", {"mode": "fixed"}),
-                                            ("compression_training", {"weight_quantization": {"shared_parameters": {}}}),
+                                            ("compression_training", {"weight_quantization": {"x": {}}}),
                                             ("data_types", {"grad_accum_dtype": "fp32"}),
                                             ("compile", {"deepcompile": True}), ("weight_quantization", {"x": 1})])
 def test_deepspeed_sections_on_by_presence_are_refused(section, value):

@@ -119,3 +119,22 @@ def test_zero_init_and_gathered_parameters_under_stage_3():
     for weight, bias in results:
         assert torch.equal(weight, torch.full((8, 4), 0.5))
         torch.testing.assert_close(bias, mlp()[0].bias.detach())
+
+
+def test_was_step_applied_and_the_loader_on_one_process():
+    """As DeepSpeed: was_step_applied() is true only after the step() that updated the model; one process still
+    samples with a DistributedSampler (seed 0), whose epoch the script may set."""
+    data = torch.utils.data.TensorDataset(torch.randn(6, 4), torch.randn(6, 2))
+    engine, _, loader, _ = deepspeed.initialize(model=mlp(), training_data=data,
+                                                config={**CONFIG, "gradient_accumulation_steps": 2})
+    assert isinstance(loader.data_sampler, torch.utils.data.distributed.DistributedSampler)
+    loader.data_sampler.set_epoch(3)
+    applied = []
+    for x, y in loader:
+        engine.backward((engine(x) - y).square().mean())
+        engine.step()
+        applied.append(engine.was_step_applied())
+    assert applied == [False, True, False]
+    expected = torch.utils.data.distributed.DistributedSampler(data, num_replicas=1, rank=0)
+    expected.set_epoch(3)
+    assert list(loader.data_sampler) == list(expected)

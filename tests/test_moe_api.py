@@ -113,7 +113,8 @@ def _refusals_worker(rank, world):
              (lambda: UserMoEModel(ep_size=4, num_experts=8), config(0, 2)),
              (lambda: mixtral(), config(0, 2, z_loss_coef=0.1)),
              (lambda: mixtral(), config(0, 2, aux_loss_coef=0.1)),
-             (lambda: mixtral(), {**config(0, 2), "tensor_parallel": {"size": 2}})]
+             (lambda: mixtral(), {**config(0, 2), "tensor_parallel": {"size": 2}}),
+             (lambda: _frozen_expert(), config(0, 2))]
     for build, cfg in cases:
         with pytest.raises(ValueError) as e:
             initialize(build(), cfg)
@@ -121,11 +122,18 @@ def _refusals_worker(rank, world):
     return errors
 
 
+def _frozen_expert():
+    model = UserMoEModel()
+    model.moe.experts[0].fc1.bias.requires_grad_(False)
+    return model
+
+
 def test_refusals_name_the_fix():
     errors = run_distributed(_refusals_worker, 2, timeout_s=180)[0]
     expected = ["must divide the data-parallel size 2", "no MoE layer Tiers can split",
                 "ep_size=4) but moe.expert_parallel_size is 2", "z-loss is added by engine.moe.MoE",
-                "output_router_logits=True", "together with tensor, pipeline or sequence parallelism is not built"]
+                "output_router_logits=True", "together with tensor, pipeline or sequence parallelism is not built",
+                "buffers or frozen parameters"]
     for error, text in zip(errors, expected):
         assert text in error, error
 
@@ -150,3 +158,23 @@ def test_routed_layers_keep_names_and_classes():
                                                   for name in engine.experts.layers)
         if build is ModuleListMoEModel:
             assert all(isinstance(b, MixtralSparseMoeBlock) for b in engine.module.blocks)
+
+
+def _modifier_worker(rank, world, stage):
+    engine = initialize(UserMoEModel(drop_tokens=False), config(stage, 2))
+    with engine.gathered_parameters(modifier_rank=0):
+        for p in engine.module.parameters():
+            p.data.fill_(rank + 1.0)
+    return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gathered_parameters_modifier_keeps_each_ranks_experts(stage):
+    """gathered_parameters(modifier_rank=0) at ep 2: dense parameters take rank 0's values on every rank; each ep
+    rank's experts take the values of the rank holding them in the modifier's place (rank 1's experts: rank 1's),
+    not rank 0's copies of other experts."""
+    for state in run_distributed(_modifier_worker, 2, args=(stage,), timeout_s=120):
+        for name, value in state.items():
+            expert = int(name.split(".")[2]) if name.startswith("moe.experts.") else None
+            expected = 2.0 if expert is not None and expert >= 2 else 1.0
+            assert torch.all(value == expected), name

@@ -3,7 +3,9 @@
 The layers put their weighted terms here during a training forward run through the engine; engine.backward adds
 them to the loss before scaling it, so they are scaled, averaged over micro-batches and reduced exactly as the
 loss is. A forward run again in backward (activation checkpointing) adds nothing: the sink only takes terms
-while the engine's forward runs.
+while the engine's forward runs. Every training forward since the last backward adds its terms to that backward
+(several forwards whose losses one backward sums all count); a forward whose loss is dropped without a backward
+leaves its terms for the next one, so skip a step after engine.backward, not between forward and backward.
 """
 
 from __future__ import annotations

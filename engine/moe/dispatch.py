@@ -114,7 +114,7 @@ def _expert_major(received: torch.Tensor) -> torch.Tensor:
     counts, starts = received.t().reshape(-1), offsets.t().reshape(-1)
     total = int(counts.sum())
     block_start = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    return torch.repeat_interleave(starts, counts) + torch.arange(total) - block_start
+    return torch.repeat_interleave(starts, counts) + torch.arange(total, device=received.device) - block_start
 
 
 RunExperts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows grouped by local expert, rows per expert)
@@ -139,7 +139,7 @@ def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tens
         arrived = exchange_rows(rows, send, recv, placement.group, traffic.comm)
         to_experts = _expert_major(received)
         back = torch.empty_like(to_experts)
-        back[to_experts] = torch.arange(to_experts.numel())
+        back[to_experts] = torch.arange(to_experts.numel(), device=to_experts.device)
         computed = run_experts(arrived.index_select(0, to_experts), received.sum(0))
         out_rows = exchange_rows(computed.index_select(0, back), recv, send, placement.group, traffic.comm)
     choice_weights = weights.t().reshape(-1).index_select(0, order)

@@ -110,7 +110,7 @@ class ExpertParallel:
     def take_aux_loss(self) -> torch.Tensor | None:
         return self.sink.take()
 
-    def metrics(self, group, counter: CommCounter) -> dict[str, float]:
+    def metrics(self, group, counter: CommCounter, device: torch.device) -> dict[str, float]:
         """Since the last call, over every data-parallel rank (a collective: every rank calls it): tokens each
         expert received, the fraction of assignments dropped by capacity, and this rank's token-exchange bytes."""
         metrics: dict[str, float] = {}
@@ -118,9 +118,10 @@ class ExpertParallel:
         counts = torch.stack([self.layers[n].traffic.tokens_per_expert for n in names]).double()
         totals = torch.tensor([[float(self.layers[n].traffic.routed), float(self.layers[n].traffic.dropped)]
                                for n in names], dtype=torch.float64)
-        both = torch.cat([counts.reshape(-1), totals.reshape(-1)])
+        both = torch.cat([counts.reshape(-1), totals.reshape(-1)]).to(device)  # (nccl reduces device tensors)
         if torch.distributed.is_initialized():
             all_reduce_sum(both, group, counter, async_op=False)
+        both = both.cpu()
         counts, totals = both[:counts.numel()].view_as(counts), both[counts.numel():].view_as(totals)
         for i, name in enumerate(names):
             for e, c in enumerate(counts[i].tolist()):
@@ -175,6 +176,8 @@ def apply_expert_parallel(model: nn.Module, cfg, ep_group, ep_size: int, ep_rank
                 "layer, and no experts module named by its config's base_model_ep_plan (Hugging Face 5.x MoE models: "
                 "Mixtral, Qwen-MoE, ...); build its MoE layers with engine.moe.MoE, or set the size to 1")
         return None
+    for name, module in [*moe_layers.items(), *((n, m) for n, (m, _) in hf.items()), *lists.items()]:
+        _check_expert_tensors(name, module, ep_size)
     for name, layer in moe_layers.items():
         if layer.ep_size not in (1, ep_size):
             raise ValueError(f"{name}: engine.moe.MoE(ep_size={layer.ep_size}) but moe.expert_parallel_size is "
@@ -202,6 +205,20 @@ def apply_expert_parallel(model: nn.Module, cfg, ep_group, ep_size: int, ep_rank
         _replace(model, name, routed)
         layers[name] = routed
     return ExpertParallel(layers, sink, ep_size, dropped)
+
+
+def _check_expert_tensors(name: str, layer: nn.Module, ep_size: int) -> None:
+    """Experts split over ranks must be all trainable parameters: buffers and frozen parameters live outside
+    chunks, where they are broadcast and saved as dense ones (one copy for every rank) - wrong for experts."""
+    experts = getattr(layer, "experts", layer)
+    if ep_size == 1 or not isinstance(experts, nn.Module):
+        return
+    buffers = [n for n, _ in experts.named_buffers()]
+    frozen = [n for n, p in experts.named_parameters() if not p.requires_grad]
+    if buffers or frozen:
+        raise ValueError(f"{name}: its experts hold buffers or frozen parameters ({(buffers + frozen)[:3]}), which "
+                         "expert parallelism does not place yet; make them trainable parameters, or use "
+                         "moe.expert_parallel_size 1")
 
 
 def _from_first_rank(params, ep_size: int, group, comm: CommCounter) -> None:

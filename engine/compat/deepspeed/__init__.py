@@ -63,8 +63,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if training_data is not None:
         topo = engine.topology
         loader = DeepSpeedDataLoader(training_data, engine.train_micro_batch_size_per_gpu, topo.data_parallel_size,
-                                     topo.dp_rank // topo.sp_size, collate_fn, engine.config.dataloader_drop_last,
-                                     distributed=topo.world_size > 1)
+                                     topo.dp_rank // topo.sp_size, collate_fn, engine.config.dataloader_drop_last)
     wrapped = DeepSpeedEngine(engine, loader)
     return wrapped, engine.optimizer, loader, engine.lr_scheduler
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 
@@ -27,12 +27,10 @@ class _EpochSampler(DistributedSampler):
 
 class DeepSpeedDataLoader:
     def __init__(self, dataset, batch_size: int, dp_world_size: int, dp_rank: int, collate_fn=None,
-                 drop_last: bool = False, distributed: bool = True):
+                 drop_last: bool = False):
         self.dataset, self.batch_size, self.collate_fn, self.drop_last = dataset, batch_size, collate_fn, drop_last
-        if distributed:
-            self.data_sampler = _EpochSampler(dataset, num_replicas=dp_world_size, rank=dp_rank)
-        else:
-            self.data_sampler = RandomSampler(dataset)
+        # DeepSpeed samples distributed whenever it has a local rank (under any launcher, one process too)
+        self.data_sampler = _EpochSampler(dataset, num_replicas=dp_world_size, rank=dp_rank)
         self._started = False
         count = len(self.data_sampler)
         self.len = count // batch_size if drop_last else math.ceil(count / batch_size)

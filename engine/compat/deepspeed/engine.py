@@ -98,6 +98,7 @@ class DeepSpeedEngine:
             refuse("step(lr_kwargs=...)", "a scheduler from the config's `scheduler` section")
         boundary = self.engine.is_gradient_accumulation_boundary()
         skipped = self.engine.skipped_steps
+        self._step_applied = False  # as DeepSpeed: true only after a step() that updated the model
         self.engine.step()
         if boundary:
             self._step_applied = self.engine.skipped_steps == skipped
