@@ -48,3 +48,40 @@ def test_engine_started_groups_leave_no_gloo_threads_after_destroy_process_group
     assert len(reports) == 2, job.stdout
     for report in reports:
         assert "gloo" not in report, f"gloo threads outlived destroy_process_group: {report}"
+
+
+DEEPSPEED_STYLE_JOB = """
+import atexit, os, torch
+from torch import nn
+
+
+def report():  # registered first, so it runs after the handlers registered later (atexit runs last-in, first-out)
+    threads = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    os.write(1, f"threads after shutdown: {threads}\\n".encode())
+
+
+atexit.register(report)
+from engine.compat import deepspeed
+
+deepspeed.init_distributed()
+engine, *_ = deepspeed.initialize(model=nn.Linear(4, 2), config={"train_batch_size": 4, "optimizer": {"type": "Adam"},
+                                                                 "zero_optimization": {"stage": 1}})
+engine.backward(engine(torch.randn(2, 4)).sum())
+engine.step()
+"""
+
+
+def test_deepspeed_style_scripts_leave_no_gloo_threads_at_exit(tmp_path):
+    """A DeepSpeed script never destroys its process group: the one deepspeed.init_distributed started is destroyed
+    at exit, before the interpreter tears gloo's threads down."""
+    (tmp_path / "job.py").write_text(DEEPSPEED_STYLE_JOB)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "job.py"]
+    job = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert job.returncode == 0, job.stderr[-3000:]
+    reports = [line for line in job.stdout.splitlines() if line.startswith("threads after shutdown:")]
+    assert len(reports) == 2, job.stdout
+    for report in reports:
+        assert "gloo" not in report, f"gloo threads outlived the script: {report}"

@@ -18,7 +18,7 @@ import weakref
 from engine.compat.deepspeed import accelerator, checkpointing, comm, moe, zero  # noqa: F401
 from engine.compat.deepspeed.data import DeepSpeedDataLoader
 from engine.compat.deepspeed.engine import DeepSpeedEngine
-from engine.compat.deepspeed.launch import add_config_arguments, init_distributed
+from engine.compat.deepspeed.launch import add_config_arguments, init_distributed, release_at_exit
 from engine.compat.deepspeed.unsupported import refuse
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "zero", "checkpointing",
@@ -65,6 +65,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         loader = DeepSpeedDataLoader(training_data, engine.train_micro_batch_size_per_gpu, topo.data_parallel_size,
                                      topo.dp_rank // topo.sp_size, collate_fn, engine.config.dataloader_drop_last)
     wrapped = DeepSpeedEngine(engine, loader)
+    release_at_exit(wrapped)
     return wrapped, engine.optimizer, loader, engine.lr_scheduler
 
 

@@ -140,6 +140,13 @@ class DeepSpeedEngine:
                    "save_16bit_model(save_dir, 'model.safetensors') (Tiers writes safetensors, never pickles)")
         return self.engine.save_16bit_model(save_dir, save_filename)
 
+    def release(self) -> None:
+        """At exit (engine.compat.deepspeed.launch): the engine closed and let go, so that nothing keeps the
+        process groups alive while the interpreter shuts down."""
+        engine = self.__dict__.pop("engine", None)
+        if engine is not None:
+            engine.close()
+
     # ---- everything else the Tiers engine has -------------------------------------------------
     def __getattr__(self, name: str):
         engine = self.__dict__.get("engine")
