@@ -232,8 +232,9 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
     if tensor_parallel is not None:
         chunked.norm_weights = tensor_parallel.norm_weights(model)
     if chunked.has_experts and not chunked.sharded:  # each rank holds the whole gradient: count it once over dp
+        chunk_of = chunked.chunk_index()
         for p in chunked.params:
-            expert = chunked.states[chunked.chunk_index()[id(p)]].place.group is not None
+            expert = chunked.states[chunk_of[id(p)]].place.group is not None
             chunked.norm_weights[id(p)] = 1.0 / (topology.expert_dp_size if expert else topology.dp_world_size)
     return chunked
 

@@ -36,17 +36,22 @@ os.write(1, f"threads after shutdown: {threads}\\n".encode())  # one write: the 
 """
 
 
-def test_engine_started_groups_leave_no_gloo_threads_after_destroy_process_group(tmp_path):
-    (tmp_path / "job.py").write_text(JOB)
+def thread_reports(tmp_path, job: str) -> list[str]:
+    """`job` under torchrun on 2 ranks; each rank's line naming the threads left after its shutdown."""
+    (tmp_path / "job.py").write_text(job)
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "job.py"]
-    job = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
-    assert job.returncode == 0, job.stderr[-3000:]
-    reports = [line for line in job.stdout.splitlines() if line.startswith("threads after shutdown:")]
-    assert len(reports) == 2, job.stdout
-    for report in reports:
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [line for line in done.stdout.splitlines() if line.startswith("threads after shutdown:")]
+    assert len(reports) == 2, done.stdout
+    return reports
+
+
+def test_engine_started_groups_leave_no_gloo_threads_after_destroy_process_group(tmp_path):
+    for report in thread_reports(tmp_path, JOB):
         assert "gloo" not in report, f"gloo threads outlived destroy_process_group: {report}"
 
 
@@ -74,14 +79,5 @@ engine.step()
 def test_deepspeed_style_scripts_leave_no_gloo_threads_at_exit(tmp_path):
     """A DeepSpeed script never destroys its process group: the one deepspeed.init_distributed started is destroyed
     at exit, before the interpreter tears gloo's threads down."""
-    (tmp_path / "job.py").write_text(DEEPSPEED_STYLE_JOB)
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "job.py"]
-    job = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
-    assert job.returncode == 0, job.stderr[-3000:]
-    reports = [line for line in job.stdout.splitlines() if line.startswith("threads after shutdown:")]
-    assert len(reports) == 2, job.stdout
-    for report in reports:
+    for report in thread_reports(tmp_path, DEEPSPEED_STYLE_JOB):
         assert "gloo" not in report, f"gloo threads outlived the script: {report}"

@@ -120,6 +120,12 @@ def _expert_major(received: torch.Tensor) -> torch.Tensor:
 RunExperts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows grouped by local expert, rows per expert)
 
 
+def run_each_expert(experts, rows: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+    """Rows grouped by local expert (per_expert[j] of them for experts[j]) through their experts, one at a time."""
+    outs = [expert(part) for expert, part in zip(experts, rows.split(per_expert.tolist()))]
+    return torch.cat(outs) if outs else rows
+
+
 def dispatch(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, run_experts: RunExperts,
              placement: ExpertPlacement, capacity: int | None, traffic: ExpertTraffic,
              priority: torch.Tensor | None = None) -> torch.Tensor:

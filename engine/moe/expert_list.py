@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.moe.dispatch import ExpertPlacement, ExpertTraffic, capacity_of, dispatch
+from engine.moe.dispatch import ExpertPlacement, ExpertTraffic, capacity_of, dispatch, run_each_expert
 
 # class name -> whether its top-k weights are renormalized regardless of `norm_topk_prob`
 KNOWN_BLOCKS = {"MixtralSparseMoeBlock": True, "Qwen2MoeSparseMoeBlock": False, "Qwen3MoeSparseMoeBlock": False,
@@ -61,8 +61,7 @@ class RoutedExpertList(nn.Module):
         self.traffic = ExpertTraffic(placement.num_experts)
 
     def _run_local(self, rows: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
-        outs = [expert(part) for expert, part in zip(self.experts.values(), rows.split(per_expert.tolist()))]
-        return torch.cat(outs) if outs else rows
+        return run_each_expert(self.experts.values(), rows, per_expert)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch, seq, hidden = hidden_states.shape

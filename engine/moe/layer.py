@@ -21,7 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.moe.aux_losses import AuxLossSink
-from engine.moe.dispatch import ExpertPlacement, ExpertTraffic, capacity_of, dispatch, order_assignments
+from engine.moe.dispatch import (
+    ExpertPlacement,
+    ExpertTraffic,
+    capacity_of,
+    dispatch,
+    order_assignments,
+    run_each_expert,
+)
 
 _NOISE = (None, "Jitter", "RSample")
 
@@ -111,9 +118,7 @@ class MoE(nn.Module):
         return list(self.experts.values()) if isinstance(self.experts, nn.ModuleDict) else list(self.experts)
 
     def _run_local(self, rows: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
-        parts = rows.split(per_expert.tolist())
-        outs = [expert(part) for expert, part in zip(self._local_experts(), parts)]
-        return torch.cat(outs) if outs else rows
+        return run_each_expert(self._local_experts(), rows, per_expert)
 
     def _route(self, x: torch.Tensor):
         """(chosen experts [T, k], their weights [T, k], l_aux, z-loss, capacity, priority)."""
