@@ -472,7 +472,7 @@ def load_config(source: str | os.PathLike | dict | Config) -> Config:
             and aio["thread_count"] != aio["intra_op_parallelism"]):
         raise ConfigError("aio: thread_count and intra_op_parallelism are the same setting "
                           "(DeepSpeed renamed it); give one.")
-    cfg = parse_section(Config, _strip_unsupported(_with_sequence_parallel_size(raw)))
+    cfg = parse_section(Config, _strip_unsupported(_with_autotp_size(_with_sequence_parallel_size(raw))))
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one.")
     if cfg.optimizer is not None:
@@ -500,6 +500,34 @@ def _with_sequence_parallel_size(raw: dict) -> dict:
     section_["size"] = size
     raw["sequence_parallel"] = section_
     return raw
+
+
+# DeepSpeed's AutoTP-training keys beside autotp_size, accepted at their defaults (what they turn on Tiers lacks)
+_AUTOTP_OFF_VALUES = {"tp_overlap_comm": False, "keep_module_on_host": False, "replace_with_kernel_inject": False,
+                      "injection_policy_tuple": None, "partition_config": None}
+
+
+def _with_autotp_size(raw: dict) -> dict:
+    """DeepSpeed's `tensor_parallel.autotp_size: N` is `tensor_parallel.size: N` with the plan derived
+    ("auto", Note [derived tensor-parallel plans]); 0 is off, as in DeepSpeed."""
+    section_ = raw.get("tensor_parallel")
+    if not isinstance(section_, dict) or not set(section_) & ({"autotp_size"} | set(_AUTOTP_OFF_VALUES)):
+        return raw
+    section_ = dict(section_)
+    for key, off in _AUTOTP_OFF_VALUES.items():
+        if key in section_ and section_.pop(key) != off:
+            raise ConfigError(f"tensor_parallel.{key}: only {json.dumps(off)} is supported (DeepSpeed's AutoTP option "
+                              f"that Tiers does not have); remove the key")
+    if "autotp_size" in section_:
+        size = section_.pop("autotp_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ConfigError(f"tensor_parallel.autotp_size: {size!r} is not allowed; expected an integer >= 0")
+        size = max(size, 1)
+        if section_.get("size", size) != size:
+            raise ConfigError(f"tensor_parallel.autotp_size ({size}) and tensor_parallel.size ({section_['size']}) "
+                              "are the same setting and differ; give one")
+        section_["size"] = size
+    return {**raw, "tensor_parallel": section_}
 
 
 def _replace(cfg: Config, **changes: Any) -> Config:

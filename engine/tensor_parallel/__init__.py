@@ -76,7 +76,7 @@ def apply_tensor_parallel(model: nn.Module, plan: str | dict, tp: TPGroup, strea
     `mesh` the plan is a 2D one (Note [2D tensor parallelism]); with `sequence_parallel` a 1D plan also splits
     the activations between its regions along the sequence (Note [Megatron sequence parallelism])."""
     sequence = SequenceShards(tp) if sequence_parallel else None
-    specs = apply_plan(model, resolve_plan(model, plan, "2d" if mesh else "1d"), tp, streams, mesh, sequence)
+    specs = apply_plan(model, resolve_plan(model, plan, "2d" if mesh else "1d", tp.size), tp, streams, mesh, sequence)
     first: dict[int, str] = {}
     tied = {}
     for name, p in model.named_parameters(remove_duplicate=False):  # in model order: the first name comes first

@@ -16,8 +16,8 @@ replaced keeps its name, so state-dict keys stay those of the original model. A 
 also adjust attributes the model's forward reads (head counts, widths) to their per-rank values,
 and names the modules whose dropout acts on split activations (Note [tensor-parallel RNG]); a user
 plan replaces layers only.
-`plan: "auto"` picks the built-in plan by model class; an unknown class is an error naming the
-first layer it could not place.
+`plan: "auto"` picks the built-in plan by model class; for another class a 1D plan is derived from the
+model's forward (Note [derived tensor-parallel plans]), which the built-in plans agree with.
 2D styles (mode "2d", Note [2D tensor parallelism]; every activation is split [batch/q, seq,
 hidden/q], so every module holding parameters must get one, and no module is replicated):
   linear_2d              SUMMA linear (nn.Linear or Conv1D)
@@ -41,6 +41,7 @@ from typing import Callable
 
 from torch import nn
 
+from engine.tensor_parallel.derive import derive_plan
 from engine.tensor_parallel.layers_1d import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from engine.tensor_parallel.layers_2d import Classifier2D, Embedding2D, Linear2D, Norm2D
 from engine.tensor_parallel.mappings import TPGroup
@@ -135,9 +136,10 @@ BUILT_IN_2D = {
 }
 
 
-def resolve_plan(model: nn.Module, plan: str | dict, mode: str = "1d") -> Plan:
-    """The config's `tensor_parallel.plan` for `mode`: "auto", a built-in plan's model class name, or
-    {glob: style}."""
+def resolve_plan(model: nn.Module, plan: str | dict, mode: str = "1d", tp_size: int = 1) -> Plan:
+    """The config's `tensor_parallel.plan` for `mode`: "auto" (the built-in plan for the model's class, else in 1D
+    one derived from its forward at `tp_size`, Note [derived tensor-parallel plans]), a built-in plan's model
+    class name, or {glob: style}."""
     styles, built_in = STYLES[mode], BUILT_IN if mode == "1d" else BUILT_IN_2D
     if isinstance(plan, dict):
         bad = {glob: style for glob, style in plan.items() if style not in styles}
@@ -152,10 +154,23 @@ def resolve_plan(model: nn.Module, plan: str | dict, mode: str = "1d") -> Plan:
     if plan != "auto":
         raise ValueError(f"tensor_parallel.plan: no built-in {mode} plan {plan!r}; choose from \"auto\", "
                          f"{', '.join(repr(k) for k in built_in)}, or give {{module-name glob: style}}")
+    if mode == "1d":
+        return derived_plan(model, tp_size)
     first = next((name for name, m in model.named_modules() if _is_linear(m) or isinstance(m, nn.Embedding)), None)
     raise ValueError(f"tensor_parallel.plan \"auto\" has no built-in {mode} plan for {type(model).__name__} (built "
-                     f"in: {', '.join(built_in)}), so it cannot place module {first!r}; give tensor_parallel.plan as "
-                     f"{{module-name glob: style}} with styles {', '.join(styles)}")
+                     f"in: {', '.join(built_in)}; plans are derived in 1D only), so it cannot place module {first!r}; "
+                     f"give tensor_parallel.plan as {{module-name glob: style}} with styles {', '.join(styles)}")
+
+
+def derived_plan(model: nn.Module, tp_size: int) -> Plan:
+    """Note [derived tensor-parallel plans]."""
+    derived = derive_plan(model, tp_size)
+
+    def adjust(target: nn.Module, tp: int) -> list[Change]:
+        if tp != tp_size:
+            raise ValueError(f"a plan derived for tensor_parallel.size {tp_size} applied at size {tp}")
+        return [(target.get_submodule(name), attr, value) for name, attr, value in derived.adjustments]
+    return Plan(f"plan derived for {type(model).__name__}", derived.styles, adjust, derived.rng)
 
 
 def apply_plan(model: nn.Module, plan: Plan, tp: TPGroup, streams: RNGStreams | None = None,

@@ -1,0 +1,214 @@
+"""Tensor-parallel plans derived from the model's own forward.
+
+Note [derived tensor-parallel plans]
+`tensor_parallel.plan: "auto"` on a model with no built-in plan (and DeepSpeed's
+`tensor_parallel.autotp_size`) derives one, in four steps, all on a copy of the model whose parameters
+are fake tensors (no memory, no compute; engine/tensor_parallel/derive/trace.py):
+1. Trace: one forward on an example input (token ids for a model with an embedding, else one tensor
+   for its first linear layer), recording every op; linear layers and embeddings are one op each.
+2. Propagate (propagate.py, rules.py): a linear layer whose input is whole is tried column-parallel,
+   its output split along the features; the rules carry the split through the ops between layers:
+   elementwise ops, reshapes that keep it on an outer dim (features -> heads, heads -> features),
+   transposes, attention and matmuls over the heads, splits of a fused output into equal parts
+   (q, k, v: "colwise_qkv"). A linear layer that receives it is row-parallel. Where a split reaches an
+   op that needs the whole tensor (a norm over the features, the residual add, an op the rules do not
+   know), the layer that made it is left whole, or gathered where that op is the loss or the model's
+   output (the lm_head); the pass then runs again, until nothing moves. Embeddings of the input ids are
+   vocabulary-parallel; a layer whose parameters another op reads (a tied weight used by hand) and
+   tied layers whose styles would shard differently are left whole.
+3. Check: the same forward on the copy with each planned layer replaced by one of its per-rank shape
+   must produce, op by op, the whole trace's shapes with every split dim divided by tp. A forward that
+   takes a width from an attribute (`view(B, T, self.n_head, D)`, `split(self.n_embd)`) fails that;
+   so the attributes of the modules doing split work whose values equal a split size (in every
+   module of that class) are tried at their per-rank values, the largest set that passes kept (those
+   are the plan's adjustments, as the built-in plans' are). When none passes, the model is refused,
+   naming the module and the op whose shape would be wrong.
+4. The plan names modules exactly; dropout called on split activations draws per-rank masks
+   (Note [tensor-parallel RNG]), and dropout on whole activations inside such a module the shared ones.
+Every layer left whole stays correct; a model where nothing splits is refused, naming the first
+linear layer and why.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from engine.tensor_parallel.derive.propagate import Layer, Pass, propagate, styles_of
+from engine.tensor_parallel.derive.trace import (
+    Trace,
+    TraceFailed,
+    example_input,
+    fake_copy,
+    linear_features,
+    module_kind,
+    trace,
+)
+from engine.tensor_parallel.rng import Stream
+
+MAX_ATTRIBUTE_GROUPS = 6  # subsets tried: 2**6 forwards on fake tensors at most
+
+
+@dataclass
+class DerivedPlan:
+    styles: dict[str, str]  # exact module name -> style
+    adjustments: list[tuple[str, str, int]] = field(default_factory=list)  # (module name, attribute, per-rank value)
+    rng: dict[str, Stream] = field(default_factory=dict)
+
+
+@dataclass
+class _Mismatch:
+    index: int  # how far the check got
+    text: str
+
+
+def derive_plan(model: nn.Module, tp: int) -> DerivedPlan:
+    """A 1D plan for `model` at tensor-parallel size `tp` (Note [derived tensor-parallel plans])."""
+    cls = type(model).__name__
+    mode = FakeTensorMode()
+    copy = fake_copy(model, mode)
+    try:
+        args, kwargs, described = example_input(copy, mode)
+        whole = trace(copy, args, kwargs, mode)
+    except (ValueError, TraceFailed) as error:
+        where = f" in module {error.module!r}" if isinstance(error, TraceFailed) else ""
+        raise ValueError(f"tensor_parallel.plan \"auto\": {cls} has no built-in plan, and deriving one runs its "
+                         f"forward on fake tensors{where}, which failed: {error}; give tensor_parallel.plan as "
+                         f"{{module-name glob: style}}") from error
+    layers = _layers(copy)
+    settled, decisions, first = propagate(whole, layers, tp)
+    styles = styles_of(settled, decisions, layers)
+    if not any(style in ("colwise", "colwise_qkv", "rowwise") for style in styles.values()):
+        raise ValueError(f"tensor_parallel.plan \"auto\": found no pair of linear layers to split in {cls}: "
+                         f"{_why_none(first, whole, layers)}; give tensor_parallel.plan as "
+                         f"{{module-name glob: style}}, or use tensor_parallel.size 1")
+    _install_per_rank_layers(copy, styles, tp, mode)
+    adjustments = _adjustments(copy, whole, settled, tp, mode, args, kwargs, cls)
+    return DerivedPlan(styles, adjustments, _streams(settled))
+
+
+def _layers(model: nn.Module) -> dict[str, Layer]:
+    """The linear layers and embeddings; one whose parameter another module also holds (BERT's MLM head keeps its
+    decoder's bias as its own) is marked so, since replacing the layer would leave that module the old tensor."""
+    holders: dict[int, set[str]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(name)
+    layers = {}
+    for name, module in model.named_modules():
+        kind = module_kind(module)
+        if kind is not None:
+            width = linear_features(module)[1] if kind == "linear" else module.num_embeddings
+            params = tuple(id(p) for p in module.parameters(recurse=False))
+            held_elsewhere = any(module_kind(model.get_submodule(h)) is None for p in params for h in holders[p])
+            layers[name] = Layer(kind, width, not isinstance(module, (nn.Linear, nn.Embedding)), params,
+                                 held_elsewhere)
+    return layers
+
+
+def _why_none(first: Pass, whole: Trace, layers: dict[str, Layer]) -> str:
+    called = [op.module for op in whole.ops if op.name == "linear_module"]
+    if not called:
+        return "its forward calls no nn.Linear or Conv1D layer"
+    name = called[0]
+    if name in first.blocked:
+        blocked, module = first.blocked[name]
+        return f"the output of {name!r} cannot stay split up to another linear layer: {blocked.reason}" \
+               f"{f' (in {module!r})' if module else ''}"
+    if name in first.foreign or layers[name].held_elsewhere:
+        return f"the parameters of {name!r} are read or held outside it"
+    return f"the output of {name!r} reaches no other linear layer"
+
+
+def _install_per_rank_layers(copy: nn.Module, styles: dict[str, str], tp: int, mode: FakeTensorMode) -> None:
+    """Every split linear layer of the copy replaced by an nn.Linear of one rank's shape."""
+    for name, style in styles.items():
+        module = copy.get_submodule(name)
+        if style not in ("colwise", "colwise_qkv", "rowwise"):
+            continue
+        features_in, features_out = linear_features(module)
+        if style == "rowwise":
+            features_in //= tp
+        else:
+            features_out //= tp
+        with mode:
+            local = nn.Linear(features_in, features_out, bias=module.bias is not None, dtype=module.weight.dtype)
+        parent, _, attr = name.rpartition(".")
+        setattr(copy.get_submodule(parent) if parent else copy, attr, local)
+
+
+def _check(copy: nn.Module, whole: Trace, settled: Pass, tp: int, mode, args, kwargs) -> _Mismatch | None:
+    """The per-rank copy's forward against the whole one's shapes, every split dim divided by tp."""
+    failure = None
+    try:
+        local = trace(copy, args, kwargs, mode)
+    except TraceFailed as error:
+        local, failure = error.partial, error
+    for i, (w, lo) in enumerate(zip(whole.ops, local.ops)):
+        expected = [tuple(s // tp if state is not None and d == state.dim else s for d, s in enumerate(o.shape))
+                    for o, state in zip(w.outputs, settled.op_states[i])]
+        got = [o.shape for o in lo.outputs]
+        if (w.name, w.module) != (lo.name, lo.module) or got != expected:
+            what = f"{w.name} gives {[list(g) for g in got]} where {[list(e) for e in expected]} is needed" \
+                if (w.name, w.module) == (lo.name, lo.module) else f"runs {lo.name} where the whole model runs {w.name}"
+            return _Mismatch(i, f"module {w.module!r}: split over {tp} ranks, {what}")
+    if failure is not None:
+        return _Mismatch(len(local.ops), f"module {failure.module!r}: split over {tp} ranks, its forward fails: "
+                                         f"{failure}")
+    return None
+
+
+def _attribute_groups(copy: nn.Module, whole: Trace, settled: Pass, tp: int) -> list[tuple[str, str, list[str]]]:
+    """(class, attribute, modules): an int attribute that, in every module of the class doing split work, equals
+    the whole size of a split dim of an op it runs."""
+    sizes: dict[str, set[int]] = {}
+    for op, states in zip(whole.ops, settled.op_states):
+        if not op.name.endswith("_module"):
+            for out, state in zip(op.outputs, states):
+                if state is not None:
+                    sizes.setdefault(op.module, set()).add(out.shape[state.dim])
+    by_class: dict[str, list[str]] = {}
+    for name in sizes:
+        by_class.setdefault(type(copy.get_submodule(name)).__name__, []).append(name)
+    groups = []
+    for cls, names in by_class.items():
+        attrs = set.intersection(*({a for a, v in vars(copy.get_submodule(n)).items()
+                                    if type(v) is int and not a.startswith("_") and v in sizes[n] and v % tp == 0}
+                                   for n in names))
+        groups += [(cls, attr, names) for attr in sorted(attrs)]
+    return groups
+
+
+def _adjustments(copy, whole, settled, tp, mode, args, kwargs, cls) -> list[tuple[str, str, int]]:
+    """The largest set of attribute groups at their per-rank values under which the check passes."""
+    groups = _attribute_groups(copy, whole, settled, tp)
+    subsets = [groups, []] if len(groups) > MAX_ATTRIBUTE_GROUPS else \
+        sorted((list(s) for k in range(len(groups) + 1) for s in itertools.combinations(groups, k)), key=len,
+               reverse=True)
+    furthest = None
+    for subset in subsets:
+        changes = [(name, attr, getattr(copy.get_submodule(name), attr) // tp)
+                   for _cls, attr, names in subset for name in names]
+        saved = [(name, attr, getattr(copy.get_submodule(name), attr)) for name, attr, _ in changes]
+        for name, attr, value in changes:
+            setattr(copy.get_submodule(name), attr, value)
+        mismatch = _check(copy, whole, settled, tp, mode, args, kwargs)
+        for name, attr, value in saved:
+            setattr(copy.get_submodule(name), attr, value)
+        if mismatch is None:
+            return changes
+        furthest = mismatch if furthest is None or mismatch.index > furthest.index else furthest
+    raise ValueError(f"tensor_parallel.plan \"auto\": cannot split {cls} safely: {furthest.text} (a width taken "
+                     f"from the whole model: write -1 for the split dim in view/reshape, or give "
+                     f"tensor_parallel.plan as {{module-name glob: style}})")
+
+
+def _streams(settled: Pass) -> dict[str, Stream]:
+    rng = {module: Stream.SHARDED for module, split in settled.dropouts if split}
+    for module, split in settled.dropouts:
+        if not split and module not in rng and any(module.startswith(s + ".") for s in rng):
+            rng[module] = Stream.REPLICATED
+    return rng

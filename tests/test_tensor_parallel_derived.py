@@ -1,0 +1,212 @@
+"""Tensor-parallel plans derived from the model's forward (Note [derived tensor-parallel plans]): they agree with
+the built-in plans, train models that have none exactly like single-process PyTorch (1e-4), and refuse what
+they cannot split, by module."""
+
+from __future__ import annotations
+
+import fnmatch
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import initialize
+from engine.config import ConfigError, load_config
+from engine.tensor_parallel import TPGroup, apply_tensor_parallel
+from engine.tensor_parallel.derive import derive_plan
+from engine.tensor_parallel.plans import BUILT_IN, resolve_plan
+from tests.distributed import run_distributed
+from tests.reference import assert_close_relative, assert_params_close, param_snapshot, token_batches
+from tests.test_data_parallel import adamw
+from tests.test_tensor_parallel import GLOBAL_BATCH, STEPS, TP_RTOL, build, tp_config
+from tests.tp_models import bert, mlp, user_gpt
+
+# --- agreement with the built-in plans (no communication: the plans alone) ---------------------
+
+
+def _built_in_style(plan, name: str) -> str:
+    return next((s for glob, s in plan.styles.items() if fnmatch.fnmatchcase(name, glob)), "replicate")
+
+
+@pytest.mark.parametrize("model,tp", [("gpt", 2), ("gpt", 4), ("gpt2", 2), ("gpt2", 4), ("llama", 2), ("llama8", 4)])
+def test_the_derived_plan_equals_the_built_in_plan(model, tp):
+    net = build(model)
+    built_in = BUILT_IN[type(net).__name__]
+    derived = derive_plan(net, tp)
+    for name, _module in net.named_modules():
+        assert derived.styles.get(name, "replicate") == _built_in_style(built_in, name), name
+    # the built-in plan's adjustments are among the derived ones (which also set per-rank widths no forward reads)
+    expected = {(m, a, v) for m, a, v in built_in.adjust(net, tp)}
+    got = {(net.get_submodule(name), attr, value) for name, attr, value in derived.adjustments}
+    assert expected <= got
+
+
+def test_the_derived_dropout_streams_equal_the_built_in_ones():
+    import transformers
+    net = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2,
+                                                               n_head=4, attn_pdrop=0.1, resid_pdrop=0.1))
+    derived = derive_plan(net, 2)
+    assert set(derived.rng) == {f"transformer.h.{i}.attn{s}" for i in range(2) for s in ("", ".resid_dropout")}
+    for name, stream in derived.rng.items():
+        assert stream == next(s for glob, s in BUILT_IN["GPT2LMHeadModel"].rng.items()
+                              if fnmatch.fnmatchcase(name, glob))
+
+
+def test_models_without_a_built_in_plan_get_one():
+    assert derive_plan(user_gpt(), 2).styles == {
+        "tok": "vocab", "head": "colwise_gather",
+        **{f"blocks.{i}.{layer}": style for i in range(2) for layer, style in (
+            ("attn.qkv", "colwise_qkv"), ("attn.proj", "rowwise"), ("fc", "colwise"), ("out", "rowwise"))}}
+    assert derive_plan(user_gpt(), 2).adjustments == [(f"blocks.{i}.attn", "n_embd", 32) for i in range(2)]
+    assert derive_plan(mlp(), 2).styles == {"0": "colwise", "2": "rowwise", "4": "colwise_gather"}
+    bert_styles = derive_plan(bert(), 2).styles
+    # the MLM head holds its decoder's bias as its own parameter too: the decoder, and the word embeddings tied
+    # to it, stay whole; a LayerNorm follows the head's dense layer: whole as well
+    assert not {"cls.predictions.decoder", "bert.embeddings.word_embeddings",
+                "cls.predictions.transform.dense"} & set(bert_styles)
+    assert bert_styles["bert.encoder.layer.1.attention.self.query"] == "colwise"
+    assert bert_styles["bert.encoder.layer.1.attention.output.dense"] == "rowwise"
+
+
+# --- training (2 processes, tp 2) ------------------------------------------------------------
+
+
+class DerivedGPT2:
+    """Hugging Face GPT-2 under a class name no built-in plan has, so that its plan is derived."""
+
+    @staticmethod
+    def build(seed: int):
+        import transformers
+
+        class MyGPT2(transformers.GPT2LMHeadModel):
+            pass
+        torch.manual_seed(seed)
+        return MyGPT2(transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _padding_mask(x: torch.Tensor) -> torch.Tensor:
+    mask = torch.ones_like(x)
+    mask[::2, -5:] = 0
+    return mask
+
+
+MODELS = {  # name -> (build(seed), loss(module or engine, batch), batches)
+    "user_gpt": (lambda seed: user_gpt(seed), lambda m, x: m(x, x), None),
+    "bert": (bert, lambda m, x: m(input_ids=x, attention_mask=_padding_mask(x), labels=x).loss, None),
+    "gpt2": (DerivedGPT2.build, lambda m, x: m(input_ids=x, labels=x, use_cache=False).loss, None),
+    "mlp": (mlp, lambda m, xy: F.mse_loss(m(xy[0]), xy[1]), "regression"),
+}
+
+
+def _batches(kind):
+    if kind is None:
+        return token_batches(STEPS, GLOBAL_BATCH)
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 8, generator=g))
+            for _ in range(STEPS)]
+
+
+def _train(model, loss_fn, batches):
+    opt = adamw(list(model.parameters()))
+    losses = []
+    for batch in batches:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _derived_worker(rank, world):
+    out = {}
+    for name, (make, loss_fn, kind) in MODELS.items():
+        cfg = tp_config(world, 1)
+        if name == "user_gpt":  # DeepSpeed's spelling of the same thing
+            cfg["tensor_parallel"] = {"autotp_size": world}
+        engine = initialize(make(rank), cfg)  # ranks seeded differently: the engine makes them agree
+        assert engine.tensor_parallel.specs, name
+        losses = []
+        for batch in _batches(kind):
+            loss = loss_fn(engine, batch)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out[name] = (losses, engine.full_state_dict(), sum(p.numel() for p in engine.module.parameters()))
+    return out
+
+
+def test_derived_plans_train_like_single_process_pytorch():
+    """A user GPT (fused qkv, heads by -1, tied head, loss in forward), HF BERT with a padding mask, HF GPT-2 under
+    a derived plan, and an MLP, each at tp 2 against plain PyTorch on the same batches."""
+    results = run_distributed(_derived_worker, 2, timeout_s=300)
+    for name, (make, loss_fn, kind) in MODELS.items():
+        reference = make(0)
+        whole = sum(p.numel() for p in reference.parameters())
+        ref_losses = _train(reference, loss_fn, _batches(kind))
+        params = param_snapshot(reference)
+        for per_rank in results:
+            losses, full, local_numel = per_rank[name]
+            assert_close_relative(losses, ref_losses, rtol=TP_RTOL)
+            assert_params_close({k: full[k] for k in params}, params, rtol=TP_RTOL)
+            assert local_numel < 0.7 * whole, (name, local_numel, whole)  # the split layers hold half
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+TP2 = TPGroup(None, 2, 0)
+
+
+def test_a_model_that_reshapes_with_a_whole_width_is_refused_by_module():
+    model = user_gpt(merge_by_width=True)  # nanoGPT's view(B, T, C), C read from the unsplit input
+    before = param_snapshot(model)
+    with pytest.raises(ValueError, match=r"cannot split UserGPT safely: module 'blocks.0.attn': split over 2 ranks, "
+                                         r"its forward fails: .*write -1 for the split dim"):
+        apply_tensor_parallel(model, "auto", TP2)
+    assert isinstance(model.blocks[0].attn.qkv, nn.Linear)  # nothing changed
+    assert_params_close(param_snapshot(model), before, rtol=0)
+
+
+def test_a_model_with_nothing_to_split_is_refused_naming_the_layer():
+    with pytest.raises(ValueError, match=r"found no pair of linear layers to split in Sequential: the output of '1' "
+                                         r"cannot stay split up to another linear layer: the model's output"):
+        apply_tensor_parallel(nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4)), "auto", TP2)
+    norm_between = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"the output of '0' cannot stay split .*: layer_norm normalizes over the "
+                                         r"split features \(in '1'\)"):
+        apply_tensor_parallel(norm_between, "auto", TP2)
+
+
+class _ReadsValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum().item() > 0:  # a branch on the data: no forward on fake tensors can take it
+            return self.fc(x)
+        return x
+
+
+def test_a_forward_that_cannot_run_on_fake_tensors_is_refused_by_module():
+    with pytest.raises(ValueError, match=r"_ReadsValues has no built-in plan, and deriving one runs its forward on "
+                                         r"fake tensors in module '', which failed"):
+        resolve_plan(_ReadsValues(), "auto", "1d", 2)
+
+
+def test_autotp_size_is_tensor_parallel_size_with_a_derived_plan():
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2,
+                                                                                "tp_overlap_comm": False}})
+    assert (cfg.tensor_parallel.size, cfg.tensor_parallel.plan) == (2, "auto")
+    off = load_config({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 0}})
+    assert off.tensor_parallel.size == 1
+    with pytest.raises(ConfigError, match=r"autotp_size \(2\) and tensor_parallel.size \(4\) are the same setting"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2, "size": 4}})
+    with pytest.raises(ConfigError, match=r"tensor_parallel.tp_overlap_comm: only false is supported"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2,
+                                                                              "tp_overlap_comm": True}})
+    with pytest.raises(ConfigError, match=r"autotp_size: -1 is not allowed"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": -1}})
