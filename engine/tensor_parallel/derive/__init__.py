@@ -135,7 +135,8 @@ def _install_per_rank_layers(copy: nn.Module, styles: dict[str, str], tp: int, m
         else:
             features_out //= tp
         with mode:
-            local = nn.Linear(features_in, features_out, bias=module.bias is not None, dtype=module.weight.dtype)
+            local = nn.Linear(features_in, features_out, bias=module.bias is not None, dtype=module.weight.dtype,
+                              device=module.weight.device)
         parent, _, attr = name.rpartition(".")
         setattr(copy.get_submodule(parent) if parent else copy, attr, local)
 

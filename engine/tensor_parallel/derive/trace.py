@@ -75,9 +75,10 @@ def example_input(model: nn.Module, mode: FakeTensorMode) -> tuple[tuple, dict, 
     params = list(inspect.signature(model.forward).parameters.values())
     required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     kwargs = {"use_cache": False} if any(p.name == "use_cache" for p in params) else {}
+    device = next(model.parameters()).device  # where the model is (a fake tensor reports it)
     if any(isinstance(m, nn.Embedding) for m in model.modules()):
         with mode:
-            ids = torch.zeros(BATCH, SEQ_LEN, dtype=torch.long)
+            ids = torch.zeros(BATCH, SEQ_LEN, dtype=torch.long, device=device)
         return (ids,) * max(1, len(required)), kwargs, f"token ids of shape [{BATCH}, {SEQ_LEN}]"
     first = next((m for m in model.modules() if module_kind(m) == "linear"), None)
     if first is None or len(required) > 1:
@@ -86,7 +87,7 @@ def example_input(model: nn.Module, mode: FakeTensorMode) -> tuple[tuple, dict, 
                          "one argument")
     width = linear_features(first)[0]
     with mode:
-        x = torch.zeros(BATCH, width, dtype=first.weight.dtype)
+        x = torch.zeros(BATCH, width, dtype=first.weight.dtype, device=device)
     return (x,), kwargs, f"a tensor of shape [{BATCH}, {width}]"
 
 
