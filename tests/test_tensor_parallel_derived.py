@@ -36,10 +36,10 @@ def test_the_derived_plan_equals_the_built_in_plan(model, tp):
     derived = derive_plan(net, tp)
     for name, _module in net.named_modules():
         assert derived.styles.get(name, "replicate") == _built_in_style(built_in, name), name
-    # the built-in plan's adjustments are among the derived ones (which also set per-rank widths no forward reads)
+    # the derived adjustments are the built-in plan's, less those no forward reads (GPT-2's num_heads)
     expected = {(m, a, v) for m, a, v in built_in.adjust(net, tp)}
     got = {(net.get_submodule(name), attr, value) for name, attr, value in derived.adjustments}
-    assert expected <= got
+    assert got <= expected and (got or not expected)
 
 
 def test_the_derived_dropout_streams_equal_the_built_in_ones():

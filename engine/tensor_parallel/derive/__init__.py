@@ -20,9 +20,10 @@ are fake tensors (no memory, no compute; engine/tensor_parallel/derive/trace.py)
    must produce, op by op, the whole trace's shapes with every split dim divided by tp. A forward that
    takes a width from an attribute (`view(B, T, self.n_head, D)`, `split(self.n_embd)`) fails that;
    so the attributes of the modules doing split work whose values equal a split size (in every
-   module of that class) are tried at their per-rank values, the largest set that passes kept (those
-   are the plan's adjustments, as the built-in plans' are). When none passes, the model is refused,
-   naming the module and the op whose shape would be wrong.
+   module of that class) are tried at their per-rank values, the smallest set that passes kept (those
+   are the plan's adjustments, as the built-in plans' are; an attribute that only happens to equal a
+   split size stays). When none passes, the model is refused, naming the module and the op whose
+   shape would be wrong.
 4. The plan names modules exactly; dropout called on split activations draws per-rank masks
    (Note [tensor-parallel RNG]), and dropout on whole activations inside such a module the shared ones.
 Every layer left whole stays correct; a model where nothing splits is refused, naming the first
@@ -184,11 +185,11 @@ def _attribute_groups(copy: nn.Module, whole: Trace, settled: Pass, tp: int) -> 
 
 
 def _adjustments(copy, whole, settled, tp, mode, args, kwargs, cls) -> list[tuple[str, str, int]]:
-    """The largest set of attribute groups at their per-rank values under which the check passes."""
+    """The smallest set of attribute groups at their per-rank values under which the check passes (an attribute
+    that only happens to equal a split size, GPT-NeoX's rotary_ndims, must not change)."""
     groups = _attribute_groups(copy, whole, settled, tp)
-    subsets = [groups, []] if len(groups) > MAX_ATTRIBUTE_GROUPS else \
-        sorted((list(s) for k in range(len(groups) + 1) for s in itertools.combinations(groups, k)), key=len,
-               reverse=True)
+    subsets = [[], groups] if len(groups) > MAX_ATTRIBUTE_GROUPS else \
+        [list(s) for k in range(len(groups) + 1) for s in itertools.combinations(groups, k)]
     furthest = None
     for subset in subsets:
         changes = [(name, attr, getattr(copy.get_submodule(name), attr) // tp)

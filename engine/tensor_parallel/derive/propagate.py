@@ -64,7 +64,7 @@ class Propagation:
                 for source in blocked.sources:
                     self.result.blocked.setdefault(source, (blocked, op.module))
                 outs = [None] * len(op.outputs)
-            if not op.name.endswith("_module") and any(r.id in self.from_input for r in refs):
+            if op.name in rules.MOVES_VALUES and any(r.id in self.from_input for r in refs):
                 self.from_input.update(o.id for o in op.outputs)
             for ref, state in zip(op.outputs, outs):
                 self.states[ref.id] = state

@@ -44,7 +44,10 @@ REDUCE = {"sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "lo
 ALONG = {"softmax", "log_softmax", "cumsum", "cumprod", "normalize"}  # act along one dim, keep the shape
 RESHAPE = {"view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze"}
 EXPAND = {"expand", "expand_as", "broadcast_to"}
+PERMUTES = {"transpose", "swapaxes", "swapdims", "t", "T", "mT", "permute", "movedim"}
 SPLITS = {"split": 2, "chunk": 2, "tensor_split": 2, "split_with_sizes": 2, "unbind": 1}
+# ops that move or select values without computing new ones: token ids stay token ids through them
+MOVES_VALUES = UNARY | RESHAPE | EXPAND | PERMUTES | set(SPLITS) | {"getitem", "narrow", "select", "repeat", "cat"}
 LOSSES = {"cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
           "binary_cross_entropy", "binary_cross_entropy_with_logits", "soft_margin_loss", "cosine_embedding_loss"}
 
@@ -190,9 +193,6 @@ def _permutation(op: Op, ndim: int) -> list[int] | None:
 def permute(op: Op, state: Split) -> list[Split]:
     perm = _permutation(op, len(op.args[0].shape))
     return [Split(perm.index(state.dim), state.sources)]
-
-
-PERMUTES = {"transpose", "swapaxes", "swapdims", "t", "T", "mT", "permute", "movedim"}
 
 
 def _full_slice(index: slice, size: int) -> bool:
