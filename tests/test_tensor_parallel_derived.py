@@ -193,7 +193,7 @@ class _ReadsValues(nn.Module):
 
 def test_a_forward_that_cannot_run_on_fake_tensors_is_refused_by_module():
     with pytest.raises(ValueError, match=r"_ReadsValues has no built-in plan, and deriving one runs its forward on "
-                                         r"fake tensors in module '', which failed"):
+                                         r"fake tensors with a tensor of shape \[2, 4\] in module '', which failed"):
         resolve_plan(_ReadsValues(), "auto", "1d", 2)
 
 
@@ -210,3 +210,13 @@ def test_autotp_size_is_tensor_parallel_size_with_a_derived_plan():
                                                                               "tp_overlap_comm": True}})
     with pytest.raises(ConfigError, match=r"autotp_size: -1 is not allowed"):
         load_config({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": -1}})
+
+
+def test_a_reshape_keeps_the_split_only_on_an_outer_dim():
+    from engine.tensor_parallel.derive.rules import reshaped_dim
+    assert reshaped_dim((2, 8, 64), (2, 8, 4, 16), 2, 2) == 2  # features -> heads (the heads split)
+    assert reshaped_dim((2, 8, 4, 16), (2, 8, 64), 2, 2) == 2  # heads -> features
+    assert reshaped_dim((2, 2, 2, 8, 16), (2, 4, 8, 16), 1, 2) == 1  # key/value heads repeated (GQA)
+    assert reshaped_dim((2, 4, 8, 16), (8, 8, 16), 1, 2) is None  # batch × heads: the blocks interleave
+    assert reshaped_dim((2, 8, 4, 16), (2, 32, 16), 2, 2) is None  # sequence × heads: the heads inner
+    assert reshaped_dim((2, 8, 192), (2, 8, 3, 4, 16), 2, 2) is None  # q/k/v outermost: 3 does not split in 2

@@ -70,15 +70,16 @@ def derive_plan(model: nn.Module, tp: int) -> DerivedPlan:
     """A 1D plan for `model` at tensor-parallel size `tp` (Note [derived tensor-parallel plans])."""
     cls = type(model).__name__
     mode = FakeTensorMode()
-    copy = fake_copy(model, mode)
+    described = "an example input"
     try:
+        copy = fake_copy(model, mode)
         args, kwargs, described = example_input(copy, mode)
         whole = trace(copy, args, kwargs, mode)
-    except (ValueError, TraceFailed) as error:
+    except Exception as error:  # the user's model and forward: whatever fails is reported, with the fix
         where = f" in module {error.module!r}" if isinstance(error, TraceFailed) else ""
         raise ValueError(f"tensor_parallel.plan \"auto\": {cls} has no built-in plan, and deriving one runs its "
-                         f"forward on fake tensors{where}, which failed: {error}; give tensor_parallel.plan as "
-                         f"{{module-name glob: style}}") from error
+                         f"forward on fake tensors with {described}{where}, which failed: {error}; give "
+                         f"tensor_parallel.plan as {{module-name glob: style}}") from error
     layers = _layers(copy)
     settled, decisions, first = propagate(whole, layers, tp)
     styles = styles_of(settled, decisions, layers)

@@ -108,7 +108,12 @@ class Propagation:
             self.result.dropouts.append((op.module, bool(split)))
         if not split:
             return [None] * len(op.outputs)
-        outs = self._rule(op, ins)
+        try:
+            outs = self._rule(op, ins)
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError) as error:  # arguments of a form the
+            # rules do not read: the split stops here, which leaves its layers whole (always correct)
+            raise Blocked(rules.sources_of(ins.values()), f"{op.name} with arguments the rules do not read "
+                                                          f"({type(error).__name__})") from error
         if op.name not in rules.ELEMENTWISE | rules.UNARY | set(rules.SPLITS):
             for state in split:
                 if state.fresh:
@@ -118,7 +123,7 @@ class Propagation:
     def _rule(self, op: Op, ins: dict) -> list:
         name = op.name
         if name in rules.LOSSES:
-            raise Blocked(rules._sources(ins.values()), f"the loss {name}", "loss")
+            raise Blocked(rules.sources_of(ins.values()), f"the loss {name}", "loss")
         if name in rules.ELEMENTWISE:
             return rules.elementwise(op, ins)
         if name in ("cat", "concat", "concatenate", "stack"):
@@ -133,7 +138,7 @@ class Propagation:
         first = op.args[0] if op.args else None
         state = ins.get(first.id) if isinstance(first, Ref) else None
         if state is None or any(s is not None for i, s in ins.items() if i != first.id):
-            raise Blocked(rules._sources(ins.values()), f"{name} with a split argument")
+            raise Blocked(rules.sources_of(ins.values()), f"{name} with a split argument")
         return self._on_first(op, state)
 
     def _on_first(self, op: Op, state: Split) -> list:
@@ -156,7 +161,7 @@ class Propagation:
             return rules.narrow(op, state)
         if name in rules.SPLITS:
             return rules.split(op, state, self.tp, self.require_parts)
-        if name == "repeat_interleave" and isinstance(rules._arg(op, 2, "dim"), int):
+        if name == "repeat_interleave" and isinstance(rules.arg(op, 2, "dim"), int):
             return [Split(state.dim, state.sources)]
         if name == "linear":
             return rules.linear_function(op, state)

@@ -65,18 +65,18 @@ def tensor_args(op: Op) -> list[Ref]:
     return list(walk((op.args, op.kwargs)))
 
 
-def _arg(op: Op, position: int, name: str, default=None):
+def arg(op: Op, position: int, name: str, default=None):
     if len(op.args) > position:
         return op.args[position]
     return op.kwargs.get(name, default)
 
 
-def _sources(states) -> frozenset:
+def sources_of(states) -> frozenset:
     return frozenset().union(*(s.sources for s in states if s is not None))
 
 
 def _block(states, reason: str, kind: str = "op"):
-    raise Blocked(_sources(states), reason, kind)
+    raise Blocked(sources_of(states), reason, kind)
 
 
 def elementwise(op: Op, states: dict[int, Split | None]) -> list[Split]:
@@ -93,7 +93,7 @@ def elementwise(op: Op, states: dict[int, Split | None]) -> list[Split]:
         if states.get(r.id) is None and aligned >= 0 and r.shape[aligned] != 1:
             _block([s for _, s in split], f"{op.name} combines a split tensor with a whole one of shape "
                                           f"{list(r.shape)} (a residual connection, or a bias over the split features)")
-    state = Split(dim, _sources(s for _, s in split), all(s.fresh for _, s in split))
+    state = Split(dim, sources_of(s for _, s in split), all(s.fresh for _, s in split))
     return [state for _ in op.outputs]
 
 
@@ -112,16 +112,16 @@ def _dims(value, ndim: int) -> set[int] | None:
 def reduce(op: Op, state: Split, keep_shape: bool) -> list[Split]:
     src = op.args[0]
     position = 2 if op.name == "normalize" else 1
-    dims = _dims(_arg(op, position, "dim", 1 if op.name == "normalize" else None), len(src.shape))
+    dims = _dims(arg(op, position, "dim", 1 if op.name == "normalize" else None), len(src.shape))
     if dims is None or state.dim in dims:
         _block([state], f"{op.name} reduces over the split dim", "loss" if op.name in ("log_softmax",) else "op")
-    keep = keep_shape or bool(_arg(op, 2, "keepdim", False))
+    keep = keep_shape or bool(arg(op, 2, "keepdim", False))
     dim = state.dim if keep else state.dim - sum(d < state.dim for d in dims)
     return [Split(dim, state.sources) for _ in op.outputs]
 
 
 def norm(op: Op, state: Split) -> list[Split]:
-    shape = _arg(op, 1, "normalized_shape")
+    shape = arg(op, 1, "normalized_shape")
     count = 1 if isinstance(shape, int) else len(shape) if isinstance(shape, (list, tuple)) else None
     if count is None or state.dim >= len(op.args[0].shape) - count:
         _block([state], f"{op.name} normalizes over the split features")
@@ -224,7 +224,7 @@ def getitem(op: Op, state: Split) -> list[Split]:
 
 
 def narrow(op: Op, state: Split) -> list[Split]:
-    dim = _arg(op, 1, "dim") % len(op.args[0].shape)
+    dim = arg(op, 1, "dim") % len(op.args[0].shape)
     if dim == state.dim:
         _block([state], f"{op.name} along the split dim")
     return [Split(state.dim - (op.name == "select" and dim < state.dim), state.sources)]
@@ -234,7 +234,7 @@ def split(op: Op, state: Split, tp: int, require_parts) -> list[Split]:
     """Along another dim each piece keeps the split; along the split dim a fresh output may be n fused parts of
     equal size (q, k, v), each then split in its own blocks."""
     src = op.args[0].shape
-    dim = _arg(op, SPLITS[op.name], "dim", 0) % len(src)
+    dim = arg(op, SPLITS[op.name], "dim", 0) % len(src)
     if dim != state.dim:
         new = state.dim - (op.name == "unbind" and dim < state.dim)
         return [Split(new, state.sources, state.fresh) for _ in op.outputs]
@@ -251,7 +251,7 @@ def cat(op: Op, states: dict[int, Split | None]) -> list[Split]:
     if any(s is None for s in split_states) or len({s.dim for s in split_states}) != 1:
         _block(split_states, f"{op.name} of split and whole tensors")
     ndim = len(op.outputs[0].shape)
-    dim = _arg(op, 1, "dim", 0) % ndim
+    dim = arg(op, 1, "dim", 0) % ndim
     first = split_states[0].dim
     if op.name == "stack":
         new = first + (dim <= first)
@@ -259,7 +259,7 @@ def cat(op: Op, states: dict[int, Split | None]) -> list[Split]:
         _block(split_states, f"{op.name} along the split dim")
     else:
         new = first
-    return [Split(new, _sources(split_states))]
+    return [Split(new, sources_of(split_states))]
 
 
 def matmul(op: Op, states: dict[int, Split | None]) -> list[Split]:
@@ -284,25 +284,25 @@ def matmul(op: Op, states: dict[int, Split | None]) -> list[Split]:
             aligned = dim - (n - len(ref.shape))
             if st is None and aligned >= 0 and ref.shape[aligned] != 1:
                 _block([sa, sb], f"{op.name} of a split tensor with a whole one along the split dim")
-    return [Split(dim, _sources([sa, sb]))]
+    return [Split(dim, sources_of([sa, sb]))]
 
 
 def attention(op: Op, states: dict[int, Split | None]) -> tuple[list[Split], bool]:
     """scaled_dot_product_attention: q, k, v split along the same batch dim (heads); the mask broadcast over it.
     Also says whether it drops out."""
-    q, k, v = (_arg(op, i, name) for i, name in enumerate(("query", "key", "value")))
+    q, k, v = (arg(op, i, name) for i, name in enumerate(("query", "key", "value")))
     sq, sk, sv = (states.get(r.id) for r in (q, k, v))
     if sq is None or sk is None or sv is None or len({sq.dim, sk.dim, sv.dim}) != 1 \
             or sq.dim >= len(q.shape) - 2:
         _block([sq, sk, sv], "attention over split features, or with q, k and v split differently")
-    mask = _arg(op, 3, "attn_mask")
+    mask = arg(op, 3, "attn_mask")
     if isinstance(mask, Ref):
         aligned = sq.dim - (len(q.shape) - len(mask.shape))
         sm = states.get(mask.id)
         if (sm is None and aligned >= 0 and mask.shape[aligned] != 1) or (sm is not None and sm.dim != aligned):
             _block([sq, sk, sv, sm], "an attention mask that differs along the split heads")
-    dropout = _arg(op, 4, "dropout_p", 0.0)
-    state = Split(sq.dim + len(op.outputs[0].shape) - len(q.shape), _sources([sq, sk, sv]))
+    dropout = arg(op, 4, "dropout_p", 0.0)
+    state = Split(sq.dim + len(op.outputs[0].shape) - len(q.shape), sources_of([sq, sk, sv]))
     return [state], not isinstance(dropout, (int, float)) or dropout > 0
 
 
