@@ -522,11 +522,10 @@ def _with_autotp_size(raw: dict) -> dict:
         size = section_.pop("autotp_size")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ConfigError(f"tensor_parallel.autotp_size: {size!r} is not allowed; expected an integer >= 0")
-        size = max(size, 1)
-        if section_.get("size", size) != size:
+        if section_.get("size", max(size, 1)) != max(size, 1):
             raise ConfigError(f"tensor_parallel.autotp_size ({size}) and tensor_parallel.size ({section_['size']}) "
                               "are the same setting and differ; give one")
-        section_["size"] = size
+        section_["size"] = max(size, 1)
     return {**raw, "tensor_parallel": section_}
 
 

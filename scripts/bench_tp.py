@@ -7,6 +7,9 @@ square world also 2D (SUMMA) tensor parallelism, for its per-rank memory and byt
 Same harness as bench_dp.py (spawned ranks, one thread each, alternating rounds, barrier-timed
 steps, loopback bytes per rank per step). Every rank of the tp group trains on the same batches.
 The model is the example GPT with untied lm_head (DTensor's plans shard one module per weight).
+A second run of ours takes `plan: "derived"`: the plan derived from the model's forward (Note [derived
+tensor-parallel plans]; what "auto" gives a model with no built-in plan), which is the built-in one,
+so it should time the same; the time deriving it takes is printed.
 Ours: `tensor_parallel {size: world, plan: "auto"}`: vocab-parallel embedding, fused q/k/v split by
 heads, column/row-parallel MLP and attention projections, lm_head column-parallel with gathered
 logits, AdamW over the local shards. Peer: `parallelize_module` with ColwiseParallel /
@@ -52,8 +55,8 @@ from bench_dp import Loop, alternate_rounds, make_batches, parse_args, summarize
 
 from engine.estimate.report import markdown_table  # noqa: E402
 
-LABELS = {"ours": "tiers 1D tensor parallel", "ours2d": "tiers 2D tensor parallel (SUMMA)",
-          "peer": "torch DTensor TP (parallelize_module)"}
+LABELS = {"ours": "tiers 1D tensor parallel", "oursderived": "tiers 1D tensor parallel, derived plan",
+          "ours2d": "tiers 2D tensor parallel (SUMMA)", "peer": "torch DTensor TP (parallelize_module)"}
 
 
 def build_model(args):
@@ -89,13 +92,13 @@ def counting_saved_bytes(loop: Loop, system: str, params: list, args) -> Loop:
     return loop
 
 
-def ours_loop(args, mode: str = "1d") -> Loop:
+def ours_loop(args, mode: str = "1d", plan: str = "auto") -> Loop:
     from engine import initialize
 
     cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-           "tensor_parallel": {"size": args.world, "mode": mode, "plan": "auto"}, "steps_per_print": 10**9}
+           "tensor_parallel": {"size": args.world, "mode": mode, "plan": plan}, "steps_per_print": 10**9}
     engine = initialize(build_model(args), cfg)
-    system = "ours" if mode == "1d" else "ours2d"
+    system = "ours2d" if mode == "2d" else "oursderived" if plan == "derived" else "ours"
     args.param_bytes[system] = param_bytes(engine.module)
     return counting_saved_bytes(Loop(lambda x, y: engine(x, labels=y), engine.backward, engine.step,
                                      close=engine.close), system, list(engine.module.parameters()), args)
@@ -141,7 +144,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
     init_gloo(rank, world, port)
     args.param_bytes, args.saved_bytes = {}, {}
     batches = make_batches(args, 0)  # one tp group: every rank trains on the same batches
-    systems = {"ours": ours_loop, "peer": dtensor_loop}
+    systems = {"ours": ours_loop, "oursderived": lambda a: ours_loop(a, plan="derived"), "peer": dtensor_loop}
     if is_square(world):
         systems["ours2d"] = lambda a: ours_loop(a, "2d")
     runs = alternate_rounds(args, systems, batches, rank)
@@ -151,7 +154,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
         results.put((runs, args.param_bytes, args.saved_bytes))
 
 
-STRATEGIES = {"ours": "TP 1D", "ours2d": "TP 2D", "peer": "TP 1D"}
+STRATEGIES = {"ours": "TP 1D", "oursderived": "TP 1D", "ours2d": "TP 2D", "peer": "TP 1D"}
 
 
 def records(args, runs: dict, param_bytes: dict, saved_bytes: dict) -> list[dict]:
@@ -169,7 +172,18 @@ def records(args, runs: dict, param_bytes: dict, saved_bytes: dict) -> list[dict
             for k, s in rows.items()]
 
 
-def report(args, psi: int, runs: dict, param_bytes: dict, saved_bytes: dict, elapsed_s: float) -> str:
+def derivation_seconds(args) -> float:
+    """Wall time of deriving the plan (Note [derived tensor-parallel plans]) for the benchmark's model, one process."""
+    from engine.tensor_parallel.derive import derive_plan
+
+    model = build_model(args)
+    started = time.perf_counter()
+    derive_plan(model, args.world)
+    return time.perf_counter() - started
+
+
+def report(args, psi: int, runs: dict, param_bytes: dict, saved_bytes: dict, elapsed_s: float,
+           derive_s: float) -> str:
     rows_in = {s: summarize(runs[s]) for s in LABELS if s in runs}
     peer = rows_in["peer"]["step_s"]
     unit = psi * 4
@@ -189,6 +203,10 @@ def report(args, psi: int, runs: dict, param_bytes: dict, saved_bytes: dict, ela
         markdown_table(["system", "step time (s)", "ratio vs peer", "fwd / bwd / opt (s)", "param bytes/rank",
                         "÷ Ψ·4B", "saved activations/rank", "loopback bytes/rank/step", "peak RSS/rank",
                         "per-round s/step", "last loss"], rows),
+        "",
+        f"The derived plan (`plan: \"derived\"`, the one `\"auto\"` gives a model with no built-in plan) took "
+        f"{derive_s:.2f} s to derive (one forward on fake tensors and the per-rank shape check), once per rank at "
+        "initialize.",
         "",
         f"Machine: {machine_line()}",
         f"Command: `{command_line()}` (total {elapsed_s:.0f} s)",
@@ -210,9 +228,10 @@ def main(argv=None) -> None:
     args = parse(argv)
     started = time.perf_counter()
     psi = build_model(args).num_parameters()
+    derive_s = derivation_seconds(args)
     results = spawn_ranks(rank_main, args.world, args=(free_port(), args), env=KEEP_FREED_MEMORY_ENV)
     runs, param_bytes, saved_bytes = results[0]
-    text = report(args, psi, runs, param_bytes, saved_bytes, time.perf_counter() - started)
+    text = report(args, psi, runs, param_bytes, saved_bytes, time.perf_counter() - started, derive_s)
     print("\n" + text, flush=True)
     if args.out:
         write_text(args.out, text)

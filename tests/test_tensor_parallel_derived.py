@@ -5,6 +5,7 @@ they cannot split, by module."""
 from __future__ import annotations
 
 import fnmatch
+import math
 
 import pytest
 import torch
@@ -17,7 +18,13 @@ from engine.tensor_parallel import TPGroup, apply_tensor_parallel
 from engine.tensor_parallel.derive import derive_plan
 from engine.tensor_parallel.plans import BUILT_IN, resolve_plan
 from tests.distributed import run_distributed
-from tests.reference import assert_close_relative, assert_params_close, param_snapshot, token_batches
+from tests.reference import (
+    assert_close_relative,
+    assert_params_close,
+    micro_batches,
+    param_snapshot,
+    token_batches,
+)
 from tests.test_data_parallel import adamw
 from tests.test_tensor_parallel import GLOBAL_BATCH, STEPS, TP_RTOL, build, tp_config
 from tests.tp_models import bert, mlp, user_gpt
@@ -46,7 +53,7 @@ def test_the_derived_dropout_streams_equal_the_built_in_ones():
     import transformers
     net = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2,
                                                                n_head=4, attn_pdrop=0.1, resid_pdrop=0.1))
-    derived = derive_plan(net, 2)
+    derived = derive_plan(net.eval(), 2)  # from_pretrained gives an eval-mode model: traced as it will train
     assert set(derived.rng) == {f"transformer.h.{i}.attn{s}" for i in range(2) for s in ("", ".resid_dropout")}
     for name, stream in derived.rng.items():
         assert stream == next(s for glob, s in BUILT_IN["GPT2LMHeadModel"].rng.items()
@@ -155,6 +162,30 @@ def test_derived_plans_train_like_single_process_pytorch():
             assert local_numel < 0.7 * whole, (name, local_numel, whole)  # the split layers hold half
 
 
+def _zero3_worker(rank, world):
+    engine = initialize(user_gpt(seed=rank), tp_config(2, world // 2, stage=3))
+    assert engine.dp_world_size == world // 2
+    losses = []
+    for x in token_batches(STEPS, GLOBAL_BATCH):
+        loss = engine(*(micro_batches(x, engine.dp_rank, engine.dp_world_size, 1)[0],) * 2)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses, engine.full_state_dict()
+
+
+def test_a_derived_plan_under_zero_3_over_two_data_parallel_groups():
+    """dp 2 × tp 2 (4 processes): ZeRO-3 shards the derived plan's per-rank layers again over the dp group."""
+    results = run_distributed(_zero3_worker, 4, timeout_s=300)
+    reference = user_gpt(0)
+    ref_losses = _train(reference, lambda m, x: m(x, x), token_batches(STEPS, GLOBAL_BATCH))
+    params = param_snapshot(reference)
+    mean_losses = [sum(r[0][i] for r in results) / len(results) for i in range(STEPS)]  # each dp rank's half
+    assert_close_relative(mean_losses, ref_losses, rtol=TP_RTOL)
+    for _losses, full in results:
+        assert_params_close({k: full[k] for k in params}, params, rtol=TP_RTOL)
+
+
 # --- refusals ------------------------------------------------------------------------------------
 
 TP2 = TPGroup(None, 2, 0)
@@ -220,3 +251,53 @@ def test_a_reshape_keeps_the_split_only_on_an_outer_dim():
     assert reshaped_dim((2, 4, 8, 16), (8, 8, 16), 1, 2) is None  # batch × heads: the blocks interleave
     assert reshaped_dim((2, 8, 4, 16), (2, 32, 16), 2, 2) is None  # sequence × heads: the heads inner
     assert reshaped_dim((2, 8, 192), (2, 8, 3, 4, 16), 2, 2) is None  # q/k/v outermost: 3 does not split in 2
+
+
+# --- what a derived plan leaves whole, or refuses, rather than split wrongly -------------------
+
+
+class _Pair(nn.Module):
+    """Two linear layers around a GELU, with hooks for the cases below."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        self.tok = nn.Embedding(16, 8) if variant != "scaled" else _ScaledEmbedding(16, 8)
+        self.a, self.b, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(16 if variant == "cat" else 8, 8)
+        self.drop = nn.Dropout(0.1)
+        self.adapt = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        h = F.gelu(self.a(x))
+        if self.variant == "cat":  # the fused parts side by side: rank r holds [a_r, b_r], not block r of [a, b]
+            return x.sum() + self.out(torch.cat([h, self.b(x)], axis=-1)).sum()
+        if self.variant == "width_scale":  # a value from a split width: per rank it would be sqrt(4)
+            h = h / math.sqrt(h.shape[-1])
+        if self.variant == "mixed_dropout":  # one module drops out a split and a whole activation
+            return x + F.dropout(self.out(F.dropout(h, 0.1)), 0.1)
+        if self.variant == "weight_fed":  # the embedding table through another layer, by hand
+            return x + self.out(h) @ self.adapt(self.tok.weight).t() @ self.tok.weight
+        return x + self.out(h)
+
+
+class _ScaledEmbedding(nn.Embedding):
+    def forward(self, ids):
+        return super().forward(ids) * 2.0
+
+
+def test_layer_subclasses_and_weights_used_by_hand_stay_whole():
+    assert derive_plan(_Pair("plain"), 2).styles == {"tok": "vocab", "a": "colwise", "out": "rowwise"}
+    assert "tok" not in derive_plan(_Pair("scaled"), 2).styles  # its forward is not nn.Embedding's
+    assert "tok" not in derive_plan(_Pair("weight_fed"), 2).styles
+
+
+def test_what_the_shapes_do_not_show_is_refused():
+    with pytest.raises(ValueError, match=r"found no pair of linear layers to split in _Pair: the output of 'a' cannot "
+                                         r"stay split up to another linear layer: cat along the split dim"):
+        derive_plan(_Pair("cat"), 2)
+    with pytest.raises(ValueError, match=r"module '': split over 2 ranks, div is passed 2.0 where the whole model "
+                                         r"passes 2.8284"):
+        derive_plan(_Pair("width_scale"), 2)
+    with pytest.raises(ValueError, match=r"module '' applies dropout to split activations and to whole ones"):
+        derive_plan(_Pair("mixed_dropout"), 2)

@@ -138,8 +138,8 @@ BUILT_IN_2D = {
 
 def resolve_plan(model: nn.Module, plan: str | dict, mode: str = "1d", tp_size: int = 1) -> Plan:
     """The config's `tensor_parallel.plan` for `mode`: "auto" (the built-in plan for the model's class, else in 1D
-    one derived from its forward at `tp_size`, Note [derived tensor-parallel plans]), a built-in plan's model
-    class name, or {glob: style}."""
+    one derived from its forward at `tp_size`, Note [derived tensor-parallel plans]), "derived" (1D: derived
+    always), a built-in plan's model class name, or {glob: style}."""
     styles, built_in = STYLES[mode], BUILT_IN if mode == "1d" else BUILT_IN_2D
     if isinstance(plan, dict):
         bad = {glob: style for glob, style in plan.items() if style not in styles}
@@ -148,11 +148,14 @@ def resolve_plan(model: nn.Module, plan: str | dict, mode: str = "1d", tp_size: 
             raise ValueError(f"tensor_parallel.plan[{glob!r}]: style {style!r} is not a {mode} style; choose from "
                              f"{', '.join(styles)}")
         return Plan("user plan", dict(plan), mode=mode)
+    if plan == "derived" and mode == "1d":  # derived even where a built-in plan exists (to compare them)
+        return derived_plan(model, tp_size)
     key = type(model).__name__ if plan == "auto" else plan
     if key in built_in:
         return built_in[key]
     if plan != "auto":
-        raise ValueError(f"tensor_parallel.plan: no built-in {mode} plan {plan!r}; choose from \"auto\", "
+        derived = '"derived", ' if mode == "1d" else ""
+        raise ValueError(f"tensor_parallel.plan: no built-in {mode} plan {plan!r}; choose from \"auto\", {derived}"
                          f"{', '.join(repr(k) for k in built_in)}, or give {{module-name glob: style}}")
     if mode == "1d":
         return derived_plan(model, tp_size)

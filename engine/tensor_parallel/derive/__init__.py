@@ -33,6 +33,7 @@ linear layer and why.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -40,6 +41,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from engine.tensor_parallel.derive.propagate import Layer, Pass, propagate, styles_of
 from engine.tensor_parallel.derive.trace import (
+    Op,
+    Ref,
     Trace,
     TraceFailed,
     example_input,
@@ -89,7 +92,7 @@ def derive_plan(model: nn.Module, tp: int) -> DerivedPlan:
                          f"{{module-name glob: style}}, or use tensor_parallel.size 1")
     _install_per_rank_layers(copy, styles, tp, mode)
     adjustments = _adjustments(copy, whole, settled, tp, mode, args, kwargs, cls)
-    return DerivedPlan(styles, adjustments, _streams(settled))
+    return DerivedPlan(styles, adjustments, _streams(settled, cls))
 
 
 def _layers(model: nn.Module) -> dict[str, Layer]:
@@ -154,13 +157,48 @@ def _check(copy: nn.Module, whole: Trace, settled: Pass, tp: int, mode, args, kw
         expected = [tuple(s // tp if state is not None and d == state.dim else s for d, s in enumerate(o.shape))
                     for o, state in zip(w.outputs, settled.op_states[i])]
         got = [o.shape for o in lo.outputs]
-        if (w.name, w.module) != (lo.name, lo.module) or got != expected:
-            what = f"{w.name} gives {[list(g) for g in got]} where {[list(e) for e in expected]} is needed" \
-                if (w.name, w.module) == (lo.name, lo.module) else f"runs {lo.name} where the whole model runs {w.name}"
-            return _Mismatch(i, f"module {w.module!r}: split over {tp} ranks, {what}")
+        if (w.name, w.module) != (lo.name, lo.module):
+            return _Mismatch(i, f"module {w.module!r}: split over {tp} ranks, runs {lo.name} where the whole model "
+                                f"runs {w.name}")
+        if got != expected:
+            return _Mismatch(i, f"module {w.module!r}: split over {tp} ranks, {w.name} gives "
+                                f"{[list(g) for g in got]} where {[list(e) for e in expected]} is needed")
+        scalars = _scalar_difference(w, lo, tp)
+        if scalars is not None:
+            return _Mismatch(i, f"module {w.module!r}: split over {tp} ranks, {w.name} is passed {scalars[1]!r} "
+                                f"where the whole model passes {scalars[0]!r}")
+    if failure is None and len(local.ops) != len(whole.ops):
+        return _Mismatch(min(len(local.ops), len(whole.ops)), f"split over {tp} ranks, the forward runs "
+                                                              f"{len(local.ops)} ops where the whole model runs "
+                                                              f"{len(whole.ops)}")
     if failure is not None:
         return _Mismatch(len(local.ops), f"module {failure.module!r}: split over {tp} ranks, its forward fails: "
                                          f"{failure}")
+    return None
+
+
+def _scalars(value) -> list:
+    if isinstance(value, slice):
+        return [value.start, value.stop, value.step]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _scalars(v)]
+    if isinstance(value, dict):
+        return [s for k in sorted(value) for s in [k, *_scalars(value[k])]]
+    return [] if isinstance(value, Ref) else [value]
+
+
+def _scalar_difference(whole: Op, local: Op, tp: int) -> tuple | None:
+    """The first non-tensor argument the per-rank op gets that the whole one does not: equal, or a size divided by
+    tp (a view's heads, a split's width). A scale computed from a per-rank width (1/sqrt(self.n_embd//self.n_head)
+    with only n_embd adjusted) differs, and is caught here where no shape shows it."""
+    w, lo = _scalars((whole.args, whole.kwargs)), _scalars((local.args, local.kwargs))
+    if len(w) != len(lo):
+        return "its arguments", "others"
+    for a, b in zip(w, lo):
+        same = a == b if not isinstance(a, float) or not math.isnan(a) else isinstance(b, float) and math.isnan(b)
+        scaled = type(a) is int and type(b) is int and b * tp == a
+        if not (same or scaled):
+            return a, b
     return None
 
 
@@ -189,7 +227,7 @@ def _adjustments(copy, whole, settled, tp, mode, args, kwargs, cls) -> list[tupl
     """The smallest set of attribute groups at their per-rank values under which the check passes (an attribute
     that only happens to equal a split size, GPT-NeoX's rotary_ndims, must not change)."""
     groups = _attribute_groups(copy, whole, settled, tp)
-    subsets = [[], groups] if len(groups) > MAX_ATTRIBUTE_GROUPS else \
+    subsets = [[]] if len(groups) > MAX_ATTRIBUTE_GROUPS else \
         [list(s) for k in range(len(groups) + 1) for s in itertools.combinations(groups, k)]
     furthest = None
     for subset in subsets:
@@ -209,9 +247,18 @@ def _adjustments(copy, whole, settled, tp, mode, args, kwargs, cls) -> list[tupl
                      f"tensor_parallel.plan as {{module-name glob: style}})")
 
 
-def _streams(settled: Pass) -> dict[str, Stream]:
+def _streams(settled: Pass, cls: str) -> dict[str, Stream]:
+    """A module whose dropout acts on split activations draws per-rank masks; a dropout module on whole activations
+    inside it the shared ones. One module dropping out both is refused: no stream is right for both."""
     rng = {module: Stream.SHARDED for module, split in settled.dropouts if split}
     for module, split in settled.dropouts:
-        if not split and module not in rng and any(module.startswith(s + ".") for s in rng):
+        if split:
+            continue
+        if module in rng:
+            raise ValueError(f"tensor_parallel.plan \"auto\": cannot split {cls} safely: module {module!r} applies "
+                             f"dropout to split activations and to whole ones, which need per-rank and shared masks; "
+                             f"give each its own nn.Dropout module, or give tensor_parallel.plan as "
+                             f"{{module-name glob: style}}")
+        if any(s == "" or module.startswith(s + ".") for s in rng):
             rng[module] = Stream.REPLICATED
     return rng

@@ -84,7 +84,11 @@ class Propagation:
     def _module(self, op: Op, ins: dict) -> list:
         name, layer, inp = op.module, self.layers[op.module], op.args[0]
         state = ins.get(inp.id)
+        if inp.id in self.owner:  # a layer's parameter fed to another layer (x @ f(tok.weight)): left whole
+            self.result.foreign.add(self.owner[inp.id])
         if layer.kind == "embedding":
+            if state is not None:
+                raise Blocked(state.sources, f"the embedding {name!r} looks up split ids")
             if name not in self.decisions.replicated and inp.id in self.from_input and layer.width % self.tp == 0:
                 self.result.vocab.add(name)
             return [None]
@@ -104,7 +108,7 @@ class Propagation:
     def _function(self, op: Op, refs: list[Ref], ins: dict) -> list:
         self.result.foreign.update(self.owner[r.id] for r in refs if r.id in self.owner)
         split = [s for s in ins.values() if s is not None]
-        if op.name in rules.DROPOUT:
+        if op.name in rules.DROPOUT and rules.drops(op):
             self.result.dropouts.append((op.module, bool(split)))
         if not split:
             return [None] * len(op.outputs)

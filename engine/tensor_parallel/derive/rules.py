@@ -36,8 +36,8 @@ ELEMENTWISE = {
     "hardswish", "hardsigmoid", "logsigmoid", "tanhshrink", "where", "masked_fill", "clamp", "clip", "maximum",
     "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "and", "or", "xor",
     "invert", "bitwise_and", "bitwise_or", "lerp", "addcmul", "addcdiv", "nan_to_num", "rsub", "mod", "fmod",
-    "remainder", "dropout", "alpha_dropout", "feature_alpha_dropout", "glu_", "zeros_like", "ones_like",
-    "full_like", "empty_like", "rand_like", "randn_like", "copy"}
+    "remainder", "dropout", "alpha_dropout", "feature_alpha_dropout", "zeros_like", "ones_like", "full_like",
+    "empty_like", "copy"}  # not rand_like / randn_like: their noise would need a per-rank stream
 DROPOUT = {"dropout", "alpha_dropout", "feature_alpha_dropout"}
 REDUCE = {"sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "logsumexp", "prod", "any", "all",
           "argmax", "argmin", "count_nonzero", "nansum", "nanmean", "median"}
@@ -50,6 +50,13 @@ SPLITS = {"split": 2, "chunk": 2, "tensor_split": 2, "split_with_sizes": 2, "unb
 MOVES_VALUES = UNARY | RESHAPE | EXPAND | PERMUTES | set(SPLITS) | {"getitem", "narrow", "select", "repeat", "cat"}
 LOSSES = {"cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
           "binary_cross_entropy", "binary_cross_entropy_with_logits", "soft_margin_loss", "cosine_embedding_loss"}
+
+
+def drops(op: Op) -> bool:
+    """Whether a dropout op draws a mask: p > 0, in training (F.dropout's defaults: p 0.5, training True)."""
+    p = arg(op, 1, "p", 0.5)
+    training = op.args[2] if len(op.args) > 2 else op.kwargs.get("training", op.kwargs.get("train", True))
+    return not isinstance(p, (int, float)) or (p > 0 and bool(training))
 
 
 def tensor_args(op: Op) -> list[Ref]:
@@ -68,6 +75,8 @@ def tensor_args(op: Op) -> list[Ref]:
 def arg(op: Op, position: int, name: str, default=None):
     if len(op.args) > position:
         return op.args[position]
+    if name == "dim" and "axis" in op.kwargs:  # numpy's spelling, which torch accepts too
+        return op.kwargs["axis"]
     return op.kwargs.get(name, default)
 
 
@@ -109,13 +118,16 @@ def _dims(value, ndim: int) -> set[int] | None:
     return None
 
 
+DIM_POSITION = {"normalize": 2, "norm": 2}  # (input, p, dim, ...); the others take dim second
+KEEPDIM_POSITION = {"norm": 3, "var": 3, "std": 3}  # (input, dim, unbiased, keepdim) for var/std; else third
+
+
 def reduce(op: Op, state: Split, keep_shape: bool) -> list[Split]:
     src = op.args[0]
-    position = 2 if op.name == "normalize" else 1
-    dims = _dims(arg(op, position, "dim", 1 if op.name == "normalize" else None), len(src.shape))
+    dims = _dims(arg(op, DIM_POSITION.get(op.name, 1), "dim", 1 if op.name == "normalize" else None), len(src.shape))
     if dims is None or state.dim in dims:
         _block([state], f"{op.name} reduces over the split dim", "loss" if op.name in ("log_softmax",) else "op")
-    keep = keep_shape or bool(arg(op, 2, "keepdim", False))
+    keep = keep_shape or bool(arg(op, KEEPDIM_POSITION.get(op.name, 2), "keepdim", False))
     dim = state.dim if keep else state.dim - sum(d < state.dim for d in dims)
     return [Split(dim, state.sources) for _ in op.outputs]
 
@@ -202,8 +214,8 @@ def _full_slice(index: slice, size: int) -> bool:
 def getitem(op: Op, state: Split) -> list[Split]:
     src, index = op.args[0], op.args[1]
     items = list(index) if isinstance(index, tuple) else [index]
-    if any(isinstance(i, (Ref, list, bool)) for i in items):
-        _block([state], "indexing a split tensor with tensors")
+    if any(type(i) not in (int, slice, type(None), type(Ellipsis)) for i in items):
+        _block([state], "indexing a split tensor with tensors or sequences")
     taking = sum(i is not None and i is not Ellipsis for i in items)
     expanded = []
     for item in items:

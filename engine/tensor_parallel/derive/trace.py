@@ -49,9 +49,18 @@ class Trace:
 
 
 def module_kind(module: nn.Module) -> str | None:
-    if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+    """"linear" or "embedding" for the layers a plan can replace: exactly nn.Linear, Hugging Face's Conv1D (a 2-D
+    weight stored [in, out]) or nn.Embedding, holding nothing but their weight and bias. A subclass (a scaled
+    embedding, a linear layer with a gate of its own) computes something else: its ops are traced instead."""
+    own = {name for name, _ in module.named_parameters(recurse=False)} | \
+        {name for name, _ in module.named_buffers(recurse=False)}
+    if own - {"weight", "bias"} or "parametrizations" in module._modules:
+        return None
+    if type(module) is nn.Linear or (type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
+                                     and module.weight.dim() == 2):
         return "linear"
-    if isinstance(module, nn.Embedding):
+    if type(module) is nn.Embedding and module.max_norm is None and not module.sparse \
+            and not module.scale_grad_by_freq:  # (what VocabParallelEmbedding does not do)
         return "embedding"
     return None
 
@@ -66,7 +75,7 @@ def fake_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     """The model deep-copied with every parameter and buffer a fake tensor (no data copied; tied parameters
     stay tied)."""
     memo = {id(t): mode.from_tensor(t) for t in itertools.chain(model.parameters(), model.buffers())}
-    return copy.deepcopy(model, memo)
+    return copy.deepcopy(model, memo).train()  # traced as it trains: dropout in the forward, whatever mode it was in
 
 
 def example_input(model: nn.Module, mode: FakeTensorMode) -> tuple[tuple, dict, str]:
@@ -138,13 +147,14 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        recording = not self.atomic
+        arg_refs, kwarg_refs = (_refs(args), _refs(kwargs)) if recording else (None, None)  # before an in-place op
         out = func(*args, **kwargs)
         name = op_name(func)
         outs = _tensors(args[0]) if name == "setitem" else _tensors(out)  # x[i] = y writes x
-        if outs and not self.atomic:
+        if outs and recording:
             self.alive.extend(itertools.chain(outs, _tensors(list(args)), _tensors(kwargs)))
-            self.trace.ops.append(Op(name, _refs(args), _refs(kwargs), [_refs(t) for t in outs],
-                                     self.stack[-1]))
+            self.trace.ops.append(Op(name, arg_refs, kwarg_refs, [_refs(t) for t in outs], self.stack[-1]))
         return out
 
     def enter(self, name: str, module: nn.Module, args: tuple) -> None:
