@@ -4,8 +4,10 @@ Note [derived tensor-parallel plans]
 `tensor_parallel.plan: "auto"` on a model with no built-in plan (and DeepSpeed's
 `tensor_parallel.autotp_size`) derives one, in four steps, all on a copy of the model whose parameters
 are fake tensors (no memory, no compute; engine/tensor_parallel/derive/trace.py):
-1. Trace: one forward on an example input (token ids for a model with an embedding, else one tensor
-   for its first linear layer), recording every op; linear layers and embeddings are one op each.
+1. Trace: one forward in training mode on an example input (token ids for a model with an embedding,
+   else one tensor for its first linear layer), recording every op. Layers a plan can replace are one
+   op each: exactly nn.Linear, Conv1D and nn.Embedding with nothing but weight and bias (a subclass
+   may compute something else, so its own ops are traced and it stays whole).
 2. Propagate (propagate.py, rules.py): a linear layer whose input is whole is tried column-parallel,
    its output split along the features; the rules carry the split through the ops between layers:
    elementwise ops, reshapes that keep it on an outer dim (features -> heads, heads -> features),
@@ -14,10 +16,13 @@ are fake tensors (no memory, no compute; engine/tensor_parallel/derive/trace.py)
    op that needs the whole tensor (a norm over the features, the residual add, an op the rules do not
    know), the layer that made it is left whole, or gathered where that op is the loss or the model's
    output (the lm_head); the pass then runs again, until nothing moves. Embeddings of the input ids are
-   vocabulary-parallel; a layer whose parameters another op reads (a tied weight used by hand) and
-   tied layers whose styles would shard differently are left whole.
+   vocabulary-parallel; a layer whose parameters another op or layer reads (a tied weight used by
+   hand), or another module also holds, and tied layers whose styles would shard differently are left
+   whole. Arguments of a form the rules do not read stop the split too.
 3. Check: the same forward on the copy with each planned layer replaced by one of its per-rank shape
-   must produce, op by op, the whole trace's shapes with every split dim divided by tp. A forward that
+   must run the same ops, produce the whole trace's shapes with every split dim divided by tp, and
+   pass the same scalar arguments (or a size divided by tp): a scale computed from a per-rank width
+   (`h / math.sqrt(h.shape[-1])`) shows in no shape but in those. A forward that
    takes a width from an attribute (`view(B, T, self.n_head, D)`, `split(self.n_embd)`) fails that;
    so the attributes of the modules doing split work whose values equal a split size (in every
    module of that class) are tried at their per-rank values, the smallest set that passes kept (those
@@ -25,7 +30,8 @@ are fake tensors (no memory, no compute; engine/tensor_parallel/derive/trace.py)
    split size stays). When none passes, the model is refused, naming the module and the op whose
    shape would be wrong.
 4. The plan names modules exactly; dropout called on split activations draws per-rank masks
-   (Note [tensor-parallel RNG]), and dropout on whole activations inside such a module the shared ones.
+   (Note [tensor-parallel RNG]), and dropout on whole activations inside such a module the shared ones;
+   a module dropping out both is refused (no stream suits both).
 Every layer left whole stays correct; a model where nothing splits is refused, naming the first
 linear layer and why.
 """
