@@ -24,6 +24,7 @@ from tests.reference import (
     micro_batches,
     param_snapshot,
     token_batches,
+    train_reference,
 )
 from tests.test_data_parallel import adamw
 from tests.test_tensor_parallel import GLOBAL_BATCH, STEPS, TP_RTOL, build, tp_config
@@ -116,16 +117,7 @@ def _batches(kind):
 
 
 def _train(model, loss_fn, batches):
-    opt = adamw(list(model.parameters()))
-    losses = []
-    for batch in batches:
-        loss = loss_fn(model, batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_reference(model, batches, adamw, clip=1.0, loss_fn=loss_fn)[0]
 
 
 def _derived_worker(rank, world):
