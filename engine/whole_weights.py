@@ -103,16 +103,17 @@ def gathered_parameters(params: list[nn.Parameter], chunked: ChunkedParams, gath
                         distributed: bool):
     """Engine.gathered_parameters: the chunks of `params` held gathered through the block; with
     `modifier_rank`, that rank's values of them reach every rank (and their masters) on exit."""
-    chunk_of = chunked.chunk_index() if gatherer is not None else {}
+    index = chunked.chunk_index()
+    chunk_of = index if gatherer is not None else {}
     chunks = sorted({chunk_of[id(p)] for p in params if id(p) in chunk_of})
     whole = [p for p in params if id(p) not in chunk_of]
-    place_of = {pid: chunked.states[c].place for pid, c in chunked.chunk_index().items()}
     with gatherer.gathered(chunks) if chunks else contextlib.nullcontext():
         yield params
         if modifier_rank is not None and distributed:
             with torch.no_grad():
                 for p in whole:
-                    broadcast_from(p.data, *_modifier(place_of.get(id(p)), modifier_rank, group), counter)
+                    place = chunked.states[index[id(p)]].place if id(p) in index else None
+                    broadcast_from(p.data, *_modifier(place, modifier_rank, group), counter)
                 payloads = chunked.param_payloads()
                 for c in chunks:
                     broadcast_from(payloads[c], *_modifier(chunked.states[c].place, modifier_rank, group), counter)

@@ -118,7 +118,7 @@ class Propagation:
             # rules do not read: the split stops here, which leaves its layers whole (always correct)
             raise Blocked(rules.sources_of(ins.values()), f"{op.name} with arguments the rules do not read "
                                                           f"({type(error).__name__})") from error
-        if op.name not in rules.ELEMENTWISE | rules.UNARY | set(rules.SPLITS):
+        if op.name not in rules.KEEPS_FUSED_PARTS:
             for state in split:
                 if state.fresh:
                     self.require_parts(state.sources, 1)

@@ -46,6 +46,7 @@ RESHAPE = {"view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "
 EXPAND = {"expand", "expand_as", "broadcast_to"}
 PERMUTES = {"transpose", "swapaxes", "swapdims", "t", "T", "mT", "permute", "movedim"}
 SPLITS = {"split": 2, "chunk": 2, "tensor_split": 2, "split_with_sizes": 2, "unbind": 1}
+KEEPS_FUSED_PARTS = ELEMENTWISE | UNARY | set(SPLITS)  # a fresh split through any other op is one part
 # ops that move or select values without computing new ones: token ids stay token ids through them
 MOVES_VALUES = UNARY | RESHAPE | EXPAND | PERMUTES | set(SPLITS) | {"getitem", "narrow", "select", "repeat", "cat"}
 LOSSES = {"cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
