@@ -54,7 +54,7 @@ class BF16Config:
 class OffloadOptimizerConfig:
     device: Literal["none", "cpu", "nvme"] | None = "none"
     nvme_path: str | None = None
-    pin_memory: bool = False
+    pin_memory: bool | None = None  # None: pinned where CUDA is (DeepSpeed's default is true)
     ratio: float = bounded(1.0, min=0.0, max=1.0)
     buffer_count: int = bounded(4, min=1)
     fast_init: bool = False
@@ -66,7 +66,7 @@ class OffloadOptimizerConfig:
 class OffloadParamConfig:
     device: Literal["none", "cpu", "nvme"] | None = "none"
     nvme_path: str | None = None
-    pin_memory: bool = False
+    pin_memory: bool | None = None  # None: pinned where CUDA is
     buffer_count: int = bounded(5, min=1)
     buffer_size: int = bounded(100_000_000, min=1)
     max_in_cpu: int = bounded(1_000_000_000, min=0)

@@ -34,9 +34,9 @@ def check_config(cfg: Config) -> None:
         (zero.offload_optimizer.device == "nvme" and not zero.offload_optimizer.nvme_path,
          "zero_optimization.offload_optimizer.nvme_path", None,
          "device \"nvme\" needs a directory on the NVMe disk; set nvme_path"),
-        (zero.offload_optimizer.device in ("cpu", "nvme") and zero.offload_optimizer.ratio != 1.0,
+        (zero.offload_optimizer.device in ("cpu", "nvme") and zero.offload_optimizer.ratio != 1.0 and zero.stage != 3,
          "zero_optimization.offload_optimizer.ratio", zero.offload_optimizer.ratio,
-         "offloading a fraction of the optimizer states is not supported yet; use 1.0"),
+         "offloading a share of the optimizer states needs ZeRO stage 3, as in DeepSpeed; set stage 3, or use 1.0"),
         (zero.offload_param.device in OFFLOADED and zero.stage != 3, "zero_optimization.offload_param.device",
          zero.offload_param.device, "parameters are offloaded only when they are sharded: set zero_optimization.stage "
          "to 3, or use \"none\""),

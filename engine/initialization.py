@@ -227,7 +227,7 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
                             shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
                             persistence_threshold=persistence_threshold(cfg), pending=pending,
                             compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype,
-                            page_params=cfg.zero_optimization.offload_param.device in OFFLOADED,
+                            page_params=_pages_shards(cfg),
                             experts=_expert_chunks(experts, topology, shards > 1))
     if tensor_parallel is not None:
         chunked.norm_weights = tensor_parallel.norm_weights(model)
@@ -237,6 +237,13 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
             expert = chunked.states[chunk_of[id(p)]].place.group is not None
             chunked.norm_weights[id(p)] = 1.0 / (topology.expert_dp_size if expert else topology.dp_world_size)
     return chunked
+
+
+def _pages_shards(cfg: Config) -> bool:
+    """Note [paging in one process]: offloaded parameters (stage 3), or offloaded optimizer states at stage 2-3 (the
+    gradient shards go to the host with them), keep their per-rank shards with one rank too."""
+    zero = cfg.zero_optimization
+    return zero.offload_param.device in OFFLOADED or (zero.offload_optimizer.device in OFFLOADED and zero.stage >= 2)
 
 
 def _expert_chunks(experts: ExpertParallel | None, topology: Topology, sharded: bool) -> ExpertChunks | None:

@@ -32,6 +32,14 @@ matches its swap file: evicting it to NVMe drops the payload instead of writing 
 halves the disk traffic of parameters that forward and backward only read. `disk_current`
 records that: set when a swap-out is issued (a chunk read back from its file keeps it), cleared by
 an access that may write and by a failed swap-out. Registration and materialization leave it False.
+
+Note [where a chunk is used]
+`use_tier(chunk)` says where a user of a chunk should access it, so that the device tier stays a bounded
+cache (Note [separate device memory]). Where the device is the host: the CPU tier. Where it has memory of
+its own: a chunk registered on the device (its home) or already there is used there; with no device budget
+(neither `Budgets.device` nor `device_capacity`) every other chunk is used on the CPU, where it lives, so the
+device holds none of it between uses (ZeRO-Offload steps optimizer states on the CPU); with one, a chunk
+moves up while the device tier has room for it without evicting anything, else it is used on the CPU.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ import torch
 
 from offload.chunk import DEFAULT_CHUNK_CAPACITY, Chunk, Location, best_capacity, plan_slots
 from offload.copy_engine import CopyEngine
+from offload.device_memory import DeviceMemory
 from offload.errors import OffloadError
 from offload.host_pool import HostBufferPool, pinning
 from offload.nvme import NvmeStore
@@ -88,9 +97,12 @@ class ChunkManager:
                  nvme_dir: str | None = None, nvme_threads: int = 2, nvme_queue_depth: int = 8,
                  nvme_block_size: int = 1 << 20,
                  pin_memory: bool | None = None, prefetch_depth: int = 4, keep_free_bytes: int = 1 << 28,
-                 device_capacity: int | None = None, budget_keys: dict[Location, str] | None = None):
-        """budget_keys: the setting that sets each tier's budget (e.g. a config key), named in BudgetError."""
+                 device_capacity: int | None = None, budget_keys: dict[Location, str] | None = None,
+                 memory: DeviceMemory | None = None):
+        """budget_keys: the setting that sets each tier's budget (e.g. a config key), named in BudgetError;
+        memory: the compute device's memory (Note [separate device memory]; default: as the device says)."""
         self.device = torch.device(device)
+        self.memory = memory if memory is not None else DeviceMemory(self.device)
         self.budgets = budgets
         self.prefetch_depth = prefetch_depth
         self.device_capacity = device_capacity
@@ -98,7 +110,7 @@ class ChunkManager:
         for name, value in (("device", budgets.device), ("cpu", budgets.cpu)):
             if value is not None and value < 0:
                 raise ValueError(f"the {name} budget must be >= 0 bytes or None (unbounded), got {value}")
-        pinned = self.device.type == "cuda" if pin_memory is None else pinning(pin_memory)
+        pinned = pinning(self.device.type == "cuda" if pin_memory is None else pin_memory)
         self.store = (NvmeStore(nvme_dir, threads=nvme_threads, queue_depth=nvme_queue_depth,
                                 block_size=nvme_block_size) if nvme_dir else None)
         self.pool = HostBufferPool(pinned=pinned, block_size=self.store.block_size if self.store else 1 << 20,
@@ -133,7 +145,7 @@ class ChunkManager:
         dtype = dtype or tensors[0].dtype
         shapes = [t.shape for t in tensors]
         slots, sizes = plan_slots(shapes, capacity or best_capacity(shapes, DEFAULT_CHUNK_CAPACITY))
-        entries = [self._chunks.add(Chunk(size, dtype), kind) for size in sizes]
+        entries = [self._chunks.add(Chunk(size, dtype), kind, location) for size in sizes]
         first = entries[0].id
         refs = []
         members: dict[int, list[tuple[int, torch.Tensor]]] = {}
@@ -196,6 +208,28 @@ class ChunkManager:
         if phase is TracePhase.FOLLOWING and self.prefetch_depth > 0:
             self._prefetch_ahead(self.tracer.position - 1)  # best effort: never raises
         return entry.chunk.views()
+
+    def use_tier(self, chunk: int) -> Location:
+        """Where a use of `chunk` makes it resident (Note [where a chunk is used])."""
+        entry = self._entry(chunk)
+        if not self.memory.separate:
+            return Location.CPU  # the device is the host: nothing to page up
+        if entry.chunk.pinned:
+            return entry.chunk.location
+        if entry.home is Location.DEVICE or entry.chunk.location is Location.DEVICE:
+            return Location.DEVICE
+        if self.budgets.device is None and self.device_capacity is None:
+            return Location.CPU  # no device tier: offloaded chunks are used where they live
+        _, nbytes = self._chunks.demand(Location.DEVICE, entry.chunk)
+        fits = self.used_bytes(Location.DEVICE) + nbytes <= self._budget(Location.DEVICE)
+        return Location.DEVICE if fits else Location.CPU
+
+    def used_bytes_by_kind(self, location: Location) -> dict[str, int]:
+        """Bytes of chunk payloads on a tier, by kind."""
+        out: dict[str, int] = {}
+        for entry in self._chunks.at(location):
+            out[entry.kind] = out.get(entry.kind, 0) + entry.held
+        return out
 
     @contextlib.contextmanager
     def accessed(self, chunk: int, location: Location = Location.DEVICE, *, writes: bool = True):

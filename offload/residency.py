@@ -33,8 +33,9 @@ class Transfer:
 class ChunkEntry:
     """A chunk as the manager sees it: its kind, swap key, transfer in flight and prefetch mark."""
 
-    def __init__(self, chunk: Chunk, kind: str, cid: int):
+    def __init__(self, chunk: Chunk, kind: str, cid: int, home: Location = Location.CPU):
         self.chunk, self.kind, self.id = chunk, kind, cid
+        self.home = home  # the tier it was registered on
         self.key = f"{kind}.{cid}"
         self.transfer: Transfer | None = None
         self.prefetched = False  # brought by a prefetch and not yet accessed
@@ -60,8 +61,8 @@ class Residency:
         self.in_flight: dict[int, ChunkEntry] = {}
         self._charged = {Location.DEVICE: 0, Location.CPU: 0}
 
-    def add(self, chunk: Chunk, kind: str) -> ChunkEntry:
-        entry = ChunkEntry(chunk, kind, len(self.entries))
+    def add(self, chunk: Chunk, kind: str, home: Location = Location.CPU) -> ChunkEntry:
+        entry = ChunkEntry(chunk, kind, len(self.entries), home)
         self.entries.append(entry)
         self._at[chunk.location][entry.id] = entry
         return entry

@@ -61,7 +61,6 @@ class ShardedGrads:
                                            device=payload.device)
             state.grad_fresh = True
         self._manager: ChunkManager | None = None  # Note [offloaded gradient shards]
-        self._compute = Location.CPU
         for state in states:
             self._release(state)
 
@@ -108,10 +107,11 @@ class ShardedGrads:
         payload.narrow(0, used, payload.numel() - used).zero_()
         return payload
 
-    def offload_to(self, manager: ChunkManager, home: Location, compute: Location) -> None:
-        """Note [offloaded gradient shards]: the shards move into `manager`; the tensors become placeholders."""
-        self._manager, self._compute = manager, compute
-        for state in self.states:
+    def offload_to(self, manager: ChunkManager, homes: list[Location]) -> None:
+        """Note [offloaded gradient shards]: shard i moves into `manager` on homes[i]; the tensors become
+        placeholders, used where the manager says (Note [where a chunk is used])."""
+        self._manager = manager
+        for state, home in zip(self.states, homes):
             shard = state.grad_shard
             zeros = torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.shape)  # no memory
             # zeros, without a payload or a file
@@ -126,7 +126,8 @@ class ShardedGrads:
         if state.grad_handle is None:
             yield state.grad_shard
             return
-        with self._manager.accessed(state.grad_handle, self._compute, writes=writes) as (view,):
+        handle = state.grad_handle
+        with self._manager.accessed(handle, self._manager.use_tier(handle), writes=writes) as (view,):
             yield view
 
     def retire(self, index: int) -> None:
@@ -134,6 +135,8 @@ class ShardedGrads:
         state = self.states[index]
         mine = shard_of(state.grad_chunk.payload, state.place.rank, state.place.count)
         with self.shard(index) as shard:
+            if state.grad_handle is not None and self._manager.chunk(state.grad_handle).location is Location.CPU:
+                mine = self._manager.memory.down(mine)  # to its home on the host, in its 16-bit dtype
             if state.grad_fresh:
                 shard.copy_(mine)
             else:

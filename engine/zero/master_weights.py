@@ -57,16 +57,16 @@ class MasterWeights:
         self.drop_grads()
         self.handles: list[int] | None = None  # Note [offloaded master weights]: their manager chunks
         self._manager: ChunkManager | None = None
-        self._compute = Location.CPU
-        self._target_access: Callable[[int, bool], ContextManager[torch.Tensor]] | None = None
+        self._target_access: Callable[[int, bool], ContextManager[tuple[torch.Tensor, Location]]] | None = None
 
-    def offload_to(self, manager: ChunkManager, home: Location, compute: Location,
-                   target_access: Callable[[int, bool], ContextManager[torch.Tensor]]) -> None:
-        """Note [offloaded master weights]: the masters move into `manager` on `home` (as zeros: `sync_from_params`
-        writes them) and become placeholders; `target_access(i, writes)` gives 16-bit tensor i wherever it lives."""
-        self._manager, self._compute, self._target_access = manager, compute, target_access
+    def offload_to(self, manager: ChunkManager, homes: list[Location],
+                   target_access: Callable[[int, bool], ContextManager[tuple[torch.Tensor, Location]]] | None) -> None:
+        """Note [offloaded master weights]: master i moves into `manager` on homes[i] (as zeros: `sync_from_params`
+        writes them) and becomes a placeholder; `target_access(i, writes)` gives 16-bit tensor i wherever it lives,
+        with its tier (None: the targets are the in-memory tensors, on the device)."""
+        self._manager, self._target_access = manager, target_access
         self.handles = []
-        for master in self.masters:
+        for master, home in zip(self.masters, homes):
             zeros = torch.zeros((), dtype=master.dtype, device=master.device).expand(master.shape)  # no memory
             # zeros, without a payload or a file, until written
             handle = manager.register("master", [zeros], location=home, capacity=master.numel(), zeros=True)[0].chunk
@@ -83,13 +83,20 @@ class MasterWeights:
         if self.handles is None:
             yield self.masters[index]
             return
-        with self._manager.accessed(self.handles[index], self._compute, writes=writes) as (view,):
+        handle = self.handles[index]
+        with self._manager.accessed(handle, self._manager.use_tier(handle), writes=writes) as (view,):
             yield view
 
-    def target(self, index: int, writes: bool) -> ContextManager[torch.Tensor]:
+    @contextlib.contextmanager
+    def target(self, index: int, writes: bool):
         """The 16-bit tensor master `index` stands for, wherever it lives."""
+        with self.placed_target(index, writes) as (tensor, _):
+            yield tensor
+
+    def placed_target(self, index: int, writes: bool) -> ContextManager[tuple[torch.Tensor, Location]]:
+        """The 16-bit tensor master `index` stands for and the tier it is on (DEVICE: in memory)."""
         if self._target_access is None:
-            return contextlib.nullcontext(self.targets[index])
+            return contextlib.nullcontext((self.targets[index], Location.DEVICE))
         return self._target_access(index, writes)
 
     def sync_from_params(self) -> None:

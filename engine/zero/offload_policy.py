@@ -42,7 +42,9 @@ from engine.zero.chunked_params import ChunkedParams
 from engine.zero.offloaded_optimizer import OffloadedOptimizer
 from engine.zero.policy import ChunkKind
 from offload.chunk import Location
-from offload.manager import Budgets, ChunkManager
+from offload.device_memory import DeviceMemory
+from offload.manager import BudgetError, Budgets, ChunkManager
+from offload.units import fmt_bytes
 
 _TIERS = {"cpu": Location.CPU, "nvme": Location.NVME}
 
@@ -81,18 +83,21 @@ class OffloadPolicy:
 
 
 def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.device,
-                              policy: OffloadPolicy) -> OffloadedOptimizer:
+                              policy: OffloadPolicy, memory: DeviceMemory | None = None) -> OffloadedOptimizer:
     """Notes [offloaded optimizer states], [offloaded gradient shards] and [offloaded parameter shards]: the
-    config's optimizer, with its states and the kinds `policy` offloads in one ChunkManager."""
+    config's optimizer, with its states and the kinds `policy` offloads in one ChunkManager over `memory` (default:
+    device_memory_for(cfg, device))."""
     zero, aio = cfg.zero_optimization, cfg.aio
     offload, offload_param = zero.offload_optimizer, zero.offload_param
+    memory = memory if memory is not None else device_memory_for(cfg, device)
     groups = chunked.optimizer_param_groups()  # over the stepped tensors, before any is offloaded
     window = nvme_window(cfg, policy, max(p.numel() * p.element_size() for g in groups for p in g["params"]))
     user_budget = cfg.memory.budget_bytes("cpu_budget")  # the user's cap replaces the default
     on_cpu, on_nvme = policy.uses(Location.CPU), policy.uses(Location.NVME)
     budget = user_budget if user_budget is not None else (window if on_nvme and not on_cpu else None)
     device_budget, auto = cfg.memory.budget_bytes("device_budget"), zero.placement == "auto"
-    device_tier = device_budget is not None or auto  # Note [device tier]
+    pinned = None if offload.pin_memory is None and offload_param.pin_memory is None else bool(
+        offload.pin_memory or offload_param.pin_memory)  # None: pinned where CUDA is
     manager = ChunkManager(device, Budgets(device=device_budget, cpu=budget),
                            device_capacity=device_capacity(device) if auto else None,
                            budget_keys={Location.DEVICE: "memory.device_budget", Location.CPU: "memory.cpu_budget"},
@@ -100,28 +105,58 @@ def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch
                            if on_nvme else None,
                            nvme_threads=aio.intra_op_parallelism or aio.thread_count or 2,
                            nvme_queue_depth=aio.queue_depth, nvme_block_size=aio.block_size,
-                           pin_memory=offload.pin_memory or offload_param.pin_memory,
-                           prefetch_depth=max(offload.buffer_count - 2, 1))
-    # Adam runs where the parameters are when they are on the CPU; on CUDA the chunks visit the device
-    compute = Location.CPU if device.type == "cpu" and not device_tier else Location.DEVICE
+                           pin_memory=pinned, prefetch_depth=max(offload.buffer_count - 2, 1), memory=memory)
+    optim_home = policy.home(ChunkKind.OPTIM)
+    homes = offload_homes([p.numel() for g in groups for p in g["params"]], optim_home, offload.ratio,
+                          memory.separate)
     param_chunks, round_into = None, None
     if policy.home(ChunkKind.PARAM) is not None:
-        chunked.sharded_params.offload_to(manager, policy.home(ChunkKind.PARAM), compute)
+        chunked.sharded_params.offload_to(manager, policy.home(ChunkKind.PARAM))
         param_chunks = chunked.sharded_params.stepped_chunks()
     if policy.home(ChunkKind.GRAD) is not None:
-        chunked.sharded_grads.offload_to(manager, policy.home(ChunkKind.GRAD), compute)
+        chunked.sharded_grads.offload_to(manager, homes)
     masters = chunked.masters
     if masters is not None:  # Note [offloaded master weights]: stepped in the manager, rounded as stepped
         shards = chunked.sharded_params
-        masters.offload_to(manager, policy.home(ChunkKind.OPTIM), compute, shards.shard if shards else None)
+        masters.offload_to(manager, homes, shards.placed_shard if shards else None)
         param_chunks = {id(m): h for m, h in zip(masters.masters, masters.handles)}
-        round_into = lambda i: masters.target(i, writes=True)  # noqa: E731
-    optimizer = OffloadedOptimizer(lambda g: build_optimizer(cfg.optimizer, g), groups,
-                                   manager, policy.home(ChunkKind.OPTIM), compute, param_chunks,
-                                   chunked.stepped_grad_chunks(), round_into, step_where_resident=device_tier)
+        round_into = lambda i: masters.placed_target(i, writes=True)  # noqa: E731
+    optimizer = OffloadedOptimizer(lambda g: build_optimizer(cfg.optimizer, g), groups, manager, homes,
+                                   param_chunks, chunked.stepped_grad_chunks(), round_into)
+    _check_device_budget(manager, device_budget)
     if user_budget is None and on_nvme and on_cpu:  # one kind homed on CPU, the other streamed from NVMe
-        manager.budgets = Budgets(cpu=manager.used_bytes(Location.CPU) + window)
+        manager.budgets = Budgets(device=device_budget, cpu=manager.used_bytes(Location.CPU) + window)
     return optimizer
+
+
+def _check_device_budget(manager: ChunkManager, budget: int | None) -> None:
+    """A device budget that no chunk fits in would leave the device tier unused: most likely a unit slip."""
+    sizes = [manager.chunk(c).nbytes for kind in ("optim", "master", "grad", "param") for c in manager.chunks_of(kind)]
+    if budget is not None and sizes and budget < min(sizes):
+        raise BudgetError(f"memory.device_budget: a device budget of {fmt_bytes(budget)} holds no chunk on the device "
+                          f"tier (the smallest is {fmt_bytes(min(sizes))}), so every offloaded state would stay on the "
+                          f"host; set memory.device_budget to at least {fmt_bytes(min(sizes))} (more keeps a larger "
+                          "share on the device), or remove it")
+
+
+def device_memory_for(cfg: Config, device: torch.device) -> DeviceMemory:
+    """The compute device's memory (Note [separate device memory]); a device budget on a CPU-only machine makes its
+    device tier memory of its own, accounted apart (Note [device tier])."""
+    memory = DeviceMemory(device)
+    tier = cfg.memory.device_budget is not None or cfg.zero_optimization.placement == "auto"
+    return DeviceMemory(device, separate=True) if tier and not memory.separate else memory
+
+
+def offload_homes(numels: list[int], home: Location, ratio: float, separate: bool) -> list[Location]:
+    """Note [offload ratio]: each stepped tensor's home, in step order: the device for the first ones, up to
+    (1 - ratio) of the elements, where the device has memory of its own; `home` for the rest."""
+    keep = (1.0 - ratio) * sum(numels) if separate else 0.0
+    homes, kept = [], 0
+    for n in numels:
+        on_device = kept + n <= keep
+        kept += n if on_device else 0
+        homes.append(Location.DEVICE if on_device else home)
+    return homes
 
 
 def device_capacity(device: torch.device) -> int:

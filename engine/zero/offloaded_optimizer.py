@@ -32,11 +32,12 @@ leaves the model partly updated: it raises saying so (restore from a checkpoint)
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 
 from offload.chunk import Location
+from offload.device_memory import DeviceMemory
 from offload.manager import ChunkManager
 from offload.states import TensorState
 
@@ -50,25 +51,24 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, make: Callable[[list[dict]], torch.optim.Optimizer], groups: list[dict],
-                 manager: ChunkManager, home: Location, compute: Location, param_chunks: dict[int, int] | None = None,
-                 grad_chunks: dict[int, int] | None = None, round_into: Callable[[int], object] | None = None,
-                 step_where_resident: bool = False):
-        """param_chunks: id(stepped tensor) -> the manager chunk holding its values, for placeholders;
+                 manager: ChunkManager, homes: list[Location], param_chunks: dict[int, int] | None = None,
+                 grad_chunks: dict[int, int] | None = None,
+                 round_into: Callable[[int], ContextManager[tuple[torch.Tensor, Location]]] | None = None):
+        """homes[i]: the tier stepped tensor i's states are registered on (param-group order; Note [offload
+        ratio]); param_chunks: id(stepped tensor) -> the manager chunk holding its values, for placeholders;
         grad_chunks: the same for its gradient (Note [offloaded gradient shards]), multiplied by the `grad_scale`
         the step is given (the loss-scale and clipping factors) as it is stepped, and widened to the stepped
         tensor's dtype when it is 16-bit; round_into(i): for fp32 masters (Note [offloaded master weights]), a
-        context manager giving the 16-bit tensor stepped tensor i (param-group order) is rounded into;
-        step_where_resident: a tensor whose values are in the manager is stepped on the tier they are on (Note
-        [device tier])."""
+        context manager giving the 16-bit tensor stepped tensor i is rounded into, and the tier it is on. Each
+        tensor is stepped where the manager says its states are used (Note [where a chunk is used])."""
         probe = torch.zeros(1, requires_grad=True)
         template = make([{"params": [probe]}])
         super().__init__(groups, dict(template.defaults))  # lr, betas, ...: for schedulers
         self.inner_type = type(template)  # what steps each tensor (a checkpoint records it)
-        self.manager, self.compute = manager, compute
+        self.manager = manager
         self._param_chunks = param_chunks or {}
         self._grad_chunks = grad_chunks or {}
         self._round_into = round_into
-        self.step_where_resident = step_where_resident
         self._items: list[tuple[torch.optim.Optimizer, torch.Tensor, int | None, dict]] = []
         self._stepped_early: set[int] = set()  # Note [stepping in backward]: items already stepped this iteration
         self._item_of_grad: dict[int, int] = {}  # gradient chunk -> the item it steps
@@ -78,7 +78,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 names, states = _state_layout(make, p)
                 chunk = None  # an optimizer without state tensors (plain SGD) has nothing to offload
                 if states:
-                    chunk = manager.register("optim", states, location=home,  # zeros: no memory or I/O yet
+                    chunk = manager.register("optim", states, location=homes[len(self._items)],
                                              capacity=sum(s.numel() for s in states), zeros=True)[0].chunk
                     opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device)}
                 if id(p) in self._grad_chunks:
@@ -112,18 +112,22 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _step_one(self, index: int, opt: torch.optim.Optimizer, p: torch.Tensor, chunk: int | None, info: dict,
                   grad_scale: float | tuple[float, ...]) -> None:
-        """One stepped tensor: its states (and offloaded values, gradient) accessed, stepped, released —
-        released and rebound to the placeholder even when the step raises."""
+        """One stepped tensor, on the tier its states are used on: its states (and offloaded values, gradient)
+        accessed, stepped, released — released and rebound to the placeholder even when the step raises. A
+        tensor of the device stepped on the host goes down and comes back up (Note [separate device memory])."""
         inner = opt.param_groups[0]
         values, grad_chunk = self._param_chunks.get(id(p)), self._grad_chunks.get(id(p))
-        where = self._step_location(values)
+        where = self._step_location(chunk, values, grad_chunk)
+        memory, on_host = self.manager.memory, where is Location.CPU and self.manager.memory.separate
         accessed: list[int] = []
         target, bound_grad = p, p.grad
         try:
             if values is not None:  # an offloaded shard: step its manager view in the placeholder's place
                 (target,) = self.manager.access(values, where)
                 accessed.append(values)
-                target.grad = None if p.grad is None else p.grad.to(target.device)
+            elif on_host:  # the tensor lives on the device; its states on the host
+                target = memory.down(p.detach())
+            if target is not p:
                 inner["params"] = [target]
                 if p in opt.state:
                     opt.state[target] = opt.state.pop(p)
@@ -135,7 +139,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 for factor in _factors(grad_scale):  # one by one, as the in-memory gradients are scaled
                     grad.mul_(factor)
                 target.grad = grad
+            elif target is not p:  # the gradient of a tensor of the device
+                target.grad = None if p.grad is None else memory.down(p.grad) if on_host else p.grad
             state = opt.state[target]
+            if "step" in state and state["step"].device != target.device:
+                state["step"] = state["step"].to(target.device)  # fused Adam wants it beside the tensor
             if chunk is not None:
                 views = self.manager.access(chunk, where)
                 accessed.append(chunk)
@@ -145,9 +153,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if key != "params":
                     inner[key] = value  # a scheduler changed the outer group
             opt.step()
-            if self._round_into is not None:  # Note [offloaded master weights]
-                with torch.no_grad(), self._round_into(index) as low:
-                    low.copy_(target)
+            with torch.no_grad():
+                if values is None and target is not p:  # the updated tensor goes back up
+                    memory.up(p, target)
+                if self._round_into is not None:  # Note [offloaded master weights]
+                    with self._round_into(index) as (low, low_tier):
+                        _copy_across(memory, low, low_tier, target, where)
         finally:
             state = opt.state.get(target, {})
             for name in info["names"]:
@@ -161,12 +172,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 # a consumed gradient is dropped at once (no write-back): its room serves the next reads
                 self.manager.release(c, TensorState.FREE if c == grad_chunk else TensorState.HOLD)
 
-    def _step_location(self, values: int | None) -> Location:
-        """Where a tensor is stepped: on the compute tier; with a budgeted device tier (Note [device tier]) where
-        its values are (on the device if they are resident there, else on the CPU)."""
-        if not self.step_where_resident or values is None:
-            return self.compute
-        return Location.DEVICE if self.manager.chunk(values).location is Location.DEVICE else Location.CPU
+    def _step_location(self, chunk: int | None, values: int | None, grad_chunk: int | None) -> Location:
+        """Where a tensor is stepped: where its states are used (Note [where a chunk is used]), or its values,
+        or its gradient; a tensor with none of them in the manager stays on the device (DEVICE)."""
+        lead = next((c for c in (chunk, values, grad_chunk) if c is not None), None)
+        if lead is None:
+            return Location.DEVICE if self.manager.memory.separate else Location.CPU
+        return self.manager.use_tier(lead)
 
     @contextlib.contextmanager
     def accessed_state(self, index: int, writes: bool):
@@ -178,7 +190,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if chunk is None:
             yield scalars
             return
-        views = self.manager.access(chunk, self.compute, writes=writes)
+        views = self.manager.access(chunk, self.manager.use_tier(chunk), writes=writes)
         try:
             yield {**scalars, **dict(zip(info["names"], views))}
         finally:
@@ -202,6 +214,17 @@ def _state_layout(make, p: torch.Tensor) -> tuple[list[str], list[torch.Tensor]]
     names = [k for k, v in opt.state[probe].items() if torch.is_tensor(v) and v.shape == probe.shape]
     return names, [torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape) for _ in names]
 
+
+
+def _copy_across(memory: DeviceMemory, dst: torch.Tensor, dst_tier: Location, src: torch.Tensor,
+                 src_tier: Location) -> None:
+    """dst.copy_(src), through the bus counter when the two tiers are apart (Note [separate device memory])."""
+    if dst_tier is src_tier or not memory.separate:
+        dst.copy_(src)
+    elif dst_tier is Location.DEVICE:
+        memory.up(dst, src)
+    else:
+        memory.down_into(dst, src)
 
 
 def _factors(scale: float | tuple[float, ...]) -> list[float]:

@@ -78,7 +78,6 @@ class ShardedParams:
         # elements of non-persistent chunks not released (gathered or gathering): kept, not summed per demand
         self.live_numel = sum(s.numel for s in states if not s.persistent)
         self._manager: ChunkManager | None = None  # Note [offloaded parameter shards]
-        self._compute = Location.CPU
 
     @property
     def shards(self) -> list[torch.Tensor]:
@@ -89,9 +88,10 @@ class ShardedParams:
     def persistent(self) -> list[bool]:
         return [s.persistent for s in self.states]
 
-    def offload_to(self, manager: ChunkManager, home: Location, compute: Location) -> None:
-        """Moves every non-persistent shard into `manager` on `home`; the shard tensors become placeholders."""
-        self._manager, self._compute = manager, compute
+    def offload_to(self, manager: ChunkManager, home: Location) -> None:
+        """Moves every non-persistent shard into `manager` on `home`; the shard tensors become placeholders, used
+        where the manager says (Note [where a chunk is used])."""
+        self._manager = manager
         for state in self.states:
             if not state.persistent:
                 shard = state.param_shard
@@ -104,12 +104,20 @@ class ShardedParams:
     @contextlib.contextmanager
     def shard(self, index: int, writes: bool):
         """This rank's shard of chunk `index`, wherever it lives, for the duration of the block."""
+        with self.placed_shard(index, writes) as (view, _):
+            yield view
+
+    @contextlib.contextmanager
+    def placed_shard(self, index: int, writes: bool):
+        """(this rank's shard of chunk `index`, the tier it is on: DEVICE when in memory) for the block."""
         state = self.states[index]
         if state.param_handle is None:
-            yield state.param_shard
+            yield state.param_shard, Location.DEVICE
             return
-        with self._manager.accessed(state.param_handle, self._compute, writes=writes) as (view,):
-            yield view
+        handle = state.param_handle
+        tier = self._manager.use_tier(handle)
+        with self._manager.accessed(handle, tier, writes=writes) as (view,):
+            yield view, tier
 
     def __len__(self) -> int:
         return len(self.states)
@@ -150,8 +158,11 @@ class ShardedParams:
             shard = state.param_shard
         else:  # copied into its own slot of the output at once: the manager chunk is not held while in flight
             shard = shard_of(writer, state.place.rank, state.place.count)
-            with self.shard(index, writes=False) as view:
-                shard.copy_(view)
+            with self.placed_shard(index, writes=False) as (view, tier):
+                if tier is Location.CPU:  # from its home on the host, across the bus
+                    self._manager.memory.up(shard, view)
+                else:
+                    shard.copy_(view)
         if state.place.count > 1:
             state.gather_work = all_gather_into(writer, shard, state.place.group_or(group), counter, async_op=True)
         elif shard.data_ptr() != writer.data_ptr():  # one rank: its shard is the chunk (Note [paging in one process])

@@ -1,0 +1,88 @@
+"""The compute device's memory as offload sees it: the device itself, whether its memory is its own, and the
+copies that cross between it and the host.
+
+Note [separate device memory]
+On CUDA the device has memory of its own: a chunk on the device tier and one on the CPU tier are different
+memory, every move between them crosses the bus, and an optimizer state homed on the CPU is stepped there
+(ZeRO-Offload). On a CPU-only machine the compute device *is* host memory. Every offload decision branches on
+`DeviceMemory.separate`, never on the device's type, so one switch gives a CPU run the CUDA code path: with
+`separate=True` on the CPU (the seam: `TIERS_SEPARATE_DEVICE_MEMORY=1`, or a device budget on a CPU-only
+machine) the chunk manager's device tier is host memory accounted apart, the engine's tensors on the compute
+device count as device memory, and the copies between them are real copies, counted as bus bytes — what tests,
+benchmarks and `gpu_check.py --simulate` measure. It is a seam for those, not a user setting.
+Copies the engine makes across the bus (a gradient shard sent down to its CPU home, an updated parameter shard
+sent up) go through `down` and `up`, which count them; the chunk manager counts its own moves
+(`ManagerStats.moved_bytes`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch.profiler import record_function
+
+SEPARATE_ENV = "TIERS_SEPARATE_DEVICE_MEMORY"
+
+
+@dataclass
+class BusCounter:
+    """Payload bytes the engine copied between the device and the host, each way."""
+
+    host_to_device: int = 0
+    device_to_host: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.host_to_device + self.device_to_host
+
+
+class DeviceMemory:
+    """The compute device and whether its memory is separate from the host's (Note [separate device memory])."""
+
+    def __init__(self, device: torch.device | str, separate: bool | None = None):
+        """separate: None = the device's own answer (CUDA and other accelerators yes, the CPU no, unless
+        TIERS_SEPARATE_DEVICE_MEMORY=1 asks for the seam)."""
+        self.device = torch.device(device)
+        if separate is None:
+            separate = self.device.type != "cpu" or os.environ.get(SEPARATE_ENV, "") == "1"
+        self.separate = separate
+        self.bus = BusCounter()
+
+    def __repr__(self) -> str:
+        return f"DeviceMemory({self.device}, separate={self.separate})"
+
+    @property
+    def host(self) -> torch.device:
+        return torch.device("cpu")
+
+    def down(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A host copy of a device tensor (in `dtype`, converted on the device first when it is smaller, so fewer
+        bytes cross); the tensor itself when the memory is not separate and no conversion is asked."""
+        if dtype is not None and dtype != tensor.dtype and dtype.itemsize < tensor.dtype.itemsize:
+            tensor = tensor.to(dtype)
+        if not self.separate:
+            return tensor if dtype is None else tensor.to(dtype)
+        with record_function("tiers.copy.device->host"):
+            self.bus.device_to_host += tensor.numel() * tensor.element_size()
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.host)
+            out.copy_(tensor)
+        return out if dtype is None else out.to(dtype)
+
+    def down_into(self, host: torch.Tensor, tensor: torch.Tensor) -> None:
+        """host.copy_(device tensor), counted (the conversion to host's dtype happens on the host)."""
+        if self.separate:
+            self.bus.device_to_host += tensor.numel() * tensor.element_size()
+        with record_function("tiers.copy.device->host"):
+            host.copy_(tensor)
+
+    def up(self, device_tensor: torch.Tensor, host: torch.Tensor) -> None:
+        """device_tensor.copy_(host tensor), converted to the device tensor's dtype on the host first, so that
+        only its bytes cross the bus."""
+        if host.dtype != device_tensor.dtype:
+            host = host.to(device_tensor.dtype)
+        if self.separate:
+            self.bus.host_to_device += host.numel() * host.element_size()
+        with record_function("tiers.copy.host->device"):
+            device_tensor.copy_(host)

@@ -1,0 +1,140 @@
+"""The CUDA code path of offload on the CPU seam (Note [separate device memory]): with the device's memory its
+own, the device tier is a bounded cache — offloaded kinds hold no device bytes between steps, offloaded optimizer
+states are stepped on the host with the 16-bit gradient going down and the 16-bit parameter coming up — and
+training equals the same run where the device is the host (itself held to plain PyTorch by tests/test_zero.py,
+tests/test_offload_16bit.py), and plain PyTorch directly in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import initialize
+from offload.chunk import Location
+from offload.device_memory import SEPARATE_ENV
+from tests.distributed import run_distributed
+from tests.reference import (
+    assert_close_relative,
+    assert_params_close,
+    param_snapshot,
+    tiny_gpt,
+    token_batches,
+    train_reference,
+    trained_params,
+)
+from tests.test_data_parallel import adamw
+from tests.test_mixed_precision import precision_config
+from tests.test_zero import GLOBAL_BATCH, zero_config
+
+STEPS = 3
+OFFLOADED_KINDS = ("optim", "master", "grad")
+
+
+def _config(stage: int, dtype: torch.dtype, home: str, param_home: str | None, nvme_dir: str, world: int) -> dict:
+    micro = GLOBAL_BATCH // world
+    cfg = zero_config(stage, micro, 1) if dtype == torch.float32 else precision_config(stage, dtype, micro, 1)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": home, "nvme_path": nvme_dir}
+    if param_home is not None:
+        cfg["zero_optimization"]["offload_param"] = {"device": param_home, "nvme_path": nvme_dir}
+    cfg["zero_optimization"].pop("chunk_size", None)  # the padding-minimizing layout: bus bytes are per parameter
+    cfg["aio"] = {"block_size": 4096}
+    return cfg
+
+
+def _train(rank: int, world: int, cfg: dict, separate: bool):
+    """Trains STEPS steps; returns (losses, params, device bytes by kind after each step, bus bytes, the device
+    tier's peak). `separate`: what the environment (SEPARATE_ENV) is expected to make of the device's memory."""
+    engine = initialize(tiny_gpt(seed=rank), cfg)
+    memory = engine.optimizer.manager.memory
+    assert memory.separate is separate
+    losses, between = [], []
+    rows = GLOBAL_BATCH // world
+    for x in token_batches(STEPS, GLOBAL_BATCH):
+        mine = x[rank * rows:(rank + 1) * rows]
+        loss = engine(mine, mine)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        between.append(engine.device_state_bytes())
+    stats = engine.optimizer.manager.stats
+    bus = memory.bus.total + stats.moved_bytes["cpu->device"] + stats.moved_bytes["device->cpu"]
+    params = trained_params(engine)
+    engine.close()
+    return losses, params, between, bus, stats.peak_bytes.get("device", 0)
+
+
+def _worker(rank, world, cfg, separate):
+    return _train(rank, world, cfg, separate)
+
+
+@pytest.mark.parametrize("stage,dtype,home,param_home", [
+    (2, torch.bfloat16, "cpu", None), (3, torch.bfloat16, "cpu", "cpu"), (1, torch.float32, "cpu", None),
+    (3, torch.float16, "nvme", "nvme")])
+def test_offloaded_states_leave_the_device_and_training_equals_the_host_run(tmp_path, monkeypatch, stage, dtype,
+                                                                           home, param_home):
+    monkeypatch.delenv(SEPARATE_ENV, raising=False)
+    cfg = _config(stage, dtype, home, param_home, str(tmp_path), 1)
+    expected = _train(0, 1, cfg, separate=False)
+    monkeypatch.setenv(SEPARATE_ENV, "1")
+    losses, params, between, bus, device_peak = _train(0, 1, cfg, separate=True)
+    assert_close_relative(losses, expected[0])
+    assert_params_close(params, expected[1])
+    psi = sum(p.numel() for p in params.values())
+    offloaded = OFFLOADED_KINDS if stage >= 2 else ("optim", "master")  # stage 1 keeps whole gradients
+    for held in between:
+        assert all(held[kind] == 0 for kind in offloaded), held  # nothing offloaded stays on the device
+        # stages 0-2 keep whole 16-bit parameters on the device; stage 3 with offload_param none of them
+        assert held["param"] == (0 if param_home else between[0]["param"]) and (param_home or held["param"] > 0)
+    assert device_peak == 0  # no device budget: the manager's device tier is never used
+    per_param = bus / psi / STEPS
+    if stage == 2:  # the 16-bit gradient shard down, the 16-bit parameter shard up (+ chunk padding)
+        assert 4.0 <= per_param <= 4.5, per_param
+    assert per_param > 0
+
+
+def test_fp32_offload_on_the_seam_equals_pytorch(tmp_path, monkeypatch):
+    """fp32, stage 1 and 2 on 2 ranks: the parameters stepped on the host (down, stepped, up) equal plain PyTorch."""
+    model = tiny_gpt()
+    ref_losses, _ = train_reference(model, token_batches(STEPS, GLOBAL_BATCH), adamw, clip=1.0)
+    ref_params = param_snapshot(model)
+    monkeypatch.setenv(SEPARATE_ENV, "1")
+    for stage in (1, 2):
+        cfg = _config(stage, torch.float32, "cpu", None, str(tmp_path), 2)
+        results = run_distributed(_worker, 2, args=(cfg, True))
+        offloaded = OFFLOADED_KINDS if stage >= 2 else ("optim", "master")
+        for _, params, between, _, _ in results:
+            assert all(held[k] == 0 for held in between for k in offloaded)
+            assert_params_close(params, ref_params)
+        assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
+
+
+def test_ratio_keeps_its_share_of_the_states_on_the_device(tmp_path, monkeypatch):
+    """DeepSpeed's offload_optimizer.ratio: the share of optimizer states offloaded and stepped on the host; the rest
+    lives (and is stepped) on the device, and training is unchanged."""
+    monkeypatch.delenv(SEPARATE_ENV, raising=False)
+    cfg = _config(3, torch.bfloat16, "cpu", None, str(tmp_path), 1)
+    cfg["zero_optimization"]["chunk_size"] = 10_000  # a dozen chunks: the share is counted in whole chunks
+    expected = _train(0, 1, cfg, separate=False)
+    cfg["zero_optimization"]["offload_optimizer"]["ratio"] = 0.4
+    monkeypatch.setenv(SEPARATE_ENV, "1")
+    engine = initialize(tiny_gpt(), cfg)
+    for x in token_batches(STEPS, GLOBAL_BATCH):
+        engine.backward(engine(x, x))
+        engine.step()
+    manager = engine.optimizer.manager
+    states = manager.chunks_of("optim")
+    on_device = sum(manager.chunk(c).numel for c in states if manager.chunk(c).location is Location.DEVICE)
+    total = sum(manager.chunk(c).numel for c in states)
+    assert 0.45 <= on_device / total <= 0.6  # (1 - ratio) of the elements, to a chunk
+    held = engine.device_state_bytes()
+    assert held["optim"] == on_device * 4 and held["master"] > 0  # the device share's masters stay beside them
+    assert_params_close(trained_params(engine), expected[1])
+    engine.close()
+
+
+def test_ratio_below_one_needs_stage_3():
+    from engine.config import ConfigError
+    cfg = _config(2, torch.float32, "cpu", None, "", 1)
+    cfg["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
+    with pytest.raises(ConfigError, match="needs ZeRO stage 3"):
+        initialize(tiny_gpt(), cfg)
