@@ -95,3 +95,53 @@ def test_the_explicit_fp32_blocks_equal_torchs_flash_kernel_on_every_meeting(lay
             grads = [block_gradients(*args, grad[:, :, parts[r]], fused[0], finite, fused=f) for f in (True, False)]
             for a, b in zip(*grads):
                 torch.testing.assert_close(a, b, rtol=FP32_RTOL, atol=1e-6)
+
+
+def _explicit_ring_in_one_process(q, k, v, grad, parts, backward_autocast):
+    """Every rank's explicit blocks (fused=False) merged and differentiated as RingAttention does, in one process
+    (the forward under the caller's autocast, the backward under autocast or not); returns the fp32 output and dQ,
+    dK, dV over the whole sequence, before RingAttention rounds them to q's dtype."""
+    from engine.sequence_parallel.ring_attention import attend_block, block_gradients, merge
+
+    out, dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32) for t in (q, q, k, v))
+    for r, mine in enumerate(parts):
+        o = torch.zeros(q[:, :, mine].shape)
+        lse = torch.full(o.shape[:-1], float("-inf"))
+        for s in [r] + [s for s in range(len(parts)) if s != r]:  # its own block first, as the ring
+            o, lse = merge(o, lse, *attend_block(q[:, :, mine], k[:, :, parts[s]], v[:, :, parts[s]], mine, parts[s],
+                                                 D ** -0.5, fused=False))
+        out[:, :, mine] = o
+        for theirs in parts:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=backward_autocast):
+                dq_b, dk_b, dv_b = block_gradients(q[:, :, mine], k[:, :, theirs], v[:, :, theirs], mine, theirs,
+                                                   D ** -0.5, grad[:, :, mine], o, lse, fused=False)
+            dq[:, :, mine] += dq_b
+            dk[:, :, theirs] += dk_b
+            dv[:, :, theirs] += dv_b
+    return out, dq, dk, dv
+
+
+@pytest.mark.parametrize("backward_autocast", [False, True], ids=["backward_outside", "backward_inside"])
+def test_the_explicit_blocks_compute_in_fp32_under_bf16_autocast_forward_and_backward(backward_autocast):
+    """Off CPU the ring computes its blocks explicitly (on CPU the flash kernel is the default, so fused=False here).
+    Under bf16 autocast those blocks must still be fp32 inside (autocast would round the scores to bf16 before the
+    softmax, and the log-sum-exp the backward divides by with them; `loss.backward()` may be called inside autocast
+    or after it): bf16 inputs give the fp64 answer to fp32 accuracy, and after RingAttention's rounding to bf16, to
+    half a bf16 step. (Before the fix: off by up to 3e-2, 300–5000 times that half step.)"""
+    size = 2
+    parts = [zigzag_positions(T, r, size) for r in range(size)]
+    q, k, v, grad = (t.bfloat16() for t in full_inputs(H))
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    scores = leaves[0] @ leaves[1].transpose(-1, -2) * D ** -0.5
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    reference = torch.softmax(scores, dim=-1) @ leaves[2]
+    reference.backward(grad.double())
+    expected = [reference.detach()] + [t.grad for t in leaves]
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _explicit_ring_in_one_process(q, k, v, grad, parts, backward_autocast)
+    for name, g, ref in zip(["out", "dq", "dk", "dv"], got, expected):
+        torch.testing.assert_close(g.double(), ref, rtol=FP32_RTOL, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        # what RingAttention returns, in q's dtype: off by at most bf16's rounding (2^-8 of the value)
+        torch.testing.assert_close(g.bfloat16().double(), ref, rtol=2 ** -8, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")

@@ -13,16 +13,20 @@ only the pieces of keys it may see: a pair the mask hides whole is never compute
 visible runs torch's CPU flash-attention kernel without a mask and a piece against itself with its
 causal mask (the kernel returns the log-sum-exp the merges need); under zigzag every rank then
 computes 2S + 1 chunk pairs per layer (contiguous parts: 4r + 3 for rank r). Other overlaps, and
-other devices, are computed in explicit fp32. Backward is exact, as flash attention's: with the
-final output O and log-sum-exp L kept, each block's probabilities are recomputed as
-exp(q·kᵀ·scale − L), dV_b = Pᵀ·dO, dS = P ⊙ (dO·Vᵀ − rowsum(dO ⊙ O)), dQ += dS·K·scale,
-dK_b = dSᵀ·Q·scale (on CPU the flash kernel's backward, given O and L, computes the same); the
-blocks travel the ring again, each carrying the dK and dV summed so far, and after S steps one more
-hop brings them home to the rank that owns that block.
+other devices, are computed in explicit fp32, with autocast off inside the blocks: under bf16/fp16
+autocast its matmuls would round the scores before the softmax, and the forward's log-sum-exp would
+disagree with the backward's recomputed scores. The output and gradients return in q's dtype.
+Backward is exact, as flash attention's: with the final output O and log-sum-exp L kept, each
+block's probabilities are recomputed as exp(q·kᵀ·scale − L), dV_b = Pᵀ·dO,
+dS = P ⊙ (dO·Vᵀ − rowsum(dO ⊙ O)), dQ += dS·K·scale, dK_b = dSᵀ·Q·scale (on CPU the flash
+kernel's backward, given O and L, computes the same); the blocks travel the ring again, each
+carrying the dK and dV summed so far, and after S steps one more hop brings them home to the rank
+that owns that block.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 
@@ -80,6 +84,14 @@ class _InFlight:
             work.wait()
         self.sent = None
         return self.received
+
+
+def _without_autocast(device: torch.device):
+    """The block math's fp32 as written: autocast would run its matmuls in bf16/fp16, rounding the scores before
+    the softmax and the log-sum-exp the backward recomputes them against (Note [ring attention])."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _block_scores(q, k, q_pos, k_pos, scale):
@@ -154,10 +166,11 @@ def attend_block(q, k_b, v_b, q_pos, k_pos, scale, fused: bool | None = None) ->
     fused = _fused_kernel(q) if fused is None else fused
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-    for rows, keys, kind in _meetings(q_pos, k_pos):
-        out_m, lse_m = _meet(q[..., rows, :], k_b[..., keys, :], v_b[..., keys, :], q_pos[rows], k_pos[keys], kind,
-                             scale, fused)
-        out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], out_m, lse_m)
+    with _without_autocast(q.device):
+        for rows, keys, kind in _meetings(q_pos, k_pos):
+            out_m, lse_m = _meet(q[..., rows, :], k_b[..., keys, :], v_b[..., keys, :], q_pos[rows], k_pos[keys],
+                                 kind, scale, fused)
+            out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], out_m, lse_m)
     return out, lse
 
 
@@ -168,24 +181,25 @@ def block_gradients(q, k_b, v_b, q_pos, k_pos, scale, grad_out, out, lse, fused:
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k_b.shape, dtype=torch.float32, device=k_b.device)
     dv = torch.zeros(v_b.shape, dtype=torch.float32, device=v_b.device)
-    for rows, keys, kind in _meetings(q_pos, k_pos):
-        q_r, k_r, v_r, go = q[..., rows, :], k_b[..., keys, :], v_b[..., keys, :], grad_out[..., rows, :]
-        if kind is not Meeting.PARTIAL and fused:
-            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                go.to(q.dtype), q_r, k_r, v_r, out[..., rows, :].to(q.dtype), lse[..., rows], 0.0,
-                kind is Meeting.DIAGONAL, scale=scale)
-            dq_m, dk_m, dv_m = (g.float() for g in grads)
-        else:
-            q_r, k_r, v_r, go = q_r.float(), k_r.float(), v_r.float(), go.float()
-            probs = torch.exp(_block_scores(q_r, k_r, q_pos[rows], k_pos[keys], scale)
-                              - lse[..., rows].unsqueeze(-1)).nan_to_num(0.0)
-            dv_m = torch.matmul(probs.transpose(-1, -2), go)
-            delta = (go * out[..., rows, :]).sum(-1, keepdim=True)
-            dscores = probs * (torch.matmul(go, v_r.transpose(-1, -2)) - delta)
-            dq_m, dk_m = torch.matmul(dscores, k_r) * scale, torch.matmul(dscores.transpose(-1, -2), q_r) * scale
-        dq[..., rows, :] += dq_m
-        dk[..., keys, :] += dk_m
-        dv[..., keys, :] += dv_m
+    with _without_autocast(q.device):  # the same fp32 as the forward, inside autocast or not
+        for rows, keys, kind in _meetings(q_pos, k_pos):
+            q_r, k_r, v_r, go = q[..., rows, :], k_b[..., keys, :], v_b[..., keys, :], grad_out[..., rows, :]
+            if kind is not Meeting.PARTIAL and fused:
+                grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    go.to(q.dtype), q_r, k_r, v_r, out[..., rows, :].to(q.dtype), lse[..., rows], 0.0,
+                    kind is Meeting.DIAGONAL, scale=scale)
+                dq_m, dk_m, dv_m = (g.float() for g in grads)
+            else:
+                q_r, k_r, v_r, go = q_r.float(), k_r.float(), v_r.float(), go.float()
+                probs = torch.exp(_block_scores(q_r, k_r, q_pos[rows], k_pos[keys], scale)
+                                  - lse[..., rows].unsqueeze(-1)).nan_to_num(0.0)
+                dv_m = torch.matmul(probs.transpose(-1, -2), go)
+                delta = (go * out[..., rows, :]).sum(-1, keepdim=True)
+                dscores = probs * (torch.matmul(go, v_r.transpose(-1, -2)) - delta)
+                dq_m, dk_m = torch.matmul(dscores, k_r) * scale, torch.matmul(dscores.transpose(-1, -2), q_r) * scale
+            dq[..., rows, :] += dq_m
+            dk[..., keys, :] += dk_m
+            dv[..., keys, :] += dv_m
     return dq, dk, dv
 
 
