@@ -37,8 +37,8 @@ from engine.sequence_parallel.runtime import SequenceSplit
 from engine.step_metrics import UpdateSummary
 from engine.tensor_parallel import TensorParallel
 from engine.topology import Topology
+from engine.zero.device_bytes import device_state_bytes
 from engine.zero.runtime import ZeroRuntime
-from offload.chunk import Location
 
 
 class Engine:
@@ -349,27 +349,9 @@ class Engine:
         return {"param": params, "grad": grads, "optim": optim}
 
     def device_state_bytes(self) -> dict[str, int]:
-        """Bytes of model state on the compute device, by kind ("param", "grad", "optim", "master"): the chunks,
-        shards and optimizer states held in memory, plus what the chunk manager's device tier holds (Note
-        [separate device memory]); on a CPU-only machine without the seam that is host memory too."""
-        chunked = self.chunked
-        held = {"param": sum(p.untyped_storage().nbytes() for p in chunked.param_payloads()), "grad": 0, "optim": 0,
-                "master": 0}
-        if chunked.sharded_params is not None:
-            held["param"] += chunked.sharded_params.shard_bytes()
-        held["grad"] = sum(g.untyped_storage().nbytes() for g in chunked.grad_payloads())
-        if chunked.sharded_grads is not None:
-            held["grad"] += sum(s.untyped_storage().nbytes() for s in chunked.sharded_grads.shards)
-        held["optim"] = sum(v.untyped_storage().nbytes() for state in self.optimizer.state.values()
-                            for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
-        if chunked.masters is not None:
-            held["master"] = chunked.masters.nbytes()
-            held["grad"] += sum(g.untyped_storage().nbytes() for g in chunked.masters.grads)
-        manager = getattr(self.optimizer, "manager", None)
-        if manager is not None:
-            for kind, nbytes in manager.used_bytes_by_kind(Location.DEVICE).items():
-                held[kind] = held.get(kind, 0) + nbytes
-        return held
+        """Bytes of model state on the compute device, by kind ("param", "grad", "optim", "master"): in memory and
+        on an offloaded optimizer's device tier (Note [separate device memory])."""
+        return device_state_bytes(self.chunked, self.optimizer)
 
     # ---- queries ----------------------------------------------------------------------------
     def get_lr(self) -> list[float]:

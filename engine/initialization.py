@@ -107,7 +107,7 @@ def initialize(
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     recording, meta_of = zero_init_placeholders(model, topology.device)  # Note [zero_init]
-    model.to(topology.device)
+    _to_device(model, topology.device, _homed_on_host(model, cfg, topology))  # Note [a bounded start]
     tensor_parallel = parallelize_tensors(model, cfg, topology)
     comm = CommCounter()
     experts = place_experts(model, cfg, topology, comm)
@@ -119,6 +119,7 @@ def initialize(
         groups = [g for g in groups if g["params"]]
     chunked = chunk_parameters(model, cfg, topology, groups, pending=set(meta_of), tensor_parallel=tensor_parallel,
                                names=split.names if split is not None else None, experts=experts)
+    model.to(topology.device)  # what is not in a chunk (frozen, or left out of the groups) joins the model there
     optimizer = build_chunk_optimizer(cfg, chunked, topology.device, optimizer, rebuild=split is not None)
     if recording is not None:  # after offloading: shards may load straight into the chunk manager
         materialize_parameters(model, chunked, recording, meta_of, topology.device, topology.dp_group, comm)
@@ -227,7 +228,7 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
                             shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
                             persistence_threshold=persistence_threshold(cfg), pending=pending,
                             compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype,
-                            page_params=_pages_shards(cfg),
+                            page_params=_pages_shards(cfg), offloaded=_offloaded_kinds(cfg),
                             experts=_expert_chunks(experts, topology, shards > 1))
     if tensor_parallel is not None:
         chunked.norm_weights = tensor_parallel.norm_weights(model)
@@ -237,6 +238,39 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
             expert = chunked.states[chunk_of[id(p)]].place.group is not None
             chunked.norm_weights[id(p)] = 1.0 / (topology.expert_dp_size if expert else topology.dp_world_size)
     return chunked
+
+
+def _offloaded_kinds(cfg: Config) -> frozenset[str]:
+    """The chunk kinds a chunk manager will hold (Note [offload policy]): their shards start as placeholders."""
+    zero = cfg.zero_optimization
+    kinds = {"optim", "grad"} if zero.offload_optimizer.device in OFFLOADED else set()
+    return frozenset(kinds | ({"param"} if zero.offload_param.device in OFFLOADED else set()))
+
+
+def _homed_on_host(model: nn.Module, cfg: Config, topology: Topology) -> set[int]:
+    """Note [a bounded start]: ids of the trainable parameters whose shards offload_param keeps on the host — the
+    sharded (non-persistent) ones — which need not visit the device on their way into their chunks. Only where
+    nothing rebuilds layers before chunking (no tensor, pipeline or expert parallelism)."""
+    zero = cfg.zero_optimization
+    if zero.stage != 3 or zero.offload_param.device not in OFFLOADED or max(
+            topology.tp_size, topology.pp_size, topology.ep_size) > 1:
+        return set()
+    threshold = persistence_threshold(cfg)
+    return {id(p) for p in model.parameters() if p.requires_grad and p.numel() >= threshold}
+
+
+def _to_device(model: nn.Module, device: torch.device, keep: set[int]) -> None:
+    """model.to(device), but the parameters in `keep` stay where they are."""
+    if not keep:
+        model.to(device)
+        return
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if id(p) not in keep and p.device != device:
+                p.data = p.data.to(device)
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and b.device != device:
+                module._buffers[name] = b.to(device)
 
 
 def _pages_shards(cfg: Config) -> bool:

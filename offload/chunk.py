@@ -140,11 +140,15 @@ class Chunk:
     """
 
     def __init__(self, size: int, dtype: torch.dtype, device: torch.device | str | None = None,
-                 location: Location = Location.DEVICE, zeroed: bool = True):
-        """zeroed=False: an uninitialized payload (torch.empty: its memory is not touched until written)."""
+                 location: Location = Location.DEVICE, zeroed: bool = True, released: bool = False):
+        """zeroed=False: an uninitialized payload (torch.empty: its memory is not touched until written);
+        released=True: the payload keeps its shape but its storage is to be freed (resized to 0) as soon as the views
+        into it are made (views cannot be cut from a storage of size 0), so that chunks made one after another never
+        hold more than one payload."""
         self.numel, self.dtype = size, dtype
-        make = torch.zeros if zeroed else torch.empty
+        make = torch.zeros if zeroed and not released else torch.empty
         self.payload: torch.Tensor | None = None if device is None else make(size, dtype=dtype, device=device)
+        self.released = released  # the owner calls release_storage() once it has taken its views
         self.location = location if device is not None else Location.RELEASED
         self.slots: list[Slot] = []
         self.states: list[TensorState] = []
@@ -195,7 +199,8 @@ class ChunkList:
     """All chunks of one kind and dtype, built from a list of tensors in registration order.
 
     The tensors' values are copied in (meta tensors have none: their views are left as allocated);
-    `views[i]` is tensor i's view into its chunk. zeroed=False allocates the payloads uninitialized.
+    `views[i]` is tensor i's view into its chunk. zeroed=False allocates the payloads uninitialized;
+    released=True frees each payload's storage as soon as it is made (nothing is copied: see Chunk).
     """
 
     def __init__(
@@ -208,6 +213,7 @@ class ChunkList:
         copy_values: bool = True,
         first_capacity: int | None = None,
         zeroed: bool = True,
+        released: bool = False,
     ):
         if not tensors:
             raise ValueError("a ChunkList needs at least one tensor")
@@ -215,16 +221,23 @@ class ChunkList:
         device = device or tensors[0].device
         slots, sizes = plan_slots([t.shape for t in tensors], capacity, align, first_capacity)
         self.dtype = dtype
-        self.chunks = [Chunk(size, dtype, device, zeroed=zeroed) for size in sizes]
+        copy_values = copy_values and not released
+        self.chunks: list[Chunk] = []
         self.slots = slots
         self.views: list[torch.Tensor] = []
         for tensor, slot in zip(tensors, slots):
+            while slot.chunk >= len(self.chunks):  # made one by one: a released one holds no memory past its views
+                if released and self.chunks:
+                    self.chunks[-1].payload.untyped_storage().resize_(0)
+                self.chunks.append(Chunk(sizes[len(self.chunks)], dtype, device, zeroed=zeroed, released=released))
             chunk = self.chunks[slot.chunk]
             chunk.add(slot)
             view = chunk.view(slot)
             if copy_values and not tensor.is_meta:  # meta: values come later (engine's zero_init)
                 view.copy_(tensor.detach())
             self.views.append(view)
+        if released:
+            self.chunks[-1].payload.untyped_storage().resize_(0)
 
     def __len__(self) -> int:
         return len(self.chunks)

@@ -49,6 +49,12 @@ class DeviceMemory:
             separate = self.device.type != "cpu" or os.environ.get(SEPARATE_ENV, "") == "1"
         self.separate = separate
         self.bus = BusCounter()
+        self.sampled_peak = 0  # the most device bytes any `sample` saw
+
+    def sample(self, nbytes: int) -> None:
+        """Records the bytes held on the device now (a CPU seam has no allocator to ask; on CUDA the allocator's own
+        peak is the truth, and this is what the engine's state accounts for of it)."""
+        self.sampled_peak = max(self.sampled_peak, nbytes)
 
     def __repr__(self) -> str:
         return f"DeviceMemory({self.device}, separate={self.separate})"

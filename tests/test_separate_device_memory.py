@@ -138,3 +138,26 @@ def test_ratio_below_one_needs_stage_3():
     cfg["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
     with pytest.raises(ConfigError, match="needs ZeRO stage 3"):
         initialize(tiny_gpt(), cfg)
+
+
+def test_initialize_stays_within_a_device_budget_a_third_of_the_model(tmp_path, monkeypatch):
+    """Note [a bounded start]: with parameters and optimizer states offloaded, no chunk payload, shard, master or
+    gradient buffer is made for the whole model on the device at once: initialize's device peak (sampled where a
+    chunk is full) stays within a budget a third of the model's 16-bit weights, and training then equals the run
+    where the device is the host."""
+    monkeypatch.delenv(SEPARATE_ENV, raising=False)
+    cfg = _config(3, torch.bfloat16, "cpu", "cpu", str(tmp_path), 1)
+    cfg["zero_optimization"]["chunk_size"] = 10_000
+    expected = _train(0, 1, cfg, separate=False)
+    psi = sum(p.numel() for p in tiny_gpt().parameters())
+    budget = 2 * psi // 3  # a third of the 16-bit weights
+    cfg["memory"] = {"device_budget": budget}
+    monkeypatch.setenv(SEPARATE_ENV, "1")
+    engine = initialize(tiny_gpt(), cfg)
+    memory = engine.optimizer.manager.memory
+    assert 0 < memory.sampled_peak <= budget, (memory.sampled_peak, budget)
+    engine.close()
+    losses, params, between, _, device_peak = _train(0, 1, cfg, separate=True)
+    assert_close_relative(losses, expected[0])
+    assert_params_close(params, expected[1])
+    assert 0 < device_peak <= budget

@@ -63,12 +63,15 @@ class ChunkedParams:
                  names: dict[int, str] | None = None, shard_count: int = 1, shard_rank: int = 0,
                  shard_grads: bool = False, shard_params: bool = False, persistence_threshold: int = 0,
                  pending: set[int] | None = None, compute_dtype: torch.dtype = torch.float32,
-                 page_params: bool = False, experts: ExpertChunks | None = None):
+                 page_params: bool = False, experts: ExpertChunks | None = None,
+                 offloaded: frozenset[str] = frozenset()):
         """pending: ids of parameters whose values `load` brings later (zero_init); memory that would only
         hold values transiently is then left untouched (uninitialized payloads). compute_dtype bf16/fp16:
         16-bit chunks with fp32 masters (Note [master weights]). page_params: stage 3's shards (and stage 2's
         gradient shards) even with one shard, so that offload_param can page chunks in around their use
-        (Note [paging in one process]). experts: parameters whose chunks have a place of their own."""
+        (Note [paging in one process]). experts: parameters whose chunks have a place of their own. offloaded: the
+        kinds ("param", "grad", "optim") a chunk manager will hold: their shards and masters start as placeholders
+        (Note [a bounded start])."""
         for what, value in (("capacity", capacity), ("first chunk capacity", first_capacity or shard_count)):
             if value % shard_count:
                 raise ValueError(f"chunk {what} {value} is not a multiple of the shard count {shard_count}")
@@ -82,6 +85,7 @@ class ChunkedParams:
         self.values_pending = values_pending = bool(pending)
         sharding = shard_count > 1 or page_params  # per-rank shards exist (of the whole chunk, with one rank)
         self.groups: list[ChunkGroup] = []
+        self._sources: dict[tuple[int, int], list[tuple[Slot, torch.Tensor]]] = {}  # (group, chunk) -> its values
         self._names = names or {}
         seen: set[int] = set()
         for group in param_groups:
@@ -102,16 +106,20 @@ class ChunkedParams:
                 place = experts.place if experts is not None and id(p) in experts.params else dense
                 by_kind.setdefault((dtype, persistent, place), []).append(p)
             for (dtype, persistent, place), params in by_kind.items():
+                # stage 3: a sharded chunk's full payload exists only while gathered, so it starts released and its
+                # values wait where they are until `start` fills it, one chunk at a time (Note [a bounded start])
+                lazy = shard_params and sharding and not persistent
                 with torch.no_grad():
                     layout = dict(capacity=capacity, dtype=dtype, device=device, first_capacity=first_capacity,
                                   align=shard_count)
                     # a pending parameter's values are garbage: a meta stand-in gives the shape and is not copied
                     sources = [torch.empty_like(p, device="meta") if id(p) in pending else p.data for p in params]
-                    param_chunks = ChunkList(sources, zeroed=not (values_pending and sharding
-                                                                                   and shard_params and not persistent),
-                                             **layout)
+                    param_chunks = ChunkList(sources, released=lazy, **layout)
                     grad_chunks = ChunkList([p.data for p in params], copy_values=False,
-                                            zeroed=not (sharding and shard_grads), **layout)  # released at once
+                                            released=sharding and shard_grads, **layout)
+                if lazy and not values_pending:
+                    for slot, source in zip(param_chunks.slots, sources):
+                        self._sources.setdefault((len(self.groups), slot.chunk), []).append((slot, source))
                 for p, pv, gv in zip(params, param_chunks.views, grad_chunks.views):
                     p.data = pv
                     p.grad = gv
@@ -122,8 +130,12 @@ class ChunkedParams:
         self.states: list[ChunkState] = []
         self._slot_of: dict[int, tuple[int, Slot]] = {}  # id(parameter) -> (its chunk's index, its slot)
         stage3 = shard_params and sharding
-        for g in self.groups:
+        sources_by_group, self._sources = self._sources, {}
+        for gi, g in enumerate(self.groups):
             base = len(self.states)
+            for (group, chunk), values in sources_by_group.items():
+                if group == gi:
+                    self._sources[base + chunk] = values  # keyed by chunk index from here on
             members: list[list[tuple[nn.Parameter, Slot, torch.Tensor]]] = [[] for _ in g.param_chunks.chunks]
             for p, slot, gv in zip(g.params, g.param_chunks.slots, g.grad_chunks.views):
                 self._slot_of[id(p)] = (base + slot.chunk, slot)
@@ -146,23 +158,24 @@ class ChunkedParams:
         # stage 3: persistent parameter shards; full chunks only while gathered (Note [sharded parameters])
         self.sharded_params: ShardedParams | None = None
         if stage3:
-            self.sharded_params = ShardedParams(self.states, copy_payloads=not values_pending)
+            self.sharded_params = ShardedParams(self.states, placeholders="param" in offloaded)
             for state in self.states:
                 state.stepped = state.param_shard
         # stage 2: persistent gradient shards; full gradient chunks only during backward (Note [sharded gradients])
         self.sharded_grads: ShardedGrads | None = None
         if shard_grads and sharding:
-            self.sharded_grads = ShardedGrads(self.states)
+            self.sharded_grads = ShardedGrads(self.states, placeholders="grad" in offloaded)
             for state in self.states:
                 state.stepped_grad = state.grad_shard
         # bf16 / fp16: the optimizer steps fp32 masters of the stepped tensors (Note [master weights])
         self.masters: MasterWeights | None = None
         if compute_dtype != torch.float32:
-            self.masters = MasterWeights([s.stepped for s in self.states], [s.stepped_grad for s in self.states])
+            self.masters = MasterWeights([s.stepped for s in self.states], [s.stepped_grad for s in self.states],
+                                         placeholders="optim" in offloaded)
             for state, master, grad in zip(self.states, self.masters.masters, self.masters.grads):
                 state.stepped, state.stepped_grad = master, grad
-            if not values_pending:
-                self.masters.sync_from_params()  # again once every rank holds rank 0's values
+            if not values_pending and not stage3 and "optim" not in offloaded:
+                self.masters.sync_from_params()  # again once every rank holds rank 0's values (the runtime's start)
         # names come in model order; without them, registration order stands in
         self._position = {pid: i for i, pid in enumerate(self._names)}
         for p in self.params:
@@ -199,6 +212,22 @@ class ChunkedParams:
             start, lo, hi = part
             with self.sharded_params.shard(index, writes=True) as shard:  # in memory or in a manager
                 shard.narrow(0, lo - start, hi - lo).copy_(value.reshape(-1).narrow(0, lo - slot.offset, hi - lo))
+
+    def fill_from_sources(self, index: int) -> bool:
+        """Note [a bounded start]: chunk `index`'s full payload gets storage and its parameters' starting values
+        (from wherever the model held them); False if it has none waiting (not a stage-3 chunk, zero_init, or
+        filled already)."""
+        sources = self._sources.pop(index, None)
+        if sources is None:
+            return False
+        state = self.states[index]
+        payload = state.param_chunk.payload
+        with torch.no_grad():
+            state.writer.untyped_storage().resize_(state.param_chunk.nbytes)
+            for slot, source in sources:
+                state.param_chunk.view(slot).copy_(source)
+            payload.narrow(0, state.param_chunk.used, payload.numel() - state.param_chunk.used).zero_()
+        return True
 
     def master_values(self, p: nn.Parameter, full_master_chunk: torch.Tensor) -> torch.Tensor:
         """`p`'s fp32 values, cut from the full (gathered) master chunk it lives in."""
@@ -274,7 +303,7 @@ class ChunkedParams:
         """This rank's shard of a payload (the whole payload when not sharded)."""
         if not self.sharded:
             return payload
-        return shard_of(payload, place.rank, place.count)
+        return view_of_released(payload, lambda t: shard_of(t, place.rank, place.count))
 
     def grad_shards(self) -> list[torch.Tensor]:
         """The gradient elements this rank updates from: its shard of every grad chunk (all of them unsharded)."""
@@ -386,3 +415,18 @@ def piece_norms(pieces: list[tuple[torch.Tensor, float]]) -> tuple[torch.Tensor,
 def square_sum_of_norms(norms: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum of weight * norm^2 in float64."""
     return (norms.double().square() * weights.to(norms.device)).sum()
+
+
+
+def view_of_released(payload: torch.Tensor, make_view):
+    """make_view(payload), also where the payload's storage is released (Note [a bounded start]): a view is checked
+    against its storage's size, so the storage gets its bytes back for that moment and is freed again. The view
+    shares the storage, as the views of a released chunk do."""
+    storage = payload.untyped_storage()
+    if storage.nbytes() > 0:
+        return make_view(payload)
+    storage.resize_(payload.numel() * payload.element_size())
+    try:
+        return make_view(payload)
+    finally:
+        storage.resize_(0)

@@ -50,8 +50,9 @@ class ShardedGrads:
     """The persistent gradient shards and the transient full gradient chunks of one rank, kept in the chunks'
     states (Note [chunk phases]): the shard, whether the full buffer is live, which members wrote it."""
 
-    def __init__(self, states: list[ChunkState]):
-        """Each chunk is sharded as its `place` says."""
+    def __init__(self, states: list[ChunkState], placeholders: bool = False):
+        """Each chunk is sharded as its `place` says; placeholders=True: the shards have no storage from the start,
+        for a chunk manager to hold them (Note [a bounded start])."""
         self.states = states
         # a shard is "fresh" (logically zero) until its first retire after a zero(): no pass over it to zero it,
         # and no memory touched before the optimizer may move it into a manager
@@ -59,6 +60,8 @@ class ShardedGrads:
             payload = state.grad_chunk.payload
             state.grad_shard = torch.empty(shard_range(payload.numel(), 0, state.place.count)[1], dtype=payload.dtype,
                                            device=payload.device)
+            if placeholders:
+                state.grad_shard.untyped_storage().resize_(0)
             state.grad_fresh = True
         self._manager: ChunkManager | None = None  # Note [offloaded gradient shards]
         for state in states:

@@ -47,14 +47,15 @@ from offload.manager import ChunkManager
 class MasterWeights:
     """fp32 masters of the 16-bit tensors an optimizer would otherwise step, with fp32 gradients."""
 
-    def __init__(self, targets: list[torch.Tensor], grad_sources: list[torch.Tensor]):
-        """targets[i]: the 16-bit tensor master i stands for; grad_sources[i]: its 16-bit gradient."""
+    def __init__(self, targets: list[torch.Tensor], grad_sources: list[torch.Tensor], placeholders: bool = False):
+        """targets[i]: the 16-bit tensor master i stands for; grad_sources[i]: its 16-bit gradient; placeholders:
+        the masters have no storage from the start, for a chunk manager to hold them (Note [a bounded start]).
+        Each tensor without storage is released as soon as it is made: never more than one at a time."""
         self.targets = targets
         self.grad_sources = grad_sources
-        self.masters = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in targets]
-        self.grads = [torch.empty(g.shape, dtype=torch.float32, device=g.device) for g in grad_sources]
-        self._grad_nbytes = [g.untyped_storage().nbytes() for g in self.grads]
-        self.drop_grads()
+        self.masters = [_made_empty(t.shape, t.device, placeholders) for t in targets]
+        self.grads = [_made_empty(g.shape, g.device, True) for g in grad_sources]
+        self._grad_nbytes = [g.numel() * 4 for g in self.grads]
         self.handles: list[int] | None = None  # Note [offloaded master weights]: their manager chunks
         self._manager: ChunkManager | None = None
         self._target_access: Callable[[int, bool], ContextManager[tuple[torch.Tensor, Location]]] | None = None
@@ -126,3 +127,11 @@ class MasterWeights:
     def nbytes(self) -> int:
         """Bytes of the masters held in memory (offloaded ones are counted by their manager)."""
         return sum(m.untyped_storage().nbytes() for m in self.masters)
+
+
+def _made_empty(shape: torch.Size, device: torch.device, released: bool) -> torch.Tensor:
+    """An uninitialized fp32 tensor; released: its storage freed at once (resize_ gives it back when needed)."""
+    t = torch.empty(shape, dtype=torch.float32, device=device)
+    if released:
+        t.untyped_storage().resize_(0)
+    return t

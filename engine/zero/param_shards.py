@@ -51,7 +51,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from engine.comm import CommCounter, all_gather_into, shard_of
+from engine.comm import CommCounter, all_gather_into, shard_of, shard_range
 from engine.zero.chunk_state import ChunkPhase, ChunkState
 from offload.chunk import Location
 from offload.manager import ChunkManager
@@ -61,20 +61,24 @@ class ShardedParams:
     """The persistent parameter shards and the transient full parameter chunks of one rank, kept in the
     chunks' states: each non-persistent chunk cycles SHARDED → GATHERING → GATHERED (Note [chunk phases])."""
 
-    def __init__(self, states: list[ChunkState], copy_payloads: bool = True):
-        """copy_payloads=False: the shards start uninitialized (zero_init writes them; the payloads hold nothing).
-        Each chunk is sharded as its `place` says."""
+    def __init__(self, states: list[ChunkState], placeholders: bool = False):
+        """The shards start uninitialized: the runtime's start (or zero_init) writes them (Note [a bounded start]);
+        placeholders=True: with no storage either, for shards a chunk manager will hold. Each chunk is sharded as
+        its `place` says."""
         self.states = states
         for state in states:
             payload = state.param_chunk.payload
-            own = shard_of(payload, state.place.rank, state.place.count)
             if state.persistent:
-                state.param_shard = own  # a view: the payload always holds the values
+                state.param_shard = shard_of(payload, state.place.rank, state.place.count)  # a view: always holds
                 continue
-            state.writer = torch.empty(0, dtype=payload.dtype, device=payload.device).set_(
-                payload.untyped_storage(), payload.storage_offset(), (payload.numel(),))
-            state.param_shard = own.clone() if copy_payloads else torch.empty_like(own)
-        self._copied = copy_payloads
+            storage = payload.untyped_storage()  # released (Note [a bounded start]): set_ would allocate it
+            state.writer = torch.empty(0, dtype=payload.dtype, device=payload.device)
+            state.writer.set_(storage, payload.storage_offset(), (payload.numel(),))
+            storage.resize_(0)
+            n = shard_range(payload.numel(), state.place.rank, state.place.count)[1]
+            state.param_shard = torch.empty(n, dtype=payload.dtype, device=payload.device)
+            if placeholders:
+                state.param_shard.untyped_storage().resize_(0)
         # elements of non-persistent chunks not released (gathered or gathering): kept, not summed per demand
         self.live_numel = sum(s.numel for s in states if not s.persistent)
         self._manager: ChunkManager | None = None  # Note [offloaded parameter shards]
@@ -95,10 +99,10 @@ class ShardedParams:
         for state in self.states:
             if not state.persistent:
                 shard = state.param_shard
-                # values still to come (zero_init loads them through shard()): registered as zeros, no memory or I/O
-                values = shard if self._copied else torch.zeros((), dtype=shard.dtype).expand(shard.shape)
+                # values still to come (the start or zero_init writes them): registered as zeros, no memory or I/O
+                values = torch.zeros((), dtype=shard.dtype).expand(shard.shape)
                 state.param_handle = manager.register("param", [values], location=home, capacity=shard.numel(),
-                                                      zeros=not self._copied)[0].chunk
+                                                      zeros=True)[0].chunk
                 shard.untyped_storage().resize_(0)
 
     @contextlib.contextmanager
@@ -125,14 +129,19 @@ class ShardedParams:
     def numel(self, index: int) -> int:
         return self.states[index].numel
 
-    def take_shards(self) -> None:
-        """Once the full chunks hold the starting values (rank 0's, after the start-up broadcast): keep
-        this rank's shard of each and release the rest."""
-        for state in self.states:
-            if not state.persistent:
-                with self.shard(state.index, writes=True) as shard:
-                    shard.copy_(shard_of(state.param_chunk.payload, state.place.rank, state.place.count))
-                self.release(state.index)
+    def take_shard(self, index: int) -> None:
+        """Once full chunk `index` holds its starting values (rank 0's, after the start-up broadcast): keep this
+        rank's shard of it and release the rest."""
+        state = self.states[index]
+        if state.persistent:
+            return
+        own = shard_of(state.param_chunk.payload, state.place.rank, state.place.count)
+        if state.param_handle is None:
+            state.param_shard.copy_(own)
+        else:  # straight to its home: a start puts nothing on the device tier (Note [a bounded start])
+            with self._manager.accessed(state.param_handle, Location.CPU) as (shard,):
+                self._manager.memory.down_into(shard, own)
+        self.release(index)
 
     def release_loaded(self) -> None:
         """zero_init wrote the shards directly (the full chunks never held values): release the chunks."""

@@ -32,6 +32,7 @@ from torch.profiler import record_function
 from engine.comm import CommCounter, all_gather_in_place, broadcast_from
 from engine.topology import Topology
 from engine.zero.chunked_params import ChunkedParams, square_sum_of_norms
+from engine.zero.device_bytes import device_state_bytes
 from engine.zero.grad_clip import GradientClipper, GradStats
 from engine.zero.grad_sync import GradReducer
 from engine.zero.param_gather import ParamGatherer, Pass
@@ -78,19 +79,31 @@ class ZeroRuntime:
         """Every rank starts from rank 0's parameters (trainable and frozen) and buffers, as DDP does; then,
         stage 3, each rank keeps its shards only, and bf16/fp16 masters take the starting weights."""
         chunked = self.chunked
-        if self.topology.is_distributed:
-            in_chunks = {id(p) for p in chunked.params}
-            with torch.no_grad():
-                # zero_init gave every rank rank 0's values, shard by shard (Note [zero_init])
-                for state in chunked.states if not chunked.values_pending else []:  # experts: over their group
+        distributed = self.topology.is_distributed
+        with torch.no_grad():
+            # zero_init gave every rank rank 0's values, shard by shard (Note [zero_init])
+            for state in chunked.states if not chunked.values_pending else []:
+                filled = chunked.fill_from_sources(state.index)  # stage 3: one chunk at a time (Note [a bounded start])
+                if distributed:  # experts: over their group
                     broadcast_from(state.param_chunk.payload, 0, state.place.group_or(self.topology.dp_group),
                                    self.comm)
+                if filled:
+                    self.sample_device_bytes()  # the moment of a bounded start's peak: one full chunk is live
+                    chunked.sharded_params.take_shard(state.index)  # from here on this rank holds its shard only
+            if distributed:
+                in_chunks = {id(p) for p in chunked.params}
                 for t in [p for p in module.parameters() if id(p) not in in_chunks] + list(module.buffers()):
                     broadcast_from(t.data, 0, self.topology.dp_group, self.comm)
-        if chunked.sharded_params is not None and not chunked.values_pending:  # zero_init wrote the shards
-            chunked.sharded_params.take_shards()  # from here on each rank holds its shards only
         if chunked.masters is not None and not chunked.values_pending:
             chunked.masters.sync_from_params()  # the starting weights are rank 0's (Note [master weights])
+        self.sample_device_bytes()
+
+    def sample_device_bytes(self) -> None:
+        """Records the model state on the device now in the device memory's sampled peak (Note [separate device
+        memory]), when an offloaded optimizer's chunk manager knows that memory."""
+        manager = getattr(self.optimizer, "manager", None)
+        if manager is not None:
+            manager.memory.sample(sum(device_state_bytes(self.chunked, self.optimizer).values()))
 
     def _enter(self, phase: TrainingPhase) -> None:
         if phase not in _LEGAL[self.phase]:
