@@ -17,6 +17,20 @@ shard count and the optimizer steps only this rank's shard of each chunk: a view
 payload[rank*n/w:(rank+1)*n/w] of the param chunk (engine.comm.shard_of), whose .grad is the same
 range of the grad chunk. Each chunk's members, slots and stepped tensors are in its ChunkState
 (Note [chunk phases]), `states[index]`.
+
+Note [a bounded start]
+initialize never holds the whole model on the device in any form on its way into chunks, so a model whose
+16-bit weights exceed the device starts with offload_param (ZeRO-Infinity's promise):
+- a stage-3 chunk's full payload starts released (chunks are made one at a time, each freed once its views are
+  cut); its parameters' values stay where the model held them — with offload_param the sharded trainable
+  parameters are left on the host by initialize — until the runtime's start fills the chunk, broadcasts it
+  (rank 0's values), keeps this rank's shard (an offloaded shard goes straight to its home on the host) and
+  releases it: one full chunk at a time;
+- shards, gradient shards and fp32 masters that a chunk manager will hold start as placeholders, and the fp32
+  master gradients are made one at a time and freed at once (they get storage only while an update stages them).
+The start samples the device bytes this accounts for at its peaks (`DeviceMemory.sample`): that is what the CPU
+seam can measure; on CUDA the allocator's own peak is the measure (scripts/gpu_check.py). Not yet with tensor,
+pipeline or expert parallelism, whose layers are rebuilt on the device before chunking.
 """
 
 from __future__ import annotations

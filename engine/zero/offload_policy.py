@@ -15,18 +15,26 @@ padding); `memory.cpu_budget` replaces it. Offloaded chunks are stepped where th
 the CPU when the parameters are there, else they visit the device.
 
 Note [device tier]
-By default the manager's device tier is used only on an accelerator, without a budget: chunks
-visit it when used. `memory.device_budget` or `zero_optimization.placement: "auto"` make it a
-budgeted cache above the homes (ColossalAI Gemini's and PatrickStar's device chunks): every use
-pages a chunk in (on a CPU-only machine the device tier is RAM too, accounted apart), it stays
-while the budget has room, and the eviction order (Note [eviction order]) sends chunks back down,
-device → CPU → NVMe. device_budget caps the bytes of chunks resident there; "auto" caps them, at
-every moment of the step, at the device's capacity (its total memory; this machine's RAM on a CPU)
-minus the non-chunk memory the manager's trace recorded at that moment (activations, workspace:
-Note [trace and divergence]), and under device_budget too when both are set. The optimizer steps
-each tensor where its values are: on the device when they are resident there, else on the CPU.
-A budget smaller than one step's working set (the largest chunks used together) raises the
-manager's BudgetError, which names the budget, the demand and what holds the tier.
+Offloaded chunks are used where the chunk manager says (Note [where a chunk is used]): where the device has
+memory of its own (Note [separate device memory]) and no device budget is set, on the host — so between steps
+the device holds no optimizer state, master or gradient shard, and with offload_param only the gathered chunks
+of the modules running; the optimizer steps each tensor on the host with torch's fused CPU Adam, its 16-bit
+gradient shard sent down as it is reduced and its updated 16-bit parameter shard sent up (ZeRO-Offload: about
+4 bytes per parameter over the bus per bf16 step at ZeRO-2). `memory.device_budget` or `placement: "auto"` make
+the device tier a budgeted cache above the homes (ColossalAI Gemini's and PatrickStar's device chunks): a chunk
+moves up while the tier has room for it, so a share of the states lives, and is stepped, on the device; the
+eviction order (Note [eviction order]) sends chunks back down, device → CPU → NVMe, when parameter shards need
+the room. device_budget caps the bytes of chunks resident there; "auto" caps them, at every moment of the step,
+at the device's capacity (its total memory; this machine's RAM on a CPU) minus the non-chunk memory the
+manager's trace recorded at that moment (activations, workspace: Note [trace and divergence]), and under
+device_budget too when both are set. On a CPU-only machine either makes the device tier memory of its own,
+accounted apart (the CPU seam). A budget no chunk fits in is refused at start-up, naming the value to set.
+
+Note [offload ratio]
+DeepSpeed's `offload_optimizer.ratio` (stage 3 only, as there) is the share of the optimizer states offloaded
+and stepped on the host: the stepped tensors making up the first (1 - ratio) of the elements, in step order,
+have their states, fp32 masters and gradient shards homed on the device instead, and are stepped there. Counted
+in whole stepped tensors (chunk shards). Where the device is the host it changes nothing.
 """
 
 from __future__ import annotations
