@@ -140,10 +140,10 @@ def test_defaults_match_config_md():
     assert zero.placement == "static"
     assert zero.chunk_size is None
     off = zero.offload_optimizer
-    assert (off.device, off.pin_memory, off.ratio) == ("none", False, 1.0)
+    assert (off.device, off.pin_memory, off.ratio) == ("none", None, 1.0)  # None: pinned where CUDA is
     par = zero.offload_param
     assert (par.device, par.pin_memory, par.buffer_count, par.buffer_size, par.max_in_cpu) == (
-        "none", False, 5, 100_000_000, 1_000_000_000)
+        "none", None, 5, 100_000_000, 1_000_000_000)
     aio = cfg.aio
     assert (aio.block_size, aio.queue_depth, aio.single_submit, aio.overlap_events) == (1_048_576, 8, False, True)
     assert aio.threads == 1
