@@ -2,17 +2,56 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+# The tensor collectives' names: torch 2.12 added the first of each pair, 2.11 has only the second.
+ALL_GATHER_NAMES = ("all_gather_single", "all_gather_into_tensor")
+REDUCE_SCATTER_NAMES = ("reduce_scatter_single", "reduce_scatter_tensor")
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """The tensor collectives the helpers below call, looked up once from a torch.distributed namespace.
+
+    all_gather(output, input, group=, async_op=): every rank's `input` into `output`, rank by rank.
+    reduce_scatter(output, input, op=, group=, async_op=): this rank's part of the reduced `input`."""
+
+    all_gather: Callable
+    reduce_scatter: Callable
+
+
+def collectives_of(namespace) -> Collectives:
+    """The tensor collectives of `namespace` (the torch.distributed module, or any object with its names):
+    the 2.12+ names where present, else torch 2.11's. Raises naming the torch version needed."""
+    return Collectives(_first(namespace, ALL_GATHER_NAMES), _first(namespace, REDUCE_SCATTER_NAMES))
+
+
+def _first(namespace, names: tuple[str, ...]) -> Callable:
+    for name in names:
+        op = getattr(namespace, name, None)
+        if op is not None:
+            return op
+    raise RuntimeError(f"torch.distributed has neither {' nor '.join(names)} (torch {torch.__version__} is "
+                       f"running); Tiers needs torch 2.11 or newer: pip install 'torch>=2.11'")
+
+
+def _torch_collectives() -> Collectives:
+    return collectives_of(dist)
+
 
 @dataclass
 class CommCounter:
     """Payload bytes this rank handed to collectives: the tensor all-reduced or broadcast, the full
-    input of a reduce-scatter, the full output of an all-gather."""
+    input of a reduce-scatter, the full output of an all-gather; and the Collectives the helpers call.
+
+    The collectives ride on the counter because every helper already receives one, from the run that
+    made it (initialize's `collectives`): a run can use another namespace's collectives (an older torch's
+    names, in tests) without a new argument on every helper, and without patching torch."""
 
     all_reduce_bytes: int = 0
     broadcast_bytes: int = 0
@@ -21,6 +60,7 @@ class CommCounter:
     reduce_bytes: int = 0  # the tensor reduced to one rank (2D tensor parallelism)
     all_to_all_bytes: int = 0  # the input of an all-to-all (Ulysses attention)
     p2p_bytes: int = 0  # tensors sent to one peer (ring attention, pipeline stages)
+    collectives: Collectives = field(default_factory=_torch_collectives, repr=False, compare=False, kw_only=True)
 
     @property
     def total_bytes(self) -> int:
@@ -90,7 +130,8 @@ def reduce_scatter_sum_in_place(chunk: torch.Tensor, group: dist.ProcessGroup | 
     shard = mine.numel()
     with record_function("tiers.comm.reduce_scatter"):
         if dist.get_backend(group) != "gloo":
-            return dist.reduce_scatter_single(mine, chunk, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+            return counter.collectives.reduce_scatter(mine, chunk, op=dist.ReduceOp.SUM, group=group,
+                                                      async_op=async_op)
         received = torch.empty_like(chunk)  # shard r of every rank's chunk, rank by rank
         work = dist.all_to_all_single(received, chunk, group=group, async_op=True)
         pending = _SumShardsWhenDone(work, received.view(world, shard), mine)
@@ -130,7 +171,7 @@ def all_gather_in_place(chunk: torch.Tensor, group: dist.ProcessGroup | None, ra
     """Every rank's shard of `chunk` (chunk[r*n/w:(r+1)*n/w] from rank r) into every rank's chunk."""
     counter.all_gather_bytes += chunk.numel() * chunk.element_size()
     with record_function("tiers.comm.all_gather"):
-        return dist.all_gather_single(chunk, shard_of(chunk, rank, world), group=group, async_op=async_op)
+        return counter.collectives.all_gather(chunk, shard_of(chunk, rank, world), group=group, async_op=async_op)
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, counter: CommCounter,
@@ -138,4 +179,4 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.Proce
     """Every rank's `shard` into `output` (rank r's at output[r*n:(r+1)*n]); output.numel() = world * n."""
     counter.all_gather_bytes += output.numel() * output.element_size()
     with record_function("tiers.comm.all_gather"):
-        return dist.all_gather_single(output, shard, group=group, async_op=async_op)
+        return counter.collectives.all_gather(output, shard, group=group, async_op=async_op)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from engine.activation_checkpointing import ActivationCheckpointing
-from engine.comm import CommCounter, broadcast_from
+from engine.comm import Collectives, CommCounter, broadcast_from
 from engine.config import Config, load_config
 from engine.config_checks import OFFLOADED, check_client_objects, check_offload, check_run
 from engine.engine import Engine
@@ -84,6 +84,7 @@ def initialize(
     lr_scheduler=None,
     model_parameters: Iterable | None = None,
     loss_fn: Callable | None = None,
+    collectives: Collectives | None = None,
 ) -> Engine:
     """Wraps `model` for training as `config` says: the steps below, applied in order to the model.
 
@@ -92,6 +93,8 @@ def initialize(
     model_parameters: parameters or param-group dicts for the config's optimizer (default: all).
     loss_fn: under a pipeline config, loss_fn(output, micro-batch or its labels) gives the loss train_batch
         backpropagates, for a model whose output carries none (Note [a pipelined step]).
+    collectives: the all-gather and reduce-scatter every collective helper calls (engine.comm.collectives_of);
+        default: torch.distributed's, under its 2.12+ names or 2.11's.
     """
     cfg = load_config(config)
     check_client_objects(cfg, optimizer, lr_scheduler, model_parameters)
@@ -108,8 +111,8 @@ def initialize(
         torch.manual_seed(cfg.seed)
     recording, meta_of = zero_init_placeholders(model, topology.device)  # Note [zero_init]
     _to_device(model, topology.device, _homed_on_host(model, cfg, topology))  # Note [a bounded start]
-    tensor_parallel = parallelize_tensors(model, cfg, topology)
-    comm = CommCounter()
+    comm = CommCounter(collectives=collectives) if collectives is not None else CommCounter()
+    tensor_parallel = parallelize_tensors(model, cfg, topology, comm.collectives)
     experts = place_experts(model, cfg, topology, comm)
     checkpointing = apply_activation_checkpointing(model, cfg, topology, tensor_parallel)
     groups = _param_groups(model, optimizer, model_parameters, meta_of, experts.dropped if experts else frozenset())
@@ -136,12 +139,14 @@ def initialize(
                   sequence, experts)
 
 
-def parallelize_tensors(model: nn.Module, cfg: Config, topology: Topology) -> TensorParallel | None:
+def parallelize_tensors(model: nn.Module, cfg: Config, topology: Topology,
+                        collectives: Collectives | None = None) -> TensorParallel | None:
     """Note [tensor-parallel plans]: the config's plan applied to the model, before its parameters are chunked;
-    None without tensor parallelism."""
+    None without tensor parallelism. collectives: as initialize's."""
     if topology.tp_size == 1:
         return None
-    tp = TPGroup(topology.tp_group, topology.tp_size, topology.tp_rank)
+    counter = CommCounter(collectives=collectives) if collectives is not None else CommCounter()
+    tp = TPGroup(topology.tp_group, topology.tp_size, topology.tp_rank, counter)
     with torch.no_grad():  # the plan slices whole weights: every tp rank starts from its group's first rank's
         for t in list(model.parameters()) + list(model.buffers()):
             broadcast_from(t.data, 0, tp.group, tp.counter)
