@@ -25,6 +25,7 @@ from tests.reference import (
     trained_params,
 )
 from tests.test_data_parallel import adamw
+from tests.test_tensor_parallel import tp_config
 from tests.test_zero import GLOBAL_BATCH, STEPS, zero_config
 
 NEW_NAMES = ("all_gather_single", "reduce_scatter_single")
@@ -62,7 +63,7 @@ def test_the_lookup_takes_the_2_12_names_where_present_else_the_2_11_ones():
 
 @pytest.mark.parametrize("missing", [ALL_GATHER_NAMES, REDUCE_SCATTER_NAMES])
 def test_a_torch_with_neither_name_is_refused_naming_the_version_needed(missing):
-    names = {n: getattr(dist, n) for n in ALL_GATHER_NAMES + REDUCE_SCATTER_NAMES if n not in missing}
+    names = {n: print for n in ALL_GATHER_NAMES + REDUCE_SCATTER_NAMES if n not in missing}  # any callable
     with pytest.raises(RuntimeError, match=rf"neither {missing[0]} nor {missing[1]} .*torch 2\.11 or newer"):
         collectives_of(types.SimpleNamespace(**names))
 
@@ -75,6 +76,8 @@ def _stages_on_211_names(rank, world):
         engine = initialize(tiny_gpt(seed=rank), zero_config(stage, GLOBAL_BATCH // world, 1), collectives=old)
         losses, _ = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, 1)
         runs[stage] = losses, trained_params(engine), engine.comm.collectives is old
+    tp = initialize(tiny_gpt(), tp_config(2, 1), collectives=old).tensor_parallel.tp  # a counter of its own
+    runs["tp"] = tp.counter.collectives is old
     # gloo reduce-scatters by all_to_all (Note [reduce-scatter on gloo]): the 2.11 reduce-scatter called as
     # engine.comm calls it on nccl
     whole = torch.arange(4.0) + 10 * rank
@@ -94,6 +97,7 @@ def test_zero_2_and_3_train_as_single_process_pytorch_on_the_2_11_names():
         for r in results:
             assert_params_close(r[0][stage][1], ref_params)
             assert r[0][stage][2], "the engine's counter holds the collectives initialize was given"
+    assert all(r[0]["tp"] for r in results), "the tensor-parallel counter holds the collectives initialize was given"
     for rank, (_, calls, mine) in enumerate(results):
         assert calls.get("all_gather_into_tensor", 0) > 0, calls  # the engine gathered through the 2.11 name
         assert calls["reduce_scatter_tensor"] == 1, calls
