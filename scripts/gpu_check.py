@@ -3,7 +3,7 @@
     python scripts/gpu_check.py [--simulate] [--json] [--only SECTION,...]
 
 Runs each section in a child process with its own time limit, most important first, and writes everything it
-measured to $OUT/gpu_check.json (or ./gpu_check.json). Needs only torch and the working tree (no .venv, no
+measured to $OUT/gpu_check.json (or out/gpu_check.json). Needs only torch and the working tree (no .venv, no
 installs: the GPU images carry torch 2.11 and allow nothing else). Sections:
   env           torch, CUDA, the device, which of the package's dependencies import
   device_tier   bf16 ZeRO-2 with offload_optimizer cpu: device bytes per kind between steps, the device peak,
@@ -46,7 +46,8 @@ def main() -> int:
         results[name] = _run_child(name, args.simulate, SECTIONS[name] * (1 if not args.simulate else 2))
         if not args.json:
             print(f"== {name}: {json.dumps(results[name], indent=1)}", flush=True)
-    out = os.environ.get("OUT", ".")
+    out = os.environ.get("OUT") or os.path.join(ROOT, "out")  # out/ is ignored by git
+    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "gpu_check.json"), "w") as f:
         json.dump(results, f, indent=1)
     if args.json:
