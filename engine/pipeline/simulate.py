@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from engine.pipeline.schedules import Action, ActionKind, Schedule
 
@@ -74,30 +75,38 @@ def simulate(schedule: Schedule, costs: dict[ActionKind, float] | None = None) -
     for. Costs are per virtual stage: a rank's v stages share its work (each costs 1/v of the defaults)."""
     check(schedule)
     costs = costs or {k: c / schedule.virtual_stages for k, c in DEFAULT_COSTS.items()}
-    cursor = [0] * schedule.ranks
-    free = [0.0] * schedule.ranks
+    finish = timeline(schedule.actions, schedule.stages, costs)
+    busy = tuple(sum(costs[a.kind] for a in acts) for acts in schedule.actions)
+    makespan = max((finish[acts[-1]] for acts in schedule.actions if acts), default=0.0)
+    return Simulation(makespan, busy, finish, tuple(_peak_in_flight(acts) for acts in schedule.actions))
+
+
+def timeline(actions: Sequence[Sequence[Action]], stages: int, costs: dict[ActionKind, float]) -> dict[Action, float]:
+    """Each action's finish time when every rank runs its list (`actions[rank]`, any subset of a schedule's, e.g. its
+    forwards) in order, an action starting once its rank is free and its dependencies have finished; raises
+    ScheduleError on a deadlock, naming each stuck rank's action and what it waits for."""
+    cursor = [0] * len(actions)
+    free = [0.0] * len(actions)
     finish: dict[Action, float] = {}
     progressed = True
     while progressed:
         progressed = False
-        for rank, actions in enumerate(schedule.actions):
-            while cursor[rank] < len(actions):
-                action = actions[cursor[rank]]
-                ready = [_finished(alternatives, finish) for alternatives in dependencies(action, schedule.stages)]
+        for rank, acts in enumerate(actions):
+            while cursor[rank] < len(acts):
+                action = acts[cursor[rank]]
+                ready = [_finished(alternatives, finish) for alternatives in dependencies(action, stages)]
                 if any(t is None for t in ready):
                     break
                 finish[action] = max([free[rank], *ready]) + costs[action.kind]
                 free[rank] = finish[action]
                 cursor[rank] += 1
                 progressed = True
-    stuck = [(r, acts[cursor[r]]) for r, acts in enumerate(schedule.actions) if cursor[r] < len(acts)]
+    stuck = [(r, acts[cursor[r]]) for r, acts in enumerate(actions) if cursor[r] < len(acts)]
     if stuck:
-        scheduled = {a for acts in schedule.actions for a in acts}
+        listed = {a for acts in actions for a in acts}
         raise ScheduleError("the schedule deadlocks: " + "; ".join(
-            f"rank {r} is on {a}, waiting for {_waiting_for(a, schedule.stages, finish, scheduled)}"
-            for r, a in stuck))
-    busy = tuple(sum(costs[a.kind] for a in acts) for acts in schedule.actions)
-    return Simulation(max(free), busy, finish, tuple(_peak_in_flight(acts) for acts in schedule.actions))
+            f"rank {r} is on {a}, waiting for {_waiting_for(a, stages, finish, listed)}" for r, a in stuck))
+    return finish
 
 
 def _finished(alternatives: tuple[Action, ...], finish: dict[Action, float]) -> float | None:
