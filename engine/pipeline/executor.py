@@ -14,14 +14,14 @@ Each rank walks its action list (Note [pipeline schedules as data]) in order:
   W accumulates the parameters' gradients from what I left at the nodes where their branches join
   the input's path (Note [splitting backward into input and weight passes]) and frees what the
   micro-batch kept.
-Sends are non-blocking (isend) and waited for at the end of the step; a receive waits for its data
-(irecv, then wait). Every message carries a tag made of its kind, stage and micro-batch, so messages
-between the same two ranks in both directions (interleaved stages) cannot be confused; its shape
-and dtype go first in a small header (a tag of its own), so stages may change shapes. A schedule
-`simulate` accepts cannot deadlock here: no send ever blocks, and each receive matches a send its peer issues in order.
-A receive that waits longer than `timeout_s` (a peer that failed or hangs) raises PipelineTimeout
-naming the action this rank is on and the stage, micro-batch and rank it waits for, instead of
-hanging without a word.
+Between the actions the rank runs the exchanges of its plan (Note [ordered point-to-point]): each
+message goes in one batch_isend_irecv, in the round its consumer starts, posted in the same order by the
+sender and the receiver, with no tags, which is what makes it pair correctly on NCCL; its dtype and shape go
+first in a small header batch, so stages may change shapes. A rank waits for an exchange in which it receives
+(the next action needs the tensor); sends are waited for at the end of the step. A schedule `simulate` accepts
+cannot deadlock here (the note says why). A message between two stages on one rank is handed over in place.
+A wait longer than `timeout_s` (a peer that failed or hangs) raises PipelineTimeout naming the action
+this rank is on and the stage, micro-batch and rank it waits for, instead of hanging without a word.
 """
 
 from __future__ import annotations
@@ -37,14 +37,23 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import CommCounter
+from engine.pipeline.p2p import (
+    HEADER_SIZE,
+    Exchange,
+    Message,
+    PointToPoint,
+    TorchPointToPoint,
+    buffer_for,
+    check_pairing,
+    header,
+    message_in,
+    message_out,
+    plans,
+)
 from engine.pipeline.schedules import Action, ActionKind, Schedule
 from engine.pipeline.simulate import simulate
 from engine.pipeline.weight_grads import WeightPass
 from engine.pipeline.weight_grads import input_grad as split_input_grad
-
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
-_HEADER = 8  # dtype code, ndim, up to 6 sizes
-
 
 StageFunction = Callable[[torch.Tensor | None, object], torch.Tensor]
 
@@ -75,6 +84,17 @@ class StepResult:
         return 1.0 - self.compute_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
+@dataclass
+class _Step:
+    """One step's state on this rank."""
+
+    result: StepResult
+    kept: dict[tuple[int, int], _Kept] = field(default_factory=dict)
+    outbox: dict[Message, torch.Tensor] = field(default_factory=dict)  # made here, until their exchange
+    inbox: dict[Message, torch.Tensor] = field(default_factory=dict)  # received, until their action
+    sending: list = field(default_factory=list)  # works of batches that only send, and their tensors
+
+
 def _no_phase(action: Action):
     return contextlib.nullcontext()
 
@@ -89,17 +109,24 @@ class PipelineRunner:
                  params: dict[int, list[nn.Parameter]], group: dist.ProcessGroup | None = None,
                  timeout_s: float = 600.0, device: torch.device | None = None,
                  around: Callable[[Action], contextlib.AbstractContextManager] = _no_phase,
-                 counter: CommCounter | None = None):
+                 counter: CommCounter | None = None, transport: PointToPoint | None = None):
         """timeout_s: how long a receive waits before PipelineTimeout names the action and what it waits for;
         device: where received tensors go (default: the first parameter's device, else the CPU); counter: where
-        the bytes sent are counted (p2p_bytes)."""
+        the bytes sent are counted (p2p_bytes); transport: what posts the batches (default: batch_isend_irecv over
+        `group`)."""
         simulate(schedule)  # refuses an incomplete or deadlocking schedule before anything runs
         held = [s for s in range(schedule.stages) if schedule.rank_of(s) == rank]
         if sorted(stages) != held:
             raise ValueError(f"rank {rank} holds pipeline stage(s) {held} but was given modules for {sorted(stages)}; "
                              f"stage s lives on rank s mod {schedule.ranks}")
-        self.schedule, self.rank, self.stages, self.params, self.group = schedule, rank, stages, params, group
+        self.schedule, self.rank, self.stages, self.params = schedule, rank, stages, params
         self.around, self.counter = around, counter
+        self.transport = transport or TorchPointToPoint(group)
+        self.plans = {}  # train -> this rank's actions and exchanges (Note [ordered point-to-point])
+        for train in (True, False):
+            every_rank = plans(schedule, forward_only=not train)
+            check_pairing(schedule, every_rank)
+            self.plans[train] = every_rank[rank]
         self.last = schedule.stages - 1
         self.timeout = timedelta(seconds=timeout_s)
         self.device = device or next((p.device for ps in params.values() for p in ps), torch.device("cpu"))
@@ -108,7 +135,7 @@ class PipelineRunner:
     @classmethod
     def over_modules(cls, schedule: Schedule, rank: int, modules: dict[int, nn.Module],
                      loss_fn: Callable[[torch.Tensor, object], torch.Tensor], group: dist.ProcessGroup | None = None,
-                     timeout_s: float = 600.0) -> "PipelineRunner":
+                     timeout_s: float = 600.0, transport: PointToPoint | None = None) -> "PipelineRunner":
         """A runner over stage modules called on a tensor, whose micro-batches are (input, target) pairs: stage 0
         takes the input, the last stage's output and the target go into loss_fn."""
         last = schedule.stages - 1
@@ -120,31 +147,32 @@ class PipelineRunner:
             return run
 
         return cls(schedule, rank, {s: stage_function(s, m) for s, m in modules.items()},
-                   {s: list(m.parameters()) for s, m in modules.items()}, group, timeout_s)
+                   {s: list(m.parameters()) for s, m in modules.items()}, group, timeout_s, transport=transport)
 
     def run(self, microbatches: list, loss_factor: float = 1.0, train: bool = True) -> StepResult:
         """One step over `microbatches` (every stage reads micro-batch j's object; stage 0 and the last use it);
         gradients of (loss_factor × each loss / m) accumulate in the stages' parameters. train=False runs the
         forwards only, without autograd."""
-        kept: dict[tuple[int, int], _Kept] = {}
-        sends: list[dist.Work] = []
-        result = StepResult()
+        step = _Step(StepResult())
         start = time.perf_counter()
         with torch.set_grad_enabled(train and torch.is_grad_enabled()):
-            for action in self.schedule.actions[self.rank]:
-                if not train and action.kind is not ActionKind.FORWARD:
+            for item in self.plans[train]:
+                if isinstance(item, Exchange):
+                    self._action = item.before
+                    self._exchange(item, step)
                     continue
-                self._action = action
-                if action.kind is ActionKind.FORWARD:
-                    self._forward(action, microbatches, kept, sends, result, loss_factor, train)
-                elif action.kind is ActionKind.BACKWARD_WEIGHT:
-                    self._weight_grad(action, kept, result)
+                self._action = item
+                if item.kind is ActionKind.FORWARD:
+                    self._forward(item, microbatches, step, loss_factor, train)
+                elif item.kind is ActionKind.BACKWARD_WEIGHT:
+                    self._weight_grad(item, step)
                 else:
-                    self._backward(action, kept, sends, result)
-        for work in sends:
-            work.wait()
-        result.wall_s = time.perf_counter() - start
-        return result
+                    self._backward(item, step)
+        self._action = None
+        for works, _tensors in step.sending:
+            self._wait(works, None)
+        step.result.wall_s = time.perf_counter() - start
+        return step.result
 
     @contextlib.contextmanager
     def _computing(self, action: Action, result: StepResult):
@@ -156,31 +184,30 @@ class PipelineRunner:
         finally:
             result.compute_s += time.perf_counter() - start
 
-    def _forward(self, a: Action, microbatches: list, kept, sends, result: StepResult, loss_factor: float,
-                 train: bool) -> None:
+    def _forward(self, a: Action, microbatches: list, step: _Step, loss_factor: float, train: bool) -> None:
         s, j = a.stage, a.microbatch
-        x = None if s == 0 else self._recv(ActionKind.FORWARD, s - 1, j)
+        x = None if s == 0 else step.inbox.pop(message_in(a, self.schedule.stages))
         if x is not None and train and x.is_floating_point():
             x.requires_grad_()
-        with self._computing(a, result):
+        with self._computing(a, step.result):
             out = self.stages[s](x, microbatches[j])
             if s == self.last:
                 if out.dim() != 0:
                     raise ValueError(f"the last pipeline stage gave a loss of shape {tuple(out.shape)}; the loss must "
                                      "be a scalar (reduce it, e.g. .mean())")
-                result.losses.append(out.item())
+                step.result.losses.append(out.item())
                 out = out * (loss_factor / self.schedule.microbatches) if train else out
         if s != self.last:
-            sends += self._send(out.detach(), ActionKind.FORWARD, s, j, s + 1)
+            self._made(message_out(a, self.schedule.stages), out.detach(), step)
         if train:
-            kept[(s, j)] = _Kept(x if s > 0 else None, out)
+            step.kept[(s, j)] = _Kept(x if s > 0 else None, out)
 
-    def _backward(self, a: Action, kept, sends, result: StepResult) -> None:
+    def _backward(self, a: Action, step: _Step) -> None:
         """B (everything) or I (the input's gradient only, the graph kept for W)."""
         s, j = a.stage, a.microbatch
-        k = kept[(s, j)] if a.kind is ActionKind.BACKWARD_INPUT else kept.pop((s, j))
-        grad = None if s == self.last else self._recv(ActionKind.BACKWARD, s + 1, j)
-        with self._computing(a, result):
+        k = step.kept[(s, j)] if a.kind is ActionKind.BACKWARD_INPUT else step.kept.pop((s, j))
+        grad = None if s == self.last else step.inbox.pop(message_in(a, self.schedule.stages))
+        with self._computing(a, step.result):
             if a.kind is ActionKind.BACKWARD:
                 torch.autograd.backward(k.output, grad)
                 input_grad = k.input.grad if k.input is not None else None
@@ -189,11 +216,11 @@ class PipelineRunner:
             else:
                 input_grad, k.output_grad = None, grad
         if s > 0:
-            sends += self._send(input_grad, ActionKind.BACKWARD, s, j, s - 1)
+            self._made(message_out(a, self.schedule.stages), input_grad, step)
 
-    def _weight_grad(self, a: Action, kept, result: StepResult) -> None:
-        k = kept.pop((a.stage, a.microbatch))
-        with self._computing(a, result):
+    def _weight_grad(self, a: Action, step: _Step) -> None:
+        k = step.kept.pop((a.stage, a.microbatch))
+        with self._computing(a, step.result):
             if k.weight_pass is not None:
                 k.weight_pass.run()
             else:  # the first stage: no input path, so W is the whole backward
@@ -202,44 +229,47 @@ class PipelineRunner:
     def _trainable(self, stage: int) -> list[nn.Parameter]:
         return [p for p in self.params[stage] if p.requires_grad]
 
-    # ---- point to point ----------------------------------------------------------------------------
-    def _tag(self, kind: ActionKind, stage: int, microbatch: int) -> int:
-        direction = 0 if kind is ActionKind.FORWARD else 1
-        return (microbatch * self.schedule.stages + stage) * 2 + direction
+    # ---- point to point (Note [ordered point-to-point]) --------------------------------------------
+    def _made(self, message: Message, tensor: torch.Tensor, step: _Step) -> None:
+        """A tensor an action made for another stage: for its exchange, or straight to a stage on this rank (a copy,
+        as a receive would give)."""
+        if self.schedule.rank_of(message.to_stage) == self.rank:
+            step.inbox[message] = tensor.detach().clone()
+        else:
+            step.outbox[message] = tensor.contiguous()
 
-    def _peer(self, stage: int) -> int:
-        """The global rank of the pipeline rank holding `stage`."""
-        pipeline_rank = self.schedule.rank_of(stage)
-        return dist.get_global_rank(self.group, pipeline_rank) if self.group is not None else pipeline_rank
-
-    def _send(self, tensor: torch.Tensor, kind: ActionKind, stage: int, microbatch: int, to_stage: int) -> list:
-        tag, dst = self._tag(kind, stage, microbatch), self._peer(to_stage)
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
-        payload = tensor.contiguous()
+    def _exchange(self, exchange: Exchange, step: _Step) -> None:
+        """The exchange's headers, then its payloads, each one batch; waits where it receives."""
+        payloads = [(peer, step.outbox.pop(m)) for peer, m in exchange.sends]
+        headers = [(peer, header(t, m.stage).to(t.device)) for (peer, t), (_, m) in zip(payloads, exchange.sends)]
+        incoming = [(peer, torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device))
+                    for peer, _ in exchange.receives]
+        self._batch(headers, incoming, exchange, step)
+        buffers = [(peer, buffer_for(h, self.device)) for peer, h in incoming]
         if self.counter is not None:
-            self.counter.p2p_bytes += header.numel() * header.element_size() + payload.numel() * payload.element_size()
-        return [dist.isend(header.to(payload.device), dst, self.group, tag=2 * tag),
-                dist.isend(payload, dst, self.group, tag=2 * tag + 1)]
+            self.counter.p2p_bytes += sum(h.numel() * h.element_size() + t.numel() * t.element_size()
+                                          for (_, h), (_, t) in zip(headers, payloads))
+        self._batch(payloads, buffers, exchange, step)
+        for (_, m), (_, t) in zip(exchange.receives, buffers):
+            step.inbox[m] = t
 
-    def _recv(self, kind: ActionKind, stage: int, microbatch: int) -> torch.Tensor:
-        """What stage `stage` sent for micro-batch `microbatch` (its output, or its input's gradient)."""
-        tag, src = self._tag(kind, stage, microbatch), self._peer(stage)
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(header, src, self.group, tag=2 * tag), kind, stage, microbatch)
-        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-        tensor = torch.empty([int(n) for n in header[2:2 + ndim]], dtype=dtype, device=self.device)
-        self._wait(dist.irecv(tensor, src, self.group, tag=2 * tag + 1), kind, stage, microbatch)
-        return tensor
+    def _batch(self, sends: list, receives: list, exchange: Exchange, step: _Step) -> None:
+        works = self.transport.post(sends, receives)
+        if receives:
+            self._wait(works, exchange)
+        else:
+            step.sending.append((works, sends))  # the tensors stay alive until the end of the step
 
-    def _wait(self, work: dist.Work, kind: ActionKind, stage: int, microbatch: int) -> None:
+    def _wait(self, works: list, exchange: Exchange | None) -> None:
         try:
-            work.wait(self.timeout)
+            for work in works:
+                work.wait(self.timeout)
         except RuntimeError as e:
-            what = "output" if kind is ActionKind.FORWARD else "input gradient"
-            raise PipelineTimeout(
-                f"pipeline rank {self.rank} is on {self._action}, waiting for the {what} of stage {stage}, "
-                f"micro-batch {microbatch}, from rank {self.schedule.rank_of(stage)}; nothing came in "
-                f"{self.timeout.total_seconds():.0f} s: that rank failed or is stuck (its own report says on what)"
-            ) from e
+            raise PipelineTimeout(self._waiting(exchange) + f"; nothing came in {self.timeout.total_seconds():.0f} s: "
+                                  "that rank failed or is stuck (its own report says on what)") from e
+
+    def _waiting(self, exchange: Exchange | None) -> str:
+        if exchange is None:
+            return f"pipeline rank {self.rank} finished its actions and waits for its sends to be received"
+        what = " and ".join(f"{message}, from rank {peer}" for peer, message in exchange.receives)
+        return f"pipeline rank {self.rank} is on {self._action}, waiting for {what}"
