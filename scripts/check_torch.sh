@@ -27,9 +27,11 @@ fi
 echo "venv ready after $((SECONDS - start)) s: $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
 
 # Fast tests over the paths a torch version can break: the collectives lookup and ZeRO 1-3 on 2 gloo
-# ranks (stage 3 also through NVMe), chunks and the chunk manager, the offload policy, NVMe I/O.
+# ranks (stage 3 also through NVMe), chunks and the chunk manager, the offload policy, NVMe I/O, and the
+# CUDA path of offload on the CPU seam (Note [separate device memory]).
 tests=(
   tests/test_torch_versions.py
+  tests/test_separate_device_memory.py
   tests/test_chunk.py
   tests/test_manager.py
   tests/test_offload_policy.py
