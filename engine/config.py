@@ -219,9 +219,12 @@ class MoEConfig:
 class MemoryConfig:
     device_budget: int | str | None = None
     cpu_budget: int | str | None = None
+    # Tiers' own: with placement "auto", device memory kept free (None: 5% of it; Note [measured placement])
+    device_margin: int | str | None = None
 
     def budget_bytes(self, key: str) -> int | None:
-        """`device_budget` / `cpu_budget` in bytes: an int, or a string like "8GB" (10^9) or "8GiB" (2^30)."""
+        """`device_budget` / `cpu_budget` / `device_margin` in bytes: an int, or a string like "8GB" (10^9) or
+        "8GiB" (2^30)."""
         return parse_byte_size(getattr(self, key), f"memory.{key}")
 
 

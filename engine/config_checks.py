@@ -60,6 +60,9 @@ def check_config(cfg: Config) -> None:
         (cfg.tensor_parallel.mode == "2d" and not _is_mesh_or_one(cfg.tensor_parallel.size), "tensor_parallel.size",
          cfg.tensor_parallel.size, "mode \"2d\" runs on a q×q mesh, so the size must be a square q² with q ≥ 2 "
          "(4, 9, 16, ...); use such a size, or mode \"1d\""),
+        (cfg.memory.budget_bytes("device_margin") is not None and zero.placement != "auto", "memory.device_margin",
+         cfg.memory.device_margin, "is the device memory placement \"auto\" keeps free, and placement is "
+         "\"static\"; set zero_optimization.placement to \"auto\", or remove the key"),
         (cfg.memory.device_budget is not None and zero.offload_optimizer.device not in OFFLOADED,
          "memory.device_budget", cfg.memory.device_budget, "caps the chunks the chunk manager pages onto the device, "
          "and nothing is offloaded; set zero_optimization.offload_optimizer.device (and offload_param.device) to cpu "

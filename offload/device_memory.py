@@ -20,10 +20,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import psutil
 import torch
 from torch.profiler import record_function
 
 SEPARATE_ENV = "TIERS_SEPARATE_DEVICE_MEMORY"
+CAPACITY_ENV = "TIERS_DEVICE_MEMORY_BYTES"  # the seam's device size (default: this machine's RAM)
 
 
 @dataclass
@@ -58,6 +60,20 @@ class DeviceMemory:
 
     def __repr__(self) -> str:
         return f"DeviceMemory({self.device}, separate={self.separate})"
+
+    def capacity(self) -> int:
+        """The device's memory in bytes: CUDA's total; elsewhere TIERS_DEVICE_MEMORY_BYTES, else this machine's RAM."""
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[1]
+        return int(os.environ.get(CAPACITY_ENV) or psutil.virtual_memory().total)
+
+    def allocated(self) -> int | None:
+        """Bytes the device's allocator has handed out now; None where there is no allocator to ask (CPU)."""
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+
+    def peak_allocated(self) -> int | None:
+        """The most bytes the allocator has handed out at once (since start or the last reset), or None."""
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
 
     @property
     def host(self) -> torch.device:

@@ -33,6 +33,17 @@ halves the disk traffic of parameters that forward and backward only read. `disk
 records that: set when a swap-out is issued (a chunk read back from its file keeps it), cleared by
 an access that may write and by a failed swap-out. Registration and materialization leave it False.
 
+Note [measured placement]
+With a `device_capacity` (placement "auto") the device tier's budget at each moment of the step is the
+capacity, less `device_margin`, less the non-chunk memory the trace recorded around that moment (the
+allocator's bytes that are not the device tier, sampled at each access), less what no sample saw: once a
+traced (recorded) iteration ends, the allocator's peak (`DeviceMemory.peak_allocated`, since the start of the
+process: a conservative bound) minus the largest sampled non-chunk memory and the fewest device-tier bytes any
+access of that iteration saw — the activation peaks between accesses. What this cannot see: memory other
+processes or libraries take outside torch's allocator (the CUDA context, NCCL's buffers, cuBLAS workspaces
+made outside it), and the allocator's cached but unused segments; the margin covers them. Where no allocator
+can be asked (the CPU), non-chunk memory is the process RSS less the chunks, and nothing is added.
+
 Note [where a chunk is used]
 `use_tier(chunk)` says where a user of a chunk should access it, so that the device tier stays a bounded
 cache (Note [separate device memory]). Where the device is the host: the CPU tier. Where it has memory of
@@ -98,11 +109,15 @@ class ChunkManager:
                  nvme_block_size: int = 1 << 20,
                  pin_memory: bool | None = None, prefetch_depth: int = 4, keep_free_bytes: int = 1 << 28,
                  device_capacity: int | None = None, budget_keys: dict[Location, str] | None = None,
-                 memory: DeviceMemory | None = None):
+                 memory: DeviceMemory | None = None, device_margin: int = 0):
         """budget_keys: the setting that sets each tier's budget (e.g. a config key), named in BudgetError;
-        memory: the compute device's memory (Note [separate device memory]; default: as the device says)."""
+        memory: the compute device's memory (Note [separate device memory]; default: as the device says);
+        device_margin: with a device_capacity, bytes of it kept free (Note [measured placement])."""
         self.device = torch.device(device)
         self.memory = memory if memory is not None else DeviceMemory(self.device)
+        self.device_margin = device_margin
+        self.unseen_non_chunk = 0  # Note [measured placement]: the traced step's peak that no access saw
+        self._device_low: float = float("inf")  # the fewest device-tier bytes an access saw this iteration
         self.budgets = budgets
         self.prefetch_depth = prefetch_depth
         self.device_capacity = device_capacity
@@ -192,6 +207,7 @@ class ChunkManager:
             raise OffloadError(f"chunk {entry.describe()} is in use on the {entry.chunk.location.value} tier (a tensor "
                                f"is in COMPUTE): release it before accessing it on the {location.value} tier")
         phase = self.tracer.on_access(chunk, location)
+        self._device_low = min(self._device_low, self.used_bytes(Location.DEVICE))
         self._policy.used(chunk)
         self._transfers.settle_finished()
         if entry.prefetched:
@@ -284,7 +300,14 @@ class ChunkManager:
 
     def end_iteration(self) -> None:
         """Marks the end of a training iteration for the tracer (Note [trace and divergence])."""
+        recorded = self.tracer.phase is TracePhase.RECORDING
         self.tracer.end_iteration()
+        peak = self.memory.peak_allocated()
+        if recorded and peak is not None and self.tracer.trace is not None:  # Note [measured placement]
+            seen = self.tracer.trace.peak_non_chunk_bytes + (self._device_low if self._device_low < float("inf")
+                                                             else 0)
+            self.unseen_non_chunk = max(0, peak - seen)
+        self._device_low = float("inf")
 
     # ---- inspection
 
@@ -401,8 +424,8 @@ class ChunkManager:
         trace = self.tracer.trace
         if location is Location.DEVICE and self.device_capacity is not None and trace is not None:
             now = max(self.tracer.position - 1, 0)
-            non_chunk = max(trace[now].non_chunk_bytes, trace[now + 1].non_chunk_bytes)
-            budget = min(budget, self.device_capacity - non_chunk)
+            non_chunk = max(trace[now].non_chunk_bytes, trace[now + 1].non_chunk_bytes) + self.unseen_non_chunk
+            budget = min(budget, self.device_capacity - self.device_margin - non_chunk)
         return budget
 
     def _make_room(self, location: Location, chunk: Chunk | None, protect: set[int],
@@ -495,8 +518,9 @@ class ChunkManager:
         return self._chunks.entries[chunk].chunk
 
     def _non_chunk_bytes(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device) - self.used_bytes(Location.DEVICE)
+        allocated = self.memory.allocated()
+        if allocated is not None:  # the device's allocator: everything on it that is not the device tier
+            return allocated - self.used_bytes(Location.DEVICE)
         return self._process.memory_info().rss - self.used_bytes(Location.DEVICE) - self.used_bytes(Location.CPU)
 
     def _set_states(self, entry: ChunkEntry, state: TensorState, tensors: Sequence[int] | None) -> None:

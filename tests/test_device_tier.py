@@ -92,3 +92,11 @@ def test_the_device_tier_needs_something_offloaded(memory, zero):
     cfg["zero_optimization"].update(zero)
     with pytest.raises(ConfigError, match="nothing is offloaded; set zero_optimization.offload_optimizer.device"):
         initialize(tiny_gpt(), cfg)
+
+
+def test_a_device_margin_needs_placement_auto():
+    cfg = zero_config(3, 4, 1)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    cfg["memory"] = {"device_margin": "1GB"}
+    with pytest.raises(ConfigError, match="memory.device_margin.*set zero_optimization.placement to \"auto\""):
+        initialize(tiny_gpt(), cfg)

@@ -8,6 +8,7 @@ import time
 import torch
 
 from offload.chunk import Location
+from offload.device_memory import DeviceMemory
 from offload.manager import Budgets, ChunkManager
 from offload.policy import choose_victim, upcoming
 from offload.tracer import Access, Trace, TracePhase, Tracer
@@ -160,4 +161,42 @@ def test_warm_up_records_non_chunk_memory_and_the_device_budget_leaves_room_for_
             m.release(c)
         m.end_iteration()
     assert m.stats.peak_non_chunk_bytes == peak
+    m.close()
+
+
+class _AllocatorReadings(DeviceMemory):
+    """Device memory whose allocator reports `base` bytes besides the device tier, and a peak `spike` above that
+    which no access saw (an activation peak between two chunk accesses)."""
+
+    def __init__(self, base: int, spike: int):
+        super().__init__("cpu", separate=True)
+        self.base, self.spike, self.manager = base, spike, None
+
+    def allocated(self) -> int:
+        return self.base + self.manager.used_bytes(Location.DEVICE)
+
+    def peak_allocated(self) -> int:
+        return self.base + self.spike
+
+
+def test_measured_placement_keeps_the_margin_and_the_peak_no_access_saw_free():
+    """Note [measured placement]: the device tier's budget is the capacity less the margin, less the non-chunk
+    memory at that moment, less the traced step's allocator peak that no sample saw."""
+    chunk_bytes = 1 << 20
+    tensors = [torch.full((chunk_bytes // 4,), float(i)) for i in range(6)]
+    base = 8 * chunk_bytes
+    memory = _AllocatorReadings(base, spike=2 * chunk_bytes)  # a 2-chunk activation peak between accesses
+    m = ChunkManager("cpu", Budgets(), prefetch_depth=0, keep_free_bytes=0, memory=memory,
+                     device_capacity=base + 6 * chunk_bytes, device_margin=chunk_bytes)
+    memory.manager = m
+    m.register("param", tensors, capacity=chunk_bytes // 4)
+    _run_iteration(m, [0, 1, 2, 3, 4, 5], tensors)  # warm-up: no trace yet, so no cap
+    assert m.unseen_non_chunk == 2 * chunk_bytes  # the peak less the base and the fewest tier bytes (none)
+    for _ in range(2):  # 6 chunks of room less the 1-chunk margin less the unseen 2: at most 3 resident
+        for c in range(6):
+            (view,) = m.access(c, Location.DEVICE)
+            assert m.used_bytes(Location.DEVICE) <= 3 * chunk_bytes
+            assert torch.equal(view, tensors[c])
+            m.release(c)
+        m.end_iteration()
     m.close()

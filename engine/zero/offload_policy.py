@@ -25,10 +25,10 @@ the device tier a budgeted cache above the homes (ColossalAI Gemini's and Patric
 moves up while the tier has room for it, so a share of the states lives, and is stepped, on the device; the
 eviction order (Note [eviction order]) sends chunks back down, device → CPU → NVMe, when parameter shards need
 the room. device_budget caps the bytes of chunks resident there; "auto" caps them, at every moment of the step,
-at the device's capacity (its total memory; this machine's RAM on a CPU) minus the non-chunk memory the
-manager's trace recorded at that moment (activations, workspace: Note [trace and divergence]), and under
-device_budget too when both are set. On a CPU-only machine either makes the device tier memory of its own,
-accounted apart (the CPU seam). A budget no chunk fits in is refused at start-up, naming the value to set.
+at the device's capacity less `memory.device_margin` (default 5%) less the non-chunk memory the traced step
+measured at that moment (Note [measured placement]), and under device_budget too when both are set. On a
+CPU-only machine either makes the device tier memory of its own, accounted apart (the CPU seam). A budget no
+chunk fits in is refused at start-up, naming the value to set.
 
 Note [offload ratio]
 DeepSpeed's `offload_optimizer.ratio` (stage 3 only, as there) is the share of the optimizer states offloaded
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import psutil
 import torch
 
 from engine.config import Config
@@ -106,8 +105,10 @@ def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch
     device_budget, auto = cfg.memory.budget_bytes("device_budget"), zero.placement == "auto"
     pinned = None if offload.pin_memory is None and offload_param.pin_memory is None else bool(
         offload.pin_memory or offload_param.pin_memory)  # None: pinned where CUDA is
-    manager = ChunkManager(device, Budgets(device=device_budget, cpu=budget),
-                           device_capacity=device_capacity(device) if auto else None,
+    capacity = memory.capacity() if auto else None
+    margin = cfg.memory.budget_bytes("device_margin")
+    manager = ChunkManager(device, Budgets(device=device_budget, cpu=budget), device_capacity=capacity,
+                           device_margin=(capacity // 20 if margin is None else margin) if auto else 0,
                            budget_keys={Location.DEVICE: "memory.device_budget", Location.CPU: "memory.cpu_budget"},
                            nvme_dir=(offload.nvme_path if offload.device == "nvme" else offload_param.nvme_path)
                            if on_nvme else None,
@@ -165,13 +166,6 @@ def offload_homes(numels: list[int], home: Location, ratio: float, separate: boo
         kept += n if on_device else 0
         homes.append(Location.DEVICE if on_device else home)
     return homes
-
-
-def device_capacity(device: torch.device) -> int:
-    """Note [device tier]: the memory of the compute device (a CPU's: this machine's RAM)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1]
-    return psutil.virtual_memory().total
 
 
 def nvme_window(cfg: Config, policy: OffloadPolicy, largest: int) -> int:
