@@ -249,11 +249,9 @@ def _check_step_in_backward(cfg: Config, topology: Topology) -> None:
     if zero.offload_optimizer.device not in OFFLOADED:
         raise ConfigError(f"{key}: steps the offloaded optimizer; set zero_optimization.offload_optimizer.device to "
                           "cpu or nvme, or remove step_in_backward")
-    paged = zero.stage == 3 and zero.offload_param.device in OFFLOADED  # Note [paging in one process]
-    if zero.stage < 2 or (topology.dp_world_size == 1 and not paged):
-        raise ConfigError(f"{key}: needs gradient shards, i.e. ZeRO stage 2 or 3 over 2 or more data-parallel ranks, "
-                          f"or stage 3 with offload_param in one process (this run: stage {zero.stage}, "
-                          f"{topology.dp_world_size} rank(s)); remove step_in_backward")
+    if zero.stage < 2:  # an offloaded optimizer keeps gradient shards from stage 2, in one process too
+        raise ConfigError(f"{key}: needs gradient shards, i.e. ZeRO stage 2 or 3 (this run: stage {zero.stage}); "
+                          "set stage 2 or 3, or remove step_in_backward")
     if cfg.fp16.enabled:
         raise ConfigError(f"{key}: fp16 skips a step whose gradients overflow, which is known only once every "
                           "gradient is in, and step_in_backward updates before that; use bf16 (no loss scaling), "

@@ -233,7 +233,8 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
                             shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
                             persistence_threshold=persistence_threshold(cfg), pending=pending,
                             compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype,
-                            page_params=_pages_shards(cfg), offloaded=_offloaded_kinds(cfg),
+                            page_params=cfg.zero_optimization.offload_param.device in OFFLOADED,
+                            page_grads=_pages_grads(cfg), offloaded=_offloaded_kinds(cfg),
                             experts=_expert_chunks(experts, topology, shards > 1))
     if tensor_parallel is not None:
         chunked.norm_weights = tensor_parallel.norm_weights(model)
@@ -269,20 +270,29 @@ def _to_device(model: nn.Module, device: torch.device, keep: set[int]) -> None:
     if not keep:
         model.to(device)
         return
+    replaced: dict[int, nn.Parameter] = {}  # a tied parameter is replaced by one new Parameter in all its places
     for module in model.modules():
-        for p in module.parameters(recurse=False):
-            if id(p) not in keep and p.device != device:
-                p.data = p.data.to(device)
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in replaced:
+                module._parameters[name] = replaced[id(p)]
+                continue
+            if id(p) in keep or p.device == device:
+                continue
+            moved = p.data.to(device)
+            if torch._has_compatible_shallow_copy_type(p.data, moved):
+                p.data = moved  # the Parameter object stays (as Module.to keeps it)
+            else:  # e.g. to meta: a new Parameter, as Module.to makes then
+                replaced[id(p)] = module._parameters[name] = nn.Parameter(moved, requires_grad=p.requires_grad)
         for name, b in module.named_buffers(recurse=False):
             if b is not None and b.device != device:
                 module._buffers[name] = b.to(device)
 
 
-def _pages_shards(cfg: Config) -> bool:
-    """Note [paging in one process]: offloaded parameters (stage 3), or offloaded optimizer states at stage 2-3 (the
-    gradient shards go to the host with them), keep their per-rank shards with one rank too."""
+def _pages_grads(cfg: Config) -> bool:
+    """Note [device tier]: offloaded optimizer states at stage 2-3 keep gradient shards with one rank too, so that
+    the gradients go to the host with them (Note [paging in one process])."""
     zero = cfg.zero_optimization
-    return zero.offload_param.device in OFFLOADED or (zero.offload_optimizer.device in OFFLOADED and zero.stage >= 2)
+    return zero.offload_optimizer.device in OFFLOADED and zero.stage >= 2
 
 
 def _expert_chunks(experts: ExpertParallel | None, topology: Topology, sharded: bool) -> ExpertChunks | None:

@@ -142,13 +142,12 @@ class Chunk:
     def __init__(self, size: int, dtype: torch.dtype, device: torch.device | str | None = None,
                  location: Location = Location.DEVICE, zeroed: bool = True, released: bool = False):
         """zeroed=False: an uninitialized payload (torch.empty: its memory is not touched until written);
-        released=True: the payload keeps its shape but its storage is to be freed (resized to 0) as soon as the views
-        into it are made (views cannot be cut from a storage of size 0), so that chunks made one after another never
-        hold more than one payload."""
+        released=True: uninitialized, for its owner to free (resize the storage to 0) as soon as the views into it
+        are cut (views cannot be cut from a storage of size 0), so that chunks made one after another never hold
+        more than one payload (ChunkList does so)."""
         self.numel, self.dtype = size, dtype
         make = torch.zeros if zeroed and not released else torch.empty
         self.payload: torch.Tensor | None = None if device is None else make(size, dtype=dtype, device=device)
-        self.released = released  # the owner calls release_storage() once it has taken its views
         self.location = location if device is not None else Location.RELEASED
         self.slots: list[Slot] = []
         self.states: list[TensorState] = []

@@ -75,6 +75,11 @@ class DeviceMemory:
         """The most bytes the allocator has handed out at once (since start or the last reset), or None."""
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
 
+    def reset_peak(self) -> None:
+        """Starts a new peak for `peak_allocated` (CUDA: torch's peak memory stats of this device)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
     @property
     def host(self) -> torch.device:
         return torch.device("cpu")

@@ -37,20 +37,23 @@ Note [measured placement]
 With a `device_capacity` (placement "auto") the device tier's budget at each moment of the step is the
 capacity, less `device_margin`, less the non-chunk memory the trace recorded around that moment (the
 allocator's bytes that are not the device tier, sampled at each access), less what no sample saw: once a
-traced (recorded) iteration ends, the allocator's peak (`DeviceMemory.peak_allocated`, since the start of the
-process: a conservative bound) minus the largest sampled non-chunk memory and the fewest device-tier bytes any
-access of that iteration saw — the activation peaks between accesses. What this cannot see: memory other
+traced (recorded) iteration ends, the allocator's peak during it (`DeviceMemory.peak_allocated`; the peak is
+reset at each iteration's start, and once at construction) minus the most bytes allocated that any access of
+it saw — the activation peaks between accesses. During warm-up, with no trace yet, the non-chunk memory is
+what the allocator holds besides the device tier at that moment. What this cannot see: memory other
 processes or libraries take outside torch's allocator (the CUDA context, NCCL's buffers, cuBLAS workspaces
 made outside it), and the allocator's cached but unused segments; the margin covers them. Where no allocator
 can be asked (the CPU), non-chunk memory is the process RSS less the chunks, and nothing is added.
 
 Note [where a chunk is used]
-`use_tier(chunk)` says where a user of a chunk should access it, so that the device tier stays a bounded
-cache (Note [separate device memory]). Where the device is the host: the CPU tier. Where it has memory of
-its own: a chunk registered on the device (its home) or already there is used there; with no device budget
-(neither `Budgets.device` nor `device_capacity`) every other chunk is used on the CPU, where it lives, so the
-device holds none of it between uses (ZeRO-Offload steps optimizer states on the CPU); with one, a chunk
-moves up while the device tier has room for it without evicting anything, else it is used on the CPU.
+`use_tier(*chunks)` says where a user of chunks it will hold together should access them, so that the device
+tier stays a bounded cache (Note [separate device memory]). Where the device is the host: the CPU tier.
+Where it has memory of its own: chunks registered on the device (their home) are used there; with no device
+budget (neither `Budgets.device` nor `device_capacity`) every other chunk is used on the CPU, where it lives,
+so the device holds none of it between uses (ZeRO-Offload steps optimizer states on the CPU); with one, they
+are used on the device when the tier has room for all of them together without evicting anything (those
+already there count as placed), else on the CPU — so a use never needs more of the device than its budget,
+and a budget that shrank (placement "auto") sends chunks down rather than failing.
 """
 
 from __future__ import annotations
@@ -117,7 +120,9 @@ class ChunkManager:
         self.memory = memory if memory is not None else DeviceMemory(self.device)
         self.device_margin = device_margin
         self.unseen_non_chunk = 0  # Note [measured placement]: the traced step's peak that no access saw
-        self._device_low: float = float("inf")  # the fewest device-tier bytes an access saw this iteration
+        self._allocated_high = 0  # the most device bytes allocated that an access of this iteration saw
+        if device_capacity is not None:
+            self.memory.reset_peak()  # the first iteration's peak is its own (and the start's, bounded)
         self.budgets = budgets
         self.prefetch_depth = prefetch_depth
         self.device_capacity = device_capacity
@@ -207,7 +212,9 @@ class ChunkManager:
             raise OffloadError(f"chunk {entry.describe()} is in use on the {entry.chunk.location.value} tier (a tensor "
                                f"is in COMPUTE): release it before accessing it on the {location.value} tier")
         phase = self.tracer.on_access(chunk, location)
-        self._device_low = min(self._device_low, self.used_bytes(Location.DEVICE))
+        allocated = self.memory.allocated()
+        if allocated is not None:  # Note [measured placement]: the most the accesses of this iteration saw
+            self._allocated_high = max(self._allocated_high, allocated)
         self._policy.used(chunk)
         self._transfers.settle_finished()
         if entry.prefetched:
@@ -217,6 +224,8 @@ class ChunkManager:
             self._stats.prefetch_misses += 1
         self._move(entry, location, protect={chunk}, on_demand=True)
         self._make_room(location, None, {chunk})  # the budget may have shrunk (device_capacity): shed the excess
+        if location is not Location.DEVICE:
+            self._shed_device_excess({chunk})
         self._transfers.settle(entry, block=True, count_wait=True, on_compute_stream=location is Location.DEVICE)
         self._set_states(entry, TensorState.COMPUTE, tensors)
         if writes:
@@ -225,19 +234,21 @@ class ChunkManager:
             self._prefetch_ahead(self.tracer.position - 1)  # best effort: never raises
         return entry.chunk.views()
 
-    def use_tier(self, chunk: int) -> Location:
-        """Where a use of `chunk` makes it resident (Note [where a chunk is used])."""
-        entry = self._entry(chunk)
+    def use_tier(self, *chunks: int) -> Location:
+        """Where a use of these chunks, held together, makes them resident (Note [where a chunk is used])."""
+        entries = [self._entry(c) for c in chunks]
         if not self.memory.separate:
             return Location.CPU  # the device is the host: nothing to page up
-        if entry.chunk.pinned:
-            return entry.chunk.location
-        if entry.home is Location.DEVICE or entry.chunk.location is Location.DEVICE:
-            return Location.DEVICE
+        pinned = [e for e in entries if e.chunk.pinned]
+        if pinned:
+            return pinned[0].chunk.location
+        if any(e.home is Location.DEVICE for e in entries):
+            return Location.DEVICE  # homed there (offload_optimizer.ratio)
         if self.budgets.device is None and self.device_capacity is None:
             return Location.CPU  # no device tier: offloaded chunks are used where they live
-        _, nbytes = self._chunks.demand(Location.DEVICE, entry.chunk)
-        fits = self.used_bytes(Location.DEVICE) + nbytes <= self._budget(Location.DEVICE)
+        arriving = sum(self._chunks.demand(Location.DEVICE, e.chunk)[1] for e in entries
+                       if e.chunk.location is not Location.DEVICE)
+        fits = self.used_bytes(Location.DEVICE) + arriving <= self._budget(Location.DEVICE)
         return Location.DEVICE if fits else Location.CPU
 
     def used_bytes_by_kind(self, location: Location) -> dict[str, int]:
@@ -303,11 +314,11 @@ class ChunkManager:
         recorded = self.tracer.phase is TracePhase.RECORDING
         self.tracer.end_iteration()
         peak = self.memory.peak_allocated()
-        if recorded and peak is not None and self.tracer.trace is not None:  # Note [measured placement]
-            seen = self.tracer.trace.peak_non_chunk_bytes + (self._device_low if self._device_low < float("inf")
-                                                             else 0)
-            self.unseen_non_chunk = max(0, peak - seen)
-        self._device_low = float("inf")
+        if recorded and peak is not None and self._allocated_high:  # Note [measured placement]
+            self.unseen_non_chunk = max(0, peak - self._allocated_high)
+        self._allocated_high = 0
+        if self.device_capacity is not None:
+            self.memory.reset_peak()
 
     # ---- inspection
 
@@ -422,9 +433,12 @@ class ChunkManager:
         budget = {Location.DEVICE: self.budgets.device, Location.CPU: self.budgets.cpu}[location]
         budget = float("inf") if budget is None else budget
         trace = self.tracer.trace
-        if location is Location.DEVICE and self.device_capacity is not None and trace is not None:
-            now = max(self.tracer.position - 1, 0)
-            non_chunk = max(trace[now].non_chunk_bytes, trace[now + 1].non_chunk_bytes) + self.unseen_non_chunk
+        if location is Location.DEVICE and self.device_capacity is not None:
+            if trace is None:  # warm-up: what is not chunks now (Note [measured placement])
+                non_chunk = self._non_chunk_bytes()
+            else:
+                now = max(self.tracer.position - 1, 0)
+                non_chunk = max(trace[now].non_chunk_bytes, trace[now + 1].non_chunk_bytes) + self.unseen_non_chunk
             budget = min(budget, self.device_capacity - self.device_margin - non_chunk)
         return budget
 
@@ -476,6 +490,18 @@ class ChunkManager:
         self._stats.peak_bytes[location.value] = max(self._stats.peak_bytes.get(location.value, 0),
                                                      self.used_bytes(location) + nbytes)
         return True
+
+    def _shed_device_excess(self, protect: set[int]) -> None:
+        """Best effort: chunks go down until the device tier is within a budget that shrank (placement "auto");
+        what cannot go now (in use, moving, or no room below) goes at a later access."""
+        while self.used_bytes(Location.DEVICE) > self._budget(Location.DEVICE):
+            victim = self._policy.victim(self._chunks.at(Location.DEVICE), protect)
+            if victim is None:
+                return
+            try:
+                self._evict(self._chunks.entries[victim], protect, None)
+            except OffloadError:
+                return
 
     def _can_evict(self, location: Location) -> bool:
         """Whether a chunk on this tier has a tier below to go to (CPU: only with an nvme_dir)."""

@@ -54,8 +54,6 @@ def test_activation_checkpointing_options_load():
 @pytest.mark.parametrize(
     "raw, key, value",
     [
-        ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
-         "zero_optimization.offload_optimizer.ratio", "0.5"),
         ({"memory": {"cpu_budget": "64GB"}}, "memory.cpu_budget", '"64GB"'),  # without optimizer offload
         ({"activation_checkpointing": {"contiguous_memory_optimization": True}},
          "activation_checkpointing.contiguous_memory_optimization", "true"),

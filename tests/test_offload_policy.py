@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from offload.chunk import Location
@@ -165,38 +166,46 @@ def test_warm_up_records_non_chunk_memory_and_the_device_budget_leaves_room_for_
 
 
 class _AllocatorReadings(DeviceMemory):
-    """Device memory whose allocator reports `base` bytes besides the device tier, and a peak `spike` above that
-    which no access saw (an activation peak between two chunk accesses)."""
+    """Device memory whose allocator holds `base` bytes besides the device tier, and whose peak is the most it
+    held at any reading plus a `spike` that no chunk access sees (an activation peak between two accesses)."""
 
     def __init__(self, base: int, spike: int):
         super().__init__("cpu", separate=True)
-        self.base, self.spike, self.manager = base, spike, None
+        self.base, self.spike, self.manager, self._peak = base, spike, None, 0
 
     def allocated(self) -> int:
-        return self.base + self.manager.used_bytes(Location.DEVICE)
+        now = self.base + self.manager.used_bytes(Location.DEVICE)
+        self._peak = max(self._peak, now)
+        return now
 
     def peak_allocated(self) -> int:
-        return self.base + self.spike
+        return max(self._peak, self.allocated()) + self.spike
+
+    def reset_peak(self) -> None:
+        self._peak = 0
 
 
-def test_measured_placement_keeps_the_margin_and_the_peak_no_access_saw_free():
+@pytest.mark.parametrize("spike,resident", [(0, 5), (2, 3)])
+def test_measured_placement_keeps_the_margin_and_the_peak_no_access_saw_free(spike, resident):
     """Note [measured placement]: the device tier's budget is the capacity less the margin, less the non-chunk
-    memory at that moment, less the traced step's allocator peak that no sample saw."""
+    memory at that moment, less the traced step's allocator peak that no access saw (none when there was no
+    spike: the tier's own bytes are not counted as unseen); warm-up is capped by the memory in use then."""
     chunk_bytes = 1 << 20
     tensors = [torch.full((chunk_bytes // 4,), float(i)) for i in range(6)]
     base = 8 * chunk_bytes
-    memory = _AllocatorReadings(base, spike=2 * chunk_bytes)  # a 2-chunk activation peak between accesses
+    memory = _AllocatorReadings(base, spike=spike * chunk_bytes)
     m = ChunkManager("cpu", Budgets(), prefetch_depth=0, keep_free_bytes=0, memory=memory,
                      device_capacity=base + 6 * chunk_bytes, device_margin=chunk_bytes)
     memory.manager = m
     m.register("param", tensors, capacity=chunk_bytes // 4)
-    _run_iteration(m, [0, 1, 2, 3, 4, 5], tensors)  # warm-up: no trace yet, so no cap
-    assert m.unseen_non_chunk == 2 * chunk_bytes  # the peak less the base and the fewest tier bytes (none)
-    for _ in range(2):  # 6 chunks of room less the 1-chunk margin less the unseen 2: at most 3 resident
+    for iteration in range(3):  # warm-up: 6 chunks of room less the margin; then less the unseen peak too
         for c in range(6):
-            (view,) = m.access(c, Location.DEVICE)
-            assert m.used_bytes(Location.DEVICE) <= 3 * chunk_bytes
+            tier = m.use_tier(c)
+            (view,) = m.access(c, tier)
+            assert m.used_bytes(Location.DEVICE) <= (5 if iteration == 0 else resident) * chunk_bytes
             assert torch.equal(view, tensors[c])
             m.release(c)
         m.end_iteration()
+        assert m.unseen_non_chunk == spike * chunk_bytes
+    assert m.chunk(5).location is Location.CPU or resident == 5  # past the room: used on the host
     m.close()

@@ -85,7 +85,8 @@ def test_offload_policy_homes_each_kind_as_the_table_says(tmp_path):
                                          masters=chunked.masters is not None).homes
 
     assert homes(1) == {ChunkKind.OPTIM: Location.NVME}
-    assert homes(2) == {ChunkKind.OPTIM: Location.NVME}  # one rank: gradients are not sharded
+    # one rank keeps its gradient shards too, to send them to the host with the states (Note [device tier])
+    assert homes(2) == {ChunkKind.OPTIM: Location.NVME, ChunkKind.GRAD: Location.NVME}
     assert homes(2, dp=2) == {ChunkKind.OPTIM: Location.NVME, ChunkKind.GRAD: Location.NVME}
     # 16-bit gradient shards go with the masters (Note [offloaded master weights])
     assert homes(2, bf16=True, dp=2) == {ChunkKind.OPTIM: Location.NVME, ChunkKind.GRAD: Location.NVME}
@@ -94,7 +95,8 @@ def test_offload_policy_homes_each_kind_as_the_table_says(tmp_path):
     # one rank pages its shards (Note [paging in one process])
     assert homes(3, bf16=True, param="nvme") == {ChunkKind.OPTIM: Location.NVME, ChunkKind.GRAD: Location.NVME,
                                                  ChunkKind.PARAM: Location.NVME}
-    assert homes(3) == {ChunkKind.OPTIM: Location.NVME}  # without offload_param one rank keeps whole chunks
+    # without offload_param one rank keeps whole parameter chunks, and its gradient shards go with the states
+    assert homes(3) == {ChunkKind.OPTIM: Location.NVME, ChunkKind.GRAD: Location.NVME}
 
 
 def _single_rank_view(dp: int) -> Topology:

@@ -131,10 +131,16 @@ def test_stepping_in_backward_refuses_what_it_cannot_do(tmp_path):
         assert "injected failure" in cause
 
 
-def test_stepping_in_backward_needs_an_offloaded_optimizer_and_gradient_shards(tmp_path):
+def test_stepping_in_backward_needs_an_offloaded_optimizer_and_gradient_shards(tmp_path, unclipped_reference):
+    with pytest.raises(ConfigError, match="needs gradient shards, i.e. ZeRO stage 2 or 3"):
+        initialize(tiny_gpt(), early_config(1, 1, str(tmp_path)))
+    # stage 2 in one process keeps gradient shards for the offloaded optimizer: each is stepped as it is reduced
     cfg = early_config(2, 1, str(tmp_path))
-    with pytest.raises(ConfigError, match="2 or more data-parallel ranks"):
-        initialize(tiny_gpt(), cfg)
+    losses, _, params, stepped, stepped_tensors = _training_worker(0, 1, 2, "cpu", None, str(tmp_path),
+                                                                   str(tmp_path / "tb"))
+    assert_close_relative(losses, unclipped_reference[0])
+    assert_params_close(params, unclipped_reference[2])
+    assert stepped == [0, stepped_tensors] * STEPS, stepped
     cfg["zero_optimization"]["offload_optimizer"]["device"] = "none"
     with pytest.raises(ConfigError, match="set zero_optimization.offload_optimizer.device to cpu or nvme"):
         initialize(tiny_gpt(), cfg)

@@ -77,15 +77,16 @@ class ChunkedParams:
                  names: dict[int, str] | None = None, shard_count: int = 1, shard_rank: int = 0,
                  shard_grads: bool = False, shard_params: bool = False, persistence_threshold: int = 0,
                  pending: set[int] | None = None, compute_dtype: torch.dtype = torch.float32,
-                 page_params: bool = False, experts: ExpertChunks | None = None,
+                 page_params: bool = False, page_grads: bool = False, experts: ExpertChunks | None = None,
                  offloaded: frozenset[str] = frozenset()):
         """pending: ids of parameters whose values `load` brings later (zero_init); memory that would only
         hold values transiently is then left untouched (uninitialized payloads). compute_dtype bf16/fp16:
         16-bit chunks with fp32 masters (Note [master weights]). page_params: stage 3's shards (and stage 2's
         gradient shards) even with one shard, so that offload_param can page chunks in around their use
-        (Note [paging in one process]). experts: parameters whose chunks have a place of their own. offloaded: the
-        kinds ("param", "grad", "optim") a chunk manager will hold: their shards and masters start as placeholders
-        (Note [a bounded start])."""
+        (Note [paging in one process]). page_grads: gradient shards even with one shard, for an offloaded
+        optimizer to take them to the host (Note [device tier]). experts: parameters whose chunks have a place of
+        their own. offloaded: the kinds ("param", "grad", "optim") a chunk manager will hold: their shards and
+        masters start as placeholders (Note [a bounded start])."""
         for what, value in (("capacity", capacity), ("first chunk capacity", first_capacity or shard_count)):
             if value % shard_count:
                 raise ValueError(f"chunk {what} {value} is not a multiple of the shard count {shard_count}")
@@ -98,6 +99,7 @@ class ChunkedParams:
         pending = pending or set()
         self.values_pending = values_pending = bool(pending)
         sharding = shard_count > 1 or page_params  # per-rank shards exist (of the whole chunk, with one rank)
+        grad_sharding = sharding or page_grads
         self.groups: list[ChunkGroup] = []
         self._sources: dict[tuple[int, int], list[tuple[Slot, torch.Tensor]]] = {}  # (group, chunk) -> its values
         self._names = names or {}
@@ -130,7 +132,7 @@ class ChunkedParams:
                     sources = [torch.empty_like(p, device="meta") if id(p) in pending else p.data for p in params]
                     param_chunks = ChunkList(sources, released=lazy, **layout)
                     grad_chunks = ChunkList([p.data for p in params], copy_values=False,
-                                            released=sharding and shard_grads, **layout)
+                                            released=grad_sharding and shard_grads, **layout)
                 if lazy and not values_pending:
                     for slot, source in zip(param_chunks.slots, sources):
                         self._sources.setdefault((len(self.groups), slot.chunk), []).append((slot, source))
@@ -177,7 +179,7 @@ class ChunkedParams:
                 state.stepped = state.param_shard
         # stage 2: persistent gradient shards; full gradient chunks only during backward (Note [sharded gradients])
         self.sharded_grads: ShardedGrads | None = None
-        if shard_grads and sharding:
+        if shard_grads and grad_sharding:
             self.sharded_grads = ShardedGrads(self.states, placeholders="grad" in offloaded)
             for state in self.states:
                 state.stepped_grad = state.grad_shard

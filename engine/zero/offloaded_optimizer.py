@@ -5,9 +5,9 @@ With `zero_optimization.offload_optimizer.device` cpu or nvme, the states of eve
 (a parameter chunk, or this rank's shard of one) live in one chunk of the ChunkManager, kind
 "optim", registered on that tier: exp_avg and exp_avg_sq side by side (whatever state tensors
 the optimizer keeps, in the order it creates them). The step walks the stepped tensors in a fixed
-order: `access` brings the state chunk to the tier of the parameter (on a CPU-only machine the
-device tier is CPU memory), the states are handed to a torch optimizer over that one tensor
-(torch's fused AdamW on CPU: no hand-written kernels), it steps, and `release` lets the chunk go
+order: `access` makes the state chunk resident where the manager says the tensor is stepped (Note [where a
+chunk is used]: on the host unless a device budget has room), the states are handed to a torch optimizer over
+that one tensor (torch's fused AdamW: no hand-written kernels), it steps, and `release` lets the chunk go
 back down under the tier's budget. The order repeats every step, so after the first step the
 manager's trace prefetches the next state chunks from NVMe while Adam runs on the current one
 (Note [trace and divergence]). The scalar `step` counters stay in memory.
@@ -173,12 +173,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self.manager.release(c, TensorState.FREE if c == grad_chunk else TensorState.HOLD)
 
     def _step_location(self, chunk: int | None, values: int | None, grad_chunk: int | None) -> Location:
-        """Where a tensor is stepped: where its states are used (Note [where a chunk is used]), or its values,
-        or its gradient; a tensor with none of them in the manager stays on the device (DEVICE)."""
-        lead = next((c for c in (chunk, values, grad_chunk) if c is not None), None)
-        if lead is None:
+        """Where a tensor is stepped: where its states, values and gradient, held together, are used (Note [where
+        a chunk is used]); a tensor with none of them in the manager stays on the device (DEVICE)."""
+        held = [c for c in (chunk, values, grad_chunk) if c is not None]
+        if not held:
             return Location.DEVICE if self.manager.memory.separate else Location.CPU
-        return self.manager.use_tier(lead)
+        return self.manager.use_tier(*held)
 
     @contextlib.contextmanager
     def accessed_state(self, index: int, writes: bool):

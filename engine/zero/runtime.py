@@ -102,7 +102,7 @@ class ZeroRuntime:
         """Records the model state on the device now in the device memory's sampled peak (Note [separate device
         memory]), when an offloaded optimizer's chunk manager knows that memory."""
         manager = getattr(self.optimizer, "manager", None)
-        if manager is not None:
+        if manager is not None and manager.memory.separate:  # where the device is the host, nothing to tell apart
             manager.memory.sample(sum(device_state_bytes(self.chunked, self.optimizer).values()))
 
     def _enter(self, phase: TrainingPhase) -> None:

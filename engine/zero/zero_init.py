@@ -233,9 +233,10 @@ def zero_init_recording(model: nn.Module) -> InitRecording | None:
 
 def zero_init_placeholders(model: nn.Module,
                            device: torch.device) -> tuple[InitRecording | None, dict[int, torch.Tensor]]:
-    """Swaps each meta parameter of a model built under `zero_init` for a real Parameter on `device` whose
-    memory is not touched (torch.empty; the chunks take its place next); returns the recording and
-    id(new parameter) -> its meta parameter. (None, {}) for a model without meta parameters."""
+    """Swaps each meta parameter of a model built under `zero_init` for a real Parameter on `device` that holds
+    no memory (its storage is freed as soon as it is made, one at a time: Note [a bounded start]; the chunks take
+    its place next, and a parameter that does not train gets its values as a new tensor); returns the recording
+    and id(new parameter) -> its meta parameter. (None, {}) for a model without meta parameters."""
     recording = zero_init_recording(model)
     if recording is None:
         return None, {}
@@ -245,8 +246,9 @@ def zero_init_placeholders(model: nn.Module,
         for name, p in list(module._parameters.items()):  # tied parameters: one replacement for all their places
             if p is not None and p.is_meta:
                 if id(p) not in replacement:
-                    replacement[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                                                      requires_grad=p.requires_grad)
+                    placeholder = torch.empty(p.shape, dtype=p.dtype, device=device)
+                    placeholder.untyped_storage().resize_(0)
+                    replacement[id(p)] = nn.Parameter(placeholder, requires_grad=p.requires_grad)
                 module._parameters[name] = replacement[id(p)]
     return recording, {id(new): metas[old] for old, new in replacement.items()}
 
