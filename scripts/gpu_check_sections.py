@@ -147,7 +147,16 @@ def section_device_tier(simulate: bool) -> dict:
     cfg = _tier_config(3, micro, offload=True, param_offload=True, device_budget=budget)
     cfg["zero_optimization"]["chunk_size"] = psi // 16  # chunks that a share of fits in the budget
     budgeted = _train_tiers(_gpt(simulate), cfg, batches, device)
+    auto_cfg = _tier_config(3, micro, offload=True, param_offload=True)
+    auto_cfg["zero_optimization"].update(placement="auto", chunk_size=psi // 16)
+    if simulate:  # the seam's device: the process as it is now plus room for a third of the states
+        import psutil
+        os.environ["TIERS_DEVICE_MEMORY_BYTES"] = str(psutil.Process().memory_info().rss + budget)
+        auto_cfg["memory"] = {"device_margin": 0}
+    auto = _train_tiers(_gpt(simulate), auto_cfg, batches, device)
+    auto_rel = max(abs(a - b) / abs(b) for a, b in zip(auto["losses"], offloaded["losses"]))
     peak = offloaded.get("peak_allocated_bytes", offloaded["sampled_device_state_peak_bytes"])
+    model_16bit = 2 * psi
     return {
         "device_bytes_between_steps": offloaded["device_bytes_between_steps"],
         "device_peak_bytes": peak,
@@ -157,9 +166,16 @@ def section_device_tier(simulate: bool) -> dict:
         "budgeted_within_budget": budgeted["device_tier_peak_bytes"] <= budget,
         "bus_bytes_per_param_per_step": round(offloaded["bus_bytes"] / psi / steps, 3),
         "losses_equal": rel <= tolerance, "losses_max_relative_difference": rel,
+        "auto_losses_max_relative_difference": auto_rel, "auto_device_tier_peak_bytes": auto["device_tier_peak_bytes"],
+        # Note [a bounded start]: ZeRO-3 with parameters offloaded starts within its device budget (the states the
+        # budget lets live on the device, plus one chunk at a time); without a budget see gpt's stage-3 offload run
+        "stage3_budgeted_init_device_peak_bytes": budgeted.get("init_peak_allocated_bytes",
+                                                               budgeted["init_device_state_bytes"]),
+        "model_16bit_bytes": model_16bit,
         "peak_measured_by": "torch.cuda.max_memory_allocated" if device.type == "cuda" else
         "engine.device_state_bytes, sampled after forward, backward and step (the seam has no allocator)",
-        "runs": {"stage2_bf16": plain, "stage2_bf16_offload_cpu": offloaded, "stage3_offload_device_budget": budgeted},
+        "runs": {"stage2_bf16": plain, "stage2_bf16_offload_cpu": offloaded, "stage3_offload_device_budget": budgeted,
+                 "stage3_offload_auto": auto},
     }
 
 
@@ -236,7 +252,7 @@ def section_ring(simulate: bool) -> dict:
 def section_gpt(simulate: bool) -> dict:
     device = _device(simulate)
     shape = None if simulate else dict(n_layer=24, n_head=16, n_embd=2048, vocab_size=32000, block_size=1024)
-    seq, micro, steps = (64, 4, 3) if simulate else (1024, 4, 4)
+    seq, micro, steps = (64, 4, 3) if simulate else (1024, 2, 3)
     vocab = 256 if simulate else 32000
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, vocab, (micro, seq), generator=g) for _ in range(steps)]
@@ -250,7 +266,10 @@ def section_gpt(simulate: bool) -> dict:
         run.pop("device_bytes_between_steps", None)
         out[name] = run
     tokens = micro * seq
-    for run in out.values():
+    offloaded = out["tiers_stage3_offload_cpu"]  # Note [a bounded start]: far below the 16-bit model
+    out["stage3_offload_init_peak_over_16bit_model"] = round(offloaded.get(
+        "init_peak_allocated_bytes", offloaded["init_device_state_bytes"]) / (2 * offloaded["params"]), 4)
+    for run in (r for r in out.values() if isinstance(r, dict)):
         step = sorted(run["step_ms"])[len(run["step_ms"]) // 2] / 1e3  # the median step
         run["tokens_per_s"] = round(tokens / step, 1)
         run["mfu"] = round(6 * out["plain_pytorch"]["params"] * tokens / step / H100_BF16_DENSE_FLOPS, 4)
