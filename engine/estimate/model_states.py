@@ -134,7 +134,8 @@ def model_states(params: list[TrainableParam], config: Config, dp: int) -> Model
 
     paged = zero.offload_param.device in OFFLOADED  # Note [paging in one process]: shards of one rank too
     shard_params = (sharded or paged) and policy.shards(ChunkKind.PARAM)
-    shard_grads = (sharded or paged) and policy.shards(ChunkKind.GRAD)
+    pages_grads = zero.offload_optimizer.device in OFFLOADED  # Note [device tier]: gradient shards go with the states
+    shard_grads = (sharded or paged or pages_grads) and policy.shards(ChunkKind.GRAD)
     param = sum(stepped(c) * c.dtype.itemsize if shard_params and not c.persistent else c.nbytes for c in chunks)
     grad = sum(stepped(c) * c.dtype.itemsize if shard_grads else c.nbytes for c in chunks)
     state_dtype = {c.dtype for c in chunks} if not masters else {torch.float32}
