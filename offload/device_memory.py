@@ -75,6 +75,10 @@ class DeviceMemory:
         """The most bytes the allocator has handed out at once (since start or the last reset), or None."""
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
 
+    def process_rss(self) -> int:
+        """This process's resident memory (where no allocator can be asked, the stand-in for what is in use)."""
+        return psutil.Process(os.getpid()).memory_info().rss
+
     def reset_peak(self) -> None:
         """Starts a new peak for `peak_allocated` (CUDA: torch's peak memory stats of this device)."""
         if self.device.type == "cuda":

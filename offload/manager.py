@@ -32,44 +32,21 @@ matches its swap file: evicting it to NVMe drops the payload instead of writing 
 halves the disk traffic of parameters that forward and backward only read. `disk_current`
 records that: set when a swap-out is issued (a chunk read back from its file keeps it), cleared by
 an access that may write and by a failed swap-out. Registration and materialization leave it False.
-
-Note [measured placement]
-With a `device_capacity` (placement "auto") the device tier's budget at each moment of the step is the
-capacity, less `device_margin`, less the non-chunk memory the trace recorded around that moment (the
-allocator's bytes that are not the device tier, sampled at each access), less what no sample saw: once a
-traced (recorded) iteration ends, the allocator's peak during it (`DeviceMemory.peak_allocated`; the peak is
-reset at each iteration's start, and once at construction) minus the most bytes allocated that any access of
-it saw — the activation peaks between accesses. During warm-up, with no trace yet, the non-chunk memory is
-what the allocator holds besides the device tier at that moment. What this cannot see: memory other
-processes or libraries take outside torch's allocator (the CUDA context, NCCL's buffers, cuBLAS workspaces
-made outside it), and the allocator's cached but unused segments; the margin covers them. Where no allocator
-can be asked (the CPU), non-chunk memory is the process RSS less the chunks, and nothing is added.
-
-Note [where a chunk is used]
-`use_tier(*chunks)` says where a user of chunks it will hold together should access them, so that the device
-tier stays a bounded cache (Note [separate device memory]). Where the device is the host: the CPU tier.
-Where it has memory of its own: chunks registered on the device (their home) are used there; with no device
-budget (neither `Budgets.device` nor `device_capacity`) every other chunk is used on the CPU, where it lives,
-so the device holds none of it between uses (ZeRO-Offload steps optimizer states on the CPU); with one, they
-are used on the device when the tier has room for all of them together without evicting anything (those
-already there count as placed), else on the CPU — so a use never needs more of the device than its budget,
-and a budget that shrank (placement "auto") sends chunks down rather than failing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
-import psutil
 import torch
 
 from offload.chunk import DEFAULT_CHUNK_CAPACITY, Chunk, Location, best_capacity, plan_slots
 from offload.copy_engine import CopyEngine
 from offload.device_memory import DeviceMemory
+from offload.device_tier import DeviceTier
 from offload.errors import OffloadError
 from offload.host_pool import HostBufferPool, pinning
 from offload.nvme import NvmeStore
@@ -118,14 +95,7 @@ class ChunkManager:
         device_margin: with a device_capacity, bytes of it kept free (Note [measured placement])."""
         self.device = torch.device(device)
         self.memory = memory if memory is not None else DeviceMemory(self.device)
-        self.device_margin = device_margin
-        self.unseen_non_chunk = 0  # Note [measured placement]: the traced step's peak that no access saw
-        self._allocated_high = 0  # the most device bytes allocated that an access of this iteration saw
-        if device_capacity is not None:
-            self.memory.reset_peak()  # the first iteration's peak is its own (and the start's, bounded)
-        self.budgets = budgets
         self.prefetch_depth = prefetch_depth
-        self.device_capacity = device_capacity
         self.budget_keys = budget_keys or {}
         for name, value in (("device", budgets.device), ("cpu", budgets.cpu)):
             if value is not None and value < 0:
@@ -135,13 +105,16 @@ class ChunkManager:
                                 block_size=nvme_block_size) if nvme_dir else None)
         self.pool = HostBufferPool(pinned=pinned, block_size=self.store.block_size if self.store else 1 << 20,
                                    keep_bytes=keep_free_bytes)
-        self.tracer = Tracer(self._non_chunk_bytes)
+        self.tracer = Tracer(lambda: self.device_tier.non_chunk_bytes())
         self._chunks = Residency(self.device, self.pool)
         self._kinds: dict[str, list[int]] = {}
         self._stats = ManagerStats()
         self._policy = PlacementPolicy(self.tracer)  # decides what to evict and what to prefetch
         self._transfers = Transfers(self._chunks, CopyEngine(self.device), self.store, self._stats)
-        self._process = psutil.Process(os.getpid())
+        self.device_tier = DeviceTier(self.memory, self._chunks, self.tracer, self._policy,
+                                      lambda entry, protect: self._evict(entry, protect, None), budgets.device,
+                                      device_capacity, device_margin)
+        self._budgets = budgets
         self._closed = False
 
     # ---- registration
@@ -212,9 +185,7 @@ class ChunkManager:
             raise OffloadError(f"chunk {entry.describe()} is in use on the {entry.chunk.location.value} tier (a tensor "
                                f"is in COMPUTE): release it before accessing it on the {location.value} tier")
         phase = self.tracer.on_access(chunk, location)
-        allocated = self.memory.allocated()
-        if allocated is not None:  # Note [measured placement]: the most the accesses of this iteration saw
-            self._allocated_high = max(self._allocated_high, allocated)
+        self.device_tier.on_access()  # Note [measured placement]
         self._policy.used(chunk)
         self._transfers.settle_finished()
         if entry.prefetched:
@@ -225,7 +196,7 @@ class ChunkManager:
         self._move(entry, location, protect={chunk}, on_demand=True)
         self._make_room(location, None, {chunk})  # the budget may have shrunk (device_capacity): shed the excess
         if location is not Location.DEVICE:
-            self._shed_device_excess({chunk})
+            self.device_tier.shed({chunk})
         self._transfers.settle(entry, block=True, count_wait=True, on_compute_stream=location is Location.DEVICE)
         self._set_states(entry, TensorState.COMPUTE, tensors)
         if writes:
@@ -236,27 +207,11 @@ class ChunkManager:
 
     def use_tier(self, *chunks: int) -> Location:
         """Where a use of these chunks, held together, makes them resident (Note [where a chunk is used])."""
-        entries = [self._entry(c) for c in chunks]
-        if not self.memory.separate:
-            return Location.CPU  # the device is the host: nothing to page up
-        pinned = [e for e in entries if e.chunk.pinned]
-        if pinned:
-            return pinned[0].chunk.location
-        if any(e.home is Location.DEVICE for e in entries):
-            return Location.DEVICE  # homed there (offload_optimizer.ratio)
-        if self.budgets.device is None and self.device_capacity is None:
-            return Location.CPU  # no device tier: offloaded chunks are used where they live
-        arriving = sum(self._chunks.demand(Location.DEVICE, e.chunk)[1] for e in entries
-                       if e.chunk.location is not Location.DEVICE)
-        fits = self.used_bytes(Location.DEVICE) + arriving <= self._budget(Location.DEVICE)
-        return Location.DEVICE if fits else Location.CPU
+        return self.device_tier.use_tier([self._entry(c) for c in chunks])
 
     def used_bytes_by_kind(self, location: Location) -> dict[str, int]:
         """Bytes of chunk payloads on a tier, by kind."""
-        out: dict[str, int] = {}
-        for entry in self._chunks.at(location):
-            out[entry.kind] = out.get(entry.kind, 0) + entry.held
-        return out
+        return self._chunks.used_by_kind(location)
 
     @contextlib.contextmanager
     def accessed(self, chunk: int, location: Location = Location.DEVICE, *, writes: bool = True):
@@ -313,12 +268,7 @@ class ChunkManager:
         """Marks the end of a training iteration for the tracer (Note [trace and divergence])."""
         recorded = self.tracer.phase is TracePhase.RECORDING
         self.tracer.end_iteration()
-        peak = self.memory.peak_allocated()
-        if recorded and peak is not None and self._allocated_high:  # Note [measured placement]
-            self.unseen_non_chunk = max(0, peak - self._allocated_high)
-        self._allocated_high = 0
-        if self.device_capacity is not None:
-            self.memory.reset_peak()
+        self.device_tier.end_iteration(recorded)  # Note [measured placement]
 
     # ---- inspection
 
@@ -330,6 +280,23 @@ class ChunkManager:
     @copies.setter
     def copies(self, engine: CopyEngine) -> None:
         self._transfers.copies = engine
+
+    @property
+    def budgets(self) -> Budgets:
+        return self._budgets
+
+    @budgets.setter
+    def budgets(self, budgets: Budgets) -> None:
+        self._budgets, self.device_tier.cap = budgets, budgets.device
+
+    @property
+    def device_capacity(self) -> int | None:
+        """The device's memory under placement "auto" (Note [measured placement]); None: no such cap."""
+        return self.device_tier.capacity
+
+    @device_capacity.setter
+    def device_capacity(self, capacity: int | None) -> None:
+        self.device_tier.capacity = capacity
 
     def chunk(self, chunk: int) -> Chunk:
         return self._entry(chunk).chunk
@@ -430,17 +397,9 @@ class ChunkManager:
     # ---- budgets
 
     def _budget(self, location: Location) -> float:
-        budget = {Location.DEVICE: self.budgets.device, Location.CPU: self.budgets.cpu}[location]
-        budget = float("inf") if budget is None else budget
-        trace = self.tracer.trace
-        if location is Location.DEVICE and self.device_capacity is not None:
-            if trace is None:  # warm-up: what is not chunks now (Note [measured placement])
-                non_chunk = self._non_chunk_bytes()
-            else:
-                now = max(self.tracer.position - 1, 0)
-                non_chunk = max(trace[now].non_chunk_bytes, trace[now + 1].non_chunk_bytes) + self.unseen_non_chunk
-            budget = min(budget, self.device_capacity - self.device_margin - non_chunk)
-        return budget
+        if location is Location.DEVICE:
+            return self.device_tier.budget()
+        return float("inf") if self.budgets.cpu is None else self.budgets.cpu
 
     def _make_room(self, location: Location, chunk: Chunk | None, protect: set[int],
                    only_if_used_after: float | None = None) -> bool:
@@ -491,18 +450,6 @@ class ChunkManager:
                                                      self.used_bytes(location) + nbytes)
         return True
 
-    def _shed_device_excess(self, protect: set[int]) -> None:
-        """Best effort: chunks go down until the device tier is within a budget that shrank (placement "auto");
-        what cannot go now (in use, moving, or no room below) goes at a later access."""
-        while self.used_bytes(Location.DEVICE) > self._budget(Location.DEVICE):
-            victim = self._policy.victim(self._chunks.at(Location.DEVICE), protect)
-            if victim is None:
-                return
-            try:
-                self._evict(self._chunks.entries[victim], protect, None)
-            except OffloadError:
-                return
-
     def _can_evict(self, location: Location) -> bool:
         """Whether a chunk on this tier has a tier below to go to (CPU: only with an nvme_dir)."""
         return location is not Location.CPU or self.store is not None
@@ -542,12 +489,6 @@ class ChunkManager:
 
     def _chunk_at(self, chunk: int) -> Chunk:
         return self._chunks.entries[chunk].chunk
-
-    def _non_chunk_bytes(self) -> int:
-        allocated = self.memory.allocated()
-        if allocated is not None:  # the device's allocator: everything on it that is not the device tier
-            return allocated - self.used_bytes(Location.DEVICE)
-        return self._process.memory_info().rss - self.used_bytes(Location.DEVICE) - self.used_bytes(Location.CPU)
 
     def _set_states(self, entry: ChunkEntry, state: TensorState, tensors: Sequence[int] | None) -> None:
         """All or none: every change is checked (Note [chunk states]) before any is made."""

@@ -94,6 +94,13 @@ class Residency:
             return sum(e.chunk.nbytes for e in self._at[Location.NVME].values())
         return self._charged[location] + (self.pool.free_bytes if location is Location.CPU else 0)
 
+    def used_by_kind(self, location: Location) -> dict[str, int]:
+        """Bytes of chunk payloads on a tier, by kind."""
+        out: dict[str, int] = {}
+        for entry in self._at[location].values():
+            out[entry.kind] = out.get(entry.kind, 0) + entry.held
+        return out
+
     def footprint(self, location: Location, chunk: Chunk) -> int:
         """The bytes `allocate` will hold for this chunk on a tier."""
         return self.pool.footprint(chunk.numel, chunk.dtype) if location is Location.CPU else chunk.nbytes

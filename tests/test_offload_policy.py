@@ -206,6 +206,6 @@ def test_measured_placement_keeps_the_margin_and_the_peak_no_access_saw_free(spi
             assert torch.equal(view, tensors[c])
             m.release(c)
         m.end_iteration()
-        assert m.unseen_non_chunk == spike * chunk_bytes
+        assert m.device_tier.unseen_non_chunk == spike * chunk_bytes
     assert m.chunk(5).location is Location.CPU or resident == 5  # past the room: used on the host
     m.close()
