@@ -19,16 +19,16 @@ Offloaded chunks are used where the chunk manager says (Note [where a chunk is u
 memory of its own (Note [separate device memory]) and no device budget is set, on the host — so between steps
 the device holds no optimizer state, master or gradient shard, and with offload_param only the gathered chunks
 of the modules running; the optimizer steps each tensor on the host with torch's fused CPU Adam, its 16-bit
-gradient shard sent down as it is reduced and its updated 16-bit parameter shard sent up (ZeRO-Offload: about
-4 bytes per parameter over the bus per bf16 step at ZeRO-2). `memory.device_budget` or `placement: "auto"` make
+gradient shard sent down as it is reduced and its updated 16-bit parameter shard sent up (ZeRO-Offload: about 4
+bytes per parameter over the bus per bf16 step at ZeRO-2). `memory.device_budget` or `placement: "auto"` make
 the device tier a budgeted cache above the homes (ColossalAI Gemini's and PatrickStar's device chunks): a chunk
-moves up while the tier has room for it, so a share of the states lives, and is stepped, on the device; the
-eviction order (Note [eviction order]) sends chunks back down, device → CPU → NVMe, when parameter shards need
-the room. device_budget caps the bytes of chunks resident there; "auto" caps them, at every moment of the step,
-at the device's capacity less `memory.device_margin` (default 5%) less the non-chunk memory the traced step
-measured at that moment (Note [measured placement]), and under device_budget too when both are set. On a
-CPU-only machine either makes the device tier memory of its own, accounted apart (the CPU seam). A budget no
-chunk fits in is refused at start-up, naming the value to set.
+moves up, with the chunks used beside it, while the tier has room for them all, so a share of the states lives,
+and is stepped, on the device; the eviction order (Note [eviction order]) sends chunks back down, device → CPU →
+NVMe, when parameter shards need the room. device_budget caps the bytes of chunks resident there; "auto" caps
+them, at every moment of the step, at the device's capacity less `memory.device_margin` (default 5%) less the
+non-chunk memory the traced step measured at that moment (Note [measured placement]), and under device_budget
+too when both are set. On a CPU-only machine either makes the device tier memory of its own, accounted apart
+(the CPU seam). A budget no chunk fits in is refused at start-up, naming the value to set.
 
 Note [offload ratio]
 DeepSpeed's `offload_optimizer.ratio` (stage 3 only, as there) is the share of the optimizer states offloaded
