@@ -88,18 +88,15 @@ class DeviceMemory:
     def host(self) -> torch.device:
         return torch.device("cpu")
 
-    def down(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A host copy of a device tensor (in `dtype`, converted on the device first when it is smaller, so fewer
-        bytes cross); the tensor itself when the memory is not separate and no conversion is asked."""
-        if dtype is not None and dtype != tensor.dtype and dtype.itemsize < tensor.dtype.itemsize:
-            tensor = tensor.to(dtype)
+    def down(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of a device tensor, counted; the tensor itself where the device is the host."""
         if not self.separate:
-            return tensor if dtype is None else tensor.to(dtype)
+            return tensor
         with record_function("tiers.copy.device->host"):
             self.bus.device_to_host += tensor.numel() * tensor.element_size()
             out = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.host)
             out.copy_(tensor)
-        return out if dtype is None else out.to(dtype)
+        return out
 
     def down_into(self, host: torch.Tensor, tensor: torch.Tensor) -> None:
         """host.copy_(device tensor), counted (the conversion to host's dtype happens on the host)."""

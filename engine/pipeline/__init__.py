@@ -1,4 +1,4 @@
-"""Pipeline parallelism (issue 22, in progress): schedules as data, checked and simulated before they run, and a
+"""Pipeline parallelism: schedules as data, checked and simulated before they run, and a
 runner that executes one rank's actions over the stage modules it holds."""
 
 from engine.pipeline.executor import PipelineRunner, PipelineTimeout, StepResult

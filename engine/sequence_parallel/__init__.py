@@ -1,4 +1,4 @@
-"""Sequence and context parallelism (issue 23, in progress): attention over a sequence split across ranks."""
+"""Sequence and context parallelism: attention over a sequence split across ranks."""
 
 from engine.sequence_parallel.ring_attention import ring_attention, zigzag_positions
 from engine.sequence_parallel.ulysses import ulysses_attention
