@@ -24,6 +24,8 @@ import psutil
 import torch
 from torch.profiler import record_function
 
+from offload.chunk import Location
+
 SEPARATE_ENV = "TIERS_SEPARATE_DEVICE_MEMORY"
 CAPACITY_ENV = "TIERS_DEVICE_MEMORY_BYTES"  # the seam's device size (default: this machine's RAM)
 
@@ -104,6 +106,16 @@ class DeviceMemory:
             self.bus.device_to_host += tensor.numel() * tensor.element_size()
         with record_function("tiers.copy.device->host"):
             host.copy_(tensor)
+
+    def copy(self, dst: torch.Tensor, dst_tier: Location, src: torch.Tensor, src_tier: Location) -> None:
+        """dst.copy_(src) between tensors on the given tiers (CPU: the host), through `up` / `down_into` when they
+        are apart, so that a copy across the bus is counted."""
+        if dst_tier is src_tier or not self.separate:
+            dst.copy_(src)
+        elif dst_tier is Location.DEVICE:
+            self.up(dst, src)
+        else:
+            self.down_into(dst, src)
 
     def up(self, device_tensor: torch.Tensor, host: torch.Tensor) -> None:
         """device_tensor.copy_(host tensor), converted to the device tensor's dtype on the host first, so that

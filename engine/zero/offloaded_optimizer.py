@@ -37,7 +37,6 @@ from typing import Callable, ContextManager
 import torch
 
 from offload.chunk import Location
-from offload.device_memory import DeviceMemory
 from offload.manager import ChunkManager
 from offload.states import TensorState
 
@@ -158,7 +157,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     memory.up(p, target)
                 if self._round_into is not None:  # Note [offloaded master weights]
                     with self._round_into(index) as (low, low_tier):
-                        _copy_across(memory, low, low_tier, target, where)
+                        memory.copy(low, low_tier, target, where)
         finally:
             state = opt.state.get(target, {})
             for name in info["names"]:
@@ -214,17 +213,6 @@ def _state_layout(make, p: torch.Tensor) -> tuple[list[str], list[torch.Tensor]]
     names = [k for k, v in opt.state[probe].items() if torch.is_tensor(v) and v.shape == probe.shape]
     return names, [torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape) for _ in names]
 
-
-
-def _copy_across(memory: DeviceMemory, dst: torch.Tensor, dst_tier: Location, src: torch.Tensor,
-                 src_tier: Location) -> None:
-    """dst.copy_(src), through the bus counter when the two tiers are apart (Note [separate device memory])."""
-    if dst_tier is src_tier or not memory.separate:
-        dst.copy_(src)
-    elif dst_tier is Location.DEVICE:
-        memory.up(dst, src)
-    else:
-        memory.down_into(dst, src)
 
 
 def _factors(scale: float | tuple[float, ...]) -> list[float]:

@@ -168,10 +168,7 @@ class ShardedParams:
         else:  # copied into its own slot of the output at once: the manager chunk is not held while in flight
             shard = shard_of(writer, state.place.rank, state.place.count)
             with self.placed_shard(index, writes=False) as (view, tier):
-                if tier is Location.CPU:  # from its home on the host, across the bus
-                    self._manager.memory.up(shard, view)
-                else:
-                    shard.copy_(view)
+                self._manager.memory.copy(shard, Location.DEVICE, view, tier)
         if state.place.count > 1:
             state.gather_work = all_gather_into(writer, shard, state.place.group_or(group), counter, async_op=True)
         elif shard.data_ptr() != writer.data_ptr():  # one rank: its shard is the chunk (Note [paging in one process])
