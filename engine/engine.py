@@ -28,22 +28,26 @@ from engine.checkpoint import Saver, load_checkpoint, write_state_dict
 from engine.checkpoint.training_state import TrainingState
 from engine.comm import CommCounter
 from engine.config import BatchSizes, Config
+from engine.coordinates import ParallelCoordinates
 from engine.moe.plan import ExpertParallel
 from engine.monitor import Monitor
+from engine.outputs import find_loss
 from engine.pipeline.driver import PipelineDriver, pull_microbatches
 from engine.precision import LossScaler, PrecisionPolicy
 from engine.progress import TrainingProgress
 from engine.sequence_parallel.runtime import SequenceSplit
 from engine.step_metrics import UpdateSummary
+from engine.tensor_backward import TensorBackward
 from engine.tensor_parallel import TensorParallel
 from engine.topology import Topology
 from engine.zero.device_bytes import device_state_bytes
 from engine.zero.runtime import ZeroRuntime
 
 
-class Engine:
+class Engine(ParallelCoordinates):
     """Wraps a model and optimizer; built by `engine.initialize`. The data-parallel work of each call runs in
-    the ZeRO runtime's phases (Note [step phases])."""
+    the ZeRO runtime's phases (Note [step phases]); dp_rank and the other coordinates come from
+    ParallelCoordinates (Note [data-parallel coordinates])."""
 
     def __init__(self, module: nn.Module, config: Config, topology: Topology, runtime: ZeroRuntime, lr_scheduler,
                  loss_scaler: LossScaler, monitor: Monitor, tensor_parallel: TensorParallel | None = None,
@@ -58,12 +62,17 @@ class Engine:
         # Note [activation checkpointing]: the config's options, for the wrapped modules and activation_checkpoint
         self.activation_checkpointing = checkpointing or ActivationCheckpointing(config.activation_checkpointing,
                                                                                  topology.device)
-        self.pipeline = pipeline  # Note [a pipelined step]: train_batch / eval_batch run the schedule
-        self.sequence = sequence  # Note [sequence parallelism]: this rank's part of each sequence
-        self.experts = experts  # Note [expert parallelism]: the MoE layers, their traffic and router losses
+        # Note [a pipelined step]: train_batch / eval_batch run the schedule; Note [sequence parallelism]: this
+        # rank's part of each sequence; Note [expert parallelism]: the MoE layers, their traffic and router losses
+        self.pipeline, self.sequence, self.experts = pipeline, sequence, experts
         self.progress = TrainingProgress(self.batch.gradient_accumulation_steps)
+        # the last update's norm, and the last forward's loss (logged for a loss.backward(): Note [tensor backward])
         self._global_grad_norm: float | None = None
+        self._forward_loss: torch.Tensor | None = None
         runtime.start(module)
+        # Note [tensor backward]: loss.backward() runs through the runtime's backward phase (a pipeline runs its own)
+        self._tensor_backward = TensorBackward(module, runtime.chunked.params, runtime, self) if pipeline is None \
+            else None
         monitor.step_metrics.exclude_traffic_so_far()  # the start-up broadcast is not a step's traffic
         self._saver = Saver(TrainingState(  # Note [checkpoint commit]
             module, runtime.chunked, runtime.optimizer, lr_scheduler, loss_scaler, self.progress, topology,
@@ -87,18 +96,6 @@ class Engine:
     @property
     def reducer(self):
         return self.runtime.reducer
-
-    @property
-    def dp_rank(self) -> int:
-        return self.topology.dp_rank
-
-    @property
-    def dp_world_size(self) -> int:
-        return self.topology.dp_world_size
-
-    @property
-    def dp_group(self):
-        return self.topology.dp_group
 
     @property
     def device(self) -> torch.device:
@@ -139,6 +136,7 @@ class Engine:
     def __call__(self, *args, **kwargs):
         """The module's forward under the precision policy; tensor arguments are moved to the engine's device."""
         self._refuse_under_pipeline("forward")
+        self._settle_tensor_backward()
         args, kwargs = to_device((args, kwargs), self.device)
         if self.module.training and torch.is_grad_enabled():  # eval forwards are not training throughput
             self.monitor.step_metrics.on_training_forward(args, kwargs)
@@ -149,7 +147,10 @@ class Engine:
         collecting = self.experts.collecting() if self.experts is not None else contextlib.nullcontext()
         with (self.monitor.step_metrics.timed("forward"), self.precision.autocast(self.device),
               self.runtime.forward(), split_attention, collecting):
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
+        output = output if self.sequence is None else self.sequence.whole_loss(output)
+        self._forward_loss = find_loss(output)  # logged for a loss.backward() (Note [tensor backward])
+        return output
 
     forward = __call__
 
@@ -175,21 +176,46 @@ class Engine:
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it "
                              "(e.g. .mean()) first")
+        self._settle_tensor_backward()
         self.monitor.step_metrics.on_loss(loss)
+        self._forward_loss = None
         aux = self.experts.take_aux_loss() if self.experts is not None else None
         total = loss if aux is None else loss + aux.to(loss.device)  # engine.moe.MoE's weighted router losses
-        factor = self.loss_scaler.scale / (self.gradient_accumulation_steps * self.dp_world_size)
-        if self.sequence is not None:  # this rank's share of the sample's tokens (Note [sequence parallelism])
-            factor *= self.sequence.token_weight
+        factor = self.loss_scaler.scale * self._gradient_factor()
         scaled = total.float() * factor if factor != 1.0 else total
         with (self.monitor.step_metrics.timed("backward"),
               self.runtime.backward(self.is_gradient_accumulation_boundary(), self.loss_scaler.scale)):
             scaled.backward(retain_graph=retain_graph)
         return loss
 
+    def _gradient_factor(self) -> float:
+        """What a micro-batch's loss is multiplied by (besides the loss scale): the accumulation and
+        data-parallel mean (gradients are summed over the ZeRO group, sequence ranks included), and under
+        sequence parallelism this rank's share of the sample's tokens (Note [sequence parallelism])."""
+        factor = 1.0 / (self.gradient_accumulation_steps * self.topology.dp_world_size)
+        return factor * self.sequence.token_weight if self.sequence is not None else factor
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss as engine.backward scales it (the fp16 loss scale, the accumulation and data-parallel mean),
+        for `engine.scale(loss).backward()` in place of engine.backward(loss) (Note [tensor backward])."""
+        if self._tensor_backward is None:
+            self._refuse_under_pipeline("scale")
+        return self._tensor_backward.scaled(loss, self.loss_scaler.scale * self._gradient_factor())
+
+    def _on_tensor_backward(self) -> None:
+        """A loss.backward() started: its loss for the step's log is the last forward's, if it returned one."""
+        if self._forward_loss is not None:
+            self.monitor.step_metrics.on_loss(self._forward_loss)
+            self._forward_loss = None
+
+    def _settle_tensor_backward(self) -> None:
+        if self._tensor_backward is not None:
+            self._tensor_backward.settle()
+
     def step(self) -> None:
         """Called after every micro-batch; updates the model at the accumulation boundary."""
         self._refuse_under_pipeline("step")
+        self._settle_tensor_backward()
         self.runtime.check_steppable()
         if not self.progress.end_micro_step():
             return
@@ -248,14 +274,14 @@ class Engine:
             extra = {"Pipeline/bubble_fraction": self.pipeline.last_bubble,
                      "Pipeline/bubble_fraction_formula": self.pipeline.formula_bubble}
         if self.experts is not None and self.config.tensorboard.enabled:  # (a collective: every rank's counts)
-            extra.update(self.experts.metrics(self.dp_group, CommCounter(), self.device))
+            extra.update(self.experts.metrics(self.topology.dp_group, CommCounter(), self.device))
         self.monitor.end_update(UpdateSummary(
             self.global_step, self.get_lr()[0], self.loss_scaler.scale, self.skipped_steps, grads.norm,
             self.train_batch_size, self.dp_world_size, self.model_state_bytes, extra))
 
     def zero_grad(self) -> None:
         """Clears accumulated gradients (the engine also does this after every update)."""
-        self.chunked.zero_grads()
+        self.runtime.zero_grads()
 
     # ---- whole weights ------------------------------------------------------------------------
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
@@ -264,16 +290,15 @@ class Engine:
         None). Stages 0-2 keep every parameter whole on every rank; stage 3 gathers one chunk at a time (every
         rank must call this). With bf16 / fp16 the parameters are their fp32 master weights."""
         keep = not rank0_only or self.topology.rank == 0
+        zero_group = self.topology.dp_group
         if self.experts is not None and self.experts.ep_size > 1:  # every rank's experts (Note [expert parallelism])
-            whole = whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.dp_group, self.comm,
-                                                  True)
+            whole = whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, zero_group, self.comm, True)
             whole = self.experts.join_state_dict(whole, self.topology.ep_group, self.comm, self.device)
             return whole if keep else None
         if self.tensor_parallel is None and self.pipeline is None:
-            return whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.dp_group, self.comm,
-                                                 keep)
+            return whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, zero_group, self.comm, keep)
         # every tp rank contributes its shards (Note [tensor-parallel plans]), every pipeline rank its stages
-        whole = whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.dp_group, self.comm, True)
+        whole = whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, zero_group, self.comm, True)
         if self.tensor_parallel is not None:
             whole = self.tensor_parallel.join_state_dict(whole, self.device)
         if self.pipeline is not None:
@@ -329,7 +354,7 @@ class Engine:
         changes made inside are not kept under stage 3. Every rank must enter with the same parameters.
         Stages 0-2 keep parameters whole, so entering gathers nothing."""
         params = list(self.module.parameters()) if params is None else list(params)
-        return whole_weights.gathered_parameters(params, self.chunked, self.gatherer, self.dp_group, self.comm,
+        return whole_weights.gathered_parameters(params, self.chunked, self.gatherer, self.topology.dp_group, self.comm,
                                                  modifier_rank, self.topology.is_distributed)
 
     def model_state_bytes(self) -> dict[str, int]:
@@ -374,6 +399,8 @@ class Engine:
         self.monitor.close()
         if hasattr(self.optimizer, "close"):
             self.optimizer.close()
+        if self._tensor_backward is not None:
+            self._tensor_backward.remove_hooks()
         self.runtime.close()
 
 

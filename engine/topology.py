@@ -122,6 +122,9 @@ class Topology:
     sp_group: dist.ProcessGroup | None = None  # None: no sequence parallelism (sp_size 1)
     sp_size: int = 1
     sp_rank: int = 0
+    # the ranks that see different samples, under sequence parallelism (where dp_group also holds the sp ranks);
+    # None: the dp group
+    sample_group: dist.ProcessGroup | None = None
     ep_group: dist.ProcessGroup | None = None  # None: no expert parallelism (ep_size 1)
     ep_size: int = 1
     ep_rank: int = 0
@@ -146,6 +149,15 @@ class Topology:
         """Ranks that see different samples: the data-parallel ranks less the sequence-parallel ones, which share
         each sample (Note [sequence parallelism])."""
         return self.dp_world_size // self.sp_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's place among the ranks that see different samples (Note [data-parallel coordinates])."""
+        return self.dp_rank // self.sp_size
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        return self.sample_group if self.sp_size > 1 else self.dp_group
 
     @property
     def is_distributed(self) -> bool:
@@ -215,12 +227,18 @@ class Topology:
         if world % (sp * tp):
             raise ValueError(f"sequence_parallel.size {sp} × tensor_parallel.size {tp} must divide the world size "
                              f"{world} (world = dp × sp × tp); launch a multiple of {sp * tp} processes")
-        tp_group = sp_group = dp_group = None
-        for d in range(world // (sp * tp)):  # every rank creates every group, in the same order
+        tp_group = sp_group = dp_group = sample_group = None
+        dp = world // (sp * tp)
+        for d in range(dp):  # every rank creates every group, in the same order
             for t in range(tp):
                 group = dist.new_group([(d * sp + s) * tp + t for s in range(sp)])
                 if rank // (sp * tp) == d and rank % tp == t:
                     sp_group = group
+        for s in range(sp):  # the ranks of one sequence part (and tp rank) across the samples
+            for t in range(tp):
+                group = dist.new_group([(d * sp + s) * tp + t for d in range(dp)])
+                if rank // tp % sp == s and rank % tp == t:
+                    sample_group = group
         if tp > 1:
             for x in range(world // tp):
                 group = dist.new_group(list(range(x * tp, (x + 1) * tp)))
@@ -231,7 +249,7 @@ class Topology:
                 if rank % tp == t:
                     dp_group = group
         return cls(world, rank, dp_group, world // tp, rank // tp, device, tp_group, tp, rank % tp,
-                   sp_group=sp_group, sp_size=sp, sp_rank=rank // tp % sp)
+                   sp_group=sp_group, sp_size=sp, sp_rank=rank // tp % sp, sample_group=sample_group)
 
     @classmethod
     def _with_pipeline(cls, world: int, rank: int, device: torch.device, tp: int, pp: int) -> "Topology":

@@ -52,7 +52,8 @@ def _dp_worker(rank, world, accumulation, chunk_size, overlap=True):
     # each rank builds a differently initialized model: the engine must start all from rank 0's
     engine = initialize(tiny_gpt(seed=rank), cfg)
     assert len(engine.chunked.grad_payloads()) > 1 or chunk_size > 10**6
-    losses, norms = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, accumulation)
+    losses, norms = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), engine.dp_rank,
+                                 engine.dp_world_size, accumulation)  # Note [data-parallel coordinates]
     return losses, norms, param_snapshot(engine.module), engine.comm.all_reduce_bytes
 
 

@@ -71,8 +71,9 @@ def _train_worker(rank, world, name, stage, ep, offload=None, extra=None):
     engine = initialize(BUILDERS[name](), {**config(stage, ep, offload), **(extra or {})})
     loss_of = LOSSES.get(name, hf_loss)
     losses = []
+    assert (engine.dp_rank, engine.dp_world_size, engine.ep_world_size) == (rank, world, ep)  # every rank: own data
     for x in batches():
-        (micro,) = micro_batches(x, rank, world, 1)
+        (micro,) = micro_batches(x, engine.dp_rank, engine.dp_world_size, 1)
         loss = loss_of(engine, micro)
         engine.backward(loss)
         engine.step()

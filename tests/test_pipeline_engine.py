@@ -81,7 +81,8 @@ def _worker(rank, world, name, pp, schedule, accumulation, v, stage, extra):
     engine = initialize(MODELS[name](), pipeline_config(pp, schedule, world // pp // tp, accumulation, v, stage,
                                                         **extra))
     assert (engine.tensor_parallel is not None) == (tp > 1)
-    dp_rank, dp = engine.topology.dp_rank, engine.dp_world_size
+    dp_rank, dp = engine.dp_rank, engine.dp_world_size  # Note [data-parallel coordinates]
+    assert (dp, engine.num_stages) == (world // pp // tp, pp)
     losses, norms = [], []
     for batch in token_batches(STEPS, GLOBAL_BATCH):
         mbs = [{"input_ids": x, "labels": x} for x in micro_batches(batch, dp_rank, dp, accumulation)]

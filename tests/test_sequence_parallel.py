@@ -54,17 +54,20 @@ def _worker(rank, world, name, sp, mode, stage, accumulation=1, tp=1):
            "sequence_parallel": {"size": sp, "mode": mode}, "tensor_parallel": {"size": tp}}
     engine = initialize(MODELS[name](), cfg)
     assert engine.sequence.mode == mode
-    assert engine.topology.data_parallel_size == data_ranks
+    # the loop shards by the data-parallel coordinates (Note [data-parallel coordinates]), and the forward's loss
+    # is the whole sequence's (Note [sequence parallelism])
+    assert (engine.dp_world_size, engine.seq_parallel_world_size) == (data_ranks, sp)
+    assert engine.seq_dp_world_size == data_ranks * sp
     losses = []
     for batch in token_batches(STEPS, GLOBAL_BATCH, seq=SEQ):
-        share = torch.zeros(1, dtype=torch.float64)
-        for x in micro_batches(batch, engine.dp_rank // sp, data_ranks, accumulation):
+        mean = torch.zeros(1, dtype=torch.float64)
+        for x in micro_batches(batch, engine.dp_rank, engine.dp_world_size, accumulation):
             loss = loss_of(engine(input_ids=x, labels=x))
             engine.backward(loss)
             engine.step()
-            share += loss.item() * engine.sequence.token_weight / sp / accumulation
-        dist.all_reduce(share)  # the group's loss over every token, summed over the data (and tp) ranks
-        losses.append(share.item() / (world // sp))
+            mean += loss.item() / accumulation
+        dist.all_reduce(mean, group=engine.dp_group)  # the step's loss: the mean over the data-parallel ranks
+        losses.append(mean.item() / engine.dp_world_size)
     return losses, trained_params(engine)
 
 

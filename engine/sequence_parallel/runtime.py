@@ -19,7 +19,10 @@ refused, naming what to do. "auto" picks Ulysses when the model's heads (per tp 
 else ring, and says which. The model's loss is its mean over this rank's tokens; engine.backward
 weighs it by this rank's share of the group's counted tokens (labels other than -100) times S, so
 that averaging the gradients over the ranks gives the loss over every token of the sample, whatever
-S and the padding.
+S and the padding. The loss the forward returns (a scalar output, or the `loss` of a mapping or
+Hugging Face output) has the value of the whole sequence's loss, the token-weighted mean over the
+group's counted tokens, and the gradient of this rank's own loss: a printed loss means what it means
+without sequence parallelism, and backward is unchanged.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from engine.comm import CommCounter
+from engine.outputs import replace_loss
 from engine.sequence_parallel.ring_attention import ring_attention, zigzag_positions
 from engine.sequence_parallel.ulysses import ulysses_attention
 
@@ -109,6 +113,17 @@ class SequenceSplit:
         total = counts.clone()
         dist.all_reduce(total, group=self.group)
         return float(counts / total) * self.size if total.item() > 0 else 1.0
+
+    def whole_loss(self, output):
+        """`output` with its loss valued as the whole sequence's (Note [sequence parallelism]); an output
+        without a loss (engine.outputs) is returned as it is."""
+        return replace_loss(output, self._whole)
+
+    def _whole(self, loss: torch.Tensor) -> torch.Tensor:
+        weighted = loss.detach().float() * (self.token_weight / self.size) if self.token_weight else \
+            torch.zeros((), device=loss.device)  # a part with no counted tokens (its mean is nan) adds nothing
+        dist.all_reduce(weighted, group=self.group)
+        return loss + (weighted.to(loss.dtype) - loss.detach())
 
     def attention(self):
         """The context the forward runs in: its attention over the group."""

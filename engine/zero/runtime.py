@@ -176,29 +176,48 @@ class ZeroRuntime:
     def backward(self, boundary: bool, loss_scale: float, trace_key=None):
         """Around autograd's backward of one micro-batch; `boundary`: it ends the accumulation. Whether it reduces
         is decided (and refused, for a second synchronized backward) before anything is armed."""
+        reduces = self.begin_backward(boundary, loss_scale, trace_key)
+        try:
+            with self._released_parameter_hint():
+                yield
+        except BaseException as e:
+            self.abandon_backward(reduces, e)
+            raise
+        self.end_backward(reduces)
+
+    def begin_backward(self, boundary: bool, loss_scale: float, trace_key=None) -> bool:
+        """Enters the backward phase (engine.backward, or a PyTorch-style one: Note [tensor backward]); returns
+        whether this backward reduces, for end_backward / abandon_backward."""
         every_backward = self.chunked.sharded_grads is not None  # Note [sharded gradients]
         reduces = self.reducer is not None and not self.accumulating_locally and (
             every_backward or (boundary and not self.inside_no_sync))
         if reduces:
             self._check_one_synchronized_backward(every_backward)
         self._enter(TrainingPhase.BACKWARD)
-        try:
-            self.pre_backward(reduces, boundary, loss_scale, trace_key)
-            with self._released_parameter_hint():
-                yield
-            self.post_backward(reduces)
+        try:  # pre_backward: the reducer is armed when this backward reduces (Note [micro-steps and boundaries])
+            with record_function("tiers.zero.pre_backward"):
+                if reduces:
+                    self.reducer.arm(self._shard_stepper(loss_scale) if self.steps_in_backward and boundary else None)
+                if self.gatherer is not None:
+                    self.gatherer.begin(Pass.BACKWARD, trace_key)
         except BaseException as e:
-            self._abandon_backward(reduces, e)
+            self.abandon_backward(reduces, e)
+            raise
+        return reduces
+
+    def end_backward(self, reduces: bool) -> None:
+        """post_backward: stage 3 releases, and the launched reductions are waited for."""
+        try:
+            with record_function("tiers.zero.post_backward"):
+                if self.gatherer is not None:
+                    self.gatherer.end()
+                if reduces:
+                    self.reducer.complete_backward()
+                    self.synchronized = True
+        except BaseException as e:
+            self.abandon_backward(reduces, e)
             raise
         self.phase = TrainingPhase.IDLE
-
-    def pre_backward(self, reduces: bool, boundary: bool, loss_scale: float, trace_key=None) -> None:
-        """Arms the reducer when this backward reduces (Note [micro-steps and boundaries])."""
-        with record_function("tiers.zero.pre_backward"):
-            if reduces:
-                self.reducer.arm(self._shard_stepper(loss_scale) if self.steps_in_backward and boundary else None)
-            if self.gatherer is not None:
-                self.gatherer.begin(Pass.BACKWARD, trace_key)
 
     def _check_one_synchronized_backward(self, every_backward: bool) -> None:
         if self.synchronized and not every_backward:
@@ -225,15 +244,7 @@ class ZeroRuntime:
 
         return step_reduced_shard
 
-    def post_backward(self, reduces: bool) -> None:
-        with record_function("tiers.zero.post_backward"):
-            if self.gatherer is not None:
-                self.gatherer.end()
-            if reduces:
-                self.reducer.complete_backward()
-                self.synchronized = True
-
-    def _abandon_backward(self, reduces: bool, error: BaseException) -> None:
+    def abandon_backward(self, reduces: bool, error: BaseException | None) -> None:
         """After a failed backward: idle, nothing stays gathered, nothing more is reduced or stepped (even when
         releasing fails too)."""
         self.phase = TrainingPhase.IDLE
@@ -248,6 +259,11 @@ class ZeroRuntime:
                 f"backward failed after offload_optimizer.step_in_backward had updated {self.optimizer.stepped_early} "
                 "parameter shard(s) with their final gradients: the model is partly updated and cannot be rolled "
                 "back; restore it from a checkpoint (build the engine again from saved weights)") from error
+
+    def zero_grads(self) -> None:
+        """Zeroes the accumulated gradients: a synchronized backward after this reduces its own only."""
+        self.chunked.zero_grads()
+        self.synchronized = False
 
     # ---- the update ---------------------------------------------------------------------------
     def check_steppable(self) -> None:

@@ -61,9 +61,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         p.tiers_engine = weakref.ref(engine)
     loader = None
     if training_data is not None:
-        topo = engine.topology
-        loader = DeepSpeedDataLoader(training_data, engine.train_micro_batch_size_per_gpu, topo.data_parallel_size,
-                                     topo.dp_rank // topo.sp_size, collate_fn, engine.config.dataloader_drop_last)
+        loader = DeepSpeedDataLoader(training_data, engine.train_micro_batch_size_per_gpu, engine.dp_world_size,
+                                     engine.dp_rank, collate_fn, engine.config.dataloader_drop_last)
     wrapped = DeepSpeedEngine(engine, loader)
     release_at_exit(wrapped)
     return wrapped, engine.optimizer, loader, engine.lr_scheduler
