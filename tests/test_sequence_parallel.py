@@ -71,43 +71,50 @@ def _worker(rank, world, name, sp, mode, stage, accumulation=1, tp=1):
     return losses, trained_params(engine)
 
 
-@pytest.mark.parametrize("name,mode", [("gpt", "ulysses"), ("gpt", "ring"), ("hf_gpt2", "ulysses"),
-                                       ("hf_gpt2", "ring"), ("hf_llama", "ulysses"), ("hf_llama", "ring"),
-                                       ("hf_llama_1kv", "ulysses"), ("hf_llama_1kv", "ring")])
-def test_sp2_equals_one_process_on_the_full_sequence(name, mode):
-    check(name, 2, 2, mode, stage=0)
+SP2_CASES = [(name, 2, mode, 0, 1, 1) for name, mode in [
+    ("gpt", "ulysses"), ("gpt", "ring"), ("hf_gpt2", "ulysses"), ("hf_gpt2", "ring"), ("hf_llama", "ulysses"),
+    ("hf_llama", "ring"), ("hf_llama_1kv", "ulysses"), ("hf_llama_1kv", "ring")]]
+# the loss weights and the accumulation mean compose: neither is off by the size or by the steps
+ACCUMULATION_CASES = [("gpt", 2, mode, 2, 2, 1) for mode in ("ulysses", "ring")]
+DP2_BY_SP2_CASE = ("hf_llama", 2, "ring", 3, 1, 1)
+# Ulysses or ring over the sequence inside each tensor-parallel rank's heads (world = sp 2 × tp 2: Ulysses splits
+# the 2 heads of a tp rank)
+SP2_BY_TP2_CASES = [("gpt_4_heads", 2, "ulysses", 2, 1, 2), ("hf_llama", 2, "ring", 2, 1, 2)]
 
 
-def test_dp2_by_sp2_under_zero3():
-    check("hf_llama", 4, 2, "ring", stage=3)
+def test_sp2_equals_one_process_on_the_full_sequence_for_every_model_and_mode():
+    """Eight models x modes at size 2, and two accumulating under ZeRO-2, in one group of 2 processes."""
+    check(2, SP2_CASES + ACCUMULATION_CASES)
 
 
-@pytest.mark.parametrize("mode", ["ulysses", "ring"])
-def test_accumulation_over_two_micro_batches_under_zero2(mode):
-    """The loss weights and the accumulation mean compose: neither is off by the size or by the steps."""
-    check("gpt", 2, 2, mode, stage=2, accumulation=2)
+def test_dp2_by_sp2_under_zero3_and_sp2_by_tp2_under_zero2():
+    check(4, [DP2_BY_SP2_CASE] + SP2_BY_TP2_CASES)
 
 
-@pytest.mark.parametrize("name,mode", [("gpt_4_heads", "ulysses"), ("hf_llama", "ring")])
-def test_sp2_by_tp2_under_zero2(name, mode):
-    """Ulysses or ring over the sequence inside each tensor-parallel rank's heads (world = sp 2 × tp 2: Ulysses
-    splits the 2 heads of a tp rank)."""
-    check(name, 4, 2, mode, stage=2, tp=2)
+def _cases_worker(rank, world, cases):
+    return [_worker(rank, world, name, sp, mode, stage, accumulation, tp)
+            for name, sp, mode, stage, accumulation, tp in cases]
 
 
-def check(name: str, world: int, sp: int, mode: str, stage: int, accumulation: int = 1, tp: int = 1) -> None:
-    model = MODELS[name]()
-    ref_losses, _ = train_reference(model, token_batches(STEPS, GLOBAL_BATCH, seq=SEQ), adamw, clip=1.0,
-                                    loss_fn=lambda m, x: loss_of(m(input_ids=x, labels=x)))
-    # ring attention merges blockwise partial results, another summation order than one SDPA call; Adam's
-    # normalization magnifies that in small parameters, so its parameters are held to tensor parallelism's 1e-4,
-    # as is everything under tensor parallelism
-    losses_rtol = 1e-4 if tp > 1 else FP32_RTOL
-    params_rtol = 1e-4 if mode == "ring" or tp > 1 else FP32_RTOL
-    for losses, params in run_distributed(_worker, world, args=(name, sp, mode, stage, accumulation, tp),
-                                          timeout_s=240):
-        assert_close_relative(losses, ref_losses, rtol=losses_rtol)
-        assert_params_close(params, param_snapshot(model), rtol=params_rtol)
+def check(world: int, cases: list[tuple]) -> None:
+    """Each case (model, sp, mode, stage, accumulation, tp) against one process on the full sequences."""
+    results = run_distributed(_cases_worker, world, args=(cases,), timeout_s=600)
+    for i, (name, _sp, mode, _stage, _accumulation, tp) in enumerate(cases):
+        model = MODELS[name]()
+        ref_losses, _ = train_reference(model, token_batches(STEPS, GLOBAL_BATCH, seq=SEQ), adamw, clip=1.0,
+                                        loss_fn=lambda m, x: loss_of(m(input_ids=x, labels=x)))
+        # ring attention merges blockwise partial results, another summation order than one SDPA call; Adam's
+        # normalization magnifies that in small parameters, so its parameters are held to tensor parallelism's
+        # 1e-4, as is everything under tensor parallelism
+        losses_rtol = 1e-4 if tp > 1 else FP32_RTOL
+        params_rtol = 1e-4 if mode == "ring" or tp > 1 else FP32_RTOL
+        for rank, rank_results in enumerate(results):
+            losses, params = rank_results[i]
+            try:
+                assert_close_relative(losses, ref_losses, rtol=losses_rtol)
+                assert_params_close(params, param_snapshot(model), rtol=params_rtol)
+            except AssertionError as e:
+                raise AssertionError(f"case {cases[i]}, rank {rank}: {e}") from e
 
 
 def test_deepspeed_key_and_bad_values_name_the_fix():

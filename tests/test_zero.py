@@ -82,10 +82,20 @@ FORMULA = {1: {"param": (4, 0), "grad": (4, 0), "optim": (0, 8)},
            3: {"param": (0, 4), "grad": (0, 4), "optim": (0, 8)}}
 
 
-@pytest.mark.parametrize("stage,world,accumulation", [(1, 2, 2), (1, 4, 1), (2, 2, 2), (2, 4, 1), (3, 2, 2), (3, 4, 1)])
-def test_stage_matches_single_process_and_its_memory_and_traffic(reference, stage, world, accumulation):
+def _stages_worker(rank, world, accumulation):
+    return [_zero_worker(rank, world, stage, accumulation) for stage in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("world,accumulation", [(2, 2), (4, 1)])
+def test_stages_1_to_3_match_single_process_and_their_memory_and_traffic(reference, world, accumulation):
+    """Stages 1, 2 and 3 in one group of `world` processes."""
+    per_rank = run_distributed(_stages_worker, world, args=(accumulation,), timeout_s=300)
+    for i, stage in enumerate((1, 2, 3)):
+        check_stage(reference, [rank_results[i] for rank_results in per_rank], stage, world, accumulation)
+
+
+def check_stage(reference, results: list, stage: int, world: int, accumulation: int) -> None:
     ref_losses, ref_norms, ref_params = reference
-    results = run_distributed(_zero_worker, world, args=(stage, accumulation))
     mean_losses = [sum(r[0][i] for r in results) / world for i in range(STEPS)]
     assert_close_relative(mean_losses, ref_losses)
     assert_close_relative(results[0][1], ref_norms)  # the global norm, summed over the shards
