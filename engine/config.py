@@ -1,8 +1,9 @@
 """JSON config → typed sections, with DeepSpeed's key names and defaults and strict validation.
 
-`load_config(path_or_dict)` checks every key (unknown keys are errors at every level, naming the
-key path and the closest valid key) and every value (type and range). Features that a later
-release adds are accepted only at their "off" values; anything else says "not supported yet".
+`load_config(path_or_dict)` reads DeepSpeed's spellings first (Note [reading a DeepSpeed config]), then checks
+every key (unknown keys are errors naming the key path and the closest valid key; a top-level key that is no near
+miss of a known one is a warning, as DeepSpeed ignores it) and every value (type and range). Features Tiers does
+not have are accepted only at their "off" values; anything else says "not supported yet" naming the feature.
 Batch sizes are resolved against the data-parallel world size by `Config.batch_sizes(dp)`.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.config_checks import check_config
+from engine.config_deepspeed import AutotuningConfig, TorchAutocastConfig, from_deepspeed
 from engine.config_schema import ConfigError, bounded, closest, parse_section, section, to_dict, unknown_key_error
 
 Auto = Literal["auto"]
@@ -48,6 +50,9 @@ class FP16Config:
 @dataclass(frozen=True)
 class BF16Config:
     enabled: bool = False
+    # skip a step whose gradients hold inf/nan, as fp16 does (DeepSpeed's default is true since 0.19.3; Tiers keeps
+    # false, see docs/migrating-from-deepspeed.md)
+    check_grad_overflow: bool = False
 
 
 @dataclass(frozen=True)
@@ -259,8 +264,12 @@ class Config:
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     gradient_clipping: float = bounded(0.0, min=0)
+    # where DeepSpeed divides by the data-parallel size around the gradient sum (Note [gradient averaging order])
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = bounded(1.0, gt=0)
     fp16: FP16Config = section(FP16Config)
     bf16: BF16Config = section(BF16Config)
+    torch_autocast: TorchAutocastConfig = section(TorchAutocastConfig)
     zero_optimization: ZeroConfig = section(ZeroConfig)
     aio: AioConfig = section(AioConfig)
     activation_checkpointing: ActivationCheckpointingConfig = section(ActivationCheckpointingConfig)
@@ -275,6 +284,7 @@ class Config:
     moe: MoEConfig = section(MoEConfig)
     memory: MemoryConfig = section(MemoryConfig)
     seed: int | None = None
+    autotuning: AutotuningConfig = section(AutotuningConfig)  # read by `tiers tune`
     dataloader_drop_last: bool = False  # the loader deepspeed.initialize(training_data=...) returns (engine.compat)
 
     def batch_sizes(self, dp_world_size: int) -> BatchSizes:
@@ -321,29 +331,6 @@ def resolve_batch_sizes(total: int | None, micro: int | None, accum: int | None,
     return BatchSizes(total, micro, accum)
 
 
-# DeepSpeed keys whose features Tiers does not have yet: accepted only at their "off" value.
-_UNSUPPORTED_TOP_LEVEL_OFF_VALUES: dict[str, Any] = {
-    "prescale_gradients": False,
-    "gradient_predivide_factor": 1.0,
-    "sparse_gradients": False,
-    "memory_breakdown": False,
-    "dump_state": False,
-    "disable_allgather": False,
-    "communication_data_type": None,
-}
-# DeepSpeed sections Tiers does not have, off in DeepSpeed unless "enabled": true: accepted when they say so.
-_UNSUPPORTED_TOP_LEVEL_SECTIONS = (
-    "amp", "flops_profiler", "comms_logger", "wandb", "csv_monitor", "comet", "data_efficiency",
-    "curriculum_learning", "elasticity", "autotuning", "hybrid_engine", "eigenvalue", "progressive_layer_drop",
-    "quantize_training", "nebula",
-)
-# DeepSpeed sections whose presence turns a feature on (they have no "enabled"): accepted only holding
-# DeepSpeed's defaults (these values; a key not listed is a setting, so the section is on).
-_UNSUPPORTED_PRESENCE_SECTIONS: dict[str, dict[str, Any]] = {
-    "sparse_attention": {}, "compression_training": {}, "weight_quantization": {},
-    "data_types": {"grad_accum_dtype": None}, "compile": {"deepcompile": False},
-}
-
 _OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
     "adam": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "adam_w_mode": True,
              "torch_adam": False, "bias_correction": True, "amsgrad": False},
@@ -353,30 +340,6 @@ _OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
 }
 _UNSUPPORTED_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb", "lamb", "lion", "adagrad", "muadam")
 OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
-
-
-def _strip_unsupported(raw: dict) -> dict:
-    raw = dict(raw)
-    for key, off in _UNSUPPORTED_TOP_LEVEL_OFF_VALUES.items():
-        if key in raw:
-            if raw[key] != off:
-                raise ConfigError(f"{key}: {raw[key]!r} is not supported yet by Tiers; "
-                                  f"remove the key or set it to {json.dumps(off)}.")
-            del raw[key]
-    for key in _UNSUPPORTED_TOP_LEVEL_SECTIONS:
-        if key in raw:
-            value = raw.pop(key)
-            if not (isinstance(value, dict) and value.get("enabled", False) is False):
-                raise ConfigError(f"{key}: this DeepSpeed feature is not supported yet by Tiers; "
-                                  f"remove the '{key}' section.")
-    for key, defaults in _UNSUPPORTED_PRESENCE_SECTIONS.items():
-        if key in raw:
-            value = raw.pop(key)
-            if not (isinstance(value, dict) and all(k in defaults and v == defaults[k] for k, v in value.items())):
-                raise ConfigError(f"{key}: {json.dumps(value)} — DeepSpeed turns this feature on by the section's "
-                                  f"presence, and Tiers does not have it; remove the '{key}' section (training "
-                                  "without it would not be what the config asks for).")
-    return raw
 
 
 def _validate_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
@@ -475,7 +438,8 @@ def load_config(source: str | os.PathLike | dict | Config) -> Config:
             and aio["thread_count"] != aio["intra_op_parallelism"]):
         raise ConfigError("aio: thread_count and intra_op_parallelism are the same setting "
                           "(DeepSpeed renamed it); give one.")
-    cfg = parse_section(Config, _strip_unsupported(_with_autotp_size(_with_sequence_parallel_size(raw))))
+    raw = _with_autotp_size(_with_sequence_parallel_size(raw))
+    cfg = parse_section(Config, from_deepspeed(raw, {f.name for f in dataclasses.fields(Config)}))
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one.")
     if cfg.optimizer is not None:

@@ -27,6 +27,10 @@ def check_config(cfg: Config) -> None:
     zero = cfg.zero_optimization
     checks = [
         (cfg.fp16.auto_cast, "fp16.auto_cast", True, "casting inputs to fp16 is not supported yet; set it to false"),
+        (cfg.torch_autocast.enabled, "torch_autocast.enabled", True, "DeepSpeed's torch_autocast (fp32 weights, the "
+         "forward under torch.autocast, low-precision gradient reduction of lower_precision_safe_modules) is not "
+         "built yet; use bf16.enabled (bf16 weights with fp32 master weights, the forward under autocast) or remove "
+         "the section"),
         (zero.stage >= 1 and not zero.allgather_partitions, "zero_optimization.allgather_partitions", False,
          "Tiers always all-gathers the updated shards; remove the key or set it to true"),
         (not zero.contiguous_gradients, "zero_optimization.contiguous_gradients", False,
@@ -256,6 +260,10 @@ def _check_step_in_backward(cfg: Config, topology: Topology) -> None:
         raise ConfigError(f"{key}: fp16 skips a step whose gradients overflow, which is known only once every "
                           "gradient is in, and step_in_backward updates before that; use bf16 (no loss scaling), "
                           "or remove step_in_backward")
+    if cfg.bf16.enabled and cfg.bf16.check_grad_overflow:
+        raise ConfigError(f"{key}: bf16.check_grad_overflow skips a step whose gradients overflow, which is known only "
+                          "once every gradient is in, and step_in_backward updates before that; set "
+                          "bf16.check_grad_overflow to false, or remove step_in_backward")
     if cfg.gradient_clipping > 0:
         raise ConfigError(f"{key}: clipping by the global gradient norm needs every gradient before the first "
                           f"update, and step_in_backward updates during backward; set gradient_clipping to 0 "

@@ -113,6 +113,8 @@ class DynamicLossScaler(LossScaler):
 
 def build_loss_scaler(config: Config) -> LossScaler:
     fp16 = config.fp16
+    if config.bf16.enabled and config.bf16.check_grad_overflow:
+        return StaticLossScaler(1.0)  # DeepSpeed's bf16 overflow check: skip the step, nothing to rescale
     if not fp16.enabled:
         return LossScaler()
     if fp16.loss_scale > 0:

@@ -48,9 +48,8 @@ def test_auto_batch_values_are_derived(dp):
     cfg = load_config({"train_batch_size": 12 * dp, "train_micro_batch_size_per_gpu": 3,
                        "gradient_accumulation_steps": "auto"})
     assert cfg.batch_sizes(dp) == BatchSizes(12 * dp, 3, 4)
-    cfg = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 5,
-                       "gradient_accumulation_steps": "auto"})
-    assert cfg.batch_sizes(dp) == BatchSizes(5 * dp, 5, 1)
+    cfg = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 5})
+    assert cfg.batch_sizes(dp) == BatchSizes(5 * dp, 5, 1)  # accumulation absent: 1, as in DeepSpeed
 
 
 @pytest.mark.parametrize("dp", DPS)
@@ -104,10 +103,23 @@ def test_gradient_accumulation_steps_alone_is_an_error():
     raises({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps alone",
            "train_batch_size", "train_micro_batch_size_per_gpu")
     raises({"gradient_accumulation_steps": 4, "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"},
-           "gradient_accumulation_steps alone")
+           'train_batch_size, train_micro_batch_size_per_gpu: "auto" with nothing to derive it from', "Hugging Face")
 
 
-@pytest.mark.parametrize("raw", [{}, {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}])
+@pytest.mark.parametrize("raw, unfilled", [
+    ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}, "train_batch_size, train_micro_batch"),
+    ({"train_micro_batch_size_per_gpu": "auto"}, "train_micro_batch_size_per_gpu"),
+    ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 5, "gradient_accumulation_steps": "auto"},
+     "train_batch_size, gradient_accumulation_steps"),
+    ({"train_batch_size": 64, "gradient_accumulation_steps": "auto"}, "gradient_accumulation_steps"),
+])
+def test_auto_batch_values_nothing_determines_name_the_integrations(raw, unfilled):
+    """An "auto" the other batch keys leave open (HF Trainer fills it from its arguments) is refused at load."""
+    msg = raises(raw, f'{unfilled}', '"auto" with nothing to derive it from', "Hugging Face Trainer", "accelerate")
+    assert msg.startswith(unfilled)
+
+
+@pytest.mark.parametrize("raw", [{}])
 def test_no_batch_size_is_an_error(raw):
     cfg = load_config(raw)
     with pytest.raises(ConfigError) as info:

@@ -108,7 +108,7 @@ def test_not_yet_supported_features_load_at_their_off_values():
 
 
 @pytest.mark.parametrize("section", ["flops_profiler", "amp", "comms_logger", "wandb", "csv_monitor", "elasticity",
-                                     "autotuning"])
+                                     "progressive_layer_drop", "quantize_training"])
 def test_deepspeed_only_sections(section):
     raises({section: {"enabled": True}}, section, "not supported yet")
     cfg = load_config({section: {"enabled": False}, "train_micro_batch_size_per_gpu": 1})
@@ -116,9 +116,8 @@ def test_deepspeed_only_sections(section):
 
 
 @pytest.mark.parametrize("section, value", [("sparse_attention", {"mode": "fixed"}),
-                                            ("compression_training", {"weight_quantization": {"x": {}}}),
                                             ("data_types", {"grad_accum_dtype": "fp32"}),
-                                            ("compile", {"deepcompile": True}), ("weight_quantization", {"x": 1})])
+                                            ("weight_quantization", {"x": 1})])
 def test_deepspeed_sections_on_by_presence_are_refused(section, value):
     """DeepSpeed turns these on by the section's presence (they have no "enabled"): accepted only at DeepSpeed's
     defaults, refused by name otherwise (training without them is not what the config asks for)."""
@@ -130,13 +129,7 @@ def test_deepspeed_only_section_with_settings_but_disabled_loads():
     load_config({"flops_profiler": {"enabled": False, "profile_step": 1, "module_depth": -1, "top_modules": 1}})
 
 
-def test_prescale_gradients_false_loads_true_errors():
-    load_config({"prescale_gradients": False})
-    msg = raises({"prescale_gradients": True}, "prescale_gradients", "not supported yet", "false")
-    assert msg.startswith("prescale_gradients:")
-
-
-@pytest.mark.parametrize("key, off, on", [("gradient_predivide_factor", 1.0, 2.0), ("sparse_gradients", False, True),
+@pytest.mark.parametrize("key, off, on", [("sparse_gradients", False, True),
                                           ("communication_data_type", None, "fp32")])
 def test_deepspeed_only_top_level_keys(key, off, on):
     load_config({key: off})
