@@ -371,8 +371,6 @@ def _validate_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
         elif not _is_number(value) or value < 0:
             raise ConfigError(f"{path}: {value!r} is not allowed; expected a number >= 0.")
         params[key] = value
-    if not params.get("bias_correction", True):
-        raise ConfigError("optimizer.params.bias_correction: false is not supported yet; remove it or set it to true.")
     if params.get("amsgrad"):
         raise ConfigError("optimizer.params.amsgrad: true is not supported "
                           "(DeepSpeed's Adam has no AMSGrad either); remove it.")
