@@ -26,7 +26,8 @@ def check_config(cfg: Config) -> None:
     off values are accepted."""
     zero = cfg.zero_optimization
     checks = [
-        (cfg.fp16.auto_cast, "fp16.auto_cast", True, "casting inputs to fp16 is not supported yet; set it to false"),
+        (cfg.fp16.auto_cast and not cfg.fp16.enabled, "fp16.auto_cast", True, "casts the forward's inputs to fp16, "
+         "for a model trained in fp16, and fp16.enabled is false; set fp16.enabled to true, or remove auto_cast"),
         (cfg.torch_autocast.enabled, "torch_autocast.enabled", True, "DeepSpeed's torch_autocast (fp32 weights, the "
          "forward under torch.autocast, low-precision gradient reduction of lower_precision_safe_modules) is not "
          "built yet; use bf16.enabled (bf16 weights with fp32 master weights, the forward under autocast) or remove "

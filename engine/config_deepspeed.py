@@ -182,6 +182,7 @@ def from_deepspeed(raw: dict, known_top_level: set[str], warn: Callable[[str], N
     known_top_level: the typed config's top-level keys."""
     warn = warn or logging.getLogger(__name__).warning
     raw = _renamed(dict(raw))
+    _drop_param_offload_below_stage_3(raw, warn)
     _check_auto(raw)
     raw = _without_foreign_keys(raw)
     valid = known_top_level | set(_TOP_LEVEL_KEYS) | set(_ENABLED_SECTIONS) | set(_PRESENCE_SECTIONS)
@@ -207,6 +208,18 @@ def _renamed(raw: dict) -> dict:
     elif isinstance(zero, dict):
         raw["zero_optimization"] = _zero_renamed(dict(zero))
     return raw
+
+
+def _drop_param_offload_below_stage_3(raw: dict, warn: Callable[[str], None]) -> None:
+    """DeepSpeed reads offload_param at stage 3 only (DeepSpeed-Chat's and OpenRLHF's configs set it at every stage):
+    below, the parameters stay on the device, there and here."""
+    zero = raw.get("zero_optimization")
+    param = zero.get("offload_param") if isinstance(zero, dict) else None
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if isinstance(param, dict) and param.get("device") in ("cpu", "nvme") and isinstance(stage, int) and stage < 3:
+        warn(f"config: zero_optimization.offload_param is read at stage 3 only (DeepSpeed ignores it at stage {stage} "
+             "too); the parameters stay on the device")
+        raw["zero_optimization"] = {k: v for k, v in zero.items() if k != "offload_param"}
 
 
 def _zero_renamed(zero: dict) -> dict:

@@ -138,6 +138,7 @@ class Engine(ParallelCoordinates):
         self._refuse_under_pipeline("forward")
         self._settle_tensor_backward()
         args, kwargs = to_device((args, kwargs), self.device)
+        args = self.precision.forward_args(args)
         if self.module.training and torch.is_grad_enabled():  # eval forwards are not training throughput
             self.monitor.step_metrics.on_training_forward(args, kwargs)
         split_attention = contextlib.nullcontext()

@@ -15,19 +15,35 @@ class PrecisionPolicy:
     """Compute dtype for the forward; master weights, gradients and optimizer states stay fp32."""
 
     compute_dtype: torch.dtype
+    cast_inputs: bool = False  # fp16.auto_cast: floating positional forward arguments cast to fp16, as DeepSpeed does
 
     @classmethod
     def from_config(cls, config: Config) -> "PrecisionPolicy":
         if config.fp16.enabled:
-            return cls(torch.float16)
+            return cls(torch.float16, cast_inputs=config.fp16.auto_cast)
         if config.bf16.enabled:
             return cls(torch.bfloat16)
         return cls(torch.float32)
+
+    def forward_args(self, args: tuple) -> tuple:
+        """The positional forward arguments, their floating tensors (in nested lists, tuples, dicts) cast to fp16
+        under fp16.auto_cast (DeepSpeed casts these, not the keyword arguments)."""
+        return _half(args) if self.cast_inputs else args
 
     def autocast(self, device: torch.device):
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.compute_dtype)
+
+
+def _half(value):
+    if isinstance(value, torch.Tensor):
+        return value.half() if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_half(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _half(v) for k, v in value.items()}
+    return value
 
 
 class LossScaler:

@@ -493,7 +493,8 @@ def test_auto_bucket_size_is_accepted():
 
 def test_fp16_auto_cast_false_is_a_known_deepspeed_key():
     assert load_config({"fp16": {"enabled": True, "auto_cast": False}}).fp16.auto_cast is False
-    raises({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast", "not supported yet")
+    assert load_config({"fp16": {"enabled": True, "auto_cast": True}}).fp16.auto_cast is True
+    raises({"fp16": {"enabled": False, "auto_cast": True}}, "fp16.auto_cast", "fp16.enabled is false")
 
 
 def test_scheduler_last_batch_iteration_is_a_known_deepspeed_key():

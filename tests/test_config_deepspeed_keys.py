@@ -172,6 +172,30 @@ def test_bf16_check_grad_overflow_skips_the_step():
         assert unchanged is check
 
 
+class _RecordsInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+        self.seen: list = []
+
+    def forward(self, x, extra, scale=None):
+        self.seen = [x.dtype, extra["ids"].dtype, extra["w"].dtype, scale.dtype]
+        return self.linear(x.float()).sum()
+
+
+def test_fp16_auto_cast_casts_floating_positional_inputs():
+    """DeepSpeed's fp16.auto_cast: floating tensors among the positional arguments (nested too) reach the module as
+    fp16; integer tensors and keyword arguments are left as they are."""
+    x, extra, scale = torch.randn(2, 4), {"ids": torch.arange(2), "w": torch.ones(2)}, torch.ones(1)
+    for auto_cast, floating in ((True, torch.float16), (False, torch.float32)):
+        model = _RecordsInputs()
+        fp16 = {"enabled": True, "auto_cast": auto_cast}
+        engine = initialize(model, {**BATCH, "steps_per_print": 10**6, "fp16": fp16,
+                                    "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        engine(x, extra, scale=scale)
+        assert model.seen == [floating, torch.int64, floating, torch.float32]
+
+
 def _nested(path: str, value) -> dict:
     *outer, last = path.split(".")
     out = {last: value}
