@@ -182,6 +182,10 @@ def from_deepspeed(raw: dict, known_top_level: set[str], warn: Callable[[str], N
     known_top_level: the typed config's top-level keys."""
     warn = warn or logging.getLogger(__name__).warning
     raw = _renamed(dict(raw))
+    if isinstance(raw.get("autotuning"), dict) and raw["autotuning"].get("enabled"):
+        logging.getLogger(__name__).info("config: the autotuning section is read by `tiers tune` (DeepSpeed too runs "
+                                         "autotuning from its launcher, not its engine); this run trains the config "
+                                         "as it is")
     _drop_param_offload_below_stage_3(raw, warn)
     _check_auto(raw)
     raw = _without_foreign_keys(raw)
