@@ -24,6 +24,7 @@ them at stage 2 and 3 with reduce_scatter, where its reduction cannot place the 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -183,9 +184,7 @@ def from_deepspeed(raw: dict, known_top_level: set[str], warn: Callable[[str], N
     warn = warn or logging.getLogger(__name__).warning
     raw = _renamed(dict(raw))
     if isinstance(raw.get("autotuning"), dict) and raw["autotuning"].get("enabled"):
-        logging.getLogger(__name__).info("config: the autotuning section is read by `tiers tune` (DeepSpeed too runs "
-                                         "autotuning from its launcher, not its engine); this run trains the config "
-                                         "as it is")
+        _say_tiers_tune_reads_autotuning()
     _drop_param_offload_below_stage_3(raw, warn)
     _check_auto(raw)
     raw = _without_foreign_keys(raw)
@@ -196,6 +195,13 @@ def from_deepspeed(raw: dict, known_top_level: set[str], warn: Callable[[str], N
             warn(f"config: top-level key '{key}' is not read (DeepSpeed ignores it too); remove it to silence this")
             del raw[key]
     return raw
+
+
+@functools.cache  # once per process, not once per load
+def _say_tiers_tune_reads_autotuning() -> None:
+    logging.getLogger(__name__).info("config: the autotuning section is read by `tiers tune` (DeepSpeed too runs "
+                                     "autotuning from its launcher, not its engine); this run trains the config as "
+                                     "it is")
 
 
 def _renamed(raw: dict) -> dict:
