@@ -14,6 +14,8 @@ Note [tuning]
    share of host memory).
 4. Of the trials that finished within budget, the one with the shortest median step wins; its
    config is the user's config with that strategy's keys set.
+5. A config with DeepSpeed's `autotuning` section also sets the micro batches tried, the metric that wins, the
+   trials' steps and how many trials run (Note [autotuning section]).
 """
 
 from __future__ import annotations
@@ -21,12 +23,21 @@ from __future__ import annotations
 import enum
 import json
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from torch import nn
 
+from engine.estimate.autotuning import (
+    Metric,
+    TuningPlan,
+    data_parallel_size,
+    global_batch,
+    samples_per_second,
+    tuning_plan,
+)
 from engine.estimate.estimator import Estimate, RankBudgets, StrategyEstimate, default_strategies, estimate
 from engine.estimate.report import bubble_cell, human_bytes, markdown_table, starved_advice
 from engine.estimate.trials import TrialError, TrialResult, run_trial
@@ -42,6 +53,8 @@ class Verdict(enum.Enum):
     OVER_MEASURED = "rejected: measured over budget"
     FAILED = "failed"
     NOT_TRIED = "not tried: time budget spent"
+    OUT_OF_BOUNDS = "not tried: train batch outside autotuning's bounds"
+    STOPPED = "not tried: autotuning's trial limit or early stopping"
 
 
 @dataclass
@@ -56,6 +69,7 @@ class Candidate:
 class TuneResult:
     estimate: Estimate
     candidates: list[Candidate] = field(default_factory=list)
+    plan: TuningPlan = field(default_factory=lambda: TuningPlan(micro_sizes=(None,)))
 
     @property
     def chosen(self) -> Candidate | None:
@@ -69,37 +83,86 @@ def tune(factory: Callable[[], nn.Module], world: int, budgets: RankBudgets, con
          nvme_path: str | None = None, time_budget_s: float | None = None, steps: int = 3, warmup: int = 1,
          seq_len: int | None = None, tp_sizes: list[int] | None = None,
          pp_sizes: list[int] | None = None) -> TuneResult:
-    """Note [tuning]."""
+    """Note [tuning]; with an `autotuning` section, Note [autotuning section]."""
     started, longest = time.monotonic(), 0.0
     config = config or DEFAULT_CONFIG
-    strategies = default_strategies(config, world, tp_sizes, nvme=nvme_path is not None, pp_sizes=pp_sizes)
-    est = estimate(factory, config, world, budgets=budgets, seq_len=seq_len, strategies=strategies,
-                   nvme_path=nvme_path)
-    result = TuneResult(est)
-    for row in est.rows:
-        if not row.fits:
-            result.candidates.append(Candidate(row, Verdict.OVER_ESTIMATE, "; ".join(row.misfits)))
-            continue
-        if time_budget_s is not None and time.monotonic() - started + longest > time_budget_s:
-            result.candidates.append(Candidate(row, Verdict.NOT_TRIED))
+    plan = tuning_plan(config, steps, warmup)
+    tp_sizes = [*(tp_sizes or []), *plan.tp_sizes]
+    rows, estimates = [], []
+    for micro in plan.micro_sizes:
+        at_micro = plan.config_at(config, micro)
+        strategies = default_strategies(at_micro, world, tp_sizes, nvme=nvme_path is not None, pp_sizes=pp_sizes)
+        estimates.append(estimate(factory, at_micro, world, budgets=budgets, seq_len=seq_len, strategies=strategies,
+                                  nvme_path=nvme_path))
+        rows += estimates[-1].rows
+    if plan.shuffled:
+        random.Random(0).shuffle(rows)
+    result = TuneResult(estimates[0], plan=plan)
+    best, since_best, trials = None, 0, 0
+    for row in rows:
+        dp = data_parallel_size(world, row.strategy.tp, row.strategy.pp)
+        skip = _not_tried(row, plan, dp, trials, since_best)
+        if skip is None and time_budget_s is not None and time.monotonic() - started + longest > time_budget_s:
+            skip = (Verdict.NOT_TRIED, "")
+        if skip is not None:
+            result.candidates.append(Candidate(row, *skip))
             continue
         trial_start = time.monotonic()
+        trials += 1
         try:
             left = 600.0 if time_budget_s is None else max(time_budget_s - (time.monotonic() - started), 30.0)
-            measured = run_trial(factory, row.config, world, est.seq_len, steps=steps, warmup=warmup,
-                                 timeout_s=min(left, 600.0))
+            measured = run_trial(factory, row.config, world, estimates[0].seq_len, steps=plan.steps,
+                                 warmup=plan.warmup, timeout_s=min(left, 600.0))
         except TrialError as e:
             longest = max(longest, time.monotonic() - trial_start)
             result.candidates.append(Candidate(row, Verdict.FAILED, str(e).strip().splitlines()[-1]))
+            since_best += 1
             continue
         longest = max(longest, time.monotonic() - trial_start)
-        misfits = measured_misfits(measured, row, budgets, est.compute_on_cpu)
-        verdict = Verdict.OVER_MEASURED if misfits else Verdict.FITS
-        result.candidates.append(Candidate(row, verdict, "; ".join(misfits), measured))
+        misfits = measured_misfits(measured, row, budgets, estimates[0].compute_on_cpu)
+        result.candidates.append(Candidate(row, Verdict.OVER_MEASURED if misfits else Verdict.FITS,
+                                           "; ".join(misfits), measured))
+        throughput = samples_per_second(row.config, dp, measured.step_s) if plan.metric is Metric.THROUGHPUT else 0.0
+        score = (throughput, measured.step_s)
+        if not misfits and plan.better(*score, best):
+            best, since_best = score, 0
+        else:
+            since_best += 1
     fitting = [c for c in result.candidates if c.verdict is Verdict.FITS]
     if fitting:
-        min(fitting, key=lambda c: c.trial.step_s).verdict = Verdict.CHOSEN
+        min(fitting, key=lambda c: _rank(c, plan, world)).verdict = Verdict.CHOSEN
     return result
+
+
+def _not_tried(row: StrategyEstimate, plan: TuningPlan, dp: int, trials: int,
+               since_best: int) -> tuple[Verdict, str] | None:
+    """Why `row` gets no trial: the estimate, the autotuning batch bounds, its trial limit or early stopping."""
+    if not row.fits:
+        return Verdict.OVER_ESTIMATE, "; ".join(row.misfits)
+    low, high = plan.train_batch_bounds
+    batch = global_batch(row.config, dp) if (low, high) != (1, None) else low
+    if batch < low or (high is not None and batch > high):
+        return Verdict.OUT_OF_BOUNDS, f"train batch {batch}"
+    if plan.max_trials is not None and trials >= plan.max_trials:
+        return Verdict.STOPPED, f"tuner_num_trials {plan.max_trials}"
+    if plan.early_stopping is not None and since_best >= plan.early_stopping:
+        return Verdict.STOPPED, f"tuner_early_stopping {plan.early_stopping}"
+    return None
+
+
+def _rank(c: Candidate, plan: TuningPlan, world: int) -> float:
+    """Smaller is better: the step time, or under the throughput metric the negated samples per second."""
+    if plan.metric is Metric.LATENCY:
+        return c.trial.step_s
+    return -samples_per_second(c.row.config, data_parallel_size(world, c.row.strategy.tp, c.row.strategy.pp),
+                               c.trial.step_s)
+
+
+def label(row: StrategyEstimate, plan: TuningPlan) -> str:
+    """The strategy's name, with its micro batch when the plan tries several."""
+    if len(plan.micro_sizes) == 1:
+        return row.strategy.name
+    return f"{row.strategy.name} mb{row.config['train_micro_batch_size_per_gpu']}"
 
 
 def measured_misfits(measured: TrialResult, row: StrategyEstimate, budgets: RankBudgets,
@@ -128,17 +191,20 @@ def format_tune(result: TuneResult) -> str:
     rows = []
     for c in result.candidates:
         t = c.trial
-        rows.append([c.row.strategy.name, human_bytes(c.row.device_peak), human_bytes(c.row.host_peak),
+        rows.append([label(c.row, result.plan), human_bytes(c.row.device_peak), human_bytes(c.row.host_peak),
                      f"{t.step_s:.3f}" if t else "—", human_bytes(t.peak_rss) if t else "—",
                      human_bytes(measured_device_bytes(t, c.row, on_cpu)) if t else "—",
                      c.verdict.value + (f" ({c.reason})" if c.reason else "")]
                     + ([bubble_cell(c.row.pipeline)] if pipelined else []))
     chosen = result.chosen
-    verdict = (f"Chosen: {chosen.row.strategy.name}, {chosen.trial.step_s:.3f} s/step." if chosen else
+    verdict = (f"Chosen: {label(chosen.row, result.plan)}, {chosen.trial.step_s:.3f} s/step." if chosen else
                "Nothing fits and finished: raise the budgets, add ranks or NVMe (--nvme), or lower the micro batch.")
     starved = {c.row.strategy.name.split()[0]: c.row.pipeline for c in result.candidates
                if c.row.pipeline is not None and c.row.pipeline.starved}
     warnings = [f"{name}: {starved_advice(p)}" for name, p in starved.items()]
+    if result.plan.unused:
+        warnings.append(f"autotuning: {', '.join(result.plan.unused)} are DeepSpeed's autotuner's own (where it "
+                        "writes, how it runs your script); tiers tune runs its own trials and writes --out")
     return "\n".join([markdown_table(headers, rows), "", verdict, *warnings])
 
 
