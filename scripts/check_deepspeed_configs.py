@@ -57,6 +57,20 @@ def classify(raw: dict) -> Verdict:
     return Verdict(Outcome.LOADS)
 
 
+# what the HF Trainer would put for each "auto" (from TrainingArguments' defaults); train_batch_size is then derived
+HF_FILLS = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "enabled": False, "lr": 5e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
+            "warmup_min_lr": 0.0, "warmup_max_lr": 5e-5, "warmup_num_steps": 0, "total_num_steps": 1000}
+
+
+def filled_like_hf_trainer(value: object, key: str = "") -> object:
+    """`value` with each "auto" replaced as the HF Trainer would (a number from its arguments' defaults)."""
+    if isinstance(value, dict):
+        return {k: filled_like_hf_trainer(v, k) for k, v in value.items() if not (k == "train_batch_size" and
+                                                                                 v == "auto")}
+    return HF_FILLS.get(key, value) if value == "auto" else value
+
+
 def has_auto(value: object) -> bool:
     if value == "auto":
         return True
@@ -74,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     counts: dict[Outcome, int] = {o: 0 for o in Outcome}
     reasons: dict[str, int] = {}
     without_auto = [0, 0]  # configs without any "auto", and those of them that load
+    once_filled: dict[Outcome, int] = {}  # the "auto" configs, filled as the HF Trainer would
     skipped = 0
     for path in sorted(Path(args.directory).rglob("*.json")):
         try:
@@ -91,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         if not has_auto(raw):
             without_auto[0] += 1
             without_auto[1] += verdict.outcome is Outcome.LOADS
+        if verdict.outcome is Outcome.NEEDS_INTEGRATION:
+            filled = classify(filled_like_hf_trainer(raw))
+            once_filled[filled.outcome] = once_filled.get(filled.outcome, 0) + 1
+            verdict = Verdict(verdict.outcome, f"{verdict.reason}; filled as the HF Trainer would: "
+                                               f"{filled.outcome.value} {filled.reason}".rstrip())
         if not args.quiet:
             shown = f" ({verdict.reason})" if verdict.reason else ""
             print(f"{verdict.outcome.value}{shown}: {path.relative_to(args.directory)}")
@@ -99,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     for outcome in Outcome:
         print(f"  {outcome.value}: {counts[outcome]}")
     print(f"  without \"auto\": {without_auto[1]} of {without_auto[0]} load")
+    if once_filled:
+        print("  needing an integration, once filled as the HF Trainer would: "
+              + ", ".join(f"{o.value} {n}" for o, n in once_filled.items()))
     for reason, n in sorted(reasons.items(), key=lambda item: (-item[1], item[0])):
         print(f"    {n:3d}  {reason}")
     return 1 if counts[Outcome.UNKNOWN_KEY] else 0

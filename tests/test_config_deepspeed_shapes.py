@@ -13,7 +13,7 @@ import pytest
 
 from engine.config import load_config
 from engine.config_deepspeed import NEVER_PRINT
-from scripts.check_deepspeed_configs import Outcome, classify, main
+from scripts.check_deepspeed_configs import Outcome, classify, filled_like_hf_trainer, main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed_configs"
 HF_AUTO = ("train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps, fp16.enabled")
@@ -71,6 +71,14 @@ def test_loaded_shapes_mean_what_deepspeed_reads():
     assert accelerate.batch_sizes(2).train_batch_size == 16  # "auto" derived: 4 × 2 × dp
     assert load_config(_load("examples_imagenet_fp16.json")).fp16.auto_cast
     assert load_config(_load("examples_autotuning.json")).autotuning.enabled
+
+
+@pytest.mark.parametrize("name", ["hf_docs_zero2_auto.json", "hf_docs_zero3_auto.json"])
+def test_hf_docs_configs_load_once_their_auto_values_are_filled(name):
+    """What the Trainer hands to initialize: the "auto" batch, precision, optimizer and schedule values filled."""
+    cfg = load_config(filled_like_hf_trainer(_load(name)))
+    assert cfg.train_micro_batch_size_per_gpu == 8 and cfg.optimizer.params["lr"] == 5e-5
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
 
 
 def test_check_script_totals(capsys):
