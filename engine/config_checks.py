@@ -28,10 +28,12 @@ def check_config(cfg: Config) -> None:
     checks = [
         (cfg.fp16.auto_cast and not cfg.fp16.enabled, "fp16.auto_cast", True, "casts the forward's inputs to fp16, "
          "for a model trained in fp16, and fp16.enabled is false; set fp16.enabled to true, or remove auto_cast"),
-        (cfg.torch_autocast.enabled, "torch_autocast.enabled", True, "DeepSpeed's torch_autocast (fp32 weights, the "
-         "forward under torch.autocast, low-precision gradient reduction of lower_precision_safe_modules) is not "
-         "built yet; use bf16.enabled (bf16 weights with fp32 master weights, the forward under autocast) or remove "
-         "the section"),
+        (cfg.torch_autocast.enabled and not cfg.torch_autocast.is_bf16, "torch_autocast.dtype",
+         cfg.torch_autocast.dtype, "autocast to fp16 (which needs DeepSpeed's GradScaler; also torch's "
+         "default on CUDA when dtype is not given) is not built yet; set \"dtype\": \"bfloat16\", or use fp16.enabled"),
+        (cfg.torch_autocast.enabled and (cfg.fp16.enabled or cfg.bf16.enabled), "torch_autocast.enabled", True,
+         "runs the forward under autocast with fp32 weights, and fp16/bf16.enabled keep 16-bit weights; enable "
+         "one of them"),
         (zero.stage >= 1 and not zero.allgather_partitions, "zero_optimization.allgather_partitions", False,
          "Tiers always all-gathers the updated shards; remove the key or set it to true"),
         (not zero.contiguous_gradients, "zero_optimization.contiguous_gradients", False,

@@ -46,15 +46,19 @@ NEVER_PRINT = 2**63 - 1  # steps_per_print: Infinity (accelerate writes it): nev
 
 @dataclass(frozen=True)
 class TorchAutocastConfig:
-    """DeepSpeed's `torch_autocast`: the forward under torch.autocast(dtype) with fp32 parameters."""
+    """DeepSpeed's `torch_autocast`: the forward under torch.autocast(dtype) with fp32 parameters, gradients and
+    optimizer. DeepSpeed reduces the gradients of `lower_precision_safe_modules` (default: Linear and Conv) in the
+    autocast dtype; Tiers reduces every gradient in fp32 (the chunks stay fp32, the list splits no chunk), so the
+    list is accepted and the result differs from DeepSpeed's by that reduction's rounding only."""
 
     enabled: bool = False
-    dtype: Literal["bfloat16", "float16", "bf16", "fp16", "torch.bfloat16", "torch.float16"] = "bfloat16"
+    # None (DeepSpeed's default): torch's per-device autocast dtype, float16 on CUDA
+    dtype: Literal["bfloat16", "float16", "bf16", "fp16", "torch.bfloat16", "torch.float16", "half"] | None = None
     lower_precision_safe_modules: list[str] | None = None
 
     @property
     def is_bf16(self) -> bool:
-        return "b" in self.dtype
+        return self.dtype is not None and "b" in self.dtype
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,12 @@ from engine.config import Config
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """Compute dtype for the forward; master weights, gradients and optimizer states stay fp32."""
+    """Compute dtype for the forward and of the parameter and gradient chunks; master weights and optimizer
+    states stay fp32. `autocast_dtype`: DeepSpeed's torch_autocast, the forward under autocast with fp32 chunks."""
 
     compute_dtype: torch.dtype
     cast_inputs: bool = False  # fp16.auto_cast: floating positional forward arguments cast to fp16, as DeepSpeed does
+    autocast_dtype: torch.dtype | None = None
 
     @classmethod
     def from_config(cls, config: Config) -> "PrecisionPolicy":
@@ -23,6 +25,8 @@ class PrecisionPolicy:
             return cls(torch.float16, cast_inputs=config.fp16.auto_cast)
         if config.bf16.enabled:
             return cls(torch.bfloat16)
+        if config.torch_autocast.enabled:  # bf16 only (config_checks): no loss scaling needed
+            return cls(torch.float32, autocast_dtype=torch.bfloat16)
         return cls(torch.float32)
 
     def forward_args(self, args: tuple) -> tuple:
@@ -31,9 +35,10 @@ class PrecisionPolicy:
         return _half(args) if self.cast_inputs else args
 
     def autocast(self, device: torch.device):
-        if self.compute_dtype == torch.float32:
+        dtype = self.autocast_dtype or self.compute_dtype
+        if dtype == torch.float32:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=device.type, dtype=self.compute_dtype)
+        return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def _half(value):

@@ -15,7 +15,7 @@ import torch
 from engine import initialize
 from engine.config import load_config
 from engine.config_deepspeed import NEVER_PRINT
-from tests.reference import param_snapshot, tiny_gpt, token_batches
+from tests.reference import assert_params_close, param_snapshot, tiny_gpt, token_batches
 from tests.test_config import raises
 
 BATCH = {"train_micro_batch_size_per_gpu": 2}
@@ -153,7 +153,11 @@ def test_new_typed_keys_parse():
     assert (cfg.prescale_gradients, cfg.gradient_predivide_factor, cfg.bf16.check_grad_overflow) == (True, 8.0, True)
     assert cfg.torch_autocast.lower_precision_safe_modules == ["torch.nn.Linear"]
     raises({"gradient_predivide_factor": 0}, "gradient_predivide_factor", "> 0")
-    raises({**BATCH, "torch_autocast": {"enabled": True}}, "torch_autocast.enabled", "not built yet", "bf16.enabled")
+    raises({**BATCH, "torch_autocast": {"enabled": True, "dtype": "float16"}}, "torch_autocast.dtype", "not built yet")
+    raises({**BATCH, "torch_autocast": {"enabled": True}}, "torch_autocast.dtype: null", "bfloat16")
+    raises({**BATCH, "torch_autocast": {"enabled": True, "dtype": "bf16"}, "bf16": {"enabled": True}},
+           "torch_autocast.enabled",
+           "enable one of them")
 
 
 def test_bf16_check_grad_overflow_skips_the_step():
@@ -170,6 +174,29 @@ def test_bf16_check_grad_overflow_skips_the_step():
         assert engine.skipped_steps == skipped
         unchanged = all(torch.equal(after[n], v) for n, v in before.items())
         assert unchanged is check
+
+
+def test_torch_autocast_trains_as_plain_pytorch_under_autocast():
+    """torch_autocast bf16: fp32 weights, the forward under torch.autocast(bfloat16), fp32 gradients and SGD; the
+    same as PyTorch's own loop doing that."""
+    batches = token_batches(3, 2)
+    sgd = {"type": "SGD", "params": {"lr": 0.1}}
+    engine = initialize(tiny_gpt(), {**BATCH, "steps_per_print": 10**6, "optimizer": sgd,
+                                     "torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
+    model = tiny_gpt()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in batches:
+        loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = model(x, x)
+        expected.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert loss.dtype == expected.dtype and abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+    assert_params_close(param_snapshot(engine.module), param_snapshot(model))
+    assert all(p.dtype == torch.float32 for p in engine.module.parameters())
 
 
 class _RecordsInputs(torch.nn.Module):
