@@ -338,13 +338,15 @@ _OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
               "bias_correction": True, "amsgrad": False},
     "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},
 }
-_UNSUPPORTED_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb", "lamb", "lion", "adagrad", "muadam")
+# DeepSpeed's optimizer names Tiers lacks (DeepSpeed also takes any torch.optim class by name: refused alike)
+_UNSUPPORTED_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb", "lamb", "lion", "adagrad", "muadam", "muadamw",
+                           "musgd", "muon")
 OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
 
 
 def _validate_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
     name = opt.type.lower()
-    if name in _UNSUPPORTED_OPTIMIZERS:
+    if name in _UNSUPPORTED_OPTIMIZERS or (name not in _OPTIMIZER_PARAMS and _is_torch_optimizer(opt.type)):
         raise ConfigError(f"optimizer.type: '{opt.type}' is not supported yet; "
                           f"use one of {', '.join(OPTIMIZER_NAMES.values())}.")
     if name not in _OPTIMIZER_PARAMS:
@@ -375,6 +377,12 @@ def _validate_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
         raise ConfigError("optimizer.params.amsgrad: true is not supported "
                           "(DeepSpeed's Adam has no AMSGrad either); remove it.")
     return OptimizerConfig(type=OPTIMIZER_NAMES[name], params=params)
+
+
+def _is_torch_optimizer(name: str) -> bool:
+    import torch
+
+    return isinstance(getattr(torch.optim, name, None), type)
 
 
 def _is_number(value: Any) -> bool:

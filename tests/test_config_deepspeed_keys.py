@@ -229,3 +229,11 @@ def _nested(path: str, value) -> dict:
     for key in reversed(outer):
         out = {key: out}
     return out
+
+
+@pytest.mark.parametrize("name", ["Muon", "MuAdamW", "MuSGD", "RMSprop"])
+def test_deepspeed_and_torch_optimizer_names_are_refused_by_name(name):
+    """DeepSpeed's own optimizers, and any torch.optim class (DeepSpeed takes those by name), are known names:
+    refused as not supported, never "unknown"."""
+    msg = raises({**BATCH, "optimizer": {"type": name}}, f"optimizer.type: '{name}' is not supported yet")
+    assert "unknown" not in msg
