@@ -139,6 +139,9 @@ _SECTION_KEYS: dict[str, dict[str, tuple[Any, str]]] = {
                    "writer": (_off(None), "DeepSpeed's FastPersist checkpoint writer")},
     "tensor_parallel": {"preset_model": (_off(None), "AutoTP's preset model plans")},
     "optimizer": {"legacy_fusion": (ANY, "fusing fp16 unscaling into the step (speed)")},
+    # DeepSpeed's PipelineModule options (Tiers splits an unmodified model by this section's stages instead)
+    "pipeline": {key: (ANY, "PipelineModule's own options") for key in (
+        "seed_layers", "activation_checkpoint_interval", "pipe_partitioned", "grad_partitioned", "use_reentrant")},
 }
 _TOP_LEVEL_KEYS: dict[str, tuple[Any, str]] = {
     "sparse_gradients": (_off(False), "sparse embedding gradients"),
@@ -216,6 +219,10 @@ def _renamed(raw: dict) -> dict:
         raw["bf16"] = raw.pop("bfloat16")
     if isinstance(raw.get("steps_per_print"), float) and math.isinf(raw["steps_per_print"]):
         raw["steps_per_print"] = NEVER_PRINT
+    pipeline = raw.get("pipeline")
+    if isinstance(pipeline, dict):  # DeepSpeed's defaults for PipelineModule: here, Tiers' own defaults
+        defaults = (("stages", "auto"), ("partition", "best"))
+        raw["pipeline"] = {k: v for k, v in pipeline.items() if (k, v) not in defaults}
     zero = raw.get("zero_optimization")
     if isinstance(zero, bool):  # DeepSpeed's oldest format: true is stage 1
         raw["zero_optimization"] = {"stage": 1} if zero else {}

@@ -50,6 +50,12 @@ def test_cpu_offload_old_spellings():
            "zero_optimization.cpu_offload", "offload_optimizer only")
 
 
+def test_deepspeeds_pipeline_defaults_are_tiers_defaults():
+    pipeline = load_config({**BATCH, "pipeline": {"stages": "auto", "partition": "best", "seed_layers": False,
+                                                  "activation_checkpoint_interval": 0}}).pipeline
+    assert (pipeline.stages, pipeline.partition) == (1, "parameters")
+
+
 def test_steps_per_print_infinity_never_prints():
     assert load_config({"steps_per_print": math.inf}).steps_per_print == NEVER_PRINT
 
@@ -114,6 +120,8 @@ def test_features_tiers_lacks_load_off_and_are_refused_by_name_on(path, off, on,
     ("log_level", "info"),
     ("seq_parallel_communication_data_type", "bf16"),
     ("optimizer.legacy_fusion", True),
+    ("pipeline.activation_checkpoint_interval", 1),
+    ("pipeline.pipe_partitioned", False),
 ])
 def test_speed_and_logging_knobs_load_with_any_value(path, value):
     load_config({**BATCH, **_nested(path, value)})
