@@ -217,7 +217,8 @@ def _renamed(raw: dict) -> dict:
             raise ConfigError("bfloat16 and bf16 are the same section (bfloat16 is DeepSpeed's old name) and differ; "
                               "give bf16 only")
         raw["bf16"] = raw.pop("bfloat16")
-    if isinstance(raw.get("steps_per_print"), float) and math.isinf(raw["steps_per_print"]):
+    spp = raw.get("steps_per_print", 0)
+    if spp is None or isinstance(spp, float) and math.isinf(spp):  # null: DeepSpeed's own default, never
         raw["steps_per_print"] = NEVER_PRINT
     pipeline = raw.get("pipeline")
     if isinstance(pipeline, dict):  # DeepSpeed's defaults for PipelineModule: here, Tiers' own defaults

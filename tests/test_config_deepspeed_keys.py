@@ -58,6 +58,7 @@ def test_deepspeeds_pipeline_defaults_are_tiers_defaults():
 
 def test_steps_per_print_infinity_never_prints():
     assert load_config({"steps_per_print": math.inf}).steps_per_print == NEVER_PRINT
+    assert load_config({"steps_per_print": None}).steps_per_print == NEVER_PRINT
 
 
 def test_auto_inside_zero_is_the_default():
