@@ -44,7 +44,8 @@ def _launch_command(args: argparse.Namespace) -> int:
                             nproc_per_node=args.nproc_per_node, master_addr=args.master_addr,
                             master_port=args.master_port,
                             launcher=LauncherKind(args.launcher) if args.launcher else None,
-                            max_restarts=args.max_restarts)
+                            max_restarts=args.max_restarts, as_deepspeed=args.as_deepspeed,
+                            local_rank_arg=not args.no_local_rank)
     try:
         return launch(options, dry_run=args.dry_run)
     except LaunchError as e:
@@ -134,6 +135,11 @@ def add_launch_arguments(launch: argparse.ArgumentParser) -> None:
                              "default: ssh with a hostfile, else local")
     launch.add_argument("--max_restarts", "--max-restarts", type=int, default=0,
                         help="torchrun restarts of the whole job after a worker fails (uses a c10d rendezvous)")
+    launch.add_argument("--as-deepspeed", "--as_deepspeed", action="store_true",
+                        help="run a DeepSpeed script unchanged: its `import deepspeed` is engine.compat.deepspeed, "
+                             "and it gets --local_rank=N as from DeepSpeed's launcher (docs/launcher.md)")
+    launch.add_argument("--no_local_rank", "--no-local-rank", action="store_true",
+                        help="with --as-deepspeed: pass no --local_rank argument (DeepSpeed's --no_local_rank)")
     launch.add_argument("--dry-run", "--dry_run", action="store_true", help="print every node's command and exit")
     launch.add_argument("script", help="the training script each process runs")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments, passed as they are")
@@ -156,8 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="split the output into files of at most this size, "
                               "e.g. 5GB or 500MiB (default: one file)")
     convert.set_defaults(run=_convert_command)
-    launch = sub.add_parser("launch", help="run a script on one or many nodes: torchrun on each, started by ssh, "
-                            "pdsh, srun or locally")
+    # allow_abbrev off: the script's own options (`--dry`, `--a`) are never read as abbreviations of the launcher's
+    launch = sub.add_parser("launch", allow_abbrev=False, help="run a script on one or many nodes: torchrun on "
+                            "each, started by ssh, pdsh, srun or locally")
     add_launch_arguments(launch)
     launch.set_defaults(run=_launch_command)
     est = sub.add_parser("estimate", help="per-rank device, CPU and NVMe bytes of every ZeRO stage / offload / "

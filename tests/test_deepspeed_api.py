@@ -55,8 +55,6 @@ def test_engine_answers_deepspeed_calls_and_refuses_the_rest(tmp_path):
     assert engine.zero_optimization_stage() == 0 and not engine.dataloader_drop_last()
     with pytest.raises(NotInTiers, match="DeepSpeedEngine.set_data_post_process_func"):
         engine.set_data_post_process_func(None)
-    with pytest.raises(NotInTiers, match="scale_wrt_gas"):
-        engine.backward(engine(x).sum(), scale_wrt_gas=False)
     path = engine.save_16bit_model(str(tmp_path))
     assert path.endswith("model.safetensors")
     with pytest.raises(NotInTiers, match="pytorch_model.bin"):

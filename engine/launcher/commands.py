@@ -17,6 +17,12 @@ from dataclasses import dataclass, field
 
 from engine.launcher.plan import LauncherKind, LaunchPlan, Node
 
+# Note [the deepspeed shim]: the directory holding the `deepspeed` package that is the compat layer, and the
+# directory holding the `engine` package the shim imports
+ENGINE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHIM_DIR = os.path.join(ENGINE_ROOT, "engine", "compat", "shim")
+DEEPSPEED_SCRIPT = os.path.join(ENGINE_ROOT, "engine", "launcher", "deepspeed_script.py")
+
 # Lines pdsh and srun print (on stderr) when one host's command fails: they name the host.
 PDSH_FAILURE = re.compile(r"^pdsh@[^:\s]+: (?P<host>[^:\s]+): ssh exited with exit code (?P<code>\d+)")
 SRUN_FAILURE = re.compile(r"^srun: error: (?P<host>[^:\s]+): tasks? [0-9,\-]+: "
@@ -47,6 +53,11 @@ def node_environment(plan: LaunchPlan, node: Node) -> dict[str, str]:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # workers' own store costs start-up time for nothing
     if node.slots != tuple(range(len(node.slots))):  # a subset of the host's devices: --include/--exclude
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, node.slots))
+    if plan.as_deepspeed:  # the shim first, for this job's processes only (never site-packages)
+        paths = [SHIM_DIR, ENGINE_ROOT, *plan.exported.get("PYTHONPATH", "").split(os.pathsep)]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+        if not plan.local_rank_arg:
+            env["TIERS_NO_LOCAL_RANK"] = "1"
     return env
 
 
@@ -58,7 +69,8 @@ def torchrun_argv(plan: LaunchPlan, node: Node) -> list[str]:
                  f"--rdzv_id={plan.rdzv_id}"]
     else:
         argv += [f"--node_rank={node.rank}", f"--master_addr={plan.master_addr}", f"--master_port={plan.master_port}"]
-    return argv + [plan.script, *plan.script_args]
+    script = [DEEPSPEED_SCRIPT, plan.script] if plan.as_deepspeed else [plan.script]  # (Note [the deepspeed shim])
+    return argv + [*script, *plan.script_args]
 
 
 def remote_argv(plan: LaunchPlan, node: Node) -> list[str]:

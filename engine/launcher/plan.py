@@ -37,6 +37,8 @@ class LaunchOptions:
     master_port: int = DEFAULT_MASTER_PORT
     launcher: LauncherKind | None = None  # None: ssh with a hostfile, else local
     max_restarts: int = 0
+    as_deepspeed: bool = False  # Note [the deepspeed shim]: the script's `import deepspeed` is the compat layer
+    local_rank_arg: bool = True  # with as_deepspeed: `--local_rank=N` first among the script's arguments
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class LaunchPlan:
     srun_cpus: str | None = None  # SLURM_CPUS_ON_NODE: each node's one srun task gets the node's CPUs
     from_env_files: dict[str, str] = field(default_factory=dict)  # what a node on this machine gets on top
     rdzv_id: str = ""
+    as_deepspeed: bool = False
+    local_rank_arg: bool = True
 
     @property
     def uses_rendezvous(self) -> bool:
@@ -96,6 +100,8 @@ def make_plan(options: LaunchOptions, environ: dict[str, str] | None = None, cwd
     cwd = os.path.abspath(cwd or os.getcwd())
     if options.launcher is None:  # a hostfile names other machines: reach them (DeepSpeed's default is pdsh)
         options = dataclasses.replace(options, launcher=LauncherKind.SSH if options.hostfile else LauncherKind.LOCAL)
+    if not options.local_rank_arg and not options.as_deepspeed:
+        raise LaunchError("--no_local_rank belongs to --as-deepspeed (without it, no --local_rank is passed)")
     if options.max_restarts < 0:
         raise LaunchError(f"--max_restarts {options.max_restarts}: must be >= 0")
     if not 0 < options.master_port < 65536:
@@ -114,4 +120,5 @@ def make_plan(options: LaunchOptions, environ: dict[str, str] | None = None, cwd
                       master_port=options.master_port, max_restarts=options.max_restarts, script=options.script,
                       script_args=tuple(options.script_args), python=sys.executable, cwd=cwd, exported=exported,
                       from_env_files=from_files, srun_cpus=environ.get("SLURM_CPUS_ON_NODE"),
-                      rdzv_id=f"tiers-{uuid.uuid4().hex[:12]}")
+                      rdzv_id=f"tiers-{uuid.uuid4().hex[:12]}", as_deepspeed=options.as_deepspeed,
+                      local_rank_arg=options.local_rank_arg)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 
-from engine.compat.deepspeed import accelerator, checkpointing, comm, moe, zero  # noqa: F401
+from engine.compat.deepspeed import accelerator, checkpointing, client_objects, comm, moe, zero  # noqa: F401
 from engine.compat.deepspeed.data import DeepSpeedDataLoader
 from engine.compat.deepspeed.engine import DeepSpeedEngine
 from engine.compat.deepspeed.launch import add_config_arguments, init_distributed, release_at_exit
@@ -54,8 +54,16 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         refuse("deepspeed.initialize(mpu=... / mesh_param=...)", "tensor_parallel / pipeline / sequence_parallel "
                "sections in the config (Tiers builds its own process groups)")
     config = _config_of(args, config, config_params)
+    if optimizer is not None or lr_scheduler is not None:  # the client's objects win, as in DeepSpeed
+        config = client_objects.config_as_dict(config)
+    if optimizer is not None:
+        config = client_objects.without_section(config, "optimizer", "a client optimizer was passed")
+    if lr_scheduler is not None:
+        config = client_objects.without_section(config, "scheduler", "a client lr_scheduler was passed")
+    optimizer, model_parameters = client_objects.client_optimizer(optimizer, model_parameters, model)
     init_distributed(dist_init_required=dist_init_required)
-    engine = tiers_initialize(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler,
+    engine = tiers_initialize(model, config, optimizer=optimizer,
+                              lr_scheduler=client_objects.scheduler_for_engine(lr_scheduler),
                               model_parameters=model_parameters)
     for p in engine.module.parameters():  # zero.GatheredParameters finds their engine (DeepSpeed tags them too)
         p.tiers_engine = weakref.ref(engine)

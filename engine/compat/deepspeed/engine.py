@@ -8,6 +8,7 @@ attribute Tiers lacks is an error naming it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -88,10 +89,31 @@ class DeepSpeedEngine:
     forward = __call__
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
-        if not scale_wrt_gas:
-            refuse("backward(scale_wrt_gas=False)", "backward(loss) (Tiers always averages over the accumulation "
-                   "steps, as DeepSpeed's default does)")
-        return self.engine.backward(loss, retain_graph=retain_graph)
+        """Note [several backward passes per step]. scale_wrt_gas=False: the loss is not divided by the
+        accumulation steps (the gradients are their sum, not their mean)."""
+        gas = self.engine.gradient_accumulation_steps
+        if not scale_wrt_gas and gas != 1:
+            if self.engine.experts is not None:
+                refuse("backward(scale_wrt_gas=False) with MoE layers", "backward(loss) (the engine adds the "
+                       "router losses, which it averages over the accumulation steps)")
+            loss = loss * gas  # engine.backward divides by gas again: the sum over micro-batches
+        with self._reduced_at_step():
+            self.engine.backward(loss, retain_graph=retain_graph)
+        return loss
+
+    def _reduced_at_step(self):
+        """Note [several backward passes per step]
+        DeepSpeed lets a script call backward more than once per micro-step (its GAN example backpropagates a
+        discriminator's real and fake losses apart): under ZeRO 0 and 1 each backward at the boundary all-reduces
+        the gradients accumulated so far, which adds up to the mean of the sum. The Tiers engine refuses a second
+        reducing backward (it would reduce the first one's gradients twice), so here, without sharded gradients,
+        every backward accumulates locally and the update reduces the gradients once: the same sum of means, and
+        after backward, as DeepSpeed reduces at these stages. Stages 2 and 3 reduce each backward's gradients
+        into their shards already."""
+        runtime = self.engine.runtime
+        if runtime.reducer is None or self.engine.chunked.sharded_grads is not None:
+            return contextlib.nullcontext()
+        return runtime.accumulate_locally()
 
     def step(self, lr_kwargs=None) -> None:
         if lr_kwargs is not None:

@@ -1,0 +1,26 @@
+"""What each process of `tiers launch --as-deepspeed` runs first: `python deepspeed_script.py SCRIPT ARGS` runs
+SCRIPT as DeepSpeed's launcher would, with `--local_rank=N` first among its arguments (unless
+TIERS_NO_LOCAL_RANK is set: DeepSpeed's --no_local_rank), its own directory first on sys.path (as `python SCRIPT`
+gives it), and `import deepspeed` answered by the compat layer (Note [the deepspeed shim]: the launcher put the
+shim on PYTHONPATH)."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: deepspeed_script.py SCRIPT [ARGS...]")
+    script, args = sys.argv[1], sys.argv[2:]
+    if not os.environ.get("TIERS_NO_LOCAL_RANK"):
+        args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *args]
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # was this file's directory
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
