@@ -55,10 +55,6 @@ def test_engine_answers_deepspeed_calls_and_refuses_the_rest(tmp_path):
     assert engine.zero_optimization_stage() == 0 and not engine.dataloader_drop_last()
     with pytest.raises(NotInTiers, match="DeepSpeedEngine.set_data_post_process_func"):
         engine.set_data_post_process_func(None)
-    path = engine.save_16bit_model(str(tmp_path))
-    assert path.endswith("model.safetensors")
-    with pytest.raises(NotInTiers, match="pytorch_model.bin"):
-        engine.save_16bit_model(str(tmp_path), "pytorch_model.bin")
 
 
 def test_module_level_refusals_name_the_call():
@@ -78,7 +74,7 @@ def test_accelerator_comm_and_moe_answer_for_this_machine():
     assert acc.communication_backend_name() == ("nccl" if cuda else "gloo")
     acc.synchronize()
     assert deepspeed.comm.get_rank is torch.distributed.get_rank
-    assert deepspeed.moe.layer.MoE is MoE
+    assert issubclass(deepspeed.moe.layer.MoE, MoE)
 
 
 def test_checkpointing_recomputes_with_the_same_result():

@@ -15,14 +15,30 @@ from __future__ import annotations
 
 import weakref
 
-from engine.compat.deepspeed import accelerator, checkpointing, client_objects, comm, moe, zero  # noqa: F401
+from engine.compat.deepspeed import (  # noqa: F401
+    accelerator,
+    checkpointing,
+    client_objects,
+    comm,
+    moe,
+    ops,
+    pipe,
+    runtime,
+    utils,
+    zero,
+)
+from engine.compat.deepspeed.accelerator import get_accelerator
+from engine.compat.deepspeed.config import DeepSpeedConfig
 from engine.compat.deepspeed.data import DeepSpeedDataLoader
 from engine.compat.deepspeed.engine import DeepSpeedEngine
 from engine.compat.deepspeed.launch import add_config_arguments, init_distributed, release_at_exit
 from engine.compat.deepspeed.unsupported import refuse
 
-__all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "zero", "checkpointing",
-           "accelerator", "comm", "moe"]
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "DeepSpeedConfig",
+           "get_accelerator", "zero", "checkpointing", "accelerator", "comm", "moe", "ops", "pipe", "runtime", "utils"]
+
+# DeepSpeed's version whose API this layer answers (release parsers read it; Tiers' own is the package's)
+__version__ = "0.19.5"
 
 
 def _config_of(args, config, config_params):
@@ -53,9 +69,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if mpu is not None or mesh_param is not None:
         refuse("deepspeed.initialize(mpu=... / mesh_param=...)", "tensor_parallel / pipeline / sequence_parallel "
                "sections in the config (Tiers builds its own process groups)")
-    config = _config_of(args, config, config_params)
-    if optimizer is not None or lr_scheduler is not None:  # the client's objects win, as in DeepSpeed
-        config = client_objects.config_as_dict(config)
+    config = client_objects.config_as_dict(_config_of(args, config, config_params))
+    given = config
     if optimizer is not None:
         config = client_objects.without_section(config, "optimizer", "a client optimizer was passed")
     if lr_scheduler is not None:
@@ -71,7 +86,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if training_data is not None:
         loader = DeepSpeedDataLoader(training_data, engine.train_micro_batch_size_per_gpu, engine.dp_world_size,
                                      engine.dp_rank, collate_fn, engine.config.dataloader_drop_last)
-    wrapped = DeepSpeedEngine(engine, loader)
+    wrapped = DeepSpeedEngine(engine, loader, given if isinstance(given, dict) else None, optimizer is not None)
     release_at_exit(wrapped)
     return wrapped, engine.optimizer, loader, engine.lr_scheduler
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import psutil
 import torch
 
 from engine.compat.deepspeed.unsupported import refuse
@@ -69,6 +70,28 @@ class Accelerator:
 
     def max_memory_allocated(self, device_index: int | None = None) -> int:
         return torch.cuda.max_memory_allocated(device_index) if self._cuda() else 0
+
+    def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
+        if self._cuda():
+            torch.cuda.reset_peak_memory_stats(device_index)
+
+    def memory_reserved(self, device_index: int | None = None) -> int:
+        return torch.cuda.memory_reserved(device_index) if self._cuda() else 0
+
+    def max_memory_reserved(self, device_index: int | None = None) -> int:
+        return torch.cuda.max_memory_reserved(device_index) if self._cuda() else 0
+
+    def total_memory(self, device_index: int | None = None) -> int:
+        """The device's memory; on the CPU, the host's (as DeepSpeed's CPU accelerator answers)."""
+        if self._cuda():
+            return torch.cuda.get_device_properties(device_index or torch.cuda.current_device()).total_memory
+        return psutil.virtual_memory().total
+
+    def available_memory(self, device_index: int | None = None) -> int:
+        if self._cuda():
+            free, _ = torch.cuda.mem_get_info(device_index)
+            return free
+        return psutil.virtual_memory().available
 
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.pin_memory() if self._cuda() else tensor

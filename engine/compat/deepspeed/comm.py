@@ -31,6 +31,14 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def has_all_gather_into_tensor() -> bool:
+    return hasattr(_dist, "all_gather_into_tensor")
+
+
+def has_reduce_scatter_tensor() -> bool:
+    return hasattr(_dist, "reduce_scatter_tensor")
+
+
 def __getattr__(name: str):
     if hasattr(_dist, name):
         return getattr(_dist, name)

@@ -1,33 +1,44 @@
 """DeepSpeedEngine: DeepSpeed's engine API over a Tiers Engine (what deepspeed.initialize returns).
 
-DeepSpeed names some things as methods that Tiers names as properties (train_batch_size(),
+As DeepSpeed's, the engine is an nn.Module whose one submodule is `module`: `engine.parameters()`,
+`engine.named_parameters()` (names prefixed `module.`), `engine.state_dict()`, hooks and `engine(...)` behave as
+on DeepSpeed's. DeepSpeed names some things as methods that Tiers names as properties (train_batch_size(),
 gradient_accumulation_steps(), ...); this facade answers with DeepSpeed's forms and hands the rest of the engine
-API (forward, backward, step, no_sync, gathered_parameters, ...) to the Tiers engine. A DeepSpeed engine
-attribute Tiers lacks is an error naming it.
+API (backward, step, no_sync, gathered_parameters, ...) to the Tiers engine, then, as DeepSpeed's engine does,
+whatever the model has (`engine.gradient_checkpointing_enable()`, `engine.config_class`, ...) to the model. A name
+neither has is an error naming it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 import torch
+from torch import nn
 
+from engine.compat.deepspeed import saving
+from engine.compat.deepspeed.throughput import ThroughputTimer
 from engine.compat.deepspeed.unsupported import refuse
 from engine.engine import Engine
 
+logger = logging.getLogger("DeepSpeed")
 
-class DeepSpeedEngine:
-    def __init__(self, engine: Engine, training_dataloader=None):
-        self.engine = engine
+
+class DeepSpeedEngine(nn.Module):
+    def __init__(self, engine: Engine, training_dataloader=None, config: dict | None = None,
+                 client_optimizer: bool = False):
+        super().__init__()
+        self.__dict__["engine"] = engine  # not a submodule: the model is (as in DeepSpeed)
+        self.module = engine.module
         self.training_dataloader = training_dataloader
+        self._config_dict = config if config is not None else engine.config.to_dict()
+        self._client_optimizer = client_optimizer
         self._step_applied = False
+        self.tput_timer = ThroughputTimer(engine.train_batch_size)
 
     # ---- identity ---------------------------------------------------------------------------
-    @property
-    def module(self) -> torch.nn.Module:
-        return self.engine.module
-
     @property
     def optimizer(self):
         return self.engine.optimizer
@@ -35,6 +46,11 @@ class DeepSpeedEngine:
     @property
     def lr_scheduler(self):
         return self.engine.lr_scheduler
+
+    @property
+    def config(self) -> dict:
+        """The config as given to initialize (DeepSpeed keeps the dict)."""
+        return self._config_dict
 
     @property
     def local_rank(self) -> int:
@@ -82,11 +98,17 @@ class DeepSpeedEngine:
     def dataloader_drop_last(self) -> bool:
         return self.engine.config.dataloader_drop_last
 
-    # ---- the loop ---------------------------------------------------------------------------
-    def __call__(self, *args, **kwargs):
-        return self.engine(*args, **kwargs)
+    def optimizer_name(self) -> str | None:
+        """DeepSpeed's answer: the client optimizer's class name, else the config's type, lower-cased."""
+        if self._client_optimizer:
+            return type(self.engine.optimizer).__name__
+        section = self.engine.config.optimizer
+        return None if section is None else section.type.lower()
 
-    forward = __call__
+    # ---- the loop ---------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self.tput_timer.start()
+        return self.engine(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Note [several backward passes per step]. scale_wrt_gas=False: the loss is not divided by the
@@ -124,20 +146,37 @@ class DeepSpeedEngine:
         self.engine.step()
         if boundary:
             self._step_applied = self.engine.skipped_steps == skipped
+        self.tput_timer.stop(global_step=boundary)
 
     def was_step_applied(self) -> bool:
         """Whether the last update (at the last accumulation boundary) changed the model (an fp16 overflow skips
         it)."""
         return self._step_applied
 
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Accepted where it agrees with the engine's count of micro-steps (accelerate and the HF Trainer set it
+        so); a boundary elsewhere would move the update, which the engine's count decides."""
+        if bool(is_boundary) != self.engine.is_gradient_accumulation_boundary():
+            raise ValueError(
+                f"set_gradient_accumulation_boundary({is_boundary}) at micro-step {self.engine.micro_step} with "
+                f"gradient_accumulation_steps {self.engine.gradient_accumulation_steps}: Tiers updates on every "
+                "gradient_accumulation_steps-th step() call; set gradient_accumulation_steps in the config to the "
+                "accumulation the loop runs")
+
+    def compile(self, *args, **kwargs) -> None:
+        refuse("engine.compile()", "the engine uncompiled (its chunk hooks and stage-3 gathers are not traced by "
+               "torch.compile), or torch.compile on submodules that hold no engine parameters")
+
+    @property
+    def is_compiled(self) -> bool:
+        return False
+
     def train(self, mode: bool = True) -> "DeepSpeedEngine":
         self.engine.train(mode)
+        self.training = mode
         return self
 
-    def eval(self) -> "DeepSpeedEngine":
-        return self.train(False)
-
-    # ---- checkpoints --------------------------------------------------------------------------
+    # ---- states and saving --------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag=None, client_state: dict | None = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
         if exclude_frozen_parameters:
@@ -155,12 +194,19 @@ class DeepSpeedEngine:
         return self.engine.load_checkpoint(load_dir, None if tag is None else str(tag), load_optimizer_states,
                                            load_lr_scheduler_states, load_module_only)
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
-                         exclude_frozen_parameters: bool = False):
-        if not save_filename.endswith(".safetensors") or exclude_frozen_parameters:
-            refuse(f"save_16bit_model({save_filename!r}, exclude_frozen_parameters={exclude_frozen_parameters})",
-                   "save_16bit_model(save_dir, 'model.safetensors') (Tiers writes safetensors, never pickles)")
-        return self.engine.save_16bit_model(save_dir, save_filename)
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's file: the 16-bit state dict written by torch.save (a `.safetensors` name writes
+        safetensors); every rank must call it."""
+        return saving.save_16bit_model(self.engine, save_dir, save_filename, exclude_frozen_parameters)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """The whole model's state dict in the compute dtype on rank 0 (None elsewhere); every rank must call it."""
+        return saving.consolidated_16bit_state_dict(self.engine, exclude_frozen_parameters)
+
+    def destroy(self) -> None:
+        """Closes the engine and lets go of it (its hooks, chunks and optimizer), as DeepSpeed's destroy()."""
+        self.release()
 
     def release(self) -> None:
         """At exit (engine.compat.deepspeed.launch): the engine closed and let go, so that nothing keeps the
@@ -169,9 +215,18 @@ class DeepSpeedEngine:
         if engine is not None:
             engine.close()
 
-    # ---- everything else the Tiers engine has -------------------------------------------------
+    # ---- everything else the Tiers engine or the model has ---------------------------------------
     def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # submodules, parameters, buffers
+        except AttributeError:
+            pass
         engine = self.__dict__.get("engine")
-        if engine is not None and not name.startswith("_") and hasattr(engine, name):
+        if engine is None:
+            refuse(f"DeepSpeedEngine.{name} after destroy()", "a new deepspeed.initialize(...)")
+        if not name.startswith("_") and hasattr(engine, name):
             return getattr(engine, name)
+        module = self._modules.get("module")
+        if module is not None and not name.startswith("_") and hasattr(module, name):
+            return getattr(module, name)
         refuse(f"DeepSpeedEngine.{name}", "the engine API in docs/migrating-from-deepspeed.md")

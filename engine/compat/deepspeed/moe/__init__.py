@@ -1,3 +1,3 @@
 """deepspeed.moe: the MoE layer on Tiers (engine.moe)."""
 
-from engine.compat.deepspeed.moe import layer  # noqa: F401
+from engine.compat.deepspeed.moe import layer, utils  # noqa: F401

@@ -1,0 +1,3 @@
+"""deepspeed.runtime: the helpers scripts import from it."""
+
+from engine.compat.deepspeed.runtime import utils, zero  # noqa: F401
