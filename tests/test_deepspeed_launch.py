@@ -106,6 +106,18 @@ import argparse, sys
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.ops.adam import FusedAdam
+from deepspeed.utils import logger, RepeatingLoader
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+import engine.compat.deepspeed.ops.adam as compat_adam
+assert FusedAdam is compat_adam.FusedAdam and sys.modules["deepspeed.ops.adam"] is compat_adam
+try:
+    import deepspeed.inference
+except ModuleNotFoundError as e:
+    assert "deepspeed.inference" in str(e)
+else:
+    raise AssertionError("deepspeed.inference imported")
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)
 parser.add_argument("--x")
