@@ -99,20 +99,32 @@ def _zero_worker(rank, world):
     engine, *_ = deepspeed.initialize(model=model, config={**CONFIG, "zero_optimization": {
         "stage": 3, "stage3_param_persistence_threshold": 0}})
     weight = engine.module[0].weight
+    status = deepspeed.runtime.zero.partition_parameters.ZeroParamStatus
+    marks = [(p.ds_id, tuple(p.ds_shape), p.ds_numel, p.ds_status) for p in engine.module.parameters()]
     with deepspeed.zero.GatheredParameters(weight, modifier_rank=0):
+        assert weight.ds_status is status.AVAILABLE
         if rank == 0:
             weight.data.fill_(0.5)  # rank 0's change reaches every rank
-    with deepspeed.zero.GatheredParameters([weight]):
-        return weight.detach().clone(), engine.full_state_dict()["0.bias"]
+    assert weight.ds_status is status.NOT_AVAILABLE
+    # DeepSpeed-Chat's and OpenRLHF's save: gather what ds_status says is not there, then read it
+    fetch = [p for p in engine.module.parameters() if hasattr(p, "ds_id") and p.ds_status == status.NOT_AVAILABLE]
+    with deepspeed.zero.GatheredParameters(fetch, enabled=len(fetch) > 0):
+        read = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return marks, read, engine.full_state_dict()
 
 
 def test_zero_init_and_gathered_parameters_under_stage_3():
     """A model built under zero.Init starts from the same values as one built plainly; GatheredParameters with
-    modifier_rank=0 gives every rank rank 0's change."""
+    modifier_rank=0 gives every rank rank 0's change; DeepSpeed's marks (ds_id, ds_shape, ds_numel, ds_status)
+    say what is released, so that code gathering by them reads whole values."""
     results = run_distributed(_zero_worker, 2, timeout_s=120)
-    for weight, bias in results:
-        assert torch.equal(weight, torch.full((8, 4), 0.5))
-        torch.testing.assert_close(bias, mlp()[0].bias.detach())
+    status = deepspeed.runtime.zero.partition_parameters.ZeroParamStatus
+    shapes = [tuple(p.shape) for p in mlp().parameters()]
+    for marks, read, whole in results:
+        assert marks == [(i, s, torch.Size(s).numel(), status.NOT_AVAILABLE) for i, s in enumerate(shapes)]
+        assert torch.equal(read["0.weight"], torch.full((8, 4), 0.5))
+        torch.testing.assert_close(read["0.bias"], mlp()[0].bias.detach())
+        assert all(torch.equal(read[k], whole[k]) for k in read)
 
 
 def test_was_step_applied_and_the_loader_on_one_process():

@@ -82,6 +82,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                               model_parameters=model_parameters)
     for p in engine.module.parameters():  # zero.GatheredParameters finds their engine (DeepSpeed tags them too)
         p.tiers_engine = weakref.ref(engine)
+    runtime.zero.partition_parameters.mark_parameters(engine)  # ds_id, ds_status, ... (stage 3)
     loader = None
     if training_data is not None:
         loader = DeepSpeedDataLoader(training_data, engine.train_micro_batch_size_per_gpu, engine.dp_world_size,

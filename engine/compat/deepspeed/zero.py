@@ -6,6 +6,8 @@ import contextlib
 
 from torch import nn
 
+from engine.compat.deepspeed.runtime.zero import partition_parameters
+from engine.compat.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: F401 (deepspeed.zero's)
 from engine.compat.deepspeed.unsupported import refuse
 from engine.zero.zero_init import zero_init
 
@@ -54,4 +56,8 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
         raise ValueError("GatheredParameters: the parameters belong to different engines; gather each engine's apart")
     (engine,) = engines.values()
     with engine.gathered_parameters(params, modifier_rank=modifier_rank):
-        yield params
+        before = partition_parameters.mark_available(params)  # Note [ds_status of a stage-3 parameter]
+        try:
+            yield params
+        finally:
+            partition_parameters.restore(params, before)

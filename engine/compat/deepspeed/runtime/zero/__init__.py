@@ -1,3 +1,3 @@
-"""deepspeed.runtime.zero: the offload config's enums."""
+"""deepspeed.runtime.zero: the offload config's enums, ZeroParamStatus."""
 
-from engine.compat.deepspeed.runtime.zero import offload_config  # noqa: F401
+from engine.compat.deepspeed.runtime.zero import offload_config, partition_parameters  # noqa: F401
