@@ -60,8 +60,8 @@ def test_engine_answers_deepspeed_calls_and_refuses_the_rest(tmp_path):
 def test_module_level_refusals_name_the_call():
     with pytest.raises(NotInTiers, match="deepspeed.init_inference"):
         deepspeed.init_inference  # noqa: B018
-    with pytest.raises(NotInTiers, match="mpu"):
-        deepspeed.initialize(model=mlp(), config=CONFIG, mpu=object())
+    with pytest.raises(NotInTiers, match="mesh_param"):
+        deepspeed.initialize(model=mlp(), config=CONFIG, mesh_param=(2, 1))
     with pytest.raises(NotInTiers, match="get_accelerator\\(\\).create_graph"):
         deepspeed.accelerator.get_accelerator().create_graph()
     assert not hasattr(deepspeed, "PipelineModule")  # an AttributeError: hasattr answers False
@@ -110,6 +110,9 @@ def _zero_worker(rank, world):
     fetch = [p for p in engine.module.parameters() if hasattr(p, "ds_id") and p.ds_status == status.NOT_AVAILABLE]
     with deepspeed.zero.GatheredParameters(fetch, enabled=len(fetch) > 0):
         read = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.empty_partition_cache()
+    shards = engine.chunked.sharded_params
+    assert len(shards) > 0 and all(shards.is_released(i) for i in range(len(shards)))  # nothing left gathered
     return marks, read, engine.full_state_dict()
 
 

@@ -290,3 +290,69 @@ def test_moe_parameters_split_into_their_own_groups_and_train_the_same():
             engine.step()
         trained.append(engine.full_state_dict())
     assert_params_close(*trained)
+
+
+def test_the_rng_tracker_keeps_named_streams_apart():
+    """model_parallel_cuda_manual_seed(s): the default stream is seeded with s, the model-parallel one with
+    s + 2718; drawing inside fork() leaves the default stream where it was."""
+    checkpointing = deepspeed.checkpointing
+    checkpointing.model_parallel_cuda_manual_seed(5)
+    tracker = checkpointing.get_cuda_rng_tracker()
+    first = torch.rand(3)
+    with tracker.fork():
+        forked = torch.rand(3)
+    after = torch.rand(3)
+    with tracker.fork():
+        forked_again = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(first, torch.rand(3)) and torch.equal(after, torch.rand(3))
+    torch.manual_seed(5 + 2718)
+    assert torch.equal(forked, torch.rand(3)) and torch.equal(forked_again, torch.rand(3))
+    with pytest.raises(Exception, match="seed 2723 already exists"):
+        tracker.add("other", 5 + 2718)
+    with pytest.raises(Exception, match="not added"):
+        with tracker.fork("nope"):
+            pass
+
+
+class DataParallelMPU:
+    """A Megatron-style mpu of one process with no model parallelism (DeepSpeed's tests build such ones)."""
+
+    def __init__(self, model_parallel: int = 1):
+        self.model_parallel = model_parallel
+
+    def get_model_parallel_world_size(self):
+        return self.model_parallel
+
+    def get_data_parallel_world_size(self):
+        return 1
+
+    def get_data_parallel_rank(self):
+        return 0
+
+
+def test_mpu_offload_states_and_reload_states_where_they_mean_what_deepspeed_means(caplog):
+    """An mpu whose groups are Tiers' (no model parallelism) is accepted, another refused naming its sizes;
+    offload_states / reload_states on a CPU engine leave training as it was (the states are in host memory)."""
+    config = {**MICRO, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    with caplog.at_level(logging.INFO, logger="DeepSpeed"):
+        engine, *_ = deepspeed.initialize(model=mlp(), config=config, mpu=DataParallelMPU())
+    assert "the mpu's groups are Tiers' own" in caplog.text
+    with pytest.raises(NotInTiers, match="model-parallel size 2"):
+        deepspeed.initialize(model=mlp(), config=config, mpu=DataParallelMPU(model_parallel=2))
+    reference = mlp()
+    for x in batches(2):
+        engine.backward(engine(x).square().mean())
+        engine.offload_states(include=["optim_states", "lp_params"])
+        engine.reload_states()
+        engine.step()
+        reference(x).square().mean().backward()
+        with torch.no_grad():
+            for p in reference.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+    assert_params_close(dict(engine.module.named_parameters()), dict(reference.named_parameters()))
+    with pytest.raises(ValueError, match="nvme"):
+        engine.offload_states(device="nvme")
+    with pytest.raises(ValueError, match="gradients"):
+        engine.offload_states(include=["gradients"])

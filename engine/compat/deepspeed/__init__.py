@@ -66,10 +66,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     if model is None:
         raise ValueError("deepspeed.initialize: model is required")
-    if mpu is not None or mesh_param is not None:
-        refuse("deepspeed.initialize(mpu=... / mesh_param=...)", "tensor_parallel / pipeline / sequence_parallel "
+    if mesh_param is not None:
+        refuse("deepspeed.initialize(mesh_param=...)", "tensor_parallel / pipeline / sequence_parallel "
                "sections in the config (Tiers builds its own process groups)")
     config = client_objects.config_as_dict(_config_of(args, config, config_params))
+    if mpu is not None:
+        client_objects.check_mpu(mpu, config)
     given = config
     if optimizer is not None:
         config = client_objects.without_section(config, "optimizer", "a client optimizer was passed")

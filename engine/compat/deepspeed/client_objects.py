@@ -69,6 +69,26 @@ def scheduler_for_engine(lr_scheduler):
     return repointed
 
 
+def check_mpu(mpu, config) -> None:
+    """A Megatron-style `mpu` is accepted where its groups are the ones Tiers builds: no model parallelism, every
+    rank data-parallel, in rank order. Other layouts are refused: Tiers builds its tensor, pipeline and sequence
+    groups from the config, and an mpu laying ranks out otherwise would shard the data differently."""
+    from engine.compat.deepspeed.unsupported import refuse
+    from engine.config import load_config
+
+    cfg = load_config(config)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    model_parallel = cfg.tensor_parallel.size * cfg.pipeline.stages * cfg.sequence_parallel.size
+    seen = (mpu.get_model_parallel_world_size(), mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank())
+    if model_parallel != 1 or seen != (1, world, rank):
+        refuse(f"deepspeed.initialize(mpu=...) with model-parallel size {seen[0]}, data-parallel size {seen[1]} "
+               f"and rank {seen[2]} (of {world})", "tensor_parallel / pipeline / sequence_parallel sections in the "
+               "config (Tiers builds its own groups), and no mpu")
+    _log_rank0("deepspeed.initialize: the mpu's groups are Tiers' own (no model parallelism, every rank "
+               "data-parallel); Tiers uses its own process groups")
+
+
 def _log_rank0(message: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         logger.info(message)

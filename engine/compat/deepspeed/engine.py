@@ -204,6 +204,30 @@ class DeepSpeedEngine(nn.Module):
         """The whole model's state dict in the compute dtype on rank 0 (None elsewhere); every rank must call it."""
         return saving.consolidated_16bit_state_dict(self.engine, exclude_frozen_parameters)
 
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False):
+        """DeepSpeed moves the model states off the device, to free it between phases (RLHF). Where the compute
+        device is the CPU they are in host memory already; on an accelerator it is refused."""
+        self._states_in_host_memory("offload_states", include, device)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        self._states_in_host_memory("reload_states")
+
+    def _states_in_host_memory(self, call: str, include=None, device="cpu") -> None:
+        from engine.compat.deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+
+        if OffloadDeviceEnum(device) is not OffloadDeviceEnum.cpu:
+            raise ValueError(f"{call}(device={device!r}): DeepSpeed offloads states to the CPU only")
+        for kind in include or ():
+            OffloadStateTypeEnum(kind)  # a ValueError naming an unknown kind
+        if self.engine.device.type != "cpu":
+            refuse(f"engine.{call}() on {self.engine.device}", "zero_optimization.offload_optimizer and "
+                   "offload_param (cpu or nvme) in the config, which keep the states on the host throughout")
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed releases the stage-3 parameters it holds gathered. Tiers' gatherer releases every
+        non-persistent chunk when a pass ends (Note [gathering around modules]), so between passes there is
+        nothing to release; persistent chunks stay whole, as DeepSpeed's persistent parameters do."""
+
     def destroy(self) -> None:
         """Closes the engine and lets go of it (its hooks, chunks and optimizer), as DeepSpeed's destroy()."""
         self.release()
