@@ -356,3 +356,25 @@ def test_mpu_offload_states_and_reload_states_where_they_mean_what_deepspeed_mea
         engine.offload_states(device="nvme")
     with pytest.raises(ValueError, match="gradients"):
         engine.offload_states(include=["gradients"])
+
+
+def test_zero_grad_and_load_state_dict_act_where_the_engine_keeps_gradients_and_weights():
+    """zero_grad() clears the gradient chunks (a parameter that gets no new gradient trains on none); under bf16
+    load_state_dict() moves the fp32 masters too, so the next update starts from the loaded weights."""
+    config = {**MICRO, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    model = mlp()
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    x = batches(1)[0]
+    engine.backward(engine(x).square().mean())  # accumulation 1: a stray gradient, never stepped
+    engine.zero_grad()
+    before = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    engine.backward(torch.zeros((), requires_grad=True))  # no gradient reaches any parameter; the step runs
+    engine.step()
+    assert all(torch.equal(v, before[k]) for k, v in engine.full_state_dict().items())
+    bf16 = {**config, "bf16": {"enabled": True}}
+    engine, *_ = deepspeed.initialize(model=mlp(), config=bf16)
+    torch.manual_seed(7)
+    other = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    engine.load_state_dict({f"module.{k}": v for k, v in other.state_dict().items()})
+    rounded = {k: v.to(torch.bfloat16).float() for k, v in other.state_dict().items()}
+    assert all(torch.equal(v, rounded[k]) for k, v in engine.full_state_dict().items())  # the masters

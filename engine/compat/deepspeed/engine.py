@@ -176,7 +176,22 @@ class DeepSpeedEngine(nn.Module):
         self.training = mode
         return self
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The gradients cleared where the engine keeps them (its chunks); nn.Module's would drop the parameters'
+        .grad views and leave the chunks holding them."""
+        self.engine.zero_grad()
+
     # ---- states and saving --------------------------------------------------------------------
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """nn.Module's (keys prefixed `module.`), with every parameter gathered and its fp32 master following the
+        loaded value (a plain copy into the parameters would be undone by the next update from the masters, or
+        land in released stage-3 storage). Every rank must call it with the same state dict."""
+        if assign:
+            refuse("engine.load_state_dict(assign=True)", "load_state_dict(state_dict) (the parameters live in "
+                   "the engine's chunks and must stay there)")
+        with self.engine.gathered_parameters(modifier_rank=0):
+            return super().load_state_dict(state_dict, strict=strict)
+
     def save_checkpoint(self, save_dir: str, tag=None, client_state: dict | None = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
         if exclude_frozen_parameters:
