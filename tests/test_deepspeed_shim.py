@@ -247,8 +247,8 @@ def test_module_level_helpers_answer_as_deepspeeds(caplog):
         deepspeed.pipe.PipelineModule(layers=[nn.Linear(2, 2)], num_stages=2)
     with pytest.raises(NotInTiers, match="set_z3_leaf_modules.*moe"):
         deepspeed.utils.set_z3_leaf_modules(mlp(), [nn.Linear])
-    with pytest.raises(NotInTiers, match="safe_get_full_grad"):
-        deepspeed.utils.safe_get_full_grad  # noqa: B018
+    with pytest.raises(NotInTiers, match="safe_set_full_fp32_param"):
+        deepspeed.utils.safe_set_full_fp32_param  # noqa: B018
 
 
 def test_safe_get_full_fp32_param_reads_the_master():
@@ -378,3 +378,42 @@ def test_zero_grad_and_load_state_dict_act_where_the_engine_keeps_gradients_and_
     engine.load_state_dict({f"module.{k}": v for k, v in other.state_dict().items()})
     rounded = {k: v.to(torch.bfloat16).float() for k, v in other.state_dict().items()}
     assert all(torch.equal(v, rounded[k]) for k, v in engine.full_state_dict().items())  # the masters
+
+
+def _full_state_worker(rank, world):
+    """On 2 ranks, each with its own batch: the full gradient before step() and the full Adam states after it,
+    ZeRO 0 with a client optimizer and ZeRO 1 (states sharded) with the config's, against one process's torch
+    AdamW on the mean loss."""
+    xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+    reference = mlp()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    (sum(reference(x).square().mean() for x in xs) / world).backward()
+    ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+    ref_opt.step()
+    ref_states = {n: ref_opt.state[p] for n, p in reference.named_parameters()}
+    seen = {}
+    for stage in (0, 1):
+        model = mlp()
+        config = {**MICRO, "zero_optimization": {"stage": stage}}
+        client = torch.optim.AdamW(model.parameters(), lr=1e-2) if stage == 0 else None
+        if client is None:
+            config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
+        engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=client)
+        engine.backward(engine(xs[rank]).square().mean())
+        grads = {n: deepspeed.utils.safe_get_full_grad(p) for n, p in model.named_parameters()}
+        engine.step()
+        states = {n: {k: deepspeed.utils.safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")}
+                  for n, p in model.named_parameters()}
+        seen[stage] = (grads, states)
+    return ref_grads, ref_states, seen
+
+
+def test_full_gradients_and_optimizer_states_are_the_averaged_ones():
+    from tests.distributed import run_distributed
+
+    for ref_grads, ref_states, seen in run_distributed(_full_state_worker, 2, timeout_s=120):
+        for grads, states in seen.values():
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-7)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    torch.testing.assert_close(states[name][key], ref_states[name][key], rtol=1e-5, atol=1e-9)

@@ -1,5 +1,5 @@
-"""deepspeed.utils: the logger, RepeatingLoader, log_dist and safe_get_full_fp32_param; the other helpers are
-refused by name."""
+"""deepspeed.utils: the logger, RepeatingLoader, log_dist, safe_get_full_fp32_param, safe_get_full_grad and
+safe_get_full_optimizer_state; the other helpers are refused by name."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine import whole_weights
+from engine.comm import all_gather_into
 from engine.compat.deepspeed.unsupported import refuse
 
 logger = logging.getLogger("DeepSpeed")
@@ -44,8 +45,8 @@ def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
 def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
     """The parameter's whole fp32 values (its master under bf16 / fp16, gathered under ZeRO-3) as a new tensor;
     every rank must call it for the same parameters. None for a parameter no engine trains, as DeepSpeed."""
-    engine = getattr(param, "tiers_engine", lambda: None)()
-    if engine is None or id(param) not in engine.chunked.chunk_index():
+    engine = _engine_of(param)
+    if engine is None:
         return None
     chunked = engine.chunked
     if chunked.masters is None and engine.gatherer is None:
@@ -55,8 +56,63 @@ def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
         return values(param).float().clone()
 
 
+def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
+    """The parameter's whole optimizer state `optim_state_key` (e.g. "exp_avg"), gathered from the ranks' shards
+    under ZeRO >= 1, as a new fp32 tensor; every rank must call it for the same parameters. None for a parameter
+    no engine trains."""
+    engine = _engine_of(param)
+    if engine is None:
+        return None
+    if hasattr(engine.optimizer, "manager"):
+        refuse("safe_get_full_optimizer_state with an offloaded optimizer", "a checkpoint (its optimizer states "
+               "are saved whole per parameter range) and `tiers convert`")
+    if param in engine.optimizer.state:  # a client optimizer over the model's own parameters (stage 0, fp32)
+        value = engine.optimizer.state[param][optim_state_key]
+        return value.detach().float().clone()
+    chunked = engine.chunked
+    state = chunked.states[chunked.chunk_index()[id(param)]]
+    value = engine.optimizer.state[state.stepped][optim_state_key]
+    if value.dim() == 0:
+        return value.detach().clone()
+    return chunked.master_values(param, _whole(value, state.place, engine)).float().clone()
+
+
+def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """The parameter's gradient averaged over the data-parallel ranks, as the coming update will use it
+    (after backward, before step; divided by the accumulation steps as backward divides it), as a new fp32
+    tensor; every rank must call it for the same parameters. ZeRO 0 and 1 in bf16 or fp32; None for a parameter no
+    engine trains."""
+    engine = _engine_of(param)
+    if engine is None:
+        return None
+    chunked = engine.chunked
+    if chunked.sharded_grads is not None or engine.config.fp16.enabled:
+        refuse("safe_get_full_grad under ZeRO 2-3 or fp16", "engine.get_global_grad_norm() after step() for the "
+               "norm, or ZeRO 0-1 in bf16 / fp32")
+    index = chunked.chunk_index()[id(param)]
+    grad = chunked.states[index].grad_view(param).detach().float().clone()
+    runtime = engine.runtime
+    if runtime.reducer is not None and not runtime.synchronized:  # the update reduces later (each rank's share)
+        dist.all_reduce(grad, group=engine.dp_group)
+    return grad
+
+
+def _engine_of(param: nn.Parameter):
+    engine = getattr(param, "tiers_engine", lambda: None)()
+    return engine if engine is not None and id(param) in engine.chunked.chunk_index() else None
+
+
+def _whole(value: torch.Tensor, place, engine) -> torch.Tensor:
+    """A chunk-long tensor from this rank's shard of it (the shard itself when not sharded)."""
+    if place.count == 1:
+        return value
+    full = torch.empty(value.numel() * place.count, dtype=value.dtype, device=value.device)
+    all_gather_into(full, value.detach().contiguous(), place.group_or(engine.dp_group), engine.comm, async_op=False)
+    return full
+
+
 def __getattr__(name: str):
-    if name in ("safe_get_full_grad", "safe_get_full_optimizer_state", "safe_set_full_fp32_param",
+    if name in ("safe_set_full_fp32_param",
                 "safe_get_local_grad", "safe_get_local_fp32_param", "safe_get_local_optimizer_state"):
         refuse(f"deepspeed.utils.{name}", "engine.gathered_parameters / engine.full_state_dict for values, and "
                "a checkpoint (`tiers convert`) for optimizer states")
