@@ -11,6 +11,7 @@ from torch import nn
 
 from engine.compat import deepspeed
 from engine.compat.deepspeed.unsupported import NotInTiers
+from engine.config import ConfigError
 from engine.moe import MoE
 from tests.distributed import run_distributed
 from tests.test_deepspeed_compat import ds_config
@@ -40,6 +41,8 @@ def test_config_comes_from_where_deepspeed_takes_it(tmp_path):
         deepspeed.initialize(args=args, model=mlp(), config=CONFIG)
     with pytest.raises(ValueError, match="needs a config"):
         deepspeed.initialize(model=mlp())
+    with pytest.raises(ConfigError, match="config file not found"):
+        deepspeed.initialize(model=mlp(), config=str(tmp_path / "missing.json"))
 
 
 def test_engine_answers_deepspeed_calls_and_refuses_the_rest(tmp_path):

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from engine.config import Config
+from engine.config import Config, ConfigError
 
 logger = logging.getLogger("DeepSpeed")
 
@@ -26,8 +26,13 @@ logger = logging.getLogger("DeepSpeed")
 def config_as_dict(config):
     """A JSON path read into a dict (a copy of a dict), so that sections can be taken out; a Config stays one."""
     if isinstance(config, (str, os.PathLike)):
-        with open(config, encoding="utf-8") as f:
-            return json.load(f)
+        try:
+            with open(config, encoding="utf-8") as f:
+                return json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {os.fspath(config)!r}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{os.fspath(config)}: not valid JSON: {e}") from None
     return dict(config) if isinstance(config, dict) else config
 
 
