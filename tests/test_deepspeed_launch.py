@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -131,6 +132,8 @@ def test_the_shim_answers_deepspeed_imports_only_in_the_launched_processes(tmp_p
     a process started so gets `--local_rank=N` first and the compat layer for `import deepspeed` (the same module
     objects), while this test process finds no deepspeed at all."""
     assert importlib.util.find_spec("deepspeed") is None
+    with pytest.raises(ImportError, match="import engine.compat.deepspeed instead"):
+        importlib.import_module("engine.compat.shim.deepspeed")  # never a second name for the compat layer
     plan = make_plan(LaunchOptions(script="probe.py", script_args=("--x", "5"), nproc_per_node=2, as_deepspeed=True),
                      environ={"PYTHONPATH": "/elsewhere"}, cwd=str(tmp_path))
     (command,) = node_commands(plan)
