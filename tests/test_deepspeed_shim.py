@@ -382,8 +382,8 @@ def test_zero_grad_and_load_state_dict_act_where_the_engine_keeps_gradients_and_
 
 def _full_state_worker(rank, world):
     """On 2 ranks, each with its own batch: the full gradient before step() and the full Adam states after it,
-    ZeRO 0 with a client optimizer and ZeRO 1 (states sharded) with the config's, against one process's torch
-    AdamW on the mean loss."""
+    ZeRO 0 with a client optimizer and ZeRO 1-3 (states, then gradients, then parameters sharded) with the
+    config's, against one process's torch AdamW on the mean loss."""
     xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
     reference = mlp()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -392,9 +392,9 @@ def _full_state_worker(rank, world):
     ref_opt.step()
     ref_states = {n: ref_opt.state[p] for n, p in reference.named_parameters()}
     seen = {}
-    for stage in (0, 1):
+    for stage in (0, 1, 2, 3):
         model = mlp()
-        config = {**MICRO, "zero_optimization": {"stage": stage}}
+        config = {**MICRO, "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
         client = torch.optim.AdamW(model.parameters(), lr=1e-2) if stage == 0 else None
         if client is None:
             config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}

@@ -80,17 +80,21 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
 def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     """The parameter's gradient averaged over the data-parallel ranks, as the coming update will use it
     (after backward, before step; divided by the accumulation steps as backward divides it), as a new fp32
-    tensor; every rank must call it for the same parameters. ZeRO 0 and 1 in bf16 or fp32; None for a parameter no
-    engine trains."""
+    tensor; every rank must call it for the same parameters. bf16 or fp32, gradients not offloaded; None for a
+    parameter no engine trains."""
     engine = _engine_of(param)
     if engine is None:
         return None
     chunked = engine.chunked
-    if chunked.sharded_grads is not None or engine.config.fp16.enabled:
-        refuse("safe_get_full_grad under ZeRO 2-3 or fp16", "engine.get_global_grad_norm() after step() for the "
-               "norm, or ZeRO 0-1 in bf16 / fp32")
+    if engine.config.fp16.enabled or chunked.grads_managed:
+        refuse("safe_get_full_grad under fp16 or with offloaded gradient shards", "engine.get_global_grad_norm() "
+               "after step() for the norm, or bf16 / fp32 without offload_optimizer")
     index = chunked.chunk_index()[id(param)]
-    grad = chunked.states[index].grad_view(param).detach().float().clone()
+    state = chunked.states[index]
+    if chunked.sharded_grads is not None:  # this rank's reduced shard (logically zero while fresh), gathered
+        shard = torch.zeros_like(state.grad_shard) if state.grad_fresh else state.grad_shard
+        return chunked.master_values(param, _whole(shard, state.place, engine)).float().clone()
+    grad = state.grad_view(param).detach().float().clone()
     runtime = engine.runtime
     if runtime.reducer is not None and not runtime.synchronized:  # the update reduces later (each rank's share)
         dist.all_reduce(grad, group=engine.dp_group)
