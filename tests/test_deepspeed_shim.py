@@ -239,6 +239,12 @@ def test_module_level_helpers_answer_as_deepspeeds(caplog):
         deepspeed.runtime.utils.see_memory_usage("after init", force=True)
         deepspeed.runtime.utils.see_memory_usage("not forced")
     assert "after init" in caplog.text and "CPU Virtual Memory" in caplog.text and "not forced" not in caplog.text
+    assert deepspeed.runtime.engine.DeepSpeedEngine is deepspeed.DeepSpeedEngine
+    from engine.lr_schedules import WarmupLR
+
+    assert deepspeed.runtime.lr_schedules.WarmupLR is WarmupLR
+    with pytest.raises(NotInTiers, match="lr_schedules.LRRangeTest"):
+        deepspeed.runtime.lr_schedules.LRRangeTest  # noqa: B018
     offload = deepspeed.runtime.zero.offload_config
     assert offload.OffloadDeviceEnum("cpu") is offload.OffloadDeviceEnum.cpu
     assert offload.OffloadStateTypeEnum.optim_states == "optim_states"

@@ -1,3 +1,3 @@
-"""deepspeed.runtime: the helpers scripts import from it."""
+"""deepspeed.runtime: the helpers, schedules and engine class scripts import from it."""
 
-from engine.compat.deepspeed.runtime import utils, zero  # noqa: F401
+from engine.compat.deepspeed.runtime import engine, lr_schedules, utils, zero  # noqa: F401

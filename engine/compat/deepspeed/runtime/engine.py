@@ -1,0 +1,3 @@
+"""deepspeed.runtime.engine: the engine class, for the isinstance checks integrations make."""
+
+from engine.compat.deepspeed.engine import DeepSpeedEngine  # noqa: F401
