@@ -19,6 +19,7 @@ from typing import Any, Literal
 from engine.config_checks import check_config
 from engine.config_deepspeed import AutotuningConfig, TorchAutocastConfig, from_deepspeed
 from engine.config_schema import ConfigError, bounded, closest, parse_section, section, to_dict, unknown_key_error
+from engine.optimizers import params as optimizer_params
 
 Auto = Literal["auto"]
 
@@ -339,13 +340,15 @@ _OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
     "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},
 }
 # DeepSpeed's optimizer names Tiers lacks (DeepSpeed also takes any torch.optim class by name: refused alike)
-_UNSUPPORTED_OPTIMIZERS = ("onebitadam", "zerooneadam", "onebitlamb", "lamb", "lion", "adagrad", "muadam", "muadamw",
-                           "musgd", "muon")
-OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
+_OPTIMIZER_PARAMS.update(optimizer_params.OPTIMIZER_PARAMS)
+_UNSUPPORTED_OPTIMIZERS = tuple({"onebitadam", "zerooneadam", "onebitlamb", "lamb", "lion", "adagrad", "muadam",
+                                 "muadamw", "musgd", "muon"}
+                                - set(optimizer_params.OPTIMIZER_PARAMS) - set(optimizer_params.OPTIMIZER_ALIASES))
+OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", **optimizer_params.OPTIMIZER_NAMES}
 
 
 def _validate_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
-    name = opt.type.lower()
+    name = optimizer_params.OPTIMIZER_ALIASES.get(opt.type.lower(), opt.type.lower())
     if name in _UNSUPPORTED_OPTIMIZERS or (name not in _OPTIMIZER_PARAMS and _is_torch_optimizer(opt.type)):
         raise ConfigError(f"optimizer.type: '{opt.type}' is not supported yet; "
                           f"use one of {', '.join(OPTIMIZER_NAMES.values())}.")
@@ -370,9 +373,15 @@ def _validate_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
                 raise ConfigError(f"{path}: {value!r} is not allowed; "
                                   "expected two numbers in [0, 1), e.g. [0.9, 0.999].")
             value = [float(v) for v in value]
+        elif isinstance(default, str) or isinstance(default, int) and not isinstance(default, bool):
+            if type(value) is not type(default) or isinstance(value, int) and value < 0:
+                kind = "a string" if isinstance(default, str) else "a whole number >= 0"
+                raise ConfigError(f"{path}: {value!r} is not allowed; expected {kind}.")
         elif not _is_number(value) or value < 0:
             raise ConfigError(f"{path}: {value!r} is not allowed; expected a number >= 0.")
         params[key] = value
+    if (refused := optimizer_params.check_optimizer_params(name, params)) is not None:
+        raise ConfigError(refused)
     if params.get("amsgrad"):
         raise ConfigError("optimizer.params.amsgrad: true is not supported "
                           "(DeepSpeed's Adam has no AMSGrad either); remove it.")

@@ -30,7 +30,7 @@ from engine.engine import Engine
 from engine.lr_schedules import build_lr_scheduler
 from engine.moe.plan import ExpertParallel, apply_expert_parallel
 from engine.monitor import Monitor
-from engine.optim import build_optimizer
+from engine.optim import build_optimizer, chunk_segments
 from engine.pipeline.block_timing import measured_costs
 from engine.pipeline.driver import PipelineDriver, shared_parameter_groups, sync_shared_values
 from engine.pipeline.model_split import PipelineModel, plan_stages, split_model
@@ -314,9 +314,11 @@ def build_chunk_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.dev
     policy = OffloadPolicy.from_config(cfg, grads_sharded=chunked.sharded_grads is not None,
                                        masters=chunked.masters is not None)
     if client is None and policy.offloads:
+        chunk_segments(cfg.optimizer, chunked, offloaded=True)  # refuses per-parameter norms over offloaded pieces
         return build_offloaded_optimizer(cfg, chunked, device, policy)
     if client is None:
-        return build_optimizer(cfg.optimizer, chunked.optimizer_param_groups())
+        segments = chunk_segments(cfg.optimizer, chunked, offloaded=False)
+        return build_optimizer(cfg.optimizer, chunked.optimizer_param_groups(), segments)
     if chunked.sharded or chunked.masters is not None or chunked.values_pending or rebuild:
         return _rebuilt_over_shards(client, chunked)
     return client

@@ -5,17 +5,27 @@ from __future__ import annotations
 import torch
 
 from engine.config import OptimizerConfig
+from engine.config_schema import ConfigError
+from engine.optimizers.adam import UncorrectedAdam
+from engine.optimizers.lamb import Lamb
+from engine.optimizers.segments import Segments
 
 
-def build_optimizer(config: OptimizerConfig, param_groups: list[dict]) -> torch.optim.Optimizer:
+def build_optimizer(config: OptimizerConfig, param_groups: list[dict],
+                    segments: Segments | None = None) -> torch.optim.Optimizer:
     """DeepSpeed's meanings: "Adam" is AdamW unless adam_w_mode is false; torch_adam picks torch's
-    unfused implementation. Otherwise Adam/AdamW use torch's fused kernels (CPU and CUDA).
+    unfused implementation. Otherwise Adam/AdamW use torch's fused kernels (CPU and CUDA);
+    bias_correction false takes UncorrectedAdam (DeepSpeed FusedAdam's bias_correction=False).
 
-    `param_groups` are torch param-group dicts; options set in a group override the config's.
+    `param_groups` are torch param-group dicts; options set in a group override the config's. `segments`: where
+    each parameter lies inside the stepped tensors, for optimizers that take per-parameter norms (Lamb).
     """
     p = config.params
     if config.type in ("Adam", "AdamW"):
         decoupled = config.type == "AdamW" or p["adam_w_mode"]
+        if not p["bias_correction"]:
+            return UncorrectedAdam(param_groups, lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
+                                   weight_decay=p["weight_decay"], decoupled=decoupled)
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
         impl = {"foreach": False} if p["torch_adam"] else {"fused": _fused_ok(param_groups)}
         return cls(param_groups, lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
@@ -23,7 +33,29 @@ def build_optimizer(config: OptimizerConfig, param_groups: list[dict]) -> torch.
     if config.type == "SGD":
         return torch.optim.SGD(param_groups, lr=p["lr"], momentum=p["momentum"], dampening=p["dampening"],
                                weight_decay=p["weight_decay"], nesterov=p["nesterov"])
+    if config.type == "Lamb":
+        return Lamb(param_groups, lr=p["lr"], bias_correction=p["bias_correction"], betas=tuple(p["betas"]),
+                    eps=p["eps"], eps_inside_sqrt=p["eps_inside_sqrt"], weight_decay=p["weight_decay"],
+                    max_coeff=p["max_coeff"], min_coeff=p["min_coeff"], segments=segments)
     raise ValueError(f"optimizer.type: {config.type!r} has no builder")  # config validation prevents this
+
+
+# optimizers that take a norm per parameter, so they must see each parameter whole (Note [lamb trust ratio])
+_PER_PARAMETER_NORMS = ("Lamb",)
+
+
+def chunk_segments(config: OptimizerConfig, chunked, offloaded: bool) -> Segments:
+    """Where each parameter lies in the chunks the optimizer steps; refuses layouts in which an optimizer that takes
+    per-parameter norms would not see each parameter whole (sharded chunks, offloaded pieces)."""
+    if config.type in _PER_PARAMETER_NORMS and (chunked.sharded or offloaded):
+        where = "sharded across data-parallel ranks" if chunked.sharded else "offloaded in pieces"
+        raise ConfigError(f"optimizer.type: {config.type} takes each parameter's norm (its trust ratio), and here the "
+                         f"chunks are {where}, so a parameter can be split; use zero_optimization.stage 0 (or one "
+                         "data-parallel rank) without offload_optimizer, or Adam/AdamW")
+    by_tensor = {}
+    for index, state in enumerate(chunked.states):
+        by_tensor[id(state.stepped)] = [(slot.offset, slot.numel) for _, slot in chunked.chunk_members(index)]
+    return Segments(by_tensor)
 
 
 def _fused_ok(param_groups: list[dict]) -> bool:

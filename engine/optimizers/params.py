@@ -1,0 +1,33 @@
+"""The config params of the optimizers in this package, with DeepSpeed's defaults, and the values refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ADAM_LIKE = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "bias_correction": True,
+              "eps_inside_sqrt": False, "max_grad_norm": 0.0, "amsgrad": False}
+_COMPRESSED = {"cuda_aware": False, "comm_backend_name": "nccl"}
+
+# lower-case optimizer.type -> params and defaults (DeepSpeed's)
+OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
+    "lamb": {**_ADAM_LIKE, "max_coeff": 10.0, "min_coeff": 0.01},
+}
+OPTIMIZER_NAMES = {"lamb": "Lamb"}
+# DeepSpeed spellings that name the same optimizer
+OPTIMIZER_ALIASES: dict[str, str] = {}
+COMPRESSED_OPTIMIZERS: frozenset[str] = frozenset()
+
+
+def check_optimizer_params(name: str, params: dict) -> str | None:
+    """What is refused in the (validated, defaults filled) params of optimizer `name`, or None."""
+    if name not in OPTIMIZER_PARAMS:
+        return None
+    if params.get("max_grad_norm", 0.0) > 0:
+        return ("optimizer.params.max_grad_norm: DeepSpeed's engine never hands this optimizer the gradient norm "
+                "it would clip by; use the top-level gradient_clipping instead, and remove max_grad_norm")
+    if params.get("amsgrad"):
+        return "optimizer.params.amsgrad: true is not supported by this optimizer (nor by DeepSpeed's); remove it"
+    if params.get("min_coeff", 0.0) > params.get("max_coeff", 1.0):
+        return (f"optimizer.params.min_coeff: {params['min_coeff']} is above max_coeff {params['max_coeff']}; "
+                "the trust ratio is clamped to [min_coeff, max_coeff]")
+    return None
