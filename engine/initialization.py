@@ -30,7 +30,8 @@ from engine.engine import Engine
 from engine.lr_schedules import build_lr_scheduler
 from engine.moe.plan import ExpertParallel, apply_expert_parallel
 from engine.monitor import Monitor
-from engine.optim import build_optimizer, chunk_segments
+from engine.optim import build_optimizer, check_compressed_run, chunk_segments
+from engine.optimizers.compressed import DataParallelGroup
 from engine.pipeline.block_timing import measured_costs
 from engine.pipeline.driver import PipelineDriver, shared_parameter_groups, sync_shared_values
 from engine.pipeline.model_split import PipelineModel, plan_stages, split_model
@@ -107,6 +108,7 @@ def initialize(
                                          ep_size=cfg.moe.expert_parallel_size)
     check_run(cfg, topology, optimizer=optimizer, lr_scheduler=lr_scheduler, model_parameters=model_parameters,
               built_under_zero_init=zero_init_recording(model) is not None)
+    check_compressed_run(cfg, topology)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     recording, meta_of = zero_init_placeholders(model, topology.device)  # Note [zero_init]
@@ -123,7 +125,9 @@ def initialize(
     chunked = chunk_parameters(model, cfg, topology, groups, pending=set(meta_of), tensor_parallel=tensor_parallel,
                                names=split.names if split is not None else None, experts=experts)
     model.to(topology.device)  # what is not in a chunk (frozen, or left out of the groups) joins the model there
-    optimizer = build_chunk_optimizer(cfg, chunked, topology.device, optimizer, rebuild=split is not None)
+    data_parallel = DataParallelGroup(topology.dp_group, topology.dp_rank, topology.dp_world_size, comm)
+    optimizer = build_chunk_optimizer(cfg, chunked, topology.device, optimizer, rebuild=split is not None,
+                                      data_parallel=data_parallel)
     if recording is not None:  # after offloading: shards may load straight into the chunk manager
         materialize_parameters(model, chunked, recording, meta_of, topology.device, topology.dp_group, comm)
     pipeline = build_pipeline(split, shared_groups, cfg, topology, chunked, comm, loss_fn) if split else None
@@ -306,7 +310,8 @@ def _expert_chunks(experts: ExpertParallel | None, topology: Topology, sharded: 
 
 
 def build_chunk_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.device,
-                          client: torch.optim.Optimizer | None = None, rebuild: bool = False) -> torch.optim.Optimizer:
+                          client: torch.optim.Optimizer | None = None, rebuild: bool = False,
+                          data_parallel: DataParallelGroup | None = None) -> torch.optim.Optimizer:
     """The optimizer over the chunks: the config's, with its states placed by the OffloadPolicy (Note [offload
     policy]); or the client's, rebuilt over this rank's shards or fp32 masters when there are any, or when
     `rebuild` (a pipeline stage: the client holds every stage's parameters)."""
@@ -318,7 +323,7 @@ def build_chunk_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.dev
         return build_offloaded_optimizer(cfg, chunked, device, policy)
     if client is None:
         segments = chunk_segments(cfg.optimizer, chunked, offloaded=False)
-        return build_optimizer(cfg.optimizer, chunked.optimizer_param_groups(), segments)
+        return build_optimizer(cfg.optimizer, chunked.optimizer_param_groups(), segments, data_parallel)
     if chunked.sharded or chunked.masters is not None or chunked.values_pending or rebuild:
         return _rebuilt_over_shards(client, chunked)
     return client

@@ -7,18 +7,22 @@ import torch
 from engine.config import OptimizerConfig
 from engine.config_schema import ConfigError
 from engine.optimizers.adam import UncorrectedAdam
+from engine.optimizers.compressed import DataParallelGroup
 from engine.optimizers.lamb import Lamb
+from engine.optimizers.onebit_adam import OneBitAdam
+from engine.optimizers.params import COMPRESSED_OPTIMIZERS
 from engine.optimizers.segments import Segments
 
 
-def build_optimizer(config: OptimizerConfig, param_groups: list[dict],
-                    segments: Segments | None = None) -> torch.optim.Optimizer:
+def build_optimizer(config: OptimizerConfig, param_groups: list[dict], segments: Segments | None = None,
+                    data_parallel: DataParallelGroup | None = None) -> torch.optim.Optimizer:
     """DeepSpeed's meanings: "Adam" is AdamW unless adam_w_mode is false; torch_adam picks torch's
     unfused implementation. Otherwise Adam/AdamW use torch's fused kernels (CPU and CUDA);
     bias_correction false takes UncorrectedAdam (DeepSpeed FusedAdam's bias_correction=False).
 
     `param_groups` are torch param-group dicts; options set in a group override the config's. `segments`: where
-    each parameter lies inside the stepped tensors, for optimizers that take per-parameter norms (Lamb).
+    each parameter lies inside the stepped tensors, for optimizers that take per-parameter norms (Lamb) or
+    scales (the compressed family); `data_parallel`: the group the compressed family averages over.
     """
     p = config.params
     if config.type in ("Adam", "AdamW"):
@@ -37,7 +41,43 @@ def build_optimizer(config: OptimizerConfig, param_groups: list[dict],
         return Lamb(param_groups, lr=p["lr"], bias_correction=p["bias_correction"], betas=tuple(p["betas"]),
                     eps=p["eps"], eps_inside_sqrt=p["eps_inside_sqrt"], weight_decay=p["weight_decay"],
                     max_coeff=p["max_coeff"], min_coeff=p["min_coeff"], segments=segments)
+    if config.type in COMPRESSED_OPTIMIZERS:
+        return _build_compressed(config, param_groups, segments, data_parallel)
     raise ValueError(f"optimizer.type: {config.type!r} has no builder")  # config validation prevents this
+
+
+def _build_compressed(config: OptimizerConfig, param_groups: list[dict], segments: Segments | None,
+                      data_parallel: DataParallelGroup | None) -> torch.optim.Optimizer:
+    if data_parallel is None:
+        raise ValueError(f"optimizer.type: {config.type} averages over the data-parallel group itself; build it "
+                         "through initialize(), which gives it the group")
+    p = config.params
+    common = dict(lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"], weight_decay=p["weight_decay"],
+                  segments=segments, comm_backend_name=p["comm_backend_name"])
+    return OneBitAdam(param_groups, data_parallel, freeze_step=p["freeze_step"], **common)
+
+
+def check_compressed_run(config, topology) -> None:
+    """The compressed family's limits (Note [optimizers that communicate]): DeepSpeed's, ZeRO stage 0 and plain
+    data parallelism, and two more where each rank's own gradients would be clipped or overflow-checked alone."""
+    name = config.optimizer.type if config.optimizer is not None else None
+    if name not in COMPRESSED_OPTIMIZERS:
+        return
+    refusals = [
+        (config.zero_optimization.stage != 0, "zero_optimization.stage",
+         f"{name} runs at ZeRO stage 0 only (as in DeepSpeed); set zero_optimization.stage to 0"),
+        (max(topology.tp_size, topology.pp_size, topology.sp_size, topology.ep_size) > 1, "optimizer.type",
+         f"{name} runs with data parallelism only; remove the tensor, pipeline, sequence or expert parallel sizes"),
+        (config.fp16.enabled, "fp16.enabled",
+         f"{name} after its warmup leaves each rank its own gradients, and fp16's overflow check would decide the "
+         "skipped steps rank by rank; use bf16 or fp32"),
+        (config.gradient_clipping > 0, "gradient_clipping",
+         f"{name} after its warmup leaves each rank its own gradients, and Tiers does not clip those yet; set "
+         "gradient_clipping to 0"),
+    ]
+    for refused, key, why in refusals:
+        if refused:
+            raise ConfigError(f"{key}: {why}")
 
 
 # optimizers that take a norm per parameter, so they must see each parameter whole (Note [lamb trust ratio])

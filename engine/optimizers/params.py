@@ -11,17 +11,24 @@ _COMPRESSED = {"cuda_aware": False, "comm_backend_name": "nccl"}
 # lower-case optimizer.type -> params and defaults (DeepSpeed's)
 OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
     "lamb": {**_ADAM_LIKE, "max_coeff": 10.0, "min_coeff": 0.01},
+    "onebitadam": {**_ADAM_LIKE, **_COMPRESSED, "freeze_step": 100000},
 }
-OPTIMIZER_NAMES = {"lamb": "Lamb"}
-# DeepSpeed spellings that name the same optimizer
-OPTIMIZER_ALIASES: dict[str, str] = {}
-COMPRESSED_OPTIMIZERS: frozenset[str] = frozenset()
+OPTIMIZER_NAMES = {"lamb": "Lamb", "onebitadam": "OneBitAdam"}
+# the optimizers that average over the data-parallel group themselves (Note [optimizers that communicate])
+COMPRESSED_OPTIMIZERS = frozenset({"OneBitAdam"})
+# params DeepSpeed's compressed optimizers take and never read: accepted at their defaults only
+_IGNORED_BY_DEEPSPEED = {"eps_inside_sqrt": False, "max_grad_norm": 0.0}
 
 
 def check_optimizer_params(name: str, params: dict) -> str | None:
     """What is refused in the (validated, defaults filled) params of optimizer `name`, or None."""
     if name not in OPTIMIZER_PARAMS:
         return None
+    if OPTIMIZER_NAMES[name] in COMPRESSED_OPTIMIZERS:
+        for key, default in _IGNORED_BY_DEEPSPEED.items():
+            if params[key] != default:
+                return (f"optimizer.params.{key}: {params[key]!r} — DeepSpeed's {OPTIMIZER_NAMES[name]} never reads "
+                        f"it (its update would not be what the config says); remove it")
     if params.get("max_grad_norm", 0.0) > 0:
         return ("optimizer.params.max_grad_norm: DeepSpeed's engine never hands this optimizer the gradient norm "
                 "it would clip by; use the top-level gradient_clipping instead, and remove max_grad_norm")

@@ -30,6 +30,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from engine.comm import CommCounter, all_gather_in_place, broadcast_from
+from engine.optimizers.compressed import CompressedOptimizer
 from engine.topology import Topology
 from engine.zero.chunked_params import ChunkedParams, square_sum_of_norms
 from engine.zero.device_bytes import device_state_bytes
@@ -189,7 +190,7 @@ class ZeroRuntime:
         """Enters the backward phase (engine.backward, or a PyTorch-style one: Note [tensor backward]); returns
         whether this backward reduces, for end_backward / abandon_backward."""
         every_backward = self.chunked.sharded_grads is not None  # Note [sharded gradients]
-        reduces = self.reducer is not None and not self.accumulating_locally and (
+        reduces = self._engine_reduces() and not self.accumulating_locally and (
             every_backward or (boundary and not self.inside_no_sync))
         if reduces:
             self._check_one_synchronized_backward(every_backward)
@@ -265,6 +266,12 @@ class ZeroRuntime:
         self.chunked.zero_grads()
         self.synchronized = False
 
+    def _engine_reduces(self) -> bool:
+        """Whether gradients are reduced here: not for the steps an optimizer averages over the ranks itself
+        (Note [optimizers that communicate])."""
+        return self.reducer is not None and not (isinstance(self.optimizer, CompressedOptimizer)
+                                                 and not self.optimizer.engine_reduces_gradients)
+
     # ---- the update ---------------------------------------------------------------------------
     def check_steppable(self) -> None:
         """Before engine.step() counts a micro-step: it may run now."""
@@ -292,7 +299,7 @@ class ZeroRuntime:
         with record_function("tiers.zero.pre_step"):
             chunked = self.chunked
             unreduced = chunked.sharded_grads is None or self.reducer is not None and self.reducer.holds_unreduced()
-            if self.reducer is not None and not self.synchronized and unreduced:
+            if self._engine_reduces() and not self.synchronized and unreduced:
                 self.reducer.reduce_all()  # the boundary backward ran inside no_sync() or accumulate_locally()
             self.synchronized = False
             if chunked.sharded_grads is not None:
