@@ -12,6 +12,7 @@ from engine.optimizers.lamb import Lamb
 from engine.optimizers.onebit_adam import OneBitAdam
 from engine.optimizers.params import COMPRESSED_OPTIMIZERS
 from engine.optimizers.segments import Segments
+from engine.optimizers.zero_one_adam import ZeroOneAdam
 
 
 def build_optimizer(config: OptimizerConfig, param_groups: list[dict], segments: Segments | None = None,
@@ -54,6 +55,10 @@ def _build_compressed(config: OptimizerConfig, param_groups: list[dict], segment
     p = config.params
     common = dict(lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"], weight_decay=p["weight_decay"],
                   segments=segments, comm_backend_name=p["comm_backend_name"])
+    if config.type == "ZeroOneAdam":
+        return ZeroOneAdam(param_groups, data_parallel, var_freeze_step=p["var_freeze_step"],
+                           var_update_scaler=p["var_update_scaler"], local_step_scaler=p["local_step_scaler"],
+                           local_step_clipper=p["local_step_clipper"], **common)
     return OneBitAdam(param_groups, data_parallel, freeze_step=p["freeze_step"], **common)
 
 

@@ -22,14 +22,23 @@ WORLD = 2
 SEGMENTS = [(0, 5), (5, 37), (42, 16)]  # parameters inside one stepped tensor of 60 elements (2 of padding)
 ADAM = {"lr": 2e-3, "betas": [0.9, 0.99], "eps": 1e-6, "weight_decay": 0.01}
 FREEZE = 6
-STEPS = 30
+STEPS = 24
 
 
-def onebit_config(freeze_step: int, **extra) -> dict:
-    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
-            "optimizer": {"type": "OneBitAdam", "params": {**ADAM, "freeze_step": freeze_step,
-                                                           "comm_backend_name": "nccl"}},
-            "zero_optimization": {"stage": 0}, **extra}
+ONEBIT = {"type": "OneBitAdam", "params": {**ADAM, "freeze_step": FREEZE, "comm_backend_name": "nccl"}}
+# a short 0/1 Adam schedule (Note [0/1 Adam schedule]); with it the engine averages the gradients of steps 1, 2
+# (interval 1), 4, 6 (interval 2 after two variance updates) and 8 (interval 4); steps 3, 5, 7, 9 average them
+# compressed; past step 8 the ranks step alone and synchronize on steps 10, 11, 12 (interval 1), 14, 16 (interval
+# 2 after three local steps), 20, 24 (interval 4, the clipper)
+ZERO_ONE = {"type": "ZeroOneAdam", "params": {**ADAM, "var_freeze_step": 8, "var_update_scaler": 2,
+                                              "local_step_scaler": 3, "local_step_clipper": 4}}
+ZERO_ONE_STEPS = 24
+ENGINE_AVERAGED, COMPRESSED = {1, 2, 4, 6, 8}, {3, 5, 7, 9, 10, 11, 12, 14, 16, 20, 24}
+
+
+def onebit_config(optimizer: dict = ONEBIT, micro: int = 4, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+            "optimizer": optimizer, "zero_optimization": {"stage": 0}, **extra}
 
 
 def test_signs_pack_eight_to_a_byte_in_numpy_order():
@@ -47,10 +56,11 @@ def test_refused_layouts_name_the_key():
                        ({"gradient_clipping": 1.0}, "gradient_clipping"),
                        ({"fp16": {"enabled": True}}, "fp16.enabled")):
         with pytest.raises(ConfigError, match=key):
-            initialize(tiny_gpt(), {**onebit_config(5), **extra})
+            initialize(tiny_gpt(), {**onebit_config(), **extra})
     with pytest.raises(ConfigError, match="eps_inside_sqrt"):
-        initialize(tiny_gpt(), onebit_config(5) | {"optimizer": {"type": "OnebitAdam",
-                                                                   "params": {"eps_inside_sqrt": True}}})
+        initialize(tiny_gpt(), onebit_config({"type": "OnebitAdam", "params": {"eps_inside_sqrt": True}}))
+    with pytest.raises(ConfigError, match="local_step_clipper"):
+        initialize(tiny_gpt(), onebit_config({"type": "zerooneadam", "params": {"local_step_clipper": 0}}))
 
 
 def _reference_average(inputs, worker_errors, server_errors):
@@ -117,11 +127,11 @@ def _arithmetic_and_feedback(rank: int) -> dict:
             "bytes_per_average": bytes_per_average}
 
 
-def train(rank: int, world: int, freeze_step: int, steps: int, snapshot_after: int = 0):
+def train(rank: int, world: int, optimizer: dict, steps: int, snapshot_after: int = 0):
     """(the parameters after `snapshot_after` steps and at the end, the whole batch's loss per step, the bytes this
     rank sends per step over a ring: 2(w-1)/w of an all-reduced tensor, (w-1)/w of an all-to-all's or
     all-gather's)."""
-    engine = initialize(tiny_gpt(), onebit_config(freeze_step, train_micro_batch_size_per_gpu=4 * WORLD // world))
+    engine = initialize(tiny_gpt(), onebit_config(optimizer, micro=4 * WORLD // world))
     losses, bytes_per_step, snapshot = [], [], None
     for step, x in enumerate(token_batches(steps, 4 * WORLD)):
         before = engine.comm.ring_bytes(world)
@@ -141,9 +151,10 @@ def train(rank: int, world: int, freeze_step: int, steps: int, snapshot_after: i
 
 def _worker(rank: int, world: int) -> dict:
     out = _arithmetic_and_feedback(rank)
-    warmup_params, losses, bytes_per_step, final_params = train(rank, world, FREEZE, STEPS, snapshot_after=FREEZE)
-    out.update(warmup_params=warmup_params, losses=losses, bytes_per_step=bytes_per_step)
-    out["final_params"] = final_params
+    warmup_params, losses, bytes_per_step, final_params = train(rank, world, ONEBIT, STEPS, snapshot_after=FREEZE)
+    out.update(warmup_params=warmup_params, losses=losses, bytes_per_step=bytes_per_step, final_params=final_params)
+    _, losses, bytes_per_step, final_params = train(rank, world, ZERO_ONE, ZERO_ONE_STEPS)
+    out["zero_one"] = dict(losses=losses, bytes_per_step=bytes_per_step, final_params=final_params)
     return out
 
 
@@ -166,8 +177,24 @@ def _reference_warmup() -> dict:
     return param_snapshot(model)
 
 
-def test_onebit_adam_on_two_ranks():
-    results = run_distributed(_worker, WORLD, timeout_s=240)
+@pytest.fixture
+def one_thread():
+    """The single-rank comparisons in this process: one thread, as each spawned rank runs (many threads on a
+    tiny model contend with the other test processes)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """Every multi-process case, run by one spawned pair of ranks."""
+    return run_distributed(_worker, WORLD, timeout_s=300)
+
+
+def test_onebit_adam_on_two_ranks(two_ranks, one_thread):
+    results = two_ranks
     for r in results:
         assert r["worst"] < 1e-5, r["worst"]  # the vectorized averager equals the per-parameter formula
         assert r["feedback_gap"] < 1e-4, r["feedback_gap"]  # received + held errors == true, exactly
@@ -178,14 +205,31 @@ def test_onebit_adam_on_two_ranks():
         assert torch.equal(value, results[1]["final_params"][name]), name
     assert_params_close(first["warmup_params"], _reference_warmup())  # warmup: Adam over averaged gradients
     # the same algorithm on one rank over the whole batch: the momentum averaged exactly, nothing compressed
-    _, exact, _, _ = train(0, 1, FREEZE, STEPS)
+    _, exact, _, _ = train(0, 1, ONEBIT, STEPS)
     compressed = first["losses"]
     assert compressed[:FREEZE] == pytest.approx(exact[:FREEZE], rel=1e-5)
     final_exact, final_compressed = sum(exact[-5:]) / 5, sum(compressed[-5:]) / 5
-    assert final_exact < 0.05 * exact[0] and final_compressed < 0.05 * compressed[0]  # both train
+    assert final_exact < 0.2 * exact[0] and final_compressed < 0.2 * compressed[0]  # both train
     # the band: 1-bit momentum (sign times the parameter's RMS, errors fed back) reaches at least the exact
-    # run's loss here (0.04 against 0.056 after 30 steps: its steps run ahead), and never trails it by 25%
+    # run's loss here (its steps run ahead of the exact momentum's), and never trails it by 25%
     assert final_compressed < 1.25 * final_exact, (final_compressed, final_exact)
     # after the warmup a step sends the momentum's signs and scales instead of the fp32 gradient (~1/32)
     warmup_step, compressed_step = first["bytes_per_step"][0], first["bytes_per_step"][-1]
     assert compressed_step * 30 < warmup_step, (compressed_step, warmup_step)
+
+
+def test_zero_one_adam_on_two_ranks(two_ranks, one_thread):
+    ours, theirs = two_ranks[0]["zero_one"], two_ranks[1]["zero_one"]
+    full = two_ranks[0]["bytes_per_step"][0]  # a step whose gradients the engine all-reduces
+    for step, sent in enumerate(ours["bytes_per_step"], start=1):
+        if step in ENGINE_AVERAGED:
+            assert sent == full, step
+        elif step in COMPRESSED:
+            assert 0 < sent * 30 < full, (step, sent)
+        else:
+            assert sent == 0, (step, sent)  # a local step
+    for name, value in ours["final_params"].items():  # step 24 synchronized the ranks (up to rounding)
+        torch.testing.assert_close(value, theirs["final_params"][name], rtol=1e-5, atol=1e-6)
+    _, exact, _, _ = train(0, 1, ZERO_ONE, ZERO_ONE_STEPS)  # one rank: every average exact
+    final_exact, final_compressed = sum(exact[-5:]) / 5, sum(ours["losses"][-5:]) / 5
+    assert final_compressed < 1.25 * final_exact, (final_compressed, final_exact)

@@ -12,10 +12,14 @@ _COMPRESSED = {"cuda_aware": False, "comm_backend_name": "nccl"}
 OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
     "lamb": {**_ADAM_LIKE, "max_coeff": 10.0, "min_coeff": 0.01},
     "onebitadam": {**_ADAM_LIKE, **_COMPRESSED, "freeze_step": 100000},
+    "zerooneadam": {**_ADAM_LIKE, **_COMPRESSED, "var_freeze_step": 100000, "var_update_scaler": 16,
+                    "local_step_scaler": 32678, "local_step_clipper": 16},
 }
-OPTIMIZER_NAMES = {"lamb": "Lamb", "onebitadam": "OneBitAdam"}
+OPTIMIZER_NAMES = {"lamb": "Lamb", "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam"}
 # the optimizers that average over the data-parallel group themselves (Note [optimizers that communicate])
-COMPRESSED_OPTIMIZERS = frozenset({"OneBitAdam"})
+COMPRESSED_OPTIMIZERS = frozenset({"OneBitAdam", "ZeroOneAdam"})
+# intervals and counts that must be at least 1
+_POSITIVE = ("var_update_scaler", "local_step_scaler", "local_step_clipper")
 # params DeepSpeed's compressed optimizers take and never read: accepted at their defaults only
 _IGNORED_BY_DEEPSPEED = {"eps_inside_sqrt": False, "max_grad_norm": 0.0}
 
@@ -29,6 +33,9 @@ def check_optimizer_params(name: str, params: dict) -> str | None:
             if params[key] != default:
                 return (f"optimizer.params.{key}: {params[key]!r} — DeepSpeed's {OPTIMIZER_NAMES[name]} never reads "
                         f"it (its update would not be what the config says); remove it")
+    for key in _POSITIVE:
+        if key in params and params[key] < 1:
+            return f"optimizer.params.{key}: {params[key]} is not allowed; expected a whole number >= 1"
     if params.get("max_grad_norm", 0.0) > 0:
         return ("optimizer.params.max_grad_norm: DeepSpeed's engine never hands this optimizer the gradient norm "
                 "it would clip by; use the top-level gradient_clipping instead, and remove max_grad_norm")
