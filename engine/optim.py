@@ -10,6 +10,7 @@ from engine.optimizers.adam import UncorrectedAdam
 from engine.optimizers.compressed import DataParallelGroup
 from engine.optimizers.lamb import Lamb
 from engine.optimizers.onebit_adam import OneBitAdam
+from engine.optimizers.onebit_lamb import OneBitLamb
 from engine.optimizers.params import COMPRESSED_OPTIMIZERS
 from engine.optimizers.segments import Segments
 from engine.optimizers.zero_one_adam import ZeroOneAdam
@@ -59,6 +60,10 @@ def _build_compressed(config: OptimizerConfig, param_groups: list[dict], segment
         return ZeroOneAdam(param_groups, data_parallel, var_freeze_step=p["var_freeze_step"],
                            var_update_scaler=p["var_update_scaler"], local_step_scaler=p["local_step_scaler"],
                            local_step_clipper=p["local_step_clipper"], **common)
+    if config.type == "OneBitLamb":
+        return OneBitLamb(param_groups, data_parallel, freeze_step=p["freeze_step"], max_coeff=p["max_coeff"],
+                          min_coeff=p["min_coeff"], coeff_beta=p["coeff_beta"], factor_max=p["factor_max"],
+                          factor_min=p["factor_min"], factor_threshold=p["factor_threshold"], **common)
     return OneBitAdam(param_groups, data_parallel, freeze_step=p["freeze_step"], **common)
 
 
@@ -86,7 +91,7 @@ def check_compressed_run(config, topology) -> None:
 
 
 # optimizers that take a norm per parameter, so they must see each parameter whole (Note [lamb trust ratio])
-_PER_PARAMETER_NORMS = ("Lamb",)
+_PER_PARAMETER_NORMS = ("Lamb", "OneBitLamb")
 
 
 def chunk_segments(config: OptimizerConfig, chunked, offloaded: bool) -> Segments:

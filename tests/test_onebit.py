@@ -17,6 +17,7 @@ from engine.config_schema import ConfigError
 from engine.optimizers.compressed_comm import CompressedAverager, pack_signs, unpack_signs
 from tests.distributed import run_distributed
 from tests.reference import assert_params_close, param_snapshot, tiny_gpt, token_batches, trained_params
+from tests.test_optimizers_lamb import ReferenceLamb
 
 WORLD = 2
 SEGMENTS = [(0, 5), (5, 37), (42, 16)]  # parameters inside one stepped tensor of 60 elements (2 of padding)
@@ -34,6 +35,8 @@ ZERO_ONE = {"type": "ZeroOneAdam", "params": {**ADAM, "var_freeze_step": 8, "var
                                               "local_step_scaler": 3, "local_step_clipper": 4}}
 ZERO_ONE_STEPS = 24
 ENGINE_AVERAGED, COMPRESSED = {1, 2, 4, 6, 8}, {3, 5, 7, 9, 10, 11, 12, 14, 16, 20, 24}
+LAMB = {"lr": 2e-3, "betas": [0.9, 0.99], "eps": 1e-6, "weight_decay": 0.01, "max_coeff": 2.0, "min_coeff": 0.5}
+ONEBIT_LAMB = {"type": "OneBitLamb", "params": {**LAMB, "freeze_step": FREEZE, "coeff_beta": 0.5}}
 
 
 def onebit_config(optimizer: dict = ONEBIT, micro: int = 4, **extra) -> dict:
@@ -155,6 +158,10 @@ def _worker(rank: int, world: int) -> dict:
     out.update(warmup_params=warmup_params, losses=losses, bytes_per_step=bytes_per_step, final_params=final_params)
     _, losses, bytes_per_step, final_params = train(rank, world, ZERO_ONE, ZERO_ONE_STEPS)
     out["zero_one"] = dict(losses=losses, bytes_per_step=bytes_per_step, final_params=final_params)
+    warmup_params, losses, bytes_per_step, final_params = train(rank, world, ONEBIT_LAMB, STEPS,
+                                                                snapshot_after=FREEZE)
+    out["lamb"] = dict(warmup_params=warmup_params, losses=losses, bytes_per_step=bytes_per_step,
+                       final_params=final_params)
     return out
 
 
@@ -232,4 +239,25 @@ def test_zero_one_adam_on_two_ranks(two_ranks, one_thread):
         torch.testing.assert_close(value, theirs["final_params"][name], rtol=1e-5, atol=1e-6)
     _, exact, _, _ = train(0, 1, ZERO_ONE, ZERO_ONE_STEPS)  # one rank: every average exact
     final_exact, final_compressed = sum(exact[-5:]) / 5, sum(ours["losses"][-5:]) / 5
+    assert final_compressed < 1.25 * final_exact, (final_compressed, final_exact)
+
+
+def test_onebit_lamb_on_two_ranks(two_ranks, one_thread):
+    ours, theirs = two_ranks[0]["lamb"], two_ranks[1]["lamb"]
+    model = tiny_gpt()  # the warmup: LAMB without bias correction over the whole batch, by the formula
+    reference = ReferenceLamb(list(model.parameters()), LAMB["lr"], LAMB["eps"], LAMB["weight_decay"],
+                              LAMB["max_coeff"], LAMB["min_coeff"], bias_correction=False, betas=tuple(LAMB["betas"]))
+    for x in token_batches(FREEZE, 4 * WORLD):
+        model(x, x).backward()
+        reference.step()
+        model.zero_grad()
+    assert_params_close(ours["warmup_params"], param_snapshot(model))
+    for name, value in ours["final_params"].items():  # one averaged momentum on every rank
+        torch.testing.assert_close(value, theirs["final_params"][name], rtol=1e-6, atol=1e-7)
+    warmup_step, compressed_step = ours["bytes_per_step"][0], ours["bytes_per_step"][-1]
+    assert compressed_step * 30 < warmup_step, (compressed_step, warmup_step)
+    _, exact, _, _ = train(0, 1, ONEBIT_LAMB, STEPS)
+    final_exact, final_compressed = sum(exact[-5:]) / 5, sum(ours["losses"][-5:]) / 5
+    assert final_compressed < 0.5 * ours["losses"][0]  # it trains
+    # the band: 1-bit LAMB trails the exact run by 12% here (1.94 against 1.73 after 24 steps); at most 25%
     assert final_compressed < 1.25 * final_exact, (final_compressed, final_exact)

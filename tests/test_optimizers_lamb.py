@@ -44,12 +44,13 @@ class _ReferenceAdam:
             p -= self.lr * m / (torch.sqrt(v) + self.eps)
 
 
-class _ReferenceLamb:
+class ReferenceLamb:
     """FusedLamb's per-parameter formula: u = m / (sqrt(v) + eps) + wd p; ratio = clamp(|p| / |u|);
-    p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * ratio * u."""
+    p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * ratio * u (p -= lr * ratio * u without bias correction)."""
 
-    def __init__(self, params, lr, eps, wd, max_coeff, min_coeff):
+    def __init__(self, params, lr, eps, wd, max_coeff, min_coeff, bias_correction=True, betas=BETAS):
         self.params, self.lr, self.eps, self.wd = params, lr, eps, wd
+        self.bias_correction, self.betas = bias_correction, betas
         self.max_coeff, self.min_coeff, self.t = max_coeff, min_coeff, 0
         self.m = [torch.zeros_like(p) for p in params]
         self.v = [torch.zeros_like(p) for p in params]
@@ -58,11 +59,12 @@ class _ReferenceLamb:
     @torch.no_grad()
     def step(self):
         self.t += 1
-        size = self.lr * math.sqrt(1 - BETAS[1] ** self.t) / (1 - BETAS[0] ** self.t)
+        beta1, beta2 = self.betas
+        size = self.lr * math.sqrt(1 - beta2 ** self.t) / (1 - beta1 ** self.t) if self.bias_correction else self.lr
         self.ratios = []
         for p, m, v in zip(self.params, self.m, self.v):
-            m.copy_(BETAS[0] * m + (1 - BETAS[0]) * p.grad)
-            v.copy_(BETAS[1] * v + (1 - BETAS[1]) * p.grad * p.grad)
+            m.copy_(beta1 * m + (1 - beta1) * p.grad)
+            v.copy_(beta2 * v + (1 - beta2) * p.grad * p.grad)
             u = m / (torch.sqrt(v) + self.eps) + self.wd * p
             w_norm, u_norm = torch.linalg.vector_norm(p).item(), torch.linalg.vector_norm(u).item()
             ratio = 1.0 if w_norm == 0 or u_norm == 0 else min(max(w_norm / u_norm, self.min_coeff), self.max_coeff)
@@ -103,7 +105,7 @@ def test_lamb_takes_the_trust_ratio_per_parameter_and_clamps_it():
     params = {"lr": 2e-2, "betas": list(BETAS), "eps": 1e-6, "weight_decay": 0.01, "max_coeff": 2.2,
               "min_coeff": 0.5}
     engine, got, want, reference = _train_both({"type": "Lamb", "params": params},
-                                               lambda ps: _ReferenceLamb(ps, 2e-2, 1e-6, 0.01, 2.2, 0.5))
+                                               lambda ps: ReferenceLamb(ps, 2e-2, 1e-6, 0.01, 2.2, 0.5))
     assert_params_close(got, want)
     ratios = engine.optimizer.get_lamb_coeffs()
     assert ratios == pytest.approx(reference.ratios, rel=1e-4)

@@ -14,10 +14,12 @@ OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
     "onebitadam": {**_ADAM_LIKE, **_COMPRESSED, "freeze_step": 100000},
     "zerooneadam": {**_ADAM_LIKE, **_COMPRESSED, "var_freeze_step": 100000, "var_update_scaler": 16,
                     "local_step_scaler": 32678, "local_step_clipper": 16},
+    "onebitlamb": {**_ADAM_LIKE, **_COMPRESSED, "freeze_step": 100000, "max_coeff": 10.0, "min_coeff": 0.01,
+                   "coeff_beta": 0.9, "factor_max": 4.0, "factor_min": 0.5, "factor_threshold": 0.1},
 }
-OPTIMIZER_NAMES = {"lamb": "Lamb", "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam"}
+OPTIMIZER_NAMES = {"lamb": "Lamb", "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
 # the optimizers that average over the data-parallel group themselves (Note [optimizers that communicate])
-COMPRESSED_OPTIMIZERS = frozenset({"OneBitAdam", "ZeroOneAdam"})
+COMPRESSED_OPTIMIZERS = frozenset({"OneBitAdam", "ZeroOneAdam", "OneBitLamb"})
 # intervals and counts that must be at least 1
 _POSITIVE = ("var_update_scaler", "local_step_scaler", "local_step_clipper")
 # params DeepSpeed's compressed optimizers take and never read: accepted at their defaults only
@@ -41,6 +43,11 @@ def check_optimizer_params(name: str, params: dict) -> str | None:
                 "it would clip by; use the top-level gradient_clipping instead, and remove max_grad_norm")
     if params.get("amsgrad"):
         return "optimizer.params.amsgrad: true is not supported by this optimizer (nor by DeepSpeed's); remove it"
+    if params.get("coeff_beta", 0.0) >= 1:
+        return f"optimizer.params.coeff_beta: {params['coeff_beta']} is not allowed; expected a number in [0, 1)"
+    if params.get("factor_min", 0.0) > params.get("factor_max", 1.0):
+        return (f"optimizer.params.factor_min: {params['factor_min']} is above factor_max {params['factor_max']}; "
+                "the factor is clamped to [factor_min, factor_max]")
     if params.get("min_coeff", 0.0) > params.get("max_coeff", 1.0):
         return (f"optimizer.params.min_coeff: {params['min_coeff']} is above max_coeff {params['max_coeff']}; "
                 "the trust ratio is clamped to [min_coeff, max_coeff]")
