@@ -87,6 +87,9 @@ BENCHMARKS = (
               args=("--rounds", "5"), quick=("--model", "tiny", "--rounds", "1"), seconds={None: 60}, takes_dir=True),
     Benchmark("launch", "bench_launch.py", "Launcher: `tiers launch` vs torchrun started by hand",
               args=("--rounds", "5"), quick=("--rounds", "1"), seconds={None: 113}),
+    Benchmark("onebit", "bench_onebit.py",
+              "Compressed-communication optimizers (1-bit Adam, 0/1 Adam, 1-bit LAMB) vs fp32 all-reduce",
+              quick=("--quick",), seconds={None: 240}),
 )
 NAMES = [b.name for b in BENCHMARKS]
 

@@ -261,3 +261,26 @@ def test_onebit_lamb_on_two_ranks(two_ranks, one_thread):
     assert final_compressed < 0.5 * ours["losses"][0]  # it trains
     # the band: 1-bit LAMB trails the exact run by 12% here (1.94 against 1.73 after 24 steps); at most 25%
     assert final_compressed < 1.25 * final_exact, (final_compressed, final_exact)
+
+
+@pytest.mark.parametrize("optimizer", [ONEBIT, ZERO_ONE, ONEBIT_LAMB], ids=lambda o: o["type"])
+def test_a_checkpoint_resumes_the_phase_and_the_states(optimizer, tmp_path, one_thread):
+    """One rank (its averages exact): saved after the warmup and resumed, training goes on as if uninterrupted."""
+    batches = token_batches(2 * (FREEZE + 4), 4)
+
+    def run(engine, xs):
+        for x in xs:
+            engine.backward(engine(x, x))
+            engine.step()
+
+    whole = initialize(tiny_gpt(), onebit_config(optimizer))
+    run(whole, batches)
+    first = initialize(tiny_gpt(), onebit_config(optimizer))
+    run(first, batches[:FREEZE + 4])
+    first.save_checkpoint(str(tmp_path))
+    resumed = initialize(tiny_gpt(), onebit_config(optimizer))
+    resumed.load_checkpoint(str(tmp_path))
+    assert resumed.optimizer.phase == first.optimizer.phase and resumed.optimizer.phase.name != "WARMUP"
+    assert resumed.optimizer.engine_reduces_gradients == first.optimizer.engine_reduces_gradients
+    run(resumed, batches[FREEZE + 4:])
+    assert_params_close(trained_params(resumed), trained_params(whole))

@@ -52,8 +52,8 @@ class OneBitAdam(CompressedOptimizer):
 
     def _step_tensor(self, p: torch.Tensor, group: dict) -> int:
         state = self.state[p]
-        if not state:
-            state["step"] = 0
+        if not state:  # scalars as 0-dim tensors: checkpoints keep tensors (Note [checkpoint layout])
+            state["step"] = torch.tensor(0.0)
             state["exp_avg"] = torch.zeros_like(p)
             state["exp_avg_sq"] = torch.zeros_like(p)
         state["step"] += 1
@@ -69,7 +69,7 @@ class OneBitAdam(CompressedOptimizer):
         if group["weight_decay"]:
             update.add_(p, alpha=group["weight_decay"])
         p.add_(update, alpha=-group["lr"])
-        return state["step"]
+        return int(state["step"])
 
     def _enter_compressed(self) -> None:
         if self.data_parallel.rank == 0:
@@ -79,7 +79,7 @@ class OneBitAdam(CompressedOptimizer):
         self.engine_reduces_gradients = False
 
     def restore_phase(self) -> None:
-        steps = max((s["step"] for s in self.state.values()), default=0)
+        steps = max((int(s["step"]) for s in self.state.values() if "step" in s), default=0)
         warm = steps < self.freeze_step
         self.phase = OneBitPhase.WARMUP if warm else OneBitPhase.COMPRESSED
         self.engine_reduces_gradients = warm

@@ -58,14 +58,22 @@ class OneBitLamb(CompressedOptimizer):
         return [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
 
     def _state(self, p: torch.Tensor) -> dict:
+        """Per parameter values (lamb_coeff_freeze, last_factor, scaling_coeff) fill that parameter's elements of a
+        tensor laid out as p, and the step is a 0-dim tensor: checkpoints keep such tensors, element by element
+        (Note [checkpoint layout])."""
         state = self.state[p]
         if not state:
-            count = len(self.segments.of(p))
-            state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
-                         exp_avg_sq_fresh=torch.zeros_like(p),
-                         lamb_coeff_freeze=torch.zeros(count, dtype=torch.float64),
-                         last_factor=torch.ones(count, dtype=torch.float64))
+            state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                         exp_avg_sq_fresh=torch.zeros_like(p), lamb_coeff_freeze=torch.zeros_like(p),
+                         last_factor=torch.ones_like(p))
         return state
+
+    def _per_parameter(self, p: torch.Tensor, name: str) -> list[float]:
+        return [float(piece[0]) for _, piece in self.segments.views(p, self.state[p][name])]
+
+    def _set_per_parameter(self, p: torch.Tensor, name: str, values: list[float]) -> None:
+        for (_, piece), value in zip(self.segments.views(p, self.state[p][name]), values):
+            piece.fill_(value)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -80,7 +88,7 @@ class OneBitLamb(CompressedOptimizer):
         if self.phase is OneBitLambPhase.WARMUP:
             for p, group in stepped:
                 self._warmup_step(p, group)
-            if stepped and self.state[stepped[0][0]]["step"] >= self.freeze_step:
+            if stepped and int(self.state[stepped[0][0]]["step"]) >= self.freeze_step:
                 self._enter_compressed()
         else:
             self._compressed_step(stepped)
@@ -91,18 +99,19 @@ class OneBitLamb(CompressedOptimizer):
         beta1, beta2 = group["betas"]
         state["exp_avg"].lerp_(p.grad, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-        if state["step"] == self.freeze_step:
+        if int(state["step"]) == self.freeze_step:
             state["exp_avg_sq_fresh"].copy_(state["exp_avg_sq"])
         update = state["exp_avg"] / state["exp_avg_sq"].sqrt().add_(group["eps"])
         if group["weight_decay"]:
             update.add_(p, alpha=group["weight_decay"])
-        frozen = state["lamb_coeff_freeze"]
+        frozen = self._per_parameter(p, "lamb_coeff_freeze")
         for i, (param, piece) in enumerate(self.segments.views(p, update)):
             ratio = trust_ratio(param, piece, group["min_coeff"], group["max_coeff"])
             if ratio != 1.0:
                 frozen[i] = self.coeff_beta * frozen[i] + (1 - self.coeff_beta) * ratio
             self.lamb_coeffs.append(ratio)
             param.add_(piece, alpha=-group["lr"] * ratio)
+        self._set_per_parameter(p, "lamb_coeff_freeze", frozen)
 
     def _enter_compressed(self) -> None:
         if self.data_parallel.rank == 0:
@@ -117,27 +126,23 @@ class OneBitLamb(CompressedOptimizer):
             self._set_scaling_coeffs(stepped)
         for p, group in stepped:
             state = self.state[p]
-            state["exp_avg"].lerp_(self.local_grad(p), 1 - group["betas"][0])
-            self._each_parameter(p, state["exp_avg"], lambda m, c: m.mul_(c), state["scaling_coeff"])
+            state["exp_avg"].lerp_(self.local_grad(p), 1 - group["betas"][0]).mul_(state["scaling_coeff"])
         self._average_momenta([self.state[p]["exp_avg"] for p, _ in stepped])
         for p, group in stepped:
             state = self.state[p]
-            self._each_parameter(p, state["exp_avg"], lambda m, c: m.div_(c), state["scaling_coeff"])
+            scale = state["scaling_coeff"]  # (0 in a loaded state's padding)
+            state["exp_avg"].mul_(torch.where(scale != 0, scale.reciprocal(), 0.0))
             self._frozen_ratio_step(p, group, previous[id(p)])
-
-    def _each_parameter(self, p: torch.Tensor, tensor: torch.Tensor, apply, values: torch.Tensor) -> None:
-        """apply(piece, value) for each parameter's piece of `tensor` (laid out as p) and its value."""
-        for (_, piece), value in zip(self.segments.views(p, tensor), values.tolist()):
-            apply(piece, value)
 
     def _set_scaling_coeffs(self, stepped: list[tuple[torch.Tensor, dict]]) -> None:
         """Each parameter's momentum RMS against their mean: one compression scale then fits every parameter."""
         rms = {id(p): torch.tensor([float(m.norm()) / m.numel() ** 0.5
                                     for _, m in self.segments.views(p, self.state[p]["exp_avg"])],
                                    dtype=torch.float64) for p, _ in stepped}
-        united = torch.cat(list(rms.values())).mean()
+        united = float(torch.cat(list(rms.values())).mean())
         for p, _ in stepped:  # (a momentum of all zeros, where DeepSpeed would divide by 0, keeps its scale)
-            self.state[p]["scaling_coeff"] = torch.where(rms[id(p)] > 0, united / rms[id(p)], 1.0)
+            self.state[p]["scaling_coeff"] = torch.ones_like(p)  # 1 in the padding: it is divided by
+            self._set_per_parameter(p, "scaling_coeff", [united / r if r > 0 else 1.0 for r in rms[id(p)].tolist()])
 
     def _average_momenta(self, momenta: list[torch.Tensor]) -> None:
         """Every parameter's (scaled) momentum, in model order, averaged as one compressed message."""
@@ -164,18 +169,20 @@ class OneBitLamb(CompressedOptimizer):
         update = prelim + group["weight_decay"] * p if group["weight_decay"] else prelim
         fresh_denominator = fresh.sqrt().add_(group["eps"])
         views = self.segments.views(p, update, prelim, denominator, fresh_denominator)
+        last_factors, frozen = self._per_parameter(p, "last_factor"), self._per_parameter(p, "lamb_coeff_freeze")
         for i, (param, piece, prelim_piece, denom, fresh_denom) in enumerate(views):
             factor = float((denom / fresh_denom).max())
             if group["weight_decay"]:
                 share = min(1.0, float(prelim_piece.norm() / piece.norm()))
                 factor = factor * share + (1.0 - share)
             factor = min(max(factor, self.factor_min), self.factor_max)
-            last = float(state["last_factor"][i])
+            last = last_factors[i]
             factor = min(max(factor, last * (1.0 - self.factor_threshold)), last * (1.0 + self.factor_threshold))
-            state["last_factor"][i] = factor
-            coeff = float(state["lamb_coeff_freeze"][i]) * factor
+            last_factors[i] = factor
+            coeff = frozen[i] * factor
             self.lamb_coeffs.append(coeff)
             param.add_(piece, alpha=-group["lr"] * coeff)
+        self._set_per_parameter(p, "last_factor", last_factors)
 
     def reset_errors(self) -> None:
         super().reset_errors()
@@ -183,7 +190,7 @@ class OneBitLamb(CompressedOptimizer):
 
     def restore_phase(self) -> None:
         self._fused = None
-        steps = max((s["step"] for s in self.state.values() if "step" in s), default=0)
+        steps = max((int(s["step"]) for s in self.state.values() if "step" in s), default=0)
         warm = steps < self.freeze_step
         self.phase = OneBitLambPhase.WARMUP if warm else OneBitLambPhase.COMPRESSED
         self.engine_reduces_gradients = warm

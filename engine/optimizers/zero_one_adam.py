@@ -28,6 +28,16 @@ from engine.optimizers.segments import Segments
 logger = logging.getLogger(__name__)
 
 
+# the schedule's counters (Note [0/1 Adam schedule]) and their starting values; lrs sums the learning rates of the
+# local steps since the last synchronization
+_COUNTERS = {"step": 0, "var_interval": 1, "var_counter": 0, "local_step_interval": 1, "local_step_counter": 0,
+             "lrs": 0.0}
+
+
+def _number(name: str, value: torch.Tensor) -> float | int:
+    return float(value) if name == "lrs" else int(value)
+
+
 class ZeroOnePhase(enum.Enum):
     VARIANCE = "variance"  # the variance updated on var_interval steps; the momentum every step
     LOCAL_STEPS = "local steps"  # variance frozen; ranks step alone and synchronize every local_step_interval
@@ -61,16 +71,28 @@ class ZeroOneAdam(CompressedOptimizer):
         return loss
 
     def _state(self, p: torch.Tensor) -> dict:
+        """The tensor states, and the schedule's counters as plain numbers (kept as 0-dim tensors in the state:
+        checkpoints keep tensors, Note [checkpoint layout]; written back by _store_counters)."""
         state = self.state[p]
         if not state:
-            state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
-                         momentum_accumulator=torch.zeros_like(p), var_interval=1, var_counter=0,
-                         local_step_interval=1, local_step_counter=0, lrs=0.0)
-        return state
+            state.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                         momentum_accumulator=torch.zeros_like(p),
+                         **{name: torch.tensor(float(start)) for name, start in _COUNTERS.items()})
+        return {**state, **{name: _number(name, state[name]) for name in _COUNTERS}}
+
+    def _store_counters(self, p: torch.Tensor, counters: dict) -> None:
+        for name in _COUNTERS:
+            self.state[p][name].fill_(counters[name])
 
     def _step_tensor(self, p: torch.Tensor, group: dict) -> tuple[int, bool]:
         state = self._state(p)
         state["step"] += 1
+        try:
+            return state["step"], self._step_with(p, group, state)
+        finally:
+            self._store_counters(p, state)
+
+    def _step_with(self, p: torch.Tensor, group: dict, state: dict) -> bool:
         t, beta1, beta2 = state["step"], *group["betas"]
         exp_avg, exp_avg_sq, accumulated = state["exp_avg"], state["exp_avg_sq"], state["momentum_accumulator"]
         local = self.phase is ZeroOnePhase.LOCAL_STEPS
@@ -91,7 +113,7 @@ class ZeroOneAdam(CompressedOptimizer):
             accumulated.add_(update, alpha=-group["lr"])
             if t % state["local_step_interval"] == 0:
                 self._synchronize(p, state, denominator)
-        return t, self._advance_schedule(state, t, local)
+        return self._advance_schedule(state, t, local)
 
     def _synchronize(self, p: torch.Tensor, state: dict, denominator: torch.Tensor) -> None:
         """Replaces this rank's local updates since the last synchronization by their compressed average."""
@@ -131,7 +153,7 @@ class ZeroOneAdam(CompressedOptimizer):
         states = [s for s in self.state.values() if "step" in s]
         if not states:
             return
-        first = states[0]
-        local = first["step"] > self.var_freeze_step
+        step, interval = int(states[0]["step"]), int(states[0]["var_interval"])
+        local = step > self.var_freeze_step
         self.phase = ZeroOnePhase.LOCAL_STEPS if local else ZeroOnePhase.VARIANCE
-        self.engine_reduces_gradients = not local and (first["step"] + 1) % first["var_interval"] == 0
+        self.engine_reduces_gradients = not local and (step + 1) % interval == 0
