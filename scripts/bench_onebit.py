@@ -13,8 +13,8 @@ fresh batch per step split over the ranks:
   peer for convergence);
 - AdamW on 2 ranks (the engine's fp32 gradient all-reduce every step: the peer for bytes).
 Bytes are what each rank sends over a ring for the collectives the engine counted (CommCounter.ring_bytes: 2(w-1)/w
-of an all-reduced tensor, (w-1)/w of an all-to-all's or all-gather's input/output), averaged over the steps after
-the warmup. The final loss is the mean over the last 5 steps.
+of an all-reduced tensor, (w-1)/w of an all-to-all's or all-gather's input/output). Bytes and losses are the
+means over the second half of the run (past every warmup).
 
 This is a benchmark script: it prints what it measured and never asserts on time.
 """
@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per rank per step")
-    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup-steps", type=int, default=10, help="freeze_step / var_freeze_step")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a check that the script runs")
@@ -74,7 +74,7 @@ def optimizers(args) -> dict[str, dict]:
     return {
         "OneBitAdam": {"type": "OneBitAdam", "params": {**adam, "freeze_step": args.warmup_steps}},
         "ZeroOneAdam": {"type": "ZeroOneAdam", "params": {**adam, "var_freeze_step": args.warmup_steps,
-                                                          "var_update_scaler": 4, "local_step_scaler": 8,
+                                                          "var_update_scaler": 16, "local_step_scaler": 8,
                                                           "local_step_clipper": 4}},
         "OneBitLamb": {"type": "OneBitLamb", "params": {**adam, "freeze_step": args.warmup_steps,
                                                         "max_coeff": 2.0, "min_coeff": 0.5, "coeff_beta": 0.5}},
@@ -119,23 +119,21 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
         results.put(got)
 
 
-def final(losses: list[float]) -> float:
-    return sum(losses[-5:]) / len(losses[-5:])
-
-
-def after_warmup(args, sent: list[float]) -> float:
-    tail = sent[args.warmup_steps:]
+def last_half(values: list[float]) -> float:
+    """The mean over the second half of the run: every optimizer is past its warmup there (0/1 Adam's local
+    steps start at var_freeze_step + 2)."""
+    tail = values[len(values) // 2:]
     return sum(tail) / len(tail)
 
 
 def rows_of(args, two: dict, exact: dict) -> list[dict]:
-    full = after_warmup(args, two["AdamW"]["bytes"])
+    full = last_half(two["AdamW"]["bytes"])
     out = []
     for name in ("OneBitAdam", "ZeroOneAdam", "OneBitLamb"):
-        sent = after_warmup(args, two[name]["bytes"])
+        sent = last_half(two[name]["bytes"])
         out.append({"name": name, "sent": sent, "full": full, "bytes_ratio": sent / full,
-                    "warmup_sent": two[name]["bytes"][0], "loss": final(two[name]["losses"]),
-                    "exact_loss": final(exact[name]["losses"]), "adamw_loss": final(two["AdamW"]["losses"]),
+                    "warmup_sent": two[name]["bytes"][0], "loss": last_half(two[name]["losses"]),
+                    "exact_loss": last_half(exact[name]["losses"]), "adamw_loss": last_half(two["AdamW"]["losses"]),
                     "first_loss": two[name]["losses"][0]})
     return out
 
@@ -157,16 +155,16 @@ def report(args, rows: list[dict], params: int) -> str:
         f"{WORLD} ranks × {args.micro_batch} × {args.seq} tokens per step, {args.steps} steps, warmup "
         f"(freeze_step / var_freeze_step) {args.warmup_steps}, lr {args.lr}, fp32, ZeRO stage 0.",
         "",
-        "Bytes each rank sends per step (ring), after the warmup:",
+        "Bytes each rank sends per step (ring): a warmup step, and the mean over the second half of the run:",
         "",
         markdown_table(["optimizer", "warmup step", "compressed step", "AdamW step (fp32 all-reduce)",
                         "compressed ÷ fp32"], byte_rows),
         "",
-        f"Loss (mean of the last 5 steps; the first step's loss for scale) against the same optimizer on one rank "
-        f"(exact averages) and AdamW on {WORLD} ranks:",
+        f"Loss (mean over the second half of the run; the first step's for scale) against the same optimizer on one "
+        f"rank (exact averages) and AdamW on {WORLD} ranks:",
         "",
-        markdown_table(["optimizer", "first step", f"final, {WORLD} ranks compressed", "final, exact",
-                        "compressed ÷ exact", "final, AdamW"], loss_rows),
+        markdown_table(["optimizer", "first step", f"{WORLD} ranks compressed", "exact", "compressed ÷ exact",
+                        "AdamW"], loss_rows),
     ])
 
 
@@ -175,12 +173,12 @@ def records(rows: list[dict]) -> list[dict]:
     for r in rows:
         out.append(result_record("onebit", f"tiers {r['name']} (1-bit messages)", world=WORLD,
                                  peer="the engine's fp32 gradient all-reduce", strategy=r["name"],
-                                 metric="bytes sent per step", ratio=r["bytes_ratio"], target=1 / 16,
+                                 metric="bytes sent per step", ratio=r["bytes_ratio"], target=0.05,
                                  bytes_per_step=r["sent"], fp32_bytes_per_step=r["full"]))
         out.append(result_record("onebit", f"tiers {r['name']} (1-bit messages)", world=WORLD,
                                  peer=f"{r['name']} with exact averages (1 rank)", strategy=r["name"],
-                                 metric="final loss", ratio=r["loss"] / r["exact_loss"], target=1.25,
-                                 final_loss=r["loss"], exact_final_loss=r["exact_loss"]))
+                                 metric="loss, 2nd half", ratio=r["loss"] / r["exact_loss"], target=1.25,
+                                 loss=r["loss"], exact_loss=r["exact_loss"]))
     return out
 
 

@@ -7,10 +7,12 @@ the engine's gradient all-reduce off for the steps where they do (DeepSpeed's `e
 ZeroRuntime asks `engine_reduces_gradients` before each backward and before the update: when it is false the
 gradient chunks stay this rank's own. The engine divides every loss by the data-parallel size (the reduction
 sums), so such a step multiplies the gradients back by it: the optimizer sees this rank's mean gradient, as
-DeepSpeed's does. Each parameter has its own compression scale and errors, as in DeepSpeed, though the
-parameters of one chunk share the collectives. DeepSpeed's first step() only sets up its communication buffers
-and leaves the parameters as they are; here every step updates, so step counts (freeze_step, var_freeze_step)
-count updates. The errors are not saved in checkpoints; loading a state resets them, as DeepSpeed does.
+DeepSpeed's does. Each parameter has its own compression scale and errors, as in DeepSpeed (1-bit LAMB: one for
+all, Note [1-bit lamb]), though the parameters of one chunk share the collectives. DeepSpeed's first step() only
+sets up its communication buffers and leaves the parameters as they are (its counters count that step); here
+every step updates, and the counters number the steps as DeepSpeed's do, so the same batch begins each phase
+(freeze_step + 1 the compressed one). The errors are not saved in checkpoints; loading a state resets them, as
+DeepSpeed does.
 """
 
 from __future__ import annotations
