@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from engine.comm import CommCounter
 from engine.config import OptimizerConfig
 from engine.config_schema import ConfigError
 from engine.optimizers.adam import UncorrectedAdam
@@ -50,9 +52,11 @@ def build_optimizer(config: OptimizerConfig, param_groups: list[dict], segments:
 
 def _build_compressed(config: OptimizerConfig, param_groups: list[dict], segments: Segments | None,
                       data_parallel: DataParallelGroup | None) -> torch.optim.Optimizer:
-    if data_parallel is None:
+    if data_parallel is None and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError(f"optimizer.type: {config.type} averages over the data-parallel group itself; build it "
                          "through initialize(), which gives it the group")
+    if data_parallel is None:  # one process (the estimator sizing its states): nothing to average with
+        data_parallel = DataParallelGroup(None, 0, 1, CommCounter())
     p = config.params
     common = dict(lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"], weight_decay=p["weight_decay"],
                   segments=segments, comm_backend_name=p["comm_backend_name"])
