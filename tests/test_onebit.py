@@ -56,7 +56,6 @@ def test_signs_pack_eight_to_a_byte_in_numpy_order():
 
 def test_refused_layouts_name_the_key():
     for extra, key in (({"zero_optimization": {"stage": 1}}, "zero_optimization.stage"),
-                       ({"gradient_clipping": 1.0}, "gradient_clipping"),
                        ({"fp16": {"enabled": True}}, "fp16.enabled")):
         with pytest.raises(ConfigError, match=key):
             initialize(tiny_gpt(), {**onebit_config(), **extra})
@@ -162,7 +161,26 @@ def _worker(rank: int, world: int) -> dict:
                                                                 snapshot_after=FREEZE)
     out["lamb"] = dict(warmup_params=warmup_params, losses=losses, bytes_per_step=bytes_per_step,
                        final_params=final_params)
+    out["clipped_norms"] = _clipping_after_the_warmup(rank)
     return out
+
+
+def _clipping_after_the_warmup(rank: int) -> tuple[float, float]:
+    """(the norm the engine clipped by on a compressed step, this rank's mean gradient's norm by plain PyTorch)."""
+    engine = initialize(tiny_gpt(), onebit_config(ONEBIT, gradient_clipping=0.05))
+    batches = token_batches(FREEZE + 2, 4 * WORLD)
+    for x in batches[:-1]:
+        mine = x.chunk(WORLD)[rank]
+        engine.backward(engine(mine, mine))
+        engine.step()
+    model = tiny_gpt()
+    model.load_state_dict(trained_params(engine), strict=False)
+    mine = batches[-1].chunk(WORLD)[rank]
+    model(mine, mine).backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    engine.backward(engine(mine, mine))
+    engine.step()
+    return engine.get_global_grad_norm(), float(expected)
 
 
 def _reference_warmup() -> dict:
@@ -223,6 +241,13 @@ def test_onebit_adam_on_two_ranks(two_ranks, one_thread):
     # after the warmup a step sends the momentum's signs and scales instead of the fp32 gradient (~1/32)
     warmup_step, compressed_step = first["bytes_per_step"][0], first["bytes_per_step"][-1]
     assert compressed_step * 30 < warmup_step, (compressed_step, warmup_step)
+
+
+def test_gradient_clipping_after_the_warmup_clips_each_ranks_own_gradient(two_ranks):
+    """As DeepSpeed's engine: once the optimizer communicates, each rank clips its own mean gradient by its norm."""
+    (norm0, expected0), (norm1, expected1) = (r["clipped_norms"] for r in two_ranks)
+    assert norm0 == pytest.approx(expected0, rel=1e-5) and norm1 == pytest.approx(expected1, rel=1e-5)
+    assert norm0 != pytest.approx(norm1, rel=1e-3) and min(norm0, norm1) > 0.05  # local, and clipped
 
 
 def test_zero_one_adam_on_two_ranks(two_ranks, one_thread):

@@ -6,8 +6,9 @@ DeepSpeed's 1-bit Adam, 0/1 Adam and 1-bit LAMB average momentum (or gradients) 
 the engine's gradient all-reduce off for the steps where they do (DeepSpeed's `enable_backward_allreduce`). The
 ZeroRuntime asks `engine_reduces_gradients` before each backward and before the update: when it is false the
 gradient chunks stay this rank's own. The engine divides every loss by the data-parallel size (the reduction
-sums), so such a step multiplies the gradients back by it: the optimizer sees this rank's mean gradient, as
-DeepSpeed's does. Each parameter has its own compression scale and errors, as in DeepSpeed (1-bit LAMB: one for
+sums), so such a step multiplies the gradients back by it before unscaling and clipping: gradient_clipping clips
+this rank's mean gradient by its own norm (the norm reported), and the optimizer steps from it, as DeepSpeed's
+do. Each parameter has its own compression scale and errors, as in DeepSpeed (1-bit LAMB: one for
 all, Note [1-bit lamb]), though the parameters of one chunk share the collectives. DeepSpeed's first step() only
 sets up its communication buffers and leaves the parameters as they are (its counters count that step); here
 every step updates, and the counters number the steps as DeepSpeed's do, so the same batch begins each phase
@@ -72,9 +73,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             averager.reset_errors()
 
     def local_grad(self, p: torch.Tensor) -> torch.Tensor:
-        """This rank's mean gradient on a step whose gradients were not reduced (Note [optimizers that
-        communicate])."""
-        return p.grad * self.data_parallel.world
+        """This rank's mean gradient, on a step whose gradients the engine did not reduce (the runtime scaled
+        them back, Note [optimizers that communicate])."""
+        return p.grad
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)

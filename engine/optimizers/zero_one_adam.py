@@ -103,7 +103,7 @@ class ZeroOneAdam(CompressedOptimizer):
             exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
             exp_avg.lerp_(p.grad, 1 - beta1)
         else:
-            exp_avg.lerp_(self.compressed_average_(self.local_grad(p), p), 1 - beta1)
+            exp_avg.lerp_(self.compressed_average_(self.local_grad(p).clone(), p), 1 - beta1)
         denominator = exp_avg_sq.sqrt().add_(group["eps"])
         update = exp_avg / denominator
         if group["weight_decay"]:

@@ -307,6 +307,8 @@ class ZeroRuntime:
             chunked.sync_views()
             if chunked.masters is not None and not chunked.grads_managed:  # Note [master weights]
                 chunked.masters.stage_grads()  # (managed 16-bit shards are widened as stepped)
+            if self.reducer is not None and not self._engine_reduces():  # Note [optimizers that communicate]
+                torch._foreach_mul_(chunked.grad_shards(), float(self.topology.dp_world_size))
             stepped_early = chunked.grads_managed and self.optimizer.stepped_early  # Note [stepping in backward]
             return self.clipper.prepare(loss_scale, self._early_square if stepped_early else None)
 
