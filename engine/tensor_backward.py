@@ -56,7 +56,7 @@ class TensorBackward:
         self._reduces = False
         self._scaled = False  # the running backward started at a tensor engine.scale returned
         self._factor = 1.0
-        self._handles = [module.register_forward_hook(self._watch_outputs, prepend=True)]
+        self._handles = [module.register_forward_hook(_OutputsWatcher(self), prepend=True)]
         self._handles += [p.register_hook(functools.partial(self._scale_gradient, p)) for p in params]
 
     def scaled(self, loss: torch.Tensor, factor: float) -> torch.Tensor:
@@ -134,6 +134,21 @@ class TensorBackward:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+class _OutputsWatcher:
+    """The forward hook on the model. A copy of the model (deepcopy, pickle) is no longer the engine's: its copy
+    of the hook watches nothing."""
+
+    def __init__(self, owner: TensorBackward | None):
+        self.owner = owner
+
+    def __call__(self, module, args, output) -> None:
+        if self.owner is not None:
+            self.owner._watch_outputs(module, args, output)
+
+    def __reduce__(self):
+        return _OutputsWatcher, (None,)
 
 
 def _accumulates(param: nn.Parameter) -> bool:
