@@ -343,12 +343,12 @@ _OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
 _OPTIMIZER_PARAMS.update(optimizer_params.OPTIMIZER_PARAMS)
 _UNSUPPORTED_OPTIMIZERS = tuple({"onebitadam", "zerooneadam", "onebitlamb", "lamb", "lion", "adagrad", "muadam",
                                  "muadamw", "musgd", "muon"}
-                                - set(optimizer_params.OPTIMIZER_PARAMS) - set(optimizer_params.OPTIMIZER_ALIASES))
+                                - set(optimizer_params.OPTIMIZER_PARAMS))
 OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", **optimizer_params.OPTIMIZER_NAMES}
 
 
 def _validate_optimizer(opt: OptimizerConfig) -> OptimizerConfig:
-    name = optimizer_params.OPTIMIZER_ALIASES.get(opt.type.lower(), opt.type.lower())
+    name = opt.type.lower()  # (DeepSpeed's OnebitAdam / OnebitLamb spellings too)
     if name in _UNSUPPORTED_OPTIMIZERS or (name not in _OPTIMIZER_PARAMS and _is_torch_optimizer(opt.type)):
         raise ConfigError(f"optimizer.type: '{opt.type}' is not supported yet; "
                           f"use one of {', '.join(OPTIMIZER_NAMES.values())}.")
