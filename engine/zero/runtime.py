@@ -162,6 +162,11 @@ class ZeroRuntime:
         finally:
             self.inside_no_sync = previous
 
+    def reduce_at_update_only(self) -> None:
+        """From now on every backward accumulates locally and each update reduces once (Note [several backward
+        passes per step])."""
+        self.accumulating_locally = True
+
     @contextlib.contextmanager
     def accumulate_locally(self):
         """Backward passes inside reduce nothing, under every ZeRO stage: gradients accumulate in this rank's full

@@ -11,7 +11,6 @@ neither has is an error naming it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 
@@ -37,6 +36,7 @@ class DeepSpeedEngine(nn.Module):
         self._client_optimizer = client_optimizer
         self._step_applied = False
         self.tput_timer = ThroughputTimer(engine.train_batch_size)
+        self._reduce_at_update()
 
     # ---- identity ---------------------------------------------------------------------------
     @property
@@ -119,23 +119,23 @@ class DeepSpeedEngine(nn.Module):
                 refuse("backward(scale_wrt_gas=False) with MoE layers", "backward(loss) (the engine adds the "
                        "router losses, which it averages over the accumulation steps)")
             loss = loss * gas  # engine.backward divides by gas again: the sum over micro-batches
-        with self._reduced_at_step():
-            self.engine.backward(loss, retain_graph=retain_graph)
+        self.engine.backward(loss, retain_graph=retain_graph)
         return loss
 
-    def _reduced_at_step(self):
+    def _reduce_at_update(self) -> None:
         """Note [several backward passes per step]
         DeepSpeed lets a script call backward more than once per micro-step (its GAN example backpropagates a
         discriminator's real and fake losses apart): under ZeRO 0 and 1 each backward at the boundary all-reduces
         the gradients accumulated so far, which adds up to the mean of the sum. The Tiers engine refuses a second
         reducing backward (it would reduce the first one's gradients twice), so here, without sharded gradients,
-        every backward accumulates locally and the update reduces the gradients once: the same sum of means, and
-        after backward, as DeepSpeed reduces at these stages. Stages 2 and 3 reduce each backward's gradients
-        into their shards already."""
+        every backward (engine.backward or loss.backward(): Note [tensor backward]) accumulates locally and the
+        update reduces the gradients once: the same sum of means, and after backward, as DeepSpeed reduces at
+        these stages. A backward that reaches this model from another engine's loss (the GAN's generator through
+        the discriminator) so adds to its gradients only, which the script's zero_grad() clears, as in PyTorch.
+        Stages 2 and 3 reduce each backward's gradients into their shards already."""
         runtime = self.engine.runtime
-        if runtime.reducer is None or self.engine.chunked.sharded_grads is not None:
-            return contextlib.nullcontext()
-        return runtime.accumulate_locally()
+        if runtime.reducer is not None and self.engine.chunked.sharded_grads is None:
+            runtime.reduce_at_update_only()
 
     def step(self, lr_kwargs=None) -> None:
         if lr_kwargs is not None:
