@@ -1,5 +1,6 @@
 """PyTorch-style backward (Note [tensor backward]): `loss.backward()` then `engine.step()` trains as
-`engine.backward(loss)` does and as plain PyTorch does, with SGD (which, unlike Adam, shows any error in the
+`engine.backward(loss)` does and as plain PyTorch does (also through `engine.compat.deepspeed`), with SGD (which,
+unlike Adam, shows any error in the
 gradients' scale) over 2 ranks with 2 accumulation steps under ZeRO 0-3, with clipping; fp16 goes through
 `engine.scale(loss)`, and what cannot train right is refused before the first update."""
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from engine import initialize
+from engine.compat import deepspeed
 from tests.distributed import run_distributed
 from tests.reference import (
     assert_close_relative,
@@ -52,30 +54,38 @@ def train_tensor_backward(engine, rank: int, world: int, loss_fn) -> list[float]
 
 def _worker(rank, world, cases):
     results = []
-    for stage, clip, loss_name in cases:
+    for stage, clip, loss_name, api in cases:
         loss_fn = regularized if loss_name == "regularized" else (lambda m, x: m(x, x))
-        engine = initialize(tiny_gpt(), sgd_config(stage, GLOBAL_BATCH // world // ACCUMULATION, clip))
+        config = sgd_config(stage, GLOBAL_BATCH // world // ACCUMULATION, clip)
+        if api == "deepspeed":  # DeepSpeed 0.18.3+'s documented loop, through the compat engine
+            engine = deepspeed.initialize(model=tiny_gpt(), config=config)[0]
+        else:
+            engine = initialize(tiny_gpt(), config)
         losses = train_tensor_backward(engine, rank, world, loss_fn)
         results.append((losses, trained_params(engine)))
-        engine.close()
+        if api == "deepspeed":
+            engine.destroy()
+        else:
+            engine.close()
     return results
 
 
-CASES = [(0, 0.0, "model"), (1, 0.5, "model"), (2, 0.0, "regularized"), (3, 0.5, "model")]
+CASES = [(0, 0.0, "model", "tiers"), (1, 0.5, "model", "tiers"), (2, 0.0, "regularized", "tiers"),
+         (3, 0.5, "model", "tiers"), (1, 0.0, "model", "deepspeed")]
 
 
 def test_loss_backward_then_step_equals_pytorch_under_zero_0_to_3():
     references = {}
-    for stage, clip, loss_name in CASES:
+    for stage, clip, loss_name, _api in CASES:
         loss_fn = regularized if loss_name == "regularized" else (lambda m, x: m(x, x))
         model = tiny_gpt()
         losses, _ = train_reference(model, token_batches(STEPS, GLOBAL_BATCH),
                                     lambda ps: torch.optim.SGD(ps, lr=LR), clip=clip, loss_fn=loss_fn)
-        references[(stage, clip, loss_name)] = (losses, param_snapshot(model))
+        references[(stage, clip, loss_name)] = (losses, param_snapshot(model))  # (the same for either api)
     per_rank = run_distributed(_worker, 2, args=(CASES,), timeout_s=240)
     losses_by_rank = [[losses for losses, _ in rank_results] for rank_results in per_rank]
     for i, case in enumerate(CASES):
-        ref_losses, ref_params = references[case]
+        ref_losses, ref_params = references[case[:3]]
         mean = [sum(r[i][s] for r in losses_by_rank) / 2 for s in range(STEPS)]  # each rank's half of the batch
         assert_close_relative(mean, ref_losses)
         assert_params_close(per_rank[0][i][1], ref_params)
