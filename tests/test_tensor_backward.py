@@ -1,8 +1,7 @@
 """PyTorch-style backward (Note [tensor backward]): `loss.backward()` then `engine.step()` trains as
 `engine.backward(loss)` does and as plain PyTorch does (also through `engine.compat.deepspeed`), with SGD (which,
-unlike Adam, shows any error in the
-gradients' scale) over 2 ranks with 2 accumulation steps under ZeRO 0-3, with clipping; fp16 goes through
-`engine.scale(loss)`, and what cannot train right is refused before the first update."""
+unlike Adam, shows any error in the gradients' scale) over 2 ranks with 2 accumulation steps under ZeRO 0-3, with
+clipping; fp16 goes through `engine.scale(loss)`, and what cannot train right is refused before the first update."""
 
 from __future__ import annotations
 
