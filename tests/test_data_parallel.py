@@ -16,6 +16,7 @@ from tests.reference import (
     token_batches,
     train_engine,
     train_reference,
+    trained_params,
 )
 
 STEPS = 4
@@ -244,17 +245,38 @@ def test_step_reduces_when_the_boundary_backward_was_inside_no_sync():
         assert_params_close(params, param_snapshot(model))
 
 
-def _second_backward_worker(rank, world):
-    engine = initialize(tiny_gpt(), dp_config(4, 1))
-    x = token_batches(1, 8)[0][rank * 4:(rank + 1) * 4]
-    engine.backward(engine(x, x))
-    with pytest.raises(RuntimeError, match="second synchronized engine.backward"):
-        engine.backward(engine(x, x))
-    return True
+def _second_backward_worker(rank, world, stages):
+    """Two synchronized backward passes before one step (DeepSpeed's GAN does this), at stages 0 and 1 (with and
+    without reduce-scatter), with SGD: any sum counted once per rank would show."""
+    results = []
+    for stage, reduce_scatter in stages:
+        cfg = {**dp_config(4, 1, clip=0.0), "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
+        cfg["zero_optimization"] = {"stage": stage, "chunk_size": 20_000, "reduce_scatter": reduce_scatter}
+        engine = initialize(tiny_gpt(), cfg)
+        rows = token_batches(1, 8)[0][rank * 4:(rank + 1) * 4]
+        for _ in range(2):
+            engine.backward(engine(rows[:2], rows[:2]))
+            engine.backward(engine(rows[2:], rows[2:]))
+            engine.step()
+        results.append(trained_params(engine))
+        engine.close()
+    return results
 
 
-def test_second_synchronized_backward_before_step_is_an_error():
-    assert run_distributed(_second_backward_worker, 2, timeout_s=120) == [True, True]
+def test_several_synchronized_backward_passes_before_a_step_add_up():
+    """Note [several synchronized backward passes]: rank r's two losses are means over two rows each, so the step's
+    gradient is that of twice the mean over all eight rows."""
+    model = tiny_gpt()
+    batch = token_batches(1, 8)[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(2):
+        (2 * model(batch, batch)).backward()
+        opt.step()
+        opt.zero_grad()
+    stages = [(0, True), (1, True), (1, False)]
+    for rank_results in run_distributed(_second_backward_worker, 2, args=(stages,), timeout_s=180):
+        for params in rank_results:
+            assert_params_close(params, param_snapshot(model))
 
 
 class SharedAcrossCheckpoint(nn.Module):

@@ -11,6 +11,19 @@ in the sequence are complete (completion order varies, and a parameter unused in
 never completes its chunk); whatever is left when backward returns is launched then, in the
 same sequence. A chunk's arrived gradients (against one expected per member) are kept in its
 ChunkState (Note [chunk phases]).
+
+Note [several synchronized backward passes]
+DeepSpeed lets a script call backward more than once at an accumulation boundary (its GAN example
+backpropagates a discriminator's real and fake losses apart), each reducing what has accumulated so
+far, and the update sees the sum. Here a reduction sums the ranks' chunks, so reducing a chunk that
+already holds a sum would count it once per rank. Before a second synchronized backward of the same
+step (stages 0 and 1: full gradient chunks; stages 2 and 3 reduce every backward's gradients into
+their shards anyway), every reduced element is therefore made to add up to its sum once over the
+ranks of its group: a reduce-scattered chunk keeps this rank's shard and zeroes the rest (which holds
+unreduced values of the earlier backward); an all-reduced chunk, the same sum on every rank, is
+divided by the group's size on each (as DeepSpeed averages in place; exact for a power of two). The
+next reduction then adds the earlier sum once to the new gradients, and the overlap of reductions
+with backward is the same as for one backward.
 """
 
 from __future__ import annotations
@@ -18,7 +31,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from engine.comm import CommCounter, all_reduce_sum, reduce_scatter_sum_in_place
+from engine.comm import CommCounter, all_reduce_sum, reduce_scatter_sum_in_place, shard_of
 from engine.zero.chunked_params import ChunkedParams
 
 
@@ -144,6 +157,17 @@ class GradReducer:
         error, self._callback_error = self._callback_error, None
         if error is not None:
             raise error
+
+    def keep_reduced_once(self) -> None:
+        """Before another synchronized backward of this step (Note [several synchronized backward passes])."""
+        for state in self.states:
+            place, payload = state.place, state.grad_chunk.payload
+            if self.scatter:
+                kept = shard_of(payload, place.rank, place.count).clone()
+                payload.zero_()
+                shard_of(payload, place.rank, place.count).copy_(kept)
+            else:
+                payload.div_(dist.get_world_size(place.group_or(self.group)))
 
     def _launch_while(self, may_launch) -> None:
         while self._cursor < len(self.sequence) and may_launch(self.sequence[self._cursor]):

@@ -162,11 +162,6 @@ class ZeroRuntime:
         finally:
             self.inside_no_sync = previous
 
-    def reduce_at_update_only(self) -> None:
-        """From now on every backward accumulates locally and each update reduces once (Note [several backward
-        passes per step])."""
-        self.accumulating_locally = True
-
     @contextlib.contextmanager
     def accumulate_locally(self):
         """Backward passes inside reduce nothing, under every ZeRO stage: gradients accumulate in this rank's full
@@ -181,7 +176,7 @@ class ZeroRuntime:
     @contextlib.contextmanager
     def backward(self, boundary: bool, loss_scale: float, trace_key=None):
         """Around autograd's backward of one micro-batch; `boundary`: it ends the accumulation. Whether it reduces
-        is decided (and refused, for a second synchronized backward) before anything is armed."""
+        is decided (and a second synchronized backward prepared for) before anything is armed."""
         reduces = self.begin_backward(boundary, loss_scale, trace_key)
         try:
             with self._released_parameter_hint():
@@ -226,11 +221,9 @@ class ZeroRuntime:
         self.phase = TrainingPhase.IDLE
 
     def _check_one_synchronized_backward(self, every_backward: bool) -> None:
-        if self.synchronized and not every_backward:
-            raise RuntimeError(
-                "a second synchronized engine.backward() before engine.step() would all-reduce the first loss's "
-                "gradients twice; add the losses and call backward once, or run the earlier backward calls "
-                "inside engine.no_sync()")
+        if self.synchronized and not every_backward:  # Note [several synchronized backward passes]
+            self.reducer.keep_reduced_once()
+            self.synchronized = False
         if self.steps_in_backward and self.optimizer.stepped_early:
             raise RuntimeError(
                 "engine.backward() after the accumulation boundary's backward: with "

@@ -36,7 +36,6 @@ class DeepSpeedEngine(nn.Module):
         self._client_optimizer = client_optimizer
         self._step_applied = False
         self.tput_timer = ThroughputTimer(engine.train_batch_size)
-        self._reduce_at_update()
 
     # ---- identity ---------------------------------------------------------------------------
     @property
@@ -111,8 +110,8 @@ class DeepSpeedEngine(nn.Module):
         return self.engine(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
-        """Note [several backward passes per step]. scale_wrt_gas=False: the loss is not divided by the
-        accumulation steps (the gradients are their sum, not their mean)."""
+        """Several calls per step add up (Note [several synchronized backward passes]). scale_wrt_gas=False:
+        the loss is not divided by the accumulation steps (the gradients are their sum, not their mean)."""
         gas = self.engine.gradient_accumulation_steps
         if not scale_wrt_gas and gas != 1:
             if self.engine.experts is not None:
@@ -122,20 +121,6 @@ class DeepSpeedEngine(nn.Module):
         self.engine.backward(loss, retain_graph=retain_graph)
         return loss
 
-    def _reduce_at_update(self) -> None:
-        """Note [several backward passes per step]
-        DeepSpeed lets a script call backward more than once per micro-step (its GAN example backpropagates a
-        discriminator's real and fake losses apart): under ZeRO 0 and 1 each backward at the boundary all-reduces
-        the gradients accumulated so far, which adds up to the mean of the sum. The Tiers engine refuses a second
-        reducing backward (it would reduce the first one's gradients twice), so here, without sharded gradients,
-        every backward (engine.backward or loss.backward(): Note [tensor backward]) accumulates locally and the
-        update reduces the gradients once: the same sum of means, and after backward, as DeepSpeed reduces at
-        these stages. A backward that reaches this model from another engine's loss (the GAN's generator through
-        the discriminator) so adds to its gradients only, which the script's zero_grad() clears, as in PyTorch.
-        Stages 2 and 3 reduce each backward's gradients into their shards already."""
-        runtime = self.engine.runtime
-        if runtime.reducer is not None and self.engine.chunked.sharded_grads is None:
-            runtime.reduce_at_update_only()
 
     def step(self, lr_kwargs=None) -> None:
         if lr_kwargs is not None:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine import whole_weights
-from engine.comm import all_gather_into
+from engine.comm import all_gather_into, shard_of
 from engine.compat.deepspeed.unsupported import refuse
 
 logger = logging.getLogger("DeepSpeed")
@@ -52,7 +52,7 @@ def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
     if chunked.masters is None and engine.gatherer is None:
         return param.detach().float().clone()
     index = chunked.chunk_index()[id(param)]
-    with whole_weights._chunk_values(chunked, engine.gatherer, index, engine.dp_group, engine.comm) as values:
+    with whole_weights._chunk_values(chunked, engine.gatherer, index, engine.topology.dp_group, engine.comm) as values:
         return values(param).float().clone()
 
 
@@ -94,10 +94,14 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     if chunked.sharded_grads is not None:  # this rank's reduced shard (logically zero while fresh), gathered
         shard = torch.zeros_like(state.grad_shard) if state.grad_fresh else state.grad_shard
         return chunked.master_values(param, _whole(shard, state.place, engine)).float().clone()
+    runtime, group = engine.runtime, state.place.group_or(engine.topology.dp_group)
+    if runtime.reducer is not None and runtime.synchronized and runtime.reducer.scatter:  # each rank's shard reduced
+        payload = state.grad_chunk.payload
+        return chunked.master_values(param, _whole(shard_of(payload, state.place.rank, state.place.count),
+                                                   state.place, engine)).float().clone()
     grad = state.grad_view(param).detach().float().clone()
-    runtime = engine.runtime
     if runtime.reducer is not None and not runtime.synchronized:  # the update reduces later (each rank's share)
-        dist.all_reduce(grad, group=engine.dp_group)
+        dist.all_reduce(grad, group=group)
     return grad
 
 
@@ -111,7 +115,8 @@ def _whole(value: torch.Tensor, place, engine) -> torch.Tensor:
     if place.count == 1:
         return value
     full = torch.empty(value.numel() * place.count, dtype=value.dtype, device=value.device)
-    all_gather_into(full, value.detach().contiguous(), place.group_or(engine.dp_group), engine.comm, async_op=False)
+    all_gather_into(full, value.detach().contiguous(), place.group_or(engine.topology.dp_group), engine.comm,
+                    async_op=False)
     return full
 
 
