@@ -249,8 +249,7 @@ def test_module_level_helpers_answer_as_deepspeeds(caplog):
     assert offload.OffloadDeviceEnum("cpu") is offload.OffloadDeviceEnum.cpu
     assert offload.OffloadStateTypeEnum.optim_states == "optim_states"
     assert deepspeed.comm.has_all_gather_into_tensor() and deepspeed.comm.has_reduce_scatter_tensor()
-    with pytest.raises(NotInTiers, match="deepspeed.pipe.PipelineModule.*pipeline"):
-        deepspeed.pipe.PipelineModule(layers=[nn.Linear(2, 2)], num_stages=2)
+    assert deepspeed.PipelineModule is deepspeed.pipe.PipelineModule
     with pytest.raises(NotInTiers, match="set_z3_leaf_modules.*moe"):
         deepspeed.utils.set_z3_leaf_modules(mlp(), [nn.Linear])
     with pytest.raises(NotInTiers, match="safe_set_full_fp32_param"):

@@ -32,10 +32,12 @@ from engine.compat.deepspeed.config import DeepSpeedConfig
 from engine.compat.deepspeed.data import DeepSpeedDataLoader
 from engine.compat.deepspeed.engine import DeepSpeedEngine
 from engine.compat.deepspeed.launch import add_config_arguments, init_distributed, release_at_exit
+from engine.compat.deepspeed.pipe import PipelineModule
 from engine.compat.deepspeed.unsupported import refuse
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "DeepSpeedConfig",
-           "get_accelerator", "zero", "checkpointing", "accelerator", "comm", "moe", "ops", "pipe", "runtime", "utils"]
+           "get_accelerator", "PipelineModule", "zero", "checkpointing", "accelerator", "comm", "moe", "ops", "pipe",
+           "runtime", "utils"]
 
 # DeepSpeed's version whose API this layer answers (release parsers read it; Tiers' own is the package's)
 __version__ = "0.19.5"
@@ -79,9 +81,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         config = client_objects.without_section(config, "scheduler", "a client lr_scheduler was passed")
     optimizer, model_parameters = client_objects.client_optimizer(optimizer, model_parameters, model)
     init_distributed(dist_init_required=dist_init_required)
+    piped = isinstance(model, pipe.PipelineModule)  # Note [a PipelineModule on Tiers' pipeline]
+    if piped:
+        config = pipe.pipeline_config(config, model)
     engine = tiers_initialize(model, config, optimizer=optimizer,
                               lr_scheduler=client_objects.scheduler_for_engine(lr_scheduler),
-                              model_parameters=model_parameters)
+                              model_parameters=model_parameters, loss_fn=model.loss_fn if piped else None)
     for p in engine.module.parameters():  # zero.GatheredParameters finds their engine (DeepSpeed tags them too)
         p.tiers_engine = weakref.ref(engine)
     runtime.zero.partition_parameters.mark_parameters(engine)  # ds_id, ds_status, ... (stage 3)
@@ -89,7 +94,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if training_data is not None:
         loader = DeepSpeedDataLoader(training_data, engine.train_micro_batch_size_per_gpu, engine.dp_world_size,
                                      engine.dp_rank, collate_fn, engine.config.dataloader_drop_last)
-    wrapped = DeepSpeedEngine(engine, loader, given if isinstance(given, dict) else None, optimizer is not None)
+    facade = pipe.PipelineEngine if piped else DeepSpeedEngine
+    wrapped = facade(engine, loader, given if isinstance(given, dict) else None, optimizer is not None)
     release_at_exit(wrapped)
     return wrapped, engine.optimizer, loader, engine.lr_scheduler
 
