@@ -89,9 +89,9 @@ def eval_batches(dataset) -> list:
     return [dataset[i * MICRO:(i + 1) * MICRO] for i in range(GAS)]
 
 
-def train_reference(forward, params: dict, loss_fn, dataset):
+def train_reference(forward, params: dict, loss_fn, dataset, batches=None):
     optimizer = torch.optim.SGD(list(params.values()), lr=LR)
-    batches, losses = reference_batches(dataset), []
+    batches, losses = batches or reference_batches(dataset), []
     for _ in range(STEPS):
         total = 0.0
         for _ in range(GAS):
@@ -102,6 +102,8 @@ def train_reference(forward, params: dict, loss_fn, dataset):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)
+    if dataset is None:
+        return losses
     with torch.no_grad():
         evaluated = sum(loss_fn(forward(x), y).item() for x, y in eval_batches(dataset)) / GAS
     return losses, {n: p.detach().clone() for n, p in params.items()}, evaluated
@@ -158,8 +160,30 @@ def _run(engine):
     return losses, engine.full_state_dict(), evaluated
 
 
+def _loss_in_layers_worker():
+    """loss_fn=None: the last layer's output is the loss, and the micro-batch's first element the only input."""
+    torch.manual_seed(0)
+    net = PipelineModule([nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1), lambda y: y.pow(2).mean()], num_stages=2)
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=CONFIG)
+    data = unlabelled_data()
+    return [engine.train_batch(iter(data[i * GAS:(i + 1) * GAS])).item() for i in range(STEPS)]
+
+
+def unlabelled_data() -> list:
+    """(inputs, labels) micro-batches whose labels no loss reads."""
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(MICRO, 4, generator=g), torch.zeros(MICRO)) for _ in range(STEPS * GAS)]
+
+
+def reference_loss_in_layers():
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1), lambda y: y.pow(2).mean()]
+    params = dict(enumerate(p for layer in layers[:3] for p in layer.parameters()))
+    return train_reference(run_layers(layers), params, lambda out, _: out, None, iter(unlabelled_data()))
+
+
 def _pipe_worker(rank, world):
-    out = {"alexnet": _run(_train_pipe("parameters"))}
+    out = {"alexnet": _run(_train_pipe("parameters")), "loss_in_layers": _loss_in_layers_worker()}
     engine = _train_tied()
     out["tied"] = _run(engine)
     engine.training_dataloader, engine._data_iterator = None, None
@@ -179,6 +203,9 @@ def test_deepspeed_pipeline_scripts_train_as_one_process():
             assert_close_relative(losses, ref_losses)
             assert_params_close({n: params[n] for n in ref_params}, ref_params)
             assert_close_relative([evaluated], [ref_eval])
+    ref_losses = reference_loss_in_layers()
+    for r in ranks:
+        assert_close_relative(r["loss_in_layers"], ref_losses)
     assert ranks[0]["parts"] == [0, 2, 4]  # type:block puts one Block on each stage, the tied uses apart
     assert all("training_data" in r["no_data"] for r in ranks)
 

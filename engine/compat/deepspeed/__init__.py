@@ -86,7 +86,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         config = pipe.pipeline_config(config, model)
     engine = tiers_initialize(model, config, optimizer=optimizer,
                               lr_scheduler=client_objects.scheduler_for_engine(lr_scheduler),
-                              model_parameters=model_parameters, loss_fn=model.loss_fn if piped else None)
+                              model_parameters=model_parameters, loss_fn=pipe.engine_loss_fn(model) if piped else None)
     for p in engine.module.parameters():  # zero.GatheredParameters finds their engine (DeepSpeed tags them too)
         p.tiers_engine = weakref.ref(engine)
     runtime.zero.partition_parameters.mark_parameters(engine)  # ds_id, ds_status, ... (stage 3)

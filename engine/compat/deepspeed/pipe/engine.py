@@ -56,6 +56,17 @@ def pipeline_config(config, module: PipelineModule):
     return {**config, "pipeline": {**section, **cut}}
 
 
+def engine_loss_fn(module: PipelineModule):
+    """The loss train_batch backpropagates: loss_fn(outputs, labels), or, without one, the last layer's output
+    itself, as DeepSpeed takes it; the micro-batch is (inputs, labels) either way, and only inputs enter the first
+    layer."""
+    return module.loss_fn if module.loss_fn is not None else _output_is_the_loss
+
+
+def _output_is_the_loss(outputs, labels):
+    return outputs
+
+
 class PipelineEngine(DeepSpeedEngine):
     """deepspeed.runtime.pipe.engine.PipelineEngine: train_batch / eval_batch; forward, backward and step per
     micro-batch are refused by the Tiers engine, as DeepSpeed refuses them."""
