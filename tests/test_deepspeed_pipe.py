@@ -135,12 +135,12 @@ def reference_tied():
 
 
 # ---- the script, on 2 ranks ----------------------------------------------------------------------------------------
-def _train_pipe(args_partition: str):
+def _train_pipe(args_partition: str, checkpoint_interval: int = 0):
     """DeepSpeedExamples' train_pipe(), with a tiny AlexNet on fake data."""
     torch.manual_seed(0)
     net = TinyAlexNet(num_classes=10)
     net = PipelineModule(layers=join_layers(net), loss_fn=torch.nn.CrossEntropyLoss(), num_stages=2,
-                         partition_method=args_partition, activation_checkpoint_interval=0)
+                         partition_method=args_partition, activation_checkpoint_interval=checkpoint_interval)
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
                                            training_data=image_data(), config=CONFIG)
     return engine
@@ -184,6 +184,9 @@ def reference_loss_in_layers():
 
 def _pipe_worker(rank, world):
     out = {"alexnet": _run(_train_pipe("parameters")), "loss_in_layers": _loss_in_layers_worker()}
+    checkpointed = _train_pipe("uniform", checkpoint_interval=2)
+    out["checkpointed"] = _run(checkpointed)
+    out["wrapped"] = checkpointed.engine.activation_checkpointing.wrapped
     engine = _train_tied()
     out["tied"] = _run(engine)
     engine.training_dataloader, engine._data_iterator = None, None
@@ -197,7 +200,8 @@ def _pipe_worker(rank, world):
 
 def test_deepspeed_pipeline_scripts_train_as_one_process():
     ranks = run_distributed(_pipe_worker, 2, timeout_s=120)
-    for name, reference in (("alexnet", reference_alexnet()), ("tied", reference_tied())):
+    alexnet = reference_alexnet()
+    for name, reference in (("alexnet", alexnet), ("checkpointed", alexnet), ("tied", reference_tied())):
         ref_losses, ref_params, ref_eval = reference
         for losses, params, evaluated in (r[name] for r in ranks):
             assert_close_relative(losses, ref_losses)
@@ -206,7 +210,8 @@ def test_deepspeed_pipeline_scripts_train_as_one_process():
     ref_losses = reference_loss_in_layers()
     for r in ranks:
         assert_close_relative(r["loss_in_layers"], ref_losses)
-    assert ranks[0]["parts"] == [0, 2, 4]  # type:block puts one Block on each stage, the tied uses apart
+    assert ranks[0]["parts"] == [0, 2, 4]
+    assert ranks[0]["wrapped"] == [f"layers.{i}" for i in range(11)], "activation_checkpoint_interval > 0 checkpoints"  # type:block puts one Block on each stage, the tied uses apart
     assert all("training_data" in r["no_data"] for r in ranks)
 
 
@@ -228,8 +233,6 @@ def test_partition_methods_cut_as_deepspeed():
 def test_refused_options_name_the_fix():
     with pytest.raises(NotInTiers, match="num_stages=N"):
         PipelineModule([nn.Linear(2, 2)] * 2, topology=object())
-    with pytest.raises(NotInTiers, match="activation_checkpointing"):
-        PipelineModule([nn.Linear(2, 2), nn.Linear(2, 2)], num_stages=2, activation_checkpoint_interval=1)
     with pytest.raises(RuntimeError, match="LayerSpec only supports"):
         LayerSpec(int)
     tied = lambda: TiedLayerSpec("t", nn.Linear, 2, 2)  # noqa: E731
@@ -243,13 +246,15 @@ def test_config_and_module_must_agree():
     net = PipelineModule([nn.Linear(2, 2), nn.Linear(2, 2)], num_stages=2, loss_fn=F.mse_loss)
     for pipeline, match in (({"stages": 4}, "pipeline.stages is 4"),
                             ({"partition": "uniform"}, "partition_method only"),
-                            ({"virtual_stages": 2}, "virtual_stages"),
-                            ({"activation_checkpoint_interval": 2}, "activation_checkpointing")):
+                            ({"virtual_stages": 2}, "virtual_stages")):
         with pytest.raises(ValueError, match=match):
             deepspeed.initialize(model=net, config={**CONFIG, "pipeline": pipeline})
     made = deepspeed.pipe.pipeline_config({**CONFIG, "pipeline": {"stages": "auto", "partition": "best",
                                                                   "seed_layers": False}}, net)
     assert made["pipeline"] == {"stages": 2, "partition": ["layers.0", "layers.1"], "seed_layers": False}
+    assert "activation_checkpointing" not in made
+    made = deepspeed.pipe.pipeline_config({**CONFIG, "pipeline": {"activation_checkpoint_interval": 1}}, net)
+    assert made["activation_checkpointing"] == {"enabled": True}  # the config's interval wins, as in DeepSpeed
     with pytest.raises(ValueError, match="num_stages=1"):
         deepspeed.pipe.pipeline_config(CONFIG, PipelineModule([nn.Linear(2, 2)], num_stages=1))
 

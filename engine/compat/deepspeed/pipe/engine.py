@@ -1,8 +1,9 @@
 """What deepspeed.initialize returns for a PipelineModule: DeepSpeed's PipelineEngine calls over Tiers' pipeline
 (Note [a PipelineModule on Tiers' pipeline]).
 
-- the config gets `pipeline.stages` = num_stages and `pipeline.partition` = the module's cut; a config naming other
-  stages, another partition, virtual stages or activation_checkpoint_interval > 0 is refused naming both;
+- the config gets `pipeline.stages` = num_stages and `pipeline.partition` = the module's cut (a config naming other
+  stages, another partition or virtual stages is refused naming both), and activation_checkpointing turned on
+  where activation_checkpoint_interval > 0;
 - train_batch() with no iterator pulls the step's micro-batches from the training_data loader, repeated (a new
   pass is the sampler's next epoch), as DeepSpeed's does; eval_batch(data_iter) needs one, as DeepSpeed's;
 - both return the step's mean loss as a tensor, as DeepSpeed's.
@@ -46,14 +47,17 @@ def pipeline_config(config, module: PipelineModule):
     if section.get("virtual_stages", 1) != 1:
         raise ValueError("pipeline.virtual_stages > 1 with a PipelineModule: its cut has num_stages runs of layers, "
                          "one per rank; leave virtual_stages at 1 (or split the layers into more stages)")
-    if section.get("activation_checkpoint_interval", 0):
-        raise ValueError("pipeline.activation_checkpoint_interval > 0 in the config: Tiers checkpoints the "
-                         "PipelineModule's layers by \"activation_checkpointing\": {\"enabled\": true}; set that "
-                         "instead")
+    checkpointed = (section.get("activation_checkpoint_interval") or module.activation_checkpoint_interval) > 0
     cut = {"stages": stages, "partition": module.stage_first_blocks()}
     if isinstance(config, Config):
-        return dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, **cut))
-    return {**config, "pipeline": {**section, **cut}}
+        checkpointing = dataclasses.replace(config.activation_checkpointing, enabled=True) if checkpointed \
+            else config.activation_checkpointing
+        return dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, **cut),
+                                   activation_checkpointing=checkpointing)
+    made = {**config, "pipeline": {**section, **cut}}
+    if checkpointed:
+        made["activation_checkpointing"] = {**(config.get("activation_checkpointing") or {}), "enabled": True}
+    return made
 
 
 def engine_loss_fn(module: PipelineModule):

@@ -17,6 +17,9 @@ stage that is one module, across stages Tiers' shared parameters (held by both r
 the lowest one's values, gradients summed before each update) are DeepSpeed's tied weights. As
 DeepSpeed ties only `tied_weight_attr` across stages, a tied module with other parameters used on
 two stages is refused (DeepSpeed would keep those per stage).
+activation_checkpoint_interval > 0 (the module's, or the config's pipeline section's, which wins as in
+DeepSpeed) turns on the config's activation_checkpointing: Tiers checkpoints each layer on its own
+where DeepSpeed checkpoints runs of `interval` layers (the same training, other memory figures).
 Only one tensor crosses a stage boundary in Tiers' pipeline: a stage whose last layer returns a
 tuple is refused at its first forward, naming the layer.
 """
@@ -103,14 +106,11 @@ class PipelineModule(nn.Module):
                    "data-parallel ranks itself (tensor_parallel in the config for model parallelism)")
         if num_stages is None:
             raise RuntimeError("must provide num_stages or topology")
-        if activation_checkpoint_interval:
-            refuse(f"PipelineModule(activation_checkpoint_interval={activation_checkpoint_interval})",
-                   "activation_checkpoint_interval=0 with \"activation_checkpointing\": {\"enabled\": true} in the "
-                   "config (Tiers checkpoints each layer of the pipeline)")
         if activation_checkpoint_func is not None or checkpointable_layers is not None:
             refuse("PipelineModule(activation_checkpoint_func= / checkpointable_layers=)",
                    "the config's activation_checkpointing section (`modules` names what to checkpoint)")
         self.num_stages = int(num_stages)
+        self.activation_checkpoint_interval = int(activation_checkpoint_interval)
         self.loss_fn = loss_fn
         self.seed = _SeedState(bool(seed_layers), int(base_seed), seed_fn)
         self.micro_offset = [0]  # a list: every stage's view of this module counts the same forwards
