@@ -165,8 +165,8 @@ def _loss_in_layers_worker():
     torch.manual_seed(0)
     net = PipelineModule([nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1), lambda y: y.pow(2).mean()], num_stages=2)
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=CONFIG)
-    data = unlabelled_data()
-    return [engine.train_batch(iter(data[i * GAS:(i + 1) * GAS])).item() for i in range(STEPS)]
+    data = iter(unlabelled_data())  # given once, kept for the calls without one (DeepSpeed's set_dataiterator)
+    return [engine.train_batch(data if step == 0 else None).item() for step in range(STEPS)]
 
 
 def unlabelled_data() -> list:
@@ -272,3 +272,13 @@ def test_seed_layers_builds_each_layer_from_its_own_seed():
                          base_seed=7)
     torch.manual_seed(8)
     assert torch.equal(net.layers[1].layer.weight, nn.Linear(3, 3).weight)
+
+
+def test_seed_layers_reseeds_each_layer_per_forward():
+    """DeepSpeed's seed before layer i of the k-th forward: base_seed × (k + 1) + i."""
+    net = PipelineModule([nn.Identity(), nn.Dropout(0.5)], num_stages=2, seed_layers=True, base_seed=3)
+    x = torch.ones(64)
+    for k in (1, 2):
+        out = net(x)
+        torch.manual_seed(3 * (k + 1) + 1)
+        assert torch.equal(out, F.dropout(x, 0.5))

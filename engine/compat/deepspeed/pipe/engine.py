@@ -85,8 +85,11 @@ class PipelineEngine(DeepSpeedEngine):
 
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """One step over gradient_accumulation_steps micro-batches ((inputs, labels) each) from `data_iter`, else
-        from the training_data loader, repeated; the mean loss over them and the data-parallel ranks."""
-        loss = self.engine.train_batch(data_iter if data_iter is not None else self._training_iterator())
+        from the last iterator given (as DeepSpeed, a given one is kept for the next calls), else from the
+        training_data loader, repeated; the mean loss over them and the data-parallel ranks."""
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        loss = self.engine.train_batch(self._training_iterator())
         return torch.tensor(loss, dtype=torch.float32)
 
     def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
