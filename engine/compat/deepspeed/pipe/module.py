@@ -111,7 +111,6 @@ class PipelineModule(nn.Module):
                    "the config's activation_checkpointing section (`modules` names what to checkpoint)")
         self.num_stages = int(num_stages)
         self.activation_checkpoint_interval = int(activation_checkpoint_interval)
-        self.loss_fn = loss_fn
         self.seed = _SeedState(bool(seed_layers), int(base_seed), seed_fn)
         self.micro_offset = [0]  # a list: every stage's view of this module counts the same forwards
         specs = list(layers)
@@ -119,6 +118,7 @@ class PipelineModule(nn.Module):
             raise ValueError("PipelineModule(layers=[]): give at least num_stages layers")
         self._tied_specs: dict[object, list[int]] = {}
         self.layers = nn.ModuleList(self._build(i, spec) for i, spec in enumerate(specs))
+        self.loss_fn = loss_fn  # after the layers: a loss module with parameters belongs to the last stage
         self.parts = _partition(specs, self.layers, self.num_stages, str(partition_method))
         for stage in range(self.num_stages - 1):
             self.layers[self.parts[stage + 1] - 1].sends_on = True
