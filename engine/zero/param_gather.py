@@ -18,6 +18,15 @@ A chunk's owner modules, those done in this pass and the gathered() blocks holdi
 ChunkState, with its phase (Note [chunk phases]).
 Collectives must match across ranks: every rank must run the same modules in the same order (as
 with DeepSpeed and FSDP). Control flow that differs between steps is fine; between ranks it hangs.
+A leaf module (marked `_z3_leaf`, as DeepSpeed's set_z3_leaf_modules marks it) is how a model whose
+inner control flow differs between ranks (an MoE block routing each rank's tokens to other experts)
+keeps them matched: the leaf gets the hooks above for every chunk holding a parameter anywhere in its
+subtree (chunks are shared across module boundaries, Note [chunk packing]), and its descendants get
+none. Inside it nothing is gathered or released, so every rank issues the same collectives whatever
+runs inside. Its chunks are not released when their gradients are all in (an expert one rank did not
+run never has them, so that release would differ between ranks and with it the prefetch budget);
+those no other module owns are released when backward has computed the leaf's inputs' gradients, the
+rest when the pass ends.
 """
 
 from __future__ import annotations
@@ -57,13 +66,18 @@ class ParamGatherer:
         self.prefetched = 0  # gathers started ahead of demand, over the run
         self._ahead: set[int] = set()  # gathered ahead of demand, not demanded yet
         self._module_chunks: dict[nn.Module, tuple[int, ...]] = {}
+        self._leaves: set[nn.Module] = set()
+        self._leaf_chunks: set[int] = set()  # released by their leaf's backward or the pass end only
         self._handles = []
-        for module in model.modules():
-            chunks = sorted({chunk_of[id(p)] for p in module.parameters(recurse=False)
+        for module, recurse in _hooked_modules(model):
+            chunks = sorted({chunk_of[id(p)] for p in module.parameters(recurse=recurse)
                              if id(p) in chunk_of and not self.states[chunk_of[id(p)]].persistent})
             if not chunks:
                 continue
             self._module_chunks[module] = tuple(chunks)
+            if recurse:
+                self._leaves.add(module)
+                self._leaf_chunks.update(chunks)
             for c in chunks:
                 self.states[c].owners.add(module)
             self._handles.append(module.register_forward_pre_hook(self._before_forward))
@@ -94,6 +108,10 @@ class ParamGatherer:
         for c in chunks:
             self.states[c].done.discard(module)  # running (again): its chunks stay until this call ends
         self.demand(chunks)
+        if module in self._leaves and self.phase is Pass.FORWARD and torch.is_grad_enabled():
+            inputs = [t for t in _tensors_in(args) if t.requires_grad]
+            if inputs:  # the inputs' gradients are the leaf's backward's last output
+                register_multi_grad_hook(inputs, lambda grads: self._after_leaf_backward(module), mode="all")
 
     def _after_forward(self, module: nn.Module, args, output) -> None:
         if self.phase is Pass.BACKWARD:  # recomputation inside backward: backward releases
@@ -111,8 +129,17 @@ class ParamGatherer:
 
     def on_grads_complete(self, chunk: int) -> None:
         """Every parameter of the chunk has its gradient for this backward: backward needs it no more."""
-        if self.phase is Pass.BACKWARD:
+        if self.phase is Pass.BACKWARD and chunk not in self._leaf_chunks:
             self.release(chunk)
+
+    def _after_leaf_backward(self, leaf: nn.Module) -> None:
+        """The leaf's backward is done: its chunks that no other module owns are released (a shared one may be
+        demanded by the module whose output was the leaf's input, in the same autograd step)."""
+        if self.phase is not Pass.BACKWARD:
+            return
+        for c in self._module_chunks[leaf]:
+            if self.states[c].owners == {leaf}:
+                self.release(c)
 
     # ---- gathering -----------------------------------------------------------------------------
     def demand(self, chunks: tuple[int, ...]) -> None:
@@ -169,6 +196,27 @@ class ParamGatherer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def is_leaf_module(module: nn.Module) -> bool:
+    """Whether `module` is marked a ZeRO-3 leaf (Note [gathering around modules])."""
+    return getattr(module, "_z3_leaf", False) is True
+
+
+def _hooked_modules(model: nn.Module):
+    """(module, whether its chunks are its whole subtree's): every module outside leaves, the outermost leaves
+    with their subtrees, nothing inside a leaf."""
+    stack, seen = [model], set()
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if is_leaf_module(module):
+            yield module, True
+            continue
+        yield module, False
+        stack.extend(reversed(list(module.children())))
 
 
 def _tensors_in(value) -> list[torch.Tensor]:

@@ -1,5 +1,5 @@
-"""deepspeed.utils: the logger, RepeatingLoader, log_dist, safe_get_full_fp32_param, safe_get_full_grad and
-safe_get_full_optimizer_state; the other helpers are refused by name."""
+"""deepspeed.utils: the logger, RepeatingLoader, log_dist, safe_get_full_fp32_param, safe_get_full_grad,
+safe_get_full_optimizer_state and the ZeRO-3 leaf-module helpers; the other helpers are refused by name."""
 
 from __future__ import annotations
 
@@ -12,6 +12,13 @@ from torch import nn
 from engine import whole_weights
 from engine.comm import all_gather_into, shard_of
 from engine.compat.deepspeed.unsupported import refuse
+from engine.compat.deepspeed.z3_leaf import (  # noqa: F401 (deepspeed.utils' names)
+    get_z3_leaf_modules,
+    set_z3_leaf_modules,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
 
 logger = logging.getLogger("DeepSpeed")
 
@@ -125,7 +132,4 @@ def __getattr__(name: str):
                 "safe_get_local_grad", "safe_get_local_fp32_param", "safe_get_local_optimizer_state"):
         refuse(f"deepspeed.utils.{name}", "engine.gathered_parameters / engine.full_state_dict for values, and "
                "a checkpoint (`tiers convert`) for optimizer states")
-    if name == "set_z3_leaf_modules":
-        refuse("deepspeed.utils.set_z3_leaf_modules", "the config's `moe` section, which has Tiers place and "
-               "dispatch a Hugging Face model's experts under every ZeRO stage (docs/parallelism.md)")
     refuse(f"deepspeed.utils.{name}", "the helpers listed in docs/migrating-from-deepspeed.md")
