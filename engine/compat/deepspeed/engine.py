@@ -21,6 +21,8 @@ from engine.compat.deepspeed import saving
 from engine.compat.deepspeed.throughput import ThroughputTimer
 from engine.compat.deepspeed.unsupported import refuse
 from engine.engine import Engine
+from engine.zero.state_offload import MovedStates, StateKind
+from offload.device_memory import DeviceMemory
 
 logger = logging.getLogger("DeepSpeed")
 
@@ -35,6 +37,7 @@ class DeepSpeedEngine(nn.Module):
         self._config_dict = config if config is not None else engine.config.to_dict()
         self._client_optimizer = client_optimizer
         self._step_applied = False
+        self._moved_states = MovedStates()  # Note [states moved off the device]
         self.tput_timer = ThroughputTimer(engine.train_batch_size)
 
     # ---- identity ---------------------------------------------------------------------------
@@ -106,12 +109,14 @@ class DeepSpeedEngine(nn.Module):
 
     # ---- the loop ---------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self._refuse_while_offloaded("forward")
         self.tput_timer.start()
         return self.engine(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Several calls per step add up (Note [several synchronized backward passes]). scale_wrt_gas=False:
         the loss is not divided by the accumulation steps (the gradients are their sum, not their mean)."""
+        self._refuse_while_offloaded("backward")
         gas = self.engine.gradient_accumulation_steps
         if not scale_wrt_gas and gas != 1:
             if self.engine.experts is not None:
@@ -125,6 +130,7 @@ class DeepSpeedEngine(nn.Module):
     def step(self, lr_kwargs=None) -> None:
         if lr_kwargs is not None:
             refuse("step(lr_kwargs=...)", "a scheduler from the config's `scheduler` section")
+        self._refuse_while_offloaded("step")
         boundary = self.engine.is_gradient_accumulation_boundary()
         skipped = self.engine.skipped_steps
         self._step_applied = False  # as DeepSpeed: true only after a step() that updated the model
@@ -205,23 +211,29 @@ class DeepSpeedEngine(nn.Module):
         return saving.consolidated_16bit_state_dict(self.engine, exclude_frozen_parameters)
 
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False):
-        """DeepSpeed moves the model states off the device, to free it between phases (RLHF). Where the compute
-        device is the CPU they are in host memory already; on an accelerator it is refused."""
-        self._states_in_host_memory("offload_states", include, device)
-
-    def reload_states(self, non_blocking: bool = False) -> None:
-        self._states_in_host_memory("reload_states")
-
-    def _states_in_host_memory(self, call: str, include=None, device="cpu") -> None:
+        """Moves the model states of the kinds in `include` (OffloadStateTypeEnum values; None: all) off the compute
+        device to host memory, to free it between phases (Note [states moved off the device]); forward, backward
+        and step are refused until reload_states(). Where the compute device is the host nothing moves. The copies
+        are synchronous (non_blocking is accepted and changes nothing)."""
         from engine.compat.deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 
         if OffloadDeviceEnum(device) is not OffloadDeviceEnum.cpu:
-            raise ValueError(f"{call}(device={device!r}): DeepSpeed offloads states to the CPU only")
-        for kind in include or ():
-            OffloadStateTypeEnum(kind)  # a ValueError naming an unknown kind
-        if self.engine.device.type != "cpu":
-            refuse(f"engine.{call}() on {self.engine.device}", "zero_optimization.offload_optimizer and "
-                   "offload_param (cpu or nvme) in the config, which keep the states on the host throughout")
+            raise ValueError(f"offload_states(device={device!r}): DeepSpeed offloads states to the CPU only")
+        kinds = [StateKind(OffloadStateTypeEnum(k).value) for k in include] if include is not None else list(StateKind)
+        if DeviceMemory(self.engine.device).separate:
+            self._moved_states.move_off(kinds, self.engine.chunked, self.engine.optimizer, pin_memory)
+        else:
+            self._moved_states.kinds.update(kinds)  # in host memory already
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Puts back on the device what offload_states moved off it."""
+        self._moved_states.put_back()
+
+    def _refuse_while_offloaded(self, call: str) -> None:
+        if self._moved_states.any:
+            kinds = sorted(k.value for k in self._moved_states.kinds)
+            raise RuntimeError(f"engine.{call} while the model states {kinds} are offloaded (offload_states): "
+                               "call engine.reload_states() first")
 
     def empty_partition_cache(self) -> None:
         """DeepSpeed releases the stage-3 parameters it holds gathered. Tiers' gatherer releases every
