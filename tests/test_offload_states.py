@@ -63,6 +63,8 @@ def round_trip(engine) -> tuple[dict[str, int], dict[str, int]]:
         engine(torch.zeros(4, 16))
     with pytest.raises(RuntimeError, match=r"engine\.step.*reload_states\(\)"):
         engine.step()
+    with pytest.raises(RuntimeError, match=r"engine\.save_checkpoint.*reload_states\(\)"):
+        engine.save_checkpoint("not-written")
     engine.reload_states()
     assert engine.device_state_bytes() == before
     return before, after

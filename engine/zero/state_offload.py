@@ -8,7 +8,7 @@ resized to nothing (its device memory freed); reloading resizes it back and copi
 aliasing it is then valid again, unchanged, and training goes on bit for bit. A storage shared by two kinds (with
 one rank, a stage-3 shard is its chunk) moves once. Where the device is the host (Note [separate device memory])
 nothing moves: the states are in host memory already. While moved, the states hold no memory, so the engine
-refuses a forward, backward or step until they are reloaded.
+refuses a forward, backward, step, zero_grad and saving or loading until they are reloaded.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class MovedStates:
     """The storages moved to the host, with their bytes, until they are put back."""
 
     def __init__(self) -> None:
-        self._moved: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []  # (device storage, host copy)
+        self._moved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # (device storage, its bytes on the host)
         self.kinds: set[StateKind] = set()
 
     @property
@@ -71,14 +71,19 @@ class MovedStates:
                     continue  # released (nothing to keep), or moved already with another kind
                 seen.add(storage.data_ptr())
                 host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=pin)
-                host.untyped_storage().copy_(storage)
+                host.copy_(_bytes_of(storage))
                 storage.resize_(0)
-                self._moved.append((storage, host.untyped_storage()))
+                self._moved.append((storage, host))
 
     def put_back(self) -> None:
         """Every moved storage at its size again, holding its bytes."""
         for storage, host in self._moved:
-            storage.resize_(host.nbytes())
-            storage.copy_(host)
+            storage.resize_(host.numel())
+            _bytes_of(storage).copy_(host)
         self._moved.clear()
         self.kinds.clear()
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The storage as a byte tensor on its device (a tensor copy crosses devices; a storage copy need not)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)

@@ -170,6 +170,7 @@ class DeepSpeedEngine(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The gradients cleared where the engine keeps them (its chunks); nn.Module's would drop the parameters'
         .grad views and leave the chunks holding them."""
+        self._refuse_while_offloaded("zero_grad")
         self.engine.zero_grad()
 
     # ---- states and saving --------------------------------------------------------------------
@@ -177,6 +178,7 @@ class DeepSpeedEngine(nn.Module):
         """nn.Module's (keys prefixed `module.`), with every parameter gathered and its fp32 master following the
         loaded value (a plain copy into the parameters would be undone by the next update from the masters, or
         land in released stage-3 storage). Every rank must call it with the same state dict."""
+        self._refuse_while_offloaded("load_state_dict")
         if assign:
             refuse("engine.load_state_dict(assign=True)", "load_state_dict(state_dict) (the parameters live in "
                    "the engine's chunks and must stay there)")
@@ -185,6 +187,7 @@ class DeepSpeedEngine(nn.Module):
 
     def save_checkpoint(self, save_dir: str, tag=None, client_state: dict | None = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
+        self._refuse_while_offloaded("save_checkpoint")
         if exclude_frozen_parameters:
             refuse("save_checkpoint(exclude_frozen_parameters=True)", "save_checkpoint(...) (frozen parameters are "
                    "saved beside the chunks)")
@@ -194,6 +197,7 @@ class DeepSpeedEngine(nn.Module):
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn=None):
+        self._refuse_while_offloaded("load_checkpoint")
         if not load_module_strict or custom_load_fn is not None:
             refuse("load_checkpoint(load_module_strict=False / custom_load_fn=...)",
                    "load_checkpoint(...) on the model that saved it, or `tiers convert` and load_state_dict")
@@ -204,10 +208,12 @@ class DeepSpeedEngine(nn.Module):
                          exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's file: the 16-bit state dict written by torch.save (a `.safetensors` name writes
         safetensors); every rank must call it."""
+        self._refuse_while_offloaded("save_16bit_model")
         return saving.save_16bit_model(self.engine, save_dir, save_filename, exclude_frozen_parameters)
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
         """The whole model's state dict in the compute dtype on rank 0 (None elsewhere); every rank must call it."""
+        self._refuse_while_offloaded("_zero3_consolidated_16bit_state_dict")
         return saving.consolidated_16bit_state_dict(self.engine, exclude_frozen_parameters)
 
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False):
