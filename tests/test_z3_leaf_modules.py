@@ -110,6 +110,11 @@ def _leaf_worker(rank, world):
     assert marked == [model.moe]
     engine = initialize(model, zero_config(3, MICRO, 1, chunk_size=CHUNK))
     hooked_inside = [n for n, m in model.moe.named_modules() if n and (m._forward_pre_hooks or m._forward_hooks)]
+    gatherer = engine.gatherer
+    leaf_only = [c for c, state in enumerate(gatherer.states) if state.owners == {model.moe}]
+    released_after_leaf = []  # in the input layer's backward, which runs once the leaf's has finished
+    model.inp.weight.register_hook(
+        lambda grad: released_after_leaf.append(all(gatherer.shards.is_released(c) for c in leaf_only)))
     losses, ran = [], []
     for step in range(STEPS):
         loss = engine(*rank_batch(step, rank))
@@ -120,17 +125,18 @@ def _leaf_worker(rank, world):
     mean_losses = torch.tensor(losses)
     dist.all_reduce(mean_losses)  # each rank's loss is its own tokens' mean; the reference's is both ranks'
     return (mean_losses / world).tolist(), trained_params(engine), ran, _traces(engine), hooked_inside, \
-        engine.gatherer.prefetched
+        gatherer.prefetched, (len(leaf_only), released_after_leaf)
 
 
 def test_an_moe_leaf_runs_different_experts_per_rank_and_trains_as_plain_pytorch():
     ref_losses, ref_params = _reference()
     results = run_distributed(_leaf_worker, 2)
-    (losses0, params0, ran0, traces0, hooked0, prefetched0), (losses1, params1, ran1, traces1, _, _) = results
+    (losses0, params0, ran0, traces0, hooked0, prefetched0, released0), (losses1, params1, ran1, traces1, *_) = results
     assert ran0 == [[0]] * STEPS and ran1 == [[1, 2]] * STEPS  # the ranks ran disjoint experts every step
     assert traces0 == traces1  # ... and gathered the same chunks in the same order
     assert hooked0 == []  # no gather hooks inside the leaf
     assert prefetched0 > 0  # later passes gathered ahead along the (shared) trace
+    assert released0 == (2, [True] * STEPS)  # the chunks only the leaf owns are freed once its backward is done
     assert_close_relative(losses0, ref_losses)
     assert losses0 == losses1
     assert_params_close(params0, ref_params)
