@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import pytest
 import torch
 
@@ -31,22 +34,25 @@ def _saved_worker(rank, world, mode):
 
 
 @pytest.mark.parametrize("mode", ["ulysses", "ring"])
-def test_saved_activation_bytes_per_rank_fall_as_one_over_s(mode):
-    whole = run_distributed(_saved_worker, 1, args=(mode,), timeout_s=60)[0]
-    halves = run_distributed(_saved_worker, 2, args=(mode,), timeout_s=60)
-    for peak in halves:
-        assert 0.45 * whole <= peak <= 0.55 * whole, (peak, whole)
+def test_saved_activation_bytes_per_rank_fall_as_one_over_s(two_ranks, mode):
+    whole = _saved_worker(0, 1, mode)  # one process, no sequence parallelism: config(1) whatever the mode
+    for rank, peak in enumerate(two_ranks[("saved", mode)]):
+        assert 0.45 * whole <= peak <= 0.55 * whole, (mode, rank, peak, whole)
 
 
 def _auto_worker(rank, world, heads):
-    engine = initialize(tiny_gpt(0, n_head=heads, n_embd=48), config(2))
-    return engine.sequence.mode
+    """The chosen mode and what initialize printed (it says its choice on stdout)."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        engine = initialize(tiny_gpt(0, n_head=heads, n_embd=48), config(2))
+    return engine.sequence.mode, printed.getvalue()
 
 
-def test_auto_picks_ulysses_when_heads_divide_and_ring_when_they_do_not(capfd):
-    assert run_distributed(_auto_worker, 2, args=(2,), timeout_s=60) == ["ulysses", "ulysses"]
-    assert run_distributed(_auto_worker, 2, args=(3,), timeout_s=60) == ["ring", "ring"]
-    assert "sequence_parallel.mode auto: ring over 2 ranks" in capfd.readouterr().out
+def test_auto_picks_ulysses_when_heads_divide_and_ring_when_they_do_not(two_ranks):
+    assert [mode for mode, _ in two_ranks[("auto", 2)]] == ["ulysses", "ulysses"]
+    assert [mode for mode, _ in two_ranks[("auto", 3)]] == ["ring", "ring"]
+    printed = "".join(out for _, out in two_ranks[("auto", 3)])
+    assert "sequence_parallel.mode auto: ring over 2 ranks" in printed, printed
 
 
 def _errors_worker(rank, world):
@@ -62,8 +68,8 @@ def _errors_worker(rank, world):
     return errors
 
 
-def test_inputs_it_cannot_split_are_refused_naming_the_fix():
-    errors = run_distributed(_errors_worker, 2, timeout_s=60)[0]
+def test_inputs_it_cannot_split_are_refused_naming_the_fix(two_ranks):
+    errors = two_ranks[("errors",)][0]
     assert "a sequence of 15 tokens does not divide by 2; pad it to a multiple" in errors[0]
     assert "an attention_mask cannot be split" in errors[1]
 
@@ -77,7 +83,7 @@ def _bytes_worker(rank, world, mode):
 
 
 @pytest.mark.parametrize("mode,world", [("ulysses", 2), ("ring", 2), ("ring", 4)])
-def test_attention_bytes_per_step_equal_the_formulas(mode, world):
+def test_attention_bytes_per_step_equal_the_formulas(two_ranks, mode, world):
     """Per attention layer, this rank's q, k, v, out are [B, H, T/S, D] fp32 (n bytes each). Ulysses: four
     all-to-alls forward (q, k, v, out) and four backward: 8n. Ring: forward sends k, v and the positions S-1 times;
     backward sends k, v, positions, dK, dV S-1 times and dK, dV once more: (S-1)(2n + p) + (S-1)(4n + p) + 2n."""
@@ -86,8 +92,10 @@ def test_attention_bytes_per_step_equal_the_formulas(mode, world):
     positions = t * 8
     expected = {"ulysses": (layers * 8 * n, 0),
                 "ring": (0, layers * ((world - 1) * (2 * n + positions) + (world - 1) * (4 * n + positions) + 2 * n))}
-    for got in run_distributed(_bytes_worker, world, args=(mode,), timeout_s=60):
-        assert got == expected[mode]
+    per_rank = two_ranks[("bytes", mode)] if world == 2 else run_distributed(_bytes_worker, world, args=(mode,),
+                                                                                 timeout_s=60)
+    for rank, got in enumerate(per_rank):
+        assert got == expected[mode], (mode, world, rank)
 
 
 class NoPositions(torch.nn.Module):
@@ -107,6 +115,32 @@ def _no_positions_worker(rank, world):
     return ""
 
 
-def test_a_model_without_position_ids_is_refused():
-    message = run_distributed(_no_positions_worker, 2, timeout_s=60)[0]
+def test_a_model_without_position_ids_is_refused(two_ranks):
+    message = two_ranks[("no_positions",)][0]
     assert "NoPositions.forward takes no position_ids; add a position_ids argument" in message
+
+
+_TWO_RANK_CASES = {("saved", "ulysses"): (_saved_worker, "ulysses"), ("saved", "ring"): (_saved_worker, "ring"),
+                   ("auto", 2): (_auto_worker, 2), ("auto", 3): (_auto_worker, 3), ("errors",): (_errors_worker,),
+                   ("bytes", "ulysses"): (_bytes_worker, "ulysses"), ("bytes", "ring"): (_bytes_worker, "ring"),
+                   ("no_positions",): (_no_positions_worker,)}
+
+
+def _two_rank_cases_worker(rank, world, names):
+    """Every two-rank case in one spawned group (a spawn costs seconds): one result per case, in order."""
+    results = []
+    for name in names:
+        worker, *args = _TWO_RANK_CASES[name]
+        try:
+            results.append(worker(rank, world, *args))
+        except Exception as e:
+            raise RuntimeError(f"case {name} failed on rank {rank}") from e
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
+    """{case name: [rank 0's result, rank 1's result]} for every case of _TWO_RANK_CASES."""
+    names = list(_TWO_RANK_CASES)
+    per_rank = run_distributed(_two_rank_cases_worker, 2, args=(names,), timeout_s=180)
+    return {name: [results[i] for results in per_rank] for i, name in enumerate(names)}
