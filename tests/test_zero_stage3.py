@@ -76,12 +76,14 @@ def _routed_worker(rank, world):
         engine.step()
         losses.append(loss.item())
     divergences = {phase.value: trace.divergences for phase, trace in engine.gatherer.traces.items()}
-    return losses, trained_params(engine), divergences, engine.gatherer.prefetched
+    result = losses, trained_params(engine), divergences, engine.gatherer.prefetched
+    engine.close()
+    return result
 
 
-def test_skipped_repeated_and_reordered_modules_train_as_in_plain_pytorch():
+def test_skipped_repeated_and_reordered_modules_train_as_in_plain_pytorch(two_ranks):
     ref_losses, ref_params = _reference_routed(token_batches(len(ROUTES), GLOBAL_BATCH))
-    results = run_distributed(_routed_worker, 2)
+    results = two_ranks["routed"]
     assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
     for _, params, divergences, prefetched in results:
         assert_params_close(params, ref_params)
@@ -101,13 +103,15 @@ def _persistent_worker(rank, world):
     # between steps the small parameters are readable (whole on every rank), the large ones are released
     small_whole = all(p.untyped_storage().nbytes() > 0 for p in small)
     large_released = all(p.untyped_storage().nbytes() == 0 for p in large)
-    return losses, trained_params(engine), small_whole, large_released, len(small)
+    result = losses, trained_params(engine), small_whole, large_released, len(small)
+    engine.close()
+    return result
 
 
-def test_parameters_below_the_persistence_threshold_stay_gathered():
+def test_parameters_below_the_persistence_threshold_stay_gathered(two_ranks):
     model = tiny_gpt()
     ref_losses, _ = train_reference(model, token_batches(3, GLOBAL_BATCH), adamw, clip=1.0)
-    results = run_distributed(_persistent_worker, 2)
+    results = two_ranks["persistent"]
     assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
     for _, params, small_whole, large_released, n_small in results:
         assert_params_close(params, param_snapshot(model))
@@ -136,8 +140,8 @@ def _outside_use_worker(rank, world):
     return None
 
 
-def test_a_parameter_used_outside_its_module_fails_with_a_fix():
-    for message in run_distributed(_outside_use_worker, 2):
+def test_a_parameter_used_outside_its_module_fails_with_a_fix(two_ranks):
+    for message in two_ranks["outside_use"]:
         assert message is not None
         assert "used while its ZeRO stage 3 chunk was released" in message and "gathered_parameters" in message
 
@@ -165,14 +169,14 @@ def _cpu_budget_worker(rank, world, nvme_dir, budget):
     return losses, params, stats.peak_bytes["cpu"], stats.moved_bytes["nvme->cpu"], states
 
 
-def test_stage_3_trains_through_nvme_with_states_twice_the_cpu_budget(tmp_path):
+def test_stage_3_trains_through_nvme_with_states_twice_the_cpu_budget(two_ranks):
     """The manager's CPU tier (parameter shards, gradient shards, optimizer states) never exceeds
     memory.cpu_budget while this rank's Adam states alone are more than twice it, and training matches
     plain PyTorch. (The process's peak RSS: test_stage_3_through_nvme_keeps_peak_rss_within_the_cpu_budget.)"""
-    budget = 200 * 1024
+    budget = CPU_BUDGET
     model = tiny_gpt()
     ref_losses, _ = train_reference(model, token_batches(3, GLOBAL_BATCH), adamw, clip=1.0)
-    results = run_distributed(_cpu_budget_worker, 2, args=(str(tmp_path), budget))
+    results = two_ranks["cpu_budget"]
     assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
     for _, params, peak_cpu, read, states in results:
         assert_params_close(params, param_snapshot(model))
@@ -212,10 +216,12 @@ def _shared_twice_worker(rank, world):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return losses, trained_params(engine)
+    result = losses, trained_params(engine)
+    engine.close()
+    return result
 
 
-def test_a_module_called_twice_keeps_its_chunk_while_it_runs():
+def test_a_module_called_twice_keeps_its_chunk_while_it_runs(two_ranks):
     """A second call of a module re-opens its chunk: a child finishing inside it must not release the
     parameters the running parent still needs (that crashed: released storage read by a CPU kernel)."""
     torch.manual_seed(0)
@@ -229,7 +235,7 @@ def test_a_module_called_twice_keeps_its_chunk_while_it_runs():
         opt.step()
         opt.zero_grad()
         ref_losses.append(loss.item())
-    results = run_distributed(_shared_twice_worker, 2)
+    results = two_ranks["shared_twice"]
     assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
     for _, params in results:
         assert_params_close(params, param_snapshot(model))
@@ -248,14 +254,45 @@ def _forward_inside_gathered_worker(rank, world):
                 weight.mul_(0.5)
     with engine.gathered_parameters([weight]):
         after = weight.detach().clone()
+    engine.close()
     return held, after
 
 
-def test_a_forward_inside_gathered_parameters_keeps_them_gathered():
+def test_a_forward_inside_gathered_parameters_keeps_them_gathered(two_ranks):
     reference = tiny_gpt().lm_head.weight.detach() * 0.5
-    for held, after in run_distributed(_forward_inside_gathered_worker, 2):
+    for held, after in two_ranks["forward_inside_gathered"]:
         assert held > 0
         torch.testing.assert_close(after, reference)
+
+
+CPU_BUDGET = 200 * 1024  # bytes: test_stage_3_trains_through_nvme_with_states_twice_the_cpu_budget
+
+
+def _two_rank_cases_worker(rank, world, nvme_dir):
+    """The two-rank cases of this file in one spawned group (a spawn costs seconds), each on its own engine.
+    The refused forward runs last, so no engine after it meets what a failed forward leaves behind. The peak-RSS
+    test keeps a process of its own: it measures the whole process and sets glibc's allocator environment."""
+    cases = {"routed": lambda: _routed_worker(rank, world),
+             "persistent": lambda: _persistent_worker(rank, world),
+             "cpu_budget": lambda: _cpu_budget_worker(rank, world, nvme_dir, CPU_BUDGET),
+             "shared_twice": lambda: _shared_twice_worker(rank, world),
+             "forward_inside_gathered": lambda: _forward_inside_gathered_worker(rank, world),
+             "outside_use": lambda: _outside_use_worker(rank, world)}
+    results = {}
+    for name, case in cases.items():
+        try:
+            results[name] = case()
+        except Exception as e:
+            raise RuntimeError(f"case {name} failed on rank {rank}") from e
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """{case name: [rank 0's result, rank 1's result]} for each case of _two_rank_cases_worker."""
+    nvme_dir = str(tmp_path_factory.mktemp("stage3_nvme"))
+    per_rank = run_distributed(_two_rank_cases_worker, 2, args=(nvme_dir,), timeout_s=300)
+    return {name: [results[name] for results in per_rank] for name in per_rank[0]}
 
 
 NVME_MODEL = dict(n_layer=12, n_head=8, n_embd=512, block_size=64)  # 38M parameters
