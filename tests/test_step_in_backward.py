@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from engine import initialize
 from engine.config import ConfigError
@@ -68,11 +69,9 @@ def _training_worker(rank, world, stage, device, param_device, nvme_dir, tb_dir)
 
 
 @pytest.mark.parametrize("stage,device,param_device", [(2, "cpu", None), (3, "nvme", "nvme")])
-def test_stepping_in_backward_matches_single_process(unclipped_reference, tmp_path, stage, device, param_device):
+def test_stepping_in_backward_matches_single_process(unclipped_reference, two_ranks, stage, device, param_device):
     ref_losses, ref_norms, ref_params = unclipped_reference
-    (tmp_path / "swap").mkdir()
-    results = run_distributed(_training_worker, 2, args=(stage, device, param_device, str(tmp_path / "swap"),
-                                                         str(tmp_path / "tb")))
+    results = two_ranks[("training", stage, device, param_device)]  # pytest's case id names the failing case
     assert_close_relative([(results[0][0][i] + results[1][0][i]) / 2 for i in range(STEPS)], ref_losses)
     for _, norms, params, stepped, stepped_tensors in results:
         assert_close_relative(norms, ref_norms)  # summed shard by shard as they were stepped
@@ -120,8 +119,8 @@ def _misuse_worker(rank, world, nvme_dir):
     return refusals
 
 
-def test_stepping_in_backward_refuses_what_it_cannot_do(tmp_path):
-    for refusals in run_distributed(_misuse_worker, 2, args=(str(tmp_path),)):
+def test_stepping_in_backward_refuses_what_it_cannot_do(two_ranks):
+    for refusals in two_ranks[("misuse",)]:
         assert "set gradient_clipping to 0" in refusals["clipping"]
         assert "fp16 skips a step whose gradients overflow" in refusals["fp16"] and "use bf16" in refusals["fp16"]
         assert "ZeRO stage 2 or 3" in refusals["stage 1"]
@@ -167,8 +166,8 @@ def _one_rank_fails_worker(rank, world, nvme_dir):
     return outcome
 
 
-def test_a_shard_step_failing_on_one_rank_raises_there_without_hanging_the_others(tmp_path):
-    ok, failed = run_distributed(_one_rank_fails_worker, 2, args=(str(tmp_path),), timeout_s=60)
+def test_a_shard_step_failing_on_one_rank_raises_there_without_hanging_the_others(two_ranks):
+    ok, failed = two_ranks[("one_rank_fails",)]
     assert ok == "ok"  # rank 0 finished its backward: rank 1 still launched every reduction
     message, cause = failed
     assert "partly updated" in message and "injected: the swap disk failed" in cause
@@ -193,15 +192,53 @@ def _bf16_worker(rank, world, nvme_dir, early):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_stepping_in_backward_with_bf16_equals_stepping_after_it(tmp_path, world):
+def test_stepping_in_backward_with_bf16_equals_stepping_after_it(tmp_path, two_ranks, world):
     """Note [offloaded master weights]: each 16-bit gradient shard is widened, stepped into its fp32 master and
     rounded into its bf16 shard during backward; the result is that of stepping after backward. One process
     pages its shards through NVMe (Note [paging in one process])."""
     runs = {}
     for early in (False, True):
-        args = (str(tmp_path), early)
-        runs[early] = [_bf16_worker(0, 1, *args)] if world == 1 else run_distributed(_bf16_worker, world, args=args)
+        runs[early] = [_bf16_worker(0, 1, str(tmp_path), early)] if world == 1 else two_ranks[("bf16", early)]
     for (losses, params, stepped), (ref_losses, ref_params, ref_stepped) in zip(runs[True], runs[False]):
         assert losses == ref_losses  # the same bf16 forward every micro-step
         assert_params_close(params, ref_params)
         assert ref_stepped == [0] * len(ref_stepped) and stepped[1] > 0 and stepped[0] == 0
+
+
+# the two-rank cases, in the order they run; the ones whose backward fails on purpose come last
+TWO_RANK_CASES = [("training", 2, "cpu", None), ("training", 3, "nvme", "nvme"), ("bf16", False), ("bf16", True),
+                  ("misuse",), ("one_rank_fails",)]
+
+
+def _two_rank_case(rank, world, name, case_dir):
+    kind, *args = name
+    swap, tb = str(case_dir / "swap"), str(case_dir / "tb")
+    workers = {"training": lambda *setting: _training_worker(rank, world, *setting, swap, tb),
+               "bf16": lambda early: _bf16_worker(rank, world, swap, early),
+               "misuse": lambda: _misuse_worker(rank, world, swap),
+               "one_rank_fails": lambda: _one_rank_fails_worker(rank, world, swap)}
+    return workers[kind](*args)
+
+
+def _two_rank_cases_worker(rank, world, names, case_dirs):
+    """Every two-rank case in one spawned group (a spawn costs seconds), each on its own engine and directory.
+    The global RNG restarts from a fresh process's seed before each case."""
+    fresh_seed = torch.initial_seed()
+    results = []
+    for name, case_dir in zip(names, case_dirs):
+        torch.manual_seed(fresh_seed)
+        try:
+            results.append(_two_rank_case(rank, world, name, case_dir))
+        except Exception as e:
+            raise RuntimeError(f"case {name} failed on rank {rank}") from e
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """{case name: [rank 0's result, rank 1's result]} for every case of TWO_RANK_CASES."""
+    case_dirs = [tmp_path_factory.mktemp("step_in_backward") for _ in TWO_RANK_CASES]
+    for case_dir in case_dirs:
+        (case_dir / "swap").mkdir()
+    per_rank = run_distributed(_two_rank_cases_worker, 2, args=(TWO_RANK_CASES, case_dirs), timeout_s=600)
+    return {name: [results[i] for results in per_rank] for i, name in enumerate(TWO_RANK_CASES)}
