@@ -55,7 +55,9 @@ def _dp_worker(rank, world, accumulation, chunk_size, overlap=True):
     assert len(engine.chunked.grad_payloads()) > 1 or chunk_size > 10**6
     losses, norms = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), engine.dp_rank,
                                  engine.dp_world_size, accumulation)  # Note [data-parallel coordinates]
-    return losses, norms, param_snapshot(engine.module), engine.comm.all_reduce_bytes
+    result = losses, norms, param_snapshot(engine.module), engine.comm.all_reduce_bytes
+    engine.close()
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +68,11 @@ def reference():
 
 
 @pytest.mark.parametrize("world,accumulation,overlap", [(2, 1, True), (2, 2, True), (4, 1, True), (2, 1, False)])
-def test_data_parallel_matches_single_process(reference, world, accumulation, overlap):
+def test_data_parallel_matches_single_process(reference, two_ranks, world, accumulation, overlap):
     ref_losses, ref_norms, ref_params = reference
-    results = run_distributed(_dp_worker, world, args=(accumulation, 20_000, overlap))
+    # the world-2 cases ran in the module's shared group; pytest's case id names the failing one
+    results = (two_ranks[("dp", accumulation, overlap)] if world == 2
+               else run_distributed(_dp_worker, world, args=(accumulation, 20_000, overlap)))
     mean_losses = [sum(r[0][i] for r in results) / world for i in range(STEPS)]
     assert_close_relative(mean_losses, ref_losses)
     assert_close_relative(results[0][1], ref_norms)  # global grad norm before clipping
@@ -128,11 +132,13 @@ def _partly_used_worker(rank, world, stage):
         engine.module.zero_grad(set_to_none=True)  # user code dropping .grad: the chunks must adopt the new ones
         engine.backward(engine(x, use_branch=(rank + step) % 2 == 0))
         engine.step()
-    return param_snapshot(engine.module)
+    params = param_snapshot(engine.module)
+    engine.close()
+    return params
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_unused_parameters_neither_hang_nor_diverge(stage):
+def test_unused_parameters_neither_hang_nor_diverge(two_ranks, stage):
     """The branch runs on one rank and not the other, so ranks complete chunks in different orders."""
     torch.manual_seed(0)
     model = PartlyUsed()
@@ -146,7 +152,7 @@ def test_unused_parameters_neither_hang_nor_diverge(stage):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
         opt.step()
         opt.zero_grad(set_to_none=False)  # the engine keeps zeroed gradients, never None
-    results = run_distributed(_partly_used_worker, 2, args=(stage,), timeout_s=120)
+    results = two_ranks[("partly_used", stage)]
     for r in results:
         assert_params_close(r, param_snapshot(model))
 
@@ -163,10 +169,12 @@ def _no_sync_worker(rank, world):
         local_grad = engine.module.wte.weight.grad.clone()
     engine.backward(engine(rows[2:], rows[2:]))
     engine.step()
-    return param_snapshot(engine.module), local_grad, engine.comm.all_reduce_bytes
+    result = param_snapshot(engine.module), local_grad, engine.comm.all_reduce_bytes
+    engine.close()
+    return result
 
 
-def test_no_sync_accumulates_locally_then_reduces_once():
+def test_no_sync_accumulates_locally_then_reduces_once(two_ranks):
     model = tiny_gpt()
     batch = token_batches(1, 8)[0]
     # two half-micro-batches per rank, summed (no_sync accumulation has no 1/accumulation factor)
@@ -175,7 +183,7 @@ def test_no_sync_accumulates_locally_then_reduces_once():
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
-    results = run_distributed(_no_sync_worker, 2, timeout_s=120)
+    results = two_ranks[("no_sync",)]
     assert not torch.equal(results[0][1], results[1][1])  # inside no_sync, ranks hold different gradients
     grad_bytes = 4 * sum(p.numel() for p in model.parameters())
     for params, _, reduced_bytes in results:
@@ -231,25 +239,30 @@ def _boundary_inside_no_sync_worker(rank, world):
         with engine.no_sync():
             engine.backward(engine(micro, micro))
         engine.step()
-    return param_snapshot(engine.module)
+    params = param_snapshot(engine.module)
+    engine.close()
+    return params
 
 
-def test_step_reduces_when_the_boundary_backward_was_inside_no_sync():
+def test_step_reduces_when_the_boundary_backward_was_inside_no_sync(two_ranks):
     model = tiny_gpt()
     batch = token_batches(1, 8)[0]
     opt = adamw(model.parameters())
     model(batch, batch).backward()
     opt.step()
-    results = run_distributed(_boundary_inside_no_sync_worker, 2, timeout_s=120)
+    results = two_ranks[("boundary_inside_no_sync",)]
     for params in results:
         assert_params_close(params, param_snapshot(model))
 
 
-def _second_backward_worker(rank, world, stages):
+SECOND_BACKWARD_STAGES = [(0, True), (1, True), (1, False)]  # (stage, reduce_scatter)
+
+
+def _second_backward_worker(rank, world):
     """Two synchronized backward passes before one step (DeepSpeed's GAN does this), at stages 0 and 1 (with and
     without reduce-scatter), with SGD: any sum counted once per rank would show."""
     results = []
-    for stage, reduce_scatter in stages:
+    for stage, reduce_scatter in SECOND_BACKWARD_STAGES:
         cfg = {**dp_config(4, 1, clip=0.0), "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
         cfg["zero_optimization"] = {"stage": stage, "chunk_size": 20_000, "reduce_scatter": reduce_scatter}
         engine = initialize(tiny_gpt(), cfg)
@@ -263,7 +276,7 @@ def _second_backward_worker(rank, world, stages):
     return results
 
 
-def test_several_synchronized_backward_passes_before_a_step_add_up():
+def test_several_synchronized_backward_passes_before_a_step_add_up(two_ranks):
     """Note [several synchronized backward passes]: rank r's two losses are means over two rows each, so the step's
     gradient is that of twice the mean over all eight rows."""
     model = tiny_gpt()
@@ -273,8 +286,7 @@ def test_several_synchronized_backward_passes_before_a_step_add_up():
         (2 * model(batch, batch)).backward()
         opt.step()
         opt.zero_grad()
-    stages = [(0, True), (1, True), (1, False)]
-    for rank_results in run_distributed(_second_backward_worker, 2, args=(stages,), timeout_s=180):
+    for rank_results in two_ranks[("second_backward",)]:
         for params in rank_results:
             assert_params_close(params, param_snapshot(model))
 
@@ -302,8 +314,8 @@ def _reentrant_worker(rank, world):
     return True
 
 
-def test_gradient_arriving_twice_in_one_backward_is_an_error_naming_the_parameter():
-    assert run_distributed(_reentrant_worker, 2, timeout_s=120) == [True, True]
+def test_gradient_arriving_twice_in_one_backward_is_an_error_naming_the_parameter(two_ranks):
+    assert two_ranks[("reentrant",)] == [True, True]
 
 
 def test_model_converted_after_initialize_is_an_error():
@@ -327,11 +339,13 @@ def _param_groups_worker(rank, world):
     cfg = dp_config(GLOBAL_BATCH // world, 1, chunk_size=12_000)
     engine = initialize(model, cfg, model_parameters=decay_groups(model))
     losses, _ = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH), rank, world, 1)
-    return (losses, param_snapshot(engine.module), engine.reducer.grads_before_first_launch,
-            len(engine.chunked.params), engine.reducer.launched_during_backward, len(engine.reducer.sequence))
+    result = (losses, param_snapshot(engine.module), engine.reducer.grads_before_first_launch,
+              len(engine.chunked.params), engine.reducer.launched_during_backward, len(engine.reducer.sequence))
+    engine.close()
+    return result
 
 
-def test_param_groups_train_correctly_and_overlap_backward():
+def test_param_groups_train_correctly_and_overlap_backward(two_ranks):
     model = tiny_gpt()
     opt = torch.optim.AdamW(decay_groups(model), lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"])
     ref_losses = []
@@ -342,10 +356,47 @@ def test_param_groups_train_correctly_and_overlap_backward():
         opt.step()
         opt.zero_grad()
         ref_losses.append(loss.item())
-    results = run_distributed(_param_groups_worker, 2, timeout_s=120)
+    results = two_ranks[("param_groups",)]
     assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
     for _, params, grads_first, n_params, during, chunks in results:
         assert_params_close(params, param_snapshot(model))
         # Note [reduction order]: with two groups the reductions still start early in backward
         assert chunks >= 6 and during >= chunks - 2, (during, chunks)
         assert grads_first <= n_params // 2, f"first reduction only after {grads_first} of {n_params} gradients"
+
+
+def _two_rank_case(rank, world, name):
+    """Runs one named two-rank case of this file; each builds its own engine."""
+    kind, *args = name
+    workers = {"dp": lambda accumulation, overlap: _dp_worker(rank, world, accumulation, 20_000, overlap),
+               "partly_used": lambda stage: _partly_used_worker(rank, world, stage),
+               "no_sync": lambda: _no_sync_worker(rank, world),
+               "boundary_inside_no_sync": lambda: _boundary_inside_no_sync_worker(rank, world),
+               "param_groups": lambda: _param_groups_worker(rank, world),
+               "second_backward": lambda: _second_backward_worker(rank, world),
+               "reentrant": lambda: _reentrant_worker(rank, world)}
+    return workers[kind](*args)
+
+
+def _two_rank_cases_worker(rank, world, names):
+    """Every two-rank case in one spawned group (a spawn costs seconds), in order. The global RNG restarts from a
+    fresh process's seed before each case; the refused backward calls come last, after every training case."""
+    fresh_seed = torch.initial_seed()
+    results = []
+    for name in names:
+        torch.manual_seed(fresh_seed)
+        try:
+            results.append(_two_rank_case(rank, world, name))
+        except Exception as e:
+            raise RuntimeError(f"case {name} failed on rank {rank}") from e
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
+    """{case name: [rank 0's result, rank 1's result]} for every two-rank case of this file."""
+    names = [("dp", 1, True), ("dp", 2, True), ("dp", 1, False), ("partly_used", 0), ("partly_used", 1),
+             ("partly_used", 2), ("no_sync",), ("boundary_inside_no_sync",), ("param_groups",),
+             ("second_backward",), ("reentrant",)]
+    per_rank = run_distributed(_two_rank_cases_worker, 2, args=(names,), timeout_s=600)
+    return {name: [results[i] for results in per_rank] for i, name in enumerate(names)}
