@@ -95,6 +95,26 @@ def output_grad(shape: torch.Size) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(2))
 
 
+def _mesh_cases_worker(rank, world):
+    """Every multi-process case of this file in one 2×2 group: start-up, not the cases, dominates their time."""
+    cases = {"layers": _layers_worker, "autocast": _autocast_worker, "attention_mask": _attention_mask_worker,
+             "cross_entropy": _cross_entropy_worker, "user_plan": _user_plan_worker, "dropout": _dropout_worker}
+    results = {}
+    for name, worker in cases.items():
+        try:
+            results[name] = worker(rank, world)
+        except Exception as e:
+            raise RuntimeError(f"case {name!r} failed on rank {rank}") from e
+    return results
+
+
+@pytest.fixture(scope="module")
+def mesh_results() -> dict[str, list]:
+    """Each case's results in rank order, from one spawned group shared by the tests below."""
+    per_rank = run_distributed(_mesh_cases_worker, Q * Q, timeout_s=300)
+    return {name: [rank_results[name] for rank_results in per_rank] for name in per_rank[0]}
+
+
 def _layers_worker(rank, world):
     topology = Topology.from_environment(torch.device("cpu"), tp_size=world, tp_mode="2d")
     mesh = mesh_of(topology)
@@ -112,8 +132,8 @@ def _layers_worker(rank, world):
     return out
 
 
-def test_each_2d_layer_computes_the_whole_layer_and_its_gradients():
-    results = run_distributed(_layers_worker, Q * Q)
+def test_each_2d_layer_computes_the_whole_layer_and_its_gradients(mesh_results):
+    results = mesh_results["layers"]
     for kind, whole in whole_layers().items():
         x = inputs(kind)
         if kind != "embedding":
@@ -150,8 +170,8 @@ def _autocast_worker(rank, world):
     return out
 
 
-def test_summa_under_bf16_autocast_computes_in_bf16_and_returns_fp32_gradients():
-    results = run_distributed(_autocast_worker, Q * Q)
+def test_summa_under_bf16_autocast_computes_in_bf16_and_returns_fp32_gradients(mesh_results):
+    results = mesh_results["autocast"]
     for kind in ("linear", "qkv"):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = whole_layers()[kind](inputs(kind))
@@ -167,11 +187,13 @@ def _attention_mask_worker(rank, world):
     x = token_batches(1, GLOBAL_BATCH)[0]
     with pytest.raises(ValueError, match="not an attention_mask"):
         engine(input_ids=x, labels=x, attention_mask=torch.ones_like(x))
-    return engine(input_ids=x, labels=x).loss.item()  # and without one it runs
+    loss = engine(input_ids=x, labels=x).loss.item()  # and without one it runs
+    engine.close()
+    return loss
 
 
-def test_2d_refuses_an_attention_mask_it_would_not_split():
-    losses = run_distributed(_attention_mask_worker, Q * Q)
+def test_2d_refuses_an_attention_mask_it_would_not_split(mesh_results):
+    losses = mesh_results["attention_mask"]
     assert len(set(losses)) == 1
 
 
@@ -196,12 +218,12 @@ def ce_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return logits, target
 
 
-def test_the_2d_loss_is_the_mean_over_the_whole_batch_when_blocks_count_different_targets():
+def test_the_2d_loss_is_the_mean_over_the_whole_batch_when_blocks_count_different_targets(mesh_results):
     logits, target = ce_inputs()
     logits.requires_grad_()
     expected = F.cross_entropy(logits.reshape(-1, 16), target.reshape(-1), ignore_index=-100)
     expected.backward()
-    for rank, (loss, grad) in enumerate(run_distributed(_cross_entropy_worker, Q * Q)):
+    for rank, (loss, grad) in enumerate(mesh_results["cross_entropy"]):
         assert abs(loss - expected.item()) <= 1e-6 * abs(expected.item())
         torch.testing.assert_close(grad, logits.grad.chunk(Q, dim=0)[rank // Q], rtol=1e-5, atol=1e-7)
 
@@ -230,15 +252,17 @@ def _user_plan_worker(rank, world):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return losses, engine.full_state_dict()
+    full = engine.full_state_dict()
+    engine.close()
+    return losses, full
 
 
-def test_a_user_2d_plan_with_the_batch_split_loss_trains_the_example_gpt():
+def test_a_user_2d_plan_with_the_batch_split_loss_trains_the_example_gpt(mesh_results):
     reference = tiny_gpt(n_head=4)
     ref_losses, _ = train_reference(reference, token_batches(STEPS, GLOBAL_BATCH), adamw, clip=1.0,
                                     loss_fn=lambda m, x: m(x, labels_with_ignored(x)))
     params = param_snapshot(reference)
-    for losses, full in run_distributed(_user_plan_worker, Q * Q):
+    for losses, full in mesh_results["user_plan"]:
         assert_close_relative(losses, ref_losses, rtol=TP_RTOL)
         assert_params_close({k: full[k] for k in params}, params, rtol=TP_RTOL)
 
@@ -253,11 +277,13 @@ def _dropout_worker(rank, world):
     x = token_batches(1, GLOBAL_BATCH)[0]
     engine.backward(engine(x, x))
     engine.step()
-    return kept[0], torch.rand(4)  # and the default stream after the step: the same on every rank
+    after = torch.rand(4)  # the default stream after the step: the same on every rank
+    engine.close()
+    return kept[0], after
 
 
-def test_2d_dropout_draws_a_different_mask_on_every_rank():
-    results = run_distributed(_dropout_worker, Q * Q)
+def test_2d_dropout_draws_a_different_mask_on_every_rank(mesh_results):
+    results = mesh_results["dropout"]
     masks = [mask for mask, _ in results]
     assert all(0.3 < m.float().mean() < 0.7 for m in masks)
     for i in range(len(masks)):
