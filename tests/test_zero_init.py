@@ -31,6 +31,18 @@ def _builders():
     return {"gpt": tiny_gpt, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama}
 
 
+# the two-rank cases, all run in one spawned group (the fixture two_ranks at the end)
+TRAIN_CASES = [(1, "gpt"), (3, "gpt"), (3, "hf_llama")]
+SEEDED_CASES = [(3, "gpt"), (2, "gpt"), (3, "hf_llama")]
+RANDOM_START_STAGES = [3, 1]
+GROUPS_CASES = [(3, False), (0, True)]
+TWO_RANK_CASES = ([("stage", stage, name, False) for stage, name in TRAIN_CASES]
+                  + [("stage", stage, name, True) for stage, name in SEEDED_CASES]
+                  + [("random_start", stage) for stage in RANDOM_START_STAGES]
+                  + [("groups", stage, client) for stage, client in GROUPS_CASES]
+                  + [("different_models",)])  # last: its ranks end with a refused initialize
+
+
 @pytest.mark.parametrize("name", ["gpt", "hf_gpt2", "hf_llama"])
 def test_materialized_weights_are_those_of_a_normal_construction(name):
     build = _builders()[name]
@@ -53,17 +65,19 @@ def _stage_worker(rank, world, stage, name, seed_per_rank=False):
     engine = initialize(model, zero_config(stage, GLOBAL_BATCH // world, 1))
     start = trained_params(engine)
     losses, _ = train_engine(engine, token_batches(3, GLOBAL_BATCH), rank, world, 1, loss_fn=loss_fn)
-    return losses, trained_params(engine), engine.comm.broadcast_bytes, start
+    result = losses, trained_params(engine), engine.comm.broadcast_bytes, start
+    engine.close()
+    return result
 
 
-def _trains_like_plain_pytorch(stage, name, seed_per_rank):
+def _trains_like_plain_pytorch(two_ranks, stage, name, seed_per_rank):
     """Each rank's (starting parameters, broadcast bytes), after checking that training matches plain PyTorch
     from the model built normally under seed 0 (rank 0's)."""
     reference = _builders()[name](seed=0)
     start = param_snapshot(reference)
     loss_fn = None if name == "gpt" else (lambda m, x: m(input_ids=x, labels=x).loss)
     ref_losses, _ = train_reference(reference, token_batches(3, GLOBAL_BATCH), adamw, clip=1.0, loss_fn=loss_fn)
-    results = run_distributed(_stage_worker, 2, args=(stage, name, seed_per_rank), timeout_s=180)
+    results = two_ranks[("stage", stage, name, seed_per_rank)]
     assert_close_relative([(a + b) / 2 for a, b in zip(results[0][0], results[1][0])], ref_losses)
     for _, params, _, initial in results:
         assert_params_close(params, param_snapshot(reference))
@@ -73,17 +87,17 @@ def _trains_like_plain_pytorch(stage, name, seed_per_rank):
     return 4 * sum(t.numel() for t in start.values()), [broadcast for _, _, broadcast, _ in results]
 
 
-@pytest.mark.parametrize("stage,name", [(1, "gpt"), (3, "gpt"), (3, "hf_llama")])
-def test_a_zero_init_model_trains_like_plain_pytorch(stage, name):
-    psi_bytes, broadcasts = _trains_like_plain_pytorch(stage, name, seed_per_rank=False)
+@pytest.mark.parametrize("stage,name", TRAIN_CASES)
+def test_a_zero_init_model_trains_like_plain_pytorch(two_ranks, stage, name):
+    psi_bytes, broadcasts = _trains_like_plain_pytorch(two_ranks, stage, name, seed_per_rank=False)
     for broadcast in broadcasts:
         assert broadcast < psi_bytes / 10  # every rank built the same weights: only buffers and checksums move
 
 
-@pytest.mark.parametrize("stage,name", [(3, "gpt"), (2, "gpt"), (3, "hf_llama")])
-def test_ranks_seeded_differently_get_rank_0s_model(stage, name):
+@pytest.mark.parametrize("stage,name", SEEDED_CASES)
+def test_ranks_seeded_differently_get_rank_0s_model(two_ranks, stage, name):
     """Rank 1 seeds with 1, rank 0 with 0: both end with the weights of a normal construction under seed 0."""
-    psi_bytes, broadcasts = _trains_like_plain_pytorch(stage, name, seed_per_rank=True)
+    psi_bytes, broadcasts = _trains_like_plain_pytorch(two_ranks, stage, name, seed_per_rank=True)
     for broadcast in broadcasts:
         assert broadcast < psi_bytes / 2  # rank 0's RNG states moved (5 KB per parameter), not its weights
 
@@ -106,14 +120,16 @@ def _random_start_worker(rank, world, stage):
     with zero_init():
         model = RandomStart()
     engine = initialize(model, zero_config(stage, 2, 1, chunk_size=16))  # stage 3: every chunk split in two
-    return trained_params(engine), engine.comm.broadcast_bytes
+    result = trained_params(engine), engine.comm.broadcast_bytes
+    engine.close()
+    return result
 
 
-@pytest.mark.parametrize("stage", [3, 1])
-def test_parameters_made_with_random_values_are_rank_0s_on_every_rank(stage):
+@pytest.mark.parametrize("stage", RANDOM_START_STAGES)
+def test_parameters_made_with_random_values_are_rank_0s_on_every_rank(two_ranks, stage):
     torch.manual_seed(0)
     reference = param_snapshot(RandomStart())
-    for params, broadcast in run_distributed(_random_start_worker, 2, args=(stage,)):
+    for params, broadcast in two_ranks[("random_start", stage)]:
         assert params.keys() == reference.keys()
         for n in reference:
             assert torch.equal(params[n], reference[n]), n
@@ -186,12 +202,14 @@ def _groups_worker(rank, world, stage, client):
     else:
         engine = initialize(model, cfg, model_parameters=groups)
     losses, _ = train_engine(engine, token_batches(2, GLOBAL_BATCH), rank, world, 1)
-    return losses, [g["weight_decay"] for g in engine.optimizer.param_groups]
+    decays = [g["weight_decay"] for g in engine.optimizer.param_groups]
+    engine.close()
+    return losses, decays
 
 
-@pytest.mark.parametrize("stage,client", [(3, False), (0, True)])
-def test_param_groups_built_after_zero_init_name_the_materialized_parameters(stage, client):
-    for losses, decays in run_distributed(_groups_worker, 2, args=(stage, client)):
+@pytest.mark.parametrize("stage,client", GROUPS_CASES)
+def test_param_groups_built_after_zero_init_name_the_materialized_parameters(two_ranks, stage, client):
+    for losses, decays in two_ranks[("groups", stage, client)]:
         assert all(torch.isfinite(torch.tensor(losses))) and sorted(set(decays)) == [0.0, 0.1]
 
 
@@ -205,8 +223,30 @@ def _different_models_worker(rank, world):
     return None
 
 
-def test_ranks_that_build_different_models_are_told_which_parameter_differs():
-    zero, one = run_distributed(_different_models_worker, 2)
+def test_ranks_that_build_different_models_are_told_which_parameter_differs(two_ranks):
+    zero, one = two_ranks[("different_models",)]
     assert zero is not None and "rank 1 built a different model from rank 0's" in zero
     assert one is not None and "this rank (1) built a different model from rank 0's: parameter '0.weight' (5, 4)" in one
     assert "build the same model on every rank" in zero and "build the same model on every rank" in one
+
+
+# --- every two-rank case above in one spawned group: start-up, not the cases, dominates their time ------------
+
+def _two_rank_cases_worker(rank, world):
+    workers = {"stage": _stage_worker, "random_start": _random_start_worker, "groups": _groups_worker,
+               "different_models": _different_models_worker}
+    results = {}
+    for case in TWO_RANK_CASES:
+        kind, *args = case
+        try:
+            results[case] = workers[kind](rank, world, *args)
+        except Exception as e:
+            raise RuntimeError(f"case {case} failed on rank {rank}") from e
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[tuple, list]:
+    """Each two-rank case's results in rank order, keyed by the case."""
+    per_rank = run_distributed(_two_rank_cases_worker, 2, timeout_s=600)
+    return {case: [rank_results[case] for rank_results in per_rank] for case in TWO_RANK_CASES}
