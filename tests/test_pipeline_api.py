@@ -70,11 +70,13 @@ def _user_worker(rank, world, style):
     losses = [engine.train_batch(iter(feed(x))) for x in batches()]
     evaluated = engine.eval_batch(iter(feed(batches()[0])))
     names = engine.pipeline.split.names
-    return losses, evaluated, {names[id(p)]: p.detach().clone() for p in engine.module.parameters()}
+    params = {names[id(p)]: p.detach().clone() for p in engine.module.parameters()}
+    engine.close()
+    return losses, evaluated, params
 
 
 @pytest.mark.parametrize("style", ["loss_in_forward", "loss_fn"])
-def test_a_user_model_trains_and_evaluates_as_in_one_process(style):
+def test_a_user_model_trains_and_evaluates_as_in_one_process(two_ranks, style):
     model = user_lm()
     optimizer = adamw(list(model.parameters()))
     ref_losses = []
@@ -87,7 +89,7 @@ def test_a_user_model_trains_and_evaluates_as_in_one_process(style):
         ref_losses.append(loss.item())
     with torch.no_grad():
         ref_eval = sum(model(mb).item() for mb in batches()[0].chunk(M)) / M
-    results = run_distributed(_user_worker, 2, args=(style,), timeout_s=120)
+    results = two_ranks[("user", style)]
     held = {}
     for losses, evaluated, params in results:
         assert_close_relative(losses, ref_losses)
@@ -108,8 +110,9 @@ def _telemetry_worker(rank, world, log_dir):
     return engine.pipeline.formula_bubble, sent
 
 
-def test_the_bubble_goes_to_tensorboard_next_to_the_formula(tmp_path):
-    (formula, sent), (_, sent_back) = run_distributed(_telemetry_worker, 2, args=(str(tmp_path),), timeout_s=120)
+def test_the_bubble_goes_to_tensorboard_next_to_the_formula(two_ranks, two_ranks_log_dir):
+    (formula, sent), (_, sent_back) = two_ranks[("telemetry",)]
+    tmp_path = two_ranks_log_dir
     assert formula == pytest.approx((2 - 1) / (M + 2 - 1))
     # each micro-batch's hidden state [2, 32, 64] fp32 goes forward and its gradient back, each with a 64-byte header
     assert sent == sent_back == [M * (2 * 32 * 64 * 4 + 64)] * 2
@@ -128,13 +131,15 @@ def _overflow_worker(rank, world):
     x = token_batches(1, 8)[0]
     engine.train_batch(iter([{"input_ids": mb, "labels": mb} for mb in x.chunk(M)]))
     unchanged = all(torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
-    return engine.skipped_steps, engine.get_loss_scale(), unchanged
+    result = engine.skipped_steps, engine.get_loss_scale(), unchanged
+    engine.close()
+    return result
 
 
-def test_an_fp16_overflow_skips_the_step_on_every_stage():
+def test_an_fp16_overflow_skips_the_step_on_every_stage(two_ranks):
     """A 2^100 loss scale overflows fp16; the global norm over the stages is inf on both, so both skip the update
     (the scale stays for one more overflow: DeepSpeed's hysteresis of 2)."""
-    results = run_distributed(_overflow_worker, 2, timeout_s=120)
+    results = two_ranks[("overflow",)]
     assert results[0] == results[1] == (1, 2.0 ** 100, True)
 
 
@@ -167,8 +172,8 @@ def _errors_worker(rank, world):
     return errors
 
 
-def test_calls_and_configs_that_cannot_work_say_why():
-    errors = run_distributed(_errors_worker, 2, timeout_s=120)[0]
+def test_calls_and_configs_that_cannot_work_say_why(two_ranks):
+    errors = two_ranks[("errors",)][0]
     assert len(errors["per_micro_batch"]) == 3
     assert all("engine.train_batch(data_iter)" in e for e in errors["per_micro_batch"])
     assert "ran out after 3 of the step's 4 micro-batches" in errors["ran_out"]
@@ -204,11 +209,12 @@ def _time_partition_worker(rank, world):
     plan = engine.pipeline.split.plan
     losses = [engine.train_batch(iter([{"input_ids": mb, "labels": mb} for mb in x.chunk(M)]))
               for x in token_batches(2, 8)]
+    engine.close()
     return plan.starts, losses
 
 
-def test_a_partition_by_measured_time_cuts_every_rank_at_the_same_block_and_trains():
-    (starts, losses), (other_starts, other_losses) = run_distributed(_time_partition_worker, 2, timeout_s=120)
+def test_a_partition_by_measured_time_cuts_every_rank_at_the_same_block_and_trains(two_ranks):
+    (starts, losses), (other_starts, other_losses) = two_ranks[("time_partition",)]
     assert starts == other_starts and starts[0] == 0 and 0 < starts[1] < 4
     assert losses == other_losses and losses[1] < losses[0]
 
@@ -224,10 +230,12 @@ def _varying_length_worker(rank, world):
     losses = [engine.train_batch(iter([{"input_ids": x, "labels": x} for x in step]))
               for step in varying_length_steps()]
     names = engine.pipeline.split.names
-    return losses, {names[id(p)]: p.detach().clone() for p in engine.module.parameters()}
+    params = {names[id(p)]: p.detach().clone() for p in engine.module.parameters()}
+    engine.close()
+    return losses, params
 
 
-def test_micro_batches_of_different_sequence_lengths():
+def test_micro_batches_of_different_sequence_lengths(two_ranks):
     """Each message's shape travels in its header, so stages take whatever length each micro-batch has."""
     model = example_gpt()
     optimizer = adamw(list(model.parameters()))
@@ -243,7 +251,40 @@ def test_micro_batches_of_different_sequence_lengths():
         optimizer.zero_grad()
         ref_losses.append(total)
     held = {}
-    for losses, params in run_distributed(_varying_length_worker, 2, timeout_s=120):
+    for losses, params in two_ranks[("varying_length",)]:
         assert_close_relative(losses, ref_losses)
         held.update(params)
     assert_params_close(held, param_snapshot(model))
+
+
+# --- every two-rank case above in one spawned group: start-up, not the cases, dominates their time ------------
+
+TWO_RANK_CASES = [("user", "loss_in_forward"), ("user", "loss_fn"), ("telemetry",), ("overflow",),
+                  ("time_partition",), ("varying_length",), ("errors",)]  # last: it ends with refused calls
+
+
+def _two_rank_cases_worker(rank, world, log_dir):
+    workers = {"user": _user_worker, "telemetry": lambda r, w: _telemetry_worker(r, w, log_dir),
+               "overflow": _overflow_worker, "time_partition": _time_partition_worker,
+               "varying_length": _varying_length_worker, "errors": _errors_worker}
+    results = {}
+    for case in TWO_RANK_CASES:
+        kind, *args = case
+        try:
+            results[case] = workers[kind](rank, world, *args)
+        except Exception as e:
+            raise RuntimeError(f"case {case} failed on rank {rank}") from e
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks_log_dir(tmp_path_factory):
+    """The telemetry case's TensorBoard folder."""
+    return tmp_path_factory.mktemp("pipeline_api_tensorboard")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_ranks_log_dir) -> dict[tuple, list]:
+    """Each two-rank case's results in rank order, keyed by the case."""
+    per_rank = run_distributed(_two_rank_cases_worker, 2, args=(str(two_ranks_log_dir),), timeout_s=600)
+    return {case: [rank_results[case] for rank_results in per_rank] for case in TWO_RANK_CASES}
