@@ -36,10 +36,14 @@ def _with_and_without_worker(rank, world, models, stage, accumulation, checkpoin
 
 @pytest.mark.parametrize("world,stage,accumulation,checkpointing", [(2, 0, 2, False), (4, 3, 1, True)],
                          ids=["tp2-accumulation2", "dp2xtp2-zero3-checkpointing"])
-def test_sequence_parallel_inside_tp_equals_tp_without_it_and_pytorch(world, stage, accumulation, checkpointing):
-    models = ["gpt", "gpt2", "llama"]
-    results = run_distributed(_with_and_without_worker, world, args=(models, stage, accumulation, checkpointing),
-                              timeout_s=400)
+def test_sequence_parallel_inside_tp_equals_tp_without_it_and_pytorch(two_ranks, world, stage, accumulation,
+                                                                      checkpointing):
+    models = MODELS
+    if world == 2:  # tp 2 runs in the shared two-rank group
+        results = two_ranks[("with_and_without", tuple(models), stage, accumulation, checkpointing)]
+    else:
+        results = run_distributed(_with_and_without_worker, world,
+                                  args=(models, stage, accumulation, checkpointing), timeout_s=400)
     for model in models:
         for rank_result in results:
             without, with_sp = rank_result[model]
@@ -63,7 +67,12 @@ def _saved_worker(rank, world, layers, sequence_parallel):
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, SavedBytes.unpack):
         loss = engine(x, x)
     engine.backward(loss)
+    engine.close()
     return saved.peak
+
+
+def _saved_one_rank_worker(rank, world, sequence_parallel):
+    return [_saved_worker(rank, world, layers, sequence_parallel) for layers in (1, 2)]
 
 
 def saved_bytes_per_layer(t: int, sequence_parallel: bool) -> float:
@@ -82,9 +91,12 @@ def saved_bytes_per_layer(t: int, sequence_parallel: bool) -> float:
 
 
 @pytest.mark.parametrize("t,sequence_parallel", [(1, False), (2, False), (2, True)], ids=["one", "tp2", "tp2-sp"])
-def test_saved_activation_bytes_per_layer_equal_the_formula(t, sequence_parallel):
-    one_layer, two_layers = (run_distributed(_saved_worker, t, args=(layers, sequence_parallel), timeout_s=60)
-                             for layers in (1, 2))
+def test_saved_activation_bytes_per_layer_equal_the_formula(two_ranks, t, sequence_parallel):
+    if t == 2:  # in the shared two-rank group
+        one_layer, two_layers = (two_ranks[("saved", layers, sequence_parallel)] for layers in (1, 2))
+    else:  # one process: both layer counts in it
+        (one, two), = run_distributed(_saved_one_rank_worker, t, args=(sequence_parallel,), timeout_s=60)
+        one_layer, two_layers = [one], [two]
     for rank in range(t):
         assert two_layers[rank] - one_layer[rank] == saved_bytes_per_layer(t, sequence_parallel)
 
@@ -98,19 +110,21 @@ def _comm_worker(rank, world, sequence_parallel):
     engine.backward(engine(x, x))
     replicated = sum(p.numel() * 4 for name, p in engine.module.named_parameters()
                      if name not in engine.tensor_parallel.specs)
-    return ((counter.all_gather_bytes - before[0], counter.reduce_scatter_bytes - before[1],
-             counter.all_reduce_bytes - before[2]), replicated)
+    result = ((counter.all_gather_bytes - before[0], counter.reduce_scatter_bytes - before[1],
+               counter.all_reduce_bytes - before[2]), replicated)
+    engine.close()
+    return result
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
-def test_communication_bytes_per_step_equal_the_formulas(sequence_parallel):
+def test_communication_bytes_per_step_equal_the_formulas(two_ranks, sequence_parallel):
     """n = the hidden states' bytes (4 s b h), L = 2 layers, logits 4 s b V gathered over the vocabulary. Without
     sequence parallelism each layer all-reduces n twice forward and twice backward, the embedding once forward
     and the lm_head's input gradient once. With it, each layer all-gathers n twice forward (the regions' inputs)
     and four times backward (the row layers' gradients, the column layers' inputs again), and reduce-scatters n
     twice each way; the embedding reduce-scatters forward and all-gathers backward, the final norm all-gathers
     forward; the replicated parameters' gradients are all-reduced."""
-    results = run_distributed(_comm_worker, 2, args=(sequence_parallel,), timeout_s=60)
+    results = two_ranks[("comm", sequence_parallel)]
     n, layers, logits = 4 * SEQ * BATCH * HIDDEN, 2, 4 * SEQ * BATCH * 256
     for (all_gather, reduce_scatter, all_reduce), replicated in results:
         if sequence_parallel:
@@ -132,6 +146,7 @@ def _errors_worker(rank, world):
             call()
         except ValueError as e:
             errors.append(str(e))
+    engine.close()
     try:
         cfg = sp_config(2, 1, True)
         cfg["tensor_parallel"]["plan"] = {"wte": "vocab", "blocks.*.attn.c_attn": "colwise_qkv",
@@ -142,8 +157,8 @@ def _errors_worker(rank, world):
     return errors
 
 
-def test_what_it_cannot_split_is_refused_naming_the_fix():
-    errors = run_distributed(_errors_worker, 2, timeout_s=60)[0]
+def test_what_it_cannot_split_is_refused_naming_the_fix(two_ranks):
+    errors = two_ranks[("errors",)][0]
     assert "a sequence of 15 tokens does not divide by 2; pad it to a multiple" in errors[0]
     assert "an attention_mask is not supported" in errors[1]
     assert "the user plan does not; use a built-in plan, or turn sequence_parallel off" in errors[2]
@@ -165,7 +180,35 @@ def _bf16_worker(rank, world):
     return [train_tp("llama", sp_config(2, 1, sp, bf16={"enabled": True}), rank, 2, 1, 1)[0] for sp in (False, True)]
 
 
-def test_under_bf16_autocast_it_trains_as_tp_without_it():
+def test_under_bf16_autocast_it_trains_as_tp_without_it(two_ranks):
     """The column layers on the gathered input compute in bf16, as F.linear under autocast does."""
-    for without, with_sp in run_distributed(_bf16_worker, 2, timeout_s=120):
+    for without, with_sp in two_ranks[("bf16",)]:
         assert_close_relative(with_sp, without, rtol=1e-2)
+
+
+# --- every two-rank case above in one spawned group: start-up, not the cases, dominates their time ------------
+
+MODELS = ["gpt", "gpt2", "llama"]
+TWO_RANK_CASES = ([("with_and_without", tuple(MODELS), 0, 2, False)]
+                  + [("saved", layers, sequence_parallel) for sequence_parallel in (False, True) for layers in (1, 2)]
+                  + [("comm", False), ("comm", True), ("bf16",), ("errors",)])  # last: it ends with refusals
+
+
+def _two_rank_cases_worker(rank, world):
+    workers = {"with_and_without": _with_and_without_worker, "saved": _saved_worker, "comm": _comm_worker,
+               "bf16": _bf16_worker, "errors": _errors_worker}
+    results = {}
+    for case in TWO_RANK_CASES:
+        kind, *args = case
+        try:
+            results[case] = workers[kind](rank, world, *args)
+        except Exception as e:
+            raise RuntimeError(f"case {case} failed on rank {rank}") from e
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[tuple, list]:
+    """Each two-rank case's results in rank order, keyed by the case."""
+    per_rank = run_distributed(_two_rank_cases_worker, 2, timeout_s=600)
+    return {case: [rank_results[case] for rank_results in per_rank] for case in TWO_RANK_CASES}
