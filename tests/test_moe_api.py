@@ -36,10 +36,12 @@ def _losses_worker(rank, world):
         (micro,) = micro_batches(x, rank, world, 1)
         engine.backward(user_loss(engine, micro))
         engine.step()
-    return engine.full_state_dict()
+    full = engine.full_state_dict()
+    engine.close()
+    return full
 
 
-def test_router_losses_from_the_config_are_trained():
+def test_router_losses_from_the_config_are_trained(two_ranks):
     """moe.aux_loss_coef and z_loss_coef: the engine adds coef·l_aux + coef·z-loss of every engine.moe.MoE layer to
     the loss it backpropagates; the result equals plain PyTorch adding them by hand."""
     model = UserMoEModel(drop_tokens=False, aux_weight=0.0)
@@ -56,7 +58,7 @@ def test_router_losses_from_the_config_are_trained():
         return total / 2
 
     train_reference(model, batches(), adamw, clip=1.0, loss_fn=loss_fn)
-    for params in run_distributed(_losses_worker, 2, timeout_s=180):
+    for params in two_ranks[("losses",)]:
         assert_params_close({k: v for k, v in params.items() if k in dict(model.named_parameters())},
                             param_snapshot(model))
 
@@ -69,15 +71,16 @@ def _telemetry_worker(rank, world, log_dir, capacity_factor):
         (micro,) = micro_batches(x, rank, world, 1)
         engine.backward(hf_loss(engine, micro))
         engine.step()
-    engine.monitor.close()
+    engine.close()  # flushes the monitor
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
-def test_telemetry_counts_what_the_routing_sent(tmp_path, capacity_factor):
+def test_telemetry_counts_what_the_routing_sent(two_ranks, two_ranks_log_dir, capacity_factor):
     """Per step and layer: every rank's tokens per expert add up to the kept assignments (all of them dropless,
     fewer under a capacity factor, as the drop rate says), and rank 0's all-to-all bytes are exactly its routing's:
     the per-expert counts (E int64) once, and in forward and backward the rows it sent and those it received."""
-    run_distributed(_telemetry_worker, 2, args=(str(tmp_path), capacity_factor), timeout_s=180)
+    assert two_ranks[("telemetry", capacity_factor)] == [None, None]  # the case ran on both ranks
+    tmp_path = two_ranks_log_dir / str(capacity_factor)
     events = EventAccumulator(str(tmp_path / "moe"))
     events.Reload()
     experts, hidden, k, tokens_rank0 = 4, 32, 2, BATCH // 2 * SEQ
@@ -128,8 +131,8 @@ def _frozen_expert():
     return model
 
 
-def test_refusals_name_the_fix():
-    errors = run_distributed(_refusals_worker, 2, timeout_s=180)[0]
+def test_refusals_name_the_fix(two_ranks):
+    errors = two_ranks[("refusals",)][0]
     expected = ["must divide the data-parallel size 2", "no MoE layer Tiers can split",
                 "ep_size=4) but moe.expert_parallel_size is 2", "z-loss is added by engine.moe.MoE",
                 "output_router_logits=True", "together with tensor, pipeline or sequence parallelism is not built",
@@ -165,16 +168,50 @@ def _modifier_worker(rank, world, stage):
     with engine.gathered_parameters(modifier_rank=0):
         for p in engine.module.parameters():
             p.data.fill_(rank + 1.0)
-    return engine.full_state_dict()
+    full = engine.full_state_dict()
+    engine.close()
+    return full
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_gathered_parameters_modifier_keeps_each_ranks_experts(stage):
+def test_gathered_parameters_modifier_keeps_each_ranks_experts(two_ranks, stage):
     """gathered_parameters(modifier_rank=0) at ep 2: dense parameters take rank 0's values on every rank; each ep
     rank's experts take the values of the rank holding them in the modifier's place (rank 1's experts: rank 1's),
     not rank 0's copies of other experts."""
-    for state in run_distributed(_modifier_worker, 2, args=(stage,), timeout_s=120):
+    for state in two_ranks[("modifier", stage)]:
         for name, value in state.items():
             expert = int(name.split(".")[2]) if name.startswith("moe.experts.") else None
             expected = 2.0 if expert is not None and expert >= 2 else 1.0
             assert torch.all(value == expected), name
+
+
+# --- every two-rank case above in one spawned group: start-up, not the cases, dominates their time ------------
+
+TWO_RANK_CASES = [("losses",), ("telemetry", None), ("telemetry", 0.5), ("modifier", 1), ("modifier", 3),
+                  ("refusals",)]  # last: it ends with refused initializations
+
+
+def _two_rank_cases_worker(rank, world, log_dir):
+    workers = {"losses": _losses_worker, "modifier": _modifier_worker, "refusals": _refusals_worker,
+               "telemetry": lambda r, w, cf: _telemetry_worker(r, w, f"{log_dir}/{cf}", cf)}
+    results = {}
+    for case in TWO_RANK_CASES:
+        kind, *args = case
+        try:
+            results[case] = workers[kind](rank, world, *args)
+        except Exception as e:
+            raise RuntimeError(f"case {case} failed on rank {rank}") from e
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks_log_dir(tmp_path_factory):
+    """The telemetry cases' TensorBoard folders, one per capacity factor."""
+    return tmp_path_factory.mktemp("moe_api_tensorboard")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_ranks_log_dir) -> dict[tuple, list]:
+    """Each two-rank case's results in rank order, keyed by the case."""
+    per_rank = run_distributed(_two_rank_cases_worker, 2, args=(str(two_ranks_log_dir),), timeout_s=600)
+    return {case: [rank_results[case] for rank_results in per_rank] for case in TWO_RANK_CASES}
