@@ -36,6 +36,9 @@ def check_config(cfg: Config) -> None:
          "one of them"),
         (zero.stage >= 1 and not zero.allgather_partitions, "zero_optimization.allgather_partitions", False,
          "Tiers always all-gathers the updated shards; remove the key or set it to true"),
+        (not zero.load_from_fp32_weights, "zero_optimization.load_from_fp32_weights", False,
+         "rebuilding the fp32 master weights from the 16-bit ones on load is not built yet (Tiers loads the saved "
+         "fp32 masters); remove the key or set it to true"),
         (not zero.contiguous_gradients, "zero_optimization.contiguous_gradients", False,
          "Tiers always keeps gradients in contiguous chunks; remove the key or set it to true"),
         (zero.offload_optimizer.device == "nvme" and not zero.offload_optimizer.nvme_path,

@@ -8,9 +8,11 @@ the update happens when `is_gradient_accumulation_boundary()`, i.e. on every
 the all-reduce's sum is already the mean; exact for power-of-two sizes, and one pass over the
 gradients fewer than dividing afterwards) and, on the boundary micro-step outside `no_sync()`,
 arms the reducer so gradient chunks are all-reduced during that backward.
-When that backward returns, the gradients are reduced (as with DDP). At most one synchronized
-backward may run per update (a second one would reduce the first loss's gradients twice); if
-none ran (the boundary backward was inside `no_sync()`), `step()` reduces everything itself.
+When that backward returns, the gradients are reduced (as with DDP). Several synchronized backward
+passes may run per update, and local ones after them (Note [several synchronized backward passes]);
+if none ran (the boundary backward was inside `no_sync()`), `step()` reduces everything itself.
+After a backward that failed once some of its chunks were reduced, `step()` is refused until
+`zero_grad()`.
 An overflowing fp16 step is skipped: no update, no LR-schedule step, `global_step` still
 advances and `skipped_steps` counts it (as DeepSpeed).
 """

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -259,21 +261,45 @@ SECOND_BACKWARD_STAGES = [(0, True), (1, True), (1, False)]  # (stage, reduce_sc
 
 
 def _second_backward_worker(rank, world):
-    """Two synchronized backward passes before one step (DeepSpeed's GAN does this), at stages 0 and 1 (with and
-    without reduce-scatter), with SGD: any sum counted once per rank would show."""
+    """Two backward passes before one step (DeepSpeed's GAN does this), at stages 0 and 1 (with and without
+    reduce-scatter), with SGD (any sum counted once per rank would show): both synchronized, or the second one
+    local (inside no_sync)."""
     results = []
     for stage, reduce_scatter in SECOND_BACKWARD_STAGES:
-        cfg = {**dp_config(4, 1, clip=0.0), "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
-        cfg["zero_optimization"] = {"stage": stage, "chunk_size": 20_000, "reduce_scatter": reduce_scatter}
-        engine = initialize(tiny_gpt(), cfg)
-        rows = token_batches(1, 8)[0][rank * 4:(rank + 1) * 4]
-        for _ in range(2):
-            engine.backward(engine(rows[:2], rows[:2]))
-            engine.backward(engine(rows[2:], rows[2:]))
-            engine.step()
-        results.append(trained_params(engine))
-        engine.close()
+        for second_local in (False, True):
+            cfg = {**dp_config(4, 1, clip=0.0), "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
+            cfg["zero_optimization"] = {"stage": stage, "chunk_size": 20_000, "reduce_scatter": reduce_scatter}
+            engine = initialize(tiny_gpt(), cfg)
+            rows = token_batches(1, 8)[0][rank * 4:(rank + 1) * 4]
+            for _ in range(2):
+                engine.backward(engine(rows[:2], rows[:2]))
+                with engine.no_sync() if second_local else contextlib.nullcontext():
+                    engine.backward(engine(rows[2:], rows[2:]))
+                engine.step()
+            results.append(trained_params(engine))
+            engine.close()
     return results
+
+
+def _failed_backward_worker(rank, world):
+    """A synchronized backward that fails once some chunks were reduced: step() is refused until zero_grad(), then
+    training goes on as if the batch had not been."""
+    engine = initialize(tiny_gpt(), {**dp_config(4, 1, clip=0.0), "optimizer": {"type": "SGD", "params": {"lr": 0.5}}})
+    rows = token_batches(1, 8)[0][rank * 4:(rank + 1) * 4]
+    handle = engine.module.wte.weight.register_hook(_raise)  # the first parameter: its gradient comes last
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.backward(engine(rows, rows))
+    handle.remove()
+    with pytest.raises(RuntimeError, match=r"call engine.zero_grad\(\) to drop this step's gradients"):
+        engine.step()
+    engine.zero_grad()
+    engine.backward(engine(rows, rows))
+    engine.step()
+    return trained_params(engine)
+
+
+def _raise(grad):
+    raise RuntimeError("injected backward failure")
 
 
 def test_several_synchronized_backward_passes_before_a_step_add_up(two_ranks):
@@ -289,6 +315,16 @@ def test_several_synchronized_backward_passes_before_a_step_add_up(two_ranks):
     for rank_results in two_ranks[("second_backward",)]:
         for params in rank_results:
             assert_params_close(params, param_snapshot(model))
+
+
+def test_a_step_after_a_partly_reduced_failed_backward_is_refused_until_zero_grad(two_ranks):
+    model = tiny_gpt()
+    batch = token_batches(1, 8)[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(batch, batch).backward()
+    opt.step()
+    for params in two_ranks[("failed_backward",)]:
+        assert_params_close(params, param_snapshot(model))
 
 
 class SharedAcrossCheckpoint(nn.Module):
@@ -374,6 +410,7 @@ def _two_rank_case(rank, world, name):
                "boundary_inside_no_sync": lambda: _boundary_inside_no_sync_worker(rank, world),
                "param_groups": lambda: _param_groups_worker(rank, world),
                "second_backward": lambda: _second_backward_worker(rank, world),
+               "failed_backward": lambda: _failed_backward_worker(rank, world),
                "reentrant": lambda: _reentrant_worker(rank, world)}
     return workers[kind](*args)
 
@@ -397,6 +434,6 @@ def two_ranks() -> dict:
     """{case name: [rank 0's result, rank 1's result]} for every two-rank case of this file."""
     names = [("dp", 1, True), ("dp", 2, True), ("dp", 1, False), ("partly_used", 0), ("partly_used", 1),
              ("partly_used", 2), ("no_sync",), ("boundary_inside_no_sync",), ("param_groups",),
-             ("second_backward",), ("reentrant",)]
+             ("second_backward",), ("failed_backward",), ("reentrant",)]
     per_rank = run_distributed(_two_rank_cases_worker, 2, args=(names,), timeout_s=600)
     return {name: [results[i] for results in per_rank] for i, name in enumerate(names)}

@@ -381,6 +381,11 @@ def test_zero_grad_and_load_state_dict_act_where_the_engine_keeps_gradients_and_
     engine.load_state_dict({f"module.{k}": v for k, v in other.state_dict().items()})
     rounded = {k: v.to(torch.bfloat16).float() for k, v in other.state_dict().items()}
     assert all(torch.equal(v, rounded[k]) for k, v in engine.full_state_dict().items())  # the masters
+    wrong = {f"module.{k}": v for k, v in mlp().state_dict().items()}
+    wrong["module.2.weight"] = torch.zeros(3, 8)  # a shape mismatch after loadable tensors: nothing is loaded
+    with pytest.raises(RuntimeError, match="nothing was loaded; size mismatch"):
+        engine.load_state_dict(wrong)
+    assert all(torch.equal(v, rounded[k]) for k, v in engine.full_state_dict().items())
 
 
 def _full_state_worker(rank, world):

@@ -123,7 +123,8 @@ class SequenceSplit:
         weighted = loss.detach().float() * (self.token_weight / self.size) if self.token_weight else \
             torch.zeros((), device=loss.device)  # a part with no counted tokens (its mean is nan) adds nothing
         dist.all_reduce(weighted, group=self.group)
-        return loss + (weighted.to(loss.dtype) - loss.detach())
+        own = loss if self.token_weight else loss.nan_to_num(0.0)
+        return own + (weighted.to(loss.dtype) - own.detach())
 
     def attention(self):
         """The context the forward runs in: its attention over the group."""

@@ -70,6 +70,7 @@ class GradReducer:
         self.grads_before_first_launch: int | None = None
         self.launched_during_backward = 0
         self._works: list[tuple[int, object]] = []  # (chunk, its collective in flight)
+        self._launched_unfinished = 0  # reductions the armed backward launched, until it completes
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in chunked.params]
         self._sharded_grads = chunked.sharded_grads
         # given to `arm` for a backward whose shards are final (Note [stepping in backward]): called with a
@@ -84,9 +85,14 @@ class GradReducer:
         for state in self.states:
             state.arrived.clear()
         self._cursor = 0
+        self._launched_unfinished = 0
         self._armed = True
         self.grads_before_first_launch = None
         self.launched_during_backward = 0
+
+    def launched_since_armed(self) -> bool:
+        """Whether the backward armed last launched a reduction and has not completed."""
+        return self._launched_unfinished > 0
 
     def disarm(self) -> None:
         """After a failed backward: launch nothing more from hooks, and let what was launched finish now
@@ -136,6 +142,7 @@ class GradReducer:
         else:
             work = all_reduce_sum(self._payload(index), place.group_or(self.group), self.counter, async_op=True)
         self._works.append((index, work))
+        self._launched_unfinished += 1
 
     def _payload(self, index: int):
         """What chunk `index` reduces: Note [chunk packing] leaves padding only at a chunk's end, so an all-reduce
@@ -153,6 +160,7 @@ class GradReducer:
         when backward returns); raises what on_shard_reduced raised, once all of that has finished."""
         self.finish_backward()
         self.wait()
+        self._launched_unfinished = 0
         self._on_shard_reduced = None
         error, self._callback_error = self._callback_error, None
         if error is not None:
@@ -184,6 +192,7 @@ class GradReducer:
         self.arm()
         self.finish_backward()
         self.wait()
+        self._launched_unfinished = 0
 
     def wait(self) -> None:
         while self._works:  # popped one by one: a retire that raises is not repeated by the next wait

@@ -61,6 +61,14 @@ _LEGAL = {
 }
 
 
+class GradientsHeld(enum.Enum):
+    """What the gradient chunks hold between backward passes (stages 0 and 1; Note [micro-steps and boundaries])."""
+
+    LOCAL = "local"  # each rank's own: the update reduces them
+    REDUCED = "reduced"  # a synchronized backward reduced them
+    PARTLY_REDUCED = "partly reduced"  # a synchronized backward failed after some of its chunks were reduced
+
+
 class ZeroRuntime:
     """Runs the phases of Note [step phases] over the chunks: gathering (stage 3), reduction, the update."""
 
@@ -73,7 +81,7 @@ class ZeroRuntime:
         self.phase = TrainingPhase.IDLE
         self.inside_no_sync = False
         self.accumulating_locally = False  # Note [a pipelined step]: no backward reduces; the update reduces all
-        self.synchronized = False  # a synchronized backward ran since the last update
+        self.gradients = GradientsHeld.LOCAL
         self._early_square: torch.Tensor | None = None  # norm pieces of shards stepped in backward
 
     def start(self, module: nn.Module) -> None:
@@ -194,6 +202,9 @@ class ZeroRuntime:
             every_backward or (boundary and not self.inside_no_sync))
         if reduces:
             self._check_one_synchronized_backward(every_backward)
+        elif self.synchronized and not every_backward:  # a local backward onto reduced sums: the update sums once
+            self.reducer.keep_reduced_once()
+            self.gradients = GradientsHeld.LOCAL
         self._enter(TrainingPhase.BACKWARD)
         try:  # pre_backward: the reducer is armed when this backward reduces (Note [micro-steps and boundaries])
             with record_function("tiers.zero.pre_backward"):
@@ -214,7 +225,7 @@ class ZeroRuntime:
                     self.gatherer.end()
                 if reduces:
                     self.reducer.complete_backward()
-                    self.synchronized = True
+                    self.gradients = GradientsHeld.REDUCED
         except BaseException as e:
             self.abandon_backward(reduces, e)
             raise
@@ -223,7 +234,7 @@ class ZeroRuntime:
     def _check_one_synchronized_backward(self, every_backward: bool) -> None:
         if self.synchronized and not every_backward:  # Note [several synchronized backward passes]
             self.reducer.keep_reduced_once()
-            self.synchronized = False
+            self.gradients = GradientsHeld.LOCAL
         if self.steps_in_backward and self.optimizer.stepped_early:
             raise RuntimeError(
                 "engine.backward() after the accumulation boundary's backward: with "
@@ -252,6 +263,8 @@ class ZeroRuntime:
                 self.gatherer.end()
         finally:
             if reduces:
+                if self.reducer.launched_since_armed():  # some chunks hold sums, the others this rank's own
+                    self.gradients = GradientsHeld.PARTLY_REDUCED
                 self.reducer.disarm()  # also drops the step callback: nothing more is stepped
         if reduces and self.steps_in_backward and self.optimizer.stepped_early:
             raise RuntimeError(
@@ -262,7 +275,12 @@ class ZeroRuntime:
     def zero_grads(self) -> None:
         """Zeroes the accumulated gradients: a synchronized backward after this reduces its own only."""
         self.chunked.zero_grads()
-        self.synchronized = False
+        self.gradients = GradientsHeld.LOCAL
+
+    @property
+    def synchronized(self) -> bool:
+        """A synchronized backward reduced the gradients since the last update."""
+        return self.gradients is GradientsHeld.REDUCED
 
     def _engine_reduces(self) -> bool:
         """Whether gradients are reduced here: not for the steps an optimizer averages over the ranks itself
@@ -278,6 +296,10 @@ class ZeroRuntime:
         if self.inside_no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync() would update from unreduced gradients; "
                                "leave the no_sync() block and run one synchronized backward first")
+        if self.gradients is GradientsHeld.PARTLY_REDUCED:
+            raise RuntimeError("engine.step() after a backward that failed once some of its gradients were reduced "
+                               "would count those twice; call engine.zero_grad() to drop this step's gradients, "
+                               "then go on with the next batch")
 
     @contextlib.contextmanager
     def step(self, loss_scale: float):
@@ -299,7 +321,7 @@ class ZeroRuntime:
             unreduced = chunked.sharded_grads is None or self.reducer is not None and self.reducer.holds_unreduced()
             if self._engine_reduces() and not self.synchronized and unreduced:
                 self.reducer.reduce_all()  # the boundary backward ran inside no_sync() or accumulate_locally()
-            self.synchronized = False
+            self.gradients = GradientsHeld.LOCAL
             if chunked.sharded_grads is not None:
                 chunked.sharded_grads.settle()  # shards no backward wrote (Note [sharded gradients])
             chunked.sync_views()
