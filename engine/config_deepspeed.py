@@ -271,9 +271,9 @@ def _zero_renamed(zero: dict) -> dict:
     return zero
 
 
-# zero_optimization keys whose "auto" Tiers derives from the model (bucket sizes), kept as "auto"
+# zero_optimization keys kept as "auto": the sizes Tiers derives from the model, and Tiers' own placement mode
 _ZERO_AUTO_DERIVED = frozenset({"reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                                "stage3_param_persistence_threshold"})
+                                "stage3_param_persistence_threshold", "placement"})
 
 
 def _check_auto(raw: dict) -> None:
