@@ -69,7 +69,8 @@ def test_auto_inside_zero_is_the_default():
     assert zero.offload_param.buffer_size == 100_000_000 and zero.offload_param.pin_memory is None
     assert zero.reduce_bucket_size == "auto"  # derived from the model (engine.initialization.chunk_layout)
     # Tiers' own "auto" (a mode, not a value to fill) stays
-    assert load_config({**BATCH, "zero_optimization": {"placement": "auto"}}).zero_optimization.placement == "auto"
+    offloaded = {"placement": "auto", "offload_optimizer": {"device": "cpu"}}
+    assert load_config({**BATCH, "zero_optimization": offloaded}).zero_optimization.placement == "auto"
 
 
 @pytest.mark.parametrize("raw, unfilled", [
