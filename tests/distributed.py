@@ -95,3 +95,20 @@ def run_distributed(worker, world_size: int, args: tuple = (), timeout_s: float 
                 p.kill()
                 p.join()
     return [collected[r] for r in range(world_size)]
+
+
+def run_cases(rank: int, cases: list[tuple], run) -> dict:
+    """The worker side of several cases sharing one spawned group: `run(*case)` for each case, in order, keyed by
+    the case; a failure names the case and the rank."""
+    results = {}
+    for case in cases:
+        try:
+            results[case] = run(*case)
+        except Exception as e:
+            raise RuntimeError(f"case {case} failed on rank {rank}") from e
+    return results
+
+
+def results_by_case(per_rank: list[dict]) -> dict:
+    """{case: [rank 0's result, rank 1's, ...]} from what each rank's run_cases returned."""
+    return {case: [results[case] for results in per_rank] for case in per_rank[0]}

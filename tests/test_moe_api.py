@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from engine import initialize
 from engine.moe import MoE
 from engine.moe.dispatch import capacity_of, order_assignments
-from tests.distributed import run_distributed
+from tests.distributed import results_by_case, run_cases, run_distributed
 from tests.moe_models import (
     Expert,
     MixtralSparseMoeBlock,
@@ -194,14 +194,7 @@ TWO_RANK_CASES = [("losses",), ("telemetry", None), ("telemetry", 0.5), ("modifi
 def _two_rank_cases_worker(rank, world, log_dir):
     workers = {"losses": _losses_worker, "modifier": _modifier_worker, "refusals": _refusals_worker,
                "telemetry": lambda r, w, cf: _telemetry_worker(r, w, f"{log_dir}/{cf}", cf)}
-    results = {}
-    for case in TWO_RANK_CASES:
-        kind, *args = case
-        try:
-            results[case] = workers[kind](rank, world, *args)
-        except Exception as e:
-            raise RuntimeError(f"case {case} failed on rank {rank}") from e
-    return results
+    return run_cases(rank, TWO_RANK_CASES, lambda kind, *args: workers[kind](rank, world, *args))
 
 
 @pytest.fixture(scope="module")
@@ -214,4 +207,4 @@ def two_ranks_log_dir(tmp_path_factory):
 def two_ranks(two_ranks_log_dir) -> dict[tuple, list]:
     """Each two-rank case's results in rank order, keyed by the case."""
     per_rank = run_distributed(_two_rank_cases_worker, 2, args=(str(two_ranks_log_dir),), timeout_s=600)
-    return {case: [rank_results[case] for rank_results in per_rank] for case in TWO_RANK_CASES}
+    return results_by_case(per_rank)

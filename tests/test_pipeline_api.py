@@ -12,7 +12,7 @@ from torch import nn
 
 from engine import initialize
 from engine.config import ConfigError, load_config
-from tests.distributed import run_distributed
+from tests.distributed import results_by_case, run_cases, run_distributed
 from tests.reference import assert_close_relative, assert_params_close, param_snapshot, token_batches
 from tests.test_data_parallel import adamw
 from tests.test_pipeline_engine import example_gpt, pipeline_config
@@ -267,14 +267,7 @@ def _two_rank_cases_worker(rank, world, log_dir):
     workers = {"user": _user_worker, "telemetry": lambda r, w: _telemetry_worker(r, w, log_dir),
                "overflow": _overflow_worker, "time_partition": _time_partition_worker,
                "varying_length": _varying_length_worker, "errors": _errors_worker}
-    results = {}
-    for case in TWO_RANK_CASES:
-        kind, *args = case
-        try:
-            results[case] = workers[kind](rank, world, *args)
-        except Exception as e:
-            raise RuntimeError(f"case {case} failed on rank {rank}") from e
-    return results
+    return run_cases(rank, TWO_RANK_CASES, lambda kind, *args: workers[kind](rank, world, *args))
 
 
 @pytest.fixture(scope="module")
@@ -287,4 +280,4 @@ def two_ranks_log_dir(tmp_path_factory):
 def two_ranks(two_ranks_log_dir) -> dict[tuple, list]:
     """Each two-rank case's results in rank order, keyed by the case."""
     per_rank = run_distributed(_two_rank_cases_worker, 2, args=(str(two_ranks_log_dir),), timeout_s=600)
-    return {case: [rank_results[case] for rank_results in per_rank] for case in TWO_RANK_CASES}
+    return results_by_case(per_rank)

@@ -13,7 +13,7 @@ import torch
 from engine import initialize
 from engine.config import load_config
 from engine.config_schema import ConfigError
-from tests.distributed import run_distributed
+from tests.distributed import results_by_case, run_cases, run_distributed
 from tests.reference import assert_close_relative, assert_params_close, tiny_gpt, token_batches
 from tests.saved_bytes import SavedBytes
 from tests.test_tensor_parallel import check_against_reference, tp_config, train_tp
@@ -197,18 +197,11 @@ TWO_RANK_CASES = ([("with_and_without", tuple(MODELS), 0, 2, False)]
 def _two_rank_cases_worker(rank, world):
     workers = {"with_and_without": _with_and_without_worker, "saved": _saved_worker, "comm": _comm_worker,
                "bf16": _bf16_worker, "errors": _errors_worker}
-    results = {}
-    for case in TWO_RANK_CASES:
-        kind, *args = case
-        try:
-            results[case] = workers[kind](rank, world, *args)
-        except Exception as e:
-            raise RuntimeError(f"case {case} failed on rank {rank}") from e
-    return results
+    return run_cases(rank, TWO_RANK_CASES, lambda kind, *args: workers[kind](rank, world, *args))
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> dict[tuple, list]:
     """Each two-rank case's results in rank order, keyed by the case."""
     per_rank = run_distributed(_two_rank_cases_worker, 2, timeout_s=600)
-    return {case: [rank_results[case] for rank_results in per_rank] for case in TWO_RANK_CASES}
+    return results_by_case(per_rank)

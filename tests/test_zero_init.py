@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from engine import initialize, zero_init
-from tests.distributed import run_distributed
+from tests.distributed import results_by_case, run_cases, run_distributed
 from tests.reference import (
     assert_close_relative,
     assert_params_close,
@@ -235,18 +235,11 @@ def test_ranks_that_build_different_models_are_told_which_parameter_differs(two_
 def _two_rank_cases_worker(rank, world):
     workers = {"stage": _stage_worker, "random_start": _random_start_worker, "groups": _groups_worker,
                "different_models": _different_models_worker}
-    results = {}
-    for case in TWO_RANK_CASES:
-        kind, *args = case
-        try:
-            results[case] = workers[kind](rank, world, *args)
-        except Exception as e:
-            raise RuntimeError(f"case {case} failed on rank {rank}") from e
-    return results
+    return run_cases(rank, TWO_RANK_CASES, lambda kind, *args: workers[kind](rank, world, *args))
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> dict[tuple, list]:
     """Each two-rank case's results in rank order, keyed by the case."""
     per_rank = run_distributed(_two_rank_cases_worker, 2, timeout_s=600)
-    return {case: [rank_results[case] for rank_results in per_rank] for case in TWO_RANK_CASES}
+    return results_by_case(per_rank)
