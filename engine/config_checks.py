@@ -121,6 +121,9 @@ def check_config(cfg: Config) -> None:
          "sequence parallelism with pipeline stages is not built yet; use pipeline.stages 1 with it"),
         (sp.enabled and tp.size > 1 and tp.mode == "2d", "sequence_parallel.size", sp.size,
          "sequence parallelism with 2D tensor parallelism is not built yet; use tensor_parallel.mode \"1d\" with it"),
+        (cfg.moe.expert_parallel_size > 1 and max(tp.size, cfg.pipeline.stages, sp.size) > 1,
+         "moe.expert_parallel_size", cfg.moe.expert_parallel_size, "expert parallelism together with tensor, "
+         "pipeline or sequence parallelism is not built yet; use it with data parallelism only"),
         (sp.enabled and tp.sequence_parallel, "sequence_parallel.size", sp.size,
          "Ulysses or ring over the sequence together with tensor_parallel.sequence_parallel (Megatron's) is not "
          "built; use one of them"),

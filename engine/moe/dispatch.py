@@ -13,7 +13,7 @@ An MoE layer's experts are split over the ep ranks of an expert-parallel group: 
 Backward runs the two exchanges in reverse (engine.moe.all_to_all). An expert no token reaches computes
 nothing, gets a zero gradient, and every collective still runs on every rank: the exchanges carry empty splits,
 and the expert's chunk is reduced like any other (Note [reduction order]). Expert parameters live in chunks of
-their own, reduced and sharded over the expert-data-parallel group (Note [dp x tp layout]); dense parameters
+their own, reduced and sharded over the expert-data-parallel group (Note [one mesh]); dense parameters
 over the whole data-parallel group.
 """
 

@@ -4,7 +4,7 @@ Note [sequence parallelism]
 With sequence_parallel.size S, the S ranks of a group train on the same samples, each on a part of
 every sequence (world = dp × S; every rank holds the same weights, so gradients are averaged and ZeRO
 shards over all of them; with 1D tensor parallelism world = dp × S × t, and that holds for the ranks of
-one tp rank, each running its own heads: Note [dp x tp layout]). engine(...) splits the forward's
+one tp rank, each running its own heads: Note [one mesh]). engine(...) splits the forward's
 sequence-shaped arguments along dim 1:
 - every tensor argument of the sequence's length along dim 1 (input_ids, labels, token_type_ids,
   ...); the parts are contiguous for Ulysses, zigzag for ring (Note [ring attention]);
