@@ -19,7 +19,7 @@ advances and `skipped_steps` counts it (as DeepSpeed).
 
 from __future__ import annotations
 
-import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,10 +27,9 @@ from torch import nn
 from engine import whole_weights
 from engine.activation_checkpointing import ActivationCheckpointing
 from engine.checkpoint import Saver, load_checkpoint, write_state_dict
-from engine.checkpoint.training_state import TrainingState
-from engine.comm import CommCounter
 from engine.config import BatchSizes, Config
 from engine.coordinates import ParallelCoordinates
+from engine.features import Features
 from engine.moe.plan import ExpertParallel
 from engine.monitor import Monitor
 from engine.outputs import find_loss
@@ -46,41 +45,64 @@ from engine.zero.device_bytes import device_state_bytes
 from engine.zero.runtime import ZeroRuntime
 
 
+@dataclass
+class EngineParts:
+    """What initialize() builds around the ZeRO runtime for an Engine to drive."""
+
+    topology: Topology
+    lr_scheduler: object
+    loss_scaler: LossScaler
+    monitor: Monitor
+    checkpointing: ActivationCheckpointing
+    features: Features  # Note [feature objects]: each parallelism's part in the calls below
+    progress: TrainingProgress
+    saver: Saver  # Note [checkpoint commit]
+
+
 class Engine(ParallelCoordinates):
     """Wraps a model and optimizer; built by `engine.initialize`. The data-parallel work of each call runs in
-    the ZeRO runtime's phases (Note [step phases]); dp_rank and the other coordinates come from
-    ParallelCoordinates (Note [data-parallel coordinates])."""
+    the ZeRO runtime's phases (Note [step phases]); what each parallelism adds, in its feature object (Note
+    [feature objects]); dp_rank and the other coordinates come from ParallelCoordinates (Note [data-parallel
+    coordinates])."""
 
-    def __init__(self, module: nn.Module, config: Config, topology: Topology, runtime: ZeroRuntime, lr_scheduler,
-                 loss_scaler: LossScaler, monitor: Monitor, tensor_parallel: TensorParallel | None = None,
-                 checkpointing: ActivationCheckpointing | None = None, pipeline: PipelineDriver | None = None,
-                 sequence: SequenceSplit | None = None, experts: ExpertParallel | None = None):
-        self.module, self.config, self.topology = module, config, topology
-        self.batch: BatchSizes = config.batch_sizes(topology.data_parallel_size)
-        self.runtime, self.optimizer, self.lr_scheduler = runtime, runtime.optimizer, lr_scheduler
-        self.loss_scaler, self.monitor = loss_scaler, monitor
+    def __init__(self, module: nn.Module, config: Config, runtime: ZeroRuntime, parts: EngineParts):
+        self.module, self.config, self.topology = module, config, parts.topology
+        self.batch: BatchSizes = config.batch_sizes(parts.topology.data_parallel_size)
+        self.runtime, self.optimizer, self.lr_scheduler = runtime, runtime.optimizer, parts.lr_scheduler
+        self.loss_scaler, self.monitor, self.features = parts.loss_scaler, parts.monitor, parts.features
         self.precision = PrecisionPolicy.from_config(config)
-        self.tensor_parallel = tensor_parallel  # what the tp plan sharded (Note [tensor-parallel plans])
         # Note [activation checkpointing]: the config's options, for the wrapped modules and activation_checkpoint
-        self.activation_checkpointing = checkpointing or ActivationCheckpointing(config.activation_checkpointing,
-                                                                                 topology.device)
-        # Note [a pipelined step]: train_batch / eval_batch run the schedule; Note [sequence parallelism]: this
-        # rank's part of each sequence; Note [expert parallelism]: the MoE layers, their traffic and router losses
-        self.pipeline, self.sequence, self.experts = pipeline, sequence, experts
-        self.progress = TrainingProgress(self.batch.gradient_accumulation_steps)
+        self.activation_checkpointing = parts.checkpointing
+        self.progress, self._saver = parts.progress, parts.saver
         # the last update's norm, and the last forward's loss (logged for a loss.backward(): Note [tensor backward])
         self._global_grad_norm: float | None = None
         self._forward_loss: torch.Tensor | None = None
         runtime.start(module)
-        # Note [tensor backward]: loss.backward() runs through the runtime's backward phase (a pipeline runs its own)
-        self._tensor_backward = TensorBackward(module, runtime.chunked.params, runtime, self) if pipeline is None \
-            else None
-        monitor.step_metrics.exclude_traffic_so_far()  # the start-up broadcast is not a step's traffic
-        self._saver = Saver(TrainingState(  # Note [checkpoint commit]
-            module, runtime.chunked, runtime.optimizer, lr_scheduler, loss_scaler, self.progress, topology,
-            tensor_parallel, config.tensor_parallel.mode, config.zero_optimization.stage, self.precision.compute_dtype,
-            runtime.gather_updated_params, pipeline.split if pipeline is not None else None, experts),
-            config.checkpoint)
+        # Note [tensor backward]: loss.backward() runs through the runtime's backward phase (a schedule runs its own)
+        self._tensor_backward = self.features.tensor_backward(
+            lambda: TensorBackward(module, runtime.chunked.params, runtime, self))
+        parts.monitor.step_metrics.exclude_traffic_so_far()  # the start-up broadcast is not a step's traffic
+
+    # ---- parallelisms (Note [feature objects]) ---------------------------------------------
+    @property
+    def tensor_parallel(self) -> TensorParallel | None:
+        """What the tp plan sharded (Note [tensor-parallel plans]); None without tensor parallelism."""
+        return self.features.parallel("tensor_parallel")
+
+    @property
+    def pipeline(self) -> PipelineDriver | None:
+        """The driver of train_batch / eval_batch (Note [a pipelined step]); None without a pipeline."""
+        return self.features.parallel("pipeline")
+
+    @property
+    def sequence(self) -> SequenceSplit | None:
+        """This rank's part of each sequence (Note [sequence parallelism]); None without sequence parallelism."""
+        return self.features.parallel("sequence")
+
+    @property
+    def experts(self) -> ExpertParallel | None:
+        """The MoE layers, their traffic and router losses (Note [expert parallelism]); None without any."""
+        return self.features.parallel("experts")
 
     # ---- identity -------------------------------------------------------------------------
     @property
@@ -137,21 +159,17 @@ class Engine(ParallelCoordinates):
 
     def __call__(self, *args, **kwargs):
         """The module's forward under the precision policy; tensor arguments are moved to the engine's device."""
-        self._refuse_under_pipeline("forward")
-        self._settle_tensor_backward()
+        self.features.check_micro_batch_call("forward")
+        self._tensor_backward.settle()
         args, kwargs = to_device((args, kwargs), self.device)
         args = self.precision.forward_args(args)
         if self.module.training and torch.is_grad_enabled():  # eval forwards are not training throughput
             self.monitor.step_metrics.on_training_forward(args, kwargs)
-        split_attention = contextlib.nullcontext()
-        if self.sequence is not None:
-            args, kwargs = self.sequence.split(args, kwargs)
-            split_attention = self.sequence.attention()
-        collecting = self.experts.collecting() if self.experts is not None else contextlib.nullcontext()
+        args, kwargs = self.features.split_inputs(args, kwargs)
         with (self.monitor.step_metrics.timed("forward"), self.precision.autocast(self.device),
-              self.runtime.forward(), split_attention, collecting):
+              self.runtime.forward(), self.features.around_forward()):
             output = self.module(*args, **kwargs)
-        output = output if self.sequence is None else self.sequence.whole_loss(output)
+        output = self.features.output(output)
         self._forward_loss = find_loss(output)  # logged for a loss.backward() (Note [tensor backward])
         return output
 
@@ -175,15 +193,15 @@ class Engine(ParallelCoordinates):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Scales the loss (accumulation mean, fp16 loss scale) and runs autograd (Note [micro-steps and
         boundaries])."""
-        self._refuse_under_pipeline("backward")
+        self.features.check_micro_batch_call("backward")
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}; reduce it "
                              "(e.g. .mean()) first")
-        self._settle_tensor_backward()
+        self._tensor_backward.settle()
         self.monitor.step_metrics.on_loss(loss)
         self._forward_loss = None
-        aux = self.experts.take_aux_loss() if self.experts is not None else None
-        total = loss if aux is None else loss + aux.to(loss.device)  # engine.moe.MoE's weighted router losses
+        aux = self.features.take_aux_loss()  # e.g. engine.moe.MoE's weighted router losses
+        total = loss if aux is None else loss + aux.to(loss.device)
         factor = self.loss_scaler.scale * self._gradient_factor()
         scaled = total.float() * factor if factor != 1.0 else total
         with (self.monitor.step_metrics.timed("backward"),
@@ -195,14 +213,12 @@ class Engine(ParallelCoordinates):
         """What a micro-batch's loss is multiplied by (besides the loss scale): the accumulation and
         data-parallel mean (gradients are summed over the ZeRO group, sequence ranks included), and under
         sequence parallelism this rank's share of the sample's tokens (Note [sequence parallelism])."""
-        factor = 1.0 / (self.gradient_accumulation_steps * self.topology.dp_world_size)
-        return factor * self.sequence.token_weight if self.sequence is not None else factor
+        return self.features.loss_weight() / (self.gradient_accumulation_steps * self.topology.dp_world_size)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss as engine.backward scales it (the fp16 loss scale, the accumulation and data-parallel mean),
         for `engine.scale(loss).backward()` in place of engine.backward(loss) (Note [tensor backward])."""
-        if self._tensor_backward is None:
-            self._refuse_under_pipeline("scale")
+        self.features.check_micro_batch_call("scale")
         return self._tensor_backward.scaled(loss, self.loss_scaler.scale * self._gradient_factor())
 
     def _on_tensor_backward(self) -> None:
@@ -211,14 +227,10 @@ class Engine(ParallelCoordinates):
             self.monitor.step_metrics.on_loss(self._forward_loss)
             self._forward_loss = None
 
-    def _settle_tensor_backward(self) -> None:
-        if self._tensor_backward is not None:
-            self._tensor_backward.settle()
-
     def step(self) -> None:
         """Called after every micro-batch; updates the model at the accumulation boundary."""
-        self._refuse_under_pipeline("step")
-        self._settle_tensor_backward()
+        self.features.check_micro_batch_call("step")
+        self._tensor_backward.settle()
         self.runtime.check_steppable()
         if not self.progress.end_micro_step():
             return
@@ -229,7 +241,7 @@ class Engine(ParallelCoordinates):
         micro-batches from `data_iter` (each a dict of the model's keyword arguments, a tensor, or a tuple), runs
         them through the pipeline schedule and updates the model; returns the step's mean loss on every rank.
         Every rank of the pipeline passes an iterator over the same micro-batches (its data-parallel rank's)."""
-        pipeline = self._pipeline_for("train_batch")
+        pipeline = self.features.schedule("train_batch")
         microbatches = self._microbatches(data_iter)
         self.runtime.check_steppable()
         for mb in microbatches:
@@ -245,22 +257,10 @@ class Engine(ParallelCoordinates):
     def eval_batch(self, data_iter=None) -> float:
         """Under a pipeline config: the forwards of gradient_accumulation_steps micro-batches from `data_iter`
         in eval mode, without gradients; returns their mean loss on every rank."""
-        return self._pipeline_for("eval_batch").evaluate(self._microbatches(data_iter))
+        return self.features.schedule("eval_batch").evaluate(self._microbatches(data_iter))
 
     def _microbatches(self, data_iter) -> list:
         return to_device(pull_microbatches(data_iter, self.gradient_accumulation_steps), self.device)
-
-    def _pipeline_for(self, call: str) -> PipelineDriver:
-        if self.pipeline is None:
-            raise RuntimeError(f"engine.{call} runs a pipeline schedule, and this config has no pipeline "
-                               "(pipeline.stages is 1); call the engine's forward, backward and step per micro-batch")
-        return self.pipeline
-
-    def _refuse_under_pipeline(self, call: str) -> None:
-        if self.pipeline is not None:
-            raise RuntimeError(f"engine.{call} runs one micro-batch, and under a pipeline config a micro-batch "
-                               "runs across every stage of the schedule; call engine.train_batch(data_iter) (or "
-                               "eval_batch) once per step instead of forward, backward and step")
 
     def _update(self) -> None:
         """The update at an accumulation boundary: reduce, unscale, clip, step, log."""
@@ -272,12 +272,7 @@ class Engine(ParallelCoordinates):
             self.loss_scaler.update(grads.overflow)
         self._global_grad_norm = grads.norm
         self.progress.end_update(skipped=grads.overflow)
-        extra = {}
-        if self.pipeline is not None and self.pipeline.last_bubble is not None:
-            extra = {"Pipeline/bubble_fraction": self.pipeline.last_bubble,
-                     "Pipeline/bubble_fraction_formula": self.pipeline.formula_bubble}
-        if self.experts is not None and self.config.tensorboard.enabled:  # (a collective: every rank's counts)
-            extra.update(self.experts.metrics(self.topology.dp_group, CommCounter(), self.device))
+        extra = self.features.metrics()
         self.monitor.end_update(UpdateSummary(
             self.global_step, self.get_lr()[0], self.loss_scaler.scale, self.skipped_steps, grads.norm,
             self.train_batch_size, self.dp_world_size, self.model_state_bytes, extra))
@@ -293,19 +288,10 @@ class Engine(ParallelCoordinates):
         None). Stages 0-2 keep every parameter whole on every rank; stage 3 gathers one chunk at a time (every
         rank must call this). With bf16 / fp16 the parameters are their fp32 master weights."""
         keep = not rank0_only or self.topology.rank == 0
-        zero_group = self.topology.dp_group
-        if self.experts is not None and self.experts.ep_size > 1:  # every rank's experts (Note [expert parallelism])
-            whole = whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, zero_group, self.comm, True)
-            whole = self.experts.join_state_dict(whole, self.topology.ep_group, self.comm, self.device)
-            return whole if keep else None
-        if self.tensor_parallel is None and self.pipeline is None:
-            return whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, zero_group, self.comm, keep)
-        # every tp rank contributes its shards (Note [tensor-parallel plans]), every pipeline rank its stages
-        whole = whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, zero_group, self.comm, True)
-        if self.tensor_parallel is not None:
-            whole = self.tensor_parallel.join_state_dict(whole, self.device)
-        if self.pipeline is not None:
-            whole = whole_weights.join_stages(whole, self.pipeline.split.keys, self.topology, self.comm, keep)
+        # each rank gathers its part; the features join the parts (Note [feature objects])
+        whole = whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.topology.dp_group,
+                                              self.comm, keep or self.features.joins_state_dict)
+        whole = self.features.join_state_dict(whole, keep)
         return whole if keep else None
 
     # ---- checkpoints (engine/checkpoint/) -------------------------------------------------------------
@@ -342,11 +328,10 @@ class Engine(ParallelCoordinates):
                                "zero_optimization.stage3_gather_16bit_weights_on_model_save to true (DeepSpeed saves "
                                "nothing without it), or save a checkpoint and run `tiers convert` on it")
         state = self.full_state_dict(rank0_only=True)
-        chunked = whole_weights.chunked_keys(self.module, self.chunked, self.topology)  # every stage's
-        if self.experts is not None:  # and every ep rank's experts
-            chunked |= {k for k in state or {} if self.experts.names_an_expert(k)}
+        chunked = whole_weights.chunked_keys(self.module, self.chunked, self.topology)  # (a collective) every stage's
         if state is None:
             return None
+        chunked |= self.features.chunked_keys(state)  # e.g. every ep rank's experts
         dtype = self.precision.compute_dtype
         state = {k: v.to(dtype) if k in chunked else v for k, v in state.items()}
         return write_state_dict(save_dir, save_filename, state)
@@ -402,8 +387,7 @@ class Engine(ParallelCoordinates):
         self.monitor.close()
         if hasattr(self.optimizer, "close"):
             self.optimizer.close()
-        if self._tensor_backward is not None:
-            self._tensor_backward.remove_hooks()
+        self._tensor_backward.remove_hooks()
         self.runtime.close()
 
 

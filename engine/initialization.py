@@ -23,10 +23,13 @@ import torch
 from torch import nn
 
 from engine.activation_checkpointing import ActivationCheckpointing
+from engine.checkpoint import Saver
+from engine.checkpoint.training_state import TrainingState
 from engine.comm import Collectives, CommCounter, broadcast_from
 from engine.config import Config, load_config
 from engine.config_checks import OFFLOADED, check_client_objects, check_offload, check_run
-from engine.engine import Engine
+from engine.engine import Engine, EngineParts
+from engine.features import ExpertFeature, Features, PipelineFeature, SequenceFeature, TensorParallelFeature
 from engine.lr_schedules import build_lr_scheduler
 from engine.moe.plan import ExpertParallel, apply_expert_parallel
 from engine.monitor import Monitor
@@ -36,6 +39,7 @@ from engine.pipeline.block_timing import measured_costs
 from engine.pipeline.driver import PipelineDriver, shared_parameter_groups, sync_shared_values
 from engine.pipeline.model_split import PipelineModel, plan_stages, split_model
 from engine.precision import PrecisionPolicy, build_loss_scaler
+from engine.progress import TrainingProgress
 from engine.sequence_parallel.runtime import SequenceSplit, choose_mode
 from engine.step_metrics import StepMetrics
 from engine.tensor_parallel import Mesh2D, TensorParallel, TPGroup, apply_tensor_parallel
@@ -116,31 +120,45 @@ def initialize(
     comm = CommCounter(collectives=collectives) if collectives is not None else CommCounter()
     tensor_parallel = parallelize_tensors(model, cfg, topology, comm.collectives)
     experts = place_experts(model, cfg, topology, comm)
-    checkpointing = apply_activation_checkpointing(model, cfg, topology, tensor_parallel)
+    sequence = split_sequences(model, cfg, topology, comm)
+    checkpointing = apply_activation_checkpointing(model, cfg, topology, tensor_parallel, sequence)
     groups = _param_groups(model, optimizer, model_parameters, meta_of, experts.dropped if experts else frozenset())
     split, shared_groups = split_pipeline(model, cfg, topology, comm)
     if split is not None:  # this rank's parameters, named as in the whole model
         groups = [dict(g, params=[p for p in g["params"] if split.holds(p)]) for g in groups]
         groups = [g for g in groups if g["params"]]
     chunked = chunk_parameters(model, cfg, topology, groups, pending=set(meta_of), tensor_parallel=tensor_parallel,
-                               names=split.names if split is not None else None, experts=experts)
+                               split=split, experts=experts)
     model.to(topology.device)  # what is not in a chunk (frozen, or left out of the groups) joins the model there
     data_parallel = DataParallelGroup(topology.dp_group, topology.dp_rank, topology.dp_world_size, comm)
     optimizer = build_chunk_optimizer(cfg, chunked, topology.device, optimizer, rebuild=split is not None,
                                       data_parallel=data_parallel)
     if recording is not None:  # after offloading: shards may load straight into the chunk manager
         materialize_parameters(model, chunked, recording, meta_of, topology.device, topology.dp_group, comm)
-    pipeline = build_pipeline(split, shared_groups, cfg, topology, chunked, comm, loss_fn) if split else None
     loss_scaler = build_loss_scaler(cfg)
     runtime = zero_runtime(model, cfg, chunked, optimizer, topology, loss_scaler, comm)
-    if pipeline is not None:
-        pipeline.attach(runtime)
-    sequence = split_sequences(model, cfg, topology, comm)
-    if sequence is not None:  # a checkpointed block's recompute runs its attention over the split sequence too
-        checkpointing.recompute_context = sequence.attention
-    return Engine(model, cfg, topology, runtime, _scheduler(cfg, optimizer, lr_scheduler), loss_scaler,
-                  build_monitor(cfg, topology, runtime, checkpointing), tensor_parallel, checkpointing, pipeline,
-                  sequence, experts)
+    pipeline = build_pipeline(split, shared_groups, cfg, topology, runtime, comm, loss_fn) if split else None
+    features = feature_objects(cfg, topology, comm, tensor_parallel, experts, sequence, pipeline)
+    scheduler = _scheduler(cfg, optimizer, lr_scheduler)
+    progress = TrainingProgress(cfg.batch_sizes(topology.data_parallel_size).gradient_accumulation_steps)
+    saver = Saver(TrainingState(  # Note [checkpoint commit]
+        model, chunked, optimizer, scheduler, loss_scaler, progress, topology, tensor_parallel,
+        cfg.tensor_parallel.mode, cfg.zero_optimization.stage, PrecisionPolicy.from_config(cfg).compute_dtype,
+        runtime.gather_updated_params, split, experts), cfg.checkpoint)
+    return Engine(model, cfg, runtime, EngineParts(topology, scheduler, loss_scaler,
+                                                   build_monitor(cfg, topology, runtime, checkpointing),
+                                                   checkpointing, features, progress, saver))
+
+
+def feature_objects(cfg: Config, topology: Topology, comm: CommCounter, tensor_parallel: TensorParallel | None,
+                    experts: ExpertParallel | None, sequence: SequenceSplit | None,
+                    pipeline: PipelineDriver | None) -> Features:
+    """Note [feature objects]: what each parallelism applied above adds to the engine's calls, in this order."""
+    features = [TensorParallelFeature(tensor_parallel, topology.device) if tensor_parallel else None,
+                ExpertFeature(experts, topology, cfg.tensorboard.enabled) if experts else None,
+                SequenceFeature(sequence) if sequence else None,
+                PipelineFeature(pipeline, topology, comm) if pipeline else None]
+    return Features([f for f in features if f is not None])
 
 
 def parallelize_tensors(model: nn.Module, cfg: Config, topology: Topology,
@@ -167,12 +185,15 @@ def place_experts(model: nn.Module, cfg: Config, topology: Topology, comm: CommC
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: Config, topology: Topology,
-                                   tensor_parallel: TensorParallel | None = None) -> ActivationCheckpointing:
+                                   tensor_parallel: TensorParallel | None = None,
+                                   sequence: SequenceSplit | None = None) -> ActivationCheckpointing:
     """Note [activation checkpointing]: the config's options; when enabled, the model's blocks (or the modules
-    the config names) wrapped so that they keep only their inputs."""
+    the config names) wrapped so that they keep only their inputs (and, under sequence parallelism, recompute
+    their attention over the split sequence too)."""
     checkpointing = ActivationCheckpointing(cfg.activation_checkpointing, topology.device,
                                             tensor_parallel.streams if tensor_parallel else None,
-                                            tensor_parallel.tp if tensor_parallel else None)
+                                            tensor_parallel.tp if tensor_parallel else None,
+                                            sequence.attention if sequence else None)
     if cfg.activation_checkpointing.enabled:
         checkpointing.wrap_modules(model)
     return checkpointing
@@ -207,31 +228,28 @@ def split_sequences(model: nn.Module, cfg: Config, topology: Topology,
     return SequenceSplit(topology.sp_group, sp.size, topology.sp_rank, mode, model, comm)
 
 
-def build_pipeline(split: PipelineModel, shared_groups: dict, cfg: Config, topology: Topology, chunked: ChunkedParams,
+def build_pipeline(split: PipelineModel, shared_groups: dict, cfg: Config, topology: Topology, runtime: ZeroRuntime,
                    comm: CommCounter, loss_fn: Callable | None) -> PipelineDriver:
-    """Note [a pipelined step]: the driver of train_batch / eval_batch over this rank's stages; parameters two
-    pipeline ranks hold count once in the global norm."""
+    """Note [a pipelined step]: the driver of train_batch / eval_batch over this rank's stages, each action in
+    the runtime's phases."""
     microbatches = cfg.batch_sizes(topology.data_parallel_size).gradient_accumulation_steps
-    driver = PipelineDriver(split, cfg.pipeline.schedule, microbatches, topology, PrecisionPolicy.from_config(cfg),
-                            comm, shared_groups, loss_fn, cfg.pipeline.timeout_s)
-    for pid, ranks in split.shared_here().items():
-        if topology.pp_rank != ranks[0]:
-            chunked.norm_weights[pid] = 0.0
-    return driver
+    return PipelineDriver(split, cfg.pipeline.schedule, microbatches, topology, PrecisionPolicy.from_config(cfg),
+                          comm, shared_groups, runtime, loss_fn, cfg.pipeline.timeout_s)
 
 
 def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: list[dict],
                      pending: set[int] = frozenset(), tensor_parallel: TensorParallel | None = None,
-                     names: dict[int, str] | None = None, experts: ExpertParallel | None = None) -> ChunkedParams:
+                     split: PipelineModel | None = None, experts: ExpertParallel | None = None) -> ChunkedParams:
     """The trainable parameters of `groups` packed into chunks and sharded over the data-parallel ranks as the
     ZeRO stage's ShardingPolicy says (Note [sharding policy]); `pending`: ids of parameters whose values
-    zero_init brings later; `names`: id -> name, when the model no longer names them all (a pipeline split);
-    `experts`: their parameters' chunks are reduced and sharded over the expert-data-parallel group."""
+    zero_init brings later; `split`: this rank's pipeline stages (which name the parameters, and whose parameters
+    other pipeline ranks also hold count once in the global norm); `experts`: their parameters' chunks are reduced
+    and sharded over the expert-data-parallel group."""
     policy = ShardingPolicy(cfg.zero_optimization.stage)
     shards = topology.dp_world_size if policy.shards(ChunkKind.OPTIM) else 1
     trainable = [p.shape for g in groups for p in g["params"] if p.requires_grad]
     capacity, first_capacity = chunk_layout(cfg, trainable, shards)
-    names = names or {id(p): n for n, p in model.named_parameters()}
+    names = split.names if split is not None else {id(p): n for n, p in model.named_parameters()}
     chunked = ChunkedParams(groups, capacity, topology.device, first_capacity, names,
                             shard_count=shards, shard_rank=topology.dp_rank if shards > 1 else 0,
                             shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
@@ -247,6 +265,9 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
         for p in chunked.params:
             expert = chunked.states[chunk_of[id(p)]].place.group is not None
             chunked.norm_weights[id(p)] = 1.0 / (topology.expert_dp_size if expert else topology.dp_world_size)
+    for pid, ranks in (split.shared_here() if split is not None else {}).items():
+        if topology.pp_rank != ranks[0]:  # the lowest pipeline rank holding it counts it
+            chunked.norm_weights[pid] = 0.0
     return chunked
 
 

@@ -55,9 +55,10 @@ class ParallelDims:
             raise ValueError(f"{self._product_text()} must divide the world size {self.world} (world = pp × dp × sp "
                              f"× tp); launch a multiple of {model} processes, or lower a degree")
         if self.ep > 1 and (self.dp * self.sp) % self.ep:
-            raise ValueError(f"moe.expert_parallel_size {self.ep} must divide the data-parallel size {self.dp * self.sp}"
-                             f" (dp {self.dp} × sequence_parallel.size {self.sp}, the ranks holding the same dense "
-                             f"weights); use a size that divides {self.dp * self.sp}, or launch more processes")
+            ranks = self.dp * self.sp
+            raise ValueError(f"moe.expert_parallel_size {self.ep} must divide the data-parallel size {ranks} "
+                             f"(dp {self.dp} × sequence_parallel.size {self.sp}, the ranks holding the same dense "
+                             f"weights); use a size that divides {ranks}, or launch more processes")
         if self.ep > 1 and self.ep % self.sp and self.sp % self.ep:
             raise ValueError(f"moe.expert_parallel_size {self.ep} and sequence_parallel.size {self.sp}: one must "
                              "divide the other (an expert group holds whole sequence groups, or part of one); use "
@@ -119,6 +120,11 @@ class Mesh:
             self._views[name] = (self.device_mesh[span[0]] if len(span) == 1
                                  else self.device_mesh[span]._flatten(f"{name}_view"))
 
+    def control_group(self) -> dist.ProcessGroup:
+        """Every rank, over gloo, for checkpoint control messages only (Note [checkpoint commit]): a group of its
+        own, so that a background save never interleaves its collectives with training's."""
+        return dist.new_group(list(range(self.dims.world)), backend="gloo")
+
     def group(self, name: str) -> dist.ProcessGroup:
         """This rank's group along view `name` (pp, dp, sp, tp, zero, ep, edp; tp_row, tp_col under 2D)."""
         mesh = self._views[name] if name in self._views else self.device_mesh[name]
@@ -131,3 +137,16 @@ class Mesh:
     def size(self, name: str) -> int:
         mesh = self._views[name] if name in self._views else self.device_mesh[name]
         return mesh.size()
+
+    def subgroup(self, name: str, members: tuple[int, ...]) -> dist.ProcessGroup:
+        """The group of positions `members` along atomic dimension `name` at this rank's place in the others (e.g.
+        the pipeline stages that share a parameter); every rank builds every such group, in the same order."""
+        ranks = self.device_mesh.mesh
+        axis = self.device_mesh.mesh_dim_names.index(name)
+        rows = ranks.movedim(axis, -1).reshape(-1, ranks.shape[axis])[:, list(members)].tolist()
+        mine, me = None, dist.get_rank()
+        for row in rows:
+            group = dist.new_group(row)
+            if me in row:
+                mine = group
+        return mine

@@ -114,7 +114,7 @@ class TensorBackward:
                 f"loss.backward() under a loss scale ({engine.loss_scaler.scale:g}, fp16) without engine.scale: "
                 "the gradients would underflow unscaled; call engine.scale(loss).backward(), or "
                 "engine.backward(loss)")
-        if engine.experts is not None and engine.experts.take_aux_loss() is not None:
+        if engine.features.take_aux_loss() is not None:
             raise RuntimeError(
                 "loss.backward() with engine.moe.MoE router losses pending: engine.backward(loss) adds them to the "
                 "loss; call engine.backward(loss) instead")
@@ -134,6 +134,17 @@ class TensorBackward:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+class ScheduledBackward:
+    """In place of TensorBackward where a schedule runs every backward itself (a pipeline): nothing to watch;
+    engine.scale is refused by the feature first (Note [feature objects])."""
+
+    def settle(self) -> None:
+        pass
+
+    def remove_hooks(self) -> None:
+        pass
 
 
 class _OutputsWatcher:

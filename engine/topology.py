@@ -142,12 +142,6 @@ class Topology:
     def is_distributed(self) -> bool:
         return self.dp_world_size > 1
 
-    def global_rank(self, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None) -> int:
-        """The global rank at (pp_rank, dp_rank, tp_rank); this rank's dp and tp rank by default."""
-        dp_rank = self.dp_rank if dp_rank is None else dp_rank
-        tp_rank = self.tp_rank if tp_rank is None else tp_rank
-        return (pp_rank * self.dp_world_size + dp_rank) * self.tp_size + tp_rank
-
     @classmethod
     def from_environment(cls, device: torch.device | None = None, tp_size: int = 1, tp_mode: str = "1d",
                          pp_size: int = 1, sp_size: int = 1, ep_size: int = 1) -> "Topology":
@@ -172,7 +166,7 @@ class Topology:
                    group("tp", dims.tp), dims.tp, rank("tp", dims.tp),
                    tp_row_group=mesh.group("tp_col") if dims.tp_2d else None,  # a row: every column of one row
                    tp_col_group=mesh.group("tp_row") if dims.tp_2d else None,
-                   control_group=dist.new_group(list(range(world)), backend="gloo"),
+                   control_group=mesh.control_group(),
                    pp_group=group("pp", dims.pp), pp_size=dims.pp, pp_rank=rank("pp", dims.pp),
                    sp_group=group("sp", dims.sp), sp_size=dims.sp, sp_rank=rank("sp", dims.sp),
                    sample_group=mesh.group("dp") if dims.sp > 1 else None,

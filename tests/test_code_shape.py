@@ -44,3 +44,50 @@ def test_no_source_file_is_over_600_lines():
     long = {str(p.relative_to(ROOT)): n for top in ("engine", "offload", "scripts") for p in (ROOT / top).rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_FILE_LINES}
     assert not long, long
+
+
+# Note [feature objects]: the names by which code could ask which parallelism is on
+PARALLELISM_NAMES = {"tensor_parallel", "pipeline", "sequence", "experts", "split", "tp_size", "pp_size", "sp_size",
+                     "ep_size", "tp_mode", "ep_group", "pp_group", "sp_group", "tp_group", "num_stages",
+                     "seq_parallel_world_size", "ep_world_size", "tp_world_size"}
+FEATURE_BLIND_FILES = ["engine/engine.py"]
+
+
+def _names_in(node: ast.AST) -> set[str]:
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+            if isinstance(n, (ast.Name, ast.Attribute))}
+
+
+def test_the_engine_never_branches_on_a_parallelism():
+    """Engine iterates over feature objects (Note [feature objects]); no `if`, conditional expression, `while` or
+    comprehension filter in it tests which parallelism is on."""
+    found = []
+    for name in FEATURE_BLIND_FILES:
+        for node in ast.walk(ast.parse((ROOT / name).read_text(encoding="utf-8"))):
+            tests = [node.test] if isinstance(node, (ast.If, ast.IfExp, ast.While)) else []
+            tests += node.ifs if isinstance(node, ast.comprehension) else []
+            found += [f"{name}:{t.lineno}: {ast.unparse(t)}" for t in tests if _names_in(t) & PARALLELISM_NAMES]
+    assert not found, found
+
+
+def test_the_engine_constructor_takes_at_most_five_parameters():
+    (engine,) = [cls for path, cls in _classes() if str(path) == "engine/engine.py" and cls.name == "Engine"]
+    (init,) = [m for m in _methods(engine) if m.name == "__init__"]
+    assert len(init.args.args) - 1 + len(init.args.kwonlyargs) <= 5, ast.unparse(init.args)
+
+
+GROUP_BUILDERS = {"new_group", "init_device_mesh", "DeviceMesh", "split_group", "new_subgroups"}
+
+
+def test_every_process_group_comes_from_the_mesh():
+    """Note [one mesh]: engine/mesh.py builds every process group (DeepSpeed's comm API, which hands a user's own
+    ranks to torch, is the one other caller)."""
+    allowed = {"engine/mesh.py", "engine/compat/deepspeed/comm.py"}
+    found = []
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        if str(path.relative_to(ROOT)) in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and _names_in(node.func) & GROUP_BUILDERS:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node.func)}")
+    assert not found, found

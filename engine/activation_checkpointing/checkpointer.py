@@ -32,6 +32,7 @@ import contextlib
 import functools
 import time
 import types
+from typing import Callable
 
 import torch
 from torch import nn
@@ -48,7 +49,9 @@ class ActivationCheckpointing:
     """The run's checkpointing options; `checkpoint` is a drop-in for torch.utils.checkpoint.checkpoint."""
 
     def __init__(self, config: ActivationCheckpointingConfig, device: torch.device, streams: RNGStreams | None = None,
-                 tp: TPGroup | None = None):
+                 tp: TPGroup | None = None, recompute_context: Callable | None = None):
+        """recompute_context: a context every recompute runs in besides the user's (sequence parallelism's split
+        attention)."""
         self.config = config
         self.device = device
         self.streams = streams
@@ -56,8 +59,7 @@ class ActivationCheckpointing:
         self.recompute_seconds = 0.0  # profile: summed over the run
         self.recomputes = 0
         self.wrapped: list[str] = []  # names of the modules whose forward is checkpointed
-        # a context every recompute runs in besides the user's: sequence parallelism's split attention
-        self.recompute_context = None
+        self.recompute_context = recompute_context
 
     # ---- modules --------------------------------------------------------------------------------
     def wrap_modules(self, model: nn.Module) -> list[str]:

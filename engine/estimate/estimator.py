@@ -203,6 +203,7 @@ def _tensor_parallel(model: nn.Module, cfg: Config):
         return
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from engine.mesh import Mesh, ParallelDims
     from engine.tensor_parallel import Mesh2D, TPGroup, apply_tensor_parallel
 
     if dist.is_initialized():
@@ -210,11 +211,11 @@ def _tensor_parallel(model: nn.Module, cfg: Config):
                            "that has not initialized torch.distributed")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
     try:
-        tp = TPGroup(dist.group.WORLD, size, 0)
+        whole = Mesh(ParallelDims(size, tp=size, tp_2d=cfg.tensor_parallel.mode == "2d"), "cpu")
+        tp = TPGroup(whole.group("tp"), size, 0)
         mesh = None
-        if cfg.tensor_parallel.mode == "2d":
-            q = round(size ** 0.5)
-            mesh = Mesh2D.of(tp, dist.new_group(list(range(q))), dist.new_group(list(range(0, size, q))))
+        if cfg.tensor_parallel.mode == "2d":  # a row group spans the columns of one row (Note [one mesh])
+            mesh = Mesh2D.of(tp, whole.group("tp_col"), whole.group("tp_row"))
         apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp, None, mesh)
         yield mesh.q if mesh else 1
     finally:

@@ -48,14 +48,15 @@ class PipelineDriver:
 
     def __init__(self, split: PipelineModel, schedule_name: str, microbatches: int, topology: Topology,
                  precision: PrecisionPolicy, comm: CommCounter, shared_groups: dict[tuple[int, ...], object],
-                 loss_fn: LossFunction | None = None, timeout_s: float = 600.0):
-        """shared_groups: from shared_parameter_groups, one per set of pipeline ranks sharing parameters."""
+                 runtime, loss_fn: LossFunction | None = None, timeout_s: float = 600.0):
+        """shared_groups: from shared_parameter_groups, one per set of pipeline ranks sharing parameters; runtime:
+        the engine's ZeRO runtime, whose phases every action runs in."""
         self.split, self.topology, self.precision, self.comm = split, topology, precision, comm
         self.loss_fn = loss_fn
         plan = split.plan
         self.schedule = build_schedule(schedule_name, plan.ranks, microbatches, plan.stages // plan.ranks)
         self.formula_bubble = simulate(self.schedule).bubble
-        self.runtime = None  # set by attach(): the engine's phases
+        self.runtime = runtime
         stages = {s: self._stage_function(s) for s in split.views}
         params = {s: list(view.parameters()) for s, view in split.views.items()}
         self.runner = PipelineRunner(self.schedule, topology.pp_rank, stages, params, topology.pp_group, timeout_s,
@@ -63,10 +64,6 @@ class PipelineDriver:
         self.shared_groups = shared_groups
         self._loss_scale = 1.0
         self.last_bubble: float | None = None
-
-    def attach(self, runtime) -> None:
-        """The engine's ZeRO runtime, whose phases every action runs in."""
-        self.runtime = runtime
 
     # ---- one step --------------------------------------------------------------------------------
     def train(self, microbatches: list, loss_scale: float) -> float:
@@ -201,13 +198,6 @@ def sync_shared_values(split: PipelineModel, groups: dict[tuple[int, ...], dist.
 
 
 def shared_parameter_groups(split: PipelineModel, topology: Topology) -> dict[tuple[int, ...], dist.ProcessGroup]:
-    """One group per set of pipeline ranks sharing a parameter, within this rank's dp and tp position; every rank
-    creates every such group, in the same order."""
-    groups = {}
-    for ranks in sorted(set(split.shared.values())):
-        for dp_rank in range(topology.dp_world_size):
-            for tp_rank in range(topology.tp_size):
-                group = dist.new_group([topology.global_rank(r, dp_rank, tp_rank) for r in ranks])
-                if dp_rank == topology.dp_rank and tp_rank == topology.tp_rank:
-                    groups[ranks] = group
-    return groups
+    """One group per set of pipeline ranks sharing a parameter, within this rank's place in the other dimensions of
+    the mesh (Note [one mesh])."""
+    return {ranks: topology.mesh.subgroup("pp", ranks) for ranks in sorted(set(split.shared.values()))}

@@ -1,0 +1,218 @@
+"""What each parallelism adds to the engine's calls, as feature objects the engine iterates over.
+
+Note [feature objects]
+initialize() applies each parallelism to the model in one order (engine/initialization.py) and wraps what it
+returns in a Feature: what it does to a forward's inputs, around the forward and to its output; how it weights
+the loss and what it adds to it; how it joins a state dict gathered on this rank into the whole model's; what
+it logs; whether it replaces the per-micro-batch calls with a schedule. Engine calls the `Features` collection,
+which folds each call over the features in order (tensor, expert, sequence, pipeline parallelism), so Engine
+never asks which parallelism is on, and a new one adds a Feature rather than branches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from engine import whole_weights
+from engine.comm import CommCounter
+from engine.moe.plan import ExpertParallel
+from engine.pipeline.driver import PipelineDriver
+from engine.sequence_parallel.runtime import SequenceSplit
+from engine.tensor_backward import ScheduledBackward, TensorBackward
+from engine.tensor_parallel import TensorParallel
+from engine.topology import Topology
+
+
+class Feature:
+    """One parallelism's part in the engine's calls; every default leaves the call as it is."""
+
+    name = ""
+    joins_state_dict = False  # whether a gathered state dict is only this rank's part of the whole model's
+
+    def split_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, kwargs
+
+    def around_forward(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def output(self, output):
+        return output
+
+    def loss_weight(self) -> float:
+        return 1.0
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        return None
+
+    def join_state_dict(self, whole: dict, keep: bool) -> dict:
+        return whole
+
+    def chunked_keys(self, state: dict) -> set[str]:
+        """Keys of `state` that other ranks' chunks hold (saved in the compute dtype like this rank's)."""
+        return set()
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def check_micro_batch_call(self, call: str) -> None:
+        """Raises when engine.`call` (forward, backward, step, scale) cannot run one micro-batch alone."""
+
+
+class TensorParallelFeature(Feature):
+    """Note [tensor-parallel plans]: every tp rank's shards join into whole weights."""
+
+    name, joins_state_dict = "tensor_parallel", True
+
+    def __init__(self, tensor_parallel: TensorParallel, device: torch.device):
+        self.parallel, self.device = tensor_parallel, device
+
+    def join_state_dict(self, whole: dict, keep: bool) -> dict:
+        return self.parallel.join_state_dict(whole, self.device)
+
+
+class ExpertFeature(Feature):
+    """Note [expert parallelism]: router losses join the loss, every ep rank's experts the state dict, and the
+    experts' token counts the metrics."""
+
+    name = "experts"
+
+    def __init__(self, experts: ExpertParallel, topology: Topology, logged: bool):
+        self.parallel, self.topology, self.logged = experts, topology, logged
+        self.joins_state_dict = experts.ep_size > 1
+
+    def around_forward(self):
+        return self.parallel.collecting()
+
+    def take_aux_loss(self):
+        return self.parallel.take_aux_loss()
+
+    def join_state_dict(self, whole: dict, keep: bool) -> dict:
+        if self.parallel.ep_size == 1:
+            return whole
+        return self.parallel.join_state_dict(whole, self.topology.ep_group, CommCounter(), self.topology.device)
+
+    def chunked_keys(self, state: dict) -> set[str]:
+        return {k for k in state if self.parallel.names_an_expert(k)}
+
+    def metrics(self) -> dict[str, float]:  # (a collective: every rank's counts)
+        if not self.logged:
+            return {}
+        return self.parallel.metrics(self.topology.dp_group, CommCounter(), self.topology.device)
+
+
+class SequenceFeature(Feature):
+    """Note [sequence parallelism]: the forward takes this rank's part of each sequence, runs its attention over
+    the whole one, and returns the whole sequence's loss; the rank's gradient is weighted by its share of tokens."""
+
+    name = "sequence"
+
+    def __init__(self, split: SequenceSplit):
+        self.parallel = split
+
+    def split_inputs(self, args, kwargs):
+        return self.parallel.split(args, kwargs)
+
+    def around_forward(self):
+        return self.parallel.attention()
+
+    def output(self, output):
+        return self.parallel.whole_loss(output)
+
+    def loss_weight(self) -> float:
+        return self.parallel.token_weight
+
+
+class PipelineFeature(Feature):
+    """Note [a pipelined step]: train_batch runs the schedule in place of the per-micro-batch calls; every stage's
+    parameters join the state dict; the schedule's bubble is logged."""
+
+    name, joins_state_dict = "pipeline", True
+
+    def __init__(self, driver: PipelineDriver, topology: Topology, comm: CommCounter):
+        self.parallel, self.topology, self.comm = driver, topology, comm
+
+    def join_state_dict(self, whole: dict, keep: bool) -> dict:
+        return whole_weights.join_stages(whole, self.parallel.split.keys, self.topology, self.comm, keep)
+
+    def metrics(self) -> dict[str, float]:
+        if self.parallel.last_bubble is None:
+            return {}
+        return {"Pipeline/bubble_fraction": self.parallel.last_bubble,
+                "Pipeline/bubble_fraction_formula": self.parallel.formula_bubble}
+
+    def check_micro_batch_call(self, call: str) -> None:
+        raise RuntimeError(f"engine.{call} runs one micro-batch, and under a pipeline config a micro-batch runs "
+                           "across every stage of the schedule; call engine.train_batch(data_iter) (or eval_batch) "
+                           "once per step instead of forward, backward and step")
+
+
+class Features:
+    """The run's feature objects, in the order initialize() applied them; each call folds over them."""
+
+    def __init__(self, features: list[Feature]):
+        self.items = list(features)
+
+    def parallel(self, name: str):
+        """The object a feature wraps (TensorParallel, ExpertParallel, SequenceSplit, PipelineDriver), or None."""
+        return next((f.parallel for f in self.items if f.name == name), None)
+
+    def split_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        for f in self.items:
+            args, kwargs = f.split_inputs(args, kwargs)
+        return args, kwargs
+
+    @contextlib.contextmanager
+    def around_forward(self):
+        with contextlib.ExitStack() as stack:
+            for f in self.items:
+                stack.enter_context(f.around_forward())
+            yield
+
+    def output(self, output):
+        for f in self.items:
+            output = f.output(output)
+        return output
+
+    def loss_weight(self) -> float:
+        weight = 1.0
+        for f in self.items:
+            weight *= f.loss_weight()
+        return weight
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        losses = [loss for loss in (f.take_aux_loss() for f in self.items) if loss is not None]
+        return sum(losses[1:], losses[0]) if losses else None
+
+    @property
+    def joins_state_dict(self) -> bool:
+        return any(f.joins_state_dict for f in self.items)
+
+    def join_state_dict(self, whole: dict, keep: bool) -> dict:
+        for f in self.items:
+            whole = f.join_state_dict(whole, keep)
+        return whole
+
+    def chunked_keys(self, state: dict) -> set[str]:
+        return set().union(*(f.chunked_keys(state) for f in self.items))
+
+    def metrics(self) -> dict[str, float]:
+        return {k: v for f in self.items for k, v in f.metrics().items()}
+
+    def check_micro_batch_call(self, call: str) -> None:
+        for f in self.items:
+            f.check_micro_batch_call(call)
+
+    def schedule(self, call: str) -> PipelineDriver:
+        """The pipeline driver engine.`call` (train_batch, eval_batch) runs; raises without a pipeline."""
+        driver = self.parallel("pipeline")
+        if driver is None:
+            raise RuntimeError(f"engine.{call} runs a pipeline schedule, and this config has no pipeline "
+                               "(pipeline.stages is 1); call the engine's forward, backward and step per micro-batch")
+        return driver
+
+    def tensor_backward(self, build: Callable) -> TensorBackward | ScheduledBackward:
+        """build() (Note [tensor backward]), unless a schedule runs the micro-batches' backward passes itself."""
+        return ScheduledBackward() if self.parallel("pipeline") is not None else build()
