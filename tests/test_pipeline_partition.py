@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.config import PipelineConfig
+from engine.pipeline.block_timing import measured_costs
 from engine.pipeline.model_split import plan_stages, split_model
 from engine.pipeline.partition import balanced_starts, starts_from_names
 from engine.pipeline.stage_modules import Place, VacantModule
@@ -47,6 +48,16 @@ def test_the_example_gpt_is_cut_at_its_blocks_with_the_embeddings_first_and_the_
     big_vocab = tiny_gpt(0, n_layer=4, tie_weights=False, vocab_size=4096)
     assert plan_stages(big_vocab, PipelineConfig(stages=3)).starts == (0, 1, 3)
     assert plan_stages(big_vocab, PipelineConfig(stages=3, partition="uniform")).starts == (0, 1, 2)
+
+
+def test_partition_time_measures_every_block_and_refuses_a_model_it_cannot_feed():
+    model = example_gpt()
+    costs, head, tail = measured_costs(model, model.blocks, micro_batch=1, device=torch.device("cpu"), rounds=1)
+    assert len(costs) == 4 and min(costs) > 0 and head > 0 and tail > 0
+    blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+    with pytest.raises(ValueError, match=r'partition "time" times the blocks of a token language model.*Sequential '
+                                         r'has no vocab_size: use partition "parameters", "uniform"'):
+        measured_costs(torch.nn.Sequential(*blocks), blocks, micro_batch=1, device=torch.device("cpu"))
 
 
 def test_a_rank_keeps_its_stage_and_names_what_it_does_not_hold():

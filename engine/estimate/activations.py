@@ -29,6 +29,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from engine.models.inputs import SEQ_LEN_KEYS, config_seq_len, config_vocab_size, token_model_inputs
+
 
 class LiveAllocations(TorchDispatchMode):
     """Note [tracing activations]: live bytes of the storages operators allocate, and their peak."""
@@ -120,26 +122,21 @@ def language_model_inputs(model: nn.Module, batch: int, seq_len: int,
     causal LM, `ids` as both inputs and labels (default: [batch, seq_len] on the meta device)."""
     if hasattr(model, "example_inputs"):
         return model.example_inputs(batch, seq_len)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab is None:
+    if config_vocab_size(model) is None:
         raise ValueError(f"{type(model).__name__}: the estimate traces token language models (a .config with "
                          "vocab_size, as the example GPT and Hugging Face models have); give the model an "
                          "`example_inputs(batch_size, seq_len)` method returning (args, kwargs) on the meta device")
     if ids is None:
         ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
-    if type(model).__module__.startswith("transformers."):
-        return (), {"input_ids": ids, "labels": ids}
-    return (ids, ids), {}
+    return token_model_inputs(model, ids)
 
 
 def default_seq_len(model: nn.Module) -> int:
-    config = getattr(model, "config", None)
-    for name in ("block_size", "n_positions", "max_position_embeddings"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return min(value, 2048)
-    raise ValueError(f"{type(model).__name__}: no sequence length in its config (block_size, n_positions, "
-                     "max_position_embeddings); give seq_len (--seq-len)")
+    seq_len = config_seq_len(model)
+    if seq_len is None:
+        raise ValueError(f"{type(model).__name__}: no sequence length in its config ({', '.join(SEQ_LEN_KEYS)}); "
+                         "give seq_len (--seq-len)")
+    return seq_len
 
 
 def loss_of(output) -> torch.Tensor:

@@ -9,11 +9,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.models.inputs import SEQ_LEN_KEYS, config_seq_len, config_vocab_size, token_model_inputs
+
 
 def measured_costs(model: nn.Module, blocks: nn.ModuleList, micro_batch: int, device: torch.device,
                    rounds: int = 3) -> tuple[list[float], float, float]:
     """(seconds of each block's forward, of what runs before the first block, of what runs after the last) on one
-    synthetic micro-batch of `micro_batch` sequences (a token language model's inputs, as the estimate makes them),
+    synthetic micro-batch of `micro_batch` random token sequences at the config's context length,
     the median of `rounds` forwards after one warm-up. Every rank runs them (a tensor-parallel forward needs its
     whole group); global rank 0's figures go to every rank, so that all of them cut the model at the same blocks."""
     costs = torch.tensor(_time_forwards(model, blocks, micro_batch, device, rounds), dtype=torch.float64)
@@ -24,13 +26,14 @@ def measured_costs(model: nn.Module, blocks: nn.ModuleList, micro_batch: int, de
 
 def _time_forwards(model: nn.Module, blocks: nn.ModuleList, micro_batch: int, device: torch.device,
                    rounds: int) -> list[float]:
-    # imported here: engine.estimate imports initialize's building blocks, which import this module
-    from engine.estimate.activations import default_seq_len, language_model_inputs
-
-    seq_len = default_seq_len(model)
-    vocab = model.config.vocab_size
+    vocab, seq_len = config_vocab_size(model), config_seq_len(model)
+    if vocab is None or seq_len is None:
+        raise ValueError(f'pipeline.partition "time" times the blocks of a token language model (a .config with '
+                         f"vocab_size and one of {', '.join(SEQ_LEN_KEYS)}); {type(model).__name__} has "
+                         f'{"no vocab_size" if vocab is None else "no sequence length"}: use partition '
+                         '"parameters", "uniform" or a list of block names')
     ids = torch.randint(0, vocab, (micro_batch, seq_len), device=device)
-    args, kwargs = language_model_inputs(model, micro_batch, seq_len, ids)
+    args, kwargs = token_model_inputs(model, ids)
     marks: list[tuple[int, float]] = []  # (block index, or -1 at a block's end), time
     hooks = []
     for i, block in enumerate(blocks):

@@ -17,7 +17,8 @@ import os
 import torch
 from torch import nn
 
-from engine.compat.deepspeed import saving
+import engine.compat.deepspeed.saving as saving
+from engine.compat.deepspeed.offload_names import OffloadDeviceEnum, OffloadStateTypeEnum
 from engine.compat.deepspeed.throughput import ThroughputTimer
 from engine.compat.deepspeed.unsupported import refuse
 from engine.engine import Engine
@@ -222,8 +223,6 @@ class DeepSpeedEngine(nn.Module):
         device to host memory, to free it between phases (Note [states moved off the device]); forward, backward
         and step are refused until reload_states(). Where the compute device is the host nothing moves. The copies
         are synchronous (non_blocking is accepted and changes nothing)."""
-        from engine.compat.deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
-
         if OffloadDeviceEnum(device) is not OffloadDeviceEnum.cpu:
             raise ValueError(f"offload_states(device={device!r}): DeepSpeed offloads states to the CPU only")
         kinds = [StateKind(OffloadStateTypeEnum(k).value) for k in include] if include is not None else list(StateKind)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from engine.tensor_parallel.derive import rules
+import engine.tensor_parallel.derive.rules as rules
 from engine.tensor_parallel.derive.rules import Blocked, Split
 from engine.tensor_parallel.derive.trace import Op, Ref, Trace
 

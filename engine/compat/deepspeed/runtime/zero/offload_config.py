@@ -1,17 +1,5 @@
 """deepspeed.runtime.zero.offload_config: where states may be offloaded, and which states, by DeepSpeed's names."""
 
-from enum import Enum
+from engine.compat.deepspeed.offload_names import OffloadDeviceEnum, OffloadStateTypeEnum
 
-
-class OffloadDeviceEnum(str, Enum):
-    none = "none"
-    cpu = "cpu"
-    nvme = "nvme"
-
-
-class OffloadStateTypeEnum(str, Enum):
-    optim_states = "optim_states"
-    hp_params = "hp_params"
-    lp_params = "lp_params"
-    lp_grads = "lp_grads"
-    contiguous_grad_buffer = "contiguous_grad_buffer"
+__all__ = ["OffloadDeviceEnum", "OffloadStateTypeEnum"]
