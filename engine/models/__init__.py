@@ -1,4 +1,4 @@
-"""Example model (a byte-level GPT) and its data pipeline.
+"""Example model (a byte-level GPT), its data pipeline, and a token language model's training inputs (inputs).
 
 Stands alone: depends only on torch and the Python standard library.
 """

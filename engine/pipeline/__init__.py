@@ -1,5 +1,7 @@
-"""Pipeline parallelism: schedules as data, checked and simulated before they run, and a
-runner that executes one rank's actions over the stage modules it holds."""
+"""Pipeline parallelism on an unmodified model: cut into stages at its block list (model_split, partition,
+block_timing), schedules as data checked and simulated before they run (schedules, simulate), a runner that executes
+one rank's actions over the stage modules it holds (executor, p2p, weight_grads), and train_batch / eval_batch
+driving a step through them (driver)."""
 
 from engine.pipeline.executor import PipelineRunner, PipelineTimeout, StepResult
 from engine.pipeline.schedules import SCHEDULES, Action, ActionKind, Schedule, build_schedule
