@@ -1,5 +1,5 @@
-"""engine/'s imports point one way: no module imports, directly or through others, one that imports it back, and no
-import sits inside a function to dodge such a cycle.
+"""engine/'s and offload/'s imports point one way: no module imports, directly or through others, one that imports
+it back, and no import sits inside a function to dodge such a cycle.
 
 The graph is read from the source (no import runs): a module depends on what it imports at module level (a
 TYPE_CHECKING block aside). `from pkg import name` reads pkg's namespace, so it depends on pkg even where name is a
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _module_files() -> dict[str, Path]:
     files = {}
-    for path in sorted((ROOT / "engine").rglob("*.py")):
+    for path in sorted(p for top in ("engine", "offload") for p in (ROOT / top).rglob("*.py")):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
@@ -66,7 +66,7 @@ class ImportGraph:
             self.edges[name].discard(name)
 
     def targets(self, importer: str, node: ast.AST) -> set[str]:
-        """The engine modules whose import `node` runs or whose namespace it reads."""
+        """The modules of ours whose import `node` runs or whose namespace it reads."""
         found, named = set(), []
         if isinstance(node, ast.Import):
             named = [alias.name for alias in node.names]
@@ -110,7 +110,7 @@ def graph() -> ImportGraph:
     return ImportGraph()
 
 
-def test_no_engine_module_imports_one_that_imports_it_back(graph):
+def test_no_module_imports_one_that_imports_it_back(graph):
     cycles = []
     for name in sorted(graph.edges):
         for target in sorted(graph.edges[name]):
@@ -133,6 +133,19 @@ def test_no_import_inside_a_function_dodges_a_cycle(graph):
                                   f"imports it back: {' -> '.join(back)}")
     assert not dodges, "\n".join(dodges)
 
+
+
+def test_offload_imports_nothing_from_engine(graph):
+    """The memory manager knows tensors, chunks and tiers, not models, ranks or configs (docs/design.md, Layers)."""
+    found = []
+    for name, tree in graph.trees.items():
+        if name.split(".")[0] != "offload":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                found += [f"{name}:{node.lineno} imports {m}" for m in modules if m.split(".")[0] == "engine"]
+    assert not found, found
 
 def test_the_graph_sees_a_cycle_through_a_package_init(graph):
     """The check can fail: block_timing importing the estimate at module level (as it once did inside a function)
