@@ -188,7 +188,7 @@ def _ranks_of_parameters(model: nn.Module, plan: StagePlan) -> dict[int, set[int
 def _view(model: nn.Module, plan: StagePlan, stage: int, state: StageState, originals: dict,
           outside: dict[str, nn.Module]) -> nn.Module:
     """The model as `stage` runs it: copies of the modules on the path to the block list (sharing every
-    parameter, buffer and other submodule), the list holding the stage's blocks only, and the modules outside
+    parameter, buffer, hook and other submodule), the list holding the stage's blocks only, and the modules outside
     it that run elsewhere vacant."""
     run = list(plan.blocks_of(stage))
     stage_blocks = []

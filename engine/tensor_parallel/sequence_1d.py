@@ -22,7 +22,11 @@ model draws from the per-rank stream (Note [tensor-parallel RNG]). The model get
 positions (position_ids 0..T-1 where it takes them; rotary embeddings apply after the gather), T must
 divide by t, and an attention_mask is refused (a Hugging Face model builds its mask from the split
 embeddings' length). Saved activations per layer go from A + B/t to (A + B)/t, A being what the
-replicated regions save, B the tensor-parallel regions.
+replicated regions save, B the tensor-parallel regions. Inside a pipeline (Note [pipeline stages of an
+unmodified model]) the hidden state between two blocks is this rank's part, so that is what a stage sends
+on and what its gradient comes back as (b·T/t·h); each stage's view shares the model's hooks, so every
+stage gets the whole sequence's positions, the first slices the position embeddings, the last gathers the
+final norm's output, and a replicated parameter's gradient is all-reduced on whichever stage holds it.
 """
 
 from __future__ import annotations
