@@ -27,14 +27,16 @@ def _train(rank, world, name, schedule, virtual, stage, option):
     engine = initialize(MODELS[name](), cfg)
     assert engine.tensor_parallel.sequence is not None and engine.num_stages == PP
     losses, norms, sent = [], [], []
-    for batch in token_batches(STEPS, GLOBAL_BATCH, seq=SEQ):
+    for step, batch in enumerate(token_batches(STEPS, GLOBAL_BATCH, seq=SEQ)):
         mbs = [{"input_ids": x, "labels": x} for x in micro_batches(batch, 0, 1, ACCUMULATION)]
+        if step == 0:  # the forwards alone, before any update: the first step's loss
+            evaluated = engine.eval_batch(iter(mbs))
         before = engine.comm.p2p_bytes
         losses.append(engine.train_batch(iter(mbs)))
         sent.append(engine.comm.p2p_bytes - before)
         norms.append(engine.get_global_grad_norm())
     stages = engine.pipeline.split.plan.stages_of_rank(engine.topology.pp_rank)
-    result = losses, norms, stage_params(engine), sent, stages
+    result = losses, norms, stage_params(engine), sent, stages, evaluated
     engine.close()
     return result
 
@@ -62,16 +64,17 @@ def hidden_size(name: str) -> int:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(filter(None, (c[0], c[1], f"zero{c[3]}", c[4]))))
 def test_pipeline_with_megatron_sequence_parallelism_equals_one_process(four_ranks, case):
-    """Losses, global gradient norms (the layer norms' partial gradients summed over tp on every stage) and every
-    stage's final parameters equal one process's; each micro-batch's hidden state crosses a stage boundary as
-    this rank's half of the sequence, its gradient back likewise (the bytes sent: a header and b·T/tp·h fp32)."""
+    """eval_batch's loss before training, the step losses, global gradient norms (the layer norms' partial
+    gradients summed over tp on every stage) and every stage's final parameters equal one process's; each
+    micro-batch's hidden state crosses a stage boundary as this rank's half of the sequence, its gradient back
+    likewise (the bytes sent: a header and b·T/tp·h fp32)."""
     name, schedule, virtual = case[:3]
     ref_losses, ref_params, ref_norms = reference(name)
     stages_total = PP * virtual
     message = HEADER_SIZE * 8 + (GLOBAL_BATCH // ACCUMULATION) * (SEQ // TP) * hidden_size(name) * 4
     held = {}
-    for losses, norms, params, sent, stages in four_ranks[case]:
-        assert_close_relative(losses, ref_losses, rtol=RTOL)
+    for losses, norms, params, sent, stages, evaluated in four_ranks[case]:
+        assert_close_relative([evaluated] + losses, ref_losses[:1] + ref_losses, rtol=RTOL)
         assert_close_relative(norms, ref_norms, rtol=RTOL)
         boundaries = sum((s < stages_total - 1) + (s > 0) for s in stages)  # outputs forward, gradients back
         assert sent == [ACCUMULATION * boundaries * message] * STEPS
