@@ -54,6 +54,11 @@ CASES = {
         {"pipeline": {"stages": 2, "schedule": "1f1b"}, "tensor_parallel": {"size": 2},
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "chunk_size": 4_000}},
         degrees={"num_stages": 2, "dp_world_size": 2, "tp_world_size": 2}, accumulation=4),
+    # the same with Megatron's sequence parallelism inside tp: each stage sends its half of the sequence
+    "pp2_tp2_megatron_sp_zero3": Composition(
+        {"pipeline": {"stages": 2, "schedule": "1f1b"}, "tensor_parallel": {"size": 2, "sequence_parallel": True},
+         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "chunk_size": 4_000}},
+        degrees={"num_stages": 2, "dp_world_size": 2, "tp_world_size": 2}, accumulation=4),
 }
 
 
