@@ -136,7 +136,7 @@ PARTITIONS = ("parameters", "uniform", "time")
 
 def _pipeline_checks(cfg: Config) -> list[tuple[bool, str, object, str]]:
     """Note [pipeline stages of an unmodified model]: what a pipeline config alone rules out."""
-    pp, zero = cfg.pipeline, cfg.zero_optimization
+    pp = cfg.pipeline
     partition_ok = (pp.partition in PARTITIONS if isinstance(pp.partition, str)
                     else all(isinstance(name, str) for name in pp.partition))
     return [
@@ -148,9 +148,6 @@ def _pipeline_checks(cfg: Config) -> list[tuple[bool, str, object, str]]:
          "schedule to \"interleaved\", or virtual_stages to 1"),
         (not partition_ok, "pipeline.partition", pp.partition,
          f"is one of {', '.join(PARTITIONS)}, or a list of the module names that start each stage"),
-        (pp.enabled and zero.offload_optimizer.device in OFFLOADED, "zero_optimization.offload_optimizer.device",
-         zero.offload_optimizer.device, "offloading under pipeline parallelism is not built yet; use \"none\" with "
-         "pipeline.stages > 1"),
         (pp.enabled and cfg.tensor_parallel.size > 1 and cfg.tensor_parallel.mode == "2d", "tensor_parallel.mode",
          "2d", "2D tensor parallelism inside a pipeline stage is not built yet; use mode \"1d\" with "
          "pipeline.stages > 1"),
@@ -188,10 +185,10 @@ def _check_pipeline_run(cfg: Config, topology: Topology, built_under_zero_init: 
     if pp.schedule == "interleaved" and accumulation % pp.stages:
         raise ConfigError(f"gradient_accumulation_steps: {accumulation} — schedule \"interleaved\" runs the "
                           f"micro-batches in rounds of pipeline.stages ({pp.stages}); use a multiple of {pp.stages}")
-    if built_under_zero_init:
-        raise ConfigError("pipeline: building the model under zero_init() is not supported yet with pipeline "
-                          "parallelism; build it normally (each rank keeps only its stage's parameters after "
-                          "initialize)")
+    if built_under_zero_init and pp.partition == "time":
+        raise ConfigError("pipeline.partition: \"time\" — measures each block's forward on the whole model, and a "
+                          "model built under zero_init() has no parameter values before initialize() builds its "
+                          "stages'; use \"parameters\" or \"uniform\", or name the stages' first blocks")
 
 
 def check_client_objects(cfg: Config, optimizer=None, lr_scheduler=None, model_parameters=None) -> None:

@@ -123,7 +123,7 @@ def initialize(
     sequence = split_sequences(model, cfg, topology, comm)
     checkpointing = apply_activation_checkpointing(model, cfg, topology, tensor_parallel, sequence)
     groups = _param_groups(model, optimizer, model_parameters, meta_of, experts.dropped if experts else frozenset())
-    split, shared_groups = split_pipeline(model, cfg, topology, comm)
+    split, shared_groups = split_pipeline(model, cfg, topology, comm, pending=set(meta_of))
     if split is not None:  # this rank's parameters, named as in the whole model
         groups = [dict(g, params=[p for p in g["params"] if split.holds(p)]) for g in groups]
         groups = [g for g in groups if g["params"]]
@@ -134,7 +134,8 @@ def initialize(
     optimizer = build_chunk_optimizer(cfg, chunked, topology.device, optimizer, rebuild=split is not None,
                                       data_parallel=data_parallel)
     if recording is not None:  # after offloading: shards may load straight into the chunk manager
-        materialize_parameters(model, chunked, recording, meta_of, topology.device, topology.dp_group, comm)
+        materialize_parameters(model, chunked, recording, meta_of, topology.device,
+                               topology.dp_group if split is None else None, comm, split.names if split else None)
     loss_scaler = build_loss_scaler(cfg)
     runtime = zero_runtime(model, cfg, chunked, optimizer, topology, loss_scaler, comm)
     pipeline = build_pipeline(split, shared_groups, cfg, topology, runtime, comm, loss_fn) if split else None
@@ -199,18 +200,19 @@ def apply_activation_checkpointing(model: nn.Module, cfg: Config, topology: Topo
     return checkpointing
 
 
-def split_pipeline(model: nn.Module, cfg: Config, topology: Topology,
-                   comm: CommCounter) -> tuple[PipelineModel | None, dict]:
+def split_pipeline(model: nn.Module, cfg: Config, topology: Topology, comm: CommCounter,
+                   pending: set[int] = frozenset()) -> tuple[PipelineModel | None, dict]:
     """Note [pipeline stages of an unmodified model]: `model` keeps what this rank's pipeline stages hold, and
     the views those stages run, with the groups of the pipeline ranks sharing parameters, which start from the
-    lowest one's values; (None, {}) without a pipeline config."""
+    lowest one's values (`pending`: ids of parameters whose values zero_init brings later, the same on every
+    rank: Note [zero_init]); (None, {}) without a pipeline config."""
     if not cfg.pipeline.enabled:
         return None, {}
     micro_batch = cfg.batch_sizes(topology.data_parallel_size).micro_batch_size
     measure = functools.partial(measured_costs, model, micro_batch=micro_batch, device=topology.device)
     split = split_model(model, plan_stages(model, cfg.pipeline, measure), topology.pp_rank)
     groups = shared_parameter_groups(split, topology)
-    sync_shared_values(split, groups, comm)
+    sync_shared_values(split, groups, comm, pending)
     return split, groups
 
 

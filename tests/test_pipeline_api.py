@@ -189,9 +189,6 @@ def test_config_errors_name_the_fix():
         load_config({"pipeline": {"stages": 2, "partition": "balanced"}})
     with pytest.raises(ConfigError, match="pipeline.schedule"):
         load_config({"pipeline": {"stages": 2, "schedule": "dualpipe"}})
-    with pytest.raises(ConfigError, match="offloading under pipeline parallelism is not built yet"):
-        load_config({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1, "offload_optimizer": {
-            "device": "cpu"}}})
     with pytest.raises(ConfigError, match="2D tensor parallelism inside a pipeline stage is not built yet"):
         load_config({"pipeline": {"stages": 2}, "tensor_parallel": {"size": 4, "mode": "2d"}})
     with pytest.raises(ValueError, match="initialize\\(loss_fn=...\\) is the loss train_batch uses"):

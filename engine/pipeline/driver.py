@@ -189,12 +189,14 @@ def pull_microbatches(data_iter: Iterator, count: int) -> list:
 
 
 def sync_shared_values(split: PipelineModel, groups: dict[tuple[int, ...], dist.ProcessGroup],
-                       comm: CommCounter) -> None:
-    """A parameter several pipeline ranks hold starts from the lowest one's values (before it is chunked)."""
+                       comm: CommCounter, pending: set[int] = frozenset()) -> None:
+    """A parameter several pipeline ranks hold starts from the lowest one's values (before it is chunked), except
+    the `pending` ones (zero_init brings the same values to every rank later)."""
     params = split.param_by_id
     with torch.no_grad():
         for pid, ranks in split.shared_here().items():
-            broadcast_from(params[pid].data, 0, groups[ranks], comm)
+            if pid not in pending:
+                broadcast_from(params[pid].data, 0, groups[ranks], comm)
 
 
 def shared_parameter_groups(split: PipelineModel, topology: Topology) -> dict[tuple[int, ...], dist.ProcessGroup]:

@@ -35,6 +35,11 @@ shards of rank 0's model, and no rank holds a full model:
   every value it built (XXH3-64), and a parameter whose hash differs from rank 0's on some rank is
   broadcast whole from rank 0, one at a time, each rank keeping its shard.
 With the same seed everywhere, only the layout, one fingerprint and one hash per parameter move.
+Under a pipeline every rank built the whole model, and keeps only its stages' parameters (Note [pipeline stages
+of an unmodified model]): the placeholders of the others go with their modules, never built. All ranks (pipeline
+× data parallel) agree over the whole model's layout and RNG states as above, so every stage, and both holders of
+a parameter two stages share, get rank 0's numbers; each rank then builds only the parameters it holds, hashes
+them, and where the ranks building a parameter disagree, the lowest of them broadcasts it.
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ class InitRecording:
 
     def __init__(self) -> None:
         self.records: dict[int, _Record] = {}  # storage key -> record
+        self.built_elements = 0  # elements of the values `materialize` made so far on this rank
 
     def knows(self, p: torch.Tensor) -> bool:
         return p.is_meta and _storage_key(p) in self.records
@@ -130,6 +136,7 @@ class InitRecording:
                     write.func(*args, **kwargs)
         finally:
             torch.set_rng_state(saved)
+        self.built_elements += value.numel()
         return value
 
 
@@ -254,13 +261,18 @@ def zero_init_placeholders(model: nn.Module,
 
 
 def materialize_parameters(model: nn.Module, chunked, recording: InitRecording, meta_of: dict[int, torch.Tensor],
-                           device: torch.device, group: dist.ProcessGroup | None, comm: CommCounter) -> None:
-    """Note [zero_init]: rank 0's values of each placeholder, one parameter at a time, into the chunks (this
-    rank's shard under stage 3) or, for a parameter that does not train, into the parameter itself."""
-    named = [(n, p) for n, p in model.named_parameters() if id(p) in meta_of]  # a tied parameter once
-    metas = [meta_of[id(p)] for _, p in named]
+                           device: torch.device, group: dist.ProcessGroup | None, comm: CommCounter,
+                           names: dict[int, str] | None = None) -> None:
+    """Note [zero_init]: rank 0's values of each placeholder `model` holds, one parameter at a time, into the chunks
+    (this rank's shard under stage 3) or, for a parameter that does not train, into the parameter itself.
+    names: id(placeholder) -> its name, for every placeholder of the whole model, when `model` holds only a part
+    of it (a pipeline stage); the ranks of `group` agree over all of them."""
+    held = {id(meta_of[id(p)]): p for p in model.parameters() if id(p) in meta_of}  # a tied parameter once
+    entries = ([(n, meta_of[id(p)]) for n, p in model.named_parameters() if id(p) in meta_of] if names is None
+               else [(names[pid], meta) for pid, meta in meta_of.items()])
+    metas = [meta for _, meta in entries]
     ranks = _RankZero(device, group, comm) if _distributed(group) else None
-    rng_states = ranks.rng_states(recording, named, metas) if ranks else [None] * len(named)
+    rng_states = ranks.rng_states(recording, entries, metas) if ranks else [None] * len(entries)
     chunked_ids = {id(p) for p in chunked.params}
 
     def load(p: nn.Parameter, value: torch.Tensor) -> None:
@@ -269,19 +281,28 @@ def materialize_parameters(model: nn.Module, chunked, recording: InitRecording, 
         else:
             p.data = value
 
-    checksums = []
+    checksums: list[int | None] = []
     with torch.no_grad():
-        for (_, p), meta, states in zip(named, metas, rng_states):
+        for meta, states in zip(metas, rng_states):
+            p = held.get(id(meta))
+            if p is None:  # another pipeline stage's: never built here
+                checksums.append(None)
+                continue
             value = recording.materialize(meta, states)
             checksums.append(_checksum(value) if ranks else 0)
             load(p, value.to(device))
-        for i in ranks.differing(checksums) if ranks else []:  # values not rebuilt from RNG states alone
-            load(named[i][1], ranks.value(recording, metas[i]))
+        for i, source in ranks.differing(checksums) if ranks else []:  # values not rebuilt from RNG states alone
+            value = ranks.value(recording, metas[i], source)
+            if id(metas[i]) in held:
+                load(held[id(metas[i])], value)
         chunked.finish_loading()
 
 
 def _distributed(group: dist.ProcessGroup | None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+_LOWEST = -(2**63)  # below every checksum
 
 
 def _checksum(value: torch.Tensor) -> int:
@@ -331,19 +352,27 @@ class _RankZero:
             raise RuntimeError(_different_models_message(self.rank, culprit - 1, difference))
         return [entry[-1] for entry in zero_layout], not states_differ
 
-    def differing(self, checksums: list[int]) -> list[int]:
-        """Indices of the parameters whose values differ from rank 0's on some rank (same list on every rank)."""
-        zero = torch.tensor(checksums, dtype=torch.int64, device=self.device)
-        broadcast_from(zero, 0, self.group, self.comm)
-        mask = (zero.cpu() != torch.tensor(checksums, dtype=torch.int64)).to(torch.int64).to(self.device)
-        all_reduce_max(mask, self.group, self.comm)
-        return mask.nonzero().flatten().tolist()
+    def differing(self, checksums: list[int | None]) -> list[tuple[int, int]]:
+        """(index, source) of the parameters whose values differ between the ranks building them (None: not built
+        here), with the lowest of those ranks as the source; the same list on every rank."""
+        size = dist.get_world_size(self.group)
+        built = [c is not None for c in checksums]
+        # per parameter: the largest checksum built, and size - the lowest rank building it
+        ours = torch.tensor([[c, size - self.rank] if c is not None else [_LOWEST, 0] for c in checksums],
+                            dtype=torch.int64).reshape(-1, 2)
+        highest = ours.to(self.device)
+        all_reduce_max(highest, self.group, self.comm)
+        highest = highest.cpu()
+        below = torch.tensor([b and c != h for c, b, h in zip(checksums, built, highest[:, 0].tolist())],
+                             dtype=torch.int64, device=self.device)
+        all_reduce_max(below, self.group, self.comm)
+        return [(i, size - int(highest[i, 1])) for i in below.nonzero().flatten().tolist()]
 
-    def value(self, recording: InitRecording, meta: torch.Tensor) -> torch.Tensor:
-        """Rank 0's values of one parameter, broadcast from it."""
-        value = (recording.materialize(meta).to(self.device) if self.rank == 0
+    def value(self, recording: InitRecording, meta: torch.Tensor, source: int = 0) -> torch.Tensor:
+        """The values of one parameter as group rank `source` builds it, broadcast from it."""
+        value = (recording.materialize(meta).to(self.device) if self.rank == source
                  else torch.empty(meta.shape, dtype=meta.dtype, device=self.device))
-        broadcast_from(value, 0, self.group, self.comm)
+        broadcast_from(value, source, self.group, self.comm)
         return value
 
 
