@@ -13,16 +13,35 @@ from engine import initialize, zero_init
 from engine.config import ConfigError
 from offload.chunk import Location
 from tests.distributed import results_by_case, run_cases, run_distributed
-from tests.reference import assert_close_relative, assert_params_close, micro_batches, token_batches
-from tests.test_pipeline_engine import GLOBAL_BATCH, STEPS, example_gpt, pipeline_config, reference, stage_params
+from tests.reference import (
+    assert_close_relative,
+    assert_params_close,
+    micro_batches,
+    param_snapshot,
+    token_batches,
+    train_reference,
+)
+from tests.test_data_parallel import adamw
+from tests.test_pipeline_engine import (
+    GLOBAL_BATCH,
+    LAYERS,
+    STEPS,
+    example_gpt,
+    pipeline_config,
+    reference,
+    stage_params,
+)
 
 PP, DP, M = 2, 2, 2
-CASES = ("cpu", "nvme", "zero_init")
+CASES = ("cpu", "nvme", "zero_init", "stage2_cpu")
 CPU_BUDGET = 200 * 1024  # bytes
+WIDTH = 64  # the example GPT's hidden size
 
 
 def _config(case: str, nvme_dir: str) -> dict:
-    cfg = pipeline_config(PP, "1f1b", DP, M, stage=3)
+    cfg = pipeline_config(PP, "1f1b", DP, M, stage=2 if case == "stage2_cpu" else 3)
+    if case == "stage2_cpu":  # optimizer states and gradient shards only: parameters stay on the device
+        cfg["zero_optimization"].update(offload_optimizer={"device": "cpu"})
     if case in ("cpu", "nvme"):
         offload = {"device": case, "nvme_path": nvme_dir} if case == "nvme" else {"device": case}
         cfg["zero_optimization"].update(offload_optimizer=offload, offload_param=offload)
@@ -35,7 +54,7 @@ def _train(case: str, nvme_dir: str) -> dict:
     recording = None
     if case == "zero_init":  # each rank its own seed: every stage gets rank 0's numbers (seed 0, the reference's)
         with zero_init() as recording:
-            model = example_gpt(seed=dist.get_rank())
+            model = gpt_with_drawn_biases(seed=dist.get_rank())
     else:
         model = example_gpt()
     engine = initialize(model, _config(case, nvme_dir))
@@ -53,6 +72,17 @@ def _train(case: str, nvme_dir: str) -> dict:
     params = stage_params(engine)
     engine.close()
     return {"losses": losses, "params": params, "built": built, "held": held, "tiers": tiers, "stats": stats}
+
+
+def gpt_with_drawn_biases(seed: int, stage_1_seed: int | None = None):
+    """The example GPT with a bias in each stage made with its values (torch.randn under the build's seed), which
+    no recorded RNG state decides: under zero_init the lowest rank holding it gives it (stage 0's: rank 0; stage
+    1's: rank 2). stage_1_seed: the seed of stage 1's bias, when not `seed`."""
+    model = example_gpt(seed)
+    for block, drawn_with in ((0, seed), (LAYERS - 1, seed if stage_1_seed is None else stage_1_seed)):
+        torch.manual_seed(100 + drawn_with)
+        model.blocks[block].ln_1.bias = torch.nn.Parameter(torch.randn(model.blocks[block].ln_1.bias.shape))
+    return model
 
 
 def _refusals() -> dict[str, str]:
@@ -83,12 +113,15 @@ def four_ranks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_process():
     losses, params, _ = reference("gpt")
-    return losses, params
+    model = gpt_with_drawn_biases(seed=0, stage_1_seed=PP * DP // 2)  # stage 1's bias: its first rank's
+    drawn_losses, _ = train_reference(model, token_batches(STEPS, GLOBAL_BATCH), adamw, clip=1.0,
+                                      loss_fn=lambda m, x: m(input_ids=x, labels=x))
+    return {"plain": (losses, params), "zero_init": (drawn_losses, param_snapshot(model))}
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_trains_as_one_process(four_ranks, one_process, case):
-    ref_losses, ref_params = one_process
+    ref_losses, ref_params = one_process["zero_init" if case == "zero_init" else "plain"]
     held: dict[str, torch.Tensor] = {}
     for result in four_ranks[0][case]:
         assert_close_relative(result["losses"], ref_losses)
@@ -119,8 +152,9 @@ def test_optimizer_states_twice_the_cpu_budget_stream_through_nvme(four_ranks):
 
 def test_zero_init_builds_only_each_stages_parameters(four_ranks, one_process):
     """Each rank built exactly the parameters its stage holds (the tied embedding on both stages), never the other
-    stage's: its elements are its stage's, well under the whole model's."""
-    _, ref_params = one_process
+    stage's: its elements are its stage's, well under the whole model's; each stage's first rank built its drawn
+    bias once more, to send it to the other."""
+    _, ref_params = one_process["zero_init"]
     results = four_ranks[0]["zero_init"]
     total = sum(v.numel() for v in ref_params.values())
     stages = [results[0]["held"], results[2]["held"]]  # rank = pp_rank * dp + dp_rank
@@ -129,7 +163,8 @@ def test_zero_init_builds_only_each_stages_parameters(four_ranks, one_process):
     assert set(stages[0]) & set(stages[1]) == {"wte.weight"}  # the output layer's weight is wte's
     for rank, result in enumerate(results):
         stage_elements = sum(ref_params[n].numel() for n in result["held"])
-        assert result["built"] == stage_elements < 0.6 * total, (rank, result["built"], total)
+        resent = WIDTH if rank % DP == 0 else 0
+        assert result["built"] == stage_elements + resent < 0.6 * total, (rank, result["built"], total)
 
 
 def test_a_partition_measured_on_the_model_is_refused_under_zero_init(four_ranks):
