@@ -5,6 +5,8 @@ builds only its stage's parameters, and every stage gets rank 0's numbers though
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,7 +35,7 @@ from tests.test_pipeline_engine import (
 )
 
 PP, DP, M = 2, 2, 2
-CASES = ("cpu", "nvme", "zero_init", "stage2_cpu")
+CASES = ("cpu", "nvme", "nvme_resumed", "zero_init", "stage2_cpu")
 CPU_BUDGET = 200 * 1024  # bytes
 WIDTH = 64  # the example GPT's hidden size
 
@@ -42,10 +44,10 @@ def _config(case: str, nvme_dir: str) -> dict:
     cfg = pipeline_config(PP, "1f1b", DP, M, stage=2 if case == "stage2_cpu" else 3)
     if case == "stage2_cpu":  # optimizer states and gradient shards only: parameters stay on the device
         cfg["zero_optimization"].update(offload_optimizer={"device": "cpu"})
-    if case in ("cpu", "nvme"):
-        offload = {"device": case, "nvme_path": nvme_dir} if case == "nvme" else {"device": case}
+    if case in ("cpu", "nvme", "nvme_resumed"):
+        offload = {"device": "nvme", "nvme_path": nvme_dir} if case != "cpu" else {"device": "cpu"}
         cfg["zero_optimization"].update(offload_optimizer=offload, offload_param=offload)
-    if case == "nvme":  # a CPU tier smaller than this rank's optimizer states: they stream from NVMe every step
+    if case in ("nvme", "nvme_resumed"):  # a CPU tier smaller than this rank's optimizer states: they stream
         cfg.update(aio={"block_size": 4096}, memory={"cpu_budget": CPU_BUDGET})
     return cfg
 
@@ -55,16 +57,21 @@ def _train(case: str, nvme_dir: str) -> dict:
     if case == "zero_init":  # each rank its own seed: every stage gets rank 0's numbers (seed 0, the reference's)
         with zero_init() as recording:
             model = gpt_with_drawn_biases(seed=dist.get_rank())
-    else:
-        model = example_gpt()
+    else:  # resumed: other starting weights, replaced by the checkpoint the nvme case saved after its first step
+        model = example_gpt(seed=5 if case == "nvme_resumed" else 0)
     engine = initialize(model, _config(case, nvme_dir))
     built = recording.built_elements if recording is not None else None
     names = engine.pipeline.split.names
     held = sorted(names[id(p)] for p in engine.module.parameters())
-    losses = []
-    for batch in token_batches(STEPS, GLOBAL_BATCH):
+    losses, batches = [], token_batches(STEPS, GLOBAL_BATCH)
+    if case == "nvme_resumed":
+        engine.load_checkpoint(os.path.join(nvme_dir, "checkpoint"), tag="first")
+        batches = batches[1:]
+    for batch in batches:
         mbs = [{"input_ids": x, "labels": x} for x in micro_batches(batch, engine.dp_rank, DP, M)]
         losses.append(engine.train_batch(iter(mbs)))
+        if case == "nvme" and len(losses) == 1:
+            engine.save_checkpoint(os.path.join(nvme_dir, "checkpoint"), tag="first")
     manager = getattr(engine.optimizer, "manager", None)
     tiers = None if manager is None else {loc: manager.used_bytes_by_kind(loc) for loc in Location}
     stats = None if manager is None else (manager.stats.peak_bytes.get("cpu", 0),
@@ -119,7 +126,17 @@ def one_process():
     return {"plain": (losses, params), "zero_init": (drawn_losses, param_snapshot(model))}
 
 
-@pytest.mark.parametrize("case", CASES)
+def test_a_checkpoint_saved_through_nvme_resumes_exactly(four_ranks):
+    """Saved after the first step, loaded into an engine started from other weights: the next steps' losses and
+    the final parameters are exactly the uninterrupted run's."""
+    for run, resumed in zip(four_ranks[0]["nvme"], four_ranks[0]["nvme_resumed"]):
+        assert resumed["losses"] == run["losses"][1:]
+        assert resumed["params"].keys() == run["params"].keys()
+        for key, value in resumed["params"].items():
+            torch.testing.assert_close(value, run["params"][key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "nvme_resumed"])
 def test_trains_as_one_process(four_ranks, one_process, case):
     ref_losses, ref_params = one_process["zero_init" if case == "zero_init" else "plain"]
     held: dict[str, torch.Tensor] = {}
