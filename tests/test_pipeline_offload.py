@@ -1,7 +1,9 @@
-"""A pipeline under ZeRO-3 with offloaded parameters and optimizer states (CPU, NVMe) and with a model built under
-zero_init (Note [a pipelined step], Note [offload policy], Note [zero_init]): pp 2 × dp 2, schedule 1f1b, trains as
-one process trains the whole model (fp32 1e-5); the offloaded chunks live on their tier; under zero_init each rank
-builds only its stage's parameters, and every stage gets rank 0's numbers though each rank seeds differently."""
+"""A pipeline under ZeRO-3 with offloaded parameters and optimizer states (CPU, NVMe), under ZeRO-2 with offloaded
+optimizer states, and under ZeRO-3 with a model built under zero_init (Note [a pipelined step], Note [offload
+policy], Note [zero_init]): pp 2 × dp 2, schedule 1f1b, 2 micro-batches, 3 steps, each trains as one process trains
+the whole model (fp32 1e-5); the offloaded chunks live on their tier, and a checkpoint saved through NVMe resumes
+exactly; under zero_init each rank builds only its stage's parameters, and every stage gets rank 0's numbers though
+each rank seeds differently. All cases run in one spawned group of 4 ranks."""
 
 from __future__ import annotations
 
