@@ -69,7 +69,7 @@ def layer_2d(kind: str, whole: nn.Module, mesh: Mesh2D) -> nn.Module:
     if kind in ("layernorm", "rmsnorm"):
         return Norm2D.from_module(whole, mesh, kind)
     if kind == "embedding":
-        return Embedding2D.from_module(whole, mesh, kind, split_batch=True)
+        return Embedding2D.from_module(whole, mesh, kind)
     return Classifier2D.from_module(whole, mesh, kind, transposed=False, gather_batch=False)
 
 
@@ -122,7 +122,8 @@ def _layers_worker(rank, world):
     for kind, whole in whole_layers().items():
         layer = layer_2d(kind, whole, mesh)
         x = inputs(kind)
-        mine = x if kind == "embedding" else block(x, mesh.r, mesh.c).clone().requires_grad_()
+        # token ids arrive cut to the batch block (Note [2D batch inputs])
+        mine = x.chunk(Q, dim=0)[mesh.r] if kind == "embedding" else block(x, mesh.r, mesh.c).clone().requires_grad_()
         y = layer(mine)
         with torch.no_grad():
             grad_y = out_block(kind, output_grad(whole(x).shape), mesh.r, mesh.c)
@@ -181,20 +182,59 @@ def test_summa_under_bf16_autocast_computes_in_bf16_and_returns_fp32_gradients(m
             torch.testing.assert_close(result[kind][3], out_block(kind, y.float(), r, c), rtol=2e-2, atol=2e-2)
 
 
+def _padding_mask(x: torch.Tensor) -> torch.Tensor:
+    mask = torch.ones_like(x)
+    mask[::2, -5:] = 0  # every batch block holds padded and unpadded samples
+    return mask
+
+
+MASKED = {  # model -> its loss with a padding mask; Llama also with per-sample positions [batch, seq] from it
+    "gpt2": lambda m, x: m(input_ids=x, labels=x, attention_mask=_padding_mask(x), use_cache=False).loss,
+    "llama": lambda m, x: m(input_ids=x, labels=x, attention_mask=_padding_mask(x), use_cache=False,
+                            position_ids=(_padding_mask(x).cumsum(-1) - 1).clamp(min=0)).loss,
+}
+
+
 def _attention_mask_worker(rank, world):
     from tests.test_tensor_parallel import build
-    engine = initialize(build("gpt2", seed=rank), tp_config(world, 1, mode="2d"))
-    x = token_batches(1, GLOBAL_BATCH)[0]
-    with pytest.raises(ValueError, match="not an attention_mask"):
-        engine(input_ids=x, labels=x, attention_mask=torch.ones_like(x))
-    loss = engine(input_ids=x, labels=x).loss.item()  # and without one it runs
-    engine.close()
-    return loss
+    out = {}
+    for model, loss_fn in MASKED.items():
+        engine = initialize(build(model, seed=rank), tp_config(world, 1, mode="2d"))
+        x = token_batches(1, GLOBAL_BATCH)[0]
+        refused = []
+        for bad in ({"attention_mask": torch.ones(1, x.shape[1], dtype=torch.long)},
+                    {"position_ids": torch.arange(x.shape[1]).expand(GLOBAL_BATCH // Q, -1)},
+                    {"inputs_embeds": torch.zeros(GLOBAL_BATCH, x.shape[1], 64), "input_ids": None}):
+            with pytest.raises(ValueError) as error:
+                engine(**{"input_ids": x, "labels": x, **bad})
+            refused.append(str(error.value))
+        losses = []
+        for x in token_batches(STEPS, GLOBAL_BATCH):
+            loss = loss_fn(engine, x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out[model] = (losses, engine.full_state_dict(), refused)
+        engine.close()
+    return out
 
 
-def test_2d_refuses_an_attention_mask_it_would_not_split(mesh_results):
-    losses = mesh_results["attention_mask"]
-    assert len(set(losses)) == 1
+@pytest.mark.parametrize("model", list(MASKED))
+def test_2d_cuts_a_padding_mask_and_positions_to_the_batch_block_and_trains_like_one_process(mesh_results, model):
+    """HF GPT-2 and Llama with a padding attention_mask (Llama also with position_ids [batch, seq]) on a 2×2 mesh
+    against plain PyTorch with the same inputs; inputs that cannot be cut to the same samples are refused."""
+    from tests.test_tensor_parallel import build
+    reference = build(model)
+    ref_losses, _ = train_reference(reference, token_batches(STEPS, GLOBAL_BATCH), adamw, clip=1.0,
+                                    loss_fn=MASKED[model])
+    params = param_snapshot(reference)
+    for per_rank in mesh_results["attention_mask"]:
+        losses, full, refused = per_rank[model]
+        assert_close_relative(losses, ref_losses, rtol=TP_RTOL)
+        assert_params_close({k: full[k] for k in params}, params, rtol=TP_RTOL)
+        assert "attention_mask of shape [1, 32] does not have the batch of the token ids input_ids (8)" in refused[0]
+        assert "position_ids of shape [4, 32] does not have the batch of the token ids input_ids (8)" in refused[1]
+        assert "inputs_embeds is given: it cannot be split into the 2D blocks" in refused[2]
 
 
 # --- the loss over the batch split ---------------------------------------------------------------

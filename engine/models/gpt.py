@@ -189,9 +189,9 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         if labels is None:
             return logits
-        if labels.shape != input_ids.shape:
+        if labels.shape != logits.shape[:-1]:  # (under 2D TP: the ids are a batch block, the logits gathered)
             raise ValueError(
-                f"labels shape {tuple(labels.shape)} must match input_ids {tuple(input_ids.shape)}"
+                f"labels shape {tuple(labels.shape)} must match the logits' [batch, seq] {tuple(logits.shape[:-1])}"
             )
         return F.cross_entropy(
             logits.reshape(-1, logits.size(-1)).float(),

@@ -2,9 +2,9 @@
 
 Every activation between these layers is this rank's block [batch/q, seq, hidden/q] of the whole
 one (Note [2D tensor parallelism]); every parameter is a 1/q² piece (engine/tensor_parallel/shards.py).
-The token embedding cuts the batch; the classifier sums the hidden blocks into whole-vocabulary
-logits for this rank's batch block, and (gather_batch) collects the batch again for a model that
-computes its own loss. Weights keep the layout of the module they replace.
+The model's inputs arrive cut to the batch block (Note [2D batch inputs]); the classifier sums the
+hidden blocks into whole-vocabulary logits for this rank's batch block, and (gather_batch) collects
+the batch again for a model that computes its own loss. Weights keep the layout of the module they replace.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.tensor_parallel.mappings import reduce_from_tp
-from engine.tensor_parallel.mappings_2d import Mesh2D, batch_block, gather_batch, gather_down_column, summa_matmul
+from engine.tensor_parallel.mappings_2d import Mesh2D, gather_batch, gather_down_column, summa_matmul
 from engine.tensor_parallel.norm_2d import normalize_along_row
 from engine.tensor_parallel.shards import BlockSpec2D, PieceSpec2D, shard_param, shared_or_sharded
 
@@ -105,29 +105,26 @@ def _check_embedding(module: nn.Module, name: str) -> None:
 
 class Embedding2D(nn.Module):
     """An embedding table held as 1/q² pieces of its columns (the hidden dimension); a lookup gathers hidden
-    block c down the column. Token ids [batch, ...] are cut to batch block r (`split_batch`); position ids
-    ([seq] or [1, seq]) are looked up whole and broadcast over the batch (a batch of them is cut too)."""
+    block c down the column. The ids are this rank's batch block already (token ids [batch/q, ...], cut before
+    the model's forward, Note [2D batch inputs]) or have no batch (position ids [seq] or [1, seq], broadcast)."""
 
-    def __init__(self, weight: nn.Parameter, padding_idx: int | None, mesh: Mesh2D, *, split_batch: bool):
+    def __init__(self, weight: nn.Parameter, padding_idx: int | None, mesh: Mesh2D):
         super().__init__()
-        self.mesh, self.padding_idx, self.split_batch = mesh, padding_idx, split_batch
+        self.mesh, self.padding_idx = mesh, padding_idx
         self.weight_spec = PieceSpec2D(dim=1)
         self.weight = weight
 
     @classmethod
-    def from_module(cls, module: nn.Embedding, mesh: Mesh2D, name: str, *, split_batch: bool,
-                    shared: dict | None = None) -> "Embedding2D":
+    def from_module(cls, module: nn.Embedding, mesh: Mesh2D, name: str, shared: dict | None = None) -> "Embedding2D":
         _check_embedding(module, name)
         weight = shared_or_sharded(module.weight, PieceSpec2D(dim=1), mesh.whole, f"{name}.weight", shared)
-        return cls(weight, module.padding_idx, mesh, split_batch=split_batch)
+        return cls(weight, module.padding_idx, mesh)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.split_batch or (ids.dim() > 1 and ids.shape[0] > 1):
-            ids = batch_block(ids, self.mesh, "embedding ids")
         return F.embedding(ids, gather_down_column(self.weight, self.mesh, 1), self.padding_idx)
 
     def extra_repr(self) -> str:
-        return f"mesh={self.mesh.q}x{self.mesh.q}, split_batch={self.split_batch}"
+        return f"mesh={self.mesh.q}x{self.mesh.q}"
 
 
 class Classifier2D(nn.Module):

@@ -23,14 +23,14 @@ hidden/q], so every module holding parameters must get one, and no module is rep
   linear_2d              SUMMA linear (nn.Linear or Conv1D)
   linear_2d_qkv          the same for a fused q/k/v projection (whole heads per hidden block)
   norm_2d                nn.LayerNorm, nn.RMSNorm or a Hugging Face *RMSNorm
-  embedding_2d           token embedding: cuts the batch into the q batch blocks
-  position_embedding_2d  position embedding: ids [seq] or [1, seq] broadcast over the batch
+  embedding_2d           token embedding
+  position_embedding_2d  position embedding (the same layer: ids [seq] or [1, seq] broadcast over the batch)
   classifier_2d          output layer, logits of this rank's batch block (engine.tensor_parallel.cross_entropy)
   classifier_2d_gather   the same, batch gathered back (a model that computes its own loss)
 Under 2D every dropout draws from the per-rank stream: every activation between layers is split.
 (The logits a classifier_2d layer returns are whole along the row; a dropout on them would draw
-different masks on the row's ranks. No built-in model has one.) Only token and position ids are
-cut to the batch blocks, so a 2D model refuses an attention_mask argument.
+different masks on the row's ranks. No built-in model has one.) The model's per-sample inputs (token
+ids, attention_mask, position ids) are cut to the batch blocks before its forward (Note [2D batch inputs]).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from typing import Callable
 from torch import nn
 
 from engine.tensor_parallel.derive import derive_plan
+from engine.tensor_parallel.inputs_2d import BatchInputs2D
 from engine.tensor_parallel.layers_1d import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from engine.tensor_parallel.layers_2d import Classifier2D, Embedding2D, Linear2D, Norm2D
 from engine.tensor_parallel.mappings import TPGroup
@@ -208,7 +209,7 @@ def apply_plan(model: nn.Module, plan: Plan, tp: TPGroup, streams: RNGStreams | 
     for module, attr, value in changes:
         setattr(module, attr, value)
     if mesh is not None:
-        model.register_forward_pre_hook(_refuse_unsplit_inputs, with_kwargs=True)
+        model.register_forward_pre_hook(BatchInputs2D(model, mesh), with_kwargs=True)
     if sequence is not None:
         for layer in replaced.values():
             if not getattr(layer, "gather_output", False):  # the lm_head takes the gathered final norm's output
@@ -268,17 +269,9 @@ def _check_all_placed(model: nn.Module, replaced: dict[str, nn.Module]) -> None:
                              f"give it one of {', '.join(STYLES['2d'])}")
 
 
-def _refuse_unsplit_inputs(_model, args, kwargs):
-    """A padding mask [batch, seq] would meet activations of batch/q rows deep inside the model."""
-    if kwargs.get("attention_mask") is not None:
-        raise ValueError("2D tensor parallelism cuts only token and position ids into the batch blocks, not an "
-                         "attention_mask (not supported yet); pass none (a causal model without padding needs none), "
-                         "or use tensor_parallel.mode \"1d\"")
-
-
 def _layer_2d(name: str, module: nn.Module, style: str, mesh: Mesh2D, shared: dict) -> nn.Module:
     if style in ("embedding_2d", "position_embedding_2d"):
-        return Embedding2D.from_module(module, mesh, name, split_batch=style == "embedding_2d", shared=shared)
+        return Embedding2D.from_module(module, mesh, name, shared=shared)
     if style == "norm_2d":
         return Norm2D.from_module(module, mesh, name)
     transposed = _is_transposed_linear(name, module, style)
