@@ -24,6 +24,8 @@ from tests.reference import (
 )
 from tests.test_data_parallel import adamw
 from tests.test_tensor_parallel import GLOBAL_BATCH, STEPS, TP_RTOL, tp_config
+from tests.test_tensor_parallel_derived import DerivedGPT2
+from tests.tp_models import user_gpt
 
 Q = 2
 
@@ -98,7 +100,8 @@ def output_grad(shape: torch.Size) -> torch.Tensor:
 def _mesh_cases_worker(rank, world):
     """Every multi-process case of this file in one 2×2 group: start-up, not the cases, dominates their time."""
     cases = {"layers": _layers_worker, "autocast": _autocast_worker, "attention_mask": _attention_mask_worker,
-             "cross_entropy": _cross_entropy_worker, "user_plan": _user_plan_worker, "dropout": _dropout_worker}
+             "derived": _derived_worker, "cross_entropy": _cross_entropy_worker, "user_plan": _user_plan_worker,
+             "dropout": _dropout_worker}
     results = {}
     for name, worker in cases.items():
         try:
@@ -237,6 +240,44 @@ def test_2d_cuts_a_padding_mask_and_positions_to_the_batch_block_and_trains_like
         assert "inputs_embeds is given: it cannot be split into the 2D blocks" in refused[2]
 
 
+DERIVED_2D = {  # models no built-in plan knows: plan "auto" derives a 2D one (Note [derived 2D plans])
+    "user_gpt": (user_gpt, lambda m, x: m(x, x)),
+    "gpt2": (DerivedGPT2.build, MASKED["gpt2"]),  # with the padding mask
+}
+
+
+def _derived_worker(rank, world):
+    out = {}
+    for name, (make, loss_fn) in DERIVED_2D.items():
+        engine = initialize(make(rank), tp_config(world, 1, mode="2d"))  # ranks seeded differently: made to agree
+        assert engine.tensor_parallel.mesh is not None, name
+        losses = []
+        for x in token_batches(STEPS, GLOBAL_BATCH):
+            loss = loss_fn(engine, x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out[name] = (losses, engine.full_state_dict(), sum(p.numel() for p in engine.module.parameters()))
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("model", list(DERIVED_2D))
+def test_a_derived_2d_plan_trains_a_model_without_a_built_in_plan_like_one_process(mesh_results, model):
+    """A user GPT (fused qkv, tied head, loss in its forward) and HF GPT-2 under another class name (with a
+    padding mask) at plan "auto" on a 2×2 mesh against plain PyTorch; every rank holds exactly a quarter."""
+    make, loss_fn = DERIVED_2D[model]
+    reference = make(0)
+    whole = sum(p.numel() for p in reference.parameters())
+    ref_losses, _ = train_reference(reference, token_batches(STEPS, GLOBAL_BATCH), adamw, clip=1.0, loss_fn=loss_fn)
+    params = param_snapshot(reference)
+    for per_rank in mesh_results["derived"]:
+        losses, full, local_numel = per_rank[model]
+        assert_close_relative(losses, ref_losses, rtol=TP_RTOL)
+        assert_params_close({k: full[k] for k in params}, params, rtol=TP_RTOL)
+        assert local_numel * Q * Q == whole
+
+
 # --- the loss over the batch split ---------------------------------------------------------------
 
 
@@ -347,7 +388,7 @@ def test_2d_plans_refuse_a_layer_left_whole_and_1d_styles():
     with pytest.raises(ValueError,
                        match=r"plan\['lm_head'\]: style 'colwise' is not a 2d style; choose from linear_2d"):
         apply_tensor_parallel(model, {**GPT_2D_USER_PLAN, "lm_head": "colwise"}, MESH.whole, mesh=MESH)
-    with pytest.raises(ValueError, match=r"no built-in 2d plan for Sequential .* cannot place module '0'"):
+    with pytest.raises(ValueError, match=r"\(mode \"2d\"\): cannot split Sequential: '0' gets its input whole"):
         apply_tensor_parallel(nn.Sequential(nn.Linear(4, 4)), "auto", MESH.whole, mesh=MESH)
     with pytest.raises(ValueError, match=r"style \"norm_2d\" is for nn.LayerNorm, nn.RMSNorm or a Hugging Face "
                                          r"\*RMSNorm, but 'wte' is a Embedding"):

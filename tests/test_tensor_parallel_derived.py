@@ -14,9 +14,10 @@ from torch import nn
 
 from engine import initialize
 from engine.config import ConfigError, load_config
-from engine.tensor_parallel import TPGroup, apply_tensor_parallel
+from engine.tensor_parallel import Mesh2D, TPGroup, apply_tensor_parallel
 from engine.tensor_parallel.derive import derive_plan
-from engine.tensor_parallel.plans import BUILT_IN, resolve_plan
+from engine.tensor_parallel.derive.plan_2d import derive_plan_2d
+from engine.tensor_parallel.plans import BUILT_IN, BUILT_IN_2D, resolve_plan
 from tests.distributed import run_distributed
 from tests.reference import (
     assert_close_relative,
@@ -181,6 +182,7 @@ def test_a_derived_plan_under_zero_3_over_two_data_parallel_groups():
 # --- refusals ------------------------------------------------------------------------------------
 
 TP2 = TPGroup(None, 2, 0)
+MESH = Mesh2D(2, TPGroup(None, 2, 0), TPGroup(None, 2, 0), TPGroup(None, 4, 0))  # rank (0, 0) of a 2×2 mesh
 
 
 def test_a_model_that_reshapes_with_a_whole_width_is_refused_by_module():
@@ -293,3 +295,64 @@ def test_what_the_shapes_do_not_show_is_refused():
         derive_plan(_Pair("width_scale"), 2)
     with pytest.raises(ValueError, match=r"module '' applies dropout to split activations and to whole ones"):
         derive_plan(_Pair("mixed_dropout"), 2)
+
+
+# --- 2D (Note [derived 2D plans]; trained against one process in test_tensor_parallel_2d.py) --------------
+
+
+def test_the_derived_2d_plan_equals_the_built_in_2d_plan():
+    for model in ("gpt2", "llama"):
+        net = build(model)
+        built_in = BUILT_IN_2D[type(net).__name__]
+        derived = derive_plan_2d(net, 2)
+        for name, _module in net.named_modules():
+            assert derived.styles.get(name) == next((s for glob, s in built_in.styles.items()
+                                                     if fnmatch.fnmatchcase(name, glob)), None), (model, name)
+        expected = {(m, a, v) for m, a, v in built_in.adjust(net, 2)}
+        got = {(net.get_submodule(name), attr, value) for name, attr, value in derived.adjustments}
+        assert got <= expected and (got or not expected), model
+
+
+class _ShiftedRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), which norm_2d does not compute."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.zeros(width)), 1e-6
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.weight)
+
+
+class _TinyLM(nn.Module):
+    def __init__(self, variant: str = "plain"):
+        super().__init__()
+        self.variant = variant
+        self.tok, self.fc = nn.Embedding(16, 8), nn.Linear(8, 8)
+        self.norm = _ShiftedRMSNorm(8) if variant == "shifted_norm" else nn.LayerNorm(8)
+        self.head = nn.Linear(8, 16, bias=variant == "head_bias")
+        if variant == "raw_parameter":
+            self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        x = x + F.gelu(self.fc(self.norm(x)))
+        if self.variant == "functional_norm":  # over the hidden dim, which 2D splits
+            x = F.normalize(x, dim=-1)
+        if self.variant == "raw_parameter":
+            x = x * self.scale
+        return self.head(x)
+
+
+def test_a_derived_2d_plan_maps_every_layer_and_refuses_what_2d_cannot_split():
+    assert derive_plan_2d(_TinyLM(), 2).styles == {"tok": "embedding_2d", "fc": "linear_2d", "norm": "norm_2d",
+                                                    "head": "classifier_2d_gather"}
+    for variant, message in (
+            ("shifted_norm", r"module 'norm' \(_ShiftedRMSNorm\) does not compute the layer or RMS norm"),
+            ("functional_norm", r"normalize reduces over the split dim \(in the model's own forward\)"),
+            ("head_bias", r"the output layer 'head' has a bias"),
+            ("raw_parameter", r"module '' \(_TinyLM\) holds parameters and is not an exact nn.Linear")):
+        model = _TinyLM(variant)
+        with pytest.raises(ValueError, match=r"plan \"auto\" \(mode \"2d\"\): cannot split _TinyLM: " + message):
+            apply_tensor_parallel(model, "auto", MESH.whole, mesh=MESH)
+        assert isinstance(model.fc, nn.Linear), variant  # nothing changed

@@ -16,8 +16,9 @@ replaced keeps its name, so state-dict keys stay those of the original model. A 
 also adjust attributes the model's forward reads (head counts, widths) to their per-rank values,
 and names the modules whose dropout acts on split activations (Note [tensor-parallel RNG]); a user
 plan replaces layers only.
-`plan: "auto"` picks the built-in plan by model class; for another class a 1D plan is derived from the
-model's forward (Note [derived tensor-parallel plans]), which the built-in plans agree with.
+`plan: "auto"` picks the built-in plan by model class; for another class a plan is derived from the
+model's forward (1D: Note [derived tensor-parallel plans]; 2D: Note [derived 2D plans]), which the
+built-in plans agree with.
 2D styles (mode "2d", Note [2D tensor parallelism]; every activation is split [batch/q, seq,
 hidden/q], so every module holding parameters must get one, and no module is replicated):
   linear_2d              SUMMA linear (nn.Linear or Conv1D)
@@ -36,12 +37,14 @@ ids, attention_mask, position ids) are cut to the batch blocks before its forwar
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 from torch import nn
 
 from engine.tensor_parallel.derive import derive_plan
+from engine.tensor_parallel.derive.plan_2d import derive_plan_2d
 from engine.tensor_parallel.inputs_2d import BatchInputs2D
 from engine.tensor_parallel.layers_1d import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from engine.tensor_parallel.layers_2d import Classifier2D, Embedding2D, Linear2D, Norm2D
@@ -138,9 +141,9 @@ BUILT_IN_2D = {
 
 
 def resolve_plan(model: nn.Module, plan: str | dict, mode: str = "1d", tp_size: int = 1) -> Plan:
-    """The config's `tensor_parallel.plan` for `mode`: "auto" (the built-in plan for the model's class, else in 1D
-    one derived from its forward at `tp_size`, Note [derived tensor-parallel plans]), "derived" (1D: derived
-    always), a built-in plan's model class name, or {glob: style}."""
+    """The config's `tensor_parallel.plan` for `mode`: "auto" (the built-in plan for the model's class, else one
+    derived from its forward at `tp_size`, Note [derived tensor-parallel plans] / [derived 2D plans]), "derived"
+    (derived always), a built-in plan's model class name, or {glob: style}."""
     styles, built_in = STYLES[mode], BUILT_IN if mode == "1d" else BUILT_IN_2D
     if isinstance(plan, dict):
         bad = {glob: style for glob, style in plan.items() if style not in styles}
@@ -149,21 +152,16 @@ def resolve_plan(model: nn.Module, plan: str | dict, mode: str = "1d", tp_size: 
             raise ValueError(f"tensor_parallel.plan[{glob!r}]: style {style!r} is not a {mode} style; choose from "
                              f"{', '.join(styles)}")
         return Plan("user plan", dict(plan), mode=mode)
-    if plan == "derived" and mode == "1d":  # derived even where a built-in plan exists (to compare them)
-        return derived_plan(model, tp_size)
+    derive = derived_plan if mode == "1d" else derived_plan_2d
+    if plan == "derived":  # derived even where a built-in plan exists (to compare them)
+        return derive(model, tp_size)
     key = type(model).__name__ if plan == "auto" else plan
     if key in built_in:
         return built_in[key]
     if plan != "auto":
-        derived = '"derived", ' if mode == "1d" else ""
-        raise ValueError(f"tensor_parallel.plan: no built-in {mode} plan {plan!r}; choose from \"auto\", {derived}"
-                         f"{', '.join(repr(k) for k in built_in)}, or give {{module-name glob: style}}")
-    if mode == "1d":
-        return derived_plan(model, tp_size)
-    first = next((name for name, m in model.named_modules() if _is_linear(m) or isinstance(m, nn.Embedding)), None)
-    raise ValueError(f"tensor_parallel.plan \"auto\" has no built-in {mode} plan for {type(model).__name__} (built "
-                     f"in: {', '.join(built_in)}; plans are derived in 1D only), so it cannot place module {first!r}; "
-                     f"give tensor_parallel.plan as {{module-name glob: style}} with styles {', '.join(styles)}")
+        raise ValueError(f"tensor_parallel.plan: no built-in {mode} plan {plan!r}; choose from \"auto\", "
+                         f"\"derived\", {', '.join(repr(k) for k in built_in)}, or give {{module-name glob: style}}")
+    return derive(model, tp_size)
 
 
 def derived_plan(model: nn.Module, tp_size: int) -> Plan:
@@ -175,6 +173,18 @@ def derived_plan(model: nn.Module, tp_size: int) -> Plan:
             raise ValueError(f"a plan derived for tensor_parallel.size {tp_size} applied at size {tp}")
         return [(target.get_submodule(name), attr, value) for name, attr, value in derived.adjustments]
     return Plan(f"plan derived for {type(model).__name__}", derived.styles, adjust, derived.rng)
+
+
+def derived_plan_2d(model: nn.Module, tp_size: int) -> Plan:
+    """Note [derived 2D plans]; `tp_size` is the mesh's q²."""
+    q = math.isqrt(tp_size)
+    derived = derive_plan_2d(model, q)
+
+    def adjust(target: nn.Module, side: int) -> list[Change]:
+        if side != q:
+            raise ValueError(f"a 2D plan derived for a {q}×{q} mesh applied on a {side}×{side} one")
+        return [(target.get_submodule(name), attr, value) for name, attr, value in derived.adjustments]
+    return Plan(f"2D plan derived for {type(model).__name__}", derived.styles, adjust, mode="2d")
 
 
 def apply_plan(model: nn.Module, plan: Plan, tp: TPGroup, streams: RNGStreams | None = None,

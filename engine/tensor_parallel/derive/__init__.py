@@ -78,17 +78,7 @@ class _Mismatch:
 def derive_plan(model: nn.Module, tp: int) -> DerivedPlan:
     """A 1D plan for `model` at tensor-parallel size `tp` (Note [derived tensor-parallel plans])."""
     cls = type(model).__name__
-    mode = FakeTensorMode()
-    described = "an example input"
-    try:
-        copy = fake_copy(model, mode)
-        args, kwargs, described = example_input(copy, mode)
-        whole = trace(copy, args, kwargs, mode)
-    except Exception as error:  # the user's model and forward: whatever fails is reported, with the fix
-        where = f" in module {error.module!r}" if isinstance(error, TraceFailed) else ""
-        raise ValueError(f"tensor_parallel.plan \"auto\": {cls} has no built-in plan, and deriving one runs its "
-                         f"forward on fake tensors with {described}{where}, which failed: {error}; give "
-                         f"tensor_parallel.plan as {{module-name glob: style}}") from error
+    copy, mode, args, kwargs, whole = traced(model)
     layers = _layers(copy)
     settled, decisions, first = propagate(whole, layers, tp)
     styles = styles_of(settled, decisions, layers)
@@ -97,8 +87,23 @@ def derive_plan(model: nn.Module, tp: int) -> DerivedPlan:
                          f"{_why_none(first, whole, layers)}; give tensor_parallel.plan as "
                          f"{{module-name glob: style}}, or use tensor_parallel.size 1")
     _install_per_rank_layers(copy, styles, tp, mode)
-    adjustments = _adjustments(copy, whole, settled, tp, mode, args, kwargs, cls)
-    return DerivedPlan(styles, adjustments, _streams(settled, cls))
+    changes = adjustments(copy, whole, settled, tp, mode, args, kwargs, cls)
+    return DerivedPlan(styles, changes, _streams(settled, cls))
+
+
+def traced(model: nn.Module, kind=module_kind) -> tuple[nn.Module, FakeTensorMode, tuple, dict, Trace]:
+    """(a fake copy of the model, its fake mode, the example input's args and kwargs, the copy's traced forward)."""
+    mode = FakeTensorMode()
+    described = "an example input"
+    try:
+        copy = fake_copy(model, mode)
+        args, kwargs, described = example_input(copy, mode)
+        return copy, mode, args, kwargs, trace(copy, args, kwargs, mode, kind)
+    except Exception as error:  # the user's model and forward: whatever fails is reported, with the fix
+        where = f" in module {error.module!r}" if isinstance(error, TraceFailed) else ""
+        raise ValueError(f"tensor_parallel.plan \"auto\": {type(model).__name__} has no built-in plan, and deriving "
+                         f"one runs its forward on fake tensors with {described}{where}, which failed: {error}; give "
+                         f"tensor_parallel.plan as {{module-name glob: style}}") from error
 
 
 def _layers(model: nn.Module) -> dict[str, Layer]:
@@ -152,11 +157,12 @@ def _install_per_rank_layers(copy: nn.Module, styles: dict[str, str], tp: int, m
         setattr(copy.get_submodule(parent) if parent else copy, attr, local)
 
 
-def _check(copy: nn.Module, whole: Trace, settled: Pass, tp: int, mode, args, kwargs) -> _Mismatch | None:
+def _check(copy: nn.Module, whole: Trace, settled: Pass, tp: int, mode, args, kwargs,
+           kind=module_kind) -> _Mismatch | None:
     """The per-rank copy's forward against the whole one's shapes, every split dim divided by tp."""
     failure = None
     try:
-        local = trace(copy, args, kwargs, mode)
+        local = trace(copy, args, kwargs, mode, kind)
     except TraceFailed as error:
         local, failure = error.partial, error
     for i, (w, lo) in enumerate(zip(whole.ops, local.ops)):
@@ -229,7 +235,7 @@ def _attribute_groups(copy: nn.Module, whole: Trace, settled: Pass, tp: int) -> 
     return groups
 
 
-def _adjustments(copy, whole, settled, tp, mode, args, kwargs, cls) -> list[tuple[str, str, int]]:
+def adjustments(copy, whole, settled, tp, mode, args, kwargs, cls, kind=module_kind) -> list[tuple[str, str, int]]:
     """The smallest set of attribute groups at their per-rank values under which the check passes (an attribute
     that only happens to equal a split size, GPT-NeoX's rotary_ndims, must not change)."""
     groups = _attribute_groups(copy, whole, settled, tp)
@@ -242,7 +248,7 @@ def _adjustments(copy, whole, settled, tp, mode, args, kwargs, cls) -> list[tupl
         saved = [(name, attr, getattr(copy.get_submodule(name), attr)) for name, attr, _ in changes]
         for name, attr, value in changes:
             setattr(copy.get_submodule(name), attr, value)
-        mismatch = _check(copy, whole, settled, tp, mode, args, kwargs)
+        mismatch = _check(copy, whole, settled, tp, mode, args, kwargs, kind)
         for name, attr, value in saved:
             setattr(copy.get_submodule(name), attr, value)
         if mismatch is None:

@@ -16,6 +16,7 @@ import copy
 import inspect
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -138,9 +139,9 @@ def _refs(value):
 class _Recorder(TorchFunctionMode):
     """Records the ops of one forward; modules report their calls through hooks (see `trace`)."""
 
-    def __init__(self, trace: Trace):
+    def __init__(self, trace: Trace, kind: Callable[[nn.Module], str | None]):
         super().__init__()
-        self.trace = trace
+        self.trace, self.kind = trace, kind
         self.stack: list[str] = [""]  # module names, innermost last (left as it was when a forward raises)
         self.atomic: list[tuple[str, str, torch.Tensor]] = []  # (name, kind, input) of the module op running
         self.alive: list = []
@@ -159,7 +160,7 @@ class _Recorder(TorchFunctionMode):
 
     def enter(self, name: str, module: nn.Module, args: tuple) -> None:
         self.stack.append(name)
-        kind = module_kind(module)
+        kind = self.kind(module)
         if kind is not None and not self.atomic and args and isinstance(args[0], torch.Tensor):
             self.atomic.append((name, kind, args[0]))
 
@@ -178,11 +179,12 @@ class TraceFailed(Exception):
         self.module, self.error, self.partial = module, error, partial  # partial: the ops before the failure
 
 
-def trace(model: nn.Module, args: tuple, kwargs: dict, mode: FakeTensorMode) -> Trace:
+def trace(model: nn.Module, args: tuple, kwargs: dict, mode: FakeTensorMode,
+          kind: Callable[[nn.Module], str | None] = module_kind) -> Trace:
     """Runs model(*args, **kwargs) (fake tensors) recording its ops; a forward that raises is a TraceFailed naming
-    the innermost module that was running."""
+    the innermost module that was running. `kind` says which modules are one op ("<kind>_module")."""
     result = Trace(inputs={id(t) for t in _tensors(list(args))})
-    recorder = _Recorder(result)
+    recorder = _Recorder(result, kind)
     handles = []
     for name, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(
