@@ -341,6 +341,8 @@ class _TinyLM(nn.Module):
             x = F.normalize(x, dim=-1)
         if self.variant == "raw_parameter":
             x = x * self.scale
+        if self.variant == "batch_mean":  # each rank would hold its batch block only
+            x = x - x.mean(0, keepdim=True)
         return self.head(x)
 
 
@@ -351,7 +353,9 @@ def test_a_derived_2d_plan_maps_every_layer_and_refuses_what_2d_cannot_split():
             ("shifted_norm", r"module 'norm' \(_ShiftedRMSNorm\) does not compute the layer or RMS norm"),
             ("functional_norm", r"normalize reduces over the split dim \(in the model's own forward\)"),
             ("head_bias", r"the output layer 'head' has a bias"),
-            ("raw_parameter", r"module '' \(_TinyLM\) holds parameters and is not an exact nn.Linear")):
+            ("raw_parameter", r"module '' \(_TinyLM\) holds parameters and is not an exact nn.Linear"),
+            ("batch_mean", r"the forward mixes the samples of its batch, which 2D cuts into 2 blocks before it runs: "
+                           r"mean reduces over the split dim \(in the model's own forward\)")):
         model = _TinyLM(variant)
         with pytest.raises(ValueError, match=r"plan \"auto\" \(mode \"2d\"\): cannot split _TinyLM: " + message):
             apply_tensor_parallel(model, "auto", MESH.whole, mesh=MESH)

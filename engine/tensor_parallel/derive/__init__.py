@@ -47,6 +47,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from engine.tensor_parallel.derive.propagate import Layer, Pass, propagate, styles_of
 from engine.tensor_parallel.derive.trace import (
+    BATCH,
     Op,
     Ref,
     Trace,
@@ -91,13 +92,14 @@ def derive_plan(model: nn.Module, tp: int) -> DerivedPlan:
     return DerivedPlan(styles, changes, _streams(settled, cls))
 
 
-def traced(model: nn.Module, kind=module_kind) -> tuple[nn.Module, FakeTensorMode, tuple, dict, Trace]:
+def traced(model: nn.Module, kind=module_kind, batch: int = BATCH) -> tuple[nn.Module, FakeTensorMode, tuple, dict,
+                                                                          Trace]:
     """(a fake copy of the model, its fake mode, the example input's args and kwargs, the copy's traced forward)."""
     mode = FakeTensorMode()
     described = "an example input"
     try:
         copy = fake_copy(model, mode)
-        args, kwargs, described = example_input(copy, mode)
+        args, kwargs, described = example_input(copy, mode, batch)
         return copy, mode, args, kwargs, trace(copy, args, kwargs, mode, kind)
     except Exception as error:  # the user's model and forward: whatever fails is reported, with the fix
         where = f" in module {error.module!r}" if isinstance(error, TraceFailed) else ""

@@ -19,8 +19,12 @@ layer, and every op between them must keep the hidden split.
 3. Check: the forward with every layer at its per-rank shape must give each op the whole shape with
    the split dim divided by q and the same scalars; attributes read for widths are set to their
    per-rank values where that makes it pass, exactly as in 1D (the plan's adjustments).
-The batch is cut to the q blocks before the forward (Note [2D batch inputs]); the derivation does not
-follow it: a forward that mixes the samples of its batch (a mean over the batch dim) is not detected.
+4. Batch: the batch is cut into the q blocks before the forward (Note [2D batch inputs]), so a
+   second pass carries a split along dim 0 from the token ids (the forward's first argument) through
+   every layer (the classifier gathers it back) by the same rules: an op that mixes the samples (a
+   mean over the batch, a cat along it) is refused. A tensor the forward makes with the example
+   batch's size first (a mask built from the ids' shape) counts as per sample, since on a rank it
+   is made from the cut ids (the example batch, 6, is chosen unlike the small widths).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from engine.tensor_parallel.derive import DerivedPlan, adjustments, traced
 from engine.tensor_parallel.derive.propagate import Decisions, Layer, Pass, Propagation
 from engine.tensor_parallel.derive.rules import Blocked, Split
 from engine.tensor_parallel.derive.trace import Trace, linear_features, module_kind
+
+EXAMPLE_BATCH = 6  # the traced batch: unlike the small widths, so that a tensor of this size first is per sample
 
 
 def kind_2d(module: nn.Module) -> str | None:
@@ -74,14 +80,47 @@ class Propagation2D(Propagation):
         return [Split(last_out, frozenset([name]), fresh=layer.kind == "linear")]
 
 
+class BatchPropagation(Propagation):
+    """The batch split instead: the token ids (the forward's first argument) cut along dim 0, carried through
+    every layer (the classifiers gather it back) and, by the same rules, through the ops between them."""
+
+    def __init__(self, trace: Trace, layers: dict[str, Layer], q: int, decisions: Decisions, ids: int):
+        super().__init__(trace, layers, q, decisions)
+        self.per_sample = Split(0, frozenset(["the batch"]))
+        self.states[ids] = self.per_sample
+
+    def _function(self, op, refs: list, ins: dict) -> list:
+        """A tensor the forward made with the batch's size first (a mask from the ids' shape) is per sample too:
+        on a rank it is made from the cut ids."""
+        if any(s is not None for s in ins.values()):
+            for ref in refs:
+                if ins.get(ref.id) is None and ref.shape[:1] == (EXAMPLE_BATCH,) and ref.id not in self.owner:
+                    ins[ref.id] = self.per_sample
+        return super()._function(op, refs, ins)
+
+    def _module(self, op, ins: dict) -> list:
+        name, layer, inp = op.module, self.layers[op.module], op.args[0]
+        state = ins.get(inp.id)
+        if state is None or (layer.kind == "linear" and name in self.decisions.gathered):
+            return [None]
+        if layer.kind != "embedding" and state.dim == len(inp.shape) - 1:
+            raise Blocked(state.sources, f"{name!r} takes the batch dim as its features")
+        return [Split(state.dim, state.sources)]
+
+
 def derive_plan_2d(model: nn.Module, q: int) -> DerivedPlan:
     """A 2D plan for `model` on a q×q mesh (Note [derived 2D plans])."""
     cls = type(model).__name__
     _check_modules(model, cls)
-    copy, mode, args, kwargs, whole = traced(model, kind_2d)
+    copy, mode, args, kwargs, whole = traced(model, kind_2d, EXAMPLE_BATCH)
     layers = {name: Layer(kind, 0, False, tuple(id(p) for p in m.parameters(recurse=False)))
               for name, m in copy.named_modules() if (kind := kind_2d(m)) is not None}
     result, decisions = _propagate(whole, layers, q, cls)
+    batch = BatchPropagation(whole, layers, q, decisions, id(args[0])).run()
+    for blocked, module in batch.blocked.values():
+        where = repr(module) if module else "the model's own forward"
+        raise _refuse(cls, f"the forward mixes the samples of its batch, which 2D cuts into {q} blocks before it "
+                           f"runs: {blocked.reason} (in {where})")
     styles = {}
     for name, layer in layers.items():
         if layer.kind == "embedding":

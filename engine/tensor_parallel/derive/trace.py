@@ -79,17 +79,18 @@ def fake_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     return copy.deepcopy(model, memo).train()  # traced as it trains: dropout in the forward, whatever mode it was in
 
 
-def example_input(model: nn.Module, mode: FakeTensorMode) -> tuple[tuple, dict, str]:
-    """(args, kwargs, description): token ids [BATCH, SEQ_LEN] for a model with an embedding (also for the
-    forward's other required arguments, such as targets), else [BATCH, in_features] of its first linear layer."""
+def example_input(model: nn.Module, mode: FakeTensorMode, batch: int = BATCH) -> tuple[tuple, dict, str]:
+    """(args, kwargs, description): token ids [batch, SEQ_LEN] for a model with an embedding (also for the
+    forward's other required arguments, such as targets), else [batch, in_features] of its first linear layer."""
     params = list(inspect.signature(model.forward).parameters.values())
     required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     kwargs = {"use_cache": False} if any(p.name == "use_cache" for p in params) else {}
     device = next(model.parameters()).device  # where the model is (a fake tensor reports it)
     if any(isinstance(m, nn.Embedding) for m in model.modules()):
-        with mode:
-            ids = torch.zeros(BATCH, SEQ_LEN, dtype=torch.long, device=device)
-        return (ids,) * max(1, len(required)), kwargs, f"token ids of shape [{BATCH}, {SEQ_LEN}]"
+        with mode:  # one tensor per argument: the first (the ids a 2D model cuts) is told apart from targets
+            ids = tuple(torch.zeros(batch, SEQ_LEN, dtype=torch.long, device=device)
+                        for _ in range(max(1, len(required))))
+        return ids, kwargs, f"token ids of shape [{batch}, {SEQ_LEN}]"
     first = next((m for m in model.modules() if module_kind(m) == "linear"), None)
     if first is None or len(required) > 1:
         raise ValueError("no example input: Tiers tries token ids for a model with an nn.Embedding, or one tensor "
@@ -97,8 +98,8 @@ def example_input(model: nn.Module, mode: FakeTensorMode) -> tuple[tuple, dict, 
                          "one argument")
     width = linear_features(first)[0]
     with mode:
-        x = torch.zeros(BATCH, width, dtype=first.weight.dtype, device=device)
-    return (x,), kwargs, f"a tensor of shape [{BATCH}, {width}]"
+        x = torch.zeros(batch, width, dtype=first.weight.dtype, device=device)
+    return (x,), kwargs, f"a tensor of shape [{batch}, {width}]"
 
 
 def op_name(func) -> str:
