@@ -24,7 +24,7 @@ layer, and every op between them must keep the hidden split.
    every layer (the classifier gathers it back) by the same rules: an op that mixes the samples (a
    mean over the batch, a cat along it) is refused. A tensor the forward makes with the example
    batch's size first (a mask built from the ids' shape) counts as per sample, since on a rank it
-   is made from the cut ids (the example batch, 6, is chosen unlike the small widths).
+   is made from the cut ids (the example batch, 7q, is chosen unlike the usual widths).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from engine.tensor_parallel.derive.propagate import Decisions, Layer, Pass, Prop
 from engine.tensor_parallel.derive.rules import Blocked, Split
 from engine.tensor_parallel.derive.trace import Trace, linear_features, module_kind
 
-EXAMPLE_BATCH = 6  # the traced batch: unlike the small widths, so that a tensor of this size first is per sample
+BATCH_PER_BLOCK = 7  # the traced batch is 7q: divisible by q, and unlike the usual widths (so that a tensor of
+# that size first can be taken for a per-sample one)
 
 
 def kind_2d(module: nn.Module) -> str | None:
@@ -86,7 +87,7 @@ class BatchPropagation(Propagation):
 
     def __init__(self, trace: Trace, layers: dict[str, Layer], q: int, decisions: Decisions, ids: int):
         super().__init__(trace, layers, q, decisions)
-        self.per_sample = Split(0, frozenset(["the batch"]))
+        self.per_sample, self.batch = Split(0, frozenset(["the batch"])), BATCH_PER_BLOCK * q
         self.states[ids] = self.per_sample
 
     def _function(self, op, refs: list, ins: dict) -> list:
@@ -94,7 +95,7 @@ class BatchPropagation(Propagation):
         on a rank it is made from the cut ids."""
         if any(s is not None for s in ins.values()):
             for ref in refs:
-                if ins.get(ref.id) is None and ref.shape[:1] == (EXAMPLE_BATCH,) and ref.id not in self.owner:
+                if ins.get(ref.id) is None and ref.shape[:1] == (self.batch,) and ref.id not in self.owner:
                     ins[ref.id] = self.per_sample
         return super()._function(op, refs, ins)
 
@@ -112,7 +113,7 @@ def derive_plan_2d(model: nn.Module, q: int) -> DerivedPlan:
     """A 2D plan for `model` on a q×q mesh (Note [derived 2D plans])."""
     cls = type(model).__name__
     _check_modules(model, cls)
-    copy, mode, args, kwargs, whole = traced(model, kind_2d, EXAMPLE_BATCH)
+    copy, mode, args, kwargs, whole = traced(model, kind_2d, BATCH_PER_BLOCK * q)
     layers = {name: Layer(kind, 0, False, tuple(id(p) for p in m.parameters(recurse=False)))
               for name, m in copy.named_modules() if (kind := kind_2d(m)) is not None}
     result, decisions = _propagate(whole, layers, q, cls)
