@@ -145,15 +145,18 @@ def _check_modules(model: nn.Module, cls: str) -> None:
                                f"nn.Linear, Conv1D, nn.Embedding, nn.LayerNorm or RMSNorm")
         if kind == "norm" and not _computes_norm_2d(module):
             raise _refuse(cls, f"module {name!r} ({type(module).__name__}) does not compute the layer or RMS norm "
-                               f"that norm_2d computes (x / rms(x) * weight + bias) on a test input")
+                               f"that norm_2d computes (x / rms(x) * weight + bias) on a test input (on the meta "
+                               f"device, only torch's own norms are taken)")
 
 
 def _computes_norm_2d(module: nn.Module) -> bool:
     """module(x) against Norm2D's math on a test input (the module's own parameters; no state changes)."""
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     shape = tuple(module.normalized_shape) if hasattr(module, "normalized_shape") else tuple(weight.shape)
-    if len(shape) != 1 or (weight is not None and weight.is_meta):
+    if len(shape) != 1:
         return False
+    if weight is not None and weight.is_meta:  # no values to compare (a model built on meta for the estimate)
+        return type(module) in (nn.LayerNorm, nn.RMSNorm)
     dtype = weight.dtype if weight is not None else torch.float32
     eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
     eps = torch.finfo(dtype).eps if eps is None else eps
