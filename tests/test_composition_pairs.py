@@ -59,9 +59,21 @@ def _train(rank: int, world: int, name: str) -> tuple[list[float], dict]:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    check_in_effect(engine, additions)
     params = trained_params(engine)
     engine.close()
     return losses, params
+
+
+def check_in_effect(engine, additions: dict) -> None:
+    """Each feature of the pair is on in the engine, not skipped."""
+    if "offload_param" in additions["zero_optimization"]:  # between steps: every shard and state in the manager
+        held = engine.model_state_bytes()
+        assert held["param"] == 0 and held["optim"] == 0, held
+        assert engine.optimizer.manager.stats.resident_bytes["cpu"] > 0
+    assert ("tensor_parallel" in additions) == (engine.tensor_parallel is not None)
+    assert ("sequence_parallel" in additions) == (engine.sequence is not None)
+    assert ("activation_checkpointing" in additions) == bool(engine.activation_checkpointing.wrapped)
 
 
 def _cases_worker(rank: int, world: int, names: list[str]) -> dict:
