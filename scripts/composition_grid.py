@@ -130,7 +130,8 @@ def merged(base: dict, fragment: dict) -> dict:
 
 
 def refusal(a: Feature, b: Feature) -> str | None:
-    """The error initialize() would raise for the pair before building anything, or None."""
+    """The error initialize() would raise for the pair (a feature alone: a is b) before building anything, or
+    None."""
     try:
         cfg = load_config(merged(merged(BASE, a.fragment), b.fragment))
         tp, pp, sp, ep = (cfg.tensor_parallel.size, cfg.pipeline.stages, cfg.sequence_parallel.size,
@@ -172,6 +173,8 @@ def compute_grid(tests: dict[tuple[str, str], list[str]] = TESTS) -> dict[tuple[
     names = {f.name for f in FEATURES}
     problems = [f"TESTS names an unknown feature: {pair}" for pair in tests if not set(pair) <= names]
     problems += [why for ids in tests.values() for why in map(missing_test, ids) if why]
+    # a feature refused alone has a wrong fragment (a typo would otherwise refuse all its pairs)
+    problems += [f"{f.label} alone is refused: {refusal(f, f)}" for f in FEATURES if refusal(f, f) is not None]
     cells = {}
     for a, b in combinations(FEATURES, 2):
         ids = tuple(tests_of(a, b, tests))

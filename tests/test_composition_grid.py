@@ -10,12 +10,15 @@ from pathlib import Path
 import pytest
 
 from scripts.composition_grid import (
+    FEATURES,
     NOTES_FILE,
     TESTS,
+    Feature,
     GridError,
     compute_grid,
     main,
     missing_test,
+    refusal,
     render,
     stale_files,
 )
@@ -50,6 +53,12 @@ def test_a_test_id_naming_no_test_function_fails():
     renamed = {**TESTS, ("tp1d", "pipeline"): ["tests/test_pipeline_engine.py::test_pp3_by_tp2"]}
     with pytest.raises(GridError, match="defines no test_pp3_by_tp2"):
         compute_grid(renamed)
+
+
+def test_each_feature_alone_is_accepted():
+    """A typo in a feature's fragment would refuse every pair of it; compute_grid refuses that instead."""
+    assert all(refusal(f, f) is None for f in FEATURES)
+    assert "tensor_parallel.sise" in refusal(*[Feature("typo", "typo", {"tensor_parallel": {"sise": 2}})] * 2)
 
 
 def test_a_refused_pair_mapped_to_a_test_fails():
