@@ -59,6 +59,12 @@ TESTS: dict[tuple[str, str], list[str]] = {
     ("zero_init", "ulysses_ring"): [PAIRS + "[zero_init-ring]"],
     ("zero_init", "checkpointing"): [PAIRS + "[zero_init-checkpointing]"],
     ("tp1d", "pipeline"): ["tests/test_pipeline_engine.py::test_pp2_by_tp2"],
+    ("offload", "pipeline"): ["tests/test_pipeline_offload.py::test_trains_as_one_process[cpu]",
+                              "tests/test_pipeline_offload.py::test_trains_as_one_process[nvme]"],
+    ("zero_init", "pipeline"): ["tests/test_pipeline_offload.py::test_zero_init_builds_only_each_stages_parameters"],
+    ("megatron_sp", "pipeline"): ["tests/test_pipeline_sequence_tp.py::"
+                                  "test_pipeline_with_megatron_sequence_parallelism_equals_one_process",
+                                  "tests/test_composition.py::test_a_composition_trains_as_one_process"],
     ("tp1d", "ulysses_ring"): [SEQUENCE + "test_dp2_by_sp2_under_zero3_and_sp2_by_tp2_under_zero2"],
     ("tp1d", "checkpointing"): ["tests/test_activation_checkpointing.py::test_checkpointing_changes_no_loss_or_"
                                 "gradient_with_dropout[gpt-tp1d]"],
