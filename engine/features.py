@@ -79,8 +79,8 @@ class ExpertFeature(Feature):
 
     name = "experts"
 
-    def __init__(self, experts: ExpertParallel, topology: Topology, logged: bool):
-        self.parallel, self.topology, self.logged = experts, topology, logged
+    def __init__(self, experts: ExpertParallel, topology: Topology, comm: CommCounter, logged: bool):
+        self.parallel, self.topology, self.comm, self.logged = experts, topology, comm, logged
         self.joins_state_dict = experts.ep_size > 1
 
     def around_forward(self):
@@ -92,12 +92,12 @@ class ExpertFeature(Feature):
     def join_state_dict(self, whole: dict, keep: bool) -> dict:
         if self.parallel.ep_size == 1:
             return whole
-        return self.parallel.join_state_dict(whole, self.topology.ep_group, CommCounter(), self.topology.device)
+        return self.parallel.join_state_dict(whole, self.topology.ep_group, self.comm, self.topology.device)
 
     def chunked_keys(self, state: dict) -> set[str]:
         return {k for k in state if self.parallel.names_an_expert(k)}
 
-    def metrics(self) -> dict[str, float]:  # (a collective: every rank's counts)
+    def metrics(self) -> dict[str, float]:  # (a collective: every rank's counts; not a step's traffic)
         if not self.logged:
             return {}
         return self.parallel.metrics(self.topology.dp_group, CommCounter(), self.topology.device)

@@ -156,7 +156,7 @@ def feature_objects(cfg: Config, topology: Topology, comm: CommCounter, tensor_p
                     pipeline: PipelineDriver | None) -> Features:
     """Note [feature objects]: what each parallelism applied above adds to the engine's calls, in this order."""
     features = [TensorParallelFeature(tensor_parallel, topology.device) if tensor_parallel else None,
-                ExpertFeature(experts, topology, cfg.tensorboard.enabled) if experts else None,
+                ExpertFeature(experts, topology, comm, cfg.tensorboard.enabled) if experts else None,
                 SequenceFeature(sequence) if sequence else None,
                 PipelineFeature(pipeline, topology, comm) if pipeline else None]
     return Features([f for f in features if f is not None])
