@@ -115,8 +115,6 @@ def check_config(cfg: Config) -> None:
          "ring) without tensor parallelism"),
         (tp.sequence_parallel and tp.mode == "2d", "tensor_parallel.sequence_parallel", True,
          "is for mode \"1d\"; under mode \"2d\" every activation is split over the mesh already; set it to false"),
-        (sp.enabled and cfg.pipeline.enabled, "sequence_parallel.size", sp.size,
-         "sequence parallelism with pipeline stages is not built yet; use pipeline.stages 1 with it"),
         (sp.enabled and tp.size > 1 and tp.mode == "2d", "sequence_parallel.size", sp.size,
          "sequence parallelism with 2D tensor parallelism is not built yet; use tensor_parallel.mode \"1d\" with it"),
         (cfg.moe.expert_parallel_size > 1 and max(tp.size, cfg.pipeline.stages, sp.size) > 1,

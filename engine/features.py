@@ -44,6 +44,11 @@ class Feature:
     def loss_weight(self) -> float:
         return 1.0
 
+    def scheduled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss as a pipeline's last stage backpropagates it (Note [a pipelined step]): valued as
+        output() values it, with the gradient loss_weight() gives engine.backward's."""
+        return loss
+
     def take_aux_loss(self) -> torch.Tensor | None:
         return None
 
@@ -124,6 +129,9 @@ class SequenceFeature(Feature):
     def loss_weight(self) -> float:
         return self.parallel.token_weight
 
+    def scheduled_loss(self, loss):
+        return self.parallel.scheduled_loss(loss)
+
 
 class PipelineFeature(Feature):
     """Note [a pipelined step]: train_batch runs the schedule in place of the per-micro-batch calls; every stage's
@@ -181,6 +189,11 @@ class Features:
         for f in self.items:
             weight *= f.loss_weight()
         return weight
+
+    def scheduled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        for f in self.items:
+            loss = f.scheduled_loss(loss)
+        return loss
 
     def take_aux_loss(self) -> torch.Tensor | None:
         losses = [loss for loss in (f.take_aux_loss() for f in self.items) if loss is not None]

@@ -138,8 +138,10 @@ def initialize(
                                topology.dp_group if split is None else None, comm, split.names if split else None)
     loss_scaler = build_loss_scaler(cfg)
     runtime = zero_runtime(model, cfg, chunked, optimizer, topology, loss_scaler, comm)
-    pipeline = build_pipeline(split, shared_groups, cfg, topology, runtime, comm, loss_fn) if split else None
-    features = feature_objects(cfg, topology, comm, tensor_parallel, experts, sequence, pipeline)
+    features = feature_objects(cfg, topology, comm, tensor_parallel, experts, sequence)
+    if split is not None:  # each stage's forward makes the calls of the features applied before the pipeline
+        pipeline = build_pipeline(split, shared_groups, cfg, topology, runtime, comm, loss_fn, features)
+        features = Features(features.items + [PipelineFeature(pipeline, topology, comm)])
     scheduler = _scheduler(cfg, optimizer, lr_scheduler)
     progress = TrainingProgress(cfg.batch_sizes(topology.data_parallel_size).gradient_accumulation_steps)
     saver = Saver(TrainingState(  # Note [checkpoint commit]
@@ -152,13 +154,12 @@ def initialize(
 
 
 def feature_objects(cfg: Config, topology: Topology, comm: CommCounter, tensor_parallel: TensorParallel | None,
-                    experts: ExpertParallel | None, sequence: SequenceSplit | None,
-                    pipeline: PipelineDriver | None) -> Features:
-    """Note [feature objects]: what each parallelism applied above adds to the engine's calls, in this order."""
+                    experts: ExpertParallel | None, sequence: SequenceSplit | None) -> Features:
+    """Note [feature objects]: what each parallelism applied above adds to the engine's calls, in this order (the
+    pipeline's comes last, after its driver is built over these)."""
     features = [TensorParallelFeature(tensor_parallel, topology.device) if tensor_parallel else None,
                 ExpertFeature(experts, topology, comm, cfg.tensorboard.enabled) if experts else None,
-                SequenceFeature(sequence) if sequence else None,
-                PipelineFeature(pipeline, topology, comm) if pipeline else None]
+                SequenceFeature(sequence) if sequence else None]
     return Features([f for f in features if f is not None])
 
 
@@ -231,12 +232,16 @@ def split_sequences(model: nn.Module, cfg: Config, topology: Topology,
 
 
 def build_pipeline(split: PipelineModel, shared_groups: dict, cfg: Config, topology: Topology, runtime: ZeroRuntime,
-                   comm: CommCounter, loss_fn: Callable | None) -> PipelineDriver:
+                   comm: CommCounter, loss_fn: Callable | None, features: Features) -> PipelineDriver:
     """Note [a pipelined step]: the driver of train_batch / eval_batch over this rank's stages, each action in
-    the runtime's phases."""
+    the runtime's phases, each stage's forward inside the calls of `features` (those applied before)."""
+    if loss_fn is not None and features.parallel("sequence") is not None:
+        raise ValueError("initialize(loss_fn=...) under sequence_parallel would take this rank's part of each "
+                         "sequence's output with the whole sequence's labels; pass the labels in the micro-batch "
+                         "(e.g. {\"input_ids\": x, \"labels\": y}) so that the model's own loss is split with it")
     microbatches = cfg.batch_sizes(topology.data_parallel_size).gradient_accumulation_steps
     return PipelineDriver(split, cfg.pipeline.schedule, microbatches, topology, PrecisionPolicy.from_config(cfg),
-                          comm, shared_groups, runtime, loss_fn, cfg.pipeline.timeout_s)
+                          comm, shared_groups, runtime, features, loss_fn, cfg.pipeline.timeout_s)
 
 
 def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: list[dict],

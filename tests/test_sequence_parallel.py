@@ -123,8 +123,7 @@ def test_deepspeed_key_and_bad_values_name_the_fix():
         load_config({"sequence_parallel_size": 2, "sequence_parallel": {"size": 4}})
     with pytest.raises(ConfigError, match="sequence_parallel.mode"):
         load_config({"sequence_parallel": {"size": 2, "mode": "striped"}})
-    with pytest.raises(ConfigError, match="with pipeline stages is not built yet"):
-        load_config({"sequence_parallel": {"size": 2}, "pipeline": {"stages": 2}})
+    assert load_config({"sequence_parallel": {"size": 2}, "pipeline": {"stages": 2}}).pipeline.stages == 2
     with pytest.raises(ConfigError, match="with 2D tensor parallelism is not built yet"):
         load_config({"sequence_parallel": {"size": 2}, "tensor_parallel": {"size": 4, "mode": "2d"}})
     with pytest.raises(ConfigError, match="together with tensor_parallel.sequence_parallel"):

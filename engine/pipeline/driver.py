@@ -21,12 +21,19 @@ The step's loss is the mean of the m micro-batch losses, sent from the last stag
 rank and averaged over the data-parallel ranks, as DeepSpeed's train_batch returns it. The measured
 bubble (the share of the step a rank waits) is averaged over the pipeline ranks for TensorBoard, next
 to the schedule's own fraction on unit costs.
+Each stage's forward makes the calls the engine's forward makes around a micro-batch (Note [feature
+objects]) with the features applied before the pipeline: their split of the micro-batch's inputs, the
+context around the forward, and on the last stage their loss for a schedule (`scheduled_loss`). Under
+sequence parallelism every stage takes this rank's part of the micro-batch's sequences (its global
+positions, its shifted labels), runs its attention over the sequence group, and so sends on and receives
+this rank's part of the hidden state; the last stage's loss has the whole sequence's value and the
+gradient of this rank's loss times its token weight (Note [sequence parallelism]).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -40,6 +47,9 @@ from engine.pipeline.stage_modules import StageOutput
 from engine.precision import PrecisionPolicy
 from engine.topology import Topology
 
+if TYPE_CHECKING:
+    from engine.features import Features
+
 LossFunction = Callable[[object, object], torch.Tensor]
 
 
@@ -48,11 +58,12 @@ class PipelineDriver:
 
     def __init__(self, split: PipelineModel, schedule_name: str, microbatches: int, topology: Topology,
                  precision: PrecisionPolicy, comm: CommCounter, shared_groups: dict[tuple[int, ...], object],
-                 runtime, loss_fn: LossFunction | None = None, timeout_s: float = 600.0):
+                 runtime, features: Features, loss_fn: LossFunction | None = None, timeout_s: float = 600.0):
         """shared_groups: from shared_parameter_groups, one per set of pipeline ranks sharing parameters; runtime:
-        the engine's ZeRO runtime, whose phases every action runs in."""
+        the engine's ZeRO runtime, whose phases every action runs in; features: those applied before the pipeline,
+        whose calls around a micro-batch every stage's forward makes (Note [a pipelined step])."""
         self.split, self.topology, self.precision, self.comm = split, topology, precision, comm
-        self.loss_fn = loss_fn
+        self.loss_fn, self.features = loss_fn, features
         plan = split.plan
         self.schedule = build_schedule(schedule_name, plan.ranks, microbatches, plan.stages // plan.ranks)
         self.formula_bubble = simulate(self.schedule).bubble
@@ -104,9 +115,12 @@ class PipelineDriver:
         view, state, last = self.split.views[stage], self.split.state, self.split.plan.stages - 1
 
         def run(received: torch.Tensor | None, microbatch) -> torch.Tensor:
+            args, kwargs = _arguments(microbatch, with_loss_fn=self.loss_fn is not None)
+            args, kwargs = self.features.split_inputs(args, kwargs)
             state.begin(received)
             try:
-                out = _call(view, microbatch, with_loss_fn=self.loss_fn is not None)
+                with self.features.around_forward():
+                    out = view(*args, **kwargs)
             except StageOutput as sent:
                 return sent.value
             finally:
@@ -114,7 +128,8 @@ class PipelineDriver:
             if stage != last:
                 raise RuntimeError(f"pipeline stage {stage}'s forward returned without reaching its last block; the "
                                    "model's forward skipped blocks of its block list")
-            return self._loss(out, microbatch)
+            loss = self._loss(out, microbatch)
+            return self.features.scheduled_loss(loss)
 
         return run
 
@@ -162,15 +177,15 @@ def _forward_phase(runtime, precision: PrecisionPolicy, device: torch.device, ke
         yield
 
 
-def _call(view, microbatch, with_loss_fn: bool):
-    """The model's forward on a micro-batch: keyword arguments from a dict; with a loss_fn, (inputs, labels) as
-    DeepSpeed's pipeline takes them; else a tuple's elements as positional arguments, or one tensor."""
+def _arguments(microbatch, with_loss_fn: bool) -> tuple[tuple, dict]:
+    """The model's forward arguments from a micro-batch: keyword arguments from a dict; with a loss_fn, (inputs,
+    labels) as DeepSpeed's pipeline takes them; else a tuple's elements as positional arguments, or one tensor."""
     if isinstance(microbatch, dict):
-        return view(**microbatch)
+        return (), dict(microbatch)
     if isinstance(microbatch, (tuple, list)):
         inputs = microbatch[0] if with_loss_fn else microbatch
-        return view(*inputs) if isinstance(inputs, (tuple, list)) else view(inputs)
-    return view(microbatch)
+        return (tuple(inputs), {}) if isinstance(inputs, (tuple, list)) else ((inputs,), {})
+    return (microbatch,), {}
 
 
 def pull_microbatches(data_iter: Iterator, count: int) -> list:

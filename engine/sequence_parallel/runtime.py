@@ -119,6 +119,13 @@ class SequenceSplit:
         without a loss (engine.outputs) is returned as it is."""
         return replace_loss(output, self._whole)
 
+    def scheduled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss a pipeline's last stage backpropagates (Note [a pipelined step]): the whole sequence's value,
+        and the gradient of this rank's loss times its token weight, which engine.backward applies otherwise."""
+        whole = self._whole(loss)
+        weighted = whole * self.token_weight
+        return weighted + (whole - weighted).detach()
+
     def _whole(self, loss: torch.Tensor) -> torch.Tensor:
         weighted = loss.detach().float() * (self.token_weight / self.size) if self.token_weight else \
             torch.zeros((), device=loss.device)  # a part with no counted tokens (its mean is nan) adds nothing
