@@ -67,23 +67,28 @@ def _train(name: str, mode: str, schedule: str, stage: int, checkpointing: bool,
     return losses, p2p, evaluated, engine.full_state_dict()
 
 
-def _refused_loss_fn():
+def _refused(what: str):
+    model = hf_llama()
+    model.config.use_cache = what != "ring_without_cache"
     try:
-        initialize(hf_llama(), config("ulysses", "1f1b", 0, False), loss_fn=lambda out, labels: out.logits.mean())
+        if what == "loss_fn":
+            initialize(model, config("ulysses", "1f1b", 0, False), loss_fn=lambda out, labels: out.logits.mean())
+        else:
+            initialize(model, config("ring", "1f1b", 0, True))
     except ValueError as e:
         return str(e)
     return ""
 
 
 def _worker(rank, world, cases):
-    run = lambda kind, *args: _train(*args) if kind == "train" else _refused_loss_fn()  # noqa: E731
+    run = lambda kind, *args: _train(*args) if kind == "train" else _refused(*args)  # noqa: E731
     return run_cases(rank, cases, run)
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> dict:
     """{case: [each rank's result]}: every case in one spawned group of pp 2 × sp 2."""
-    cases = [("train", *case) for case in TRAINING_CASES] + [("loss_fn",)]
+    cases = [("train", *case) for case in TRAINING_CASES] + [("refused", "loss_fn"), ("refused", "ring_without_cache")]
     return results_by_case(run_distributed(_worker, 4, args=(cases,), timeout_s=300))
 
 
@@ -120,6 +125,14 @@ def test_pp2_by_sp2_trains_as_one_process_on_the_whole_sequences(four_ranks, cas
 
 
 def test_a_loss_fn_under_sequence_parallelism_is_refused_naming_the_fix(four_ranks):
-    for message in four_ranks[("loss_fn",)]:
+    for message in four_ranks[("refused", "loss_fn")]:
         assert "initialize(loss_fn=...) under sequence_parallel" in message, message
         assert "pass the labels in the micro-batch" in message, message
+
+
+def test_ring_on_a_hugging_face_model_without_a_cache_is_refused_naming_ulysses(four_ranks):
+    """Activation checkpointing wants use_cache False; without a cache Hugging Face would mask ring's zigzag
+    positions as packed sequences."""
+    for message in four_ranks[("refused", "ring_without_cache")]:
+        assert "ring attention on a Hugging Face model without a key/value cache" in message, message
+        assert "use sequence_parallel.mode \"ulysses\"" in message, message

@@ -15,14 +15,18 @@ sequence-shaped arguments along dim 1:
   whose forward takes no position_ids is refused (its positions would be the part's, silently).
 Inside the forward, a TorchFunctionMode routes every F.scaled_dot_product_attention call (causal,
 without a mask) to ring or Ulysses attention over the group; a mask tensor or attention dropout is
-refused, naming what to do. "auto" picks Ulysses when the model's heads (per tp rank) divide by S,
-else ring, and says which. The model's loss is its mean over this rank's tokens; engine.backward
-weighs it by this rank's share of the group's counted tokens (labels other than -100) times S, so
-that averaging the gradients over the ranks gives the loss over every token of the sample, whatever
-S and the padding. The loss the forward returns (a scalar output, or the `loss` of a mapping or
-Hugging Face output) has the value of the whole sequence's loss, the token-weighted mean over the
-group's counted tokens, and the gradient of this rank's own loss: a printed loss means what it means
-without sequence parallelism, and backward is unchanged.
+refused, naming what to do (so is ring on a Hugging Face model with use_cache False: without a cache it
+reads the zigzag positions as packed sequences and builds a mask). "auto" picks Ulysses when the model's
+heads (per tp rank) divide by S, else ring, and says which. The model's loss is its mean over this
+rank's tokens; engine.backward weighs it by this rank's share of the group's counted tokens (labels
+other than -100) times S, so that averaging the gradients over the ranks gives the loss over every token
+of the sample, whatever S and the padding. The loss the forward returns (a scalar output, or the `loss`
+of a mapping or Hugging Face output) has the value of the whole sequence's loss, the token-weighted mean
+over the group's counted tokens, and the gradient of this rank's own loss: a printed loss means what it
+means without sequence parallelism, and backward is unchanged. Under a pipeline every stage's forward
+takes this rank's part of the micro-batch the same way, so the hidden state sent between stages is this
+rank's part, and the last stage's loss carries the token weight in its gradient itself
+(`scheduled_loss`), as the schedule runs the backward (Note [a pipelined step]).
 """
 
 from __future__ import annotations
@@ -71,6 +75,11 @@ class SequenceSplit:
             raise ValueError(f"sequence parallelism gives each rank its tokens' global positions as position_ids, "
                              f"and {type(model).__name__}.forward takes no position_ids; add a position_ids argument "
                              "that the model's position embedding (or rotary) uses")
+        if mode == "ring" and self.hf_labels and getattr(getattr(model, "config", None), "use_cache", True) is False:
+            raise ValueError("ring attention on a Hugging Face model without a key/value cache (config.use_cache "
+                             "False, as activation checkpointing wants) is not supported: without a cache the model "
+                             "reads ring's zigzag position_ids as packed sequences and passes a mask; use "
+                             "sequence_parallel.mode \"ulysses\", or keep use_cache True without checkpointing")
         self.token_weight = 1.0  # of the last forward's loss (Note [sequence parallelism])
 
     def positions(self, seq_len: int, device) -> torch.Tensor:
