@@ -19,6 +19,7 @@ from tests.reference import (
     param_snapshot,
     token_batches,
     train_reference,
+    trained_params,
 )
 from tests.test_data_parallel import ADAMW, adamw
 from tests.test_pipeline_engine import hf_gpt2, hf_llama
@@ -80,15 +81,29 @@ def _refused(what: str):
     return ""
 
 
+def _saved(save_dir: str):
+    """Trains STEPS steps at pp 2 × sp 2 (Ulysses, ZeRO-1) and saves a checkpoint."""
+    engine = initialize(hf_llama(), config("ulysses", "1f1b", 1, False))
+    for batch in token_batches(STEPS, BATCH, seq=SEQ):
+        engine.train_batch(iter(micro_batches(batch, False)))
+    return engine.save_checkpoint(save_dir)
+
+
 def _worker(rank, world, cases):
-    run = lambda kind, *args: _train(*args) if kind == "train" else _refused(*args)  # noqa: E731
-    return run_cases(rank, cases, run)
+    kinds = {"train": _train, "refused": _refused, "checkpoint": _saved}
+    return run_cases(rank, cases, lambda kind, *args: kinds[kind](*args))
 
 
 @pytest.fixture(scope="module")
-def four_ranks() -> dict:
+def save_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("pp2_sp2_checkpoint"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(save_dir) -> dict:
     """{case: [each rank's result]}: every case in one spawned group of pp 2 × sp 2."""
-    cases = [("train", *case) for case in TRAINING_CASES] + [("refused", "loss_fn"), ("refused", "ring_without_cache")]
+    cases = [("train", *case) for case in TRAINING_CASES] + [("refused", "loss_fn"), ("refused", "ring_without_cache"),
+                                                              ("checkpoint", save_dir)]
     return results_by_case(run_distributed(_worker, 4, args=(cases,), timeout_s=300))
 
 
@@ -136,3 +151,22 @@ def test_ring_on_a_hugging_face_model_without_a_cache_is_refused_naming_ulysses(
     for message in four_ranks[("refused", "ring_without_cache")]:
         assert "ring attention on a Hugging Face model without a key/value cache" in message, message
         assert "use sequence_parallel.mode \"ulysses\"" in message, message
+
+
+def test_a_checkpoint_saved_at_pp2_by_sp2_resumes_in_one_process(four_ranks, save_dir):
+    """The stages' and sequence ranks' shards (parameters and Adam states) load into one process, whose next step
+    equals the uninterrupted reference's."""
+    assert four_ranks[("checkpoint", save_dir)][0]
+    model = hf_llama()
+    batches = token_batches(STEPS + 1, BATCH, seq=SEQ)
+    ref_losses, _ = train_reference(model, batches, adamw, clip=1.0,
+                                    loss_fn=lambda m, x: m(input_ids=x, labels=x).loss)
+    cfg = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "AdamW", "params": ADAMW},
+           "gradient_clipping": 1.0, "steps_per_print": 10**6, "zero_optimization": {"stage": 1}}
+    engine = initialize(hf_llama(seed=1), cfg)
+    engine.load_checkpoint(save_dir)
+    loss = engine(input_ids=batches[-1], labels=batches[-1]).loss
+    engine.backward(loss)
+    engine.step()
+    assert_close_relative([loss.item()], ref_losses[-1:])
+    assert_params_close(trained_params(engine), param_snapshot(model))
