@@ -3,10 +3,11 @@
 Note [feature objects]
 initialize() applies each parallelism to the model in one order (engine/initialization.py) and wraps what it
 returns in a Feature: what it does to a forward's inputs, around the forward and to its output; how it weights
-the loss and what it adds to it; how it joins a state dict gathered on this rank into the whole model's; what
-it logs; whether it replaces the per-micro-batch calls with a schedule. Engine calls the `Features` collection,
-which folds each call over the features in order (tensor, expert, sequence, pipeline parallelism), so Engine
-never asks which parallelism is on, and a new one adds a Feature rather than branches.
+the loss and what it adds to it; how it joins a state dict gathered on this rank into the whole model's; what it
+logs; whether it replaces the per-micro-batch calls with a schedule (whose stages then make the calls of the
+features applied before it, the loss weight inside the last stage's loss: Note [a pipelined step]). Engine calls
+the `Features` collection, which folds each call over the features in order (tensor, expert, sequence, pipeline
+parallelism), so Engine never asks which parallelism is on, and a new one adds a Feature rather than branches.
 """
 
 from __future__ import annotations
