@@ -59,6 +59,8 @@ TESTS: dict[tuple[str, str], list[str]] = {
     ("zero_init", "ulysses_ring"): [PAIRS + "[zero_init-ring]"],
     ("zero_init", "checkpointing"): [PAIRS + "[zero_init-checkpointing]"],
     ("tp1d", "pipeline"): ["tests/test_pipeline_engine.py::test_pp2_by_tp2"],
+    ("pipeline", "ulysses_ring"): ["tests/test_pipeline_sequence_parallel.py::"
+                                   "test_pp2_by_sp2_trains_as_one_process_on_the_whole_sequences"],
     ("offload", "pipeline"): ["tests/test_pipeline_offload.py::test_trains_as_one_process[cpu]",
                               "tests/test_pipeline_offload.py::test_trains_as_one_process[nvme]"],
     ("zero_init", "pipeline"): ["tests/test_pipeline_offload.py::test_zero_init_builds_only_each_stages_parameters"],
