@@ -117,9 +117,17 @@ def check_config(cfg: Config) -> None:
          "is for mode \"1d\"; under mode \"2d\" every activation is split over the mesh already; set it to false"),
         (sp.enabled and tp.size > 1 and tp.mode == "2d", "sequence_parallel.size", sp.size,
          "sequence parallelism with 2D tensor parallelism is not built yet; use tensor_parallel.mode \"1d\" with it"),
-        (cfg.moe.expert_parallel_size > 1 and max(tp.size, cfg.pipeline.stages, sp.size) > 1,
-         "moe.expert_parallel_size", cfg.moe.expert_parallel_size, "expert parallelism together with tensor, "
-         "pipeline or sequence parallelism is not built yet; use it with data parallelism only"),
+        (cfg.moe.expert_parallel_size > 1 and cfg.pipeline.enabled, "moe.expert_parallel_size",
+         cfg.moe.expert_parallel_size, "expert parallelism inside a pipeline is not built yet (the router losses "
+         "of a stage's MoE layers do not reach the schedule's backward); use pipeline.stages 1 with it"),
+        (cfg.moe.expert_parallel_size > 1 and tp.size > 1 and tp.mode == "2d", "moe.expert_parallel_size",
+         cfg.moe.expert_parallel_size, "expert parallelism with 2D tensor parallelism is not built yet (each rank "
+         "holds a block of the activations, and the router needs whole tokens); use tensor_parallel.mode \"1d\""),
+        (cfg.moe.expert_parallel_size > 1 and tp.size > 1 and tp.sequence_parallel, "moe.expert_parallel_size",
+         cfg.moe.expert_parallel_size, "expert parallelism with tensor_parallel.sequence_parallel is not built yet "
+         "(each tp rank would route its own part of the sequence, and the experts' gradients would differ over the "
+         "tp ranks holding them); set tensor_parallel.sequence_parallel to false, or use the top-level "
+         "sequence_parallel (Ulysses, ring) with it"),
         (sp.enabled and tp.sequence_parallel, "sequence_parallel.size", sp.size,
          "Ulysses or ring over the sequence together with tensor_parallel.sequence_parallel (Megatron's) is not "
          "built; use one of them"),

@@ -119,7 +119,7 @@ def initialize(
     _to_device(model, topology.device, _homed_on_host(model, cfg, topology))  # Note [a bounded start]
     comm = CommCounter(collectives=collectives) if collectives is not None else CommCounter()
     tensor_parallel = parallelize_tensors(model, cfg, topology, comm.collectives)
-    experts = place_experts(model, cfg, topology, comm)
+    experts = place_experts(model, cfg, topology, comm, tensor_parallel)
     sequence = split_sequences(model, cfg, topology, comm)
     checkpointing = apply_activation_checkpointing(model, cfg, topology, tensor_parallel, sequence)
     groups = _param_groups(model, optimizer, model_parameters, meta_of, experts.dropped if experts else frozenset())
@@ -179,11 +179,14 @@ def parallelize_tensors(model: nn.Module, cfg: Config, topology: Topology,
                                  cfg.tensor_parallel.sequence_parallel)
 
 
-def place_experts(model: nn.Module, cfg: Config, topology: Topology, comm: CommCounter) -> ExpertParallel | None:
+def place_experts(model: nn.Module, cfg: Config, topology: Topology, comm: CommCounter,
+                  tensor_parallel: TensorParallel | None = None) -> ExpertParallel | None:
     """Note [expert parallelism]: the model's MoE layers (engine.moe.MoE, and a Hugging Face model's experts when
-    the config has a `moe` section) keep this rank's experts and dispatch tokens to every rank's; None without any."""
+    the config has a `moe` section) keep this rank's experts and dispatch tokens to every rank's; None without any.
+    Under tensor parallelism they stay whole on every tp rank."""
     return apply_expert_parallel(model, cfg.moe, topology.ep_group, topology.ep_size, topology.ep_rank,
-                                 topology.dp_group, comm)
+                                 topology.dp_group, comm, frozenset(tensor_parallel.specs) if tensor_parallel else
+                                 frozenset())
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: Config, topology: Topology,
@@ -271,7 +274,8 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
         chunk_of = chunked.chunk_index()
         for p in chunked.params:
             expert = chunked.states[chunk_of[id(p)]].place.group is not None
-            chunked.norm_weights[id(p)] = 1.0 / (topology.expert_dp_size if expert else topology.dp_world_size)
+            share = 1.0 / (topology.expert_dp_size if expert else topology.dp_world_size)
+            chunked.norm_weights[id(p)] = chunked.norm_weights.get(id(p), 1.0) * share  # (times tp's weight)
     for pid, ranks in (split.shared_here() if split is not None else {}).items():
         if topology.pp_rank != ranks[0]:  # the lowest pipeline rank holding it counts it
             chunked.norm_weights[pid] = 0.0

@@ -143,3 +143,48 @@ class ModuleListMoEModel(nn.Module):
             aux = aux + self.num_experts * (chosen.mean(0) * probs.mean(0)).sum()
         logits = self.head(h)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)) + 0.01 * aux
+
+
+class MoEBlock(nn.Module):
+    """Causal self-attention (F.scaled_dot_product_attention, the call sequence parallelism routes) and an
+    engine.moe.MoE feed-forward, each with a residual."""
+
+    HEAD_DIM = 8
+
+    def __init__(self, hidden: int, num_experts: int, k: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.moe = MoE(hidden, Expert(hidden), num_experts=num_experts, k=k, drop_tokens=False,
+                       top2_2nd_expert_sampling=False)
+
+    def forward(self, h):
+        batch, seq, _ = h.shape
+        q, k, v = self.qkv(h).chunk(3, dim=-1)  # a colwise_qkv plan leaves this rank's heads of each
+        heads = q.shape[-1] // self.HEAD_DIM
+        q, k, v = (t.reshape(batch, seq, heads, self.HEAD_DIM).transpose(1, 2) for t in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(att.transpose(1, 2).reshape(batch, seq, heads * self.HEAD_DIM))
+        out, _, _ = self.moe(self.norm(h))
+        return h + out
+
+
+class MoEGPT(nn.Module):
+    """A tiny GPT-like user model: token and position embeddings, `layers` MoEBlocks, a head; the loss computed
+    inside forward on labels given already shifted (router losses come from the config's moe.aux_loss_coef)."""
+
+    def __init__(self, hidden: int = 16, layers: int = 2, num_experts: int = 4, k: int = 2, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed, self.pos = nn.Embedding(VOCAB, hidden), nn.Embedding(SEQ, hidden)
+        self.blocks = nn.ModuleList([MoEBlock(hidden, num_experts, k) for _ in range(layers)])
+        self.head = nn.Linear(hidden, VOCAB)
+
+    def forward(self, input_ids, labels, position_ids=None):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        h = self.embed(input_ids) + self.pos(position_ids)
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(h)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))

@@ -15,6 +15,12 @@ nothing, gets a zero gradient, and every collective still runs on every rank: th
 and the expert's chunk is reduced like any other (Note [reduction order]). Expert parameters live in chunks of
 their own, reduced and sharded over the expert-data-parallel group (Note [one mesh]); dense parameters
 over the whole data-parallel group.
+With 1D tensor parallelism an MoE layer stays whole on every tp rank (a plan splitting anything inside it is
+refused): the tp ranks of one ep position route the same tokens, each over its own ep group, so each holds
+the same expert gradients, reduced over edp (which holds no tp rank) and counted 1/tp in the global norm as
+any replicated parameter (Note [global norm under tensor parallelism]). With sequence parallelism each rank
+routes the tokens of its part of the sequence; the ep group spans sp ranks (or sits inside them), and router
+losses are each rank's over its own tokens, weighted as its loss is (Note [sequence parallelism]).
 """
 
 from __future__ import annotations

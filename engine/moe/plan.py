@@ -159,9 +159,10 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def apply_expert_parallel(model: nn.Module, cfg, ep_group, ep_size: int, ep_rank: int, dp_group,
-                          comm: CommCounter) -> ExpertParallel | None:
+                          comm: CommCounter, tp_split: frozenset[str] = frozenset()) -> ExpertParallel | None:
     """Note [expert parallelism]: every MoE layer of `model` keeps this rank's experts (rank `ep_rank` of `ep_size`),
-    whose values start as dp rank 0's; None when the model has no MoE layer Tiers routes. `cfg`: the moe section."""
+    whose values start as dp rank 0's; None when the model has no MoE layer Tiers routes. `cfg`: the moe section;
+    `tp_split`: names of the parameters a tensor-parallel plan split (none may be inside an MoE layer)."""
     sink = AuxLossSink()
     layers: dict[str, nn.Module] = {}
     dropped: set[int] = set()
@@ -178,6 +179,7 @@ def apply_expert_parallel(model: nn.Module, cfg, ep_group, ep_size: int, ep_rank
         return None
     for name, module in [*moe_layers.items(), *((n, m) for n, (m, _) in hf.items()), *lists.items()]:
         _check_expert_tensors(name, module, ep_size)
+        _check_whole_under_tensor_parallel(name, tp_split, ep_size)
     for name, layer in moe_layers.items():
         if layer.ep_size not in (1, ep_size):
             raise ValueError(f"{name}: engine.moe.MoE(ep_size={layer.ep_size}) but moe.expert_parallel_size is "
@@ -219,6 +221,18 @@ def _check_expert_tensors(name: str, layer: nn.Module, ep_size: int) -> None:
         raise ValueError(f"{name}: its experts hold buffers or frozen parameters ({(buffers + frozen)[:3]}), which "
                          "expert parallelism does not place yet; make them trainable parameters, or use "
                          "moe.expert_parallel_size 1")
+
+
+def _check_whole_under_tensor_parallel(name: str, tp_split: frozenset[str], ep_size: int) -> None:
+    """Under tensor parallelism an MoE layer stays whole on every tp rank (Note [expert parallelism]): each tp
+    rank routes the same tokens to the same experts. A gate split by the plan would route on part of the logits,
+    an expert split by it would need its own tp collectives; neither is built."""
+    split = sorted(n for n in tp_split if n.startswith(f"{name}."))
+    if split:
+        raise ValueError(f"{name}: tensor_parallel.plan splits parameters inside this MoE layer ({split[:3]}); with "
+                         f"moe.expert_parallel_size {ep_size} the MoE layer's gate and experts stay whole on every "
+                         "tensor-parallel rank (its experts are split over the ep ranks instead); remove the globs "
+                         "that match them from the plan, or give an explicit plan for the dense layers")
 
 
 def _from_first_rank(params, ep_size: int, group, comm: CommCounter) -> None:

@@ -1,0 +1,197 @@
+"""Expert parallelism composed with the other parallelisms (Note [expert parallelism]) equals one plain PyTorch
+process: 1D tensor parallelism (attention split over tp, experts whole on every tp rank and split over ep) and
+Ulysses sequence parallelism (experts split over the ranks of a sequence), at ZeRO stages 1 and 3; a checkpoint
+saved under tp × ep reads back whole in one process and loads under another layout. Every case runs in one
+spawned 4-rank group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import initialize
+from engine.checkpoint.reader import Checkpoint, PieceReader
+from tests.distributed import results_by_case, run_cases, run_distributed
+from tests.moe_models import SEQ, VOCAB, MoEGPT
+from tests.reference import assert_close_relative, assert_params_close, micro_batches, param_snapshot
+from tests.test_data_parallel import ADAMW, adamw
+
+AUX, Z, WORLD, STEPS, BATCH = 0.01, 0.001, 4, 3, 8
+TP_RTOL = 1e-4  # tensor parallelism sums the split attention's products in another order
+TP = {"size": 2, "plan": {"blocks.*.qkv": "colwise_qkv", "blocks.*.proj": "rowwise", "head": "colwise_gather"}}
+LAYOUTS = {"tp": {"tensor_parallel": TP}, "sp": {"sequence_parallel": {"size": 2, "mode": "ulysses"}},
+           "dp": {}}
+
+
+def batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def config(stage: int, **moe) -> dict:
+    return {"train_batch_size": BATCH, "optimizer": {"type": "AdamW", "params": ADAMW}, "gradient_clipping": 1.0,
+            "steps_per_print": 10**6, "moe": {"expert_parallel_size": 2, **moe},
+            "zero_optimization": {"stage": stage, "chunk_size": 20_000, "stage3_param_persistence_threshold": 0}}
+
+
+def _labels(x: torch.Tensor) -> torch.Tensor:
+    return (x + 1) % VOCAB  # already shifted: the model does not shift them
+
+
+def _config(layout: str, stage: int, router_losses: bool = True) -> dict:
+    """router_losses: the config's aux and z-loss, taken over each rank's tokens (which differ between layouts)."""
+    moe = {"aux_loss_coef": AUX, "z_loss_coef": Z} if router_losses else {}
+    return {**config(stage, **moe), **LAYOUTS[layout]}
+
+
+def _router_losses(x: torch.Tensor, gate_weight: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """AUX · GShard's l_aux + Z · the router z-loss of the tokens `x` [.., hidden]."""
+    logits = F.linear(x.reshape(-1, x.shape[-1]), gate_weight)
+    probs = F.softmax(logits, dim=-1)
+    first = F.one_hot(probs.argmax(-1), num_experts).float()
+    l_aux = (probs.mean(0) * first.mean(0)).sum() * num_experts
+    return AUX * l_aux + Z * torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def reference_run(parts: int, sequence_parts: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch on the whole batch: the model's loss, plus each MoE layer's router losses taken over each
+    rank's tokens (rows over `parts` samples groups, each sequence over `sequence_parts`) and averaged, as every
+    rank computes them over the tokens it routes. Returns (losses, gradient norms before clipping, parameters)."""
+    model = MoEGPT()
+    seen = {}
+    for i, block in enumerate(model.blocks):
+        block.moe.register_forward_pre_hook(lambda m, args, i=i: seen.update({i: args[0]}))
+    opt = adamw(list(model.parameters()))
+    losses, norms = [], []
+    for x in batches():
+        loss = model(x, _labels(x))
+        router = []
+        for i, block in enumerate(model.blocks):
+            for rows in seen[i].chunk(parts, dim=0):
+                for tokens in rows.chunk(sequence_parts, dim=1):
+                    router.append(_router_losses(tokens, block.moe.gate.wg.weight, block.moe.num_experts))
+        (loss + sum(router) / (parts * sequence_parts)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, param_snapshot(model)
+
+
+def _train(engine, steps: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+    """(this rank's losses, the global gradient norms)."""
+    topo, losses, norms = engine.topology, [], []
+    for x in steps:
+        (micro,) = micro_batches(x, topo.data_parallel_rank, topo.data_parallel_size, 1)
+        loss = engine(micro, _labels(micro))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        norms.append(engine.get_global_grad_norm())
+    return losses, norms
+
+
+def _train_worker(rank, world, layout, stage):
+    engine = initialize(MoEGPT(), _config(layout, stage))
+    losses, norms = _train(engine, batches())
+    full = engine.full_state_dict()
+    engine.close()
+    return losses, norms, full
+
+
+CASES_MATCHED = [("tp", 0), ("tp", 3), ("sp", 1), ("sp", 3)]
+
+
+@pytest.mark.parametrize("layout, stage", CASES_MATCHED)
+def test_expert_parallel_composition_matches_plain_pytorch(four_ranks, layout, stage):
+    """tp: 2 tp × 2 dp, experts over ep 2 = the dp ranks of each tp rank (every tp rank routes the same tokens and
+    holds the same experts; expert gradients reduced over edp 1). sp: 2 dp × 2 sequence ranks, experts over ep 2 =
+    the ranks of each sequence (each routes its part of the sequence; expert gradients reduced over edp = dp)."""
+    parts, sequence_parts = (2, 1) if layout == "tp" else (2, 2)
+    ref_losses, ref_norms, ref_params = reference_run(parts, sequence_parts)
+    results = four_ranks[("train", layout, stage)]
+    rtol = TP_RTOL if layout == "tp" else 1e-5
+    assert_close_relative([sum(r[0][i] for r in results) / WORLD for i in range(len(ref_losses))], ref_losses, rtol)
+    for _, norms, full in results:  # the norm clipping scales by: every gradient counted once
+        assert_close_relative(norms, ref_norms, rtol)
+        assert_params_close({k: v for k, v in full.items() if k in ref_params}, ref_params, rtol)
+
+
+def _checkpoint_worker(rank, world, directory):
+    """tp × ep saves after two steps and takes the third; sp × ep and dp 4 × ep 2 load it and take the third step
+    from there. No router losses: each layout would take them over other tokens, a different objective."""
+    engine = initialize(MoEGPT(), _config("tp", 1, router_losses=False))
+    _train(engine, batches()[:2])
+    saved = engine.full_state_dict()
+    engine.save_checkpoint(directory, "saved")
+    _train(engine, batches()[2:])
+    uninterrupted = engine.full_state_dict()
+    engine.close()
+    resumed = {}
+    for layout in ("sp", "dp"):
+        engine = initialize(MoEGPT(seed=1), _config(layout, 3, router_losses=False))
+        engine.load_checkpoint(directory, "saved")
+        _train(engine, batches()[2:])
+        resumed[layout] = engine.full_state_dict()
+        engine.close()
+    return saved, uninterrupted, resumed
+
+
+def test_checkpoint_of_tensor_and_expert_parallel_run(four_ranks, four_ranks_dir):
+    """Saved under tp 2 × ep 2: read whole in this one process it is the run's full_state_dict at the save, and
+    under sp 2 × ep 2 and dp 4 × ep 2 (ZeRO-3) the third step goes on as the uninterrupted run's."""
+    saved, uninterrupted, resumed = four_ranks[("checkpoint",)][0]
+    checkpoint = Checkpoint(f"{four_ranks_dir}/saved")
+    reader = PieceReader(checkpoint)
+    assert set(checkpoint.param_names()) == set(saved)
+    for name, value in saved.items():
+        torch.testing.assert_close(reader.whole(name, "param"), value, rtol=0, atol=0, msg=name)
+    for layout, full in resumed.items():  # one Adam step in another layout: a near-zero moment moves a weight
+        assert full.keys() == uninterrupted.keys()  # by up to ~1% of a step (lr 1e-3) more or less
+        for name, value in uninterrupted.items():
+            torch.testing.assert_close(full[name], value, rtol=TP_RTOL, atol=5e-5,
+                                       msg=lambda m, layout=layout, name=name: f"{layout}: {name}: {m}")
+
+
+def _refusals_worker(rank, world):
+    errors = []
+    cases = [{"tensor_parallel": {**TP, "plan": {**TP["plan"], "blocks.*.moe.experts.*.fc1": "colwise"}}},
+             {"tensor_parallel": {**TP, "sequence_parallel": True}},
+             {"tensor_parallel": {"size": 4, "mode": "2d"}},
+             {"pipeline": {"stages": 2}}]
+    for extra in cases:
+        with pytest.raises(ValueError) as e:
+            initialize(MoEGPT(), {**config(1), **extra})
+        errors.append(str(e.value))
+    return errors
+
+
+def test_refusals_name_what_is_missing(four_ranks):
+    errors = four_ranks[("refusals",)][0]
+    expected = ["blocks.0.moe", "tensor_parallel.sequence_parallel", "2D tensor parallelism", "pipeline"]
+    for error, text in zip(errors, expected):
+        assert text in error and "moe.expert_parallel_size" in error, error
+
+
+# --- every case above in one spawned group: start-up, not the cases, dominates their time -----------------------
+
+FOUR_RANK_CASES = [*(("train", *case) for case in CASES_MATCHED), ("checkpoint",), ("refusals",)]
+
+
+def _four_rank_cases_worker(rank, world, directory):
+    workers = {"train": _train_worker, "refusals": _refusals_worker,
+               "checkpoint": lambda r, w: _checkpoint_worker(r, w, directory)}
+    return run_cases(rank, FOUR_RANK_CASES, lambda kind, *args: workers[kind](rank, world, *args))
+
+
+@pytest.fixture(scope="module")
+def four_ranks_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("moe_composition")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(four_ranks_dir) -> dict[tuple, list]:
+    """Each case's results in rank order, keyed by the case."""
+    return results_by_case(run_distributed(_four_rank_cases_worker, WORLD, args=(str(four_ranks_dir),),
+                                           timeout_s=600))
