@@ -117,9 +117,6 @@ def check_config(cfg: Config) -> None:
          "is for mode \"1d\"; under mode \"2d\" every activation is split over the mesh already; set it to false"),
         (sp.enabled and tp.size > 1 and tp.mode == "2d", "sequence_parallel.size", sp.size,
          "sequence parallelism with 2D tensor parallelism is not built yet; use tensor_parallel.mode \"1d\" with it"),
-        (cfg.moe.expert_parallel_size > 1 and cfg.pipeline.enabled, "moe.expert_parallel_size",
-         cfg.moe.expert_parallel_size, "expert parallelism inside a pipeline is not built yet (the router losses "
-         "of a stage's MoE layers do not reach the schedule's backward); use pipeline.stages 1 with it"),
         (cfg.moe.expert_parallel_size > 1 and tp.size > 1 and tp.mode == "2d", "moe.expert_parallel_size",
          cfg.moe.expert_parallel_size, "expert parallelism with 2D tensor parallelism is not built yet (each rank "
          "holds a block of the activations, and the router needs whole tokens); use tensor_parallel.mode \"1d\""),

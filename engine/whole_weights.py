@@ -56,7 +56,8 @@ def join_stages(local: dict[str, torch.Tensor], keys: tuple[str, ...], topology:
             broadcast_from(t, src, group, counter)
             if keep and not mine:
                 out.setdefault(key, t.to("cpu"))
-    return {key: out[key] for key in keys} if keep else None
+    # in the unsplit model's order; then what a feature joined before this one added (other ep ranks' experts)
+    return {**{key: out[key] for key in keys}, **out} if keep else None
 
 
 def chunked_keys(module: nn.Module, chunked: ChunkedParams, topology: Topology) -> set[str]:

@@ -116,7 +116,7 @@ def _refusals_worker(rank, world):
              (lambda: UserMoEModel(ep_size=4, num_experts=8), config(0, 2)),
              (lambda: mixtral(), config(0, 2, z_loss_coef=0.1)),
              (lambda: mixtral(), config(0, 2, aux_loss_coef=0.1)),
-             (lambda: mixtral(), {**config(0, 2), "pipeline": {"stages": 2}}),
+             (lambda: mixtral(), {**config(0, 2), "tensor_parallel": {"size": 2, "sequence_parallel": True}}),
              (lambda: _frozen_expert(), config(0, 2))]
     for build, cfg in cases:
         with pytest.raises(ValueError) as e:
@@ -135,7 +135,7 @@ def test_refusals_name_the_fix(two_ranks):
     errors = two_ranks[("refusals",)][0]
     expected = ["must divide the data-parallel size 2", "no MoE layer Tiers can split",
                 "ep_size=4) but moe.expert_parallel_size is 2", "z-loss is added by engine.moe.MoE",
-                "output_router_logits=True", "expert parallelism inside a pipeline is not built",
+                "output_router_logits=True", "with tensor_parallel.sequence_parallel is not built",
                 "buffers or frozen parameters"]
     for error, text in zip(errors, expected):
         assert text in error, error

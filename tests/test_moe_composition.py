@@ -1,8 +1,8 @@
 """Expert parallelism composed with the other parallelisms (Note [expert parallelism]) equals one plain PyTorch
-process: 1D tensor parallelism (attention split over tp, experts whole on every tp rank and split over ep) and
-Ulysses sequence parallelism (experts split over the ranks of a sequence), at ZeRO stages 1 and 3; a checkpoint
-saved under tp × ep reads back whole in one process and loads under another layout. Every case runs in one
-spawned 4-rank group."""
+process: 1D tensor parallelism (attention split over tp, experts whole on every tp rank and split over ep),
+Ulysses sequence parallelism (experts split over the ranks of a sequence) and a pipeline (1F1B and zero
+bubble), at ZeRO stages 0-3; a checkpoint saved under tp × ep reads back whole in one process and loads under
+another layout. Every case runs in one spawned 4-rank group."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ AUX, Z, WORLD, STEPS, BATCH = 0.01, 0.001, 4, 3, 8
 TP_RTOL = 1e-4  # tensor parallelism sums the split attention's products in another order
 TP = {"size": 2, "plan": {"blocks.*.qkv": "colwise_qkv", "blocks.*.proj": "rowwise", "head": "colwise_gather"}}
 LAYOUTS = {"tp": {"tensor_parallel": TP}, "sp": {"sequence_parallel": {"size": 2, "mode": "ulysses"}},
+           "pp": {"pipeline": {"stages": 2, "schedule": "1f1b"}, "train_micro_batch_size_per_gpu": 2},
+           "pp_zb": {"pipeline": {"stages": 2, "schedule": "zero_bubble"}, "train_micro_batch_size_per_gpu": 2},
            "dp": {}}
 
 
@@ -80,14 +82,18 @@ def reference_run(parts: int, sequence_parts: int) -> tuple[list[float], list[fl
 
 
 def _train(engine, steps: list[torch.Tensor]) -> tuple[list[float], list[float]]:
-    """(this rank's losses, the global gradient norms)."""
+    """(this rank's losses, the global gradient norms); under a pipeline, train_batch over 2 micro-batches."""
     topo, losses, norms = engine.topology, [], []
     for x in steps:
-        (micro,) = micro_batches(x, topo.data_parallel_rank, topo.data_parallel_size, 1)
-        loss = engine(micro, _labels(micro))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+        if topo.pp_size > 1:
+            micros = micro_batches(x, topo.data_parallel_rank, topo.data_parallel_size, 2)
+            losses.append(engine.train_batch(iter([{"input_ids": m, "labels": _labels(m)} for m in micros])))
+        else:
+            (micro,) = micro_batches(x, topo.data_parallel_rank, topo.data_parallel_size, 1)
+            loss = engine(micro, _labels(micro))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
         norms.append(engine.get_global_grad_norm())
     return losses, norms
 
@@ -100,18 +106,23 @@ def _train_worker(rank, world, layout, stage):
     return losses, norms, full
 
 
-CASES_MATCHED = [("tp", 0), ("tp", 3), ("sp", 1), ("sp", 3)]
+CASES_MATCHED = [("tp", 0), ("tp", 3), ("sp", 1), ("sp", 3), ("pp", 1), ("pp", 3), ("pp_zb", 1)]
+# (row groups, sequence parts): the tokens each rank routes in one forward
+ROUTED_TOKENS = {"tp": (2, 1), "sp": (2, 2), "pp": (4, 1), "pp_zb": (4, 1)}
 
 
 @pytest.mark.parametrize("layout, stage", CASES_MATCHED)
 def test_expert_parallel_composition_matches_plain_pytorch(four_ranks, layout, stage):
     """tp: 2 tp × 2 dp, experts over ep 2 = the dp ranks of each tp rank (every tp rank routes the same tokens and
     holds the same experts; expert gradients reduced over edp 1). sp: 2 dp × 2 sequence ranks, experts over ep 2 =
-    the ranks of each sequence (each routes its part of the sequence; expert gradients reduced over edp = dp)."""
-    parts, sequence_parts = (2, 1) if layout == "tp" else (2, 2)
+    the ranks of each sequence (each routes its part of the sequence; expert gradients reduced over edp = dp).
+    pp: 2 stages (one MoE block each) × 2 dp, experts over ep 2 = the dp ranks of each stage, 1F1B over 2
+    micro-batches, the router losses of each stage's MoE layer carried into its backward; pp_zb: the same under
+    the zero-bubble schedule (backward split into input and weight passes)."""
+    parts, sequence_parts = ROUTED_TOKENS[layout]
     ref_losses, ref_norms, ref_params = reference_run(parts, sequence_parts)
     results = four_ranks[("train", layout, stage)]
-    rtol = TP_RTOL if layout == "tp" else 1e-5
+    rtol = 1e-5 if layout == "sp" else TP_RTOL  # (pp: gradients summed over micro-batches, in another order)
     assert_close_relative([sum(r[0][i] for r in results) / WORLD for i in range(len(ref_losses))], ref_losses, rtol)
     for _, norms, full in results:  # the norm clipping scales by: every gradient counted once
         assert_close_relative(norms, ref_norms, rtol)
@@ -158,8 +169,7 @@ def _refusals_worker(rank, world):
     errors = []
     cases = [{"tensor_parallel": {**TP, "plan": {**TP["plan"], "blocks.*.moe.experts.*.fc1": "colwise"}}},
              {"tensor_parallel": {**TP, "sequence_parallel": True}},
-             {"tensor_parallel": {"size": 4, "mode": "2d"}},
-             {"pipeline": {"stages": 2}}]
+             {"tensor_parallel": {"size": 4, "mode": "2d"}}]
     for extra in cases:
         with pytest.raises(ValueError) as e:
             initialize(MoEGPT(), {**config(1), **extra})
@@ -169,7 +179,7 @@ def _refusals_worker(rank, world):
 
 def test_refusals_name_what_is_missing(four_ranks):
     errors = four_ranks[("refusals",)][0]
-    expected = ["blocks.0.moe", "tensor_parallel.sequence_parallel", "2D tensor parallelism", "pipeline"]
+    expected = ["blocks.0.moe", "tensor_parallel.sequence_parallel", "2D tensor parallelism"]
     for error, text in zip(errors, expected):
         assert text in error and "moe.expert_parallel_size" in error, error
 

@@ -20,7 +20,9 @@ refused): the tp ranks of one ep position route the same tokens, each over its o
 the same expert gradients, reduced over edp (which holds no tp rank) and counted 1/tp in the global norm as
 any replicated parameter (Note [global norm under tensor parallelism]). With sequence parallelism each rank
 routes the tokens of its part of the sequence; the ep group spans sp ranks (or sits inside them), and router
-losses are each rank's over its own tokens, weighted as its loss is (Note [sequence parallelism]).
+losses are each rank's over its own tokens, weighted as its loss is (Note [sequence parallelism]). In a
+pipeline the ep group holds ranks of one stage, which run the same schedule, so their exchanges pair; a
+stage's router losses ride on its output into its backward (Note [a pipelined step]).
 """
 
 from __future__ import annotations

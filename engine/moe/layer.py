@@ -38,13 +38,22 @@ def _gumbel_like(x: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
+class FP32Linear(nn.Linear):
+    """A linear layer computed in fp32 whatever its weight's and input's dtype (the gate's logits), run as its own
+    module so that ZeRO-3 gathers its weight around it (Note [gathering around modules])."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+
+
 class TopKGate(nn.Module):
     """GShard's gate, as DeepSpeed's: `wg` a bias-free linear layer to the experts' logits, computed in fp32."""
 
     def __init__(self, hidden_size: int, num_experts: int, k: int, noisy_gate_policy: str | None,
                  second_expert_sampling: bool):
         super().__init__()
-        self.wg = nn.Linear(hidden_size, num_experts, bias=False)
+        self.wg = FP32Linear(hidden_size, num_experts, bias=False)
         self.k, self.num_experts = k, num_experts
         self.noisy_gate_policy, self.second_expert_sampling = noisy_gate_policy, second_expert_sampling
 
@@ -52,8 +61,7 @@ class TopKGate(nn.Module):
         """(logits [T, E] fp32, probabilities [T, E], chosen experts [T, k])."""
         if self.noisy_gate_policy == "Jitter" and self.training:
             x = x * torch.empty_like(x).uniform_(1.0 - 1e-2, 1.0 + 1e-2)
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.wg.weight.float())
+        logits = self.wg(x)
         probs = F.softmax(logits, dim=-1)
         noisy = self.training and (self.noisy_gate_policy == "RSample" or
                                    (self.k >= 2 and self.second_expert_sampling))

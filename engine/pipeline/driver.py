@@ -18,7 +18,10 @@ update, the gradients of a parameter two pipeline ranks hold are summed over the
 (clipping, fp16 overflow) sums the stages' squares (Note [global norm, unscaling and clipping]) with
 such a parameter counted once, so every stage clips by the same factor and skips the same fp16 step.
 The step's loss is the mean of the m micro-batch losses, sent from the last stage to every pipeline
-rank and averaged over the data-parallel ranks, as DeepSpeed's train_batch returns it. The measured
+rank and averaged over the data-parallel ranks, as DeepSpeed's train_batch returns it. Router losses the
+stage's MoE layers add during its forward (moe.aux_loss_coef / z_loss_coef, Note [expert parallelism]) ride
+on the stage's output into its backward (RouterLossCarrier), weighted loss_scale / (m · dp) as engine.backward
+weighs them, on any stage: they leave the loss the step reports as the model's own. The measured
 bubble (the share of the step a rank waits) is averaged over the pipeline ranks for TensorBoard, next
 to the schedule's own fraction on unit costs.
 Each stage's forward makes the calls the engine's forward makes around a micro-batch (Note [feature
@@ -122,16 +125,28 @@ class PipelineDriver:
                 with self.features.around_forward():
                     out = view(*args, **kwargs)
             except StageOutput as sent:
-                return sent.value
+                return self._carrying_router_losses(sent.value, last=False)
             finally:
                 state.end()
             if stage != last:
                 raise RuntimeError(f"pipeline stage {stage}'s forward returned without reaching its last block; the "
                                    "model's forward skipped blocks of its block list")
-            loss = self._loss(out, microbatch)
-            return self.features.scheduled_loss(loss)
+            loss = self.features.scheduled_loss(self._loss(out, microbatch))
+            return self._carrying_router_losses(loss, last=True)
 
         return run
+
+    def _carrying_router_losses(self, out: torch.Tensor, last: bool) -> torch.Tensor:
+        """`out`, whose backward also backpropagates the router losses of the forward that made it (the features'
+        around_forward collects them), weighted as engine.backward weighs them: on the last stage as the loss (the
+        runner scales it), elsewhere loss_scale / (m · dp); both times the features' loss weight (a sequence
+        part's token weight)."""
+        aux = self.features.take_aux_loss()
+        if aux is None or not torch.is_grad_enabled():
+            return out
+        weight = self.features.loss_weight()
+        scale = None if last else self._loss_scale / (self.schedule.microbatches * self.topology.dp_world_size)
+        return RouterLossCarrier.apply(out, aux.to(out.device), weight, scale)
 
     def _loss(self, out, microbatch) -> torch.Tensor:
         if self.loss_fn is not None:
@@ -169,6 +184,21 @@ class PipelineDriver:
         if self.topology.dp_world_size > 1:
             all_reduce_sum(t, self.topology.dp_group, self.comm, async_op=False)
         return t.item() / self.topology.dp_world_size
+
+
+class RouterLossCarrier(torch.autograd.Function):
+    """forward: `out` unchanged; backward: `out`'s gradient, and `aux`'s: `weight` × (`scale`, or (None) the
+    gradient of a scalar `out`: the loss it is added to)."""
+
+    @staticmethod
+    def forward(ctx, out, aux, weight, scale):
+        ctx.weight, ctx.scale = weight, scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        upstream = grad if ctx.scale is None else torch.full((), ctx.scale, dtype=torch.float32, device=grad.device)
+        return grad, upstream * ctx.weight, None, None
 
 
 @contextlib.contextmanager
