@@ -130,8 +130,9 @@ def test_expert_parallel_composition_matches_plain_pytorch(four_ranks, layout, s
 
 
 def _checkpoint_worker(rank, world, directory):
-    """tp × ep saves after two steps and takes the third; sp × ep and dp 4 × ep 2 load it and take the third step
-    from there. No router losses: each layout would take them over other tokens, a different objective."""
+    """tp × ep saves after two steps and takes the third; sp × ep, dp 4 × ep 2 and pp × ep load it and take the
+    third step from there (pp × ep saves it again first). No router losses: each layout would take them over other
+    tokens, a different objective."""
     engine = initialize(MoEGPT(), _config("tp", 1, router_losses=False))
     _train(engine, batches()[:2])
     saved = engine.full_state_dict()
@@ -140,9 +141,11 @@ def _checkpoint_worker(rank, world, directory):
     uninterrupted = engine.full_state_dict()
     engine.close()
     resumed = {}
-    for layout in ("sp", "dp"):
+    for layout in ("sp", "dp", "pp"):
         engine = initialize(MoEGPT(seed=1), _config(layout, 3, router_losses=False))
         engine.load_checkpoint(directory, "saved")
+        if layout == "pp":
+            engine.save_checkpoint(directory, "resaved_pp")
         _train(engine, batches()[2:])
         resumed[layout] = engine.full_state_dict()
         engine.close()
@@ -150,14 +153,16 @@ def _checkpoint_worker(rank, world, directory):
 
 
 def test_checkpoint_of_tensor_and_expert_parallel_run(four_ranks, four_ranks_dir):
-    """Saved under tp 2 × ep 2: read whole in this one process it is the run's full_state_dict at the save, and
-    under sp 2 × ep 2 and dp 4 × ep 2 (ZeRO-3) the third step goes on as the uninterrupted run's."""
+    """Saved under tp 2 × ep 2 (and saved again under pp 2 × ep 2): read whole in this one process it is the run's
+    full_state_dict at the save, and under sp 2 × ep 2, dp 4 × ep 2 and pp 2 × ep 2 (ZeRO-3) the third step goes
+    on as the uninterrupted run's."""
     saved, uninterrupted, resumed = four_ranks[("checkpoint",)][0]
-    checkpoint = Checkpoint(f"{four_ranks_dir}/saved")
-    reader = PieceReader(checkpoint)
-    assert set(checkpoint.param_names()) == set(saved)
-    for name, value in saved.items():
-        torch.testing.assert_close(reader.whole(name, "param"), value, rtol=0, atol=0, msg=name)
+    for tag in ("saved", "resaved_pp"):
+        checkpoint = Checkpoint(f"{four_ranks_dir}/{tag}")
+        reader = PieceReader(checkpoint)
+        assert set(checkpoint.param_names()) == set(saved)
+        for name, value in saved.items():
+            torch.testing.assert_close(reader.whole(name, "param"), value, rtol=0, atol=0, msg=f"{tag}: {name}")
     for layout, full in resumed.items():  # one Adam step in another layout: a near-zero moment moves a weight
         assert full.keys() == uninterrupted.keys()  # by up to ~1% of a step (lr 1e-3) more or less
         for name, value in uninterrupted.items():

@@ -64,10 +64,10 @@ class LoadPlan:
         self.extras = extras
         whole = run.pipeline is None  # a pipeline stage holds part of the model: its keys are checked whole
         if not whole:
-            self._check_names("state-dict key", set(run.pipeline.keys), set(checkpoint.manifest["state_dict_keys"]))
-        saved_names = set(checkpoint.param_names())
-        if run.experts is not None:  # engine.moe.MoE experts other ep ranks hold (Note [expert parallelism])
-            saved_names -= {n for n in saved_names - live_names if run.experts.names_an_expert(n)}
+            keys = set(run.pipeline.keys)
+            self._check_names("state-dict key", keys, _less_others_experts(
+                set(checkpoint.manifest["state_dict_keys"]), keys, run.experts))
+        saved_names = _less_others_experts(set(checkpoint.param_names()), live_names, run.experts)
         self._check_names("parameter", live_names, saved_names, whole)
         self._check_names("buffer or frozen parameter", set(extras), set(checkpoint.extras[0]), whole)
         if self.with_optimizer and self.states.offloaded and len(self.states):
@@ -236,6 +236,13 @@ def load_checkpoint(run: TrainingState, control: Control, load_dir: str, tag: st
                                  lambda key: reader.tensor(Piece(checkpoint.rank_file(0), key, 0, 0, 0)))
     reader.close()
     return directory, client
+
+
+def _less_others_experts(saved: set[str], live: set[str], experts) -> set[str]:
+    """`saved` names less the engine.moe.MoE experts other ep ranks hold (Note [expert parallelism])."""
+    if experts is None:
+        return saved
+    return saved - {n for n in saved - live if experts.names_an_expert(n)}
 
 
 def _agree(control: Control, error: tuple[str, str] | None) -> None:

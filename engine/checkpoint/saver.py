@@ -251,8 +251,8 @@ class Saver:
             "extras": per_stage(lambda p: {str(t): head[(p, t)]["extras"] for t in range(topo.tp_size)}),
             # the whole model's: every stage's aliases, the unsplit model's keys (Note [checkpoint layout])
             "aliases": {k: v for p in stages for k, v in head[(p, 0)]["aliases"].items()},
-            "state_dict_keys": (list(state.pipeline.keys) if state.pipeline is not None
-                                else _every_key([experts[(0, 0, e)]["keys"] for e in range(topo.ep_size)])),
+            "state_dict_keys": _every_key([list(state.pipeline.keys) if state.pipeline is not None else []]
+                                          + [experts[(p, 0, e)]["keys"] for p in stages for e in range(topo.ep_size)]),
             "tp_specs": head[(0, 0)]["tp_specs"],
             "ranks": [{"rank": r, "rng": info["rng"]} for r, (_, _, info) in enumerate(reports)],
             "files": files,
