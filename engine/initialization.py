@@ -186,7 +186,7 @@ def place_experts(model: nn.Module, cfg: Config, topology: Topology, comm: CommC
     Under tensor parallelism they stay whole on every tp rank."""
     return apply_expert_parallel(model, cfg.moe, topology.ep_group, topology.ep_size, topology.ep_rank,
                                  topology.dp_group, comm, frozenset(tensor_parallel.specs) if tensor_parallel else
-                                 frozenset())
+                                 frozenset(), cfg.pipeline.enabled)
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: Config, topology: Topology,

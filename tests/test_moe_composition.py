@@ -189,6 +189,22 @@ def test_refusals_name_what_is_missing(four_ranks):
         assert text in error and "moe.expert_parallel_size" in error, error
 
 
+def test_a_hugging_face_router_loss_inside_a_pipeline_is_refused():
+    """Only the hidden state crosses a stage boundary, so a Hugging Face model's own aux loss (from every layer's
+    router logits, gathered by its forward) would see the last stage's layers only: refused, naming the fix."""
+    pytest.importorskip("transformers")
+    from engine.comm import CommCounter
+    from engine.config import load_config
+    from engine.moe.plan import apply_expert_parallel
+    from tests.moe_models import mixtral
+
+    cfg = load_config({**config(1), "moe": {"capacity_factor": 4.0}})  # routed by Tiers at ep 1 too
+    with pytest.raises(ValueError, match="output_router_logits=False"):
+        apply_expert_parallel(mixtral(output_router_logits=True), cfg.moe, None, 1, 0, None, CommCounter(),
+                              pipelined=True)
+    assert apply_expert_parallel(mixtral(), cfg.moe, None, 1, 0, None, CommCounter(), pipelined=True) is not None
+
+
 # --- every case above in one spawned group: start-up, not the cases, dominates their time -----------------------
 
 FOUR_RANK_CASES = [*(("train", *case) for case in CASES_MATCHED), ("checkpoint",), ("refusals",)]

@@ -159,10 +159,12 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def apply_expert_parallel(model: nn.Module, cfg, ep_group, ep_size: int, ep_rank: int, dp_group,
-                          comm: CommCounter, tp_split: frozenset[str] = frozenset()) -> ExpertParallel | None:
+                          comm: CommCounter, tp_split: frozenset[str] = frozenset(),
+                          pipelined: bool = False) -> ExpertParallel | None:
     """Note [expert parallelism]: every MoE layer of `model` keeps this rank's experts (rank `ep_rank` of `ep_size`),
     whose values start as dp rank 0's; None when the model has no MoE layer Tiers routes. `cfg`: the moe section;
-    `tp_split`: names of the parameters a tensor-parallel plan split (none may be inside an MoE layer)."""
+    `tp_split`: names of the parameters a tensor-parallel plan split (none may be inside an MoE layer); `pipelined`:
+    the model will be cut into pipeline stages."""
     sink = AuxLossSink()
     layers: dict[str, nn.Module] = {}
     dropped: set[int] = set()
@@ -192,7 +194,7 @@ def apply_expert_parallel(model: nn.Module, cfg, ep_group, ep_size: int, ep_rank
         layer.z_loss_coef = cfg.z_loss_coef
         layers[name] = layer
     if hf or lists:
-        _check_model_losses(model, cfg)
+        _check_model_losses(model, cfg, pipelined)
     for name, (experts, params) in hf.items():
         placement = ExpertPlacement(experts.num_experts, ep_size, ep_rank, ep_group)
         _from_first_rank(experts.parameters(), ep_size, dp_group, comm)
@@ -244,9 +246,16 @@ def _from_first_rank(params, ep_size: int, group, comm: CommCounter) -> None:
             broadcast_from(p.data, 0, group, comm)
 
 
-def _check_model_losses(model: nn.Module, cfg) -> None:
+def _check_model_losses(model: nn.Module, cfg, pipelined: bool) -> None:
     """A Hugging Face model computes its own router loss (router_aux_loss_coef); the config may set its
-    coefficient, and cannot add a z-loss to a router Tiers does not own."""
+    coefficient, and cannot add a z-loss to a router Tiers does not own. Inside a pipeline its last stage would
+    compute that loss from its own layers' router logits only (only the hidden state crosses a stage boundary)."""
+    if pipelined and getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise ValueError("pipeline.stages: this model adds its routers' aux loss (output_router_logits=True) from "
+                         "every MoE layer's router logits, and in a pipeline only the hidden state crosses a stage "
+                         "boundary, so the last stage would see its own layers' logits only; set "
+                         "output_router_logits=False in its config, or build its MoE layers with engine.moe.MoE "
+                         "(moe.aux_loss_coef then adds their router losses on every stage)")
     if cfg.z_loss_coef:
         raise ValueError(f"moe.z_loss_coef {cfg.z_loss_coef}: the router z-loss is added by engine.moe.MoE layers, and "
                          "this model's routers are its own; remove the key (or build the layers with engine.moe.MoE)")
