@@ -6,6 +6,8 @@ another layout. Every case runs in one spawned 4-rank group."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -56,6 +58,7 @@ def _router_losses(x: torch.Tensor, gate_weight: torch.Tensor, num_experts: int)
     return AUX * l_aux + Z * torch.logsumexp(logits, dim=-1).square().mean()
 
 
+@functools.lru_cache(maxsize=None)  # one per token split, shared by the ZeRO stages
 def reference_run(parts: int, sequence_parts: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """Plain PyTorch on the whole batch: the model's loss, plus each MoE layer's router losses taken over each
     rank's tokens (rows over `parts` samples groups, each sequence over `sequence_parts`) and averaged, as every
