@@ -260,6 +260,9 @@ def _check_step_in_backward(cfg: Config, topology: Topology) -> None:
     if zero.offload_optimizer.device not in OFFLOADED:
         raise ConfigError(f"{key}: steps the offloaded optimizer; set zero_optimization.offload_optimizer.device to "
                           "cpu or nvme, or remove step_in_backward")
+    if cfg.pipeline.enabled:
+        raise ConfigError(f"{key}: a pipeline schedule accumulates every micro-batch's gradients before the step, so "
+                          "no shard is ready during a backward; remove step_in_backward with pipeline.stages > 1")
     if zero.stage < 2:  # an offloaded optimizer keeps gradient shards from stage 2, in one process too
         raise ConfigError(f"{key}: needs gradient shards, i.e. ZeRO stage 2 or 3 (this run: stage {zero.stage}); "
                           "set stage 2 or 3, or remove step_in_backward")

@@ -36,6 +36,7 @@ from engine.topology import Topology  # noqa: E402
 # pair of feature names (either order) → the pytest node ids that train the pair against one process
 PAIRS = "tests/test_composition_pairs.py::test_pair_trains_like_one_process"
 SEQUENCE = "tests/test_sequence_parallel.py::"
+MOE_COMPOSITION = "tests/test_moe_composition.py::test_expert_parallel_composition_matches_plain_pytorch"
 TESTS: dict[tuple[str, str], list[str]] = {
     ("zero3", "offload"): ["tests/test_zero.py::test_offload_matches_single_process[3-cpu-cpu-2]"],
     ("zero3", "zero_init"): ["tests/test_zero_init.py::test_a_zero_init_model_trains_like_plain_pytorch[3-gpt]"],
@@ -59,6 +60,9 @@ TESTS: dict[tuple[str, str], list[str]] = {
     ("zero_init", "ulysses_ring"): [PAIRS + "[zero_init-ring]"],
     ("zero_init", "checkpointing"): [PAIRS + "[zero_init-checkpointing]"],
     ("tp1d", "pipeline"): ["tests/test_pipeline_engine.py::test_pp2_by_tp2"],
+    ("tp1d", "experts"): [MOE_COMPOSITION + "[tp-0]", MOE_COMPOSITION + "[tp-3]"],
+    ("ulysses_ring", "experts"): [MOE_COMPOSITION + "[sp-1]", MOE_COMPOSITION + "[sp-3]"],
+    ("pipeline", "experts"): [MOE_COMPOSITION + "[pp-1]", MOE_COMPOSITION + "[pp-3]"],
     ("pipeline", "ulysses_ring"): ["tests/test_pipeline_sequence_parallel.py::"
                                    "test_pp2_by_sp2_trains_as_one_process_on_the_whole_sequences"],
     ("offload", "pipeline"): ["tests/test_pipeline_offload.py::test_trains_as_one_process[cpu]",

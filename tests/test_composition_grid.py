@@ -62,8 +62,8 @@ def test_each_feature_alone_is_accepted():
 
 
 def test_a_refused_pair_mapped_to_a_test_fails():
-    mapped = {**TESTS, ("pipeline", "ulysses_ring"): ["tests/test_pipeline_engine.py::test_pp2_by_tp2"]}
-    with pytest.raises(GridError, match="refused but mapped to tests: pipeline × Ulysses/ring"):
+    mapped = {**TESTS, ("tp2d", "pipeline"): ["tests/test_pipeline_engine.py::test_pp2_by_tp2"]}
+    with pytest.raises(GridError, match="refused but mapped to tests: 2D TP × pipeline"):
         compute_grid(mapped)
 
 

@@ -118,7 +118,8 @@ class SequenceSplit:
         """S × this rank's share of the group's counted tokens (1.0 without labels: equal shares)."""
         if local_labels is None:
             return 1.0
-        counts = torch.tensor([float((local_labels != IGNORE_INDEX).sum())], dtype=torch.float64)
+        counts = torch.tensor([float((local_labels != IGNORE_INDEX).sum())], dtype=torch.float64,
+                              device=local_labels.device)  # where the group's backend reduces (nccl: the GPU)
         total = counts.clone()
         dist.all_reduce(total, group=self.group)
         return float(counts / total) * self.size if total.item() > 0 else 1.0
