@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from engine import initialize
-from engine.config import ConfigError
+from engine.config import ConfigError, load_config
+from engine.config_checks import check_run
+from engine.topology import Topology
 from tests.distributed import run_distributed
 from tests.reference import (
     assert_close_relative,
@@ -242,3 +244,13 @@ def two_ranks(tmp_path_factory) -> dict:
         (case_dir / "swap").mkdir()
     per_rank = run_distributed(_two_rank_cases_worker, 2, args=(TWO_RANK_CASES, case_dirs), timeout_s=600)
     return {name: [results[i] for results in per_rank] for i, name in enumerate(TWO_RANK_CASES)}
+
+
+def test_refused_under_a_pipeline_whose_schedule_accumulates_before_the_step():
+    cfg = zero_config(3, 2, 1)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "step_in_backward": True}
+    cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    cfg["pipeline"] = {"stages": 2}
+    topology = Topology(4, 0, None, 2, 0, torch.device("cpu"), pp_size=2)
+    with pytest.raises(ConfigError, match="step_in_backward: a pipeline schedule accumulates"):
+        check_run(load_config(cfg), topology)
