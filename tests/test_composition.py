@@ -59,6 +59,12 @@ CASES = {
         {"pipeline": {"stages": 2, "schedule": "1f1b"}, "tensor_parallel": {"size": 2, "sequence_parallel": True},
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "chunk_size": 4_000}},
         degrees={"num_stages": 2, "dp_world_size": 2, "tp_world_size": 2}, accumulation=4),
+    # pp 2 x sp 2 x tp 2: each stage's tp shards run their heads' attention over the sequence ranks
+    "pp2_sp2_tp2_zero1": Composition(
+        {"pipeline": {"stages": 2, "schedule": "1f1b"}, "tensor_parallel": {"size": 2},
+         "sequence_parallel": {"size": 2}, "zero_optimization": {"stage": 1}},
+        degrees={"num_stages": 2, "dp_world_size": 1, "tp_world_size": 2, "seq_parallel_world_size": 2},
+        accumulation=4),
 }
 
 
@@ -70,7 +76,7 @@ def _train_case(name: str) -> tuple[tuple, list[float], list[float], dict | None
     case = CASES[name]
     engine = initialize(case.model(), case.config())
     assert {key: getattr(engine, key) for key in case.degrees} == case.degrees
-    coordinates = (engine.stage_id, engine.dp_rank, engine.tp_rank)
+    coordinates = (engine.stage_id, engine.dp_rank, engine.seq_parallel_rank, engine.tp_rank)
     losses, norms = [], []
     for batch in batches():
         micro = micro_batches(batch, engine.dp_rank, engine.dp_world_size, case.accumulation)
@@ -87,7 +93,7 @@ def _worker(rank: int, world: int, cases: list[tuple]) -> dict:
 
 @pytest.fixture(scope="module")
 def composed() -> dict:
-    """{case: [each rank's ((stage, dp rank, tp rank), losses, norms, full_state_dict or None)]} from one group of
+    """{case: [each rank's ((stage, dp rank, sequence rank, tp rank), losses, norms, full_state_dict or None)]} from one group of
     WORLD ranks."""
     return results_by_case(run_distributed(_worker, WORLD, args=([(name,) for name in CASES],), timeout_s=420))
 
