@@ -93,8 +93,8 @@ def _worker(rank: int, world: int, cases: list[tuple]) -> dict:
 
 @pytest.fixture(scope="module")
 def composed() -> dict:
-    """{case: [each rank's ((stage, dp rank, sequence rank, tp rank), losses, norms, full_state_dict or None)]} from one group of
-    WORLD ranks."""
+    """{case: [each rank's ((stage, dp rank, sequence rank, tp rank), losses, norms, full_state_dict or None)]}
+    from one group of WORLD ranks."""
     return results_by_case(run_distributed(_worker, WORLD, args=([(name,) for name in CASES],), timeout_s=420))
 
 
