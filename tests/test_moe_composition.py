@@ -229,3 +229,17 @@ def four_ranks(four_ranks_dir) -> dict[tuple, list]:
     """Each case's results in rank order, keyed by the case."""
     return results_by_case(run_distributed(_four_rank_cases_worker, WORLD, args=(str(four_ranks_dir),),
                                            timeout_s=600))
+
+
+def test_a_hugging_face_router_loss_is_refused_by_the_pipeline_split_without_a_moe_section():
+    """Without a `moe` section Tiers does not route the model's experts, and the split refuses the loss itself."""
+    pytest.importorskip("transformers")
+    from engine.config import PipelineConfig
+    from engine.pipeline.model_split import plan_stages, split_model
+    from tests.moe_models import mixtral
+
+    model = mixtral(output_router_logits=True)
+    with pytest.raises(ValueError, match="output_router_logits=False"):
+        split_model(model, plan_stages(model, PipelineConfig(stages=2, partition="uniform")), 0)
+    plain = mixtral()
+    assert split_model(plain, plan_stages(plain, PipelineConfig(stages=2, partition="uniform")), 0) is not None

@@ -150,6 +150,7 @@ class PipelineModel:
 
 def split_model(model: nn.Module, plan: StagePlan, rank: int) -> PipelineModel:
     """Vacates in `model` what pipeline rank `rank` does not hold, and builds its stages' views."""
+    _refuse_losses_over_every_block(model)
     names = {id(p): n for n, p in model.named_parameters()}
     keys = tuple(model.state_dict(keep_vars=True))  # before vacating: every stage's keys
     ranks_of = _ranks_of_parameters(model, plan)
@@ -226,3 +227,14 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     parent._modules[child] = new
+
+
+def _refuse_losses_over_every_block(model: nn.Module) -> None:
+    """A Hugging Face MoE model with output_router_logits adds an aux loss over every layer's router logits; only
+    the hidden state crosses a stage boundary, so the last stage would take it over its own layers' logits only."""
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise ValueError(f"pipeline.stages: {type(model).__name__} adds its routers' aux loss (output_router_logits="
+                         "True) from every MoE layer's router logits, and in a pipeline only the hidden state crosses "
+                         "a stage boundary, so the last stage would see its own layers' logits only; set "
+                         "output_router_logits=False in its config, or build its MoE layers with engine.moe.MoE "
+                         "(moe.aux_loss_coef then adds their router losses on every stage)")
