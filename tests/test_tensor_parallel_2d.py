@@ -211,12 +211,7 @@ def _attention_mask_worker(rank, world):
             with pytest.raises(ValueError) as error:
                 engine(**{"input_ids": x, "labels": x, **bad})
             refused.append(str(error.value))
-        losses = []
-        for x in token_batches(STEPS, GLOBAL_BATCH):
-            loss = loss_fn(engine, x)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = _train_steps(engine, loss_fn)
         out[model] = (losses, engine.full_state_dict(), refused)
         engine.close()
     return out
@@ -251,12 +246,7 @@ def _derived_worker(rank, world):
     for name, (make, loss_fn) in DERIVED_2D.items():
         engine = initialize(make(rank), tp_config(world, 1, mode="2d"))  # ranks seeded differently: made to agree
         assert engine.tensor_parallel.mesh is not None, name
-        losses = []
-        for x in token_batches(STEPS, GLOBAL_BATCH):
-            loss = loss_fn(engine, x)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = _train_steps(engine, loss_fn)
         out[name] = (losses, engine.full_state_dict(), sum(p.numel() for p in engine.module.parameters()))
         engine.close()
     return out
@@ -403,3 +393,14 @@ def test_2d_plans_refuse_a_layer_left_whole_and_1d_styles():
 def test_2d_needs_the_head_counts_to_split_over_the_mesh_side():
     with pytest.raises(ValueError, match=r"blocks.0.attn.n_head = 3 does not split into 2 tensor-parallel parts"):
         apply_tensor_parallel(tiny_gpt(n_head=3, n_embd=48), "auto", MESH.whole, mesh=MESH)
+
+
+def _train_steps(engine, loss_fn) -> list[float]:
+    """STEPS steps of engine over the shared token batches; their losses."""
+    losses = []
+    for x in token_batches(STEPS, GLOBAL_BATCH):
+        loss = loss_fn(engine, x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
