@@ -29,12 +29,12 @@ failed engine.backward does.
 from __future__ import annotations
 
 import enum
-import functools
 
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
 
+from engine.weak_hooks import WeakMethodHook
 from engine.zero.param_gather import _tensors_in
 from engine.zero.runtime import TrainingPhase, ZeroRuntime
 
@@ -57,7 +57,7 @@ class TensorBackward:
         self._scaled = False  # the running backward started at a tensor engine.scale returned
         self._factor = 1.0
         self._handles = [module.register_forward_hook(_OutputsWatcher(self), prepend=True)]
-        self._handles += [p.register_hook(functools.partial(self._scale_gradient, p)) for p in params]
+        self._handles += [p.register_hook(WeakMethodHook(self._scale_gradient, p)) for p in params]
 
     def scaled(self, loss: torch.Tensor, factor: float) -> torch.Tensor:
         """`loss` times `factor` (the loss scale and engine.backward's factor), for a backward that starts there."""

@@ -42,6 +42,7 @@ from torch import nn
 
 from engine.comm import all_reduce_sum, reduce_scatter_sum_in_place
 from engine.tensor_parallel.mappings import TPGroup, gather_along
+from engine.weak_hooks import WeakMethodHook
 
 SEQ_DIM = 1  # activations are [batch, sequence, ...]
 
@@ -139,7 +140,7 @@ class SequenceShards:
             if _matches(name, regions.gather_outputs):
                 module.register_forward_hook(lambda _m, _a, out: self.gather_output(out))
         for p in replicated:
-            p.register_hook(self._sum_partial_gradient)
+            p.register_hook(WeakMethodHook(self._sum_partial_gradient))
         takes_positions = any(p.name == "position_ids" for p in inspect.signature(model.forward).parameters.values())
         model.register_forward_pre_hook(lambda m, a, kw: self._whole_sequence_inputs(a, kw, takes_positions),
                                         with_kwargs=True)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import CommCounter, all_reduce_sum, reduce_scatter_sum_in_place, shard_of
+from engine.weak_hooks import WeakMethodHook
 from engine.zero.chunked_params import ChunkedParams
 
 
@@ -71,7 +72,8 @@ class GradReducer:
         self.launched_during_backward = 0
         self._works: list[tuple[int, object]] = []  # (chunk, its collective in flight)
         self._launched_unfinished = 0  # reductions the armed backward launched, until it completes
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in chunked.params]
+        on_grad_ready = WeakMethodHook(self._on_grad_ready)  # Note [weak parameter hooks]
+        self._handles = [p.register_post_accumulate_grad_hook(on_grad_ready) for p in chunked.params]
         self._sharded_grads = chunked.sharded_grads
         # given to `arm` for a backward whose shards are final (Note [stepping in backward]): called with a
         # chunk index once that chunk's reduced shard is retired
