@@ -11,6 +11,8 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -124,6 +126,51 @@ def test_a_background_save_reports_its_failure_at_the_next_wait(tmp_path, monkey
     engine.save_checkpoint(root)
     engine.close()  # waits for the commit
     assert open(os.path.join(root, "latest")).read() == "global_step3"
+
+
+ENDS_AFTER_ITS_SAVE = """
+import sys, time
+import engine.checkpoint.files as checkpoint_files
+from engine import initialize
+from tests.reference import tiny_gpt, token_batches
+
+write = checkpoint_files.save_file
+def slow_disk(tensors, path, metadata=None):  # the write is still running when the script ends
+    time.sleep(1.0)
+    if sys.argv[2] == "full":
+        raise OSError(28, "No space left on device", path)
+    return write(tensors, path, metadata=metadata)
+checkpoint_files.save_file = slow_disk
+
+engine = initialize(tiny_gpt(seed=0), {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                       "steps_per_print": 10**6, "checkpoint": {"async_save": True}})
+x = next(iter(token_batches(1, 4, seed=5)))
+engine.backward(engine(x, x))
+engine.step()
+engine.save_checkpoint(sys.argv[1])
+"""
+
+
+def _script_ending_during_its_save(root, disk: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, "-c", ENDS_AFTER_ITS_SAVE, str(root), disk], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_script_ending_during_a_background_save_still_commits_it(tmp_path):
+    """No close(), no wait_for_checkpoint(): the script's last line is the save, as in most training scripts."""
+    done = _script_ending_during_its_save(tmp_path, "slow")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert open(tmp_path / "latest").read() == "global_step1"
+    assert sorted(os.listdir(tmp_path / "global_step1")) == ["manifest.json", "rank00000.safetensors"]
+
+
+def test_a_background_save_failing_after_the_script_ended_says_so(tmp_path):
+    done = _script_ending_during_its_save(tmp_path, "full")
+    assert "the checkpoint save still running at exit failed" in done.stderr, done.stderr[-3000:]
+    assert "No space left on device" in done.stderr
+    assert os.listdir(tmp_path) == []  # the partial directory removed, nothing committed
 
 
 def _killed_in_the_middle_of_a_save(root: str) -> None:

@@ -20,7 +20,8 @@ import errno
 import hashlib
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -96,14 +97,30 @@ def file_sha256(path: str) -> str:
     """SHA-256 of a file, the next block read (on a helper thread) while the current one is hashed."""
     digest = hashlib.sha256()
     buffers = [bytearray(READ_BLOCK), bytearray(READ_BLOCK)]
-    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as reader:
+    free, filled = queue.SimpleQueue(), queue.SimpleQueue()  # buffer indices: to read into, to hash
+    free.put(0)
+    free.put(1)
+
+    # a plain thread, not an executor: concurrent.futures refuses work once the script has ended, and a
+    # background save (Note [asynchronous save]) may still be hashing its file then
+    def read_ahead(f) -> None:
+        try:
+            while n := f.readinto(buffers[current := free.get()]):
+                filled.put((current, n))
+            filled.put((0, 0))
+        except BaseException as e:
+            filled.put((-1, e))
+
+    with open(path, "rb", buffering=0) as f:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead
-        current = 0
-        pending = reader.submit(f.readinto, buffers[current])
-        while n := pending.result():
-            pending = reader.submit(f.readinto, buffers[1 - current])  # not the buffer hashed next
-            digest.update(memoryview(buffers[current])[:n])
-            current = 1 - current
+        reader = threading.Thread(target=read_ahead, args=(f,), name="tiers-checksum", daemon=True)
+        reader.start()
+        while (block := filled.get())[1]:
+            if block[0] < 0:
+                raise block[1]
+            digest.update(memoryview(buffers[block[0]])[:block[1]])
+            free.put(block[0])  # the reader may refill it only now
+        reader.join()
     return digest.hexdigest()
 
 

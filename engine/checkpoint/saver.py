@@ -19,7 +19,8 @@ Note [asynchronous save]
 With checkpoint.async_save the call returns once this rank's tensors are copied to CPU memory
 (the snapshot: steps 1-2 and the copy); steps 3-4 run on a background thread, whose collectives go
 over the control group, never the groups training uses. The next save, a load, `engine.close()` or
-`engine.wait_for_checkpoint()` wait for it and raise its error, if any.
+`engine.wait_for_checkpoint()` wait for it and raise its error, if any; so does the end of the script
+(the thread is not a daemon: a save still running at exit commits, or prints its error).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import datetime
 import glob
 import os
 import shutil
+import sys
 import threading
 import time
 import warnings
@@ -118,7 +120,8 @@ class Saver:
         job = (save_dir, partial, tag, snapshot, common, save_latest)
         if not asynchronous:
             return self._write_and_commit(*job)
-        self._thread = threading.Thread(target=self._run_in_background, args=job, name="tiers-checkpoint", daemon=True)
+        # not a daemon: Python waits for it at exit, so a script that ends right after its last save still commits it
+        self._thread = threading.Thread(target=self._run_in_background, args=job, name="tiers-checkpoint")
         self._thread.start()
         return os.path.join(save_dir, tag)
 
@@ -184,6 +187,9 @@ class Saver:
             self._write_and_commit(*job)
         except BaseException as e:  # raised by wait()
             self._error = e
+            if not threading.main_thread().is_alive():  # the script has ended: no wait() is coming to raise it
+                print(f"tiers: the checkpoint save still running at exit failed: {type(e).__name__}: {e}",
+                      file=sys.stderr)
 
     def _write_and_commit(self, save_dir: str, partial: str, tag: str, snapshot: RankSnapshot, common: dict | None,
                           save_latest: bool) -> str:
