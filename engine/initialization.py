@@ -39,6 +39,7 @@ from engine.pipeline.block_timing import measured_costs
 from engine.pipeline.driver import PipelineDriver, shared_parameter_groups, sync_shared_values
 from engine.pipeline.model_split import PipelineModel, plan_stages, split_model
 from engine.precision import PrecisionPolicy, build_loss_scaler
+from engine.process_exit import close_at_exit
 from engine.progress import TrainingProgress
 from engine.sequence_parallel.runtime import SequenceSplit, choose_mode
 from engine.step_metrics import StepMetrics
@@ -148,9 +149,11 @@ def initialize(
         model, chunked, optimizer, scheduler, loss_scaler, progress, topology, tensor_parallel,
         cfg.tensor_parallel.mode, cfg.zero_optimization.stage, PrecisionPolicy.from_config(cfg).compute_dtype,
         runtime.gather_updated_params, split, experts), cfg.checkpoint)
-    return Engine(model, cfg, runtime, EngineParts(topology, scheduler, loss_scaler,
-                                                   build_monitor(cfg, topology, runtime, checkpointing),
-                                                   checkpointing, features, progress, saver))
+    engine = Engine(model, cfg, runtime, EngineParts(topology, scheduler, loss_scaler,
+                                                     build_monitor(cfg, topology, runtime, checkpointing),
+                                                     checkpointing, features, progress, saver))
+    close_at_exit(engine.close)  # Note [shutting down at exit]
+    return engine
 
 
 def feature_objects(cfg: Config, topology: Topology, comm: CommCounter, tensor_parallel: TensorParallel | None,

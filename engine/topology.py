@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 
 from engine.mesh import Mesh, ParallelDims
+from engine.process_exit import destroy_group_at_exit
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -54,6 +55,7 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     _check_restartable()
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    destroy_group_at_exit()  # Note [shutting down at exit]
 
 
 def _check_restartable() -> None:

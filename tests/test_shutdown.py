@@ -88,3 +88,36 @@ def test_deepspeed_style_scripts_leave_no_gloo_threads_at_exit(tmp_path):
     collectable for that (Note [weak parameter hooks]): a parameter hook holding it kept every group alive."""
     for report in thread_reports(tmp_path, DEEPSPEED_STYLE_JOB):
         assert "gloo" not in report, f"gloo threads outlived the script: {report}"
+
+
+NATIVE_JOB = """
+import atexit, os, torch
+from torch import nn
+
+
+def report():  # registered first, so it runs after the handlers registered later (atexit runs last-in, first-out)
+    threads = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    os.write(1, f"threads after shutdown: {threads}\\n".encode())
+
+
+atexit.register(report)
+from engine import initialize
+
+
+
+def main():
+    engine = initialize(nn.Linear(4, 2), {"train_batch_size": 4, "optimizer": {"type": "Adam"},
+                                          "zero_optimization": {"stage": 2}})
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+
+
+main()
+"""
+
+
+def test_scripts_that_never_destroy_the_group_initialize_started_leave_no_gloo_threads_at_exit(tmp_path):
+    """The group initialize() started from torchrun's environment is destroyed at exit (Note [shutting down at
+    exit])."""
+    for report in thread_reports(tmp_path, NATIVE_JOB):
+        assert "gloo" not in report, f"gloo threads outlived the script: {report}"

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import atexit
 import datetime
-import gc
 import os
-import weakref
 
 import torch
 import torch.distributed as dist
 
 from engine.compat.deepspeed.unsupported import refuse
+from engine.process_exit import close_at_exit, destroy_group_at_exit
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -31,10 +29,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      dist_init_required: bool | None = None, config=None, rank: int = -1, world_size: int = -1):
     """The process group from torchrun's (or `tiers launch`'s) environment: gloo on CPU, nccl on CUDA, unless
     `dist_backend` names one. One process without that environment needs none (Tiers runs without it).
-    DeepSpeed scripts never close their engines nor destroy the group, and gloo's threads left to interpreter
-    shutdown can abort the process there ("terminate called without an active exception", tests/test_shutdown.py):
-    at exit, the engines deepspeed.initialize made are closed and released, then the group started here is
-    destroyed."""
+    DeepSpeed scripts never close their engines nor destroy the group: the group started here is destroyed at
+    exit (Note [shutting down at exit])."""
     if dist.is_initialized() or dist_init_required is False:
         return
     if "WORLD_SIZE" not in os.environ and rank < 0:
@@ -47,25 +43,10 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if rank >= 0:
         kwargs.update(rank=rank, world_size=world_size)
     dist.init_process_group(backend, init_method=init_method, **kwargs)
-    atexit.register(_AtExit.finish)
-
-
-class _AtExit:
-    # the engines of a script whose process group init_distributed started: DeepSpeed's API leaves their shutdown
-    # to the process's exit, which is module state by nature
-    engines: weakref.WeakSet = weakref.WeakSet()
-
-    @classmethod
-    def finish(cls) -> None:
-        """Closes and releases the engines (their hooks and references hold the process groups), then destroys the
-        groups while their threads can still stop cleanly."""
-        for engine in list(cls.engines):
-            engine.release()
-        gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    destroy_group_at_exit()
 
 
 def release_at_exit(engine) -> None:
-    """`engine` (a DeepSpeedEngine) is closed and released when the process exits."""
-    _AtExit.engines.add(engine)
+    """`engine` (a DeepSpeedEngine) is closed and released when the process exits, so that its references hold no
+    process group while the group is destroyed (Note [shutting down at exit])."""
+    close_at_exit(engine.release)
