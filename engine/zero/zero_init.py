@@ -38,8 +38,13 @@ With the same seed everywhere, only the layout, one fingerprint and one hash per
 Under a pipeline every rank built the whole model, and keeps only its stages' parameters (Note [pipeline stages
 of an unmodified model]): the placeholders of the others go with their modules, never built. All ranks (pipeline
 × data parallel) agree over the whole model's layout and RNG states as above, so every stage, and both holders of
-a parameter two stages share, get rank 0's numbers; each rank then builds only the parameters it holds, hashes
-them, and where the ranks building a parameter disagree, the lowest of them broadcasts it.
+a parameter two stages share, get rank 0's numbers; each rank then builds only the parameters it holds. Rank 0
+does not build the other stages' parameters, so their values cannot be checked against its own; what decides them
+besides the RNG states is checked instead: each rank hashes every parameter's recipe (its live calls, their
+non-tensor arguments as written, the bytes of their tensor arguments and of the initial value they start from:
+no value is built), and a parameter whose recipe differs from rank 0's on some rank is built by rank 0 and
+broadcast from it. The same recipe under rank 0's RNG states gives rank 0's values; where the ranks building a
+parameter still disagree, the lowest of them broadcasts it.
 """
 
 from __future__ import annotations
@@ -139,12 +144,34 @@ class InitRecording:
         self.built_elements += value.numel()
         return value
 
+    def recipe(self, p: torch.Tensor) -> int:
+        """A hash of what decides `p`'s values besides the RNG states: its live writes (function, written geometry,
+        arguments: tensors by their bytes) and the initial value they start from, if any (Note [zero_init])."""
+        record = self.records[_storage_key(p)]
+        writes = self.live_writes(p)
+        parts = [repr((tuple(record.shape), str(record.dtype))).encode()]
+        if not (writes and writes[0].whole) and record.initial is not None:
+            parts.append(_tensor_bytes(record.initial))
+        for write in writes:
+            parts.append(repr((_name(write.func), write.geometry, write.whole)).encode())
+            for leaf in tree_flatten((write.args, write.kwargs))[0]:
+                parts.append(_tensor_bytes(leaf) if isinstance(leaf, torch.Tensor) else repr(leaf).encode())
+        return checksum(b"".join(parts)) - 2**63
+
 
 class _Target:
     """Stands for the written tensor in a recorded call's arguments."""
 
+    def __repr__(self) -> str:
+        return "<written tensor>"  # the same on every rank (a recipe's part)
+
 
 _TARGET = _Target()
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    return repr((tuple(t.shape), str(t.dtype))).encode() + t.view(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -316,13 +343,14 @@ class _RankZero:
     def __init__(self, device: torch.device, group: dist.ProcessGroup | None, comm: CommCounter):
         self.device, self.group, self.comm = device, group, comm
         self.rank = dist.get_rank(group)
+        self.foreign: list[bool] = []  # per parameter: its recipe here differs from rank 0's
 
     def rng_states(self, recording: InitRecording, named: list, metas: list) -> list[list[torch.Tensor]]:
         """Per parameter, rank 0's RNG states before its live writes (this rank's own where it made another number
         of them: its values then differ, and `differing` finds them). Raises on every rank when a rank built a
         different model."""
         own = [[w.rng_state for w in recording.live_writes(m)] for m in metas]
-        zero_counts, same_states = self._agree(named, own)
+        zero_counts, same_states = self._agree(recording, named, own)
         if same_states:
             return own  # the same seed everywhere: nothing to send
         flat = [s for states in own for s in states]
@@ -334,15 +362,20 @@ class _RankZero:
         # rows cloned: torch.set_rng_state crashes on a view that starts inside its storage (torch 2.13)
         return [[r.clone() for r in z] if len(z) == len(o) else o for z, o in zip(zero, own)]
 
-    def _agree(self, named: list, own: list[list[torch.Tensor]]) -> tuple[list[int], bool]:
-        """Rank 0's number of live writes per parameter, and whether every rank recorded rank 0's RNG states;
-        raises on every rank when one built a different model (other names, shapes, dtypes)."""
-        layout = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, len(s)) for (n, p), s in zip(named, own)]
+    def _agree(self, recording: InitRecording, named: list,
+               own: list[list[torch.Tensor]]) -> tuple[list[int], bool]:
+        """Rank 0's number of live writes per parameter, and whether every rank recorded rank 0's RNG states; notes
+        the parameters whose recipe differs from rank 0's here (`foreign`); raises on every rank when one built a
+        different model (other names, shapes, dtypes)."""
+        recipes = [recording.recipe(p) for _, p in named]
+        layout = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, r, len(s))
+                  for (n, p), r, s in zip(named, recipes, own)]
         fingerprint = checksum(b"".join(s.numpy().tobytes() for states in own for s in states))
         plan = [(layout, fingerprint)]
         with record_function("tiers.comm.broadcast"):
             dist.broadcast_object_list(plan, group=self.group, group_src=0, device=self.device)
         zero_layout, zero_fingerprint = plan[0]
+        self.foreign = [r != entry[4] for r, entry in zip(recipes, zero_layout)]
         difference = _model_difference(layout, zero_layout)
         flags = torch.tensor([self.rank + 1 if difference else 0, int(fingerprint != zero_fingerprint)],
                              device=self.device)
@@ -353,7 +386,8 @@ class _RankZero:
         return [entry[-1] for entry in zero_layout], not states_differ
 
     def differing(self, checksums: list[int | None]) -> list[tuple[int, int]]:
-        """(index, source) of the parameters whose values differ between the ranks building them (None: not built
+        """(index, source) of the parameters whose recipe differs from rank 0's on some rank (source: rank 0, which
+        may not hold them), then of those whose values differ between the ranks building them (None: not built
         here), with the lowest of those ranks as the source; the same list on every rank."""
         size = dist.get_world_size(self.group)
         built = [c is not None for c in checksums]
@@ -363,10 +397,13 @@ class _RankZero:
         highest = ours.to(self.device)
         all_reduce_max(highest, self.group, self.comm)
         highest = highest.cpu()
-        below = torch.tensor([b and c != h for c, b, h in zip(checksums, built, highest[:, 0].tolist())],
-                             dtype=torch.int64, device=self.device)
+        below = torch.tensor([[b and c != h, f] for c, b, h, f in zip(checksums, built, highest[:, 0].tolist(),
+                                                                        self.foreign)],
+                             dtype=torch.int64, device=self.device).reshape(-1, 2)
         all_reduce_max(below, self.group, self.comm)
-        return [(i, size - int(highest[i, 1])) for i in below.nonzero().flatten().tolist()]
+        below = below.cpu()
+        return [(i, 0 if below[i, 1] else size - int(highest[i, 1]))
+                for i in below.any(dim=1).nonzero().flatten().tolist()]
 
     def value(self, recording: InitRecording, meta: torch.Tensor, source: int = 0) -> torch.Tensor:
         """The values of one parameter as group rank `source` builds it, broadcast from it."""
