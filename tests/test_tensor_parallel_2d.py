@@ -404,3 +404,29 @@ def _train_steps(engine, loss_fn) -> list[float]:
         engine.step()
         losses.append(loss.item())
     return losses
+
+
+class BatchSizedGPT(nn.Module):
+    """A tiny model whose forward meets its per-sample activations with a tensor of the example batch's size first
+    (7q) that is not per sample: `extra` "targets" (an input 2D passes whole) or "buffer"."""
+
+    def __init__(self, extra: str):
+        super().__init__()
+        self.extra = extra
+        self.wte, self.fc = nn.Embedding(16, 8), nn.Linear(8, 8)
+        self.ln, self.head = nn.LayerNorm(8), nn.Linear(8, 16, bias=False)
+        self.register_buffer("row_scale", torch.ones(7 * Q, 1, 1))
+
+    def forward(self, idx, targets):
+        h = self.fc(self.wte(idx))
+        h = h * ((targets >= 0).unsqueeze(-1).to(h.dtype) if self.extra == "targets" else self.row_scale)
+        return F.cross_entropy(self.head(self.ln(h)).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("extra", ["targets", "buffer"])
+def test_a_derived_2d_plan_refuses_a_batch_sized_tensor_that_is_not_per_sample(extra):
+    """Only the token ids, the inputs 2D cuts by name and what the forward makes are per sample (Note [derived 2D
+    plans]); another input or a buffer of the batch's size is refused by the op meeting it, not cut."""
+    with pytest.raises(ValueError, match=r"the forward mixes the samples of its batch.*mul combines a split tensor "
+                                         r"with a whole one"):
+        apply_tensor_parallel(BatchSizedGPT(extra), "auto", MESH.whole, mesh=MESH)

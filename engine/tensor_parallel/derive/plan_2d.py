@@ -22,12 +22,20 @@ layer, and every op between them must keep the hidden split.
 4. Batch: the batch is cut into the q blocks before the forward (Note [2D batch inputs]), so a
    second pass carries a split along dim 0 from the token ids (the forward's first argument) through
    every layer (the classifier gathers it back) by the same rules: an op that mixes the samples (a
-   mean over the batch, a cat along it) is refused. A tensor the forward makes with the example
-   batch's size first (a mask built from the ids' shape) counts as per sample, since on a rank it
-   is made from the cut ids (the example batch, 7q, is chosen unlike the usual widths).
+   mean over the batch, a cat along it) is refused. Per sample are: the token ids, the inputs 2D cuts
+   by name (Note [2D batch inputs]), and a tensor the forward makes with the example batch's size
+   first (a mask built from the ids' shape; the example batch, 7q, is chosen unlike the usual widths):
+   on a rank it is made from the cut ids. Another input of that size (2D passes it whole), a
+   parameter or a buffer, or what the forward computes from them without the split batch, is not:
+   an op meeting one with the split batch is refused, naming the op. (Rows the forward numbers
+   itself, `arange(batch)` added as values, are still taken per sample: the same arange indexing a
+   per-sample mask is how Hugging Face builds its padding mask, and the trace does not tell the two
+   uses apart.)
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import nn
@@ -36,6 +44,7 @@ from engine.tensor_parallel.derive import DerivedPlan, adjustments, traced
 from engine.tensor_parallel.derive.propagate import Decisions, Layer, Pass, Propagation
 from engine.tensor_parallel.derive.rules import Blocked, Split
 from engine.tensor_parallel.derive.trace import Trace, linear_features, module_kind
+from engine.tensor_parallel.inputs_2d import PER_SAMPLE
 
 BATCH_PER_BLOCK = 7  # the traced batch is 7q: divisible by q, and unlike the usual widths (so that a tensor of
 # that size first can be taken for a per-sample one)
@@ -85,19 +94,28 @@ class BatchPropagation(Propagation):
     """The batch split instead: the token ids (the forward's first argument) cut along dim 0, carried through
     every layer (the classifiers gather it back) and, by the same rules, through the ops between them."""
 
-    def __init__(self, trace: Trace, layers: dict[str, Layer], q: int, decisions: Decisions, ids: int):
+    def __init__(self, trace: Trace, layers: dict[str, Layer], q: int, decisions: Decisions, cut: set[int],
+                 held: set[int]):
+        """cut: the ids of the inputs 2D cuts (the token ids first); held: those of the model's parameters and
+        buffers."""
         super().__init__(trace, layers, q, decisions)
         self.per_sample, self.batch = Split(0, frozenset(["the batch"])), BATCH_PER_BLOCK * q
-        self.states[ids] = self.per_sample
+        self.states.update((ref_id, self.per_sample) for ref_id in cut)
+        # every rank holds these whole: the inputs 2D does not cut, the parameters and buffers, and what the
+        # forward computes from them without the split batch
+        self.whole = (set(trace.inputs) - cut) | held
 
     def _function(self, op, refs: list, ins: dict) -> list:
         """A tensor the forward made with the batch's size first (a mask from the ids' shape) is per sample too:
-        on a rank it is made from the cut ids."""
+        on a rank it is made from the cut ids (Note [derived 2D plans])."""
         if any(s is not None for s in ins.values()):
             for ref in refs:
-                if ins.get(ref.id) is None and ref.shape[:1] == (self.batch,) and ref.id not in self.owner:
+                if ins.get(ref.id) is None and ref.shape[:1] == (self.batch,) and ref.id not in self.whole:
                     ins[ref.id] = self.per_sample
-        return super()._function(op, refs, ins)
+        outs = super()._function(op, refs, ins)
+        if all(s is None for s in outs) and any(r.id in self.whole for r in refs):
+            self.whole.update(out.id for out in op.outputs)
+        return outs
 
     def _module(self, op, ins: dict) -> list:
         name, layer, inp = op.module, self.layers[op.module], op.args[0]
@@ -117,7 +135,8 @@ def derive_plan_2d(model: nn.Module, q: int) -> DerivedPlan:
     layers = {name: Layer(kind, 0, False, tuple(id(p) for p in m.parameters(recurse=False)))
               for name, m in copy.named_modules() if (kind := kind_2d(m)) is not None}
     result, decisions = _propagate(whole, layers, q, cls)
-    batch = BatchPropagation(whole, layers, q, decisions, id(args[0])).run()
+    held = {id(t) for t in copy.parameters()} | {id(t) for t in copy.buffers()}
+    batch = BatchPropagation(whole, layers, q, decisions, _cut_inputs(copy, args), held).run()
     for blocked, module in batch.blocked.values():
         where = repr(module) if module else "the model's own forward"
         raise _refuse(cls, f"the forward mixes the samples of its batch, which 2D cuts into {q} blocks before it "
@@ -134,6 +153,13 @@ def derive_plan_2d(model: nn.Module, q: int) -> DerivedPlan:
             styles[name] = "linear_2d_qkv" if result.parts.get(name) == {3} else "linear_2d"
     _install_per_rank_layers(copy, styles, q, mode, cls)
     return DerivedPlan(styles, adjustments(copy, whole, result, q, mode, args, kwargs, cls, kind_2d))
+
+
+def _cut_inputs(model: nn.Module, args: tuple) -> set[int]:
+    """The ids of the example arguments 2D cuts to the batch block (Note [2D batch inputs]): the first (the token
+    ids) and those named as per-sample inputs."""
+    names = [p.name for p in inspect.signature(model.forward).parameters.values()]
+    return {id(a) for i, (name, a) in enumerate(zip(names, args)) if i == 0 or name in PER_SAMPLE}
 
 
 def _check_modules(model: nn.Module, cls: str) -> None:
