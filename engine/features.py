@@ -104,9 +104,13 @@ class ExpertFeature(Feature):
         return {k for k in state if self.parallel.names_an_expert(k)}
 
     def metrics(self) -> dict[str, float]:  # (a collective: every rank's counts; not a step's traffic)
+        """Every layer's counts over the whole batch, as one process counts them: summed over the ranks routing
+        other tokens (the dp group, which holds the sp ranks; tp ranks route the same ones), then over the
+        pipeline stages (each counted only its own layers' tokens)."""
         if not self.logged:
             return {}
-        return self.parallel.metrics(self.topology.dp_group, CommCounter(), self.topology.device)
+        groups = [self.topology.dp_group] + ([self.topology.pp_group] if self.topology.pp_size > 1 else [])
+        return self.parallel.metrics(groups, CommCounter(), self.topology.device)
 
 
 class SequenceFeature(Feature):

@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from engine import initialize
 from engine.checkpoint.reader import Checkpoint, PieceReader
@@ -59,16 +60,18 @@ def _router_losses(x: torch.Tensor, gate_weight: torch.Tensor, num_experts: int)
 
 
 @functools.lru_cache(maxsize=None)  # one per token split, shared by the ZeRO stages
-def reference_run(parts: int, sequence_parts: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def reference_run(parts: int, sequence_parts: int) -> tuple[list[float], list[float], dict[str, torch.Tensor],
+                                                             list[dict[str, list[int]]]]:
     """Plain PyTorch on the whole batch: the model's loss, plus each MoE layer's router losses taken over each
     rank's tokens (rows over `parts` samples groups, each sequence over `sequence_parts`) and averaged, as every
-    rank computes them over the tokens it routes. Returns (losses, gradient norms before clipping, parameters)."""
+    rank computes them over the tokens it routes. Returns (losses, gradient norms before clipping, parameters,
+    each step's {MoE layer: tokens each expert received})."""
     model = MoEGPT()
     seen = {}
     for i, block in enumerate(model.blocks):
         block.moe.register_forward_pre_hook(lambda m, args, i=i: seen.update({i: args[0]}))
     opt = adamw(list(model.parameters()))
-    losses, norms = [], []
+    losses, norms, counts = [], [], []
     for x in batches():
         loss = model(x, _labels(x))
         router = []
@@ -81,7 +84,11 @@ def reference_run(parts: int, sequence_parts: int) -> tuple[list[float], list[fl
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, norms, param_snapshot(model)
+        counts.append({f"blocks.{i}.moe": block.moe.traffic.tokens_per_expert.tolist()
+                       for i, block in enumerate(model.blocks)})
+        for block in model.blocks:
+            block.moe.traffic.reset()
+    return losses, norms, param_snapshot(model), counts
 
 
 def _train(engine, steps: list[torch.Tensor]) -> tuple[list[float], list[float]]:
@@ -101,8 +108,11 @@ def _train(engine, steps: list[torch.Tensor]) -> tuple[list[float], list[float]]
     return losses, norms
 
 
-def _train_worker(rank, world, layout, stage):
-    engine = initialize(MoEGPT(), _config(layout, stage))
+def _train_worker(rank, world, layout, stage, directory):
+    cfg = _config(layout, stage)
+    if (layout, stage) in LOGGED:  # the expert metrics, written by rank 0
+        cfg["tensorboard"] = {"enabled": True, "output_path": directory, "job_name": f"metrics_{layout}"}
+    engine = initialize(MoEGPT(), cfg)
     losses, norms = _train(engine, batches())
     full = engine.full_state_dict()
     engine.close()
@@ -110,6 +120,7 @@ def _train_worker(rank, world, layout, stage):
 
 
 CASES_MATCHED = [("tp", 0), ("tp", 3), ("sp", 1), ("sp", 3), ("pp", 1), ("pp", 3), ("pp_zb", 1)]
+LOGGED = [("sp", 1), ("pp", 1)]
 # (row groups, sequence parts): the tokens each rank routes in one forward
 ROUTED_TOKENS = {"tp": (2, 1), "sp": (2, 2), "pp": (4, 1), "pp_zb": (4, 1)}
 
@@ -123,13 +134,26 @@ def test_expert_parallel_composition_matches_plain_pytorch(four_ranks, layout, s
     micro-batches, the router losses of each stage's MoE layer carried into its backward; pp_zb: the same under
     the zero-bubble schedule (backward split into input and weight passes)."""
     parts, sequence_parts = ROUTED_TOKENS[layout]
-    ref_losses, ref_norms, ref_params = reference_run(parts, sequence_parts)
+    ref_losses, ref_norms, ref_params, _ = reference_run(parts, sequence_parts)
     results = four_ranks[("train", layout, stage)]
     rtol = 1e-5 if layout == "sp" else TP_RTOL  # (pp: gradients summed over micro-batches, in another order)
     assert_close_relative([sum(r[0][i] for r in results) / WORLD for i in range(len(ref_losses))], ref_losses, rtol)
     for _, norms, full in results:  # the norm clipping scales by: every gradient counted once
         assert_close_relative(norms, ref_norms, rtol)
         assert_params_close({k: v for k, v in full.items() if k in ref_params}, ref_params, rtol)
+
+
+@pytest.mark.parametrize("layout, stage", LOGGED)
+def test_expert_metrics_count_the_whole_batch_as_one_process(four_ranks, four_ranks_dir, layout, stage):
+    """The tokens each expert received, as rank 0 logs them each step, are one process's counts over the whole
+    batch: sp sums the sequence parts and the dp ranks; pp also the stages, each of which routes only its own MoE
+    layer (rank 0, on stage 0, logs stage 1's layer too)."""
+    counts = reference_run(*ROUTED_TOKENS[layout])[3]
+    events = EventAccumulator(str(four_ranks_dir / f"metrics_{layout}"))
+    events.Reload()
+    for layer, experts in counts[0].items():
+        logged = [[p.value for p in events.Scalars(f"MoE/{layer}/tokens_expert_{e}")] for e in range(len(experts))]
+        assert [list(step) for step in zip(*logged)] == [step[layer] for step in counts], layer
 
 
 def _checkpoint_worker(rank, world, directory):
@@ -214,7 +238,8 @@ FOUR_RANK_CASES = [*(("train", *case) for case in CASES_MATCHED), ("checkpoint",
 
 
 def _four_rank_cases_worker(rank, world, directory):
-    workers = {"train": _train_worker, "refusals": _refusals_worker,
+    workers = {"train": lambda r, w, layout, stage: _train_worker(r, w, layout, stage, directory),
+               "refusals": _refusals_worker,
                "checkpoint": lambda r, w: _checkpoint_worker(r, w, directory)}
     return run_cases(rank, FOUR_RANK_CASES, lambda kind, *args: workers[kind](rank, world, *args))
 

@@ -110,9 +110,11 @@ class ExpertParallel:
     def take_aux_loss(self) -> torch.Tensor | None:
         return self.sink.take()
 
-    def metrics(self, group, counter: CommCounter, device: torch.device) -> dict[str, float]:
-        """Since the last call, over every data-parallel rank (a collective: every rank calls it): tokens each
-        expert received, the fraction of assignments dropped by capacity, and this rank's token-exchange bytes."""
+    def metrics(self, groups: list, counter: CommCounter, device: torch.device) -> dict[str, float]:
+        """Since the last call, summed over `groups` in turn (collectives: every rank calls it; the ranks routing
+        different tokens of a layer, and under a pipeline the stages, each counting only its own layers): tokens
+        each expert received, the fraction of assignments dropped by capacity, and this rank's token-exchange
+        bytes."""
         metrics: dict[str, float] = {}
         names = list(self.layers)
         counts = torch.stack([self.layers[n].traffic.tokens_per_expert for n in names]).double()
@@ -120,7 +122,8 @@ class ExpertParallel:
                                for n in names], dtype=torch.float64)
         both = torch.cat([counts.reshape(-1), totals.reshape(-1)]).to(device)  # (nccl reduces device tensors)
         if torch.distributed.is_initialized():
-            all_reduce_sum(both, group, counter, async_op=False)
+            for group in groups:
+                all_reduce_sum(both, group, counter, async_op=False)
         both = both.cpu()
         counts, totals = both[:counts.numel()].view_as(counts), both[counts.numel():].view_as(totals)
         for i, name in enumerate(names):
