@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import sys
 import weakref
 from typing import Callable
 
@@ -47,8 +48,12 @@ class _AtExit:
 
 def _call_if_alive(ref: weakref.WeakMethod) -> None:
     close = ref()  # a local of its own: nothing here keeps the engine alive after the call
-    if close is not None:
+    if close is None:
+        return
+    try:
         close()
+    except Exception as e:  # the other engines still close and the group is still destroyed
+        print(f"tiers: closing an engine at exit failed: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def close_at_exit(close: Callable[[], None]) -> None:
