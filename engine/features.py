@@ -4,7 +4,8 @@ Note [feature objects]
 initialize() applies each parallelism to the model in one order (engine/initialization.py) and wraps what it
 returns in a Feature: what it does to a forward's inputs, around the forward and to its output; how it weights
 the loss and what it adds to it; how it joins a state dict gathered on this rank into the whole model's; what it
-logs; whether it replaces the per-micro-batch calls with a schedule (whose stages then make the calls of the
+logs; where it places each tensor a rank holds and what else a checkpoint keeps of it (Note [placements]);
+whether it replaces the per-micro-batch calls with a schedule (whose stages then make the calls of the
 features applied before it, the loss weight inside the last stage's loss: Note [a pipelined step]). Engine calls
 the `Features` collection, which folds each call over the features in order (tensor, expert, sequence, pipeline
 parallelism), so Engine never asks which parallelism is on, and a new one adds a Feature rather than branches.
@@ -21,6 +22,7 @@ from engine import whole_weights
 from engine.comm import CommCounter
 from engine.moe.plan import ExpertParallel
 from engine.pipeline.driver import PipelineDriver
+from engine.placement import Placement
 from engine.sequence_parallel.runtime import SequenceSplit
 from engine.tensor_backward import ScheduledBackward, TensorBackward
 from engine.tensor_parallel import TensorParallel
@@ -66,6 +68,30 @@ class Feature:
     def check_micro_batch_call(self, call: str) -> None:
         """Raises when engine.`call` (forward, backward, step, scale) cannot run one micro-batch alone."""
 
+    def place(self, placed: dict[str, Placement], tensors: dict[str, torch.Tensor]) -> dict[str, Placement]:
+        """Each tensor's placement (Note [placements]) with this parallelism's part added."""
+        return placed
+
+    def held_elsewhere(self, name: str) -> bool:
+        """Whether `name`, a tensor of the whole model that this rank lacks, is one another rank holds."""
+        return False
+
+    def model_keys(self, keys: list[str]) -> list[str]:
+        """The whole model's state-dict keys, given this rank's model's."""
+        return keys
+
+    def stage(self) -> tuple[int, int]:
+        """(this rank's part, the parts) of a model whose parts keep optimizer options and schedules apart."""
+        return 0, 1
+
+    def layout(self) -> dict:
+        """What a checkpoint's manifest records of this parallelism's layout, besides the placements."""
+        return {}
+
+    def generators(self) -> list:
+        """The random streams (engine.tensor_parallel.rng.RNGStreams) this parallelism draws from."""
+        return []
+
 
 class TensorParallelFeature(Feature):
     """Note [tensor-parallel plans]: every tp rank's shards join into whole weights."""
@@ -77,6 +103,16 @@ class TensorParallelFeature(Feature):
 
     def join_state_dict(self, whole: dict, keep: bool) -> dict:
         return self.parallel.join_state_dict(whole, self.device)
+
+    def place(self, placed, tensors):
+        tp, specs = self.parallel.tp, self.parallel.specs
+        return {name: p.with_cut(specs.get(name), tp.rank, tp.size) for name, p in placed.items()}
+
+    def layout(self) -> dict:
+        return {"tp_mode": "2d" if self.parallel.mesh is not None else "1d"}
+
+    def generators(self) -> list:
+        return [self.parallel.streams] if self.parallel.streams is not None else []
 
 
 class ExpertFeature(Feature):
@@ -102,6 +138,14 @@ class ExpertFeature(Feature):
 
     def chunked_keys(self, state: dict) -> set[str]:
         return {k for k in state if self.parallel.names_an_expert(k)}
+
+    def place(self, placed, tensors):
+        extents = self.parallel.extents()  # fused expert tensors: this rank's experts' range of the whole
+        return {name: p.with_extent(*extents[id(tensors[name])]) if id(tensors[name]) in extents else p
+                for name, p in placed.items()}
+
+    def held_elsewhere(self, name: str) -> bool:
+        return self.parallel.names_an_expert(name)
 
     def metrics(self) -> dict[str, float]:  # (a collective: every rank's counts; not a step's traffic)
         """Every layer's counts over the whole batch, as one process counts them: summed over the ranks routing
@@ -155,6 +199,18 @@ class PipelineFeature(Feature):
             return {}
         return {"Pipeline/bubble_fraction": self.parallel.last_bubble,
                 "Pipeline/bubble_fraction_formula": self.parallel.formula_bubble}
+
+    def place(self, placed, tensors):
+        return {name: p.on_stage(self.topology.pp_rank) for name, p in placed.items()}
+
+    def held_elsewhere(self, name: str) -> bool:
+        return name in self.parallel.split.keys
+
+    def model_keys(self, keys: list[str]) -> list[str]:
+        return list(self.parallel.split.keys)
+
+    def stage(self) -> tuple[int, int]:
+        return self.topology.pp_rank, self.topology.pp_size
 
     def check_micro_batch_call(self, call: str) -> None:
         raise RuntimeError(f"engine.{call} runs one micro-batch, and under a pipeline config a micro-batch runs "
@@ -222,6 +278,34 @@ class Features:
     def check_micro_batch_call(self, call: str) -> None:
         for f in self.items:
             f.check_micro_batch_call(call)
+
+    def placements(self, tensors: dict[str, torch.Tensor]) -> dict[str, Placement]:
+        """Note [placements]: each of this rank's tensors (by name in the whole model) placed by every feature."""
+        placed = {name: Placement(name) for name in tensors}
+        for f in self.items:
+            placed = f.place(placed, tensors)
+        return placed
+
+    def held_elsewhere(self, name: str) -> bool:
+        return any(f.held_elsewhere(name) for f in self.items)
+
+    def model_keys(self, keys: list[str]) -> list[str]:
+        for f in self.items:
+            keys = f.model_keys(keys)
+        return keys
+
+    def stage(self) -> tuple[int, int]:
+        stage, stages = 0, 1
+        for f in self.items:
+            part, parts = f.stage()
+            stage, stages = stage * parts + part, stages * parts
+        return stage, stages
+
+    def layout(self) -> dict:
+        return {k: v for f in self.items for k, v in f.layout().items()}
+
+    def generators(self) -> list:
+        return [g for f in self.items for g in f.generators()]
 
     def schedule(self, call: str) -> PipelineDriver:
         """The pipeline driver engine.`call` (train_batch, eval_batch) runs; raises without a pipeline."""

@@ -146,9 +146,8 @@ def initialize(
     scheduler = _scheduler(cfg, optimizer, lr_scheduler)
     progress = TrainingProgress(cfg.batch_sizes(topology.data_parallel_size).gradient_accumulation_steps)
     saver = Saver(TrainingState(  # Note [checkpoint commit]
-        model, chunked, optimizer, scheduler, loss_scaler, progress, topology, tensor_parallel,
-        cfg.tensor_parallel.mode, cfg.zero_optimization.stage, PrecisionPolicy.from_config(cfg).compute_dtype,
-        runtime.gather_updated_params, split, experts), cfg.checkpoint)
+        model, chunked, optimizer, scheduler, loss_scaler, progress, topology, features, cfg.zero_optimization.stage,
+        PrecisionPolicy.from_config(cfg).compute_dtype, runtime.gather_updated_params), cfg.checkpoint)
     engine = Engine(model, cfg, runtime, EngineParts(topology, scheduler, loss_scaler,
                                                      build_monitor(cfg, topology, runtime, checkpointing),
                                                      checkpointing, features, progress, saver))

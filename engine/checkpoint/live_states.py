@@ -7,7 +7,7 @@ whole chunk when optimizer states are not sharded (stage 0: data-parallel rank 0
 its shard — as fp32 values (the masters under bf16 / fp16, Note [master weights]) and each
 optimizer state tensor of the same shape (Adam's exp_avg, exp_avg_sq; the scalar "step" beside
 them). The manifest records every chunk's parameters (name, offset, shape) and how the tensor-
-parallel plan cut each one (Note [tensor-parallel plans]), so a parameter's elements can be found
+parallel ranks cut each one (its placement's cut, Note [placements]), so a parameter's elements can be found
 in the files whatever layout later reads them: that is what makes resharding (another dp, tp,
 stage or offload) and consolidation (`tiers convert`) possible without a conversion step.
 Gradients are not saved: a checkpoint is taken at an accumulation boundary, where they are zero.
@@ -18,8 +18,10 @@ own, and so its own sections: "chunks", "extras", "param_groups" and "lr_schedul
 pipeline rank (its optimizer has the param groups of the parameters it holds). Chunk members carry
 their names in the whole model (Note [pipeline stages of an unmodified model]), so a name is found in
 whichever stage's files hold it; a tied weight two stages hold is saved by both and read from the
-first. "state_dict_keys" are the unsplit model's, and "aliases" every stage's, including a stage's
-later key for a tied weight it holds (the last stage's lm_head.weight -> wte.weight).
+first. "state_dict_keys" are the unsplit model's, "tp_specs" every stage's cuts, and "aliases" every
+stage's, including a stage's later key for a tied weight it holds (the last stage's lm_head.weight ->
+wte.weight). The saver writes all of it from the placements and the per-stage sections it is given,
+never asking which parallelism made them: several stage sections are written as lists (version 2).
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from engine.comm import shard_range
+from engine.placement import Placement
 from engine.zero.chunked_params import ChunkedParams
 
 
@@ -65,10 +69,10 @@ class LiveStates:
     shard, or in the offloaded optimizer's chunk manager (CPU or NVMe)."""
 
     def __init__(self, chunked: ChunkedParams, optimizer: torch.optim.Optimizer,
-                 extents: dict[int, tuple[int, tuple[int, ...]]] | None = None):
-        """extents: id(parameter) -> (base, whole shape) of fused expert tensors holding this rank's experts."""
+                 placements: dict[str, Placement] | None = None):
+        """placements: chunked parameters' (Note [placements]) by name in the whole model; by default each whole."""
         self.chunked = chunked
-        self._extents = extents or {}
+        self.placements = placements or {}
         self.optimizer = optimizer
         self._stepped = chunked.stepped_tensors()
         self._offloaded = hasattr(optimizer, "accessed_state")  # Note [offloaded optimizer states]
@@ -83,8 +87,9 @@ class LiveStates:
         return self.chunked.chunk_count()
 
     def members(self, index: int) -> list[Member]:
-        return [Member(self.chunked.name_of(p), slot.offset, tuple(slot.shape), *self._extents.get(id(p), (0, None)))
-                for p, slot in self.chunked.chunk_members(index)]
+        named = [(self.chunked.name_of(p), slot) for p, slot in self.chunked.chunk_members(index)]
+        placed = [(self.placements.get(name, Placement(name)), slot) for name, slot in named]
+        return [Member(at.name, slot.offset, tuple(slot.shape), at.base, at.whole) for at, slot in placed]
 
     def is_expert(self, index: int) -> bool:
         """Chunk `index` holds experts: reduced and sharded over its own group (Note [expert parallelism])."""
@@ -146,3 +151,26 @@ class LiveStates:
     @property
     def offloaded(self) -> bool:
         return self._offloaded
+
+
+def chunked_tensors(chunked: ChunkedParams) -> dict[str, torch.Tensor]:
+    """Every chunked parameter by its name in the whole model."""
+    return {chunked.name_of(p): p for i in range(chunked.chunk_count()) for p, _ in chunked.chunk_members(i)}
+
+
+def extra_entries(module: nn.Module, chunked: ChunkedParams) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The state-dict entries outside chunks (frozen parameters, buffers) by key, and aliases: a key whose tensor is
+    another key's (tied weights) -> that first key, or the chunked parameter's own name when it differs from the key
+    (a pipeline stage holding a tied weight under its later key: Note [checkpoint layout])."""
+    extras, aliases, first = {}, {}, {}
+    chunk_of = chunked.chunk_index()
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            aliases[key] = first[id(tensor)]
+            continue
+        first[id(tensor)] = chunked.name_of(tensor) if id(tensor) in chunk_of else key
+        if first[id(tensor)] != key:
+            aliases[key] = first[id(tensor)]
+        if id(tensor) not in chunk_of:
+            extras[key] = tensor
+    return extras, aliases

@@ -1,20 +1,25 @@
 """A committed checkpoint read under any layout: where each parameter's elements are, and reading them.
 
 Note [reading a checkpoint anywhere]
-A parameter (or one optimizer state of it) is addressed by its name, the tensor-parallel rank
-whose piece it is, and a range of that piece's flattened elements. The manifest's chunk lists turn
-that into pieces of files (Note [checkpoint layout]): the pipeline rank and chunk holding it, its
-offset, and the data-parallel shards of the chunk the range crosses (so a pipeline stage loads the
-names it holds wherever they were saved, under any pipeline size). A reader first *plans* — lists
-the pieces it will read, hence the files to verify — and only then reads, so every file is checked
-before any state is changed. A layout with the same tensor-parallel cut reads exactly its own elements; a
-different cut reads every saved piece of a parameter, joins them into the whole tensor
-(Spec.join) and takes its own piece (Spec.take), one parameter at a time.
+Loading works from placements (Note [placements]): every tensor this rank holds has a live placement,
+and every saved tensor is a set of saved cut pieces, each with a placement of its own. A cut piece (the
+whole tensor when it was not cut) is addressed by its name, its cut rank and a range of its flattened
+elements; the manifest's chunk lists turn that into pieces of files (Note [checkpoint layout]): the
+pipeline rank and chunk holding it, its offset, and the data-parallel shards of the chunk the range
+crosses, so a range is read from whichever saved chunks cover it — a pipeline stage's names wherever
+they were saved, a fused expert tensor's range from the ep ranks that held it — under any layout.
+For each live placement: when the saved piece of the same cut rank was cut the same way (equal cut
+keys; both uncut included), its elements are read directly; otherwise every saved cut piece is read,
+joined into the whole tensor (Spec.join) and cut as the live placement cuts it (Placement.take), one
+tensor at a time. The manifest's layout fields ("tp", "ep", version 2's per-stage sections, "tp_specs")
+are read in one place, Checkpoint's constructor, which turns them into the saved placements, so a
+checkpoint of either version loads the same way. A reader first *plans* — lists the pieces it will
+read, hence the files to verify — and only then reads, so every file is checked before any state is
+changed.
 Experts (Note [expert parallelism], layout "ep" > 1) are found by global expert id: an expert chunk lists each
 ep rank's members ("ep_members"), is sharded over its own group ("shards" ways; shard d of ep rank e is in the file
 of data-parallel rank d·ep + e), and a fused expert tensor's member covers elements [base, base + its numel) of the
-whole tensor (experts first), so a parameter may have one location per ep rank and a range is read from those
-it crosses, whatever ep size reads it.
+whole tensor (experts first), so a parameter may have one location per ep rank.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 from engine.checkpoint.encoding import decode_spec
 from engine.checkpoint.files import CheckpointError, CheckpointIntegrityError, FileRecord, open_tensors, verify
 from engine.comm import shard_range
-from engine.tensor_parallel.mappings import TPGroup
+from engine.placement import Placement
 
 FORMAT = "tiers-checkpoint"
 VERSION = 1
@@ -118,10 +123,12 @@ class Checkpoint:
                                   f"{VERSION} and {PIPELINE_VERSION}")
         self.manifest = manifest
         self.layout = manifest["layout"]
-        self.tp_size = self.layout["tp"]
-        self.pp_size = self.layout.get("pp", 1)
+        # the layout's fields, read here only, become the saved pieces' placements (Note [reading a checkpoint
+        # anywhere]): "tp" cut pieces of each tensor ("tp_specs"), sections by stage (version 2), expert groups
+        self.cut_size = self.layout["tp"]
+        self._sections = manifest["version"] == PIPELINE_VERSION
         self.shard_count = self.layout["shard_count"]
-        self.ep_size = self.layout.get("ep", 1)
+        self._expert_groups = self.layout.get("ep", 1)
         bad = [f["name"] for f in manifest["files"] if not _RANK_FILE.fullmatch(f["name"])]
         if bad:
             raise CheckpointIntegrityError(f"{path} lists the file {bad[0]!r}, which is not a rank file name; the "
@@ -148,7 +155,7 @@ class Checkpoint:
                 held = self.extras.setdefault(int(tp), {})
                 for key in entries:
                     held.setdefault(key, pp)
-        self.specs = {name: decode_spec(spec) for name, spec in manifest["tp_specs"].items()}
+        self.cuts = {name: decode_spec(spec) for name, spec in manifest["tp_specs"].items()}
         self.tensor_states: list[str] = manifest["optimizer"]["tensor_states"]
         self.scalar_states: list[str] = manifest["optimizer"]["scalar_states"]
 
@@ -163,8 +170,20 @@ class Checkpoint:
                 yield Location(index, offset, tuple(shape), pp, ep, chunk["shards"], *_extent(extent)), name
 
     def stages(self, key: str) -> list:
-        """A per-stage manifest entry as a list by pipeline rank (one element without a pipeline)."""
-        return self.manifest[key] if self.pp_size > 1 else [self.manifest[key]]
+        """A per-stage manifest entry as a list by pipeline rank (one element when the model was not split)."""
+        return self.manifest[key] if self._sections else [self.manifest[key]]
+
+    def placement(self, name: str, index: int) -> Placement:
+        """Saved cut piece `index` of tensor `name`: how it was cut, whole after that (all experts, every stage's)."""
+        return Placement(name, self.cuts.get(name), index, self.cut_size)
+
+    def piece_like(self, live: Placement) -> Placement:
+        """The saved cut piece a rank placed as `live` reads directly when their cuts agree: the same piece."""
+        return self.placement(live.name, live.cut_rank if live.cut_rank < self.cut_size else 0)
+
+    def pieces_of_cut(self, name: str) -> list[Placement]:
+        """Every saved cut piece of `name`, in cut rank order (one when it was not cut)."""
+        return [self.placement(name, t) for t in range(self.cut_size if name in self.cuts else 1)]
 
     # ---- planning ---------------------------------------------------------------------------
     def has_param(self, name: str) -> bool:
@@ -174,16 +193,17 @@ class Checkpoint:
         return list(self.locations[0])
 
     def local_shape(self, name: str, tp_rank: int) -> tuple[int, ...]:
+        """The shape of saved cut piece `tp_rank` of parameter `name`."""
         return self.locations[tp_rank][name][0].whole_shape
 
     def _file(self, loc: Location, shard: int, tp_rank: int) -> str:
-        """The file holding shard `shard` of the chunk at `loc` (an expert chunk's: of its ep rank's group)."""
-        dp = shard if loc.ep < 0 else shard * self.ep_size + loc.ep
+        """The file holding shard `shard` of the chunk at `loc` (a chunk of its own group: that group's)."""
+        dp = shard if loc.ep < 0 else shard * self._expert_groups + loc.ep
         return self._file_of[(loc.pp, dp, tp_rank)]
 
     def pieces(self, name: str, kind: str, tp_rank: int, start: int, stop: int) -> list[Piece]:
-        """Where elements [start, stop) of tp rank `tp_rank`'s piece of parameter `name` are stored; kind "param"
-        (fp32 values) or a tensor state name (e.g. "exp_avg")."""
+        """Where elements [start, stop) of saved cut piece `tp_rank` of parameter `name` are stored, from whichever
+        saved chunks cover them; kind "param" (fp32 values) or a tensor state name (e.g. "exp_avg")."""
         key = f"{'param' if kind == 'param' else 'optim.' + kind}"
         out = []
         for loc in self.locations[tp_rank][name]:  # (one per ep rank holding part of a fused expert tensor)
@@ -253,17 +273,14 @@ class PieceReader:
         return self.into(self.checkpoint.pieces(name, kind, tp_rank, 0, numel), out).view(shape)
 
     def whole(self, name: str, kind: str) -> torch.Tensor:
-        """Parameter `name` (or one optimizer state of it) whole: its tensor-parallel pieces joined."""
-        ckpt = self.checkpoint
-        if ckpt.tp_size == 1 or name not in ckpt.specs:
-            return self.local(name, kind, 0)
-        return ckpt.specs[name].join([self.local(name, kind, t) for t in range(ckpt.tp_size)])
+        """Parameter `name` (or one optimizer state of it) whole: its saved cut pieces joined."""
+        return _joined([self.local(name, kind, p.cut_rank) for p in self.checkpoint.pieces_of_cut(name)],
+                       self.checkpoint.cuts.get(name))
 
     def whole_extra(self, key: str) -> torch.Tensor:
         ckpt = self.checkpoint
-        if ckpt.tp_size == 1 or key not in ckpt.specs:
-            return self.tensor(ckpt.extra_piece(key, 0))
-        return ckpt.specs[key].join([self.tensor(ckpt.extra_piece(key, t)) for t in range(ckpt.tp_size)])
+        return _joined([self.tensor(ckpt.extra_piece(key, p.cut_rank)) for p in ckpt.pieces_of_cut(key)],
+                       ckpt.cuts.get(key))
 
     def close(self) -> None:
         self._open.clear()
@@ -274,6 +291,6 @@ def _extent(saved: list) -> tuple[int, tuple[int, ...] | None]:
     return (saved[0], tuple(saved[1])) if saved else (0, None)
 
 
-def take_piece(full: torch.Tensor, spec, tp: TPGroup, name: str) -> torch.Tensor:
-    """This tp rank's piece of a whole tensor, as the plan cuts it."""
-    return spec.take(full, tp, name) if spec is not None else full
+def _joined(pieces: list[torch.Tensor], cut) -> torch.Tensor:
+    """A whole tensor from its cut pieces in cut rank order (one piece: it was not cut)."""
+    return cut.join(pieces) if cut is not None else pieces[0]

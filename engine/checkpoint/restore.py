@@ -16,13 +16,14 @@ import warnings
 
 import torch
 
-from engine.checkpoint.encoding import TENSOR_REF, decode_client_state, encode_spec, restore_options
+from engine.checkpoint.encoding import TENSOR_REF, decode_client_state, restore_options
 from engine.checkpoint.files import CheckpointError, CheckpointIntegrityError
-from engine.checkpoint.live_states import Member
-from engine.checkpoint.reader import Checkpoint, Piece, PieceReader, read_latest, take_piece
+from engine.checkpoint.live_states import Member, extra_entries
+from engine.checkpoint.reader import Checkpoint, Piece, PieceReader, read_latest
 from engine.checkpoint.saver import Control, _optimizer_name
-from engine.checkpoint.snapshot import extra_entries, restore_rng
+from engine.checkpoint.snapshot import restore_rng
 from engine.checkpoint.training_state import TrainingState
+from engine.placement import Placement
 
 
 class LoadPlan:
@@ -30,17 +31,8 @@ class LoadPlan:
 
     def __init__(self, run: TrainingState, checkpoint: Checkpoint, with_optimizer: bool):
         self.run, self.checkpoint = run, checkpoint
-        self.states = run.live_states()
-        topo = run.topology
-        self.tp_rank = topo.tp_rank
-        tp = run.tensor_parallel
-        self.tp = tp.tp if tp is not None else None
-        self.live_specs = tp.specs if tp is not None else {}
-        live_mode = run.tp_mode if topo.tp_size > 1 else "1d"
-        saved_mode = checkpoint.layout["tp_mode"] if checkpoint.tp_size > 1 else "1d"
-        self.same_cut = (checkpoint.tp_size == topo.tp_size and saved_mode == live_mode
-                         and {k: encode_spec(v) for k, v in self.live_specs.items()}
-                         == {k: encode_spec(v) for k, v in checkpoint.specs.items()})
+        self.placements = run.placements()  # Note [placements]
+        self.states = run.live_states(self.placements)
         self.with_optimizer = with_optimizer and bool(checkpoint.tensor_states or checkpoint.scalar_states)
         if self.with_optimizer:
             live = _optimizer_name(run.optimizer)
@@ -62,14 +54,10 @@ class LoadPlan:
             self.members.append(mine)
         extras, _ = extra_entries(run.module, run.chunked)
         self.extras = extras
-        whole = run.pipeline is None  # a pipeline stage holds part of the model: its keys are checked whole
-        if not whole:
-            keys = set(run.pipeline.keys)
-            self._check_names("state-dict key", keys, _less_others_experts(
-                set(checkpoint.manifest["state_dict_keys"]), keys, run.experts))
-        saved_names = _less_others_experts(set(checkpoint.param_names()), live_names, run.experts)
-        self._check_names("parameter", live_names, saved_names, whole)
-        self._check_names("buffer or frozen parameter", set(extras), set(checkpoint.extras[0]), whole)
+        self._check_names("parameter", live_names, set(checkpoint.param_names()))
+        self._check_names("buffer or frozen parameter", set(extras), set(checkpoint.extras[0]))
+        self._check_names("state-dict key", set(run.features.model_keys(list(run.module.state_dict(keep_vars=True)))),
+                          set(checkpoint.manifest["state_dict_keys"]))
         if self.with_optimizer and self.states.offloaded and len(self.states):
             with self.states.optimizer_state(0, writes=False) as live:
                 keeps = sorted(live)
@@ -79,26 +67,36 @@ class LoadPlan:
                                       f"{keeps}; use the same optimizer, or load with load_optimizer_states=False")
         self.files = self._files()
 
-    def _check_names(self, what: str, live: set[str], saved: set[str], whole: bool = True) -> None:
-        """`live` (a pipeline stage's, when not `whole`: part of the saved names) against the checkpoint's."""
-        missing, unexpected = sorted(live - saved), sorted(saved - live) if whole else []
+    def _check_names(self, what: str, live: set[str], saved: set[str]) -> None:
+        """`live` against the checkpoint's `saved`, less the names other ranks hold (another stage's, experts)."""
+        held_elsewhere = self.run.features.held_elsewhere
+        missing = sorted(live - saved)
+        unexpected = sorted(n for n in saved - live if not held_elsewhere(n))
         if missing or unexpected:
             raise CheckpointError(
                 f"{self.checkpoint.directory} does not fit this model: {what}s missing from the checkpoint: "
                 f"{missing[:5] or 'none'}; in the checkpoint but not in the model: {unexpected[:5] or 'none'}. Build "
                 "the same model (and tensor-parallel plan) that saved it")
 
+    def direct(self, name: str) -> Placement | None:
+        """The saved piece `name`'s live placement reads as it is (Note [reading a checkpoint anywhere]): one cut
+        the same way; None when the cuts differ (read whole, cut as this rank cuts it)."""
+        live = self.placements[name]
+        saved = self.checkpoint.piece_like(live)
+        return saved if saved.cut_key() == live.cut_key() else None
+
     def _check_shape(self, name: str, live_shape: tuple[int, ...]) -> None:
         ckpt = self.checkpoint
         if not ckpt.has_param(name):
             return  # reported by _check_names
-        if self.same_cut:
-            saved = ckpt.local_shape(name, self.tp_rank)
+        same = self.direct(name)
+        if same is not None:
+            saved = ckpt.local_shape(name, same.cut_rank)
         else:  # the whole tensor's shape from the saved pieces (meta tensors: no data), cut as this run cuts it
-            pieces = [torch.empty(ckpt.local_shape(name, t), device="meta") for t in range(ckpt.tp_size)]
-            whole = ckpt.specs[name].join(pieces) if name in ckpt.specs and ckpt.tp_size > 1 else pieces[0]
+            pieces = [torch.empty(ckpt.local_shape(name, p.cut_rank), device="meta") for p in ckpt.pieces_of_cut(name)]
+            whole = ckpt.cuts[name].join(pieces) if name in ckpt.cuts else pieces[0]
             try:
-                saved = tuple(take_piece(whole, self.live_specs.get(name), self.tp, name).shape)
+                saved = tuple(self.placements[name].take(whole).shape)
             except ValueError as e:
                 raise CheckpointError(f"{ckpt.directory}: {e}") from None
         if tuple(saved) != tuple(live_shape):
@@ -108,28 +106,31 @@ class LoadPlan:
     def _kinds(self) -> list[str]:
         return ["param"] + (self.checkpoint.tensor_states if self.with_optimizer else [])
 
+    def _sources(self, name: str) -> list[Placement]:
+        """The saved cut pieces `name` is read from: its own, or every one."""
+        same = self.direct(name)
+        return [same] if same is not None else self.checkpoint.pieces_of_cut(name)
+
     def _files(self) -> set[str]:
         ckpt, files = self.checkpoint, set()
         for mine in self.members:
             for m, lo, hi in mine:
+                same = self.direct(m.name)
                 for kind in self._kinds():
-                    if self.same_cut:
-                        pieces = ckpt.pieces(m.name, kind, self.tp_rank, *m.span(lo, hi))
-                    else:
-                        pieces = [p for t in range(ckpt.tp_size)
-                                  for p in ckpt.pieces(m.name, kind, t, 0, math.prod(ckpt.local_shape(m.name, t)))]
+                    pieces = ckpt.pieces(m.name, kind, same.cut_rank, *m.span(lo, hi)) if same is not None else [
+                        p for s in self._sources(m.name)
+                        for p in ckpt.pieces(m.name, kind, s.cut_rank, 0, math.prod(ckpt.local_shape(m.name,
+                                                                                                      s.cut_rank)))]
                     files.update(p.file for p in pieces)
         for j in range(len(self.states)) if self.with_optimizer else ():
             first = self.states.members(j)[0].name
-            files.update(ckpt.scalar_piece(first, s, self.saved_tp).file for s in ckpt.scalar_states)
-        tps = [self.tp_rank] if self.same_cut else range(ckpt.tp_size)
-        files.update(ckpt.extra_piece(key, t).file for key in self.extras for t in tps)
+            files.update(ckpt.scalar_piece(first, s, self.scalar_source(first)).file for s in ckpt.scalar_states)
+        files.update(ckpt.extra_piece(key, s.cut_rank).file for key in self.extras for s in self._sources(key))
         return files
 
-    @property
-    def saved_tp(self) -> int:
-        """The saved tp rank whose scalar states this rank reads (any has them: its own when the cut is the same)."""
-        return self.tp_rank if self.same_cut else 0
+    def scalar_source(self, name: str) -> int:
+        """The saved cut piece whose chunk holding `name` gives the chunk's scalar states (any has them)."""
+        return self.checkpoint.piece_like(self.placements[name]).cut_rank
 
     # ---- execution ---------------------------------------------------------------------------
     def execute(self, reader: PieceReader) -> None:
@@ -137,13 +138,13 @@ class LoadPlan:
         cache: dict[tuple[str, str], torch.Tensor] = {}
 
         def read(name: str, kind: str, a: int, b: int, out: torch.Tensor) -> None:
-            if self.same_cut:
-                reader.into(ckpt.pieces(name, kind, self.tp_rank, a, b), out)
+            same = self.direct(name)
+            if same is not None:
+                reader.into(ckpt.pieces(name, kind, same.cut_rank, a, b), out)
                 return
             if (name, kind) not in cache:
                 cache.clear()  # one parameter at a time
-                whole = reader.whole(name, kind)
-                cache[(name, kind)] = take_piece(whole, self.live_specs.get(name), self.tp, name).reshape(-1)
+                cache[(name, kind)] = self.placements[name].take(reader.whole(name, kind)).reshape(-1)
             out.copy_(cache[(name, kind)][a:b])
 
         loaded_states: dict[int, dict[str, torch.Tensor]] = {}
@@ -159,17 +160,18 @@ class LoadPlan:
             if self.with_optimizer and not states.offloaded:
                 states.install_optimizer_states(loaded_states)
             for key, tensor in self.extras.items():
-                if self.same_cut:
-                    value = reader.tensor(ckpt.extra_piece(key, self.tp_rank))
+                same = self.direct(key)
+                if same is not None:
+                    value = reader.tensor(ckpt.extra_piece(key, same.cut_rank))
                 else:
-                    value = take_piece(reader.whole_extra(key), self.live_specs.get(key), self.tp, key)
+                    value = self.placements[key].take(reader.whole_extra(key))
                 tensor.data.copy_(value)
             states.finish_loading()
 
     def _optimizer_state(self, j: int, mine, start: int, n: int, read, reader: PieceReader) -> dict[str, torch.Tensor]:
         ckpt, states = self.checkpoint, self.states
         first = states.members(j)[0].name  # also when this rank's range of the chunk is only padding
-        scalars = {s: reader.tensor(ckpt.scalar_piece(first, s, self.saved_tp)) for s in ckpt.scalar_states}
+        scalars = {s: reader.tensor(ckpt.scalar_piece(first, s, self.scalar_source(first))) for s in ckpt.scalar_states}
         if states.offloaded:  # written in place, wherever the chunk lives
             with states.optimizer_state(j, writes=True) as live:
                 for kind in ckpt.tensor_states:
@@ -238,13 +240,6 @@ def load_checkpoint(run: TrainingState, control: Control, load_dir: str, tag: st
     return directory, client
 
 
-def _less_others_experts(saved: set[str], live: set[str], experts) -> set[str]:
-    """`saved` names less the engine.moe.MoE experts other ep ranks hold (Note [expert parallelism])."""
-    if experts is None:
-        return saved
-    return saved - {n for n in saved - live if experts.names_an_expert(n)}
-
-
 def _agree(control: Control, error: tuple[str, str] | None) -> None:
     """Every rank raises the first rank's failure, as its type (a damaged file: CheckpointIntegrityError)."""
     errors = [e for e in control.gather(error) if e]
@@ -276,30 +271,31 @@ def _stage_entries(run: TrainingState, checkpoint: Checkpoint, optimizer_states:
                    scheduler_states: bool) -> dict:
     """The param groups' options and the scheduler's state this rank restores (None: not restored). A pipeline
     stage's optimizer has the param groups of the parameters it holds, so the checkpoint keeps them per stage:
-    under the same pipeline size each rank takes its own stage's; otherwise every saved stage must agree."""
-    topo = run.topology
+    under the same number of stages each rank takes its own stage's; otherwise every saved stage must agree."""
+    stage, stages = run.features.stage()
     out = {"param_groups": None, "lr_scheduler": None}
+    saved_stages = len(checkpoint.stages("param_groups"))
     for key, wanted in (("param_groups", optimizer_states), ("lr_scheduler", scheduler_states)):
         entries = checkpoint.stages(key)
         if not wanted:
             continue
-        if checkpoint.pp_size == topo.pp_size:
-            out[key] = entries[topo.pp_rank]
+        if len(entries) == stages:
+            out[key] = entries[stage]
         elif all(e == entries[0] for e in entries):
             out[key] = entries[0]
         else:
             raise CheckpointError(
-                f"{checkpoint.directory}: its {checkpoint.pp_size} pipeline stages saved different {key} (param "
-                f"groups that only some stages hold), which cannot be divided among {topo.pp_size} stages yet; load "
-                f"it under pipeline.stages {checkpoint.pp_size}, or pass load_optimizer_states=False and "
+                f"{checkpoint.directory}: its {len(entries)} pipeline stages saved different {key} (param "
+                f"groups that only some stages hold), which cannot be divided among {stages} stages yet; load "
+                f"it under pipeline.stages {len(entries)}, or pass load_optimizer_states=False and "
                 "load_lr_scheduler_states=False")
     saved, live = out["param_groups"], run.optimizer.param_groups
-    pipelined = checkpoint.pp_size > 1 or topo.pp_size > 1
-    if saved is not None and pipelined and len(saved) != len(live) and any(g != saved[0] for g in saved):
+    divided = max(saved_stages, stages) > 1
+    if saved is not None and divided and len(saved) != len(live) and any(g != saved[0] for g in saved):
         raise CheckpointError(
             f"{checkpoint.directory}: this pipeline stage's optimizer has {len(live)} param groups and the checkpoint "
             f"{len(saved)} with different options, so which is which is unknown; load it under the pipeline.stages "
-            f"it was saved with ({checkpoint.pp_size}), or pass load_optimizer_states=False")
+            f"it was saved with ({saved_stages}), or pass load_optimizer_states=False")
     return out
 
 

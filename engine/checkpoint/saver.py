@@ -107,7 +107,7 @@ class Saver:
         asynchronous = self.config.async_save
         error, snapshot, common = None, None, None
         try:
-            snapshot = take_snapshot(state, state.live_states(), copy=asynchronous)
+            snapshot = take_snapshot(state, state.placements(), copy=asynchronous)
             common = self._common_state(snapshot, tag, client_state) if self.control.rank == 0 else None
         except Exception as e:  # e.g. a client_state that is not JSON (rank 0), an NVMe read error (any rank)
             error = f"rank {self.control.rank}: {type(e).__name__}: {e}"
@@ -234,16 +234,18 @@ class Saver:
         experts = {(info["pp_rank"], info["tp_rank"], info["ep_rank"]): info for _, _, info in reports
                    if info["edp_rank"] == 0}  # each ep rank's expert chunks' members (Note [expert parallelism])
         stages = range(topo.pp_size)
+        sections = len(stages) > 1  # Note [checkpoint layout]: per-stage sections are lists by stage (version 2)
 
-        def per_stage(value):  # Note [checkpoint layout]: a list by pipeline rank under a pipeline (version 2)
+        def per_stage(value):
             values = [value(p) for p in stages]
-            return values if topo.pp_size > 1 else values[0]
+            return values if sections else values[0]
 
         manifest = {
-            "format": FORMAT, "version": VERSION if topo.pp_size == 1 else PIPELINE_VERSION, "tag": tag,
+            "format": FORMAT, "version": PIPELINE_VERSION if sections else VERSION, "tag": tag,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "layout": {"world_size": topo.world_size, "pp": topo.pp_size, "dp": topo.dp_world_size,
-                       "tp": topo.tp_size, "ep": topo.ep_size, "tp_mode": state.tp_mode, "stage": state.stage,
+                       "tp": topo.tp_size, "ep": topo.ep_size, "tp_mode": "1d", **state.features.layout(),
+                       "stage": state.stage,
                        "shard_count": state.chunked.shard_count, "device": topo.device.type,
                        "compute_dtype": str(state.compute_dtype).removeprefix("torch."),
                        "optimizer": _optimizer_name(state.optimizer)},
@@ -257,9 +259,8 @@ class Saver:
             "extras": per_stage(lambda p: {str(t): head[(p, t)]["extras"] for t in range(topo.tp_size)}),
             # the whole model's: every stage's aliases, the unsplit model's keys (Note [checkpoint layout])
             "aliases": {k: v for p in stages for k, v in head[(p, 0)]["aliases"].items()},
-            "state_dict_keys": _every_key([list(state.pipeline.keys) if state.pipeline is not None else []]
-                                          + [experts[(p, 0, e)]["keys"] for p in stages for e in range(topo.ep_size)]),
-            "tp_specs": head[(0, 0)]["tp_specs"],
+            "state_dict_keys": _every_key([experts[(p, 0, e)]["keys"] for p in stages for e in range(topo.ep_size)]),
+            "tp_specs": {k: v for p in stages for k, v in head[(p, 0)]["tp_specs"].items()},  # every stage's
             "ranks": [{"rank": r, "rng": info["rng"]} for r, (_, _, info) in enumerate(reports)],
             "files": files,
         }

@@ -7,13 +7,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch import nn
 
 from engine.checkpoint.encoding import encode_spec, json_options, json_state
-from engine.checkpoint.live_states import LiveStates
+from engine.checkpoint.live_states import extra_entries
 from engine.checkpoint.training_state import TrainingState
-from engine.tensor_parallel.rng import RNGStreams, Stream
-from engine.zero.chunked_params import ChunkedParams
+from engine.placement import Placement
+from engine.tensor_parallel.rng import Stream
 
 
 @dataclass
@@ -22,29 +21,11 @@ class RankSnapshot:
     record: dict = field(default_factory=dict)  # JSON: who wrote it, what it holds
 
 
-def extra_entries(module: nn.Module, chunked: ChunkedParams) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The state-dict entries outside chunks (frozen parameters, buffers) by key, and aliases: a key whose tensor is
-    another key's (tied weights) -> that first key, or the chunked parameter's own name when it differs from the key
-    (a pipeline stage holding a tied weight under its later key: Note [checkpoint layout])."""
-    extras, aliases, first = {}, {}, {}
-    chunk_of = chunked.chunk_index()
-    for key, tensor in module.state_dict(keep_vars=True).items():
-        if id(tensor) in first:
-            aliases[key] = first[id(tensor)]
-            continue
-        first[id(tensor)] = chunked.name_of(tensor) if id(tensor) in chunk_of else key
-        if first[id(tensor)] != key:
-            aliases[key] = first[id(tensor)]
-        if id(tensor) not in chunk_of:
-            extras[key] = tensor
-    return extras, aliases
-
-
-def take_snapshot(run: TrainingState, states: LiveStates, copy: bool) -> RankSnapshot:
+def take_snapshot(run: TrainingState, placements: dict[str, Placement], copy: bool) -> RankSnapshot:
     """This rank's part of a checkpoint (Note [checkpoint layout]). copy=False keeps in-memory tensors as they are
     (a synchronous save writes them before training goes on); anything read from a chunk manager, a stage-3 shard
     view or the device is copied to CPU memory either way."""
-    topo, chunked = run.topology, run.chunked
+    topo, chunked, states = run.topology, run.chunked, run.live_states(placements)
     snap = RankSnapshot()
     snap.record = {"rank": topo.rank, "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "tp_rank": topo.tp_rank,
                    "ep_rank": topo.ep_rank, "edp_rank": topo.expert_dp_rank}
@@ -74,7 +55,7 @@ def take_snapshot(run: TrainingState, states: LiveStates, copy: bool) -> RankSna
         snap.record["chunks"] = [{"numel": states.chunk_numel(i), "members": [m.record() for m in states.members(i)],
                                   **({"expert": True, "shards": states.shard_count(i)} if states.is_expert(i) else {})}
                                  for i in range(len(states))]
-        snap.record["keys"] = list(run.module.state_dict(keep_vars=True))  # the model's key order
+        snap.record["keys"] = run.features.model_keys(list(run.module.state_dict(keep_vars=True)))  # the whole model's
     if topo.dp_rank == 0:
         extras, aliases = extra_entries(run.module, chunked)
         for key, t in extras.items():
@@ -82,8 +63,8 @@ def take_snapshot(run: TrainingState, states: LiveStates, copy: bool) -> RankSna
         snap.record["extras"] = {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                                  for k, t in extras.items()}
         snap.record["aliases"] = aliases
-        tp = run.tensor_parallel
-        snap.record["tp_specs"] = {name: encode_spec(spec) for name, spec in tp.specs.items()} if tp else {}
+        # how the tensor-parallel ranks cut each tensor this stage holds (Note [placements])
+        snap.record["tp_specs"] = {name: encode_spec(p.cut) for name, p in placements.items() if p.cut is not None}
         # per pipeline stage: each stage's optimizer has the param groups of the parameters it holds
         snap.record["param_groups"] = [json_options(g) for g in run.optimizer.param_groups]
         scheduler = run.lr_scheduler
@@ -100,8 +81,7 @@ def _rng(run: TrainingState, snap: RankSnapshot) -> None:
     device = run.topology.device
     if device.type == "cuda":
         snap.tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
-    streams: RNGStreams | None = run.tensor_parallel.streams if run.tensor_parallel else None
-    if streams is not None:
+    for streams in run.features.generators():  # (one set: its keys are "rng.tp_sharded.<k>")
         live, saved, stack = streams.snapshot()
         if live is not Stream.REPLICATED or stack:
             raise RuntimeError("save_checkpoint was called inside a forward (a tensor-parallel RNG stream is switched "
@@ -120,8 +100,7 @@ def restore_rng(run: TrainingState, tensor_of, record: dict) -> None:
     device = run.topology.device
     if device.type == "cuda":
         torch.cuda.set_rng_state(tensor_of("rng.cuda"), device)
-    streams = run.tensor_parallel.streams if run.tensor_parallel else None
-    if streams is not None:
+    for streams in run.features.generators():
         live, saved, stack = streams.snapshot()
         count = len(saved[Stream.SHARDED])
         streams.restore((live, {**saved, Stream.SHARDED: [tensor_of(f"rng.tp_sharded.{k}") for k in range(count)]},

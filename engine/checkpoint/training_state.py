@@ -8,11 +8,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from engine.checkpoint.live_states import LiveStates
-from engine.pipeline.model_split import PipelineModel
+from engine.checkpoint.live_states import LiveStates, chunked_tensors, extra_entries
+from engine.features import Features
+from engine.placement import Placement
 from engine.precision import LossScaler
 from engine.progress import TrainingProgress
-from engine.tensor_parallel import TensorParallel
 from engine.topology import Topology
 from engine.zero.chunked_params import ChunkedParams
 
@@ -20,7 +20,8 @@ from engine.zero.chunked_params import ChunkedParams
 @dataclass(frozen=True)
 class TrainingState:
     """What Saver and load_checkpoint read and write: the live objects (their contents change as training
-    runs), the layout they were built for, and what makes whole chunks from loaded shards."""
+    runs), the feature objects that place each tensor in the whole model (Note [placements]), and what makes
+    whole chunks from loaded shards."""
 
     module: nn.Module
     chunked: ChunkedParams
@@ -29,14 +30,16 @@ class TrainingState:
     loss_scaler: LossScaler
     progress: TrainingProgress
     topology: Topology
-    tensor_parallel: TensorParallel | None
-    tp_mode: str  # tensor_parallel.mode
+    features: Features
     stage: int  # zero_optimization.stage
     compute_dtype: torch.dtype
     gather_updated_params: Callable[[], None]  # sharded stages: every rank's updated shards into whole chunks
-    pipeline: PipelineModel | None = None  # this rank's part of a split model (Note [checkpoint layout])
-    experts: object | None = None  # engine.moe.plan.ExpertParallel: this rank's experts (Note [expert parallelism])
 
-    def live_states(self) -> LiveStates:
-        """The chunked states as a checkpoint reads and writes them (fused expert tensors by their whole extent)."""
-        return LiveStates(self.chunked, self.optimizer, self.experts.extents() if self.experts is not None else None)
+    def placements(self) -> dict[str, Placement]:
+        """Every tensor a checkpoint holds of this rank (chunked parameters, then extras) by name in the whole model."""
+        extras, _ = extra_entries(self.module, self.chunked)
+        return self.features.placements({**chunked_tensors(self.chunked), **extras})
+
+    def live_states(self, placements: dict[str, Placement]) -> LiveStates:
+        """The chunked states as a checkpoint reads and writes them."""
+        return LiveStates(self.chunked, self.optimizer, placements)
