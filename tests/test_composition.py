@@ -2,7 +2,8 @@
 and seed: the step's losses, the global gradient norms and the final full_state_dict.
 
 Every case runs inside one spawned group of WORLD ranks (one worker running the cases in turn), so a case added
-here costs its training only, not another start of 8 processes.
+here costs its training only, not another start of 8 processes. The layouts' checkpoints load under another layout
+in the same group and in this one process (Note [reading a checkpoint anywhere]).
 """
 
 from __future__ import annotations
@@ -72,7 +73,11 @@ def batches() -> list[torch.Tensor]:
     return token_batches(STEPS, GLOBAL_BATCH, seq=SEQ, vocab=VOCAB)
 
 
-def _train_case(name: str) -> tuple[tuple, list[float], list[float], dict | None]:
+# a checkpoint saved by the first layout's run is loaded under the second (and in one process by the test)
+RELOADS = {"pp2_tp2_zero3": "pp2_sp2_tp2_zero1", "pp2_sp2_tp2_zero1": "pp2_tp2_zero3"}
+
+
+def _train_case(name: str, directory: str) -> tuple[tuple, list[float], list[float], dict | None]:
     case = CASES[name]
     engine = initialize(case.model(), case.config())
     assert {key: getattr(engine, key) for key in case.degrees} == case.degrees
@@ -83,19 +88,38 @@ def _train_case(name: str) -> tuple[tuple, list[float], list[float], dict | None
         losses.append(engine.train_batch(iter([{"input_ids": x, "labels": x} for x in micro])))
         norms.append(engine.get_global_grad_norm())
     full = engine.full_state_dict(rank0_only=True)
+    if name in RELOADS:
+        engine.save_checkpoint(directory, name)
     engine.close()
     return coordinates, losses, norms, full
 
 
-def _worker(rank: int, world: int, cases: list[tuple]) -> dict:
-    return run_cases(rank, cases, _train_case)
+def _reload_case(saved: str, directory: str) -> dict | None:
+    """The checkpoint `saved`'s run wrote, loaded under RELOADS[saved]'s layout into another seed's model."""
+    engine = initialize(tiny_llama(seed=1), CASES[RELOADS[saved]].config())
+    engine.load_checkpoint(directory, saved)
+    full = engine.full_state_dict(rank0_only=True)
+    engine.close()
+    return full
+
+
+def _worker(rank: int, world: int, cases: list[tuple], directory: str) -> dict:
+    def run(kind: str, name: str):
+        return (_train_case if kind == "train" else _reload_case)(name, directory)
+    return run_cases(rank, cases, run)
 
 
 @pytest.fixture(scope="module")
-def composed() -> dict:
-    """{case: [each rank's ((stage, dp rank, sequence rank, tp rank), losses, norms, full_state_dict or None)]}
-    from one group of WORLD ranks."""
-    return results_by_case(run_distributed(_worker, WORLD, args=([(name,) for name in CASES],), timeout_s=420))
+def checkpoints(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("composition_checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def composed(checkpoints) -> dict:
+    """{("train", case): [each rank's ((stage, dp rank, sequence rank, tp rank), losses, norms, full_state_dict or
+    None)], ("reload", case): [each rank's full_state_dict or None]} from one group of WORLD ranks."""
+    cases = [("train", name) for name in CASES] + [("reload", name) for name in RELOADS]
+    return results_by_case(run_distributed(_worker, WORLD, args=(cases, checkpoints), timeout_s=420))
 
 
 def _reference(case: Composition) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
@@ -113,7 +137,7 @@ def _max_relative(actual: list[float], expected: list[float]) -> float:
 def test_a_composition_trains_as_one_process(composed, name):
     case = CASES[name]
     ref_losses, ref_norms, ref_state = _reference(case)
-    per_rank = composed[(name,)]
+    per_rank = composed[("train", name)]
     assert len({coordinates for coordinates, *_ in per_rank}) == WORLD  # each rank one place in the grid
     for _, losses, norms, _ in per_rank:  # every rank reports the step's loss and the global norm
         assert_close_relative(losses, ref_losses, rtol=case.rtol)
@@ -125,3 +149,20 @@ def test_a_composition_trains_as_one_process(composed, name):
     worst_param = max(float((full[k] - ref_state[k]).abs().max()) for k in ref_state)
     print(f"{name}: max relative loss difference {_max_relative(per_rank[0][1], ref_losses):.2e}, grad norm "
           f"{_max_relative(per_rank[0][2], ref_norms):.2e}, max absolute parameter difference {worst_param:.2e}")
+
+
+@pytest.mark.parametrize("name", list(RELOADS))
+def test_a_compositions_checkpoint_loads_under_another_layout_and_in_one_process(composed, checkpoints, name):
+    """What the run saved after its last step is, value for value, what RELOADS[name]'s layout and one plain process
+    hold after loading it (parameters cut, sharded and staged another way, or not at all)."""
+    saved = composed[("train", name)][0][3]
+    elsewhere = composed[("reload", name)][0]
+    engine = initialize(tiny_llama(seed=1), {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6,
+                                             "optimizer": {"type": "AdamW", "params": ADAMW}})
+    engine.load_checkpoint(checkpoints, name)
+    here = engine.full_state_dict()
+    engine.close()
+    for loaded in (elsewhere, here):
+        assert loaded.keys() == saved.keys()
+        for key, value in saved.items():
+            torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)
