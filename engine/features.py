@@ -190,6 +190,7 @@ class PipelineFeature(Feature):
 
     def __init__(self, driver: PipelineDriver, topology: Topology, comm: CommCounter):
         self.parallel, self.topology, self.comm = driver, topology, comm
+        self.whole_keys = frozenset(driver.split.keys)  # every stage's
 
     def join_state_dict(self, whole: dict, keep: bool) -> dict:
         return whole_weights.join_stages(whole, self.parallel.split.keys, self.topology, self.comm, keep)
@@ -204,7 +205,7 @@ class PipelineFeature(Feature):
         return {name: p.on_stage(self.topology.pp_rank) for name, p in placed.items()}
 
     def held_elsewhere(self, name: str) -> bool:
-        return name in self.parallel.split.keys
+        return name in self.whole_keys
 
     def model_keys(self, keys: list[str]) -> list[str]:
         return list(self.parallel.split.keys)

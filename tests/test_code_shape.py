@@ -50,7 +50,9 @@ def test_no_source_file_is_over_600_lines():
 PARALLELISM_NAMES = {"tensor_parallel", "pipeline", "sequence", "experts", "split", "tp_size", "pp_size", "sp_size",
                      "ep_size", "tp_mode", "ep_group", "pp_group", "sp_group", "tp_group", "num_stages",
                      "seq_parallel_world_size", "ep_world_size", "tp_world_size"}
-FEATURE_BLIND_FILES = ["engine/engine.py", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "engine/checkpoint").glob("*.py"))]
+# Engine, and the checkpoint code, which reads and writes tensors by their placements (Note [placements])
+FEATURE_BLIND_FILES = ["engine/engine.py",
+                       *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "engine/checkpoint").rglob("*.py"))]
 
 
 def _names_in(node: ast.AST) -> set[str]:
@@ -59,8 +61,8 @@ def _names_in(node: ast.AST) -> set[str]:
 
 
 def test_the_engine_never_branches_on_a_parallelism():
-    """Engine iterates over feature objects (Note [feature objects]); no `if`, conditional expression, `while` or
-    comprehension filter in it tests which parallelism is on."""
+    """Engine iterates over feature objects (Note [feature objects]) and the checkpoint code over placements; no `if`,
+    conditional expression, `while` or comprehension filter in them tests which parallelism is on."""
     found = []
     for name in FEATURE_BLIND_FILES:
         for node in ast.walk(ast.parse((ROOT / name).read_text(encoding="utf-8"))):

@@ -129,6 +129,7 @@ class Checkpoint:
         self._sections = manifest["version"] == PIPELINE_VERSION
         self.shard_count = self.layout["shard_count"]
         self._expert_groups = self.layout.get("ep", 1)
+        self._world = (self.layout["world_size"], self.cut_size, self.layout.get("pp", 1), self.layout.get("device"))
         bad = [f["name"] for f in manifest["files"] if not _RANK_FILE.fullmatch(f["name"])]
         if bad:
             raise CheckpointIntegrityError(f"{path} lists the file {bad[0]!r}, which is not a rank file name; the "
@@ -227,6 +228,10 @@ class Checkpoint:
 
     def extra_piece(self, key: str, tp_rank: int) -> Piece:
         return Piece(self._file_of[(self.extras[tp_rank][key], 0, tp_rank)], f"extra.{key}", 0, 0, 0)
+
+    def same_world(self, world_size: int, tp_size: int, pp_size: int, device: str) -> bool:
+        """Saved by the same ranks in the same grid on the same kind of device (each rank's generators are its own)."""
+        return self._world == (world_size, tp_size, pp_size, device)
 
     def rank_file(self, rank: int) -> str | None:
         return self._rank_file.get(rank)

@@ -111,17 +111,21 @@ class LoadPlan:
         same = self.direct(name)
         return [same] if same is not None else self.checkpoint.pieces_of_cut(name)
 
+    def _ranges(self, m: Member, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """(saved cut piece, start, stop) of the elements chunk range [lo, hi) of `m` is read from: its own range of
+        the piece cut alike, or the whole of every saved cut piece."""
+        same, ckpt = self.direct(m.name), self.checkpoint
+        if same is not None:
+            return [(same.cut_rank, *m.span(lo, hi))]
+        return [(s.cut_rank, 0, math.prod(ckpt.local_shape(m.name, s.cut_rank))) for s in self._sources(m.name)]
+
     def _files(self) -> set[str]:
         ckpt, files = self.checkpoint, set()
         for mine in self.members:
             for m, lo, hi in mine:
-                same = self.direct(m.name)
                 for kind in self._kinds():
-                    pieces = ckpt.pieces(m.name, kind, same.cut_rank, *m.span(lo, hi)) if same is not None else [
-                        p for s in self._sources(m.name)
-                        for p in ckpt.pieces(m.name, kind, s.cut_rank, 0, math.prod(ckpt.local_shape(m.name,
-                                                                                                      s.cut_rank)))]
-                    files.update(p.file for p in pieces)
+                    files.update(p.file for piece, a, b in self._ranges(m, lo, hi)
+                                 for p in ckpt.pieces(m.name, kind, piece, a, b))
         for j in range(len(self.states)) if self.with_optimizer else ():
             first = self.states.members(j)[0].name
             files.update(ckpt.scalar_piece(first, s, self.scalar_source(first)).file for s in ckpt.scalar_states)
@@ -250,9 +254,8 @@ def _agree(control: Control, error: tuple[str, str] | None) -> None:
 
 def _same_world(run: TrainingState, checkpoint: Checkpoint) -> bool:
     """The same ranks on the same kind of device: each rank can take its own generators back."""
-    layout, topo = checkpoint.layout, run.topology
-    return (layout["world_size"] == topo.world_size and layout["tp"] == topo.tp_size
-            and layout.get("pp", 1) == topo.pp_size and layout.get("device") == topo.device.type)
+    topo = run.topology
+    return checkpoint.same_world(topo.world_size, topo.tp_size, topo.pp_size, topo.device.type)
 
 
 def _client_files(checkpoint: Checkpoint) -> set[str]:
