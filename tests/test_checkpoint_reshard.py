@@ -81,6 +81,12 @@ def _four_rank_worker(rank, world, root, saved_weights):
     engine = initialize(model(), config(1, 0, tp=4, mode="2d"))
     train_engine(engine, batches[:2], 0, 1, 1)
     engine.save_checkpoint(os.path.join(root, "tp2d"))
+    saved = engine.full_state_dict()
+    engine.close()
+    engine = initialize(model(), config(2, 1, tp=2))  # the 2D mesh's pieces cut again in 1D, over dp 2
+    engine.load_checkpoint(os.path.join(root, "tp2d"))
+    loaded = engine.full_state_dict()
+    out["tp2d_loaded_at_dp2_tp2_exactly"] = all(torch.equal(loaded[k], saved[k]) for k in saved)
     engine.close()
     return out
 
@@ -125,8 +131,9 @@ def test_dp2_tp2_loads_as_tp4(chain, reference):
         assert_close_relative(four[rank]["tp4"], reference[0][2:4], rtol=TP_RTOL)
 
 
-def test_a_2d_mesh_loads_in_one_process(chain, reference):
-    root, _, _ = chain
+def test_a_2d_mesh_loads_in_one_process_and_as_dp2_by_tp2(chain, reference):
+    root, four, _ = chain
+    assert all(out["tp2d_loaded_at_dp2_tp2_exactly"] for out in four)
     engine = initialize(model(), config(1, 3))  # and as ZeRO-3, which shards nothing in one process
     engine.load_checkpoint(os.path.join(root, "tp2d"))
     losses, _ = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH)[2:4], 0, 1, 1)

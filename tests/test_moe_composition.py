@@ -176,14 +176,20 @@ def _checkpoint_worker(rank, world, directory):
         _train(engine, batches()[2:])
         resumed[layout] = engine.full_state_dict()
         engine.close()
+    engine = initialize(MoEGPT(seed=1), _config("sp", 3, router_losses=False))  # pp × ep's checkpoint, at sp × ep
+    engine.load_checkpoint(directory, "resaved_pp")
+    resumed["resaved_pp_at_sp"] = engine.full_state_dict()
+    engine.close()
     return saved, uninterrupted, resumed
 
 
 def test_checkpoint_of_tensor_and_expert_parallel_run(four_ranks, four_ranks_dir):
     """Saved under tp 2 × ep 2 (and saved again under pp 2 × ep 2): read whole in this one process it is the run's
     full_state_dict at the save, and under sp 2 × ep 2, dp 4 × ep 2 and pp 2 × ep 2 (ZeRO-3) the third step goes
-    on as the uninterrupted run's."""
+    on as the uninterrupted run's; pp 2 × ep 2's loads under sp 2 × ep 2 as it was saved."""
     saved, uninterrupted, resumed = four_ranks[("checkpoint",)][0]
+    loaded = resumed.pop("resaved_pp_at_sp")  # pp 2 × ep 2's checkpoint loaded under sp 2 × ep 2
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], v) for k, v in saved.items())
     for tag in ("saved", "resaved_pp"):
         checkpoint = Checkpoint(f"{four_ranks_dir}/{tag}")
         reader = PieceReader(checkpoint)
