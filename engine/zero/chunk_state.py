@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.comm import CommCounter, all_gather_into, shard_of
+from engine.zero.shard_store import ShardStore
 from offload.chunk import Chunk, Slot
 
 
@@ -83,10 +85,8 @@ class ChunkState:
     persistent: bool = False  # stage 3: below the persistence threshold, never released
     place: ShardPlace = ShardPlace()  # the ranks it is reduced over and sharded across
     # where this rank's values live
-    param_shard: torch.Tensor | None = None  # stage 3: this rank's shard (a placeholder when offloaded)
-    param_handle: int | None = None  # its manager chunk (Note [offloaded parameter shards])
-    grad_shard: torch.Tensor | None = None  # stages 2-3: this rank's reduced gradient shard (or a placeholder)
-    grad_handle: int | None = None  # its manager chunk (Note [offloaded gradient shards])
+    param_store: ShardStore | None = None  # stage 3: this rank's shard, in memory or managed (Note [shard stores])
+    grad_store: ShardStore | None = None  # stages 2-3: this rank's reduced gradient shard, likewise
     stepped: torch.Tensor | None = None  # what the optimizer steps: payload, shard, or fp32 master
     stepped_grad: torch.Tensor | None = None  # its .grad
     # stage 3 gathering (Note [gathering around modules])
@@ -112,6 +112,140 @@ class ChunkState:
             raise IllegalPhaseTransition(f"chunk {self.index}: {self.phase.name} → {new.name} is not a legal phase "
                                          f"change (from {self.phase.name}: {allowed}); see Note [chunk phases]")
         self.phase = new
+
+    # ---- where this rank's shards live (Note [shard stores]) ------------------------------------
+    @property
+    def param_shard(self) -> torch.Tensor | None:
+        """This rank's parameter shard (a placeholder when offloaded: Note [offloaded parameter shards])."""
+        return None if self.param_store is None else self.param_store.tensor
+
+    @property
+    def param_handle(self) -> int | None:
+        return None if self.param_store is None else self.param_store.handle
+
+    @property
+    def grad_shard(self) -> torch.Tensor | None:
+        """This rank's reduced gradient shard (a placeholder when offloaded: Note [offloaded gradient shards])."""
+        return None if self.grad_store is None else self.grad_store.tensor
+
+    @property
+    def grad_handle(self) -> int | None:
+        return None if self.grad_store is None else self.grad_store.handle
+
+    # ---- parameters: gather, wait, release (Note [sharded parameters]) ---------------------------
+    def gather(self, group: dist.ProcessGroup | None, counter: CommCounter) -> bool:
+        """Starts gathering a released chunk (a collective: every rank gathers the same chunks in the same order);
+        returns whether a gather started (a chunk not SHARDED has its values already)."""
+        if self.phase is not ChunkPhase.SHARDED:
+            return False
+        writer, place = self.writer, self.place
+        writer.untyped_storage().resize_(self.param_chunk.nbytes)
+        shard = self.param_store.on_device(writer, place.rank, place.count)  # an offloaded one: into its own slot
+        if place.count > 1:
+            self.gather_work = all_gather_into(writer, shard, place.group_or(group), counter, async_op=True)
+        elif shard.data_ptr() != writer.data_ptr():  # one rank: its shard is the chunk (Note [paging in one process])
+            writer.copy_(shard)
+        self.to(ChunkPhase.GATHERING)
+        return True
+
+    def wait(self) -> None:
+        """Waits for the gather in flight, if any (GATHERING → GATHERED)."""
+        if self.phase is ChunkPhase.GATHERING:
+            work, self.gather_work = self.gather_work, None
+            if work is not None:
+                work.wait()
+            self.to(ChunkPhase.GATHERED)
+
+    def release(self) -> bool:
+        """Frees the full storage (waiting for a gather in flight first); returns whether it did. A WHOLE chunk (stages
+        0-2, persistent chunks: one shard that always holds) has nothing to release."""
+        if self.phase is ChunkPhase.WHOLE or self.phase is ChunkPhase.SHARDED:
+            return False
+        self.wait()
+        self.writer.untyped_storage().resize_(0)
+        self.to(ChunkPhase.SHARDED)
+        return True
+
+    def take_shard(self) -> None:
+        """The full payload holds the starting values: this rank's shard of them goes to where the shard lives."""
+        if self.phase is not ChunkPhase.WHOLE:
+            self.param_store.write_home(shard_of(self.param_chunk.payload, self.place.rank, self.place.count))
+
+    def refresh_shard(self) -> None:
+        """After the gathered chunk was modified (the same way on every rank): its shard keeps the new values."""
+        if self.phase is not ChunkPhase.WHOLE:
+            with self.param_store.access(writes=True) as shard:
+                shard.copy_(shard_of(self.writer, self.place.rank, self.place.count))
+
+    # ---- gradients: accept, complete, retire (Note [sharded gradients]) -------------------------
+    def accept_grad(self, p: nn.Parameter) -> None:
+        """The gradient autograd just gave member `p` moves into its view of the gradient chunk (p.grad becomes
+        the view). Stages 0-1 (no gradient shard): the chunk always has storage and autograd accumulated into the
+        view already, unless user code replaced .grad."""
+        view = self.grad_view(p)
+        if p.grad is view:
+            return
+        if self.grad_store is None:
+            self.adopt_grad(p)
+            return
+        self._materialize_grads()
+        if id(p) in self.written:  # a second gradient for it in this backward (without the reducer armed)
+            view.add_(p.grad)
+        else:
+            view.copy_(p.grad)
+            self.written.add(id(p))
+        p.grad = view
+
+    def adopt_grad(self, p: nn.Parameter) -> None:
+        """Note [parameters as chunk views]: a .grad replaced by user code is copied back into the chunk."""
+        view = self.grad_view(p)
+        if p.grad is view or (self.grad_store is not None and p.grad is None):
+            return
+        if p.grad is not None:
+            view.copy_(p.grad)
+        # None: no local gradient since the user dropped it; the view already holds what the chunk
+        # has (zeros, or other ranks' contributions after the all-reduce): keep it, never zero it
+        p.grad = view
+
+    def complete_grads(self) -> torch.Tensor:
+        """The full gradient buffer for its reduce-scatter: zeros where no gradient arrived, and in the padding."""
+        self._materialize_grads()
+        payload, used = self.grad_chunk.payload, self.grad_chunk.used
+        for p, view in zip(self.params, self.grad_views):
+            if id(p) not in self.written:
+                view.zero_()
+                p.grad = view
+                self.written.add(id(p))
+        payload.narrow(0, used, payload.numel() - used).zero_()
+        return payload
+
+    def retire(self) -> None:
+        """After the reduce-scatter: this rank's shard of the sum joins its gradient shard; the full buffer goes."""
+        self.grad_store.accumulate(shard_of(self.grad_chunk.payload, self.place.rank, self.place.count),
+                                   first=self.grad_fresh)
+        self.grad_fresh = False
+        self.release_grads()
+
+    def release_grads(self) -> None:
+        """The full gradient buffer loses its storage (its views stay valid); the members' .grad become None."""
+        for p in self.params:
+            p.grad = None
+        self.grad_chunk.payload.untyped_storage().resize_(0)
+        self.grad_live = False
+
+    def zero_grad_shard(self) -> None:
+        """The gradient shard becomes logically zero (lazily: Note [sharded gradients]); a full buffer left live (a
+        backward that raised half-way) goes."""
+        self.grad_fresh = True
+        self.grad_store.forget()  # a managed shard reads as zeros again without I/O
+        if self.grad_live:
+            self.release_grads()
+
+    def _materialize_grads(self) -> None:
+        if not self.grad_live:
+            self.grad_chunk.payload.untyped_storage().resize_(self.grad_chunk.nbytes)
+            self.written.clear()
+            self.grad_live = True
 
     # ---- members and gradients -----------------------------------------------------------------
     def grad_view(self, p: nn.Parameter) -> torch.Tensor:

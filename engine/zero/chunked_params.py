@@ -391,14 +391,7 @@ class ChunkedParams:
 
     def adopt_foreign_grad(self, p: nn.Parameter) -> None:
         """Note [parameters as chunk views]: a replaced .grad is copied back into its chunk."""
-        view = self.states[self._chunk_of[id(p)]].grad_view(p)
-        if p.grad is view or (self.sharded_grads is not None and p.grad is None):
-            return
-        if p.grad is not None:
-            view.copy_(p.grad)
-        # None: no local gradient since the user dropped it; the view already holds what the chunk
-        # has (zeros, or other ranks' contributions after the all-reduce): keep it, never zero it
-        p.grad = view
+        self.states[self._chunk_of[id(p)]].adopt_grad(p)
 
     def zero_grads(self) -> None:
         """Zeroes the gradient chunks; a .grad replaced by user code is re-adopted by the hooks or sync_views."""

@@ -34,16 +34,16 @@ states]).
 
 from __future__ import annotations
 
-import contextlib
+from typing import ContextManager
 
 import torch
 from torch import nn
 
-from engine.comm import shard_of, shard_range
+from engine.comm import shard_range
 from engine.zero.chunk_state import ChunkState
+from engine.zero.shard_store import MemoryStore, manage
 from offload.chunk import Location
 from offload.manager import ChunkManager
-from offload.states import TensorState
 
 
 class ShardedGrads:
@@ -58,14 +58,14 @@ class ShardedGrads:
         # and no memory touched before the optimizer may move it into a manager
         for state in states:
             payload = state.grad_chunk.payload
-            state.grad_shard = torch.empty(shard_range(payload.numel(), 0, state.place.count)[1], dtype=payload.dtype,
-                                           device=payload.device)
+            state.grad_store = MemoryStore(torch.empty(shard_range(payload.numel(), 0, state.place.count)[1],
+                                                       dtype=payload.dtype, device=payload.device))
             if placeholders:
                 state.grad_shard.untyped_storage().resize_(0)
             state.grad_fresh = True
         self._manager: ChunkManager | None = None  # Note [offloaded gradient shards]
         for state in states:
-            self._release(state)
+            state.release_grads()
 
     @property
     def shards(self) -> list[torch.Tensor]:
@@ -77,75 +77,28 @@ class ShardedGrads:
         """The shards' manager chunks (Note [offloaded gradient shards]); None while in memory."""
         return None if self._manager is None else [s.grad_handle for s in self.states]
 
-    def _materialize(self, state: ChunkState) -> None:
-        if not state.grad_live:
-            state.grad_chunk.payload.untyped_storage().resize_(state.grad_chunk.nbytes)
-            state.written.clear()
-            state.grad_live = True
-
     def accept(self, index: int, p: nn.Parameter) -> None:
         """Moves the gradient autograd just gave `p` into its view of chunk `index` (p.grad becomes the view)."""
-        state = self.states[index]
-        view = state.grad_view(p)
-        if p.grad is view:
-            return
-        self._materialize(state)
-        if id(p) in state.written:  # a second gradient for it in this backward (without the reducer armed)
-            view.add_(p.grad)
-        else:
-            view.copy_(p.grad)
-            state.written.add(id(p))
-        p.grad = view
+        self.states[index].accept_grad(p)
 
     def complete(self, index: int) -> torch.Tensor:
         """The chunk's full gradient buffer for its reduce-scatter: zeros where no gradient arrived."""
-        state = self.states[index]
-        self._materialize(state)
-        payload, used = state.grad_chunk.payload, state.grad_chunk.used
-        for p, view in zip(state.params, state.grad_views):
-            if id(p) not in state.written:
-                view.zero_()
-                p.grad = view
-                state.written.add(id(p))
-        payload.narrow(0, used, payload.numel() - used).zero_()
-        return payload
+        return self.states[index].complete_grads()
 
     def offload_to(self, manager: ChunkManager, homes: list[Location]) -> None:
         """Note [offloaded gradient shards]: shard i moves into `manager` on homes[i]; the tensors become
         placeholders, used where the manager says (Note [where a chunk is used])."""
         self._manager = manager
         for state, home in zip(self.states, homes):
-            shard = state.grad_shard
-            zeros = torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.shape)  # no memory
-            # zeros, without a payload or a file
-            chunk = manager.register("grad", [zeros], location=home, capacity=shard.numel(), zeros=True)[0].chunk
-            shard.untyped_storage().resize_(0)
-            state.grad_handle = chunk
+            state.grad_store = manage(state.grad_store, manager, "grad", home)  # zeros, without a payload or a file
 
-    @contextlib.contextmanager
-    def shard(self, index: int, writes: bool = True):
+    def shard(self, index: int, writes: bool = True) -> ContextManager[torch.Tensor]:
         """Shard `index`, wherever it lives, for the duration of the block."""
-        state = self.states[index]
-        if state.grad_handle is None:
-            yield state.grad_shard
-            return
-        handle = state.grad_handle
-        with self._manager.accessed(handle, self._manager.use_tier(handle), writes=writes) as (view,):
-            yield view
+        return self.states[index].grad_store.access(writes)
 
     def retire(self, index: int) -> None:
         """After the chunk's reduce-scatter: its shard of the sum joins the persistent buffer; the buffer goes."""
-        state = self.states[index]
-        mine = shard_of(state.grad_chunk.payload, state.place.rank, state.place.count)
-        with self.shard(index) as shard:
-            if state.grad_handle is not None and self._manager.chunk(state.grad_handle).location is Location.CPU:
-                mine = self._manager.memory.down(mine)  # to its home on the host, in its 16-bit dtype
-            if state.grad_fresh:
-                shard.copy_(mine)
-            else:
-                shard.add_(mine)
-        state.grad_fresh = False
-        self._release(state)
+        self.states[index].retire()
 
     def settle(self) -> None:
         """Before the shards are read: those no backward wrote since `zero` become real zeros."""
@@ -154,19 +107,8 @@ class ShardedGrads:
                 state.grad_shard.zero_()
                 state.grad_fresh = False
 
-    def _release(self, state: ChunkState) -> None:
-        for p in state.params:
-            p.grad = None
-        state.grad_chunk.payload.untyped_storage().resize_(0)
-        state.grad_live = False
-
     def zero(self) -> None:
         """Zeroes the shards (lazily: Note [sharded gradients]) and drops any full chunk left live (a backward
         that raised half-way)."""
         for state in self.states:
-            state.grad_fresh = True
-            handle = state.grad_handle
-            if handle is not None and self._manager.chunk(handle).state is not TensorState.FREE:
-                self._manager.free(handle)  # already FREE: it has held nothing since
-            if state.grad_live:
-                self._release(state)
+            state.zero_grad_shard()

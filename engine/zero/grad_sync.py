@@ -106,10 +106,7 @@ class GradReducer:
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         chunk = self._chunk_of[id(p)]
         state = self.states[chunk]
-        if self._sharded_grads is not None:
-            self._sharded_grads.accept(chunk, p)  # Note [sharded gradients]
-        else:
-            self.chunked.adopt_foreign_grad(p)
+        state.accept_grad(p)  # Note [sharded gradients]; stages 0-1: Note [parameters as chunk views]
         if not self._armed:
             return
         if id(p) in state.arrived or self._place[chunk] < self._cursor:
@@ -134,7 +131,7 @@ class GradReducer:
     def _launch(self, index: int) -> None:
         if self._sharded_grads is not None:
             self._retire_finished()  # frees finished chunks' buffers during backward, not only after it
-            self._sharded_grads.complete(index)  # zeros where this rank had no gradient: the others may
+            self.states[index].complete_grads()  # zeros where this rank had no gradient: the others may
         place = self.states[index].place  # expert chunks reduce over their own group (Note [expert parallelism])
         if not self.peers:
             work = _DONE
@@ -211,7 +208,7 @@ class GradReducer:
             self._retire(index)
 
     def _retire(self, index: int) -> None:
-        self._sharded_grads.retire(index)
+        self.states[index].retire()
         if self._on_shard_reduced is not None:
             try:
                 self._on_shard_reduced(index)

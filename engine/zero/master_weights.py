@@ -40,6 +40,7 @@ from typing import Callable, ContextManager
 
 import torch
 
+from engine.zero.shard_store import MemoryStore, ShardStore, manage
 from offload.chunk import Location
 from offload.manager import ChunkManager
 
@@ -53,11 +54,12 @@ class MasterWeights:
         Each tensor without storage is released as soon as it is made: never more than one at a time."""
         self.targets = targets
         self.grad_sources = grad_sources
-        self.masters = [_made_empty(t.shape, t.device, placeholders) for t in targets]
+        # where each master's values live (Note [shard stores])
+        self.stores: list[ShardStore] = [MemoryStore(_made_empty(t.shape, t.device, placeholders)) for t in targets]
+        self.masters = [store.tensor for store in self.stores]
         self.grads = [_made_empty(g.shape, g.device, True) for g in grad_sources]
         self._grad_nbytes = [g.numel() * 4 for g in self.grads]
-        self.handles: list[int] | None = None  # Note [offloaded master weights]: their manager chunks
-        self._manager: ChunkManager | None = None
+        self.offloaded = False  # Note [offloaded master weights]: the stores are manager chunks
         self._target_access: Callable[[int, bool], ContextManager[tuple[torch.Tensor, Location]]] | None = None
 
     def offload_to(self, manager: ChunkManager, homes: list[Location],
@@ -65,28 +67,19 @@ class MasterWeights:
         """Note [offloaded master weights]: master i moves into `manager` on homes[i] (as zeros: `sync_from_params`
         writes them) and becomes a placeholder; `target_access(i, writes)` gives 16-bit tensor i wherever it lives,
         with its tier (None: the targets are the in-memory tensors, on the device)."""
-        self._manager, self._target_access = manager, target_access
-        self.handles = []
-        for master, home in zip(self.masters, homes):
-            zeros = torch.zeros((), dtype=master.dtype, device=master.device).expand(master.shape)  # no memory
-            # zeros, without a payload or a file, until written
-            handle = manager.register("master", [zeros], location=home, capacity=master.numel(), zeros=True)[0].chunk
-            master.untyped_storage().resize_(0)
-            self.handles.append(handle)
+        self._target_access = target_access
+        # zeros, without a payload or a file, until written
+        self.stores = [manage(store, manager, "master", home) for store, home in zip(self.stores, homes)]
+        self.offloaded = True
 
     @property
-    def offloaded(self) -> bool:
-        return self.handles is not None
+    def handles(self) -> list[int] | None:
+        """The masters' manager chunks (Note [offloaded master weights]); None while in memory."""
+        return [store.handle for store in self.stores] if self.offloaded else None
 
-    @contextlib.contextmanager
-    def master(self, index: int, writes: bool):
+    def master(self, index: int, writes: bool) -> ContextManager[torch.Tensor]:
         """Master `index`, wherever it lives, for the duration of the block."""
-        if self.handles is None:
-            yield self.masters[index]
-            return
-        handle = self.handles[index]
-        with self._manager.accessed(handle, self._manager.use_tier(handle), writes=writes) as (view,):
-            yield view
+        return self.stores[index].access(writes)
 
     @contextlib.contextmanager
     def target(self, index: int, writes: bool):

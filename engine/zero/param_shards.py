@@ -46,13 +46,14 @@ whose shards are its chunks.
 
 from __future__ import annotations
 
-import contextlib
+from typing import ContextManager
 
 import torch
 import torch.distributed as dist
 
-from engine.comm import CommCounter, all_gather_into, shard_of, shard_range
+from engine.comm import CommCounter, shard_of, shard_range
 from engine.zero.chunk_state import ChunkPhase, ChunkState
+from engine.zero.shard_store import MemoryStore, manage
 from offload.chunk import Location
 from offload.manager import ChunkManager
 
@@ -69,14 +70,15 @@ class ShardedParams:
         for state in states:
             payload = state.param_chunk.payload
             if state.persistent:
-                state.param_shard = shard_of(payload, state.place.rank, state.place.count)  # a view: always holds
+                # a view: always holds
+                state.param_store = MemoryStore(shard_of(payload, state.place.rank, state.place.count))
                 continue
             storage = payload.untyped_storage()  # released (Note [a bounded start]): set_ would allocate it
             state.writer = torch.empty(0, dtype=payload.dtype, device=payload.device)
             state.writer.set_(storage, payload.storage_offset(), (payload.numel(),))
             storage.resize_(0)
             n = shard_range(payload.numel(), state.place.rank, state.place.count)[1]
-            state.param_shard = torch.empty(n, dtype=payload.dtype, device=payload.device)
+            state.param_store = MemoryStore(torch.empty(n, dtype=payload.dtype, device=payload.device))
             if placeholders:
                 state.param_shard.untyped_storage().resize_(0)
         # elements of non-persistent chunks not released (gathered or gathering): kept, not summed per demand
@@ -98,30 +100,16 @@ class ShardedParams:
         self._manager = manager
         for state in self.states:
             if not state.persistent:
-                shard = state.param_shard
                 # values still to come (the start or zero_init writes them): registered as zeros, no memory or I/O
-                values = torch.zeros((), dtype=shard.dtype).expand(shard.shape)
-                state.param_handle = manager.register("param", [values], location=home, capacity=shard.numel(),
-                                                      zeros=True)[0].chunk
-                shard.untyped_storage().resize_(0)
+                state.param_store = manage(state.param_store, manager, "param", home)
 
-    @contextlib.contextmanager
-    def shard(self, index: int, writes: bool):
+    def shard(self, index: int, writes: bool) -> ContextManager[torch.Tensor]:
         """This rank's shard of chunk `index`, wherever it lives, for the duration of the block."""
-        with self.placed_shard(index, writes) as (view, _):
-            yield view
+        return self.states[index].param_store.access(writes)
 
-    @contextlib.contextmanager
-    def placed_shard(self, index: int, writes: bool):
+    def placed_shard(self, index: int, writes: bool) -> ContextManager[tuple[torch.Tensor, Location]]:
         """(this rank's shard of chunk `index`, the tier it is on: DEVICE when in memory) for the block."""
-        state = self.states[index]
-        if state.param_handle is None:
-            yield state.param_shard, Location.DEVICE
-            return
-        handle = state.param_handle
-        tier = self._manager.use_tier(handle)
-        with self._manager.accessed(handle, tier, writes=writes) as (view,):
-            yield view, tier
+        return self.states[index].param_store.placed(writes)
 
     def __len__(self) -> int:
         return len(self.states)
@@ -132,15 +120,7 @@ class ShardedParams:
     def take_shard(self, index: int) -> None:
         """Once full chunk `index` holds its starting values (rank 0's, after the start-up broadcast): keep this
         rank's shard of it and release the rest."""
-        state = self.states[index]
-        if state.persistent:
-            return
-        own = shard_of(state.param_chunk.payload, state.place.rank, state.place.count)
-        if state.param_handle is None:
-            state.param_shard.copy_(own)
-        else:  # straight to its home: a start puts nothing on the device tier (Note [a bounded start])
-            with self._manager.accessed(state.param_handle, Location.CPU) as (shard,):
-                self._manager.memory.down_into(shard, own)
+        self.states[index].take_shard()
         self.release(index)
 
     def release_loaded(self) -> None:
@@ -150,50 +130,24 @@ class ShardedParams:
 
     def refresh_shard(self, index: int) -> None:
         """After the gathered chunk was modified (the same way on every rank): keep the new values."""
-        state = self.states[index]
-        if not state.persistent:
-            with self.shard(index, writes=True) as shard:
-                shard.copy_(shard_of(state.writer, state.place.rank, state.place.count))
+        self.states[index].refresh_shard()
 
     def gather(self, index: int, group: dist.ProcessGroup | None, counter: CommCounter) -> bool:
-        """Starts gathering a released chunk (a collective: every rank must gather the same chunks in the
-        same order). Returns whether a gather was started."""
+        """Starts gathering chunk `index` if released (Note [chunk phases]); returns whether a gather started."""
         state = self.states[index]
-        if state.phase is not ChunkPhase.SHARDED:
+        if not state.gather(group, counter):
             return False
-        writer = state.writer
-        writer.untyped_storage().resize_(state.param_chunk.nbytes)
-        if state.param_handle is None:
-            shard = state.param_shard
-        else:  # copied into its own slot of the output at once: the manager chunk is not held while in flight
-            shard = shard_of(writer, state.place.rank, state.place.count)
-            with self.placed_shard(index, writes=False) as (view, tier):
-                self._manager.memory.copy(shard, Location.DEVICE, view, tier)
-        if state.place.count > 1:
-            state.gather_work = all_gather_into(writer, shard, state.place.group_or(group), counter, async_op=True)
-        elif shard.data_ptr() != writer.data_ptr():  # one rank: its shard is the chunk (Note [paging in one process])
-            writer.copy_(shard)
-        state.to(ChunkPhase.GATHERING)
-        self.live_numel += writer.numel()
+        self.live_numel += state.numel
         return True
 
     def wait(self, index: int) -> None:
-        state = self.states[index]
-        if state.phase is ChunkPhase.GATHERING:
-            work, state.gather_work = state.gather_work, None
-            if work is not None:
-                work.wait()
-            state.to(ChunkPhase.GATHERED)
+        self.states[index].wait()
 
     def release(self, index: int) -> None:
         """Frees a non-persistent chunk's full storage (waiting for its gather first, if one is in flight)."""
         state = self.states[index]
-        if state.persistent or state.phase is ChunkPhase.SHARDED:
-            return
-        self.wait(index)
-        state.writer.untyped_storage().resize_(0)
-        state.to(ChunkPhase.SHARDED)
-        self.live_numel -= state.numel
+        if state.release():
+            self.live_numel -= state.numel
 
     def is_released(self, index: int) -> bool:
         return self.states[index].phase is ChunkPhase.SHARDED
