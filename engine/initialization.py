@@ -50,6 +50,7 @@ from engine.zero.chunk_state import ShardPlace
 from engine.zero.chunked_params import ChunkedParams, ExpertChunks
 from engine.zero.grad_clip import GradientClipper
 from engine.zero.grad_sync import GradReducer
+from engine.zero.hooks import ZeroHooks
 from engine.zero.offload_policy import OffloadPolicy, build_offloaded_optimizer
 from engine.zero.param_gather import ParamGatherer
 from engine.zero.policy import ChunkKind, ShardingPolicy
@@ -370,19 +371,19 @@ def zero_runtime(model: nn.Module, cfg: Config, chunked: ChunkedParams, optimize
     chunks are reduced as backward fills them (Note [reduction order]). comm: the counter of the collectives so
     far (zero_init's), if any."""
     zero, comm = cfg.zero_optimization, comm if comm is not None else CommCounter()
-    gatherer = None
+    hooks, gatherer = ZeroHooks(), None
     if chunked.sharded_params is not None:
         prefetch = zero.stage3_prefetch_bucket_size if zero.stage3_prefetch_bucket_size != "auto" else 50_000_000
         gatherer = ParamGatherer(model, chunked.sharded_params, chunked.chunk_index(), topology.dp_group, comm,
-                                 prefetch, zero.stage3_max_live_parameters)
+                                 prefetch, zero.stage3_max_live_parameters, hooks)
     overlap = zero.overlap_comm is not False  # stage 0 overlaps unless told not to
-    reducer = (GradReducer(chunked, topology.dp_group, comm, overlap, zero.reduce_scatter,
+    reducer = (GradReducer(chunked, topology.dp_group, comm, hooks, overlap, zero.reduce_scatter,
                            gatherer.on_grads_complete if gatherer else None, peers=topology.is_distributed)
                if topology.is_distributed or chunked.sharded_grads is not None else None)
     clipper = GradientClipper(chunked, topology, comm, cfg.gradient_clipping, loss_scaler.checks_overflow,
                               norm_logged=cfg.tensorboard.enabled)
     return ZeroRuntime(chunked, optimizer, topology, comm, clipper, gatherer, reducer,
-                       steps_in_backward=zero.offload_optimizer.step_in_backward)
+                       steps_in_backward=zero.offload_optimizer.step_in_backward, hooks=hooks)
 
 
 def build_monitor(cfg: Config, topology: Topology, runtime: ZeroRuntime,

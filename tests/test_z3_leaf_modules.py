@@ -12,7 +12,7 @@ from torch import nn
 
 from engine import initialize
 from engine.compat import deepspeed
-from engine.zero.param_gather import Pass
+from engine.zero.training_phase import TrainingPhase
 from tests.distributed import run_distributed
 from tests.reference import assert_close_relative, assert_params_close, param_snapshot, trained_params
 from tests.test_data_parallel import adamw
@@ -101,7 +101,8 @@ def _reference():
 
 
 def _traces(engine) -> dict[str, list[int]]:
-    return {phase.value: engine.gatherer.traces[phase].recorded for phase in (Pass.FORWARD, Pass.BACKWARD)}
+    passes = (TrainingPhase.FORWARD, TrainingPhase.BACKWARD)
+    return {phase.value: engine.gatherer.traces[phase].recorded for phase in passes}
 
 
 def _leaf_worker(rank, world):

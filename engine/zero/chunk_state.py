@@ -1,10 +1,18 @@
-"""One state object per chunk index: its members, where its values live, its phase, its gradients.
+"""One object per chunk index: its members, where its values live, its phase, its gradients, and the operations
+that move it between phases.
 
 Note [chunk phases]
 A chunk index names one parameter chunk and the gradient chunk at the same index (Note [parameters
 as chunk views]). What the ZeRO runtime knows about that pair is in one ChunkState, built once by
-ChunkedParams; the gatherer (stage 3), the reducer and the shards (stages 2-3) hold the same
-objects, so `chunked.states[7]` (its repr, or `describe()`) answers "what state is chunk 7 in?":
+ChunkedParams, and the chunk's own operations are its methods: `gather`, `wait`, `release`,
+`take_shard` and `refresh_shard` for its parameters; `accept_grad`, `complete_grads`, `retire` and
+`zero_grad_shard` for its gradients. Its shards are read and written through their ShardStores
+(Note [shard stores]), so the same method serves a shard in memory and one in a chunk manager.
+The group-level classes only schedule: the gatherer (stage 3) picks which chunk to gather and
+release when, the reducer which to reduce and retire when; ShardedParams and ShardedGrads keep
+the group's totals. Stages 0-2 are the degenerate layout: every chunk is WHOLE (one shard that
+always holds), so `release` and `gather` have nothing to do. `chunked.states[7]` (its repr, or
+`describe()`) answers "what state is chunk 7 in?":
 - its members: the parameters, their slots, their gradient views, and under stage 3 the modules
   that directly own them (whose forward gathers the chunk, Note [gathering around modules]);
 - where its values live: the full payloads, this rank's parameter shard and gradient shard

@@ -41,9 +41,13 @@ import torch
 from torch import nn
 
 from engine.comm import shard_of, shard_range
+from engine.zero.chunk_loading import ChunkLoading
+from engine.zero.chunk_norms import ChunkNorms
+from engine.zero.chunk_queries import ChunkQueries
 from engine.zero.chunk_state import ChunkPhase, ChunkState, ShardPlace
 from engine.zero.grad_shards import ShardedGrads
 from engine.zero.master_weights import MasterWeights
+from engine.zero.optimizer_binding import OptimizerBinding
 from engine.zero.param_shards import ShardedParams
 from offload.chunk import ChunkList, Slot
 
@@ -70,8 +74,10 @@ class ChunkGroup:
     states: list[ChunkState] = field(default_factory=list)  # its chunks' states (Note [chunk phases])
 
 
-class ChunkedParams:
-    """Owns the param and grad chunks of every trainable parameter, grouped as the optimizer groups them."""
+class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
+    """Owns the param and grad chunks of every trainable parameter, grouped as the optimizer groups them: packs them
+    (here) and keeps the parameters' views of them; loading values (ChunkLoading), gradient norms (ChunkNorms),
+    queries (ChunkQueries) and the optimizer's binding (OptimizerBinding) are its parts in files of their own."""
 
     def __init__(self, param_groups: list[dict], capacity: int, device: torch.device, first_capacity: int | None = None,
                  names: dict[int, str] | None = None, shard_count: int = 1, shard_rank: int = 0,
@@ -205,112 +211,7 @@ class ChunkedParams:
         lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + n)
         return (start, lo, hi) if lo < hi else None
 
-    def _norm_pieces(self, index: int, owned: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
-        """`owned` (this rank's elements of chunk `index`) cut at parameter boundaries, each piece with its
-        parameter's norm weight."""
-        pieces = []
-        state = self.states[index]
-        for slot, p in zip(state.slots, state.params):
-            part = self._owned_range(index, slot)
-            if part is not None:
-                start, lo, hi = part
-                pieces.append((owned.narrow(0, lo - start, hi - lo), self.norm_weights.get(id(p), 1.0)))
-        return pieces
-
-    def load(self, p: nn.Parameter, value: torch.Tensor) -> None:
-        """Note [zero_init]: parameter `p`'s values into its chunk view, or with stage 3 into this rank's shard."""
-        index, slot = self._slot_of[id(p)]
-        if self.sharded_params is None or self.states[index].persistent:
-            self.states[index].param_chunk.view(slot).copy_(value)
-            return
-        part = self._owned_range(index, slot)
-        if part is not None:
-            start, lo, hi = part
-            with self.sharded_params.shard(index, writes=True) as shard:  # in memory or in a manager
-                shard.narrow(0, lo - start, hi - lo).copy_(value.reshape(-1).narrow(0, lo - slot.offset, hi - lo))
-
-    def fill_from_sources(self, index: int) -> bool:
-        """Note [a bounded start]: chunk `index`'s full payload gets storage and its parameters' starting values
-        (from wherever the model held them); False if it has none waiting (not a stage-3 chunk, zero_init, or
-        filled already)."""
-        sources = self._sources.pop(index, None)
-        if sources is None:
-            return False
-        state = self.states[index]
-        payload = state.param_chunk.payload
-        with torch.no_grad():
-            state.writer.untyped_storage().resize_(state.param_chunk.nbytes)
-            for slot, source in sources:
-                state.param_chunk.view(slot).copy_(source)
-            payload.narrow(0, state.param_chunk.used, payload.numel() - state.param_chunk.used).zero_()
-        return True
-
-    def master_values(self, p: nn.Parameter, full_master_chunk: torch.Tensor) -> torch.Tensor:
-        """`p`'s fp32 values, cut from the full (gathered) master chunk it lives in."""
-        _, slot = self._slot_of[id(p)]
-        return full_master_chunk.narrow(0, slot.offset, slot.numel).view(slot.shape)
-
-    def resync_masters(self, params: list[nn.Parameter]) -> None:
-        """After user code changed these parameters (the same way on every rank): their masters' parts
-        follow (Note [master weights]); other parameters' masters keep their fp32 values."""
-        if self.masters is None:
-            return
-        with torch.no_grad():
-            for p in params:
-                index, slot = self._slot_of.get(id(p), (None, None))
-                part = self._owned_range(index, slot) if index is not None else None
-                if part is not None:
-                    start, lo, hi = part
-                    with self.masters.target(index, writes=False) as target, \
-                            self.masters.master(index, writes=True) as master:  # wherever they live
-                        master.narrow(0, lo - start, hi - lo).copy_(target.narrow(0, lo - start, hi - lo))
-
-    def finish_loading(self) -> None:
-        """After every `load`: zero the padding (uninitialized memory) and, with stage 3, release the chunks."""
-        with torch.no_grad():
-            for index, state in enumerate(self.states):
-                chunk = state.param_chunk
-                if self.sharded_params is not None and not state.persistent:
-                    start, n = shard_range(chunk.numel, state.place.rank, state.place.count)
-                    tail = max(chunk.used - start, 0)
-                    if tail < n:
-                        with self.sharded_params.shard(index, writes=True) as shard:
-                            shard.narrow(0, tail, n - tail).zero_()
-                else:
-                    chunk.payload.narrow(0, chunk.used, chunk.numel - chunk.used).zero_()
-        if self.masters is not None:
-            self.masters.sync_from_params()
-        if self.sharded_params is not None:
-            self.sharded_params.release_loaded()
-
     # ---- what a checkpoint reads and writes (Note [checkpoint layout]) ----
-    def chunk_count(self) -> int:
-        return len(self.states)
-
-    def chunk_numel(self, index: int) -> int:
-        """Elements of param chunk `index` (its capacity, padding included)."""
-        return self.states[index].numel
-
-    def describe(self, index: int) -> str:
-        """What state chunk `index` is in (Note [chunk phases]), its members named."""
-        return self.states[index].describe(self._names)
-
-    def chunk_members(self, index: int) -> list[tuple[nn.Parameter, Slot]]:
-        """The parameters of chunk `index` with their slots, in chunk order."""
-        return list(zip(self.states[index].params, self.states[index].slots))
-
-    def stepped_tensors(self) -> list[torch.Tensor]:
-        """What the optimizer steps, one per chunk in chunk order: the whole payload, this rank's shard of it,
-        or its fp32 master (an offloaded shard is a placeholder: read it through sharded_params.shard)."""
-        return [s.stepped for s in self.states]
-
-    def position_of(self, p: nn.Parameter) -> int:
-        """The parameter's place in the model's parameter order (after named ones, registration order)."""
-        return self._position[id(p)]
-
-    def name_of(self, p: nn.Parameter) -> str:
-        return self._names.get(id(p), f"<unnamed {tuple(p.shape)} {p.dtype}>")
-
     @property
     def sharded(self) -> bool:
         return self.shard_count > 1
@@ -320,63 +221,6 @@ class ChunkedParams:
         if not self.sharded:
             return payload
         return view_of_released(payload, lambda t: shard_of(t, place.rank, place.count))
-
-    def grad_shards(self) -> list[torch.Tensor]:
-        """The gradient elements this rank updates from: its shard of every grad chunk (all of them unsharded)."""
-        return [s.stepped_grad for s in self.states]
-
-    def grad_norm_pieces(self) -> list[tuple[torch.Tensor, float]]:
-        """The gradient elements this rank owns cut at parameter boundaries (norms taken per piece, as torch's
-        clip_grad_norm_ takes them per parameter, keep fp32 accuracy; one fp32 reduction over a whole chunk loses
-        ~1e-5), each with its parameter's share of the squared global norm (Note [global norm under tensor
-        parallelism]); summing over the shard group gives the global norm."""
-        if not self.sharded and self.masters is None:
-            return [(p.grad, self.norm_weights.get(id(p), 1.0)) for p in self.params]
-        # cut from the stepped gradients: this rank's shards, or the fp32 masters' gradients
-        return [wp for index, owned in enumerate(self.grad_shards()) for wp in self._norm_pieces(index, owned)]
-
-    @property
-    def grads_managed(self) -> bool:
-        """Gradient shards in the chunk manager (Note [offloaded gradient shards])."""
-        return self.sharded_grads is not None and self.sharded_grads.managed is not None
-
-    def streamed_grad_norms(self, unscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Note [offloaded gradient shards]: the norms of this rank's gradient pieces (as grad_norm_pieces cuts
-        them) and their weights, reading one managed shard at a time (see grad_norms)."""
-        norms, weights = zip(*(self.grad_norms(index, unscale) for index in range(len(self.states))))
-        return torch.cat(norms), torch.cat(weights)
-
-    def grad_norms(self, index: int, unscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fp32 norms, float64 weights) of the pieces of managed gradient shard `index`, widened to fp32 and
-        multiplied by `unscale` first, as the in-memory fp32 gradients are before their norms are taken."""
-        with self.sharded_grads.shard(index, writes=False) as shard:
-            if shard.dtype != torch.float32 or unscale != 1.0:
-                shard = shard.float()
-                if unscale != 1.0:
-                    shard.mul_(unscale)
-            norms, weights = piece_norms(self._norm_pieces(index, shard))
-            return norms.cpu(), weights
-
-    def stepped_grad_chunks(self) -> dict[int, int]:
-        """id(stepped tensor) -> the manager chunk of its gradient shard, when those are managed."""
-        if not self.grads_managed:
-            return {}
-        return {id(s.stepped): s.grad_handle for s in self.states}
-
-    def param_payloads(self) -> list[torch.Tensor]:
-        return [s.param_chunk.payload for s in self.states]
-
-    def states_gathered_after_step(self) -> list[ChunkState]:
-        """The chunks whose full copies persist and so are all-gathered after each sharded update: all of them, or
-        with stage 3 the persistent ones (the rest are gathered when next used)."""
-        return [s for s in self.states if s.phase is ChunkPhase.WHOLE]
-
-    def chunk_index(self) -> dict[int, int]:
-        """id(parameter) -> the index of its chunk among all param chunks (the same index for its grad chunk)."""
-        return self._chunk_of
-
-    def grad_payloads(self) -> list[torch.Tensor]:
-        return [s.grad_chunk.payload for s in self.states]
 
     def sync_views(self) -> None:
         """Before an update: every .data still aliases its chunk (else raise), every .grad is its view again."""
@@ -400,32 +244,6 @@ class ChunkedParams:
             return
         for state in self.states:
             state.grad_chunk.payload.zero_()
-
-    def optimizer_param_groups(self) -> list[dict]:
-        """Torch param groups over whole chunk payloads (or this rank's shards); each one's .grad is its grad chunk."""
-        self.rebind_optimizer_grads()
-        return [{"params": [s.stepped for s in g.states], **g.options} for g in self.groups]
-
-    def rebind_optimizer_grads(self) -> None:
-        """Optimizers' zero_grad(set_to_none) drops payload .grad; put the grad chunks back."""
-        for state in self.states:
-            state.stepped.grad = state.stepped_grad
-
-
-def piece_norms(pieces: list[tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the fp32 norm of each piece, its weight in float64): per-piece norms keep fp32 accuracy, as torch's
-    clip_grad_norm_ takes them per parameter."""
-    weights = torch.tensor([w for _, w in pieces], dtype=torch.float64)
-    if not pieces:
-        return torch.zeros(0), weights
-    return torch.stack(torch._foreach_norm([piece for piece, _ in pieces], 2.0)), weights
-
-
-def square_sum_of_norms(norms: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum of weight * norm^2 in float64."""
-    return (norms.double().square() * weights.to(norms.device)).sum()
-
-
 
 def view_of_released(payload: torch.Tensor, make_view):
     """make_view(payload), also where the payload's storage is released (Note [a bounded start]): a view is checked

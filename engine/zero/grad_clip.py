@@ -22,7 +22,8 @@ import torch
 
 from engine.comm import CommCounter, all_reduce_sum
 from engine.topology import Topology
-from engine.zero.chunked_params import ChunkedParams, piece_norms, square_sum_of_norms
+from engine.zero.chunk_norms import piece_norms, square_sum_of_norms
+from engine.zero.chunked_params import ChunkedParams
 
 
 @dataclass(frozen=True)

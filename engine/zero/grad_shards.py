@@ -6,13 +6,13 @@ sum of its own shard of every gradient chunk: a persistent buffer of n/w element
 bytes in fp32). A chunk's full buffer exists only from the first gradient that reaches it in a
 backward until its reduce-scatter has finished:
 - a parameter's .grad is None when backward reaches it, so autograd hands it the gradient it
-  computed without a copy; the post-accumulate hook then `accept`s it: the chunk gets its storage
+  computed without a copy; the post-accumulate hook then has the chunk `accept_grad` it: the chunk gets its storage
   back (uninitialized: no pass over it), the gradient is copied into the parameter's view and
   .grad becomes that view. (Accumulating into zeroed views instead costs a zero-fill and an add
   per element, twice the memory traffic of the copy.)
-- before the chunk's reduce-scatter, `complete` zeroes the views of the parameters that got no
+- before the chunk's reduce-scatter, its `complete_grads` zeroes the views of the parameters that got no
   gradient in this backward, and the padding (the other ranks may have gradients there);
-- when the reduce-scatter has finished, `retire` adds this rank's shard to the persistent
+- when the reduce-scatter has finished, its `retire` adds this rank's shard to the persistent
   buffer, drops the parameters' .grad (None, as DeepSpeed's stage 2 leaves them) and releases the
   storage (resized to 0: the views stay valid for the next backward).
 Every backward reduces (gradient accumulation adds the shards micro-step by micro-step, as
@@ -26,10 +26,10 @@ With `offload_optimizer` the persistent shards live in the optimizer's ChunkMana
 one chunk per shard, homed where the states are; its handle is the state's `grad_handle`), as
 ZeRO-Offload keeps gradients with the optimizer: 4Ψ/N bytes that would otherwise stay in memory. The
 shard tensors become placeholders (storage of size 0; .grad bindings keep their identity). `retire`
-accesses the shard's chunk, adds and releases it; `zero` frees the chunks (a freed chunk comes back as
-zeros without any I/O). The consumers stream through them: the global norm reads one shard at a time,
-and the optimizer scales and steps each shard when it steps its parameter (Note [offloaded optimizer
-states]).
+accumulates through the shard's ShardStore (Note [shard stores]); `zero` frees the chunks (a freed
+chunk comes back as zeros without any I/O). The consumers stream through them: the global norm
+reads one shard at a time, and the optimizer scales and steps each shard when it steps its parameter
+(Note [offloaded optimizer states]).
 """
 
 from __future__ import annotations

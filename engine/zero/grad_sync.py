@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import CommCounter, all_reduce_sum, reduce_scatter_sum_in_place, shard_of
-from engine.weak_hooks import WeakMethodHook
 from engine.zero.chunked_params import ChunkedParams
+from engine.zero.hooks import ZeroHooks
 
 
 class GradReducer:
@@ -47,7 +47,8 @@ class GradReducer:
     """
 
     def __init__(self, chunked: ChunkedParams, group: dist.ProcessGroup | None, counter: CommCounter,
-                 overlap: bool = True, reduce_scatter: bool = True, on_chunk_complete=None, peers: bool = True):
+                 hooks: ZeroHooks, overlap: bool = True, reduce_scatter: bool = True, on_chunk_complete=None,
+                 peers: bool = True):
         """peers=False: one rank paging its gradient shards (Note [paging in one process]); nothing to sum, the
         chunks' shards are retired as they complete."""
         self.chunked = chunked
@@ -72,8 +73,7 @@ class GradReducer:
         self.launched_during_backward = 0
         self._works: list[tuple[int, object]] = []  # (chunk, its collective in flight)
         self._launched_unfinished = 0  # reductions the armed backward launched, until it completes
-        on_grad_ready = WeakMethodHook(self._on_grad_ready)  # Note [weak parameter hooks]
-        self._handles = [p.register_post_accumulate_grad_hook(on_grad_ready) for p in chunked.params]
+        hooks.on_grad_accumulated(chunked.params, self._on_grad_ready)  # Note [zero hooks]
         self._sharded_grads = chunked.sharded_grads
         # given to `arm` for a backward whose shards are final (Note [stepping in backward]): called with a
         # chunk index once that chunk's reduced shard is retired
@@ -215,12 +215,6 @@ class GradReducer:
             except BaseException as e:
                 # kept, not raised: this rank must go on launching the same reductions as the others, or they hang
                 self._on_shard_reduced, self._callback_error = None, e
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
 
 class _Done:
     """The handle of a reduction with no peers to wait for (one rank)."""

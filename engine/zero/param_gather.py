@@ -33,42 +33,37 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook
 
 from engine.comm import CommCounter
 from engine.zero.gather_trace import GatherTrace
+from engine.zero.hooks import ZeroHooks
 from engine.zero.param_shards import ShardedParams
-
-
-class Pass(enum.Enum):
-    IDLE = "idle"  # between passes (or a module called outside the engine)
-    FORWARD = "forward"
-    BACKWARD = "backward"
+from engine.zero.training_phase import TrainingPhase
 
 
 class ParamGatherer:
     def __init__(self, model: nn.Module, shards: ShardedParams, chunk_of: dict[int, int],
-                 group: dist.ProcessGroup | None, counter: CommCounter, prefetch_numel: int, max_live_numel: int):
+                 group: dist.ProcessGroup | None, counter: CommCounter, prefetch_numel: int, max_live_numel: int,
+                 hooks: ZeroHooks):
         self.shards = shards
+        self.hooks = hooks  # Note [zero hooks]
         self.states = shards.states  # Note [chunk phases]: owners, done and held live there
         self.group, self.counter = group, counter
         self.prefetch_numel, self.max_live_numel = prefetch_numel, max_live_numel
-        self.phase = Pass.IDLE
+        self.phase = TrainingPhase.IDLE
         # one record per pass kind; under a pipeline, per pass kind and schedule action (Note [a pipelined step])
-        self.traces: dict = {Pass.FORWARD: GatherTrace(), Pass.BACKWARD: GatherTrace()}
+        self.traces: dict = {TrainingPhase.FORWARD: GatherTrace(), TrainingPhase.BACKWARD: GatherTrace()}
         self._trace = None  # the running pass's
         self.prefetched = 0  # gathers started ahead of demand, over the run
         self._ahead: set[int] = set()  # gathered ahead of demand, not demanded yet
         self._module_chunks: dict[nn.Module, tuple[int, ...]] = {}
         self._leaves: set[nn.Module] = set()
         self._leaf_chunks: set[int] = set()  # released by their leaf's backward or the pass end only
-        self._handles = []
         for module, recurse in _hooked_modules(model):
             chunks = sorted({chunk_of[id(p)] for p in module.parameters(recurse=recurse)
                              if id(p) in chunk_of and not self.states[chunk_of[id(p)]].persistent})
@@ -80,11 +75,10 @@ class ParamGatherer:
                 self._leaf_chunks.update(chunks)
             for c in chunks:
                 self.states[c].owners.add(module)
-            self._handles.append(module.register_forward_pre_hook(self._before_forward))
-            self._handles.append(module.register_forward_hook(self._after_forward))
+            hooks.around_forward(module, self._before_forward, self._after_forward)
 
     # ---- passes --------------------------------------------------------------------------------
-    def begin(self, phase: Pass, key=None) -> None:
+    def begin(self, phase: TrainingPhase, key=None) -> None:
         """Starts a pass; `key` (a pipeline action's stage and kind) gives it a trace of its own."""
         self.phase = phase
         self._trace = self.traces.setdefault(phase if key is None else (phase, key), GatherTrace())
@@ -95,9 +89,9 @@ class ParamGatherer:
     def end(self) -> None:
         """Ends the pass: every non-persistent chunk is released (in-flight gathers are waited for), except
         those user code holds gathered (`gathered`)."""
-        if self.phase is not Pass.IDLE:
+        if self.phase is not TrainingPhase.IDLE:
             self._trace.end()
-        self.phase, self._trace = Pass.IDLE, None
+        self.phase, self._trace = TrainingPhase.IDLE, None
         self._ahead.clear()
         for c in range(len(self.shards)):
             self.release(c)
@@ -108,19 +102,19 @@ class ParamGatherer:
         for c in chunks:
             self.states[c].done.discard(module)  # running (again): its chunks stay until this call ends
         self.demand(chunks)
-        if module in self._leaves and self.phase is Pass.FORWARD and torch.is_grad_enabled():
+        if module in self._leaves and self.phase is TrainingPhase.FORWARD and torch.is_grad_enabled():
             inputs = [t for t in _tensors_in(args) if t.requires_grad]
             if inputs:  # the inputs' gradients are the leaf's backward's last output
-                register_multi_grad_hook(inputs, lambda grads: self._after_leaf_backward(module), mode="all")
+                self.hooks.on_grads(inputs, lambda grads: self._after_leaf_backward(module), mode="all")
 
     def _after_forward(self, module: nn.Module, args, output) -> None:
-        if self.phase is Pass.BACKWARD:  # recomputation inside backward: backward releases
+        if self.phase is TrainingPhase.BACKWARD:  # recomputation inside backward: backward releases
             return
         chunks = self._module_chunks[module]
         if torch.is_grad_enabled():
             needing_grad = [t for t in _tensors_in(output) if t.requires_grad]
             if needing_grad:
-                register_multi_grad_hook(needing_grad, lambda grad: self.demand(chunks), mode="any")
+                self.hooks.on_grads(needing_grad, lambda grad: self.demand(chunks), mode="any")
         for c in chunks:
             state = self.states[c]
             state.done.add(module)
@@ -129,13 +123,13 @@ class ParamGatherer:
 
     def on_grads_complete(self, chunk: int) -> None:
         """Every parameter of the chunk has its gradient for this backward: backward needs it no more."""
-        if self.phase is Pass.BACKWARD and chunk not in self._leaf_chunks:
+        if self.phase is TrainingPhase.BACKWARD and chunk not in self._leaf_chunks:
             self.release(chunk)
 
     def _after_leaf_backward(self, leaf: nn.Module) -> None:
         """The leaf's backward is done: its chunks that no other module owns are released (a shared one may be
         demanded by the module whose output was the leaf's input, in the same autograd step)."""
-        if self.phase is not Pass.BACKWARD:
+        if self.phase is not TrainingPhase.BACKWARD:
             return
         for c in self._module_chunks[leaf]:
             if self.states[c].owners == {leaf}:
@@ -189,14 +183,8 @@ class ParamGatherer:
         finally:
             for c in chunks:
                 self.states[c].held -= 1
-                if self.phase is Pass.IDLE:
+                if self.phase is TrainingPhase.IDLE:
                     self.release(c)
-
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
 
 def is_leaf_module(module: nn.Module) -> bool:
     """Whether `module` is marked a ZeRO-3 leaf (Note [gathering around modules])."""

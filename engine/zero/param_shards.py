@@ -5,10 +5,11 @@ With parameters sharded (Note [sharding policy]) a rank keeps, between uses, onl
 every parameter chunk: a persistent tensor of n/w elements per chunk (4Ψ/N bytes in fp32), which
 is what the optimizer steps. The chunk's full payload keeps its shape, and every parameter's
 .data stays a view into it, but its storage is resized to 0 while the chunk is released:
-- `gather` gives the storage its bytes back and all-gathers every rank's shard into it (the chunk's
-  phase goes SHARDED → GATHERING, and → GATHERED once `wait`ed for: Note [chunk phases]);
-- `release` resizes the storage to 0 again (→ SHARDED).
-The shard, the aliasing writer below and the gather in flight are kept in the chunk's ChunkState.
+- the chunk's `gather` gives the storage its bytes back and all-gathers every rank's shard into it
+  (its phase goes SHARDED → GATHERING, and → GATHERED once `wait`ed for: Note [chunk phases]);
+- its `release` resizes the storage to 0 again (→ SHARDED).
+The shard (in its ShardStore: Note [shard stores]), the aliasing writer below and the gather in
+flight are kept in the chunk's ChunkState, whose methods these are.
 Tensors autograd saved in forward (a linear's weight) are views of that same storage, so a chunk
 gathered again before backward needs them shows them its values again. A parameter used while its
 chunk is released (read outside its module's forward) has no memory behind it: most operators then
@@ -122,11 +123,6 @@ class ShardedParams:
         rank's shard of it and release the rest."""
         self.states[index].take_shard()
         self.release(index)
-
-    def release_loaded(self) -> None:
-        """zero_init wrote the shards directly (the full chunks never held values): release the chunks."""
-        for index in range(len(self.states)):
-            self.release(index)
 
     def refresh_shard(self, index: int) -> None:
         """After the gathered chunk was modified (the same way on every rank): keep the new values."""

@@ -32,11 +32,14 @@ from torch.profiler import record_function
 from engine.comm import CommCounter, all_gather_in_place, broadcast_from
 from engine.optimizers.compressed import CompressedOptimizer
 from engine.topology import Topology
-from engine.zero.chunked_params import ChunkedParams, square_sum_of_norms
+from engine.zero.chunk_norms import square_sum_of_norms
+from engine.zero.chunked_params import ChunkedParams
 from engine.zero.device_bytes import device_state_bytes
 from engine.zero.grad_clip import GradientClipper, GradStats
 from engine.zero.grad_sync import GradReducer
-from engine.zero.param_gather import ParamGatherer, Pass
+from engine.zero.hooks import ZeroHooks
+from engine.zero.param_gather import ParamGatherer
+from engine.zero.training_phase import LEGAL_MOVES, TrainingPhase
 
 _RELEASED_PARAMETER_HINT = (
     "a parameter was used while its ZeRO stage 3 chunk was released: stage 3 gathers a module's parameters "
@@ -44,21 +47,6 @@ _RELEASED_PARAMETER_HINT = (
     "`other.weight` used in a parent's forward) or after the pass is not there; call the owning module "
     "instead, wrap the read in engine.gathered_parameters([...]), or raise "
     "zero_optimization.stage3_param_persistence_threshold above its size so that it stays gathered")
-
-
-class TrainingPhase(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    STEP = "step"
-
-
-_LEGAL = {
-    TrainingPhase.IDLE: {TrainingPhase.FORWARD, TrainingPhase.BACKWARD, TrainingPhase.STEP},
-    TrainingPhase.FORWARD: {TrainingPhase.IDLE},
-    TrainingPhase.BACKWARD: {TrainingPhase.IDLE},
-    TrainingPhase.STEP: {TrainingPhase.IDLE},
-}
 
 
 class GradientsHeld(enum.Enum):
@@ -74,9 +62,10 @@ class ZeroRuntime:
 
     def __init__(self, chunked: ChunkedParams, optimizer: torch.optim.Optimizer, topology: Topology,
                  comm: CommCounter, clipper: GradientClipper, gatherer: ParamGatherer | None = None,
-                 reducer: GradReducer | None = None, steps_in_backward: bool = False):
+                 reducer: GradReducer | None = None, steps_in_backward: bool = False, hooks: ZeroHooks | None = None):
         self.chunked, self.optimizer, self.topology, self.comm = chunked, optimizer, topology, comm
         self.clipper, self.gatherer, self.reducer = clipper, gatherer, reducer
+        self.hooks = hooks if hooks is not None else ZeroHooks()  # every hook the gatherer and reducer installed
         self.steps_in_backward = steps_in_backward  # Note [stepping in backward]
         self.phase = TrainingPhase.IDLE
         self.inside_no_sync = False
@@ -115,7 +104,7 @@ class ZeroRuntime:
             manager.memory.sample(sum(device_state_bytes(self.chunked, self.optimizer).values()))
 
     def _enter(self, phase: TrainingPhase) -> None:
-        if phase not in _LEGAL[self.phase]:
+        if phase not in LEGAL_MOVES[self.phase]:
             raise RuntimeError(f"engine: {phase.value} cannot start while the {self.phase.value} is running; "
                                "call the engine's forward, backward and step one after another, not from hooks "
                                "inside one another")
@@ -139,7 +128,7 @@ class ZeroRuntime:
     def pre_forward(self, trace_key=None) -> None:
         with record_function("tiers.zero.pre_forward"):
             if self.gatherer is not None:
-                self.gatherer.begin(Pass.FORWARD, trace_key)
+                self.gatherer.begin(TrainingPhase.FORWARD, trace_key)
 
     def post_forward(self) -> None:
         with record_function("tiers.zero.post_forward"):
@@ -211,7 +200,7 @@ class ZeroRuntime:
                 if reduces:
                     self.reducer.arm(self._shard_stepper(loss_scale) if self.steps_in_backward and boundary else None)
                 if self.gatherer is not None:
-                    self.gatherer.begin(Pass.BACKWARD, trace_key)
+                    self.gatherer.begin(TrainingPhase.BACKWARD, trace_key)
         except BaseException as e:
             self.abandon_backward(reduces, e)
             raise
@@ -259,7 +248,7 @@ class ZeroRuntime:
         releasing fails too)."""
         self.phase = TrainingPhase.IDLE
         try:
-            if self.gatherer is not None and self.gatherer.phase is not Pass.IDLE:
+            if self.gatherer is not None and self.gatherer.phase is not TrainingPhase.IDLE:
                 self.gatherer.end()
         finally:
             if reduces:
@@ -362,8 +351,5 @@ class ZeroRuntime:
             self.chunked.zero_grads()
 
     def close(self) -> None:
-        """Removes the hooks the gatherer and the reducer installed on the model."""
-        if self.reducer is not None:
-            self.reducer.remove_hooks()
-        if self.gatherer is not None:
-            self.gatherer.remove_hooks()
+        """Removes the hooks the gatherer and the reducer installed on the model (Note [zero hooks])."""
+        self.hooks.remove()

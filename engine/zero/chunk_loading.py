@@ -1,0 +1,85 @@
+"""Values written into the chunks from outside the optimizer: zero_init's parameters (Note [zero_init]), the
+starting values of a bounded start (Note [a bounded start]), and fp32 masters following parameters that user code
+changed (Note [master weights])."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.comm import shard_range
+from engine.zero.chunk_state import ChunkPhase, ChunkState
+
+
+class ChunkLoading:
+    """ChunkedParams' loading of values (a part of it: the attributes below are ChunkedParams')."""
+
+    states: list[ChunkState]
+
+    def load(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Note [zero_init]: parameter `p`'s values into its chunk view, or with stage 3 into this rank's shard."""
+        index, slot = self._slot_of[id(p)]
+        state = self.states[index]
+        if state.phase is ChunkPhase.WHOLE:  # the payload always holds the values (Note [chunk phases])
+            state.param_chunk.view(slot).copy_(value)
+            return
+        part = self._owned_range(index, slot)
+        if part is not None:
+            start, lo, hi = part
+            with state.param_store.access(writes=True) as shard:  # in memory or in a manager
+                shard.narrow(0, lo - start, hi - lo).copy_(value.reshape(-1).narrow(0, lo - slot.offset, hi - lo))
+
+    def fill_from_sources(self, index: int) -> bool:
+        """Note [a bounded start]: chunk `index`'s full payload gets storage and its parameters' starting values
+        (from wherever the model held them); False if it has none waiting (not a stage-3 chunk, zero_init, or
+        filled already)."""
+        sources = self._sources.pop(index, None)
+        if sources is None:
+            return False
+        state = self.states[index]
+        payload = state.param_chunk.payload
+        with torch.no_grad():
+            state.writer.untyped_storage().resize_(state.param_chunk.nbytes)
+            for slot, source in sources:
+                state.param_chunk.view(slot).copy_(source)
+            payload.narrow(0, state.param_chunk.used, payload.numel() - state.param_chunk.used).zero_()
+        return True
+
+    def finish_loading(self) -> None:
+        """After every `load`: zero the padding (uninitialized memory) and, with stage 3, release the chunks."""
+        with torch.no_grad():
+            for state in self.states:
+                chunk = state.param_chunk
+                if state.phase is not ChunkPhase.WHOLE:  # stage 3, not persistent: the shard holds the values
+                    start, n = shard_range(chunk.numel, state.place.rank, state.place.count)
+                    tail = max(chunk.used - start, 0)
+                    if tail < n:
+                        with state.param_store.access(writes=True) as shard:
+                            shard.narrow(0, tail, n - tail).zero_()
+                else:
+                    chunk.payload.narrow(0, chunk.used, chunk.numel - chunk.used).zero_()
+        if self.masters is not None:
+            self.masters.sync_from_params()
+        for state in self.states:
+            if state.phase is not ChunkPhase.WHOLE:  # stage 3: loaded into the shards, the full chunks go
+                self.sharded_params.release(state.index)
+
+    def master_values(self, p: nn.Parameter, full_master_chunk: torch.Tensor) -> torch.Tensor:
+        """`p`'s fp32 values, cut from the full (gathered) master chunk it lives in."""
+        _, slot = self._slot_of[id(p)]
+        return full_master_chunk.narrow(0, slot.offset, slot.numel).view(slot.shape)
+
+    def resync_masters(self, params: list[nn.Parameter]) -> None:
+        """After user code changed these parameters (the same way on every rank): their masters' parts
+        follow (Note [master weights]); other parameters' masters keep their fp32 values."""
+        if self.masters is None:
+            return
+        with torch.no_grad():
+            for p in params:
+                index, slot = self._slot_of.get(id(p), (None, None))
+                part = self._owned_range(index, slot) if index is not None else None
+                if part is not None:
+                    start, lo, hi = part
+                    with self.masters.target(index, writes=False) as target, \
+                            self.masters.master(index, writes=True) as master:  # wherever they live
+                        master.narrow(0, lo - start, hi - lo).copy_(target.narrow(0, lo - start, hi - lo))

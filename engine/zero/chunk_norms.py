@@ -1,0 +1,70 @@
+"""The norms of the gradient elements this rank owns, cut at parameter boundaries (Note [global norm under tensor
+parallelism]), in memory or streamed from managed shards (Note [offloaded gradient shards])."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.zero.chunk_state import ChunkState
+
+
+class ChunkNorms:
+    """ChunkedParams' gradient norms (a part of it: the attributes below are ChunkedParams')."""
+
+    states: list[ChunkState]
+    params: list[nn.Parameter]
+    norm_weights: dict[int, float]
+
+    def _norm_pieces(self, index: int, owned: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
+        """`owned` (this rank's elements of chunk `index`) cut at parameter boundaries, each piece with its
+        parameter's norm weight."""
+        pieces = []
+        state = self.states[index]
+        for slot, p in zip(state.slots, state.params):
+            part = self._owned_range(index, slot)
+            if part is not None:
+                start, lo, hi = part
+                pieces.append((owned.narrow(0, lo - start, hi - lo), self.norm_weights.get(id(p), 1.0)))
+        return pieces
+
+    def grad_norm_pieces(self) -> list[tuple[torch.Tensor, float]]:
+        """The gradient elements this rank owns cut at parameter boundaries (norms taken per piece, as torch's
+        clip_grad_norm_ takes them per parameter, keep fp32 accuracy; one fp32 reduction over a whole chunk loses
+        ~1e-5), each with its parameter's share of the squared global norm (Note [global norm under tensor
+        parallelism]); summing over the shard group gives the global norm."""
+        if not self.sharded and self.masters is None:
+            return [(p.grad, self.norm_weights.get(id(p), 1.0)) for p in self.params]
+        # cut from the stepped gradients: this rank's shards, or the fp32 masters' gradients
+        return [wp for index, owned in enumerate(self.grad_shards()) for wp in self._norm_pieces(index, owned)]
+
+    def streamed_grad_norms(self, unscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Note [offloaded gradient shards]: the norms of this rank's gradient pieces (as grad_norm_pieces cuts
+        them) and their weights, reading one managed shard at a time (see grad_norms)."""
+        norms, weights = zip(*(self.grad_norms(index, unscale) for index in range(len(self.states))))
+        return torch.cat(norms), torch.cat(weights)
+
+    def grad_norms(self, index: int, unscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 norms, float64 weights) of the pieces of managed gradient shard `index`, widened to fp32 and
+        multiplied by `unscale` first, as the in-memory fp32 gradients are before their norms are taken."""
+        with self.sharded_grads.shard(index, writes=False) as shard:
+            if shard.dtype != torch.float32 or unscale != 1.0:
+                shard = shard.float()
+                if unscale != 1.0:
+                    shard.mul_(unscale)
+            norms, weights = piece_norms(self._norm_pieces(index, shard))
+            return norms.cpu(), weights
+
+
+def piece_norms(pieces: list[tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the fp32 norm of each piece, its weight in float64): per-piece norms keep fp32 accuracy, as torch's
+    clip_grad_norm_ takes them per parameter."""
+    weights = torch.tensor([w for _, w in pieces], dtype=torch.float64)
+    if not pieces:
+        return torch.zeros(0), weights
+    return torch.stack(torch._foreach_norm([piece for piece, _ in pieces], 2.0)), weights
+
+
+def square_sum_of_norms(norms: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum of weight * norm^2 in float64."""
+    return (norms.double().square() * weights.to(norms.device)).sum()
