@@ -323,7 +323,7 @@ class Engine(ParallelCoordinates):
         Under ZeRO stage 3, as in DeepSpeed, zero_optimization.stage3_gather_16bit_weights_on_model_save must be
         true (a checkpoint and `tiers convert` need no gather)."""
         zero = self.config.zero_optimization
-        if self.chunked.sharded_params is not None and not zero.stage3_gather_16bit_weights_on_model_save:
+        if self.chunked.gathers_params and not zero.stage3_gather_16bit_weights_on_model_save:
             raise RuntimeError("save_16bit_model under ZeRO stage 3 gathers the whole model onto rank 0; set "
                                "zero_optimization.stage3_gather_16bit_weights_on_model_save to true (DeepSpeed saves "
                                "nothing without it), or save a checkpoint and run `tiers convert` on it")
@@ -350,14 +350,14 @@ class Engine(ParallelCoordinates):
         optimizer state tensors."""
         chunked = self.chunked
         params = sum(p.untyped_storage().nbytes() for p in chunked.param_payloads())
-        if chunked.sharded_params is not None:
+        if chunked.gathers_params:
             params += chunked.sharded_params.shard_bytes()
         grads = sum(g.untyped_storage().nbytes() for g in chunked.grad_payloads())
-        if chunked.sharded_grads is not None:
+        if chunked.shards_grads:
             grads += sum(s.untyped_storage().nbytes() for s in chunked.sharded_grads.shards)
         optim = sum(v.untyped_storage().nbytes() for state in self.optimizer.state.values() for v in state.values()
                     if torch.is_tensor(v) and v.dim() > 0)
-        if chunked.masters is not None:
+        if chunked.has_masters:
             optim += chunked.masters.nbytes()
         return {"param": params, "grad": grads, "optim": optim}
 

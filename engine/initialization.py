@@ -53,6 +53,7 @@ from engine.zero.grad_sync import GradReducer
 from engine.zero.hooks import ZeroHooks
 from engine.zero.offload_policy import OffloadPolicy, build_offloaded_optimizer
 from engine.zero.param_gather import ParamGatherer
+from engine.zero.param_shards import ShardedParams
 from engine.zero.policy import ChunkKind, ShardingPolicy
 from engine.zero.runtime import ZeroRuntime
 from engine.zero.zero_init import materialize_parameters, zero_init_placeholders, zero_init_recording
@@ -351,15 +352,15 @@ def build_chunk_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.dev
     policy]); or the client's, rebuilt over this rank's shards or fp32 masters when there are any, or when
     `rebuild` (a pipeline stage: the client holds every stage's parameters)."""
     check_offload(cfg, chunked.shard_count, client)  # (initialize checked it already; this step may run alone)
-    policy = OffloadPolicy.from_config(cfg, grads_sharded=chunked.sharded_grads is not None,
-                                       masters=chunked.masters is not None)
+    policy = OffloadPolicy.from_config(cfg, grads_sharded=chunked.shards_grads,
+                                       masters=chunked.has_masters)
     if client is None and policy.offloads:
         chunk_segments(cfg.optimizer, chunked, offloaded=True)  # refuses per-parameter norms over offloaded pieces
         return build_offloaded_optimizer(cfg, chunked, device, policy)
     if client is None:
         segments = chunk_segments(cfg.optimizer, chunked, offloaded=False)
         return build_optimizer(cfg.optimizer, chunked.optimizer_param_groups(), segments, data_parallel)
-    if chunked.sharded or chunked.masters is not None or chunked.values_pending or rebuild:
+    if chunked.sharded or chunked.has_masters or chunked.values_pending or rebuild:
         return _rebuilt_over_shards(client, chunked)
     return client
 
@@ -371,15 +372,18 @@ def zero_runtime(model: nn.Module, cfg: Config, chunked: ChunkedParams, optimize
     chunks are reduced as backward fills them (Note [reduction order]). comm: the counter of the collectives so
     far (zero_init's), if any."""
     zero, comm = cfg.zero_optimization, comm if comm is not None else CommCounter()
-    hooks, gatherer = ZeroHooks(), None
-    if chunked.sharded_params is not None:
-        prefetch = zero.stage3_prefetch_bucket_size if zero.stage3_prefetch_bucket_size != "auto" else 50_000_000
-        gatherer = ParamGatherer(model, chunked.sharded_params, chunked.chunk_index(), topology.dp_group, comm,
-                                 prefetch, zero.stage3_max_live_parameters, hooks)
+    hooks = ZeroHooks()
+    prefetch = zero.stage3_prefetch_bucket_size if zero.stage3_prefetch_bucket_size != "auto" else 50_000_000
+    # Note [stage predicates]: stages 0-2 have no chunk to gather, so their gatherer hooks no module
+    shards, chunk_of = ((chunked.sharded_params, chunked.chunk_index()) if chunked.gathers_params
+                        else (ShardedParams([]), {}))
+    gatherer = ParamGatherer(model, shards, chunk_of, topology.dp_group, comm, prefetch,
+                             zero.stage3_max_live_parameters, hooks)
     overlap = zero.overlap_comm is not False  # stage 0 overlaps unless told not to
     reducer = (GradReducer(chunked, topology.dp_group, comm, hooks, overlap, zero.reduce_scatter,
-                           gatherer.on_grads_complete if gatherer else None, peers=topology.is_distributed)
-               if topology.is_distributed or chunked.sharded_grads is not None else None)
+                           gatherer.on_grads_complete if chunked.gathers_params else None,
+                           peers=topology.is_distributed)
+               if topology.is_distributed or chunked.shards_grads else None)
     clipper = GradientClipper(chunked, topology, comm, cfg.gradient_clipping, loss_scaler.checks_overflow,
                               norm_logged=cfg.tensorboard.enabled)
     return ZeroRuntime(chunked, optimizer, topology, comm, clipper, gatherer, reducer,

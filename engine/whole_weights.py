@@ -14,14 +14,14 @@ from engine.zero.chunked_params import ChunkedParams
 from engine.zero.param_gather import ParamGatherer
 
 
-def full_state_dict(module: nn.Module, chunked: ChunkedParams, gatherer: ParamGatherer | None,
+def full_state_dict(module: nn.Module, chunked: ChunkedParams, gatherer: ParamGatherer,
                     group: dist.ProcessGroup | None, counter: CommCounter,
                     keep: bool) -> dict[str, torch.Tensor] | None:
     """`module.state_dict()`'s keys with whole values copied to CPU (None where not `keep`). Parameters
     are read from their chunks one chunk at a time: their fp32 masters under bf16 / fp16 (Note [master
     weights]), gathered under stage 3 (Note [sharded parameters]); every rank must call this."""
     entries = module.state_dict(keep_vars=True)  # the tensors themselves: no read of released chunks
-    from_chunks = chunked.masters is not None or gatherer is not None
+    from_chunks = chunked.has_masters or chunked.gathers_params
     chunk_of = chunked.chunk_index() if from_chunks else {}
     by_chunk: dict[int, list[str]] = {}
     out = {}
@@ -72,10 +72,10 @@ def chunked_keys(module: nn.Module, chunked: ChunkedParams, topology: Topology) 
 
 
 @contextlib.contextmanager
-def _chunk_values(chunked: ChunkedParams, gatherer: ParamGatherer | None, index: int,
+def _chunk_values(chunked: ChunkedParams, gatherer: ParamGatherer, index: int,
                   group: dist.ProcessGroup | None, counter: CommCounter):
     """For the block: a function giving a parameter of chunk `index` its whole values."""
-    if chunked.masters is None:
+    if not chunked.has_masters:
         with gatherer.gathered([index]):
             yield lambda p: p.detach()
         return
@@ -99,13 +99,13 @@ def _modifier(place, modifier_rank: int, group: dist.ProcessGroup | None) -> tup
 
 
 @contextlib.contextmanager
-def gathered_parameters(params: list[nn.Parameter], chunked: ChunkedParams, gatherer: ParamGatherer | None,
+def gathered_parameters(params: list[nn.Parameter], chunked: ChunkedParams, gatherer: ParamGatherer,
                         group: dist.ProcessGroup | None, counter: CommCounter, modifier_rank: int | None,
                         distributed: bool):
     """Engine.gathered_parameters: the chunks of `params` held gathered through the block; with
     `modifier_rank`, that rank's values of them reach every rank (and their masters) on exit."""
     index = chunked.chunk_index()
-    chunk_of = index if gatherer is not None else {}
+    chunk_of = index if chunked.gathers_params else {}
     chunks = sorted({chunk_of[id(p)] for p in params if id(p) in chunk_of})
     whole = [p for p in params if id(p) not in chunk_of]
     with gatherer.gathered(chunks) if chunks else contextlib.nullcontext():

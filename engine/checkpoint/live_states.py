@@ -110,10 +110,10 @@ class LiveStates:
     def values(self, index: int, writes: bool):
         """This rank's stepped elements of chunk `index`, fp32 (a master under bf16 / fp16), for the block."""
         chunked = self.chunked
-        if chunked.masters is not None:
+        if chunked.has_masters:
             with chunked.masters.master(index, writes=writes) as master:  # maybe offloaded
                 yield master
-        elif chunked.sharded_params is not None:
+        elif chunked.gathers_params:
             with chunked.sharded_params.shard(index, writes=writes) as shard:  # maybe offloaded
                 yield shard
         else:
@@ -123,7 +123,7 @@ class LiveStates:
     def values_offloaded(self) -> bool:
         """Whether `values` may be views of a chunk manager's buffers (valid only inside the block)."""
         chunked = self.chunked
-        return chunked.masters.offloaded if chunked.masters is not None else chunked.sharded_params is not None
+        return chunked.masters.offloaded if chunked.has_masters else chunked.gathers_params
 
     @contextlib.contextmanager
     def optimizer_state(self, index: int, writes: bool):
@@ -145,7 +145,7 @@ class LiveStates:
     def finish_loading(self) -> None:
         """After values were written: 16-bit parameters from their masters; the full chunks from the shards are the
         caller's (an all-gather, as after every update)."""
-        if self.chunked.masters is not None:
+        if self.chunked.has_masters:
             self.chunked.masters.update_params()
 
     @property

@@ -58,7 +58,7 @@ class ChunkLoading:
                             shard.narrow(0, tail, n - tail).zero_()
                 else:
                     chunk.payload.narrow(0, chunk.used, chunk.numel - chunk.used).zero_()
-        if self.masters is not None:
+        if self.has_masters:
             self.masters.sync_from_params()
         for state in self.states:
             if state.phase is not ChunkPhase.WHOLE:  # stage 3: loaded into the shards, the full chunks go
@@ -72,7 +72,7 @@ class ChunkLoading:
     def resync_masters(self, params: list[nn.Parameter]) -> None:
         """After user code changed these parameters (the same way on every rank): their masters' parts
         follow (Note [master weights]); other parameters' masters keep their fp32 values."""
-        if self.masters is None:
+        if not self.has_masters:
             return
         with torch.no_grad():
             for p in params:

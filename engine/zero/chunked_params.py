@@ -31,6 +31,16 @@ initialize never holds the whole model on the device in any form on its way into
 The start samples the device bytes this accounts for at its peaks (`DeviceMemory.sample`): that is what the CPU
 seam can measure; on CUDA the allocator's own peak is the measure (scripts/gpu_check.py). Not yet with tensor,
 pipeline or expert parallelism, whose layers are rebuilt on the device before chunking.
+
+Note [stage predicates]
+A ZeRO stage is a layout, so callers ask the layout what it does rather than which parts it lacks:
+`gathers_params` (stage 3, or paging in one process: chunks are gathered around their use),
+`shards_grads` (gradients persist as this rank's shards), `has_masters` (bf16 / fp16: fp32 masters are
+stepped), `sharded` (more than one shard: optimizer states are split). What is the same for every stage is
+not asked at all: the runtime's gatherer exists for every stage and only touches chunks that are not WHOLE,
+so with none (stages 0-2) its passes cost nothing per chunk (Note [gathering around modules]); the reducer
+exists whenever gradients are reduced or retired (`reduces_grads`). The parts a stage really lacks
+(`sharded_params`, `sharded_grads`, `masters`) stay None there, read only through these predicates.
 """
 
 from __future__ import annotations
@@ -216,6 +226,22 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
     def sharded(self) -> bool:
         return self.shard_count > 1
 
+    # ---- the layout's stage, by what it does (Note [stage predicates]) ----
+    @property
+    def gathers_params(self) -> bool:
+        """Stage 3 (or paging): parameter chunks are gathered around their use, each rank keeping its shards."""
+        return self.sharded_params is not None
+
+    @property
+    def shards_grads(self) -> bool:
+        """Stages 2 and 3 (or an offloaded optimizer's one shard): gradients persist as this rank's shards."""
+        return self.sharded_grads is not None
+
+    @property
+    def has_masters(self) -> bool:
+        """bf16 / fp16: the optimizer steps fp32 masters of the stepped tensors."""
+        return self.masters is not None
+
     def _owned(self, payload: torch.Tensor, place: ShardPlace) -> torch.Tensor:
         """This rank's shard of a payload (the whole payload when not sharded)."""
         if not self.sharded:
@@ -230,7 +256,7 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
                     f"parameter '{self.name_of(p)}' no longer lives in its chunk (now {p.dtype} on {p.device}), so it "
                     "would silently stop training; convert or move the model (.to(), .half(), ...) before "
                     "initialize(), and load weights with load_state_dict() without assign=True")
-            if self.sharded_grads is None:  # stage 2: .grad is None between backward passes
+            if not self.shards_grads:  # stage 2: .grad is None between backward passes
                 self.adopt_foreign_grad(p)
 
     def adopt_foreign_grad(self, p: nn.Parameter) -> None:
@@ -239,7 +265,7 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
 
     def zero_grads(self) -> None:
         """Zeroes the gradient chunks; a .grad replaced by user code is re-adopted by the hooks or sync_views."""
-        if self.sharded_grads is not None:
+        if self.shards_grads:
             self.sharded_grads.zero()
             return
         for state in self.states:

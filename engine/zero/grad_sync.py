@@ -74,7 +74,7 @@ class GradReducer:
         self._works: list[tuple[int, object]] = []  # (chunk, its collective in flight)
         self._launched_unfinished = 0  # reductions the armed backward launched, until it completes
         hooks.on_grad_accumulated(chunked.params, self._on_grad_ready)  # Note [zero hooks]
-        self._sharded_grads = chunked.sharded_grads
+        self._retires = chunked.shards_grads  # reduced shards join persistent buffers (Note [sharded gradients])
         # given to `arm` for a backward whose shards are final (Note [stepping in backward]): called with a
         # chunk index once that chunk's reduced shard is retired
         self._on_shard_reduced = None
@@ -129,7 +129,7 @@ class GradReducer:
                 self.grads_before_first_launch = sum(s.ready_grads for s in self.states)
 
     def _launch(self, index: int) -> None:
-        if self._sharded_grads is not None:
+        if self._retires:
             self._retire_finished()  # frees finished chunks' buffers during backward, not only after it
             self.states[index].complete_grads()  # zeros where this rank had no gradient: the others may
         place = self.states[index].place  # expert chunks reduce over their own group (Note [expert parallelism])
@@ -197,7 +197,7 @@ class GradReducer:
         while self._works:  # popped one by one: a retire that raises is not repeated by the next wait
             index, work = self._works.pop(0)
             work.wait()
-            if self._sharded_grads is not None:
+            if self._retires:
                 self._retire(index)
 
     def _retire_finished(self) -> None:

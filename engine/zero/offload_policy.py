@@ -124,10 +124,9 @@ def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch
         param_chunks = chunked.sharded_params.stepped_chunks()
     if policy.home(ChunkKind.GRAD) is not None:
         chunked.sharded_grads.offload_to(manager, homes)
-    masters = chunked.masters
-    if masters is not None:  # Note [offloaded master weights]: stepped in the manager, rounded as stepped
-        shards = chunked.sharded_params
-        masters.offload_to(manager, homes, shards.placed_shard if shards else None)
+    if chunked.has_masters:  # Note [offloaded master weights]: stepped in the manager, rounded as stepped
+        masters = chunked.masters
+        masters.offload_to(manager, homes, chunked.sharded_params.placed_shard if chunked.gathers_params else None)
         param_chunks = {id(m): h for m, h in zip(masters.masters, masters.handles)}
         round_into = lambda i: masters.placed_target(i, writes=True)  # noqa: E731
     optimizer = OffloadedOptimizer(lambda g: build_optimizer(cfg.optimizer, g), groups, manager, homes,

@@ -14,6 +14,8 @@ chunks are then gathered on demand and left to the backward release.
 Ahead of demand, the chunks the trace says come next (Note [gather trace]) are gathered
 asynchronously, up to `prefetch_numel` elements gathered ahead and `max_live_numel` elements
 gathered in all, so the all-gathers overlap compute.
+Every stage has a gatherer: under stages 0-2 it is built over no chunk (every chunk is WHOLE), so it hooks no
+module and its passes touch no chunk (Note [stage predicates]).
 A chunk's owner modules, those done in this pass and the gathered() blocks holding it are kept in its
 ChunkState, with its phase (Note [chunk phases]).
 Collectives must match across ranks: every rank must run the same modules in the same order (as

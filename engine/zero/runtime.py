@@ -61,7 +61,7 @@ class ZeroRuntime:
     """Runs the phases of Note [step phases] over the chunks: gathering (stage 3), reduction, the update."""
 
     def __init__(self, chunked: ChunkedParams, optimizer: torch.optim.Optimizer, topology: Topology,
-                 comm: CommCounter, clipper: GradientClipper, gatherer: ParamGatherer | None = None,
+                 comm: CommCounter, clipper: GradientClipper, gatherer: ParamGatherer,
                  reducer: GradReducer | None = None, steps_in_backward: bool = False, hooks: ZeroHooks | None = None):
         self.chunked, self.optimizer, self.topology, self.comm = chunked, optimizer, topology, comm
         self.clipper, self.gatherer, self.reducer = clipper, gatherer, reducer
@@ -92,7 +92,7 @@ class ZeroRuntime:
                 in_chunks = {id(p) for p in chunked.params}
                 for t in [p for p in module.parameters() if id(p) not in in_chunks] + list(module.buffers()):
                     broadcast_from(t.data, 0, self.topology.dp_group, self.comm)
-        if chunked.masters is not None and not chunked.values_pending:
+        if chunked.has_masters and not chunked.values_pending:
             chunked.masters.sync_from_params()  # the starting weights are rank 0's (Note [master weights])
         self.sample_device_bytes()
 
@@ -127,13 +127,11 @@ class ZeroRuntime:
 
     def pre_forward(self, trace_key=None) -> None:
         with record_function("tiers.zero.pre_forward"):
-            if self.gatherer is not None:
-                self.gatherer.begin(TrainingPhase.FORWARD, trace_key)
+            self.gatherer.begin(TrainingPhase.FORWARD, trace_key)  # stages 0-2: no chunk to gather
 
     def post_forward(self) -> None:
         with record_function("tiers.zero.post_forward"):
-            if self.gatherer is not None:
-                self.gatherer.end()
+            self.gatherer.end()
 
     @contextlib.contextmanager
     def _released_parameter_hint(self):
@@ -141,7 +139,7 @@ class ZeroRuntime:
             yield
         except RuntimeError as e:
             released = "for storage of size 0" in str(e) or "data is not allocated" in str(e)
-            if self.gatherer is not None and released:
+            if self.chunked.gathers_params and released:
                 raise RuntimeError(_RELEASED_PARAMETER_HINT) from e
             raise
 
@@ -149,7 +147,7 @@ class ZeroRuntime:
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside skip the gradient all-reduce (gradients accumulate locally)."""
-        if self.chunked.sharded_grads is not None:
+        if self.chunked.shards_grads:
             raise RuntimeError("no_sync() is not possible with ZeRO stage 2: gradients are sharded, so every backward "
                                "reduce-scatters them (Note [sharded gradients]); use stage 0 or 1 for local "
                                "accumulation, or simply call backward without it")
@@ -186,7 +184,7 @@ class ZeroRuntime:
     def begin_backward(self, boundary: bool, loss_scale: float, trace_key=None) -> bool:
         """Enters the backward phase (engine.backward, or a PyTorch-style one: Note [tensor backward]); returns
         whether this backward reduces, for end_backward / abandon_backward."""
-        every_backward = self.chunked.sharded_grads is not None  # Note [sharded gradients]
+        every_backward = self.chunked.shards_grads  # Note [sharded gradients]
         reduces = self._engine_reduces() and not self.accumulating_locally and (
             every_backward or (boundary and not self.inside_no_sync))
         if reduces:
@@ -199,8 +197,7 @@ class ZeroRuntime:
             with record_function("tiers.zero.pre_backward"):
                 if reduces:
                     self.reducer.arm(self._shard_stepper(loss_scale) if self.steps_in_backward and boundary else None)
-                if self.gatherer is not None:
-                    self.gatherer.begin(TrainingPhase.BACKWARD, trace_key)
+                self.gatherer.begin(TrainingPhase.BACKWARD, trace_key)
         except BaseException as e:
             self.abandon_backward(reduces, e)
             raise
@@ -210,8 +207,7 @@ class ZeroRuntime:
         """post_backward: stage 3 releases, and the launched reductions are waited for."""
         try:
             with record_function("tiers.zero.post_backward"):
-                if self.gatherer is not None:
-                    self.gatherer.end()
+                self.gatherer.end()
                 if reduces:
                     self.reducer.complete_backward()
                     self.gradients = GradientsHeld.REDUCED
@@ -248,7 +244,7 @@ class ZeroRuntime:
         releasing fails too)."""
         self.phase = TrainingPhase.IDLE
         try:
-            if self.gatherer is not None and self.gatherer.phase is not TrainingPhase.IDLE:
+            if self.gatherer.phase is not TrainingPhase.IDLE:
                 self.gatherer.end()
         finally:
             if reduces:
@@ -274,8 +270,14 @@ class ZeroRuntime:
     def _engine_reduces(self) -> bool:
         """Whether gradients are reduced here: not for the steps an optimizer averages over the ranks itself
         (Note [optimizers that communicate])."""
-        return self.reducer is not None and not (isinstance(self.optimizer, CompressedOptimizer)
-                                                 and not self.optimizer.engine_reduces_gradients)
+        return self.reduces_grads and not (isinstance(self.optimizer, CompressedOptimizer)
+                                           and not self.optimizer.engine_reduces_gradients)
+
+    @property
+    def reduces_grads(self) -> bool:
+        """Gradients are reduced over several ranks or retired into shards (Note [stage predicates]); one process
+        with whole gradient chunks has nothing to reduce, and no reducer."""
+        return self.reducer is not None
 
     # ---- the update ---------------------------------------------------------------------------
     def check_steppable(self) -> None:
@@ -307,16 +309,16 @@ class ZeroRuntime:
         """Every gradient reduced, in fp32 where the optimizer reads it, unscaled and clipped."""
         with record_function("tiers.zero.pre_step"):
             chunked = self.chunked
-            unreduced = chunked.sharded_grads is None or self.reducer is not None and self.reducer.holds_unreduced()
+            unreduced = not chunked.shards_grads or self.reduces_grads and self.reducer.holds_unreduced()
             if self._engine_reduces() and not self.synchronized and unreduced:
                 self.reducer.reduce_all()  # the boundary backward ran inside no_sync() or accumulate_locally()
             self.gradients = GradientsHeld.LOCAL
-            if chunked.sharded_grads is not None:
+            if chunked.shards_grads:
                 chunked.sharded_grads.settle()  # shards no backward wrote (Note [sharded gradients])
             chunked.sync_views()
-            if chunked.masters is not None and not chunked.grads_managed:  # Note [master weights]
+            if chunked.has_masters and not chunked.grads_managed:  # Note [master weights]
                 chunked.masters.stage_grads()  # (managed 16-bit shards are widened as stepped)
-            if self.reducer is not None and not self._engine_reduces():  # Note [optimizers that communicate]
+            if self.reduces_grads and not self._engine_reduces():  # Note [optimizers that communicate]
                 torch._foreach_mul_(chunked.grad_shards(), float(self.topology.dp_world_size))
             stepped_early = chunked.grads_managed and self.optimizer.stepped_early  # Note [stepping in backward]
             return self.clipper.prepare(loss_scale, self._early_square if stepped_early else None)
@@ -329,7 +331,7 @@ class ZeroRuntime:
                 self.optimizer.step(grad_scale=grads.streamed_scale)
             else:
                 self.optimizer.step()
-            if self.chunked.masters is not None and not self.chunked.masters.offloaded:
+            if self.chunked.has_masters and not self.chunked.masters.offloaded:
                 self.chunked.masters.update_params()  # (offloaded ones are rounded as stepped)
             self.gather_updated_params()
 
@@ -346,7 +348,7 @@ class ZeroRuntime:
 
     def post_step(self) -> None:
         with record_function("tiers.zero.post_step"):
-            if self.chunked.masters is not None:
+            if self.chunked.has_masters:
                 self.chunked.masters.drop_grads()
             self.chunked.zero_grads()
 

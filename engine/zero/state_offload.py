@@ -32,19 +32,18 @@ class StateKind(enum.Enum):
 
 def kind_tensors(kind: StateKind, chunked: ChunkedParams, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The in-memory tensors holding `kind`."""
-    masters = chunked.masters
     if kind is StateKind.OPTIM_STATES:
         if getattr(optimizer, "manager", None) is not None:
             return []  # an offloaded optimizer's states are its chunk manager's, homed off the device already
         return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
     if kind is StateKind.HP_PARAMS:
-        return [] if masters is None else list(masters.masters)
+        return list(chunked.masters.masters) if chunked.has_masters else []
     if kind is StateKind.LP_PARAMS:
-        shards = [] if chunked.sharded_params is None else [s.param_shard for s in chunked.states]
+        shards = [s.param_shard for s in chunked.states] if chunked.gathers_params else []
         return chunked.param_payloads() + shards
     if kind is StateKind.LP_GRADS:
-        shards = [] if chunked.sharded_grads is None else list(chunked.sharded_grads.shards)
-        return shards + ([] if masters is None else list(masters.grads))
+        shards = list(chunked.sharded_grads.shards) if chunked.shards_grads else []
+        return shards + (list(chunked.masters.grads) if chunked.has_masters else [])
     return chunked.grad_payloads()
 
 

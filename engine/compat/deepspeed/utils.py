@@ -56,7 +56,7 @@ def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
     if engine is None:
         return None
     chunked = engine.chunked
-    if chunked.masters is None and engine.gatherer is None:
+    if not chunked.has_masters and not chunked.gathers_params:
         return param.detach().float().clone()
     index = chunked.chunk_index()[id(param)]
     with whole_weights._chunk_values(chunked, engine.gatherer, index, engine.topology.dp_group, engine.comm) as values:
@@ -98,16 +98,16 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
                "after step() for the norm, or bf16 / fp32 without offload_optimizer")
     index = chunked.chunk_index()[id(param)]
     state = chunked.states[index]
-    if chunked.sharded_grads is not None:  # this rank's reduced shard (logically zero while fresh), gathered
+    if chunked.shards_grads:  # this rank's reduced shard (logically zero while fresh), gathered
         shard = torch.zeros_like(state.grad_shard) if state.grad_fresh else state.grad_shard
         return chunked.master_values(param, _whole(shard, state.place, engine)).float().clone()
     runtime, group = engine.runtime, state.place.group_or(engine.topology.dp_group)
-    if runtime.reducer is not None and runtime.synchronized and runtime.reducer.scatter:  # each rank's shard reduced
+    if runtime.reduces_grads and runtime.synchronized and runtime.reducer.scatter:  # each rank's shard reduced
         payload = state.grad_chunk.payload
         return chunked.master_values(param, _whole(shard_of(payload, state.place.rank, state.place.count),
                                                    state.place, engine)).float().clone()
     grad = state.grad_view(param).detach().float().clone()
-    if runtime.reducer is not None and not runtime.synchronized:  # the update reduces later (each rank's share)
+    if runtime.reduces_grads and not runtime.synchronized:  # the update reduces later (each rank's share)
         dist.all_reduce(grad, group=group)
     return grad
 

@@ -26,7 +26,7 @@ class ZeroParamStatus(enum.Enum):
 def mark_parameters(engine) -> None:
     """Under ZeRO-3, DeepSpeed's marks on every sharded parameter of `engine` (a Tiers Engine)."""
     chunked = engine.chunked
-    if chunked.sharded_params is None:
+    if not chunked.gathers_params:
         return
     chunk_of = chunked.chunk_index()
     for ds_id, p in enumerate(chunked.params):
