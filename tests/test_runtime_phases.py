@@ -49,6 +49,21 @@ def test_every_phase_of_a_stage3_step_is_a_profiler_range_on_every_rank():
     assert run_distributed(_stage3_phases_worker, 2) == [PHASES, PHASES]
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_stages_0_to_2_have_a_gatherer_over_no_chunk(stage):
+    """Note [stage predicates]: the gatherer exists for every stage; with every chunk WHOLE it hooks no module
+    and a step gathers nothing."""
+    engine = initialize(tiny_gpt(), {**CONFIG, "zero_optimization": {"stage": stage}})
+    assert not engine.chunked.gathers_params and engine.gatherer.states == []
+    hooks = [h for m in engine.module.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
+    assert not any(getattr(h, "__self__", None) is engine.gatherer for h in hooks)
+    x = token_batches(1, 4)[0]
+    engine.backward(engine(x, x))
+    engine.step()
+    assert engine.gatherer.prefetched == 0 and engine.comm.all_gather_bytes == 0
+    assert engine.runtime.phase is engine.gatherer.phase is TrainingPhase.IDLE
+
+
 def test_a_step_from_inside_a_forward_is_refused_and_the_engine_goes_on():
     torch.manual_seed(0)
     engine = initialize(tiny_gpt(), CONFIG)
