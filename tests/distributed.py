@@ -32,6 +32,10 @@ def _entry(worker, rank: int, world_size: int, port: int, args: tuple, results) 
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    except dist.DistNetworkError as e:  # the free port was taken between free_port() and rank 0's listen
+        results.put((rank, PORT_TAKEN if "EADDRINUSE" in str(e) else "error", traceback.format_exc()))
+        return
+    try:
         out = worker(rank, world_size, *args)
         results.put((rank, "ok", _serialize(out)))
     except BaseException:  # report every failure, including asserts, to the parent
@@ -59,7 +63,24 @@ def _to_cpu(value):
 
 
 def run_distributed(worker, world_size: int, args: tuple = (), timeout_s: float = 180.0) -> list:
-    """Runs `worker` on `world_size` fresh processes; returns their results in rank order."""
+    """Runs `worker` on `world_size` fresh processes; returns their results in rank order. A group whose port
+    another process took before rank 0 listened on it (nothing of the worker ran) starts again on another port."""
+    for _ in range(PORT_ATTEMPTS - 1):
+        try:
+            return _run_once(worker, world_size, args, timeout_s)
+        except _PortTaken:
+            continue
+    return _run_once(worker, world_size, args, timeout_s)
+
+
+PORT_TAKEN, PORT_ATTEMPTS = "port taken", 3
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+def _run_once(worker, world_size: int, args: tuple, timeout_s: float) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -84,6 +105,8 @@ def run_distributed(worker, world_size: int, args: tuple = (), timeout_s: float 
                         f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} without reporting"
                     ) from None
                 continue
+            if status == PORT_TAKEN:
+                raise _PortTaken(f"rank {rank} could not start the group on port {port}:\n{payload}")
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
             collected[rank] = torch.load(io.BytesIO(payload), weights_only=False)
