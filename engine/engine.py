@@ -382,13 +382,15 @@ class Engine(ParallelCoordinates):
 
     def close(self) -> None:
         """Waits for a background save, flushes the monitor, removes the engine's hooks and closes an offloaded
-        optimizer's chunk manager."""
-        self._saver.wait()  # a background save commits (or raises) before anything closes
-        self.monitor.close()
-        if hasattr(self.optimizer, "close"):
-            self.optimizer.close()
-        self._tensor_backward.remove_hooks()
-        self.runtime.close()
+        optimizer's chunk manager; then raises the background save's error, if any."""
+        try:
+            self._saver.wait()  # a background save commits (or fails) before anything closes
+        finally:
+            self.monitor.close()
+            if hasattr(self.optimizer, "close"):
+                self.optimizer.close()
+            self._tensor_backward.remove_hooks()
+            self.runtime.close()
 
 
 def to_device(value, device: torch.device):

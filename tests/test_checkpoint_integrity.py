@@ -169,7 +169,7 @@ def test_a_script_ending_during_a_background_save_still_commits_it(tmp_path):
 def test_a_background_save_failing_after_the_script_ended_says_so(tmp_path):
     done = _script_ending_during_its_save(tmp_path, "full")
     assert "the checkpoint save still running at exit failed" in done.stderr, done.stderr[-3000:]
-    assert "No space left on device" in done.stderr
+    assert done.stderr.count("No space left on device") == 1, done.stderr[-3000:]  # said once, close() finished
     assert os.listdir(tmp_path) == []  # the partial directory removed, nothing committed
 
 

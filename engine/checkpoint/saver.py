@@ -20,7 +20,8 @@ With checkpoint.async_save the call returns once this rank's tensors are copied 
 (the snapshot: steps 1-2 and the copy); steps 3-4 run on a background thread, whose collectives go
 over the control group, never the groups training uses. The next save, a load, `engine.close()` or
 `engine.wait_for_checkpoint()` wait for it and raise its error, if any; so does the end of the script
-(the thread is not a daemon: a save still running at exit commits, or prints its error).
+(the thread is not a daemon: a save still running at exit commits, or prints its error; a peer that
+died first holds the exit until the control group's collective times out).
 """
 
 from __future__ import annotations
@@ -185,9 +186,10 @@ class Saver:
     def _run_in_background(self, *job) -> None:
         try:
             self._write_and_commit(*job)
-        except BaseException as e:  # raised by wait()
-            self._error = e
-            if not threading.main_thread().is_alive():  # the script has ended: no wait() is coming to raise it
+        except BaseException as e:
+            if threading.main_thread().is_alive():
+                self._error = e  # raised by wait()
+            else:  # the script has ended: said here, once (engine.close() at exit then closes the rest)
                 print(f"tiers: the checkpoint save still running at exit failed: {type(e).__name__}: {e}",
                       file=sys.stderr)
 
