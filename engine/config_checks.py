@@ -53,6 +53,11 @@ def check_config(cfg: Config) -> None:
         (zero.offload_param.device == "nvme" and not zero.offload_param.nvme_path,
          "zero_optimization.offload_param.nvme_path", None, "device \"nvme\" needs a directory on the NVMe disk; set "
          "nvme_path"),
+        (zero.mics_shard_size == 0, "zero_optimization.mics_shard_size", 0, "a shard group of no ranks; give the "
+         "ranks one copy of the ZeRO states spans (e.g. the GPUs of a node), or -1 to shard across all of them"),
+        (zero.mics_shard_size > 0 and zero.stage == 0, "zero_optimization.mics_shard_size", zero.mics_shard_size,
+         "sets how far ZeRO shards the model states, and stage 0 shards none; set zero_optimization.stage to 1-3 "
+         "(DeepSpeed's MiCS is stage 3), or remove the key"),
         (zero.stage3_max_reuse_distance != 1_000_000_000, "zero_optimization.stage3_max_reuse_distance",
          zero.stage3_max_reuse_distance, "Tiers releases a chunk once the modules using it are done and gathers "
          "ahead by the recorded trace, without a reuse distance; remove the key"),

@@ -289,7 +289,7 @@ class Engine(ParallelCoordinates):
         rank must call this). With bf16 / fp16 the parameters are their fp32 master weights."""
         keep = not rank0_only or self.topology.rank == 0
         # each rank gathers its part; the features join the parts (Note [feature objects])
-        whole = whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.topology.dp_group,
+        whole = whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.topology.shard_group,
                                               self.comm, keep or self.features.joins_state_dict)
         whole = self.features.join_state_dict(whole, keep)
         return whole if keep else None

@@ -112,7 +112,8 @@ def initialize(
                          "engine.backward(loss)")
     topology = Topology.from_environment(tp_size=cfg.tensor_parallel.size, tp_mode=cfg.tensor_parallel.mode,
                                          pp_size=cfg.pipeline.stages, sp_size=cfg.sequence_parallel.size,
-                                         ep_size=cfg.moe.expert_parallel_size)
+                                         ep_size=cfg.moe.expert_parallel_size,
+                                         shard_size=max(cfg.zero_optimization.mics_shard_size, 0))
     check_run(cfg, topology, optimizer=optimizer, lr_scheduler=lr_scheduler, model_parameters=model_parameters,
               built_under_zero_init=zero_init_recording(model) is not None)
     check_compressed_run(cfg, topology)
@@ -260,12 +261,12 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
     other pipeline ranks also hold count once in the global norm); `experts`: their parameters' chunks are reduced
     and sharded over the expert-data-parallel group."""
     policy = ShardingPolicy(cfg.zero_optimization.stage)
-    shards = topology.dp_world_size if policy.shards(ChunkKind.OPTIM) else 1
+    shards = topology.shard_size if policy.shards(ChunkKind.OPTIM) else 1
     trainable = [p.shape for g in groups for p in g["params"] if p.requires_grad]
     capacity, first_capacity = chunk_layout(cfg, trainable, shards)
     names = split.names if split is not None else {id(p): n for n, p in model.named_parameters()}
     chunked = ChunkedParams(groups, capacity, topology.device, first_capacity, names,
-                            shard_count=shards, shard_rank=topology.dp_rank if shards > 1 else 0,
+                            shard_count=shards, shard_rank=topology.shard_rank if shards > 1 else 0,
                             shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
                             persistence_threshold=persistence_threshold(cfg), pending=pending,
                             compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype,
@@ -377,12 +378,12 @@ def zero_runtime(model: nn.Module, cfg: Config, chunked: ChunkedParams, optimize
     # Note [stage predicates]: stages 0-2 have no chunk to gather, so their gatherer hooks no module
     shards, chunk_of = ((chunked.sharded_params, chunked.chunk_index()) if chunked.gathers_params
                         else (ShardedParams([]), {}))
-    gatherer = ParamGatherer(model, shards, chunk_of, topology.dp_group, comm, prefetch,
+    gatherer = ParamGatherer(model, shards, chunk_of, topology.shard_group, comm, prefetch,
                              zero.stage3_max_live_parameters, hooks)
     overlap = zero.overlap_comm is not False  # stage 0 overlaps unless told not to
-    reducer = (GradReducer(chunked, topology.dp_group, comm, hooks, overlap, zero.reduce_scatter,
+    reducer = (GradReducer(chunked, topology.shard_group, comm, hooks, overlap, zero.reduce_scatter,
                            gatherer.on_grads_complete if chunked.gathers_params else None,
-                           peers=topology.is_distributed)
+                           peers=topology.is_distributed, replicas=topology.replica_group)
                if topology.is_distributed or chunked.shards_grads else None)
     clipper = GradientClipper(chunked, topology, comm, cfg.gradient_clipping, loss_scaler.checks_overflow,
                               norm_logged=cfg.tensorboard.enabled)

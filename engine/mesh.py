@@ -15,6 +15,9 @@ edp × ep with ep innermost: when sp divides ep, dp splits into (edp, ep / sp) a
 divides sp, sp splits into (sp / ep, ep) and edp = (dp, sp / ep). Under 2D tensor parallelism the tp ranks form
 a q×q grid: a row group holds one row (the q ranks of one batch block), a column group one column.
 Every dimension is built even at size 1, so that each group exists (a size-1 group, never the world group).
+Hybrid sharding (`zero_optimization.mics_shard_size`, Note [hybrid sharding]) splits dp into dp_replicate ×
+dp_shard, shard innermost: a shard group (dp_shard × sp, consecutive ZeRO ranks) holds one copy of the sharded
+states, and the replicate group joins the ranks holding the same shard in the other copies.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # the config key behind each degree, for errors
 DEGREE_KEYS = {"pp": "pipeline.stages", "sp": "sequence_parallel.size", "tp": "tensor_parallel.size",
-               "ep": "moe.expert_parallel_size"}
+               "ep": "moe.expert_parallel_size", "shard": "zero_optimization.mics_shard_size"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     tp_2d: bool = False
+    shard: int = 0  # ranks of dp × sp one ZeRO shard group spans (Note [hybrid sharding]); 0: all of them
 
     def __post_init__(self):
         for name in ("pp", "sp", "tp", "ep"):
@@ -63,9 +67,25 @@ class ParallelDims:
             raise ValueError(f"moe.expert_parallel_size {self.ep} and sequence_parallel.size {self.sp}: one must "
                              "divide the other (an expert group holds whole sequence groups, or part of one); use "
                              f"sizes such as {self.sp} or {2 * self.sp}")
+        self._check_shard()
         if self.tp_2d and (self.tp < 4 or math.isqrt(self.tp) ** 2 != self.tp):
             raise ValueError(f"tensor_parallel.size {self.tp} with mode \"2d\" must be a square q² (4, 9, 16, ...), "
                              "one rank per block of the q×q mesh; use a square size, or mode \"1d\"")
+
+    def _check_shard(self) -> None:
+        if not self.shard:
+            return
+        key, ranks = DEGREE_KEYS["shard"], self.dp * self.sp
+        if self.shard < 1 or ranks % self.shard:
+            raise ValueError(f"{key} {self.shard} must divide the ZeRO group's {ranks} ranks (data-parallel {self.dp}"
+                             f" × sequence_parallel.size {self.sp}); use a divisor of {ranks}, or -1 to shard across "
+                             "all of them")
+        if self.shard % self.sp:
+            raise ValueError(f"{key} {self.shard}: a shard group holds whole sequence-parallel groups; use a multiple "
+                             f"of sequence_parallel.size {self.sp}")
+        if self.replicas > 1 and self.ep > 1:
+            raise ValueError(f"{key} {self.shard} with moe.expert_parallel_size {self.ep}: hybrid sharding with "
+                             "expert parallelism is not supported yet; remove mics_shard_size (or set -1)")
 
     def _product_text(self) -> str:
         used = [f"{DEGREE_KEYS[n]} {getattr(self, n)}" for n in ("pp", "sp", "tp") if getattr(self, n) > 1]
@@ -82,10 +102,17 @@ class ParallelDims:
         """Ranks holding the same experts (dp × sp / ep)."""
         return self.dp * self.sp // self.ep
 
+    @property
+    def replicas(self) -> int:
+        """Copies of the ZeRO-sharded states (Note [hybrid sharding]): dp × sp / shard; 1 without hybrid sharding."""
+        return self.dp * self.sp // self.shard if self.shard else 1
+
     def atoms(self) -> list[tuple[str, int]]:
         """The mesh's dimensions, outermost first (Note [one mesh])."""
         tp = [("tp_row", math.isqrt(self.tp)), ("tp_col", math.isqrt(self.tp))] if self.tp_2d else [("tp", self.tp)]
-        if self.ep == 1:
+        if self.replicas > 1:
+            middle = [("dp_replicate", self.replicas), ("dp_shard", self.dp // self.replicas), ("sp", self.sp)]
+        elif self.ep == 1:
             middle = [("dp", self.dp), ("sp", self.sp)]
         elif self.ep % self.sp == 0:
             middle = [("edp", self.dp // (self.ep // self.sp)), ("ep_dp", self.ep // self.sp), ("sp", self.sp)]
@@ -98,7 +125,10 @@ class ParallelDims:
         names = [n for n, _ in self.atoms()]
         tp = ("tp_row", "tp_col") if self.tp_2d else ("tp",)
         zero = tuple(n for n in names if n not in ("pp", *tp))
-        if self.ep == 1:
+        if self.replicas > 1:
+            views = {"dp": ("dp_replicate", "dp_shard"), "sp": ("sp",), "shard": ("dp_shard", "sp"),
+                     "replicate": ("dp_replicate",)}
+        elif self.ep == 1:
             views = {"dp": ("dp",), "sp": ("sp",)}
         elif self.ep % self.sp == 0:
             views = {"dp": ("edp", "ep_dp"), "sp": ("sp",), "ep": ("ep_dp", "sp"), "edp": ("edp",)}
@@ -126,7 +156,8 @@ class Mesh:
         return dist.new_group(list(range(self.dims.world)), backend="gloo")
 
     def group(self, name: str) -> dist.ProcessGroup:
-        """This rank's group along view `name` (pp, dp, sp, tp, zero, ep, edp; tp_row, tp_col under 2D)."""
+        """This rank's group along view `name` (pp, dp, sp, tp, zero, ep, edp; tp_row, tp_col under 2D; shard,
+        replicate under hybrid sharding)."""
         mesh = self._views[name] if name in self._views else self.device_mesh[name]
         return mesh.get_group()
 

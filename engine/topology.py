@@ -112,6 +112,25 @@ class Topology:
     edp_size: int = 0  # 0: the dp group's size
     edp_rank: int = -1  # -1: the dp rank
     mesh: Mesh | None = None  # None: one process
+    # hybrid sharding (Note [hybrid sharding]): the ranks sharing this rank's ZeRO states, a part of dp_group; and
+    # the ranks holding the same shard in the other copies. None, 1: no hybrid sharding (dp_group shards them)
+    zero_shard_group: dist.ProcessGroup | None = None
+    replica_group: dist.ProcessGroup | None = None
+    replica_size: int = 1
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup | None:
+        """The ranks ZeRO shards the model states across: dp_group, or one copy of them under hybrid sharding."""
+        return self.zero_shard_group if self.replica_size > 1 else self.dp_group
+
+    @property
+    def shard_size(self) -> int:
+        return self.dp_world_size // self.replica_size
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's place in its shard group: shard innermost, ZeRO rank = replica · shard_size + shard rank."""
+        return self.dp_rank % self.shard_size
 
     @property
     def expert_dp_group(self) -> dist.ProcessGroup | None:
@@ -146,14 +165,16 @@ class Topology:
 
     @classmethod
     def from_environment(cls, device: torch.device | None = None, tp_size: int = 1, tp_mode: str = "1d",
-                         pp_size: int = 1, sp_size: int = 1, ep_size: int = 1) -> "Topology":
+                         pp_size: int = 1, sp_size: int = 1, ep_size: int = 1, shard_size: int = 0) -> "Topology":
+        """shard_size: ranks of dp × sp one ZeRO shard group spans (Note [hybrid sharding]); 0: all of them."""
         device = device or compute_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)  # also when the caller created the process group
         init_distributed(device)
         world = dist.get_world_size() if dist.is_initialized() else 1
         dims = ParallelDims(world, pp=pp_size, sp=sp_size, tp=tp_size, ep=ep_size,
-                            tp_2d=tp_mode == "2d" and tp_size > 1)  # checks every product (Note [one mesh])
+                            tp_2d=tp_mode == "2d" and tp_size > 1,
+                            shard=shard_size)  # checks every product (Note [one mesh])
         if world == 1:
             return cls(1, 0, None, 1, 0, device)
         return cls.of_mesh(Mesh(dims, device.type), device)
@@ -174,4 +195,6 @@ class Topology:
                    sample_group=mesh.group("dp") if dims.sp > 1 else None,
                    ep_group=group("ep", dims.ep), ep_size=dims.ep, ep_rank=rank("ep", dims.ep),
                    edp_group=group("edp", dims.ep), edp_size=dims.edp if dims.ep > 1 else 0,
-                   edp_rank=rank("edp", dims.ep) if dims.ep > 1 else -1, mesh=mesh)
+                   edp_rank=rank("edp", dims.ep) if dims.ep > 1 else -1, mesh=mesh,
+                   zero_shard_group=group("shard", dims.replicas), replica_group=group("replicate", dims.replicas),
+                   replica_size=dims.replicas)

@@ -37,6 +37,7 @@ from engine.topology import Topology  # noqa: E402
 PAIRS = "tests/test_composition_pairs.py::test_pair_trains_like_one_process"
 SEQUENCE = "tests/test_sequence_parallel.py::"
 MOE_COMPOSITION = "tests/test_moe_composition.py::test_expert_parallel_composition_matches_plain_pytorch"
+HYBRID = "tests/test_hybrid_sharding.py::"
 TESTS: dict[tuple[str, str], list[str]] = {
     ("zero3", "offload"): ["tests/test_zero.py::test_offload_matches_single_process[3-cpu-cpu-2]"],
     ("zero3", "zero_init"): ["tests/test_zero_init.py::test_a_zero_init_model_trains_like_plain_pytorch[3-gpt]"],
@@ -82,6 +83,11 @@ TESTS: dict[tuple[str, str], list[str]] = {
     ("ulysses_ring", "checkpointing"): [SEQUENCE + "test_with_activation_checkpointing_and_a_checkpoint_resumed_"
                                         "without_sequence_parallelism"],
     ("experts", "checkpointing"): ["tests/test_moe.py::test_moe_layer_under_activation_checkpointing"],
+    ("hsdp", "zero3"): [HYBRID + "test_hybrid_sharding_matches_one_process_and_shards_the_states_over_one_copy"
+                                 "[stage3-accumulation2]"],
+    **{("hsdp", name): [HYBRID + f"test_hybrid_sharding_composes[{name}]"]
+       for name in ("offload", "zero_init", "tp1d", "tp2d", "megatron_sp", "pipeline", "ulysses_ring",
+                    "checkpointing")},
 }
 
 # what every cell's config has besides its two fragments
@@ -114,6 +120,7 @@ FEATURES = [
     Feature("ulysses_ring", "Ulysses/ring", {"sequence_parallel": {"size": 2}}),
     Feature("experts", "experts", {"moe": {"expert_parallel_size": 2}}),
     Feature("checkpointing", "act. ckpt", {"activation_checkpointing": {"enabled": True}}),
+    Feature("hsdp", "HSDP", {"zero_optimization": {"stage": 3, "mics_shard_size": 2}}),
 ]
 
 
@@ -147,9 +154,11 @@ def refusal(a: Feature, b: Feature) -> str | None:
         cfg = load_config(merged(merged(BASE, a.fragment), b.fragment))
         tp, pp, sp, ep = (cfg.tensor_parallel.size, cfg.pipeline.stages, cfg.sequence_parallel.size,
                           cfg.moe.expert_parallel_size)
-        dp = next(d for d in range(1, ep + 1) if d * sp % ep == 0)  # the fewest ranks the degrees need
+        shard = max(cfg.zero_optimization.mics_shard_size, 0)  # hybrid sharding: two copies at least
+        dp = next((d for d in range(1, 2 * ep * max(shard, 1) + 1)  # the fewest ranks the degrees need
+                   if d * sp % ep == 0 and (not shard or d * sp % shard == 0 and d * sp > shard)), 1)
         dims = ParallelDims(pp * dp * sp * tp, pp=pp, sp=sp, tp=tp, ep=ep,
-                            tp_2d=cfg.tensor_parallel.mode == "2d" and tp > 1)
+                            tp_2d=cfg.tensor_parallel.mode == "2d" and tp > 1, shard=shard)
         topology = Topology(dims.world, 0, None, dims.dp * dims.sp, 0, torch.device("cpu"), tp_size=tp, pp_size=pp,
                             sp_size=sp, ep_size=ep, edp_size=dims.edp if ep > 1 else 0)
         check_run(cfg, topology, built_under_zero_init=a.zero_init or b.zero_init)

@@ -215,3 +215,11 @@ def test_a_pipeline_split_follows_the_partition_and_one_that_cannot_be_made_is_n
     assert est.skipped == ["PP2-interleaved-v4 DDP: pipeline.partition: the names ['blocks.1'] start 2 stages, but "
                            "the pipeline has 8; name the module that starts each stage"]
     assert "Not estimated: PP2-interleaved-v4 DDP" in format_estimate(est)
+
+
+def test_under_hybrid_sharding_the_estimate_shards_over_one_shard_group():
+    """Note [hybrid sharding]: 4 ranks in shard groups of 2 hold what 2 ranks of plain ZeRO-3 hold."""
+    plain, hybrid = load_config(zero_config(3, 2, 1)), load_config(zero_config(3, 2, 1, mics_shard_size=2))
+    params = trace_strategy(tiny_gpt, plain, None, activations=False).params
+    assert model_states(params, hybrid, 4).by_kind() == model_states(params, plain, 2).by_kind()
+    assert model_states(params, hybrid, 4).by_kind() != model_states(params, plain, 4).by_kind()

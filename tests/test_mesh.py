@@ -17,19 +17,22 @@ WORLD = 8
 LAYOUTS = [  # (pp, sp, tp, ep, 2d)
     (1, 1, 1, 1, False), (2, 1, 2, 1, False), (1, 2, 2, 1, False), (2, 2, 1, 1, False), (1, 2, 1, 2, False),
     (1, 2, 1, 4, False), (1, 4, 1, 2, False), (2, 1, 1, 2, False), (1, 1, 2, 2, False), (2, 1, 4, 1, True),
+    # hybrid sharding (Note [hybrid sharding]): the last entry is zero_optimization.mics_shard_size
+    (1, 1, 1, 1, False, 2), (1, 2, 1, 1, False, 4), (2, 1, 2, 1, False, 1), (1, 2, 2, 1, False, 2),
 ]
 
 
 def _groups(topology: Topology) -> dict[str, list[int] | None]:
     named = {"zero": topology.dp_group, "tp": topology.tp_group, "pp": topology.pp_group, "sp": topology.sp_group,
              "dp": topology.data_parallel_group, "ep": topology.ep_group, "edp": topology.expert_dp_group,
-             "row": topology.tp_row_group, "col": topology.tp_col_group}
+             "row": topology.tp_row_group, "col": topology.tp_col_group, "shard": topology.shard_group,
+             "replicate": topology.replica_group}
     return {name: None if g is None else dist.get_process_group_ranks(g) for name, g in named.items()}
 
 
-def _build(pp: int, sp: int, tp: int, ep: int, two_d: bool) -> dict:
+def _build(pp: int, sp: int, tp: int, ep: int, two_d: bool, shard: int = 0) -> dict:
     topology = Topology.from_environment(torch.device("cpu"), tp_size=tp, tp_mode="2d" if two_d else "1d",
-                                         pp_size=pp, sp_size=sp, ep_size=ep)
+                                         pp_size=pp, sp_size=sp, ep_size=ep, shard_size=shard)
     return _groups(topology)
 
 
@@ -37,7 +40,8 @@ def _worker(rank: int, world: int, cases: list[tuple]) -> dict:
     return run_cases(rank, cases, _build)
 
 
-def expected_groups(rank: int, pp: int, sp: int, tp: int, ep: int, two_d: bool) -> dict[str, list[int] | None]:
+def expected_groups(rank: int, pp: int, sp: int, tp: int, ep: int, two_d: bool,
+                    shard: int = 0) -> dict[str, list[int] | None]:
     """Each group of `rank` from the layout's formula, every rank enumerated."""
     dp = WORLD // (pp * sp * tp)
     at = lambda p, d, s, t: ((p * dp + d) * sp + s) * tp + t  # noqa: E731
@@ -62,6 +66,9 @@ def expected_groups(rank: int, pp: int, sp: int, tp: int, ep: int, two_d: bool) 
         row, col = divmod(t, q)
         members["row"] = [at(p, d, s, row * q + c) for c in range(q)]
         members["col"] = [at(p, d, s, r * q + col) for r in range(q)]
+    shard = shard or dp * sp  # a shard group: consecutive dp × sp places; a replica group: one place in each
+    members["shard"] = [by_flat(f) for f in range(flat // shard * shard, (flat // shard + 1) * shard)]
+    members["replicate"] = [by_flat(f) for f in range(flat % shard, dp * sp, shard)] if shard < dp * sp else None
     return members
 
 
@@ -70,7 +77,8 @@ def built() -> dict:
     return results_by_case(run_distributed(_worker, WORLD, args=(LAYOUTS,), timeout_s=300))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda c: "pp{}-sp{}-tp{}-ep{}{}".format(*c[:4], "-2d" * c[4]))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda c: "pp{}-sp{}-tp{}-ep{}{}{}".format(
+    *c[:4], "-2d" * c[4], f"-shard{c[5]}" if len(c) > 5 else ""))
 def test_every_group_of_a_layout_comes_from_the_mesh_as_the_layout_says(built, layout):
     for rank, groups in enumerate(built[layout]):
         assert groups == expected_groups(rank, *layout), rank
@@ -84,6 +92,9 @@ def test_every_group_of_a_layout_comes_from_the_mesh_as_the_layout_says(built, l
     (dict(world=12, sp=2, ep=3), "moe.expert_parallel_size 3 and sequence_parallel.size 2: one must divide"),
     (dict(world=8, tp=2, tp_2d=True), "must be a square"),
     (dict(world=8, ep=0), "moe.expert_parallel_size 0 must be 1 or more"),
+    (dict(world=8, pp=2, shard=3), "zero_optimization.mics_shard_size 3 must divide the ZeRO group's 4 ranks"),
+    (dict(world=8, sp=4, shard=2), "zero_optimization.mics_shard_size 2: a shard group holds whole sequence"),
+    (dict(world=8, ep=2, shard=4), "zero_optimization.mics_shard_size 4 with moe.expert_parallel_size 2"),
 ])
 def test_a_wrong_product_of_degrees_names_the_keys(dims, message):
     with pytest.raises(ValueError, match=message.replace("×", ".").replace("(", r"\(")):

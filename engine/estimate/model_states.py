@@ -119,12 +119,14 @@ def optimizer_state_bytes_per_element(config: Config, dtype: torch.dtype) -> flo
 
 
 def model_states(params: list[TrainableParam], config: Config, dp: int) -> ModelStates:
-    """Note [estimating model states]: one rank's model states over `dp` data-parallel ranks."""
+    """Note [estimating model states]: one rank's model states over `dp` data-parallel ranks (over one shard group
+    of them under hybrid sharding: Note [hybrid sharding])."""
     if config.optimizer is None:
         raise ValueError("the config has no 'optimizer' section; the estimate needs it to size optimizer states")
     zero = config.zero_optimization
     policy = ShardingPolicy(zero.stage)
-    shards = dp if policy.shards(ChunkKind.OPTIM) else 1
+    group = min(dp, zero.mics_shard_size) if zero.mics_shard_size > 0 else dp
+    shards = group if policy.shards(ChunkKind.OPTIM) else 1
     sharded = shards > 1
     chunks = chunk_specs(params, config, shards)
     masters = PrecisionPolicy.from_config(config).compute_dtype != torch.float32

@@ -24,6 +24,20 @@ unreduced values of the earlier backward); an all-reduced chunk, the same sum on
 divided by the group's size on each (as DeepSpeed averages in place; exact for a power of two). The
 next reduction then adds the earlier sum once to the new gradients, and the overlap of reductions
 with backward is the same as for one backward.
+
+Note [hybrid sharding]
+`zero_optimization.mics_shard_size` s (DeepSpeed's MiCS; FSDP's HYBRID_SHARD) splits the ZeRO group's ranks
+(dp × sp) into shard groups of s consecutive ranks, each holding one whole copy of the sharded states, and replica
+groups joining the ranks at the same place in every copy (engine/mesh.py: dp = dp_replicate × dp_shard). The
+chunks are sharded s ways (ShardPlace rank and count within the shard group); parameters are gathered, and
+updated shards all-gathered, within the shard group only, so the gathers never cross the copies. A gradient
+chunk is reduced in two phases: over the shard group (reduce-scattered, or all-reduced), then what this rank
+keeps (its shard, or the whole chunk) all-reduced over its replica group, launched once the first phase has
+finished; the result is the sum over every rank, as without hybrid sharding. The loss is still divided by the
+whole data-parallel size; the squared gradient norm is summed over the shard group alone (each copy holds every
+shard once). The starting values and a `modifier_rank`'s values are broadcast over every rank holding the
+chunk. A checkpoint records s shards (the reader takes shard d from ZeRO rank d: the first copy's); each copy's
+ranks write their own shards, so every rank's file holds what it steps.
 """
 
 from __future__ import annotations
@@ -48,15 +62,18 @@ class GradReducer:
 
     def __init__(self, chunked: ChunkedParams, group: dist.ProcessGroup | None, counter: CommCounter,
                  hooks: ZeroHooks, overlap: bool = True, reduce_scatter: bool = True, on_chunk_complete=None,
-                 peers: bool = True):
+                 peers: bool = True, replicas: dist.ProcessGroup | None = None):
         """peers=False: one rank paging its gradient shards (Note [paging in one process]); nothing to sum, the
-        chunks' shards are retired as they complete."""
+        chunks' shards are retired as they complete. replicas: under hybrid sharding, the ranks holding the same
+        shards in the other copies (Note [hybrid sharding]): `group` is then this rank's shard group."""
         self.chunked = chunked
         # stage 3: a chunk whose gradients are all in (Note [gathering around modules])
         self.on_chunk_complete = on_chunk_complete
         self.scatter = chunked.sharded and reduce_scatter
         self.peers = peers
         self.group = group
+        self.replicas = replicas
+        self._copies = dist.get_world_size(replicas) if replicas is not None else 1
         self.counter = counter
         self.overlap = overlap
         self.states = chunked.states  # Note [chunk phases]: each chunk's gradients arrived, against those expected
@@ -140,6 +157,8 @@ class GradReducer:
                                                place.count, self.counter, async_op=True)
         else:
             work = all_reduce_sum(self._payload(index), place.group_or(self.group), self.counter, async_op=True)
+        if self.replicas is not None and self.peers:  # (no expert chunk under hybrid sharding: ParallelDims)
+            work = _AcrossReplicas(work, self._kept(index), self.replicas, self.counter)
         self._works.append((index, work))
         self._launched_unfinished += 1
 
@@ -148,6 +167,12 @@ class GradReducer:
         takes the used prefix alone (a reduce-scatter takes the whole chunk: its shards are equal slices of it)."""
         chunk = self.states[index].grad_chunk
         return chunk.payload if self.scatter else chunk.payload.narrow(0, 0, chunk.used)
+
+    def _kept(self, index: int):
+        """What this rank holds reduced after the first phase: its shard of a reduce-scattered chunk, or the used
+        prefix of an all-reduced one."""
+        place = self.states[index].place
+        return shard_of(self._payload(index), place.rank, place.count) if self.scatter else self._payload(index)
 
     def finish_backward(self) -> None:
         """Launches the chunks backward did not complete (unused parameters, or all without overlap), in order."""
@@ -169,12 +194,12 @@ class GradReducer:
         """Before another synchronized backward of this step (Note [several synchronized backward passes])."""
         for state in self.states:
             place, payload = state.place, state.grad_chunk.payload
-            if self.scatter:
-                kept = shard_of(payload, place.rank, place.count).clone()
+            if self.scatter:  # under hybrid sharding, every copy holds the shard's sum: a share of it each
+                kept = shard_of(payload, place.rank, place.count) / self._copies
                 payload.zero_()
                 shard_of(payload, place.rank, place.count).copy_(kept)
             else:
-                payload.div_(dist.get_world_size(place.group_or(self.group)))
+                payload.div_(dist.get_world_size(place.group_or(self.group)) * self._copies)
 
     def _launch_while(self, may_launch) -> None:
         while self._cursor < len(self.sequence) and may_launch(self.sequence[self._cursor]):
@@ -215,6 +240,31 @@ class GradReducer:
             except BaseException as e:
                 # kept, not raised: this rank must go on launching the same reductions as the others, or they hang
                 self._on_shard_reduced, self._callback_error = None, e
+
+class _AcrossReplicas:
+    """Note [hybrid sharding]: a reduction within the shard group, then the part this rank keeps all-reduced over
+    its replica group, launched once the first has finished (by is_completed or wait, whichever sees it first;
+    both are called in launch order, so every rank launches the second phases in the same order)."""
+
+    def __init__(self, first, kept, replicas: dist.ProcessGroup, counter: CommCounter):
+        self.first, self.kept, self.replicas, self.counter = first, kept, replicas, counter
+        self.second = None
+
+    def _launch_second(self) -> None:
+        if self.second is None:
+            self.first.wait()
+            self.second = all_reduce_sum(self.kept, self.replicas, self.counter, async_op=True)
+
+    def is_completed(self) -> bool:
+        if self.second is None and not self.first.is_completed():
+            return False
+        self._launch_second()
+        return self.second.is_completed()
+
+    def wait(self) -> None:
+        self._launch_second()
+        self.second.wait()
+
 
 class _Done:
     """The handle of a reduction with no peers to wait for (one rank)."""

@@ -340,7 +340,7 @@ class ZeroRuntime:
         chunked = self.chunked
         if not chunked.sharded:
             return
-        works = [all_gather_in_place(state.param_chunk.payload, state.place.group_or(self.topology.dp_group),
+        works = [all_gather_in_place(state.param_chunk.payload, state.place.group_or(self.topology.shard_group),
                                      state.place.rank, state.place.count, self.comm, async_op=True)
                  for state in chunked.states_gathered_after_step()]
         for work in works:

@@ -59,7 +59,8 @@ def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
     if not chunked.has_masters and not chunked.gathers_params:
         return param.detach().float().clone()
     index = chunked.chunk_index()[id(param)]
-    with whole_weights._chunk_values(chunked, engine.gatherer, index, engine.topology.dp_group, engine.comm) as values:
+    with whole_weights._chunk_values(chunked, engine.gatherer, index, engine.topology.shard_group,
+                                     engine.comm) as values:
         return values(param).float().clone()
 
 
@@ -122,7 +123,7 @@ def _whole(value: torch.Tensor, place, engine) -> torch.Tensor:
     if place.count == 1:
         return value
     full = torch.empty(value.numel() * place.count, dtype=value.dtype, device=value.device)
-    all_gather_into(full, value.detach().contiguous(), place.group_or(engine.topology.dp_group), engine.comm,
+    all_gather_into(full, value.detach().contiguous(), place.group_or(engine.topology.shard_group), engine.comm,
                     async_op=False)
     return full
 
