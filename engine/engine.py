@@ -350,11 +350,8 @@ class Engine(ParallelCoordinates):
         optimizer state tensors."""
         chunked = self.chunked
         params = sum(p.untyped_storage().nbytes() for p in chunked.param_payloads())
-        if chunked.gathers_params:
-            params += chunked.sharded_params.shard_bytes()
-        grads = sum(g.untyped_storage().nbytes() for g in chunked.grad_payloads())
-        if chunked.shards_grads:
-            grads += sum(s.untyped_storage().nbytes() for s in chunked.sharded_grads.shards)
+        params += chunked.sharded_params.shard_bytes()  # 0 under the degenerate layout (Note [stage predicates])
+        grads = sum(g.untyped_storage().nbytes() for g in chunked.grad_payloads()) + chunked.sharded_grads.shard_bytes()
         optim = sum(v.untyped_storage().nbytes() for state in self.optimizer.state.values() for v in state.values()
                     if torch.is_tensor(v) and v.dim() > 0)
         if chunked.has_masters:

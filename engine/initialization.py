@@ -53,7 +53,6 @@ from engine.zero.grad_sync import GradReducer
 from engine.zero.hooks import ZeroHooks
 from engine.zero.offload_policy import OffloadPolicy, build_offloaded_optimizer
 from engine.zero.param_gather import ParamGatherer
-from engine.zero.param_shards import ShardedParams
 from engine.zero.policy import ChunkKind, ShardingPolicy
 from engine.zero.runtime import ZeroRuntime
 from engine.zero.zero_init import materialize_parameters, zero_init_placeholders, zero_init_recording
@@ -375,11 +374,9 @@ def zero_runtime(model: nn.Module, cfg: Config, chunked: ChunkedParams, optimize
     zero, comm = cfg.zero_optimization, comm if comm is not None else CommCounter()
     hooks = ZeroHooks()
     prefetch = zero.stage3_prefetch_bucket_size if zero.stage3_prefetch_bucket_size != "auto" else 50_000_000
-    # Note [stage predicates]: stages 0-2 have no chunk to gather, so their gatherer hooks no module
-    shards, chunk_of = ((chunked.sharded_params, chunked.chunk_index()) if chunked.gathers_params
-                        else (ShardedParams([]), {}))
-    gatherer = ParamGatherer(model, shards, chunk_of, topology.shard_group, comm, prefetch,
-                             zero.stage3_max_live_parameters, hooks)
+    # Note [stage predicates]: under stages 0-2 every chunk is WHOLE, so the gatherer hooks no module
+    gatherer = ParamGatherer(model, chunked.sharded_params, chunked.chunk_index(), topology.shard_group, comm,
+                             prefetch, zero.stage3_max_live_parameters, hooks)
     overlap = zero.overlap_comm is not False  # stage 0 overlaps unless told not to
     reducer = (GradReducer(chunked, topology.shard_group, comm, hooks, overlap, zero.reduce_scatter,
                            gatherer.on_grads_complete if chunked.gathers_params else None,

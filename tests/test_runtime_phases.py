@@ -11,6 +11,7 @@ from engine import initialize
 from engine.config import load_config
 from engine.initialization import build_chunk_optimizer, chunk_parameters
 from engine.topology import Topology
+from engine.zero.chunk_state import ChunkPhase
 from engine.zero.offload_policy import OffloadPolicy
 from engine.zero.policy import ChunkKind
 from engine.zero.runtime import TrainingPhase
@@ -51,10 +52,12 @@ def test_every_phase_of_a_stage3_step_is_a_profiler_range_on_every_rank():
 
 @pytest.mark.parametrize("stage", [0, 2])
 def test_stages_0_to_2_have_a_gatherer_over_no_chunk(stage):
-    """Note [stage predicates]: the gatherer exists for every stage; with every chunk WHOLE it hooks no module
-    and a step gathers nothing."""
+    """Note [stage predicates]: the gatherer exists for every stage; with every chunk WHOLE (the degenerate layout:
+    one shard, the payload) it hooks no module and a step gathers nothing."""
     engine = initialize(tiny_gpt(), {**CONFIG, "zero_optimization": {"stage": stage}})
-    assert not engine.chunked.gathers_params and engine.gatherer.states == []
+    shards = engine.chunked.sharded_params  # the degenerate layout: every chunk one whole shard, none transient
+    assert not engine.chunked.gathers_params and shards.transient == () and shards.shard_bytes() == 0
+    assert all(s.phase is ChunkPhase.WHOLE and s.param_shard is s.param_chunk.payload for s in shards.states)
     hooks = [h for m in engine.module.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
     assert not any(getattr(h, "__self__", None) is engine.gatherer for h in hooks)
     x = token_batches(1, 4)[0]
@@ -62,6 +65,10 @@ def test_stages_0_to_2_have_a_gatherer_over_no_chunk(stage):
     engine.step()
     assert engine.gatherer.prefetched == 0 and engine.comm.all_gather_bytes == 0
     assert engine.runtime.phase is engine.gatherer.phase is TrainingPhase.IDLE
+    # one rank keeps whole gradient chunks under stage 2 too: each one its own shard, zeroed by the update
+    grads = engine.chunked.sharded_grads
+    assert not engine.chunked.shards_grads and grads.shard_bytes() == 0 and grads.managed is None
+    assert all(s.grad_shard is s.grad_chunk.payload and not s.grad_chunk.payload.any() for s in grads.states)
 
 
 def test_a_step_from_inside_a_forward_is_refused_and_the_engine_goes_on():
@@ -96,8 +103,7 @@ def test_offload_policy_homes_each_kind_as_the_table_says(tmp_path):
         cfg = load_config({**CONFIG, "bf16": {"enabled": bf16}, "zero_optimization": zero})
         topology = _single_rank_view(dp)
         chunked = chunk_parameters(tiny_gpt(), cfg, topology, [{"params": list(tiny_gpt().parameters())}])
-        return OffloadPolicy.from_config(cfg, grads_sharded=chunked.sharded_grads is not None,
-                                         masters=chunked.masters is not None).homes
+        return OffloadPolicy.from_config(cfg, grads_sharded=chunked.shards_grads, masters=chunked.has_masters).homes
 
     assert homes(1) == {ChunkKind.OPTIM: Location.NVME}
     # one rank keeps its gradient shards too, to send them to the host with the states (Note [device tier])

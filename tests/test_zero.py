@@ -45,9 +45,9 @@ def model_state_bytes(engine) -> dict[str, int]:
     chunked = engine.chunked
     params = sum(c.payload.untyped_storage().nbytes() for g in chunked.groups for c in g.param_chunks.chunks)
     grads = sum(c.payload.untyped_storage().nbytes() for g in chunked.groups for c in g.grad_chunks.chunks)
-    if chunked.sharded_grads is not None:  # stages 2, 3: the persistent shards (the chunks hold no storage now)
+    if chunked.shards_grads:  # stages 2, 3: the persistent shards (the chunks hold no storage now)
         grads += sum(s.untyped_storage().nbytes() for s in chunked.sharded_grads.shards)
-    if chunked.sharded_params is not None:  # stage 3: shards of their own (persistent chunks' shards are views)
+    if chunked.gathers_params:  # stage 3: shards of their own (persistent chunks' shards are views)
         params += sum(s.untyped_storage().nbytes() for s, keep in zip(chunked.sharded_params.shards,
                                                                       chunked.sharded_params.persistent) if not keep)
     states = sum(v.numel() * v.element_size() for s in engine.optimizer.state.values() for v in s.values()

@@ -10,8 +10,10 @@ ChunkedParams, and the chunk's own operations are its methods: `gather`, `wait`,
 (Note [shard stores]), so the same method serves a shard in memory and one in a chunk manager.
 The group-level classes only schedule: the gatherer (stage 3) picks which chunk to gather and
 release when, the reducer which to reduce and retire when; ShardedParams and ShardedGrads keep
-the group's totals. Stages 0-2 are the degenerate layout: every chunk is WHOLE (one shard that
-always holds), so `release` and `gather` have nothing to do. `chunked.states[7]` (its repr, or
+the group's totals. Stages 0-2 are the degenerate layout (Note [stage predicates]): every chunk is
+WHOLE (one shard, its payload, that always holds), so `release` and `gather` have nothing to do;
+under stages 0-1 its gradient shard is its whole gradient chunk too, so `retire` has nothing to do
+and `zero_grad_shard` zeroes the chunk. `chunked.states[7]` (its repr, or
 `describe()`) answers "what state is chunk 7 in?":
 - its members: the parameters, their slots, their gradient views, and under stage 3 the modules
   that directly own them (whose forward gathers the chunk, Note [gathering around modules]);
@@ -93,8 +95,10 @@ class ChunkState:
     persistent: bool = False  # stage 3: below the persistence threshold, never released
     place: ShardPlace = ShardPlace()  # the ranks it is reduced over and sharded across
     # where this rank's values live
-    param_store: ShardStore | None = None  # stage 3: this rank's shard, in memory or managed (Note [shard stores])
-    grad_store: ShardStore | None = None  # stages 2-3: this rank's reduced gradient shard, likewise
+    # this rank's shards, in memory or managed (Note [shard stores]); set by ShardedParams / ShardedGrads, and under
+    # the degenerate layout (Note [stage predicates]) the whole payload
+    param_store: ShardStore | None = None  # the parameter shard
+    grad_store: ShardStore | None = None  # the reduced gradient shard
     stepped: torch.Tensor | None = None  # what the optimizer steps: payload, shard, or fp32 master
     stepped_grad: torch.Tensor | None = None  # its .grad
     # stage 3 gathering (Note [gathering around modules])
@@ -106,6 +110,7 @@ class ChunkState:
     # gradient readiness (Notes [reduction order], [sharded gradients])
     arrived: set[int] = field(default_factory=set)  # ids of members with a gradient in this synchronized backward
     written: set[int] = field(default_factory=set)  # ids of members whose view of the full buffer holds a gradient
+    shards_grads: bool = False  # stages 2-3: gradients persist as grad_store's shard (else the whole chunk is it)
     grad_live: bool = False  # stages 2-3: the full gradient buffer has storage
     grad_fresh: bool = True  # stages 2-3: the gradient shard is logically zero (not written since zero())
 
@@ -193,7 +198,7 @@ class ChunkState:
         view = self.grad_view(p)
         if p.grad is view:
             return
-        if self.grad_store is None:
+        if not self.shards_grads:
             self.adopt_grad(p)
             return
         self._materialize_grads()
@@ -207,7 +212,7 @@ class ChunkState:
     def adopt_grad(self, p: nn.Parameter) -> None:
         """Note [parameters as chunk views]: a .grad replaced by user code is copied back into the chunk."""
         view = self.grad_view(p)
-        if p.grad is view or (self.grad_store is not None and p.grad is None):
+        if p.grad is view or (self.shards_grads and p.grad is None):
             return
         if p.grad is not None:
             view.copy_(p.grad)
@@ -216,7 +221,10 @@ class ChunkState:
         p.grad = view
 
     def complete_grads(self) -> torch.Tensor:
-        """The full gradient buffer for its reduce-scatter: zeros where no gradient arrived, and in the padding."""
+        """The full gradient buffer for its reduce-scatter: zeros where no gradient arrived, and in the padding. The
+        degenerate layout's chunk is that already (zeroed after each update, accumulated into by backward)."""
+        if not self.shards_grads:
+            return self.grad_chunk.payload
         self._materialize_grads()
         payload, used = self.grad_chunk.payload, self.grad_chunk.used
         for p, view in zip(self.params, self.grad_views):
@@ -228,7 +236,10 @@ class ChunkState:
         return payload
 
     def retire(self) -> None:
-        """After the reduce-scatter: this rank's shard of the sum joins its gradient shard; the full buffer goes."""
+        """After the reduce-scatter: this rank's shard of the sum joins its gradient shard; the full buffer goes. The
+        degenerate layout's reduced chunk is its shard already."""
+        if not self.shards_grads:
+            return
         self.grad_store.accumulate(shard_of(self.grad_chunk.payload, self.place.rank, self.place.count),
                                    first=self.grad_fresh)
         self.grad_fresh = False
@@ -243,7 +254,10 @@ class ChunkState:
 
     def zero_grad_shard(self) -> None:
         """The gradient shard becomes logically zero (lazily: Note [sharded gradients]); a full buffer left live (a
-        backward that raised half-way) goes."""
+        backward that raised half-way) goes. The degenerate layout's shard, the whole chunk, is zeroed."""
+        if not self.shards_grads:
+            self.grad_chunk.payload.zero_()
+            return
         self.grad_fresh = True
         self.grad_store.forget()  # a managed shard reads as zeros again without I/O
         if self.grad_live:
@@ -296,7 +310,7 @@ class ChunkState:
             lines.append(f"  owned by: {', '.join(sorted(type(m).__name__ for m in self.owners))}{done}")
         if self.held:
             lines.append(f"  held gathered by {self.held} gathered() block(s)")
-        if self.grad_shard is not None:
+        if self.shards_grads:
             lines.append(f"  full grad buffer: {'live' if self.grad_live else 'released'}, "
                          f"{len(self.written)} member(s) written; shard {'zero' if self.grad_fresh else 'accumulated'}")
         return "\n".join(lines)

@@ -39,8 +39,17 @@ A ZeRO stage is a layout, so callers ask the layout what it does rather than whi
 stepped), `sharded` (more than one shard: optimizer states are split). What is the same for every stage is
 not asked at all: the runtime's gatherer exists for every stage and only touches chunks that are not WHOLE,
 so with none (stages 0-2) its passes cost nothing per chunk (Note [gathering around modules]); the reducer
-exists whenever gradients are reduced or retired (`reduces_grads`). The parts a stage really lacks
-(`sharded_params`, `sharded_grads`, `masters`) stay None there, read only through these predicates.
+exists whenever gradients are reduced or retired (`reduces_grads`).
+`sharded_params` and `sharded_grads` exist at every stage. Where a stage does not shard them they are the
+degenerate layout, marked by their flag (`ShardedParams.gathers`, `ShardedGrads.sharded`, which the first
+two predicates read): each chunk is one persistent shard, its whole payload (a MemoryStore over it: no
+memory of its own), so every chunk is WHOLE; gather, wait, release, take_shard and refresh_shard are no-ops,
+`accept` adopts a replaced .grad (backward accumulated into the chunk already), `complete` is the chunk,
+`retire` and `settle` do nothing, `zero` zeroes the chunk, and the byte counts of shards of their own
+are 0. A step at stages 0-2 does the same arithmetic and collectives as if they were absent.
+`masters` stays None under fp32 (read through `has_masters`): fp32 masters are a precision choice, not a
+stage's layout, and an fp32 "master" that is the stepped tensor itself would still need every user of
+masters (staging, rounding back, offload, checkpoints) to tell a copy from an alias.
 """
 
 from __future__ import annotations
@@ -187,16 +196,17 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
         self._chunk_of = {pid: index for pid, (index, _) in self._slot_of.items()}
         self.params = [p for g in self.groups for p in g.params]
         self._param_views = [pv for g in self.groups for pv in g.param_chunks.views]
-        # stage 3: persistent parameter shards; full chunks only while gathered (Note [sharded parameters])
-        self.sharded_params: ShardedParams | None = None
+        # stage 3: persistent parameter shards; full chunks only while gathered (Note [sharded parameters]);
+        # stages 0-2: the degenerate layout, each chunk its own one shard (Note [stage predicates])
+        self.sharded_params = ShardedParams(self.states, placeholders="param" in offloaded, gathers=stage3)
         if stage3:
-            self.sharded_params = ShardedParams(self.states, placeholders="param" in offloaded)
             for state in self.states:
                 state.stepped = state.param_shard
-        # stage 2: persistent gradient shards; full gradient chunks only during backward (Note [sharded gradients])
-        self.sharded_grads: ShardedGrads | None = None
-        if shard_grads and grad_sharding:
-            self.sharded_grads = ShardedGrads(self.states, placeholders="grad" in offloaded)
+        # stage 2: persistent gradient shards; full gradient chunks only during backward (Note [sharded gradients]);
+        # stages 0-1: the degenerate layout, likewise
+        self.sharded_grads = ShardedGrads(self.states, placeholders="grad" in offloaded,
+                                          sharded=shard_grads and grad_sharding)
+        if self.shards_grads:
             for state in self.states:
                 state.stepped_grad = state.grad_shard
         # bf16 / fp16: the optimizer steps fp32 masters of the stepped tensors (Note [master weights])
@@ -230,12 +240,12 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
     @property
     def gathers_params(self) -> bool:
         """Stage 3 (or paging): parameter chunks are gathered around their use, each rank keeping its shards."""
-        return self.sharded_params is not None
+        return self.sharded_params.gathers
 
     @property
     def shards_grads(self) -> bool:
         """Stages 2 and 3 (or an offloaded optimizer's one shard): gradients persist as this rank's shards."""
-        return self.sharded_grads is not None
+        return self.sharded_grads.sharded
 
     @property
     def has_masters(self) -> bool:
@@ -264,12 +274,9 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
         self.states[self._chunk_of[id(p)]].adopt_grad(p)
 
     def zero_grads(self) -> None:
-        """Zeroes the gradient chunks; a .grad replaced by user code is re-adopted by the hooks or sync_views."""
-        if self.shards_grads:
-            self.sharded_grads.zero()
-            return
-        for state in self.states:
-            state.grad_chunk.payload.zero_()
+        """Zeroes the gradient shards (the degenerate layout's: the chunks); a .grad replaced by user code is
+        re-adopted by the hooks or sync_views."""
+        self.sharded_grads.zero()
 
 def view_of_released(payload: torch.Tensor, make_view):
     """make_view(payload), also where the payload's storage is released (Note [a bounded start]): a view is checked

@@ -14,10 +14,8 @@ def device_state_bytes(chunked: ChunkedParams, optimizer: torch.optim.Optimizer)
     optimizer's chunk manager holds on its device tier. Where the device is the host, that is host memory."""
     held = {"param": sum(p.untyped_storage().nbytes() for p in chunked.param_payloads()),
             "grad": sum(g.untyped_storage().nbytes() for g in chunked.grad_payloads()), "optim": 0, "master": 0}
-    if chunked.gathers_params:
-        held["param"] += chunked.sharded_params.shard_bytes()
-    if chunked.shards_grads:
-        held["grad"] += sum(s.untyped_storage().nbytes() for s in chunked.sharded_grads.shards)
+    held["param"] += chunked.sharded_params.shard_bytes()  # 0 under the degenerate layout (Note [stage predicates])
+    held["grad"] += chunked.sharded_grads.shard_bytes()
     held["optim"] = sum(v.untyped_storage().nbytes() for state in optimizer.state.values() for v in state.values()
                         if torch.is_tensor(v) and v.dim() > 0)
     if chunked.has_masters:

@@ -1,4 +1,5 @@
-"""ZeRO stage 2: gradient chunks live only while backward fills them; each rank keeps its shard.
+"""ZeRO stage 2: gradient chunks live only while backward fills them; each rank keeps its shard (under stages 0-1
+the degenerate layout: each chunk's one shard is its whole gradient chunk).
 
 Note [sharded gradients]
 With gradients sharded (Note [sharding policy]) a rank keeps, between backward passes, only the
@@ -50,20 +51,29 @@ class ShardedGrads:
     """The persistent gradient shards and the transient full gradient chunks of one rank, kept in the chunks'
     states (Note [chunk phases]): the shard, whether the full buffer is live, which members wrote it."""
 
-    def __init__(self, states: list[ChunkState], placeholders: bool = False):
+    def __init__(self, states: list[ChunkState], placeholders: bool = False, sharded: bool = True):
         """Each chunk is sharded as its `place` says; placeholders=True: the shards have no storage from the start,
-        for a chunk manager to hold them (Note [a bounded start])."""
+        for a chunk manager to hold them (Note [a bounded start]). sharded=False: the degenerate layout of stages
+        0-1 (Note [stage predicates]): each chunk's one shard is its whole gradient chunk, which always holds and
+        which backward accumulates into; nothing is allocated, completed, retired or released."""
         self.states = states
+        self.sharded = sharded
+        self._manager: ChunkManager | None = None  # Note [offloaded gradient shards]
+        if not sharded:
+            for state in states:
+                state.grad_store = MemoryStore(state.grad_chunk.payload)
+                state.grad_fresh = False  # the chunk holds real values (zeros after `zero`)
+            return
         # a shard is "fresh" (logically zero) until its first retire after a zero(): no pass over it to zero it,
         # and no memory touched before the optimizer may move it into a manager
         for state in states:
+            state.shards_grads = True
             payload = state.grad_chunk.payload
             state.grad_store = MemoryStore(torch.empty(shard_range(payload.numel(), 0, state.place.count)[1],
                                                        dtype=payload.dtype, device=payload.device))
             if placeholders:
                 state.grad_shard.untyped_storage().resize_(0)
             state.grad_fresh = True
-        self._manager: ChunkManager | None = None  # Note [offloaded gradient shards]
         for state in states:
             state.release_grads()
 
@@ -71,6 +81,11 @@ class ShardedGrads:
     def shards(self) -> list[torch.Tensor]:
         """This rank's gradient shard of every chunk (placeholders when offloaded)."""
         return [s.grad_shard for s in self.states]
+
+    def shard_bytes(self) -> int:
+        """Bytes of the in-memory shards that are tensors of their own (the degenerate layout's are the gradient
+        chunks; offloaded shards are counted by their manager)."""
+        return sum(s.grad_shard.untyped_storage().nbytes() for s in self.states) if self.sharded else 0
 
     @property
     def managed(self) -> list[int] | None:
@@ -101,7 +116,10 @@ class ShardedGrads:
         self.states[index].retire()
 
     def settle(self) -> None:
-        """Before the shards are read: those no backward wrote since `zero` become real zeros."""
+        """Before the shards are read: those no backward wrote since `zero` become real zeros (the degenerate
+        layout's chunks are real always)."""
+        if not self.sharded:
+            return
         for state in self.states:
             if state.grad_fresh and state.grad_handle is None:
                 state.grad_shard.zero_()

@@ -37,4 +37,4 @@ class OptimizerBinding:
     @property
     def grads_managed(self) -> bool:
         """Gradient shards in the chunk manager (Note [offloaded gradient shards])."""
-        return self.shards_grads and self.sharded_grads.managed is not None
+        return self.sharded_grads.managed is not None

@@ -14,8 +14,8 @@ chunks are then gathered on demand and left to the backward release.
 Ahead of demand, the chunks the trace says come next (Note [gather trace]) are gathered
 asynchronously, up to `prefetch_numel` elements gathered ahead and `max_live_numel` elements
 gathered in all, so the all-gathers overlap compute.
-Every stage has a gatherer: under stages 0-2 it is built over no chunk (every chunk is WHOLE), so it hooks no
-module and its passes touch no chunk (Note [stage predicates]).
+Every stage has a gatherer, over every chunk: under stages 0-2 (the degenerate layout, Note [stage predicates])
+every chunk is WHOLE, so it hooks no module and its passes touch no chunk.
 A chunk's owner modules, those done in this pass and the gathered() blocks holding it are kept in its
 ChunkState, with its phase (Note [chunk phases]).
 Collectives must match across ranks: every rank must run the same modules in the same order (as
@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import CommCounter
+from engine.zero.chunk_state import ChunkPhase
 from engine.zero.gather_trace import GatherTrace
 from engine.zero.hooks import ZeroHooks
 from engine.zero.param_shards import ShardedParams
@@ -68,7 +69,7 @@ class ParamGatherer:
         self._leaf_chunks: set[int] = set()  # released by their leaf's backward or the pass end only
         for module, recurse in _hooked_modules(model):
             chunks = sorted({chunk_of[id(p)] for p in module.parameters(recurse=recurse)
-                             if id(p) in chunk_of and not self.states[chunk_of[id(p)]].persistent})
+                             if id(p) in chunk_of and self.states[chunk_of[id(p)]].phase is not ChunkPhase.WHOLE})
             if not chunks:
                 continue
             self._module_chunks[module] = tuple(chunks)
@@ -85,17 +86,17 @@ class ParamGatherer:
         self.phase = phase
         self._trace = self.traces.setdefault(phase if key is None else (phase, key), GatherTrace())
         self._trace.begin()
-        for state in self.states:
-            state.done.clear()
+        for c in self.shards.transient:  # only transient chunks have owners (hooked modules)
+            self.states[c].done.clear()
 
     def end(self) -> None:
-        """Ends the pass: every non-persistent chunk is released (in-flight gathers are waited for), except
+        """Ends the pass: every transient chunk is released (in-flight gathers are waited for), except
         those user code holds gathered (`gathered`)."""
         if self.phase is not TrainingPhase.IDLE:
             self._trace.end()
         self.phase, self._trace = TrainingPhase.IDLE, None
         self._ahead.clear()
-        for c in range(len(self.shards)):
+        for c in self.shards.transient:
             self.release(c)
 
     # ---- hooks ---------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""ZeRO stage 3: each rank keeps its shard of every parameter chunk; full chunks exist only while gathered.
+"""ZeRO stage 3: each rank keeps its shard of every parameter chunk; full chunks exist only while gathered (under
+stages 0-2 the degenerate layout: each chunk's one shard is its whole payload).
 
 Note [sharded parameters]
 With parameters sharded (Note [sharding policy]) a rank keeps, between uses, only its own shard of
@@ -63,13 +64,18 @@ class ShardedParams:
     """The persistent parameter shards and the transient full parameter chunks of one rank, kept in the
     chunks' states: each non-persistent chunk cycles SHARDED → GATHERING → GATHERED (Note [chunk phases])."""
 
-    def __init__(self, states: list[ChunkState], placeholders: bool = False):
+    def __init__(self, states: list[ChunkState], placeholders: bool = False, gathers: bool = True):
         """The shards start uninitialized: the runtime's start (or zero_init) writes them (Note [a bounded start]);
         placeholders=True: with no storage either, for shards a chunk manager will hold. Each chunk is sharded as
-        its `place` says."""
+        its `place` says. gathers=False: the degenerate layout of stages 0-2 (Note [stage predicates]): every
+        chunk is WHOLE and its one shard is its whole payload, so nothing is allocated, gathered or released."""
         self.states = states
+        self.gathers = gathers
         for state in states:
             payload = state.param_chunk.payload
+            if not gathers:
+                state.param_store = MemoryStore(payload)
+                continue
             if state.persistent:
                 # a view: always holds
                 state.param_store = MemoryStore(shard_of(payload, state.place.rank, state.place.count))
@@ -82,8 +88,10 @@ class ShardedParams:
             state.param_store = MemoryStore(torch.empty(n, dtype=payload.dtype, device=payload.device))
             if placeholders:
                 state.param_shard.untyped_storage().resize_(0)
-        # elements of non-persistent chunks not released (gathered or gathering): kept, not summed per demand
-        self.live_numel = sum(s.numel for s in states if not s.persistent)
+        # the chunks that cycle SHARDED → GATHERING → GATHERED (none in the degenerate layout)
+        self.transient = tuple(i for i, s in enumerate(states) if s.phase is not ChunkPhase.WHOLE)
+        # elements of transient chunks not released (gathered or gathering): kept, not summed per demand
+        self.live_numel = sum(states[i].numel for i in self.transient)
         self._manager: ChunkManager | None = None  # Note [offloaded parameter shards]
 
     @property
@@ -93,15 +101,15 @@ class ShardedParams:
 
     @property
     def persistent(self) -> list[bool]:
-        return [s.persistent for s in self.states]
+        """Whether each chunk is never released (WHOLE: its shard is a view of its payload)."""
+        return [s.phase is ChunkPhase.WHOLE for s in self.states]
 
     def offload_to(self, manager: ChunkManager, home: Location) -> None:
         """Moves every non-persistent shard into `manager` on `home`; the shard tensors become placeholders, used
         where the manager says (Note [where a chunk is used])."""
         self._manager = manager
-        for state in self.states:
-            if not state.persistent:
-                # values still to come (the start or zero_init writes them): registered as zeros, no memory or I/O
+        for state in (self.states[i] for i in self.transient):
+            # values still to come (the start or zero_init writes them): registered as zeros, no memory or I/O
                 state.param_store = manage(state.param_store, manager, "param", home)
 
     def shard(self, index: int, writes: bool) -> ContextManager[torch.Tensor]:
@@ -151,7 +159,7 @@ class ShardedParams:
     def shard_bytes(self) -> int:
         """Bytes of the in-memory shards that are tensors of their own (persistent chunks' shards are payload
         views; offloaded shards are counted by their manager)."""
-        return sum(s.param_shard.untyped_storage().nbytes() for s in self.states if not s.persistent)
+        return sum(self.states[i].param_shard.untyped_storage().nbytes() for i in self.transient)
 
     def stepped_chunks(self) -> dict[int, int]:
         """id(shard tensor) -> its manager chunk, for the offloaded shards (the optimizer steps those views)."""

@@ -313,8 +313,7 @@ class ZeroRuntime:
             if self._engine_reduces() and not self.synchronized and unreduced:
                 self.reducer.reduce_all()  # the boundary backward ran inside no_sync() or accumulate_locally()
             self.gradients = GradientsHeld.LOCAL
-            if chunked.shards_grads:
-                chunked.sharded_grads.settle()  # shards no backward wrote (Note [sharded gradients])
+            chunked.sharded_grads.settle()  # shards no backward wrote (Note [sharded gradients]); stages 0-1: none
             chunked.sync_views()
             if chunked.has_masters and not chunked.grads_managed:  # Note [master weights]
                 chunked.masters.stage_grads()  # (managed 16-bit shards are widened as stepped)
