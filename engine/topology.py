@@ -112,8 +112,9 @@ class Topology:
     edp_size: int = 0  # 0: the dp group's size
     edp_rank: int = -1  # -1: the dp rank
     mesh: Mesh | None = None  # None: one process
-    # hybrid sharding (Note [hybrid sharding]): the ranks sharing this rank's ZeRO states, a part of dp_group; and
-    # the ranks holding the same shard in the other copies. None, 1: no hybrid sharding (dp_group shards them)
+    # hybrid sharding (Note [hybrid sharding]): the ranks sharing this rank's ZeRO states, a part of dp_group (read
+    # through shard_group); and the ranks holding the same shard in the other copies. None, 1: no hybrid sharding
+    # (dp_group shards them, and there is no copy to reduce across)
     zero_shard_group: dist.ProcessGroup | None = None
     replica_group: dist.ProcessGroup | None = None
     replica_size: int = 1
@@ -125,7 +126,14 @@ class Topology:
 
     @property
     def shard_size(self) -> int:
+        """Ranks one copy of the ZeRO states is sharded over (dp × sp, or mics_shard_size of them)."""
         return self.dp_world_size // self.replica_size
+
+    @property
+    def in_first_copy(self) -> bool:
+        """This rank's ZeRO shards are the first copy's (every rank's, without hybrid sharding): the copy a
+        checkpoint records (Note [hybrid sharding])."""
+        return self.dp_rank < self.shard_size
 
     @property
     def shard_rank(self) -> int:

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from engine import initialize, zero_init
 from engine.config import load_config
@@ -184,6 +185,15 @@ def test_a_hybrid_checkpoint_loads_as_plain_zero3_on_the_same_ranks(run, referen
         assert_params_close(r["params"], reference[2])
     assert_close_relative([sum(r["losses"][i] for r in results) / WORLD for i in range(STEPS - SAVED_AT)],
                           reference[0][SAVED_AT:])
+
+
+def test_a_hybrid_checkpoint_holds_one_copy_of_the_shards(run):
+    """The first copy's ranks (ZeRO ranks 0, 1) write the shards; the second copy's hold the same and write none."""
+    (tag,) = [d for d in os.listdir(os.path.join(run[0], "hsdp")) if d.startswith("global_step")]
+    directory = os.path.join(run[0], "hsdp", tag)
+    files = {rank: load_file(os.path.join(directory, f"rank{rank:05d}.safetensors")) for rank in range(WORLD)}
+    chunks = {rank: [key for key in tensors if key.startswith("chunk.")] for rank, tensors in files.items()}
+    assert chunks[0] and chunks[1] and not chunks[2] and not chunks[3], {r: len(k) for r, k in chunks.items()}
 
 
 def test_a_hybrid_checkpoint_loads_in_one_process(run, reference):

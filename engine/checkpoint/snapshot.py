@@ -30,8 +30,11 @@ def take_snapshot(run: TrainingState, placements: dict[str, Placement], copy: bo
     snap.record = {"rank": topo.rank, "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "tp_rank": topo.tp_rank,
                    "ep_rank": topo.ep_rank, "edp_rank": topo.expert_dp_rank}
 
-    def owns(index: int) -> bool:  # unsharded: one copy, its group's first rank's (an expert chunk: each ep rank's)
-        return states.shard_count(index) > 1 or (topo.expert_dp_rank if states.is_expert(index) else topo.dp_rank) == 0
+    def owns(index: int) -> bool:  # unsharded: one copy, its group's first rank's (an expert chunk: each ep rank's);
+        # sharded: the first copy's shards (Note [hybrid sharding]: the other copies hold the same)
+        if states.shard_count(index) > 1:
+            return topo.in_first_copy
+        return (topo.expert_dp_rank if states.is_expert(index) else topo.dp_rank) == 0
 
     def keep(t: torch.Tensor, transient: bool) -> torch.Tensor:
         t = t.detach()

@@ -125,7 +125,10 @@ def model_states(params: list[TrainableParam], config: Config, dp: int) -> Model
         raise ValueError("the config has no 'optimizer' section; the estimate needs it to size optimizer states")
     zero = config.zero_optimization
     policy = ShardingPolicy(zero.stage)
-    group = min(dp, zero.mics_shard_size) if zero.mics_shard_size > 0 else dp
+    if zero.mics_shard_size > 0 and dp % zero.mics_shard_size:
+        raise ValueError(f"zero_optimization.mics_shard_size {zero.mics_shard_size} must divide the {dp} data-parallel "
+                         "ranks, as a run requires (Note [hybrid sharding]); use a divisor, or -1")
+    group = zero.mics_shard_size if zero.mics_shard_size > 0 else dp
     shards = group if policy.shards(ChunkKind.OPTIM) else 1
     sharded = shards > 1
     chunks = chunk_specs(params, config, shards)

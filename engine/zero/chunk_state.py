@@ -11,9 +11,9 @@ ChunkedParams, and the chunk's own operations are its methods: `gather`, `wait`,
 The group-level classes only schedule: the gatherer (stage 3) picks which chunk to gather and
 release when, the reducer which to reduce and retire when; ShardedParams and ShardedGrads keep
 the group's totals. Stages 0-2 are the degenerate layout (Note [stage predicates]): every chunk is
-WHOLE (one shard, its payload, that always holds), so `release` and `gather` have nothing to do;
-under stages 0-1 its gradient shard is its whole gradient chunk too, so `retire` has nothing to do
-and `zero_grad_shard` zeroes the chunk. `chunked.states[7]` (its repr, or
+WHOLE (its shard a view of its payload, that always holds), so `release` and `gather` have nothing
+to do; under stages 0-1 its gradient shard is a view of its whole gradient chunk too, so `retire` has
+nothing to do and `zero_grad_shard` zeroes the chunk. `chunked.states[7]` (its repr, or
 `describe()`) answers "what state is chunk 7 in?":
 - its members: the parameters, their slots, their gradient views, and under stage 3 the modules
   that directly own them (whose forward gathers the chunk, Note [gathering around modules]);

@@ -42,8 +42,9 @@ so with none (stages 0-2) its passes cost nothing per chunk (Note [gathering aro
 exists whenever gradients are reduced or retired (`reduces_grads`).
 `sharded_params` and `sharded_grads` exist at every stage. Where a stage does not shard them they are the
 degenerate layout, marked by their flag (`ShardedParams.gathers`, `ShardedGrads.sharded`, which the first
-two predicates read): each chunk is one persistent shard, its whole payload (a MemoryStore over it: no
-memory of its own), so every chunk is WHOLE; gather, wait, release, take_shard and refresh_shard are no-ops,
+two predicates read): each chunk is WHOLE, as a persistent stage-3 chunk is, and its shard is a view of its
+payload (this rank's part where the optimizer states are sharded; a MemoryStore over it: no memory of its
+own); gather, wait, release, take_shard and refresh_shard are no-ops,
 `accept` adopts a replaced .grad (backward accumulated into the chunk already), `complete` is the chunk,
 `retire` and `settle` do nothing, `zero` zeroes the chunk, and the byte counts of shards of their own
 are 0. A step at stages 0-2 does the same arithmetic and collectives as if they were absent.

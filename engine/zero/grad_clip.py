@@ -86,8 +86,10 @@ class GradientClipper:
         pipelined step])."""
         square = square.to(self.topology.device)
         if self.chunked.sharded or self.chunked.has_experts:  # experts: other ranks hold other experts
-            # (each copy of hybrid sharding's shards holds every shard once: Note [hybrid sharding])
-            all_reduce_sum(square, self.topology.shard_group, self.comm, async_op=False)
+            # every copy of hybrid sharding's shards adds its share: one sum, the same on every copy (Note [hybrid
+            # sharding]); without copies the share is the whole
+            all_reduce_sum(square.div_(self.topology.replica_size), self.topology.dp_group, self.comm,
+                           async_op=False)
         if self.topology.tp_size > 1:
             all_reduce_sum(square, self.topology.tp_group, self.comm, async_op=False)
         if self.topology.pp_size > 1:

@@ -40,7 +40,7 @@ from typing import ContextManager
 import torch
 from torch import nn
 
-from engine.comm import shard_range
+from engine.comm import shard_of, shard_range
 from engine.zero.chunk_state import ChunkState
 from engine.zero.shard_store import MemoryStore, manage
 from offload.chunk import Location
@@ -54,14 +54,14 @@ class ShardedGrads:
     def __init__(self, states: list[ChunkState], placeholders: bool = False, sharded: bool = True):
         """Each chunk is sharded as its `place` says; placeholders=True: the shards have no storage from the start,
         for a chunk manager to hold them (Note [a bounded start]). sharded=False: the degenerate layout of stages
-        0-1 (Note [stage predicates]): each chunk's one shard is its whole gradient chunk, which always holds and
-        which backward accumulates into; nothing is allocated, completed, retired or released."""
+        0-1 (Note [stage predicates]): each chunk's shard is a view of its whole gradient chunk, which always holds
+        and which backward accumulates into; nothing is allocated, completed, retired or released."""
         self.states = states
         self.sharded = sharded
         self._manager: ChunkManager | None = None  # Note [offloaded gradient shards]
         if not sharded:
             for state in states:
-                state.grad_store = MemoryStore(state.grad_chunk.payload)
+                state.grad_store = MemoryStore(shard_of(state.grad_chunk.payload, state.place.rank, state.place.count))
                 state.grad_fresh = False  # the chunk holds real values (zeros after `zero`)
             return
         # a shard is "fresh" (logically zero) until its first retire after a zero(): no pass over it to zero it,

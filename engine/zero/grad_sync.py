@@ -32,16 +32,23 @@ groups joining the ranks at the same place in every copy (engine/mesh.py: dp = d
 chunks are sharded s ways (ShardPlace rank and count within the shard group); parameters are gathered, and
 updated shards all-gathered, within the shard group only, so the gathers never cross the copies. A gradient
 chunk is reduced in two phases: over the shard group (reduce-scattered, or all-reduced), then what this rank
-keeps (its shard, or the whole chunk) all-reduced over its replica group, launched once the first phase has
-finished; the result is the sum over every rank, as without hybrid sharding. The loss is still divided by the
-whole data-parallel size; the squared gradient norm is summed over the shard group alone (each copy holds every
-shard once). The starting values and a `modifier_rank`'s values are broadcast over every rank holding the
-chunk. A checkpoint records s shards (the reader takes shard d from ZeRO rank d: the first copy's); each copy's
-ranks write their own shards, so every rank's file holds what it steps.
+keeps (its shard, or the whole chunk) all-reduced over its replica group; the result is the sum over every
+rank, as without hybrid sharding. Both phases are issued together, when the chunk is launched, so every rank
+issues its collectives on the two groups in one order (NCCL can deadlock otherwise); the second waits for the
+first on a side stream on CUDA (compute goes on), in the launching thread on gloo. With one rank per shard group
+the first phase is skipped. The loss is still divided by the whole data-parallel size. The squared gradient
+norm is one sum over every rank of each rank's share (1/copies) of its shard's squares: a sum over each shard
+group alone could round differently in each copy (another algorithm, another order), and the copies, clipped by
+different factors, would drift apart. The starting values and a `modifier_rank`'s values are broadcast over
+every rank holding the chunk. A checkpoint records s shards, written by the first copy's ranks (ZeRO ranks
+0 … s-1; the reader takes shard d from ZeRO rank d).
 """
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -71,9 +78,14 @@ class GradReducer:
         self.on_chunk_complete = on_chunk_complete
         self.scatter = chunked.sharded and reduce_scatter
         self.peers = peers
+        if replicas is not None and dist.get_world_size(group) == 1:  # one rank per copy: reduce over the copies
+            group, replicas = replicas, None
         self.group = group
         self.replicas = replicas
         self._copies = dist.get_world_size(replicas) if replicas is not None else 1
+        device = chunked.states[0].grad_chunk.payload.device if chunked.states else torch.device("cpu")
+        # the stream a second phase waits on its first (Note [hybrid sharding])
+        self._side = torch.cuda.Stream(device) if replicas is not None and device.type == "cuda" else None
         self.counter = counter
         self.overlap = overlap
         self.states = chunked.states  # Note [chunk phases]: each chunk's gradients arrived, against those expected
@@ -158,7 +170,9 @@ class GradReducer:
         else:
             work = all_reduce_sum(self._payload(index), place.group_or(self.group), self.counter, async_op=True)
         if self.replicas is not None and self.peers:  # (no expert chunk under hybrid sharding: ParallelDims)
-            work = _AcrossReplicas(work, self._kept(index), self.replicas, self.counter)
+            with torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext():
+                work.wait()  # Note [hybrid sharding]: the second phase, issued now, after the first
+                work = all_reduce_sum(self._kept(index), self.replicas, self.counter, async_op=True)
         self._works.append((index, work))
         self._launched_unfinished += 1
 
@@ -240,30 +254,6 @@ class GradReducer:
             except BaseException as e:
                 # kept, not raised: this rank must go on launching the same reductions as the others, or they hang
                 self._on_shard_reduced, self._callback_error = None, e
-
-class _AcrossReplicas:
-    """Note [hybrid sharding]: a reduction within the shard group, then the part this rank keeps all-reduced over
-    its replica group, launched once the first has finished (by is_completed or wait, whichever sees it first;
-    both are called in launch order, so every rank launches the second phases in the same order)."""
-
-    def __init__(self, first, kept, replicas: dist.ProcessGroup, counter: CommCounter):
-        self.first, self.kept, self.replicas, self.counter = first, kept, replicas, counter
-        self.second = None
-
-    def _launch_second(self) -> None:
-        if self.second is None:
-            self.first.wait()
-            self.second = all_reduce_sum(self.kept, self.replicas, self.counter, async_op=True)
-
-    def is_completed(self) -> bool:
-        if self.second is None and not self.first.is_completed():
-            return False
-        self._launch_second()
-        return self.second.is_completed()
-
-    def wait(self) -> None:
-        self._launch_second()
-        self.second.wait()
 
 
 class _Done:

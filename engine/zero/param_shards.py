@@ -68,15 +68,13 @@ class ShardedParams:
         """The shards start uninitialized: the runtime's start (or zero_init) writes them (Note [a bounded start]);
         placeholders=True: with no storage either, for shards a chunk manager will hold. Each chunk is sharded as
         its `place` says. gathers=False: the degenerate layout of stages 0-2 (Note [stage predicates]): every
-        chunk is WHOLE and its one shard is its whole payload, so nothing is allocated, gathered or released."""
+        chunk is WHOLE, as a persistent one is, and its shard is a view of its payload, so nothing is allocated,
+        gathered or released."""
         self.states = states
         self.gathers = gathers
         for state in states:
             payload = state.param_chunk.payload
-            if not gathers:
-                state.param_store = MemoryStore(payload)
-                continue
-            if state.persistent:
+            if state.persistent or not gathers:
                 # a view: always holds
                 state.param_store = MemoryStore(shard_of(payload, state.place.rank, state.place.count))
                 continue
@@ -110,7 +108,7 @@ class ShardedParams:
         self._manager = manager
         for state in (self.states[i] for i in self.transient):
             # values still to come (the start or zero_init writes them): registered as zeros, no memory or I/O
-                state.param_store = manage(state.param_store, manager, "param", home)
+            state.param_store = manage(state.param_store, manager, "param", home)
 
     def shard(self, index: int, writes: bool) -> ContextManager[torch.Tensor]:
         """This rank's shard of chunk `index`, wherever it lives, for the duration of the block."""
