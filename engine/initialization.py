@@ -56,7 +56,7 @@ from engine.zero.param_gather import ParamGatherer
 from engine.zero.policy import ChunkKind, ShardingPolicy
 from engine.zero.runtime import ZeroRuntime
 from engine.zero.zero_init import materialize_parameters, zero_init_placeholders, zero_init_recording
-from offload.chunk import DEFAULT_CHUNK_CAPACITY, best_capacity
+from offload.chunk import DEFAULT_CHUNK_CAPACITY
 
 # reduce_bucket_size defaults to 5e8 elements (DeepSpeed); a chunk that large would leave nothing
 # to overlap with backward, so the default chunk is capped (16 MiB of fp32, DDP's bucket scale).
@@ -65,10 +65,10 @@ from offload.chunk import DEFAULT_CHUNK_CAPACITY, best_capacity
 FIRST_CHUNK_FRACTION = 8
 
 
-def chunk_layout(config: Config, trainable: list[torch.Size], shards: int = 1) -> tuple[int, int | None]:
+def chunk_layout(config: Config, shards: int = 1) -> tuple[int, int | None]:
     """(capacity, first chunk's capacity): `zero_optimization.chunk_size` for every chunk when given;
-    else a small first chunk and the padding-minimizing capacity up to the default cap. Both are
-    rounded up to a multiple of `shards` (Note [sharding policy])."""
+    else a small first chunk and the default cap. Both are rounded up to a multiple of `shards`
+    (Note [sharding policy]); chunks are trimmed to what they hold (Note [chunk packing])."""
     zero = config.zero_optimization
     if zero.chunk_size is not None:
         return _round_up(zero.chunk_size, shards), None
@@ -76,7 +76,7 @@ def chunk_layout(config: Config, trainable: list[torch.Size], shards: int = 1) -
     if zero.reduce_bucket_size != "auto":
         target = min(zero.reduce_bucket_size, target)
     first = _round_up(max(target // FIRST_CHUNK_FRACTION, 1), shards)
-    return _round_up(best_capacity(trainable, target, first_capacity=first), shards), first
+    return _round_up(target, shards), first
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -261,8 +261,7 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
     and sharded over the expert-data-parallel group."""
     policy = ShardingPolicy(cfg.zero_optimization.stage)
     shards = topology.shard_size if policy.shards(ChunkKind.OPTIM) else 1
-    trainable = [p.shape for g in groups for p in g["params"] if p.requires_grad]
-    capacity, first_capacity = chunk_layout(cfg, trainable, shards)
+    capacity, first_capacity = chunk_layout(cfg, shards)
     names = split.names if split is not None else {id(p): n for n, p in model.named_parameters()}
     chunked = ChunkedParams(groups, capacity, topology.device, first_capacity, names,
                             shard_count=shards, shard_rank=topology.shard_rank if shards > 1 else 0,

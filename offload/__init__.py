@@ -11,7 +11,7 @@ Stands alone (imports nothing from `engine/`):
         manager.end_iteration()
 """
 
-from offload.chunk import DEFAULT_CHUNK_CAPACITY, Chunk, ChunkList, Location, best_capacity, plan_slots
+from offload.chunk import DEFAULT_CHUNK_CAPACITY, Chunk, ChunkList, Location, plan_slots
 from offload.errors import OffloadError, SwapDirectoryError, SwapIntegrityError, SwapUsageError, SwapWriteError
 from offload.manager import BudgetError, Budgets, ChunkManager, TensorRef
 from offload.nvme import NvmeStore
@@ -21,5 +21,5 @@ from offload.stats import ManagerStats
 __all__ = [
     "DEFAULT_CHUNK_CAPACITY", "BudgetError", "Budgets", "Chunk", "ChunkList", "ChunkManager", "IllegalTransition",
     "Location", "ManagerStats", "NvmeStore", "OffloadError", "SwapDirectoryError", "SwapIntegrityError",
-    "SwapUsageError", "SwapWriteError", "TensorRef", "TensorState", "best_capacity", "plan_slots",
+    "SwapUsageError", "SwapWriteError", "TensorRef", "TensorState", "plan_slots",
 ]

@@ -43,7 +43,7 @@ from typing import Sequence
 
 import torch
 
-from offload.chunk import DEFAULT_CHUNK_CAPACITY, Chunk, Location, best_capacity, plan_slots
+from offload.chunk import DEFAULT_CHUNK_CAPACITY, Chunk, Location, plan_slots
 from offload.copy_engine import CopyEngine
 from offload.device_memory import DeviceMemory
 from offload.device_tier import DeviceTier
@@ -124,7 +124,7 @@ class ChunkManager:
                  zeros: bool = False) -> list[TensorRef]:
         """Copies `tensors` (in use order) into new chunks of `kind` on `location`; returns where each went.
 
-        `capacity` (elements) defaults to the one near DEFAULT_CHUNK_CAPACITY that wastes least padding.
+        `capacity` (elements, the most a chunk holds: Note [chunk packing]) defaults to DEFAULT_CHUNK_CAPACITY.
         zeros=True: only the tensors' shapes count; the chunks start FREE (zeros, as after `free`: no payload
         and no swap file until a first access), so registering states that start at zero costs no memory or I/O.
         """
@@ -137,7 +137,7 @@ class ChunkManager:
             raise OffloadError(f"cannot register {kind!r} onto NVMe: no nvme_dir was given to the ChunkManager")
         dtype = dtype or tensors[0].dtype
         shapes = [t.shape for t in tensors]
-        slots, sizes = plan_slots(shapes, capacity or best_capacity(shapes, DEFAULT_CHUNK_CAPACITY))
+        slots, sizes = plan_slots(shapes, capacity or DEFAULT_CHUNK_CAPACITY)
         entries = [self._chunks.add(Chunk(size, dtype), kind, location) for size in sizes]
         first = entries[0].id
         refs = []

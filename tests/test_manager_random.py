@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from offload.chunk import Location
+from offload.chunk import Location, plan_slots
 from offload.manager import Budgets, ChunkManager
 from offload.states import TensorState
 from tests.offload_checks import held_bytes, random_bits, same_bytes
@@ -22,15 +22,20 @@ def test_random_operations_keep_budgets_and_bytes(tmp_path, seed):
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     chunk_numel = 512
-    # chunks of 1-4 KiB by dtype, up to 3 in use at once: the device has room for just 3 of the largest,
-    # the CPU for 4 (a 4 KiB host buffer padded for O_DIRECT holds 8 KiB): constant eviction
-    budgets = Budgets(device=3 * 4096, cpu=4 * 8192)
+    registrations = []
+    for dtype in DTYPES:
+        tensors = [random_bits((rng.choice([64, 100, 200, 256]),), dtype, g) for _ in range(16)]
+        registrations.append((dtype, tensors, rng.choice(list(Location)[:3])))
+    # chunks of up to 1-4 KiB by dtype (each trimmed to what it holds), up to 3 in use at once: the device has room
+    # for just 3 of the largest, the CPU for 4 (a 4 KiB host buffer padded for O_DIRECT holds 8 KiB): constant eviction
+    largest = max(max(plan_slots([t.shape for t in tensors], chunk_numel)[1]) * dtype.itemsize
+                  for dtype, tensors, _ in registrations)
+    budgets = Budgets(device=3 * largest, cpu=4 * 2 * largest)
     m = ChunkManager("cpu", budgets, nvme_dir=str(tmp_path), nvme_block_size=4096, prefetch_depth=2,
                      keep_free_bytes=4096)
     shadow: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, index) -> expected contents
-    for dtype in DTYPES:
-        tensors = [random_bits((rng.choice([64, 100, 200, 256]),), dtype, g) for _ in range(10)]
-        refs = m.register(f"kind-{dtype}", tensors, capacity=chunk_numel, location=rng.choice(list(Location)[:3]))
+    for dtype, tensors, location in registrations:
+        refs = m.register(f"kind-{dtype}", tensors, capacity=chunk_numel, location=location)
         for ref, t in zip(refs, tensors):
             shadow[(ref.chunk, ref.index)] = t.clone()
     n_chunks = len(m._chunks.entries)

@@ -92,7 +92,7 @@ def chunk_specs(params: list[TrainableParam], config: Config, shards: int) -> li
     """The chunks `ChunkedParams` builds for one param group of these parameters, in its order."""
     stage = ShardingPolicy(config.zero_optimization.stage)
     threshold = persistence_threshold(config)
-    capacity, first = chunk_layout(config, [p.shape for p in params], shards)
+    capacity, first = chunk_layout(config, shards)
     compute = PrecisionPolicy.from_config(config).compute_dtype
     by_kind: dict[tuple[torch.dtype, bool], list[torch.Size]] = {}
     for p in params:
