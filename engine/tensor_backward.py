@@ -29,6 +29,7 @@ failed engine.backward does.
 from __future__ import annotations
 
 import enum
+import weakref
 
 import torch
 from torch import nn
@@ -51,7 +52,8 @@ class TensorBackward:
     def __init__(self, module: nn.Module, params: list[nn.Parameter], runtime: ZeroRuntime, engine):
         """engine: gives `_gradient_factor()`, `_on_tensor_backward()`, `loss_scaler`,
         `is_gradient_accumulation_boundary()` and `experts`."""
-        self.runtime, self.engine = runtime, engine
+        # weakly: the engine holds this object, and a cycle would keep a dropped engine's memory until gc runs
+        self.runtime, self._engine = runtime, weakref.ref(engine)
         self.state = TensorBackwardState.IDLE
         self._reduces = False
         self._scaled = False  # the running backward started at a tensor engine.scale returned
@@ -100,7 +102,7 @@ class TensorBackward:
     def _enter(self) -> None:
         if self.state is not TensorBackwardState.IDLE or self.runtime.phase is TrainingPhase.BACKWARD:
             return  # entered already, or inside engine.backward
-        engine = self.engine
+        engine = self._engine()
         self._reduces = self.runtime.begin_backward(engine.is_gradient_accumulation_boundary(),
                                                     engine.loss_scaler.scale)
         self.state = TensorBackwardState.ENTERED
@@ -108,7 +110,7 @@ class TensorBackward:
 
     def _first_gradient(self) -> None:
         """The backward is a training one: refuse what it cannot get right before any gradient lands."""
-        engine = self.engine
+        engine = self._engine()
         if engine.loss_scaler.scale != 1.0 and not self._scaled:
             raise RuntimeError(
                 f"loss.backward() under a loss scale ({engine.loss_scaler.scale:g}, fp16) without engine.scale: "

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -105,14 +106,16 @@ class ChunkManager:
                                 block_size=nvme_block_size) if nvme_dir else None)
         self.pool = HostBufferPool(pinned=pinned, block_size=self.store.block_size if self.store else 1 << 20,
                                    keep_bytes=keep_free_bytes)
-        self.tracer = Tracer(lambda: self.device_tier.non_chunk_bytes())
+        # the callbacks below reach the manager weakly: a cycle would keep a dropped manager until gc runs
+        manager = weakref.ref(self)
+        self.tracer = Tracer(lambda: manager().device_tier.non_chunk_bytes())
         self._chunks = Residency(self.device, self.pool)
         self._kinds: dict[str, list[int]] = {}
         self._stats = ManagerStats()
         self._policy = PlacementPolicy(self.tracer)  # decides what to evict and what to prefetch
         self._transfers = Transfers(self._chunks, CopyEngine(self.device), self.store, self._stats)
         self.device_tier = DeviceTier(self.memory, self._chunks, self.tracer, self._policy,
-                                      lambda entry, protect: self._evict(entry, protect, None), budgets.device,
+                                      lambda entry, protect: manager()._evict(entry, protect, None), budgets.device,
                                       device_capacity, device_margin)
         self._budgets = budgets
         self._closed = False

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-import types
+import weakref
 from typing import Callable
 
 import torch
@@ -73,15 +73,16 @@ class ActivationCheckpointing:
             raise RuntimeError(f"{name} ({type(module).__name__}): its forward is already replaced on the instance "
                                "(checkpointed twice, or by another library); checkpoint it once")
 
-        def checkpointed_forward(owner: nn.Module, *args, **kwargs):
-            forward = functools.partial(type(owner).forward, owner)
-            if not torch.is_grad_enabled():
-                return forward(*args, **kwargs)
-            _refuse_cache(name, owner, args, kwargs)
-            return self._run(forward, args, kwargs, name)
-
-        module.forward = types.MethodType(checkpointed_forward, module)
+        module.forward = CheckpointedForward(self, name, module)
         self.wrapped.append(name)
+
+    def forward_of(self, name: str, owner: nn.Module, args: tuple, kwargs: dict):
+        """A wrapped module's forward: checkpointed where autograd records."""
+        forward = functools.partial(type(owner).forward, owner)
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        _refuse_cache(name, owner, args, kwargs)
+        return self._run(forward, args, kwargs, name)
 
     # ---- the checkpoint -------------------------------------------------------------------------
     def checkpoint(self, function, *args, use_reentrant: bool | None = None, preserve_rng_state: bool = True,
@@ -210,3 +211,24 @@ def _refuse_cache(name: str, module: nn.Module, args: tuple, kwargs: dict) -> No
             "(use_cache=True): the recompute in backward would update the cache a second time, and the cache keeps "
             "every layer's keys and values alive; train with use_cache=False (e.g. model.config.use_cache = False), "
             "or leave this module out of activation_checkpointing.modules")
+
+
+class CheckpointedForward:
+    """A module's `forward` attribute while it is checkpointed. It reaches its module weakly: the module holds it,
+    and a bound method would be a reference cycle keeping a dropped model's memory until Python's cyclic collector
+    runs. A deepcopy of the module gets one bound to the copy, as a bound method would be."""
+
+    def __init__(self, checkpointing: ActivationCheckpointing, name: str, module: nn.Module):
+        self._checkpointing, self._name, self._module = checkpointing, name, weakref.ref(module)
+
+    @property
+    def __self__(self) -> nn.Module:
+        """The module, as a bound method's `__self__` is."""
+        return self._module()
+
+    def __call__(self, *args, **kwargs):
+        return self._checkpointing.forward_of(self._name, self._module(), args, kwargs)
+
+    def __deepcopy__(self, memo: dict) -> CheckpointedForward:
+        module = self._module()
+        return CheckpointedForward(self._checkpointing, self._name, memo.get(id(module), module))
