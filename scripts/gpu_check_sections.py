@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import os
 import platform
@@ -39,10 +40,23 @@ def _reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _peaks(device: torch.device) -> dict:
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _collect(device: torch.device) -> None:
+    """Frees what earlier runs left for the cyclic collector, so that each run's peaks are its own."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _peaks(device: torch.device, baseline: int = 0) -> dict:
+    """The allocator's peaks since the last reset, above `baseline` (what was allocated before the run began)."""
     if device.type != "cuda":
         return {}
-    return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+    return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(device) - baseline,
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
 
 
@@ -96,12 +110,14 @@ def _tier_config(stage: int, micro: int, offload: bool, param_offload: bool = Fa
 
 def _train_tiers(model, cfg: dict, batches, device: torch.device) -> dict:
     from engine import initialize
+    _collect(device)
+    baseline = _allocated(device)
     _reset_peak(device)
     start = time.perf_counter()
     engine = initialize(model, cfg)
     _sync(device)
     init = {"init_seconds": round(time.perf_counter() - start, 2),
-            **{f"init_{k}": v for k, v in _peaks(device).items()}}
+            **{f"init_{k}": v for k, v in _peaks(device, baseline).items()}}
     init["init_device_state_bytes"] = sum(engine.device_state_bytes().values())
     manager = getattr(engine.optimizer, "manager", None)
     if manager is not None:  # the seam's measure of initialize's peak (Note [a bounded start])
@@ -120,8 +136,9 @@ def _train_tiers(model, cfg: dict, batches, device: torch.device) -> dict:
         times.append(time.perf_counter() - t)
         losses.append(loss.item())
         between.append(engine.device_state_bytes())
-    out = {"losses": losses, "step_ms": [round(1e3 * s, 1) for s in times], **init, **_peaks(device),
-           "device_bytes_between_steps": between[-1], "sampled_device_state_peak_bytes": sampled_peak}
+    out = {"losses": losses, "step_ms": [round(1e3 * s, 1) for s in times], **init, **_peaks(device, baseline),
+           "device_bytes_between_steps": between[-1], "sampled_device_state_peak_bytes": sampled_peak,
+           "allocated_before_bytes": baseline}
     if manager is not None:
         stats = manager.stats
         bus = manager.memory.bus.total + stats.moved_bytes["cpu->device"] + stats.moved_bytes["device->cpu"]
@@ -130,6 +147,12 @@ def _train_tiers(model, cfg: dict, batches, device: torch.device) -> dict:
                    device_budget=manager.budgets.device)
     out["params"] = sum(p.numel() for p in engine.module.parameters())
     engine.close()
+    del engine, model, x, loss
+    _sync(device)
+    # a closed, dropped engine should hold no device memory; what only the cyclic collector frees is reported apart
+    out["left_after_close_bytes"] = _allocated(device) - baseline
+    _collect(device)
+    out["left_after_collect_bytes"] = _allocated(device) - baseline
     return out
 
 
@@ -280,6 +303,8 @@ def section_gpt(simulate: bool) -> dict:
 
 
 def _train_plain(model, batches, device: torch.device) -> dict:
+    _collect(device)
+    baseline = _allocated(device)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     losses, times = [], []
@@ -296,7 +321,7 @@ def _train_plain(model, batches, device: torch.device) -> dict:
         _sync(device)
         times.append(time.perf_counter() - t)
         losses.append(loss.item())
-    return {"losses": losses, "step_ms": [round(1e3 * s, 1) for s in times], **_peaks(device),
+    return {"losses": losses, "step_ms": [round(1e3 * s, 1) for s in times], **_peaks(device, baseline),
             "params": sum(p.numel() for p in model.parameters())}
 
 
