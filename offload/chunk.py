@@ -7,10 +7,10 @@ is left of the current chunk opens a new chunk; a tensor larger than the capacit
 of its own, sized to it. The first chunk may be given a smaller capacity of its own (see
 `first_capacity`; the engine uses it for the chunk whose reduction cannot overlap backward).
 Every chunk is then trimmed to what it holds (rounded up to `align`): the capacity bounds a
-chunk, it is not its size. Untrimmed, the room a tensor did not fit into stayed as padding, and
-a GPT whose 4M-element MLP weights nearly fill a chunk of their own wasted 31% of every device,
-host, NVMe and bus byte (scripts/gpu_check.py on an H200: 5.23 bus bytes per parameter for 4).
-Padding is zero-filled and never aliased by a tensor.
+chunk, it is not its size. The room a tensor did not fit into would otherwise be padding on every
+tier and on the bus: 31% of a GPT whose 4M-element MLP weights nearly fill a chunk each
+(scripts/gpu_check.py on an H200 measured 5.23 bus bytes per parameter where 4 move data).
+Padding (the rounding to `align`) is zero-filled and never aliased by a tensor.
 """
 
 from __future__ import annotations
