@@ -36,7 +36,7 @@ def test_register_packs_in_order_and_access_returns_views_that_alias_the_chunk()
     tensors = [torch.randn(3, 4), torch.randn(5), torch.randn(20), torch.randn(2)]
     refs = m.register("param", tensors, capacity=20)
     assert [(r.chunk, r.index) for r in refs] == [(0, 0), (0, 1), (1, 0), (2, 0)]  # 12 + 5 fit, 20 does not
-    assert m.chunks_of("param") == [0, 1, 2] and m.chunk(0).numel == 20 and m.chunk(2).numel == 2
+    assert m.chunks_of("param") == [0, 1, 2] and m.chunk(0).numel == 17 and m.chunk(2).numel == 2  # trimmed
     views = m.access(0, Location.DEVICE)
     assert torch.equal(views[0], tensors[0]) and torch.equal(views[1], tensors[1])
     payload = m.chunk(0).payload
