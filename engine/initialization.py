@@ -149,7 +149,8 @@ def initialize(
     progress = TrainingProgress(cfg.batch_sizes(topology.data_parallel_size).gradient_accumulation_steps)
     saver = Saver(TrainingState(  # Note [checkpoint commit]
         model, chunked, optimizer, scheduler, loss_scaler, progress, topology, features, cfg.zero_optimization.stage,
-        PrecisionPolicy.from_config(cfg).compute_dtype, runtime.gather_updated_params), cfg.checkpoint)
+        PrecisionPolicy.from_config(cfg).compute_dtype, runtime.gather_updated_params, runtime.gatherer.gathered),
+        cfg.checkpoint)
     engine = Engine(model, cfg, runtime, EngineParts(topology, scheduler, loss_scaler,
                                                      build_monitor(cfg, topology, runtime, checkpointing),
                                                      checkpointing, features, progress, saver))
@@ -254,8 +255,9 @@ def build_pipeline(split: PipelineModel, shared_groups: dict, cfg: Config, topol
 def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: list[dict],
                      pending: set[int] = frozenset(), tensor_parallel: TensorParallel | None = None,
                      split: PipelineModel | None = None, experts: ExpertParallel | None = None) -> ChunkedParams:
-    """The trainable parameters of `groups` packed into chunks and sharded over the data-parallel ranks as the
-    ZeRO stage's ShardingPolicy says (Note [sharding policy]); `pending`: ids of parameters whose values
+    """The trainable parameters of `groups`, and the model's frozen ones (Note [frozen chunks]), packed into chunks
+    and sharded over the data-parallel ranks as the ZeRO stage's ShardingPolicy says (Note [sharding policy]);
+    `pending`: ids of parameters whose values
     zero_init brings later; `split`: this rank's pipeline stages (which name the parameters, and whose parameters
     other pipeline ranks also hold count once in the global norm); `experts`: their parameters' chunks are reduced
     and sharded over the expert-data-parallel group."""
@@ -263,6 +265,9 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
     shards = topology.shard_size if policy.shards(ChunkKind.OPTIM) else 1
     capacity, first_capacity = chunk_layout(cfg, shards)
     names = split.names if split is not None else {id(p): n for n, p in model.named_parameters()}
+    dropped = experts.dropped if experts is not None else frozenset()
+    frozen = [p for p in model.parameters() if not p.requires_grad and id(p) not in dropped
+              and (split is None or split.holds(p))]  # Note [frozen chunks]
     chunked = ChunkedParams(groups, capacity, topology.device, first_capacity, names,
                             shard_count=shards, shard_rank=topology.shard_rank if shards > 1 else 0,
                             shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
@@ -270,7 +275,7 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
                             compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype,
                             page_params=cfg.zero_optimization.offload_param.device in OFFLOADED,
                             page_grads=_pages_grads(cfg), offloaded=_offloaded_kinds(cfg),
-                            experts=_expert_chunks(experts, topology, shards > 1))
+                            experts=_expert_chunks(experts, topology, shards > 1), frozen=frozen)
     if tensor_parallel is not None:
         chunked.norm_weights = tensor_parallel.norm_weights(model)
     if chunked.has_experts and not chunked.sharded:  # each rank holds the whole gradient: count it once over dp
@@ -293,15 +298,16 @@ def _offloaded_kinds(cfg: Config) -> frozenset[str]:
 
 
 def _homed_on_host(model: nn.Module, cfg: Config, topology: Topology) -> set[int]:
-    """Note [a bounded start]: ids of the trainable parameters whose shards offload_param keeps on the host — the
-    sharded (non-persistent) ones — which need not visit the device on their way into their chunks. Only where
+    """Note [a bounded start]: ids of the parameters whose shards offload_param keeps on the host — the sharded
+    (non-persistent) ones, trainable or frozen (Note [frozen chunks]) — which need not visit the device on their
+    way into their chunks. Only where
     nothing rebuilds layers before chunking (no tensor, pipeline or expert parallelism)."""
     zero = cfg.zero_optimization
     if zero.stage != 3 or zero.offload_param.device not in OFFLOADED or max(
             topology.tp_size, topology.pp_size, topology.ep_size) > 1:
         return set()
     threshold = persistence_threshold(cfg)
-    return {id(p) for p in model.parameters() if p.requires_grad and p.numel() >= threshold}
+    return {id(p) for p in model.parameters() if p.is_floating_point() and p.numel() >= threshold}
 
 
 def _to_device(model: nn.Module, device: torch.device, keep: set[int]) -> None:
@@ -374,7 +380,7 @@ def zero_runtime(model: nn.Module, cfg: Config, chunked: ChunkedParams, optimize
     hooks = ZeroHooks()
     prefetch = zero.stage3_prefetch_bucket_size if zero.stage3_prefetch_bucket_size != "auto" else 50_000_000
     # Note [stage predicates]: under stages 0-2 every chunk is WHOLE, so the gatherer hooks no module
-    gatherer = ParamGatherer(model, chunked.sharded_params, chunked.chunk_index(), topology.shard_group, comm,
+    gatherer = ParamGatherer(model, chunked.sharded_params, chunked.param_chunk_index(), topology.shard_group, comm,
                              prefetch, zero.stage3_max_live_parameters, hooks)
     overlap = zero.overlap_comm is not False  # stage 0 overlaps unless told not to
     reducer = (GradReducer(chunked, topology.shard_group, comm, hooks, overlap, zero.reduce_scatter,

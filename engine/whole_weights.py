@@ -19,10 +19,11 @@ def full_state_dict(module: nn.Module, chunked: ChunkedParams, gatherer: ParamGa
                     keep: bool) -> dict[str, torch.Tensor] | None:
     """`module.state_dict()`'s keys with whole values copied to CPU (None where not `keep`). Parameters
     are read from their chunks one chunk at a time: their fp32 masters under bf16 / fp16 (Note [master
-    weights]), gathered under stage 3 (Note [sharded parameters]); every rank must call this."""
+    weights]), gathered under stage 3 (Note [sharded parameters]), frozen ones too (Note [frozen chunks]); every
+    rank must call this."""
     entries = module.state_dict(keep_vars=True)  # the tensors themselves: no read of released chunks
-    from_chunks = chunked.has_masters or chunked.gathers_params
-    chunk_of = chunked.chunk_index() if from_chunks else {}
+    chunk_of = (chunked.param_chunk_index() if chunked.gathers_params
+                else chunked.chunk_index() if chunked.has_masters else {})
     by_chunk: dict[int, list[str]] = {}
     out = {}
     for key, tensor in entries.items():
@@ -75,7 +76,7 @@ def chunked_keys(module: nn.Module, chunked: ChunkedParams, topology: Topology) 
 def _chunk_values(chunked: ChunkedParams, gatherer: ParamGatherer, index: int,
                   group: dist.ProcessGroup | None, counter: CommCounter):
     """For the block: a function giving a parameter of chunk `index` its whole values."""
-    if not chunked.has_masters:
+    if not chunked.has_masters or chunked.all_states[index].frozen:  # a frozen chunk has no master
         with gatherer.gathered([index]):
             yield lambda p: p.detach()
         return
@@ -104,7 +105,7 @@ def gathered_parameters(params: list[nn.Parameter], chunked: ChunkedParams, gath
                         distributed: bool):
     """Engine.gathered_parameters: the chunks of `params` held gathered through the block; with
     `modifier_rank`, that rank's values of them reach every rank (and their masters) on exit."""
-    index = chunked.chunk_index()
+    index = chunked.param_chunk_index()  # frozen parameters too (Note [frozen chunks])
     chunk_of = index if chunked.gathers_params else {}
     chunks = sorted({chunk_of[id(p)] for p in params if id(p) in chunk_of})
     whole = [p for p in params if id(p) not in chunk_of]
@@ -113,11 +114,12 @@ def gathered_parameters(params: list[nn.Parameter], chunked: ChunkedParams, gath
         if modifier_rank is not None and distributed:
             with torch.no_grad():
                 for p in whole:
-                    place = chunked.states[index[id(p)]].place if id(p) in index else None
+                    place = chunked.all_states[index[id(p)]].place if id(p) in index else None
                     broadcast_from(p.data, *_modifier(place, modifier_rank, group), counter)
                 payloads = chunked.param_payloads()
                 for c in chunks:
-                    broadcast_from(payloads[c], *_modifier(chunked.states[c].place, modifier_rank, group), counter)
+                    broadcast_from(payloads[c], *_modifier(chunked.all_states[c].place, modifier_rank, group),
+                                   counter)
                     chunked.sharded_params.refresh_shard(c)
     if modifier_rank is not None:
         chunked.resync_masters(params)

@@ -13,7 +13,8 @@ class ManagerStats:
     resident_bytes / peak_bytes: bytes held per tier ("device", "cpu": payloads, buffers of copies in
     flight and kept free buffers; "nvme": payloads whose only copy is a swap file).
     moved_bytes: payload bytes per direction ("cpu->nvme", "nvme->cpu", "device->cpu", ...), counted when
-    issued (a transfer that failed and was rolled back is in `failed_transfers` as well).
+    issued (a transfer that failed and was rolled back is in `failed_transfers` as well); nvme_written_bytes: the
+    "cpu->nvme" bytes by chunk kind ("param", "frozen", "optim", ...).
     prefetch_hits: accesses that found their chunk brought (or being brought) by a prefetch;
     prefetch_misses: accesses that had to start a transfer themselves.
     blocking_waits / io_wait_seconds: accesses that waited for a transfer still in flight, and how long.
@@ -22,6 +23,7 @@ class ManagerStats:
     resident_bytes: dict[str, int] = field(default_factory=dict)
     peak_bytes: dict[str, int] = field(default_factory=dict)
     moved_bytes: Counter = field(default_factory=Counter)
+    nvme_written_bytes: Counter = field(default_factory=Counter)  # payload bytes written to NVMe, by chunk kind
     evictions: int = 0
     clean_drops: int = 0  # evictions to NVMe that needed no write (Note [clean chunks])
     prefetches: int = 0

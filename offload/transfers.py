@@ -68,6 +68,7 @@ class Transfers:
         handle = self.store.write(entry.key, buf, keep_previous=False)  # on failure the CPU copy is kept
         self.residency.place(entry, Location.NVME, None)
         self.stats.moved_bytes["cpu->nvme"] += chunk.nbytes
+        self.stats.nvme_written_bytes[entry.kind] += chunk.nbytes
 
         def undo() -> None:  # the disk refused it: the chunk stays on the CPU with its data
             self.residency.place(entry, Location.CPU, buf)

@@ -11,8 +11,9 @@ parallel ranks cut each one (its placement's cut, Note [placements]), so a param
 in the files whatever layout later reads them: that is what makes resharding (another dp, tp,
 stage or offload) and consolidation (`tiers convert`) possible without a conversion step.
 Gradients are not saved: a checkpoint is taken at an accumulation boundary, where they are zero.
-Parameters outside chunks (frozen ones) and buffers are saved whole by data-parallel rank 0 of
-each tensor-parallel rank ("extra" entries).
+Frozen parameters (in frozen chunks: Note [frozen chunks], gathered for the save under stage 3),
+parameters outside chunks and buffers are saved whole by data-parallel rank 0 of each tensor-parallel
+rank ("extra" entries), and loaded into their chunks (this rank's shard of a frozen chunk).
 Under a pipeline (layout "pp" > 1, manifest version 2) each pipeline rank has chunk lists of its
 own, and so its own sections: "chunks", "extras", "param_groups" and "lr_scheduler" become lists by
 pipeline rank (its optimizer has the param groups of the parameters it holds). Chunk members carry

@@ -169,7 +169,8 @@ class LoadPlan:
                     value = reader.tensor(ckpt.extra_piece(key, same.cut_rank))
                 else:
                     value = self.placements[key].take(reader.whole_extra(key))
-                tensor.data.copy_(value)
+                self.run.load_extra(tensor, value)  # a frozen parameter into its chunk (Note [frozen chunks])
+            self.run.chunked.sharded_params.settle_frozen()
             states.finish_loading()
 
     def _optimizer_state(self, j: int, mine, start: int, n: int, read, reader: PieceReader) -> dict[str, torch.Tensor]:

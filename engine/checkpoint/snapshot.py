@@ -59,10 +59,11 @@ def take_snapshot(run: TrainingState, placements: dict[str, Placement], copy: bo
                                   **({"expert": True, "shards": states.shard_count(i)} if states.is_expert(i) else {})}
                                  for i in range(len(states))]
         snap.record["keys"] = run.features.model_keys(list(run.module.state_dict(keep_vars=True)))  # the whole model's
+    frozen = run.frozen_values(keep=topo.dp_rank == 0)  # (gathered on every rank under stage 3)
     if topo.dp_rank == 0:
         extras, aliases = extra_entries(run.module, chunked)
         for key, t in extras.items():
-            snap.tensors[f"extra.{key}"] = keep(t, False)
+            snap.tensors[f"extra.{key}"] = frozen[id(t)] if id(t) in frozen else keep(t, False)
         snap.record["extras"] = {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                                  for k, t in extras.items()}
         snap.record["aliases"] = aliases

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -34,6 +34,27 @@ class TrainingState:
     stage: int  # zero_optimization.stage
     compute_dtype: torch.dtype
     gather_updated_params: Callable[[], None]  # sharded stages: every rank's updated shards into whole chunks
+    gathered_chunks: Callable[[list[int]], ContextManager]  # chunks held whole for a block (a collective: stage 3)
+
+    def frozen_values(self, keep: bool) -> dict[int, torch.Tensor]:
+        """id(frozen parameter) -> its whole values, copied to the CPU (where `keep`; else {}), read chunk by chunk
+        (gathered under stage 3: every rank calls this). Frozen parameters are saved whole, as extras (Note [frozen
+        chunks])."""
+        out = {}
+        with torch.no_grad():
+            for state in self.chunked.frozen_states:
+                with self.gathered_chunks([state.index]):
+                    if keep:
+                        out.update({id(p): p.detach().to("cpu", copy=True) for p in state.params})
+        return out
+
+    def load_extra(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
+        """A loaded extra entry into its tensor: a frozen parameter into its chunk (this rank's shard under stage 3),
+        anything else in place."""
+        if id(tensor) in self.chunked.param_chunk_index():
+            self.chunked.load(tensor, value)
+        else:
+            tensor.data.copy_(value)
 
     def placements(self) -> dict[str, Placement]:
         """Every tensor a checkpoint holds of this rank (chunked parameters, then extras) by name in the whole model."""

@@ -14,12 +14,12 @@ from engine.zero.chunk_state import ChunkPhase, ChunkState
 class ChunkLoading:
     """ChunkedParams' loading of values (a part of it: the attributes below are ChunkedParams')."""
 
-    states: list[ChunkState]
+    all_states: list[ChunkState]  # trainable and frozen chunks (Note [frozen chunks])
 
     def load(self, p: nn.Parameter, value: torch.Tensor) -> None:
         """Note [zero_init]: parameter `p`'s values into its chunk view, or with stage 3 into this rank's shard."""
         index, slot = self._slot_of[id(p)]
-        state = self.states[index]
+        state = self.all_states[index]
         if state.phase is ChunkPhase.WHOLE:  # the payload always holds the values (Note [chunk phases])
             state.param_chunk.view(slot).copy_(value)
             return
@@ -36,7 +36,7 @@ class ChunkLoading:
         sources = self._sources.pop(index, None)
         if sources is None:
             return False
-        state = self.states[index]
+        state = self.all_states[index]
         payload = state.param_chunk.payload
         with torch.no_grad():
             state.writer.untyped_storage().resize_(state.param_chunk.nbytes)
@@ -48,7 +48,7 @@ class ChunkLoading:
     def finish_loading(self) -> None:
         """After every `load`: zero the padding (uninitialized memory) and, with stage 3, release the chunks."""
         with torch.no_grad():
-            for state in self.states:
+            for state in self.all_states:
                 chunk = state.param_chunk
                 if state.phase is not ChunkPhase.WHOLE:  # stage 3, not persistent: the shard holds the values
                     start, n = shard_range(chunk.numel, state.place.rank, state.place.count)
@@ -60,7 +60,7 @@ class ChunkLoading:
                     chunk.payload.narrow(0, chunk.used, chunk.numel - chunk.used).zero_()
         if self.has_masters:
             self.masters.sync_from_params()
-        for state in self.states:
+        for state in self.all_states:
             if state.phase is not ChunkPhase.WHOLE:  # stage 3: loaded into the shards, the full chunks go
                 self.sharded_params.release(state.index)
 
@@ -76,7 +76,7 @@ class ChunkLoading:
             return
         with torch.no_grad():
             for p in params:
-                index, slot = self._slot_of.get(id(p), (None, None))
+                index, slot = self._slot_of.get(id(p), (None, None)) if id(p) in self._chunk_of else (None, None)
                 part = self._owned_range(index, slot) if index is not None else None
                 if part is not None:
                     start, lo, hi = part

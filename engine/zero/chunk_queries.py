@@ -13,22 +13,24 @@ from offload.chunk import Slot
 class ChunkQueries:
     """ChunkedParams' read-only queries (a part of it: the attributes below are ChunkedParams')."""
 
-    states: list[ChunkState]
+    states: list[ChunkState]  # the trainable chunks
+    all_states: list[ChunkState]  # and the frozen ones after them (Note [frozen chunks])
 
     def chunk_count(self) -> int:
+        """Trainable chunks (those with gradients and optimizer states); frozen ones come after them."""
         return len(self.states)
 
     def chunk_numel(self, index: int) -> int:
         """Elements of param chunk `index` (its capacity, padding included)."""
-        return self.states[index].numel
+        return self.all_states[index].numel
 
     def describe(self, index: int) -> str:
         """What state chunk `index` is in (Note [chunk phases]), its members named."""
-        return self.states[index].describe(self._names)
+        return self.all_states[index].describe(self._names)
 
     def chunk_members(self, index: int) -> list[tuple[nn.Parameter, Slot]]:
         """The parameters of chunk `index` with their slots, in chunk order."""
-        return list(zip(self.states[index].params, self.states[index].slots))
+        return list(zip(self.all_states[index].params, self.all_states[index].slots))
 
     def stepped_tensors(self) -> list[torch.Tensor]:
         """What the optimizer steps, one per chunk in chunk order: the whole payload, this rank's shard of it,
@@ -43,11 +45,16 @@ class ChunkQueries:
         return self._names.get(id(p), f"<unnamed {tuple(p.shape)} {p.dtype}>")
 
     def chunk_index(self) -> dict[int, int]:
-        """id(parameter) -> the index of its chunk among all param chunks (the same index for its grad chunk)."""
+        """id(trainable parameter) -> the index of its chunk among the param chunks (the same for its grad chunk)."""
         return self._chunk_of
 
+    def param_chunk_index(self) -> dict[int, int]:
+        """id(parameter) -> the index of its param chunk, frozen ones included (Note [frozen chunks])."""
+        return self._param_chunk_of
+
     def param_payloads(self) -> list[torch.Tensor]:
-        return [s.param_chunk.payload for s in self.states]
+        """Every param chunk's payload, frozen ones included, by chunk index."""
+        return [s.param_chunk.payload for s in self.all_states]
 
     def grad_payloads(self) -> list[torch.Tensor]:
         return [s.grad_chunk.payload for s in self.states]

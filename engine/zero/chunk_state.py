@@ -89,8 +89,8 @@ class ChunkState:
     params: list[nn.Parameter]  # members, in chunk order
     slots: list[Slot]  # their places in the param chunk (and in the grad chunk: the same slots)
     param_chunk: Chunk
-    grad_chunk: Chunk
-    grad_views: list[torch.Tensor]  # each member's view into the grad chunk
+    grad_chunk: Chunk | None  # None: a frozen chunk (Note [frozen chunks]), which has no gradients
+    grad_views: list[torch.Tensor]  # each member's view into the grad chunk (none for a frozen chunk)
     phase: ChunkPhase = ChunkPhase.WHOLE
     persistent: bool = False  # stage 3: below the persistence threshold, never released
     place: ShardPlace = ShardPlace()  # the ranks it is reduced over and sharded across
@@ -116,6 +116,11 @@ class ChunkState:
 
     def __post_init__(self) -> None:
         self._grad_view_of = {id(p): view for p, view in zip(self.params, self.grad_views)}
+
+    @property
+    def frozen(self) -> bool:
+        """Its parameters do not train: no gradient chunk, master or optimizer state (Note [frozen chunks])."""
+        return self.grad_chunk is None
 
     # ---- phase ---------------------------------------------------------------------------------
     def to(self, new: ChunkPhase) -> None:
@@ -275,8 +280,8 @@ class ChunkState:
 
     @property
     def expected_grads(self) -> int:
-        """Gradients a backward delivers to this chunk: one per member."""
-        return len(self.params)
+        """Gradients a backward delivers to this chunk: one per member (none to a frozen chunk)."""
+        return 0 if self.frozen else len(self.params)
 
     @property
     def ready_grads(self) -> int:
@@ -298,6 +303,8 @@ class ChunkState:
         names = names or {}
         members = ", ".join(names.get(id(p), f"<{tuple(p.shape)}>") for p in self.params)
         lines = [repr(self), f"  members: {members}"]
+        if self.frozen:
+            lines.append("  frozen (no gradients, masters or optimizer states)")
         if self.persistent:
             lines.append("  persistent (below the persistence threshold: never released)")
         for what, shard, handle in (("param", self.param_shard, self.param_handle),

@@ -1,4 +1,5 @@
-"""The model's trainable parameters packed into chunks, with a gradient chunk for each.
+"""The model's parameters packed into chunks: the trainable ones with a gradient chunk for each, the frozen ones in
+chunks of their own.
 
 Note [parameters as chunk views]
 Each trainable parameter keeps its identity (the nn.Parameter object the model and user code
@@ -17,6 +18,33 @@ shard count and the optimizer steps only this rank's shard of each chunk: a view
 payload[rank*n/w:(rank+1)*n/w] of the param chunk (engine.comm.shard_of), whose .grad is the same
 range of the grad chunk. Each chunk's members, slots and stepped tensors are in its ChunkState
 (Note [chunk phases]), `states[index]`.
+
+Note [frozen chunks]
+Parameters with requires_grad=False (a frozen base model under adapters; anywhere in the model, listed in a param
+group or not) are packed into frozen chunks, by dtype (the compute dtype under bf16 / fp16, as the trainable
+ones), after the trainable chunks: `states` are the trainable chunks, `frozen_states` the frozen ones, `all_states`
+both, and chunk indices run over all of them (trainable first, so a trainable chunk's index is the same in both).
+A frozen chunk has a param chunk only (its ChunkState's grad_chunk is None): no gradient chunk, fp32 master or
+optimizer state; it is never reduced, stepped or counted in the gradient norm, so everything gradient- or
+optimizer-side (the reducer, ShardedGrads, MasterWeights, the optimizer binding, norms, the checkpoint's chunk
+layout) sees `states` only, while ShardedParams, the gatherer, loading and the runtime's start see `all_states`.
+- Stages 0-2: frozen chunks are WHOLE on the device. Stage 3: sharded like trainable ones (the persistence
+  threshold applies), gathered before a module's forward and again when backward reaches it (gradients flow
+  through frozen weights to earlier trainable ones); after the forward they are released as trainable ones are,
+  and in backward, since no gradient arrives to say they are done, once the backward of every module that
+  registered for it (a module whose inputs need gradients) has computed its inputs' gradients (the gatherer's
+  `_after_frozen_backward`), or at the pass end: the live bytes stay bounded as in forward.
+- With offload_param (stage 3) frozen shards live in the chunk manager as kind "frozen" on the CPU or NVMe tier,
+  read only (a gather accesses them with writes=False): once the start (or zero_init, or a checkpoint load) wrote
+  them, `settle_frozen` puts each on its home tier, one write to NVMe, and from there a page-out is a drop. The
+  manager counts NVMe writes by kind (`stats.nvme_written_bytes["frozen"]`), which stays constant over training.
+- The runtime's start gives every rank rank 0's values of frozen chunks as of trainable ones.
+- Whether a parameter trains is fixed at initialize(): a chunk's kind decides its gradient, master and optimizer
+  state. Unfreezing a frozen parameter or freezing a trainable one afterwards is refused, naming the parameter,
+  at the next backward and before any update (`check_trainability`); the fix is to build the engine again.
+- Checkpoints save frozen parameters whole, as "extra" entries (gathered chunk by chunk under stage 3, as they
+  were saved when they lived outside chunks: older checkpoints read the same), and load them into their chunks.
+- `device_state_bytes` counts them under "param".
 
 Note [a bounded start]
 initialize never holds the whole model on the device in any form on its way into chunks, so a model whose
@@ -88,7 +116,7 @@ class ChunkGroup:
     params: list[nn.Parameter]
     options: dict  # the param group's own options (lr, weight_decay, ...), without "params"
     param_chunks: ChunkList
-    grad_chunks: ChunkList
+    grad_chunks: ChunkList | None  # None: frozen parameters (Note [frozen chunks])
     persistent: bool = False  # stage 3: below the persistence threshold, never released (Note [sharded parameters])
     place: ShardPlace = ShardPlace()  # its chunks' reduction group and shards (Note [expert parallelism])
     states: list[ChunkState] = field(default_factory=list)  # its chunks' states (Note [chunk phases])
@@ -104,7 +132,7 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
                  shard_grads: bool = False, shard_params: bool = False, persistence_threshold: int = 0,
                  pending: set[int] | None = None, compute_dtype: torch.dtype = torch.float32,
                  page_params: bool = False, page_grads: bool = False, experts: ExpertChunks | None = None,
-                 offloaded: frozenset[str] = frozenset()):
+                 offloaded: frozenset[str] = frozenset(), frozen: list[nn.Parameter] | None = None):
         """pending: ids of parameters whose values `load` brings later (zero_init); memory that would only
         hold values transiently is then left untouched (uninitialized payloads). compute_dtype bf16/fp16:
         16-bit chunks with fp32 masters (Note [master weights]). page_params: stage 3's shards (and stage 2's
@@ -112,7 +140,8 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
         (Note [paging in one process]). page_grads: gradient shards even with one shard, for an offloaded
         optimizer to take them to the host (Note [device tier]). experts: parameters whose chunks have a place of
         their own. offloaded: the kinds ("param", "grad", "optim") a chunk manager will hold: their shards and
-        masters start as placeholders (Note [a bounded start])."""
+        masters start as placeholders (Note [a bounded start]). frozen: the model's parameters that do not train
+        (in model order), packed into frozen chunks with those the param groups list (Note [frozen chunks])."""
         for what, value in (("capacity", capacity), ("first chunk capacity", first_capacity or shard_count)):
             if value % shard_count:
                 raise ValueError(f"chunk {what} {value} is not a multiple of the shard count {shard_count}")
@@ -126,23 +155,14 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
         self.values_pending = values_pending = bool(pending)
         sharding = shard_count > 1 or page_params  # per-rank shards exist (of the whole chunk, with one rank)
         grad_sharding = sharding or page_grads
-        self.groups: list[ChunkGroup] = []
+        packed: list[ChunkGroup] = []  # trainable groups first, then frozen ones (Note [frozen chunks])
         self._sources: dict[tuple[int, int], list[tuple[Slot, torch.Tensor]]] = {}  # (group, chunk) -> its values
         self._names = names or {}
-        seen: set[int] = set()
-        for group in param_groups:
-            options = {k: v for k, v in group.items() if k != "params"}
+        layout = dict(capacity=capacity, device=device, first_capacity=first_capacity, align=shard_count)
+
+        def pack(params: list[nn.Parameter], options: dict, trains: bool) -> None:
             by_kind: dict[tuple[torch.dtype, bool, ShardPlace], list[nn.Parameter]] = {}
-            for p in group["params"]:
-                if id(p) in seen:
-                    raise ValueError(f"parameter '{self.name_of(p)}' is listed twice in the param groups; list each "
-                                     "parameter once")
-                seen.add(id(p))
-                if not p.requires_grad:
-                    continue
-                if not p.is_floating_point():
-                    raise TypeError(f"parameter '{self.name_of(p)}' of dtype {p.dtype} requires grad but only floating "
-                                    "dtypes train; set requires_grad=False on it")
+            for p in params:
                 persistent = shard_params and p.numel() < persistence_threshold
                 dtype = compute_dtype if compute_dtype != torch.float32 else p.dtype
                 place = experts.place if experts is not None and id(p) in experts.params else dense
@@ -152,54 +172,90 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
                 # values wait where they are until `start` fills it, one chunk at a time (Note [a bounded start])
                 lazy = shard_params and sharding and not persistent
                 with torch.no_grad():
-                    layout = dict(capacity=capacity, dtype=dtype, device=device, first_capacity=first_capacity,
-                                  align=shard_count)
                     # a pending parameter's values are garbage: a meta stand-in gives the shape and is not copied
                     sources = [torch.empty_like(p, device="meta") if id(p) in pending else p.data for p in params]
-                    param_chunks = ChunkList(sources, released=lazy, **layout)
-                    grad_chunks = ChunkList([p.data for p in params], copy_values=False,
-                                            released=grad_sharding and shard_grads, **layout)
+                    param_chunks = ChunkList(sources, released=lazy, dtype=dtype, **layout)
+                    grad_chunks = ChunkList([p.data for p in params], copy_values=False, dtype=dtype,
+                                            released=grad_sharding and shard_grads, **layout) if trains else None
                 if lazy and not values_pending:
                     for slot, source in zip(param_chunks.slots, sources):
-                        self._sources.setdefault((len(self.groups), slot.chunk), []).append((slot, source))
-                for p, pv, gv in zip(params, param_chunks.views, grad_chunks.views):
+                        self._sources.setdefault((len(packed), slot.chunk), []).append((slot, source))
+                for p, pv in zip(params, param_chunks.views):
                     p.data = pv
+                for p, gv in zip(params, grad_chunks.views if trains else []):
                     p.grad = gv
-                self.groups.append(ChunkGroup(params, options, param_chunks, grad_chunks, persistent, place))
-        if not self.groups:
+                packed.append(ChunkGroup(params, options, param_chunks, grad_chunks, persistent, place))
+
+        seen: set[int] = set()
+        listed_frozen: list[nn.Parameter] = []
+        for group in param_groups:
+            trainable = []
+            for p in group["params"]:
+                if id(p) in seen:
+                    raise ValueError(f"parameter '{self.name_of(p)}' is listed twice in the param groups; list each "
+                                     "parameter once")
+                seen.add(id(p))
+                if not p.requires_grad:
+                    listed_frozen.append(p)
+                    continue
+                if not p.is_floating_point():
+                    raise TypeError(f"parameter '{self.name_of(p)}' of dtype {p.dtype} requires grad but only floating "
+                                    "dtypes train; set requires_grad=False on it")
+                trainable.append(p)
+            pack(trainable, {k: v for k, v in group.items() if k != "params"}, trains=True)
+        if not packed:
             raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
-        # Note [chunk phases]: one state per chunk index (param and grad chunk alike), in group order
-        self.states: list[ChunkState] = []
+        frozen_once: dict[int, nn.Parameter] = {}  # each once (tied), in model order, then those only the groups list
+        for p in [*(frozen or []), *listed_frozen]:
+            if not p.requires_grad and p.is_floating_point():  # integer ones stay module parameters, as buffers do
+                frozen_once.setdefault(id(p), p)
+        trainable_groups = len(packed)
+        pack(list(frozen_once.values()), {}, trains=False)
+        self.groups: list[ChunkGroup] = packed[:trainable_groups]
+        self.frozen_groups: list[ChunkGroup] = packed[trainable_groups:]
+        # Note [chunk phases]: one state per chunk index (param and grad chunk alike), in group order; frozen chunks
+        # after the trainable ones (Note [frozen chunks])
+        self.all_states: list[ChunkState] = []
         self._slot_of: dict[int, tuple[int, Slot]] = {}  # id(parameter) -> (its chunk's index, its slot)
         stage3 = shard_params and sharding
         sources_by_group, self._sources = self._sources, {}
-        for gi, g in enumerate(self.groups):
-            base = len(self.states)
+        for gi, g in enumerate(packed):
+            base = len(self.all_states)
             for (group, chunk), values in sources_by_group.items():
                 if group == gi:
                     self._sources[base + chunk] = values  # keyed by chunk index from here on
-            members: list[list[tuple[nn.Parameter, Slot, torch.Tensor]]] = [[] for _ in g.param_chunks.chunks]
-            for p, slot, gv in zip(g.params, g.param_chunks.slots, g.grad_chunks.views):
+            members: list[list[tuple[nn.Parameter, Slot]]] = [[] for _ in g.param_chunks.chunks]
+            for p, slot in zip(g.params, g.param_chunks.slots):
                 self._slot_of[id(p)] = (base + slot.chunk, slot)
-                members[slot.chunk].append((p, slot, gv))
-            for i, (pc, gc, m) in enumerate(zip(g.param_chunks.chunks, g.grad_chunks.chunks, members)):
+                members[slot.chunk].append((p, slot))
+            grad_chunks = g.grad_chunks.chunks if g.grad_chunks is not None else [None] * len(members)
+            grad_views = g.grad_chunks.views if g.grad_chunks is not None else []
+            grad_view_of = {id(p): v for p, v in zip(g.params, grad_views)}
+            for i, (pc, gc, m) in enumerate(zip(g.param_chunks.chunks, grad_chunks, members)):
                 phase = ChunkPhase.GATHERED if stage3 and not g.persistent else ChunkPhase.WHOLE
                 # what the optimizer steps: whole payloads, or this rank's shards of them (made once: the
                 # optimizer keys its state by these tensor objects); stage 3 / 2 / masters replace them below
-                self.states.append(ChunkState(
-                    index=base + i, params=[p for p, _, _ in m], slots=[s for _, s, _ in m], param_chunk=pc,
-                    grad_chunk=gc, grad_views=[v for _, _, v in m], phase=phase, persistent=g.persistent,
-                    place=g.place, stepped=self._owned(pc.payload, g.place),
-                    stepped_grad=self._owned(gc.payload, g.place)))
-            g.states = self.states[base:]
+                self.all_states.append(ChunkState(
+                    index=base + i, params=[p for p, _ in m], slots=[s for _, s in m], param_chunk=pc,
+                    grad_chunk=gc, grad_views=[grad_view_of[id(p)] for p, _ in m if id(p) in grad_view_of],
+                    phase=phase, persistent=g.persistent, place=g.place,
+                    stepped=None if gc is None else self._owned(pc.payload, g.place),
+                    stepped_grad=None if gc is None else self._owned(gc.payload, g.place)))
+            g.states = self.all_states[base:]
+        trainable_chunks = sum(len(g.param_chunks.chunks) for g in self.groups)
+        self.states: list[ChunkState] = self.all_states[:trainable_chunks]  # the trainable chunks
+        self.frozen_states: list[ChunkState] = self.all_states[trainable_chunks:]
         # Note [global norm under tensor parallelism]: each parameter's share of the squared global norm
         self.norm_weights: dict[int, float] = {}
-        self._chunk_of = {pid: index for pid, (index, _) in self._slot_of.items()}
+        self._param_chunk_of = {pid: index for pid, (index, _) in self._slot_of.items()}
+        self._chunk_of = {pid: index for pid, index in self._param_chunk_of.items() if index < trainable_chunks}
         self.params = [p for g in self.groups for p in g.params]
         self._param_views = [pv for g in self.groups for pv in g.param_chunks.views]
+        self.frozen_params = [p for g in self.frozen_groups for p in g.params]
+        self._frozen_views = [pv for g in self.frozen_groups for pv in g.param_chunks.views]
         # stage 3: persistent parameter shards; full chunks only while gathered (Note [sharded parameters]);
-        # stages 0-2: the degenerate layout, each chunk its own one shard (Note [stage predicates])
-        self.sharded_params = ShardedParams(self.states, placeholders="param" in offloaded, gathers=stage3)
+        # stages 0-2: the degenerate layout, each chunk its own one shard (Note [stage predicates]); frozen chunks too
+        self.sharded_params = ShardedParams(self.all_states, placeholders="param" in offloaded, gathers=stage3)
         if stage3:
             for state in self.states:
                 state.stepped = state.param_shard
@@ -227,8 +283,8 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
     def _owned_range(self, index: int, slot: Slot) -> tuple[int, int, int] | None:
         """(start of this rank's elements in chunk `index`, lo, hi): the part [lo, hi) of the slot's elements
         (chunk offsets) this rank steps, or None when it steps none of them."""
-        place = self.states[index].place
-        start, n = shard_range(self.states[index].numel, place.rank, place.count)
+        place = self.all_states[index].place
+        start, n = shard_range(self.all_states[index].numel, place.rank, place.count)
         lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, start + n)
         return (start, lo, hi) if lo < hi else None
 
@@ -259,8 +315,34 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
             return payload
         return view_of_released(payload, lambda t: shard_of(t, place.rank, place.count))
 
+    def check_trainability(self) -> None:
+        """Note [frozen chunks]: every parameter trains as it did at initialize() (requires_grad unchanged), else
+        raise naming it: its chunk kind (gradients, masters, optimizer states or none) was laid out then."""
+        for p in self.params:
+            if not p.requires_grad:
+                raise RuntimeError(
+                    f"parameter '{self.name_of(p)}' was frozen (requires_grad=False) after initialize(), but it lives "
+                    "in a trainable chunk whose gradient, master and optimizer states were laid out then, so it would "
+                    "silently keep being updated; set requires_grad before initialize(): build the engine again "
+                    "(save a checkpoint, freeze it, initialize and load)")
+        for p in self.frozen_params:
+            if p.requires_grad:
+                raise RuntimeError(
+                    f"parameter '{self.name_of(p)}' was unfrozen (requires_grad=True) after initialize(), but it lives "
+                    "in a frozen chunk, which has no gradient, master or optimizer state, so it would silently never "
+                    "train; set requires_grad before initialize(): build the engine again (save a checkpoint, unfreeze "
+                    "it, initialize and load)")
+
     def sync_views(self) -> None:
-        """Before an update: every .data still aliases its chunk (else raise), every .grad is its view again."""
+        """Before an update: every parameter trains as at initialize() and its .data still aliases its chunk (else
+        raise), every .grad is its view again."""
+        self.check_trainability()
+        for p, view in zip(self.frozen_params, self._frozen_views):
+            if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype or p.device != view.device:
+                raise RuntimeError(
+                    f"frozen parameter '{self.name_of(p)}' no longer lives in its chunk (now {p.dtype} on {p.device}), "
+                    "so its values would be lost; convert or move the model (.to(), .half(), ...) before "
+                    "initialize(), and load weights with load_state_dict() without assign=True")
         for p, view in zip(self.params, self._param_views):
             if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype or p.device != view.device:
                 raise RuntimeError(

@@ -98,7 +98,9 @@ def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch
     offload, offload_param = zero.offload_optimizer, zero.offload_param
     memory = memory if memory is not None else device_memory_for(cfg, device)
     groups = chunked.optimizer_param_groups()  # over the stepped tensors, before any is offloaded
-    window = nvme_window(cfg, policy, max(p.numel() * p.element_size() for g in groups for p in g["params"]))
+    frozen_shards = [s.param_shard for s in chunked.frozen_states]  # streamed too (Note [frozen chunks])
+    window = nvme_window(cfg, policy, max(t.numel() * t.element_size()
+                                          for t in [p for g in groups for p in g["params"]] + frozen_shards))
     user_budget = cfg.memory.budget_bytes("cpu_budget")  # the user's cap replaces the default
     on_cpu, on_nvme = policy.uses(Location.CPU), policy.uses(Location.NVME)
     budget = user_budget if user_budget is not None else (window if on_nvme and not on_cpu else None)

@@ -67,6 +67,10 @@ class ParamGatherer:
         self._module_chunks: dict[nn.Module, tuple[int, ...]] = {}
         self._leaves: set[nn.Module] = set()
         self._leaf_chunks: set[int] = set()  # released by their leaf's backward or the pass end only
+        # Note [frozen chunks]: a frozen chunk gets no gradients, so backward releases it once the modules that will
+        # run a backward over it have done so (their inputs' gradients are computed)
+        self._frozen_chunks: dict[nn.Module, tuple[int, ...]] = {}
+        self._awaiting_backward: dict[int, set[nn.Module]] = {}  # frozen chunk -> modules whose backward is to come
         for module, recurse in _hooked_modules(model):
             chunks = sorted({chunk_of[id(p)] for p in module.parameters(recurse=recurse)
                              if id(p) in chunk_of and self.states[chunk_of[id(p)]].phase is not ChunkPhase.WHOLE})
@@ -76,6 +80,8 @@ class ParamGatherer:
             if recurse:
                 self._leaves.add(module)
                 self._leaf_chunks.update(chunks)
+            elif any(self.states[c].frozen for c in chunks):
+                self._frozen_chunks[module] = tuple(c for c in chunks if self.states[c].frozen)
             for c in chunks:
                 self.states[c].owners.add(module)
             hooks.around_forward(module, self._before_forward, self._after_forward)
@@ -86,6 +92,8 @@ class ParamGatherer:
         self.phase = phase
         self._trace = self.traces.setdefault(phase if key is None else (phase, key), GatherTrace())
         self._trace.begin()
+        if phase is TrainingPhase.FORWARD:
+            self._awaiting_backward.clear()
         for c in self.shards.transient:  # only transient chunks have owners (hooked modules)
             self.states[c].done.clear()
 
@@ -105,6 +113,13 @@ class ParamGatherer:
         for c in chunks:
             self.states[c].done.discard(module)  # running (again): its chunks stay until this call ends
         self.demand(chunks)
+        frozen = self._frozen_chunks.get(module)
+        if frozen and torch.is_grad_enabled():  # (also a recomputation inside backward: it runs a backward again)
+            inputs = [t for t in _tensors_in(args) if t.requires_grad]
+            if inputs:  # the inputs' gradients are computed once the module's backward is done
+                for c in frozen:
+                    self._awaiting_backward.setdefault(c, set()).add(module)
+                self.hooks.on_grads(inputs, lambda grads: self._after_frozen_backward(module), mode="all")
         if module in self._leaves and self.phase is TrainingPhase.FORWARD and torch.is_grad_enabled():
             inputs = [t for t in _tensors_in(args) if t.requires_grad]
             if inputs:  # the inputs' gradients are the leaf's backward's last output
@@ -128,6 +143,20 @@ class ParamGatherer:
         """Every parameter of the chunk has its gradient for this backward: backward needs it no more."""
         if self.phase is TrainingPhase.BACKWARD and chunk not in self._leaf_chunks:
             self.release(chunk)
+
+    def _after_frozen_backward(self, module: nn.Module) -> None:
+        """The module's backward is done: each of its frozen chunks no other module's backward awaits is released (a
+        module whose inputs need no gradient never waits for one; if it demands the chunk later, it is gathered
+        again)."""
+        if self.phase is not TrainingPhase.BACKWARD:
+            return
+        for c in self._frozen_chunks[module]:
+            awaiting = self._awaiting_backward.get(c)
+            if awaiting is not None and module in awaiting:
+                awaiting.discard(module)
+                if not awaiting:
+                    del self._awaiting_backward[c]
+                    self.release(c)
 
     def _after_leaf_backward(self, leaf: nn.Module) -> None:
         """The leaf's backward is done: its chunks that no other module owns are released (a shared one may be

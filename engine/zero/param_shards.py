@@ -107,8 +107,18 @@ class ShardedParams:
         where the manager says (Note [where a chunk is used])."""
         self._manager = manager
         for state in (self.states[i] for i in self.transient):
-            # values still to come (the start or zero_init writes them): registered as zeros, no memory or I/O
-            state.param_store = manage(state.param_store, manager, "param", home)
+            # values still to come (the start or zero_init writes them): registered as zeros, no memory or I/O;
+            # frozen shards as a kind of their own, whose writes the manager counts apart (Note [frozen chunks])
+            state.param_store = manage(state.param_store, manager, "frozen" if state.frozen else "param", home)
+
+    def settle_frozen(self) -> None:
+        """Once the frozen chunks hold their starting values: offloaded shards go to their home tier, written there
+        once; from here on they are only read, and a page-out is a drop (Note [frozen chunks])."""
+        if self._manager is None:
+            return
+        for state in (self.states[i] for i in self.transient):
+            if state.frozen:
+                state.param_store.settle_home()
 
     def shard(self, index: int, writes: bool) -> ContextManager[torch.Tensor]:
         """This rank's shard of chunk `index`, wherever it lives, for the duration of the block."""
@@ -161,4 +171,4 @@ class ShardedParams:
 
     def stepped_chunks(self) -> dict[int, int]:
         """id(shard tensor) -> its manager chunk, for the offloaded shards (the optimizer steps those views)."""
-        return {id(s.param_shard): s.param_handle for s in self.states if s.param_handle is not None}
+        return {id(s.param_shard): s.param_handle for s in self.states if s.param_handle is not None and not s.frozen}

@@ -80,7 +80,7 @@ class ZeroRuntime:
         distributed = self.topology.is_distributed
         with torch.no_grad():
             # zero_init gave every rank rank 0's values, shard by shard (Note [zero_init])
-            for state in chunked.states if not chunked.values_pending else []:
+            for state in chunked.all_states if not chunked.values_pending else []:  # frozen chunks too
                 filled = chunked.fill_from_sources(state.index)  # stage 3: one chunk at a time (Note [a bounded start])
                 if distributed:  # experts: over their group
                     broadcast_from(state.param_chunk.payload, 0, state.place.group_or(self.topology.dp_group),
@@ -88,8 +88,9 @@ class ZeroRuntime:
                 if filled:
                     self.sample_device_bytes()  # the moment of a bounded start's peak: one full chunk is live
                     chunked.sharded_params.take_shard(state.index)  # from here on this rank holds its shard only
+            chunked.sharded_params.settle_frozen()  # Note [frozen chunks]: never written again
             if distributed:
-                in_chunks = {id(p) for p in chunked.params}
+                in_chunks = set(chunked.param_chunk_index())
                 for t in [p for p in module.parameters() if id(p) not in in_chunks] + list(module.buffers()):
                     broadcast_from(t.data, 0, self.topology.dp_group, self.comm)
         if chunked.has_masters and not chunked.values_pending:
@@ -184,6 +185,7 @@ class ZeroRuntime:
     def begin_backward(self, boundary: bool, loss_scale: float, trace_key=None) -> bool:
         """Enters the backward phase (engine.backward, or a PyTorch-style one: Note [tensor backward]); returns
         whether this backward reduces, for end_backward / abandon_backward."""
+        self.chunked.check_trainability()  # Note [frozen chunks]: before anything is reduced or stepped
         every_backward = self.chunked.shards_grads  # Note [sharded gradients]
         reduces = self._engine_reduces() and not self.accumulating_locally and (
             every_backward or (boundary and not self.inside_no_sync))

@@ -103,7 +103,7 @@ class ManagedStore:
     def __init__(self, tensor: torch.Tensor, manager: ChunkManager, kind: str, home: Location):
         """Registers `tensor`'s shape with `manager` as a chunk of `kind` on `home`, as zeros (no memory or I/O until
         written), and releases the tensor's storage."""
-        self.tensor, self.manager = tensor, manager
+        self.tensor, self.manager, self.home = tensor, manager, home
         zeros = torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)  # only the shape counts
         self.handle: int = manager.register(kind, [zeros], location=home, capacity=tensor.numel(),
                                             zeros=True)[0].chunk
@@ -142,6 +142,12 @@ class ManagedStore:
     def write_home(self, values: torch.Tensor) -> None:
         with self.placed_on(Location.CPU, writes=True) as home:
             self.manager.memory.down_into(home, values)
+
+    def settle_home(self) -> None:
+        """The values go to their home tier now (a write to NVMe once), so that later page-outs of these read-only
+        values are drops (Note [frozen chunks])."""
+        if self.home is Location.NVME and self.location() is not Location.NVME:
+            self.manager.move(self.handle, Location.NVME)
 
     def accumulate(self, values: torch.Tensor, first: bool) -> None:
         with self.access(writes=True) as held:

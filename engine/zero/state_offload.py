@@ -39,7 +39,7 @@ def kind_tensors(kind: StateKind, chunked: ChunkedParams, optimizer: torch.optim
     if kind is StateKind.HP_PARAMS:
         return list(chunked.masters.masters) if chunked.has_masters else []
     if kind is StateKind.LP_PARAMS:
-        shards = [s.param_shard for s in chunked.states] if chunked.gathers_params else []
+        shards = [s.param_shard for s in chunked.all_states] if chunked.gathers_params else []  # frozen ones too
         return chunked.param_payloads() + shards
     if kind is StateKind.LP_GRADS:
         shards = list(chunked.sharded_grads.shards) if chunked.shards_grads else []

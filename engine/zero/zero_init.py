@@ -269,8 +269,9 @@ def zero_init_placeholders(model: nn.Module,
                            device: torch.device) -> tuple[InitRecording | None, dict[int, torch.Tensor]]:
     """Swaps each meta parameter of a model built under `zero_init` for a real Parameter on `device` that holds
     no memory (its storage is freed as soon as it is made, one at a time: Note [a bounded start]; the chunks take
-    its place next, and a parameter that does not train gets its values as a new tensor); returns the recording
-    and id(new parameter) -> its meta parameter. (None, {}) for a model without meta parameters."""
+    its place next, and a parameter outside chunks (an integer one, or a trainable one left out of the param
+    groups) gets its values as a new tensor); returns the recording and id(new parameter) -> its meta parameter.
+    (None, {}) for a model without meta parameters."""
     recording = zero_init_recording(model)
     if recording is None:
         return None, {}
@@ -291,7 +292,8 @@ def materialize_parameters(model: nn.Module, chunked, recording: InitRecording, 
                            device: torch.device, group: dist.ProcessGroup | None, comm: CommCounter,
                            names: dict[int, str] | None = None) -> None:
     """Note [zero_init]: rank 0's values of each placeholder `model` holds, one parameter at a time, into the chunks
-    (this rank's shard under stage 3) or, for a parameter that does not train, into the parameter itself.
+    (this rank's shard under stage 3; frozen ones too: Note [frozen chunks]) or, for a parameter outside chunks,
+    into the parameter itself.
     names: id(placeholder) -> its name, for every placeholder of the whole model, when `model` holds only a part
     of it (a pipeline stage); the ranks of `group` agree over all of them."""
     held = {id(meta_of[id(p)]): p for p in model.parameters() if id(p) in meta_of}  # a tied parameter once
@@ -300,7 +302,7 @@ def materialize_parameters(model: nn.Module, chunked, recording: InitRecording, 
     metas = [meta for _, meta in entries]
     ranks = _RankZero(device, group, comm) if _distributed(group) else None
     rng_states = ranks.rng_states(recording, entries, metas) if ranks else [None] * len(entries)
-    chunked_ids = {id(p) for p in chunked.params}
+    chunked_ids = set(chunked.param_chunk_index())  # trainable and frozen (Note [frozen chunks])
 
     def load(p: nn.Parameter, value: torch.Tensor) -> None:
         if id(p) in chunked_ids:
