@@ -137,6 +137,13 @@ def test_backward_releases_a_frozen_chunk_once_its_modules_backward_is_done():
     assert seen == ["SHARDED", "SHARDED"]
 
 
+def test_a_model_with_nothing_to_train_is_refused():
+    model = frozen_gpt()
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="the model has no trainable parameters"):
+        initialize(model, stage_config(3, 1))
+
+
 def unfreezing_case(rank: int, world: int) -> dict:
     """Unfreezing a frozen parameter, or freezing a trainable one, after initialize is refused at the next backward,
     before anything is updated."""

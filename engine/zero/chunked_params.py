@@ -123,9 +123,10 @@ class ChunkGroup:
 
 
 class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
-    """Owns the param and grad chunks of every trainable parameter, grouped as the optimizer groups them: packs them
-    (here) and keeps the parameters' views of them; loading values (ChunkLoading), gradient norms (ChunkNorms),
-    queries (ChunkQueries) and the optimizer's binding (OptimizerBinding) are its parts in files of their own."""
+    """Owns the param and grad chunks of every trainable parameter, grouped as the optimizer groups them, and the
+    param chunks of the frozen ones (Note [frozen chunks]): packs them (here) and keeps the parameters' views of
+    them; loading values (ChunkLoading), gradient norms (ChunkNorms), queries (ChunkQueries) and the optimizer's
+    binding (OptimizerBinding) are its parts in files of their own."""
 
     def __init__(self, param_groups: list[dict], capacity: int, device: torch.device, first_capacity: int | None = None,
                  names: dict[int, str] | None = None, shard_count: int = 1, shard_rank: int = 0,
@@ -167,24 +168,24 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
                 dtype = compute_dtype if compute_dtype != torch.float32 else p.dtype
                 place = experts.place if experts is not None and id(p) in experts.params else dense
                 by_kind.setdefault((dtype, persistent, place), []).append(p)
-            for (dtype, persistent, place), params in by_kind.items():
+            for (dtype, persistent, place), members in by_kind.items():
                 # stage 3: a sharded chunk's full payload exists only while gathered, so it starts released and its
                 # values wait where they are until `start` fills it, one chunk at a time (Note [a bounded start])
                 lazy = shard_params and sharding and not persistent
                 with torch.no_grad():
                     # a pending parameter's values are garbage: a meta stand-in gives the shape and is not copied
-                    sources = [torch.empty_like(p, device="meta") if id(p) in pending else p.data for p in params]
+                    sources = [torch.empty_like(p, device="meta") if id(p) in pending else p.data for p in members]
                     param_chunks = ChunkList(sources, released=lazy, dtype=dtype, **layout)
-                    grad_chunks = ChunkList([p.data for p in params], copy_values=False, dtype=dtype,
+                    grad_chunks = ChunkList([p.data for p in members], copy_values=False, dtype=dtype,
                                             released=grad_sharding and shard_grads, **layout) if trains else None
                 if lazy and not values_pending:
                     for slot, source in zip(param_chunks.slots, sources):
                         self._sources.setdefault((len(packed), slot.chunk), []).append((slot, source))
-                for p, pv in zip(params, param_chunks.views):
+                for p, pv in zip(members, param_chunks.views):
                     p.data = pv
-                for p, gv in zip(params, grad_chunks.views if trains else []):
+                for p, gv in zip(members, grad_chunks.views if trains else []):
                     p.grad = gv
-                packed.append(ChunkGroup(params, options, param_chunks, grad_chunks, persistent, place))
+                packed.append(ChunkGroup(members, options, param_chunks, grad_chunks, persistent, place))
 
         seen: set[int] = set()
         listed_frozen: list[nn.Parameter] = []

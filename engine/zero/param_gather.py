@@ -8,7 +8,9 @@ Every module that directly owns parameters in non-persistent chunks gets hooks:
 - after its forward, outside backward, each of its chunks whose owner modules have all finished a
   forward in this pass is released.
 In backward a chunk is released as soon as all its parameters' gradients have been accumulated
-(the GradReducer reports it), and whatever is still gathered when a pass ends is released then.
+(the GradReducer reports it), a frozen chunk, which gets no gradients, once the modules that run a
+backward over it have computed their inputs' gradients (Note [frozen chunks]), and whatever is still
+gathered when a pass ends is released then.
 During backward a module's forward runs again only to recompute activations (checkpointing): its
 chunks are then gathered on demand and left to the backward release.
 Ahead of demand, the chunks the trace says come next (Note [gather trace]) are gathered
