@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import initialize, zero_init
+from engine.compat import deepspeed
 from tests.distributed import run_distributed
 from tests.reference import (
     assert_close_relative,
@@ -135,6 +136,23 @@ def test_backward_releases_a_frozen_chunk_once_its_modules_backward_is_done():
     train_engine(engine, token_batches(2, GLOBAL_BATCH), 0, 1, 1)
     engine.close()
     assert seen == ["SHARDED", "SHARDED"]
+
+
+def test_deepspeed_marks_and_gathers_frozen_parameters_under_stage_3():
+    """Through the DeepSpeed API, a frozen stage-3 parameter is marked as sharded (ds_id, ds_status NOT_AVAILABLE
+    between passes) like a trainable one, so that code gathering by the marks (an RLHF save) reads its whole
+    values inside GatheredParameters."""
+    start = param_snapshot(frozen_gpt())
+    engine, *_ = deepspeed.initialize(model=frozen_gpt(), config=stage_config(3, 1, offload="cpu"))
+    status = deepspeed.runtime.zero.partition_parameters.ZeroParamStatus
+    wpe = engine.module.wpe.weight
+    assert not wpe.requires_grad and hasattr(wpe, "ds_id") and wpe.ds_status is status.NOT_AVAILABLE
+    fetch = [p for p in engine.module.parameters() if p.ds_status == status.NOT_AVAILABLE]
+    with deepspeed.zero.GatheredParameters(fetch):
+        assert wpe.ds_status is status.AVAILABLE
+        read = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.close()
+    assert all(torch.equal(read[n], start[n]) for n in start)
 
 
 def test_a_model_with_nothing_to_train_is_refused():

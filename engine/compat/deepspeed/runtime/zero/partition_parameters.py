@@ -24,14 +24,15 @@ class ZeroParamStatus(enum.Enum):
 
 
 def mark_parameters(engine) -> None:
-    """Under ZeRO-3, DeepSpeed's marks on every sharded parameter of `engine` (a Tiers Engine)."""
+    """Under ZeRO-3, DeepSpeed's marks on every sharded parameter of `engine` (a Tiers Engine), frozen ones too
+    (Note [frozen chunks])."""
     chunked = engine.chunked
     if not chunked.gathers_params:
         return
-    chunk_of = chunked.chunk_index()
-    for ds_id, p in enumerate(chunked.params):
+    chunk_of = chunked.param_chunk_index()
+    for ds_id, p in enumerate(chunked.params + chunked.frozen_params):
         p.ds_id, p.ds_shape, p.ds_numel = ds_id, p.shape, p.numel()
-        persistent = chunked.states[chunk_of[id(p)]].persistent
+        persistent = chunked.all_states[chunk_of[id(p)]].persistent
         p.ds_status = ZeroParamStatus.AVAILABLE if persistent else ZeroParamStatus.NOT_AVAILABLE
 
 
