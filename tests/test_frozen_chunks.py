@@ -219,6 +219,9 @@ def _two_rank_cases(rank: int, world: int, nvme_dir: str) -> dict:
                                                     under_zero_init=True),
         "checkpoint": lambda: checkpoint_case(rank, world, f"{nvme_dir}/ckpt", stage_config(3, world),
                                               stage_config(3, world)),
+        "checkpoint_bf16": lambda: checkpoint_case(rank, world, f"{nvme_dir}/ckpt_bf16",
+                                                   stage_config(3, world, torch.bfloat16),
+                                                   stage_config(3, world, torch.bfloat16)),
         "checkpoint_nvme": lambda: checkpoint_case(
             rank, world, f"{nvme_dir}/ckpt_nvme", stage_config(3, world, offload="nvme", nvme_dir=f"{nvme_dir}/a"),
             stage_config(3, world, offload="nvme", nvme_dir=f"{nvme_dir}/b")),
@@ -320,7 +323,7 @@ def test_unfreezing_or_freezing_after_initialize_is_refused(two_ranks):
         assert result["unchanged"]
 
 
-@pytest.mark.parametrize("case", ["checkpoint", "checkpoint_nvme"])
+@pytest.mark.parametrize("case", ["checkpoint", "checkpoint_bf16", "checkpoint_nvme"])
 def test_a_checkpoint_keeps_frozen_parameters_bit_for_bit(case, two_ranks):
     for result in two_ranks[case]:
         # the loading engine started from other frozen weights (biases start at zero in both)

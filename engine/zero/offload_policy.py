@@ -141,7 +141,8 @@ def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch
 
 def _check_device_budget(manager: ChunkManager, budget: int | None) -> None:
     """A device budget that no chunk fits in would leave the device tier unused: most likely a unit slip."""
-    sizes = [manager.chunk(c).nbytes for kind in ("optim", "master", "grad", "param") for c in manager.chunks_of(kind)]
+    sizes = [manager.chunk(c).nbytes for kind in ("optim", "master", "grad", "param", "frozen")
+             for c in manager.chunks_of(kind)]
     if budget is not None and sizes and budget < min(sizes):
         raise BudgetError(f"memory.device_budget: a device budget of {fmt_bytes(budget)} holds no chunk on the device "
                           f"tier (the smallest is {fmt_bytes(min(sizes))}), so every offloaded state would stay on the "
