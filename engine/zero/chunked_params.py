@@ -31,9 +31,10 @@ layout) sees `states` only, while ShardedParams, the gatherer, loading and the r
 - Stages 0-2: frozen chunks are WHOLE on the device. Stage 3: sharded like trainable ones (the persistence
   threshold applies), gathered before a module's forward and again when backward reaches it (gradients flow
   through frozen weights to earlier trainable ones); after the forward they are released as trainable ones are,
-  and in backward, since no gradient arrives to say they are done, once the backward of every module that
-  registered for it (a module whose inputs need gradients) has computed its inputs' gradients (the gatherer's
-  `_after_frozen_backward`), or at the pass end: the live bytes stay bounded as in forward.
+  and in backward, since no gradient arrives to say they are done, once the backward of every call over them
+  (counted per call: a module applied twice waits for both) has computed its inputs' gradients (the gatherer's
+  `_after_frozen_backward`), or at the pass end where that does not prove the weight done with (a module owning
+  one also trains a parameter of its own, a leaf input, a pipeline's passes, a leaf module's chunk).
 - With offload_param (stage 3) frozen shards live in the chunk manager as kind "frozen" on the CPU or NVMe tier,
   read only (a gather accesses them with writes=False): once the start (or zero_init, or a checkpoint load) wrote
   them, `settle_frozen` puts each on its home tier, one write to NVMe, and from there a page-out is a drop. The

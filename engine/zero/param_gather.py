@@ -8,9 +8,12 @@ Every module that directly owns parameters in non-persistent chunks gets hooks:
 - after its forward, outside backward, each of its chunks whose owner modules have all finished a
   forward in this pass is released.
 In backward a chunk is released as soon as all its parameters' gradients have been accumulated
-(the GradReducer reports it), a frozen chunk, which gets no gradients, once the modules that run a
-backward over it have computed their inputs' gradients (Note [frozen chunks]), and whatever is still
-gathered when a pass ends is released then.
+(the GradReducer reports it), a frozen chunk, which gets no gradients, once every call that runs a
+backward over it has computed its inputs' gradients (counted per call, so a module applied twice waits
+for both; Note [frozen chunks]), and whatever is still gathered when a pass ends is released then. A
+frozen chunk waits for the pass end instead where the inputs' gradients do not prove its weight is done
+with: a module owning it also trains a parameter of its own (`W * s`), an input is a leaf (a pipeline
+stage's input), a pipeline's passes (the split weight pass gathers nothing again), a leaf module's chunk.
 During backward a module's forward runs again only to recompute activations (checkpointing): its
 chunks are then gathered on demand and left to the backward release.
 Ahead of demand, the chunks the trace says come next (Note [gather trace]) are gathered
@@ -69,10 +72,12 @@ class ParamGatherer:
         self._module_chunks: dict[nn.Module, tuple[int, ...]] = {}
         self._leaves: set[nn.Module] = set()
         self._leaf_chunks: set[int] = set()  # released by their leaf's backward or the pass end only
-        # Note [frozen chunks]: a frozen chunk gets no gradients, so backward releases it once the modules that will
-        # run a backward over it have done so (their inputs' gradients are computed)
+        # Note [frozen chunks]: a frozen chunk gets no gradients, so backward may release it once every call that will
+        # run a backward over it has done so (its inputs' gradients are computed): counted per chunk, one per call
         self._frozen_chunks: dict[nn.Module, tuple[int, ...]] = {}
-        self._awaiting_backward: dict[int, set[nn.Module]] = {}  # frozen chunk -> modules whose backward is to come
+        self._calls_awaiting: dict[int, int] = {}  # frozen chunk -> calls whose backward is to come
+        self._kept_to_pass_end: set[int] = set()  # frozen chunks a call of this backward cannot release early
+        self._early_frozen_release = True  # off for a pipeline's passes (one per action, split weight pass)
         for module, recurse in _hooked_modules(model):
             chunks = sorted({chunk_of[id(p)] for p in module.parameters(recurse=recurse)
                              if id(p) in chunk_of and self.states[chunk_of[id(p)]].phase is not ChunkPhase.WHOLE})
@@ -87,6 +92,17 @@ class ParamGatherer:
             for c in chunks:
                 self.states[c].owners.add(module)
             hooks.around_forward(module, self._before_forward, self._after_forward)
+        self._early_frozen = self._early_frozen_chunks()
+
+    def _early_frozen_chunks(self) -> set[int]:
+        """Frozen chunks backward may release once their calls' inputs' gradients are computed: held by no leaf, and
+        no module owning one of their parameters owns a trainable parameter itself (its gradient, computed after the
+        inputs', may read the frozen weight: `W * s`)."""
+        def trains_own(module: nn.Module) -> bool:
+            return any(p.requires_grad for p in module.parameters(recurse=False))
+
+        return {c for chunks in self._frozen_chunks.values() for c in chunks
+                if c not in self._leaf_chunks and not any(trains_own(m) for m in self.states[c].owners)}
 
     # ---- passes --------------------------------------------------------------------------------
     def begin(self, phase: TrainingPhase, key=None) -> None:
@@ -94,8 +110,7 @@ class ParamGatherer:
         self.phase = phase
         self._trace = self.traces.setdefault(phase if key is None else (phase, key), GatherTrace())
         self._trace.begin()
-        if phase is TrainingPhase.FORWARD:
-            self._awaiting_backward.clear()
+        self._early_frozen_release = key is None
         for c in self.shards.transient:  # only transient chunks have owners (hooked modules)
             self.states[c].done.clear()
 
@@ -104,6 +119,9 @@ class ParamGatherer:
         those user code holds gathered (`gathered`)."""
         if self.phase is not TrainingPhase.IDLE:
             self._trace.end()
+        if self.phase is TrainingPhase.BACKWARD:  # the forwards' calls counted so far have had their backward
+            self._calls_awaiting.clear()
+            self._kept_to_pass_end.clear()
         self.phase, self._trace = TrainingPhase.IDLE, None
         self._ahead.clear()
         for c in self.shards.transient:
@@ -117,11 +135,7 @@ class ParamGatherer:
         self.demand(chunks)
         frozen = self._frozen_chunks.get(module)
         if frozen and torch.is_grad_enabled():  # (also a recomputation inside backward: it runs a backward again)
-            inputs = [t for t in _tensors_in(args) if t.requires_grad]
-            if inputs:  # the inputs' gradients are computed once the module's backward is done
-                for c in frozen:
-                    self._awaiting_backward.setdefault(c, set()).add(module)
-                self.hooks.on_grads(inputs, lambda grads: self._after_frozen_backward(module), mode="all")
+            self._count_frozen_call(module, frozen, args)
         if module in self._leaves and self.phase is TrainingPhase.FORWARD and torch.is_grad_enabled():
             inputs = [t for t in _tensors_in(args) if t.requires_grad]
             if inputs:  # the inputs' gradients are the leaf's backward's last output
@@ -146,19 +160,35 @@ class ParamGatherer:
         if self.phase is TrainingPhase.BACKWARD and chunk not in self._leaf_chunks:
             self.release(chunk)
 
-    def _after_frozen_backward(self, module: nn.Module) -> None:
-        """The module's backward is done: each of its frozen chunks no other module's backward awaits is released (a
-        module whose inputs need no gradient never waits for one; if it demands the chunk later, it is gathered
-        again)."""
+    def _count_frozen_call(self, module: nn.Module, frozen: tuple[int, ...], args) -> None:
+        """Counts this call as awaiting its backward over `frozen`; a call whose backward's end cannot be told (an
+        input that is a leaf: a pipeline stage's input; a pipeline's passes) keeps its chunks to the pass end."""
+        inputs = [t for t in _tensors_in(args) if t.requires_grad]
+        if not inputs:  # no backward runs over this call (its module trains nothing of its own)
+            return
+        early = tuple(c for c in frozen if c in self._early_frozen)
+        if not early:
+            return
+        if not self._early_frozen_release or any(t.grad_fn is None for t in inputs):
+            self._kept_to_pass_end.update(early)
+            return
+        for c in early:
+            self._calls_awaiting[c] = self._calls_awaiting.get(c, 0) + 1
+        self.hooks.on_grads(inputs, lambda grads: self._after_frozen_backward(early), mode="all")
+
+    def _after_frozen_backward(self, chunks: tuple[int, ...]) -> None:
+        """A call's backward is done: each of its frozen chunks no other call's backward awaits is released (if it is
+        demanded later, it is gathered again)."""
         if self.phase is not TrainingPhase.BACKWARD:
             return
-        for c in self._frozen_chunks[module]:
-            awaiting = self._awaiting_backward.get(c)
-            if awaiting is not None and module in awaiting:
-                awaiting.discard(module)
-                if not awaiting:
-                    del self._awaiting_backward[c]
-                    self.release(c)
+        for c in chunks:
+            awaiting = self._calls_awaiting.get(c, 0)
+            if awaiting == 0:  # counted before this backward's accounting began: nothing to settle
+                continue
+            self._calls_awaiting[c] = awaiting - 1
+            if awaiting == 1 and c not in self._kept_to_pass_end:
+                del self._calls_awaiting[c]
+                self.release(c)
 
     def _after_leaf_backward(self, leaf: nn.Module) -> None:
         """The leaf's backward is done: its chunks that no other module owns are released (a shared one may be
