@@ -14,7 +14,8 @@ class ManagerStats:
     flight and kept free buffers; "nvme": payloads whose only copy is a swap file).
     moved_bytes: payload bytes per direction ("cpu->nvme", "nvme->cpu", "device->cpu", ...), counted when
     issued (a transfer that failed and was rolled back is in `failed_transfers` as well); nvme_written_bytes: the
-    "cpu->nvme" bytes by chunk kind ("param", "frozen", "optim", ...).
+    "cpu->nvme" bytes by chunk kind ("param", "frozen", "optim", ...), nvme_read_bytes the "nvme->cpu" ones;
+    clean_drops_by_kind: `clean_drops` by chunk kind.
     prefetch_hits: accesses that found their chunk brought (or being brought) by a prefetch;
     prefetch_misses: accesses that had to start a transfer themselves.
     blocking_waits / io_wait_seconds: accesses that waited for a transfer still in flight, and how long.
@@ -25,7 +26,9 @@ class ManagerStats:
     moved_bytes: Counter = field(default_factory=Counter)
     nvme_written_bytes: Counter = field(default_factory=Counter)  # payload bytes written to NVMe, by chunk kind
     evictions: int = 0
+    nvme_read_bytes: Counter = field(default_factory=Counter)  # payload bytes read from NVMe, by chunk kind
     clean_drops: int = 0  # evictions to NVMe that needed no write (Note [clean chunks])
+    clean_drops_by_kind: Counter = field(default_factory=Counter)
     prefetches: int = 0
     prefetch_hits: int = 0
     prefetch_misses: int = 0

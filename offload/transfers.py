@@ -64,6 +64,7 @@ class Transfers:
             self.residency.give_back(Location.CPU, buf)
             self.residency.place(entry, Location.NVME, None)
             self.stats.clean_drops += 1
+            self.stats.clean_drops_by_kind[entry.kind] += 1
             return
         handle = self.store.write(entry.key, buf, keep_previous=False)  # on failure the CPU copy is kept
         self.residency.place(entry, Location.NVME, None)
@@ -84,6 +85,7 @@ class Transfers:
         handle = self.store.read(entry.key, buf, scratch=True)  # a fresh buffer: read in place
         self.residency.place(entry, Location.CPU, buf)
         self.stats.moved_bytes["nvme->cpu"] += chunk.nbytes
+        self.stats.nvme_read_bytes[entry.kind] += chunk.nbytes
 
         def undo() -> None:  # unreadable: the chunk stays on NVMe, the buffer goes back
             self.residency.place(entry, Location.NVME, None)

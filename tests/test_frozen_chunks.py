@@ -115,8 +115,8 @@ def train_case(rank: int, world: int, cfg: dict, under_zero_init: bool = False) 
         out["frozen_written"] = (written_at_start, stats.nvme_written_bytes["frozen"])
         out["frozen_shard_bytes"] = sum(s.param_shard.numel() * s.param_shard.element_size()
                                         for s in chunked.frozen_states)
-        out["clean_drops"] = stats.clean_drops
-        out["nvme_reads"] = stats.moved_bytes["nvme->cpu"]
+        out["frozen_clean_drops"] = stats.clean_drops_by_kind["frozen"]
+        out["frozen_nvme_reads"] = stats.nvme_read_bytes["frozen"]
     out["params"] = trained_params(engine)
     engine.close()
     return out
@@ -163,20 +163,31 @@ def test_a_model_with_nothing_to_train_is_refused():
 
 
 def unfreezing_case(rank: int, world: int) -> dict:
-    """Unfreezing a frozen parameter, or freezing a trainable one, after initialize is refused at the next backward,
-    before anything is updated."""
+    """Unfreezing a frozen parameter, or freezing a trainable one, after initialize is refused at the next backward
+    (engine.backward or the loss's own backward()) or, toggled between backward and step, at the step; before
+    anything is updated."""
     engine = initialize(frozen_gpt(), stage_config(3, world))
     x = token_batches(1, GLOBAL_BATCH)[0][rank::world]
     before = trained_params(engine)
     errors = {}
-    for name in ("wpe.weight", "blocks.1.mlp.c_fc.weight"):
+
+    def refused(name: str, path: str, run) -> None:
         p = dict(engine.module.named_parameters())[name]
+        with pytest.raises(RuntimeError) as error:
+            run(lambda: p.requires_grad_(not p.requires_grad))
+        errors[(name, path)] = str(error.value)
         p.requires_grad_(not p.requires_grad)
-        with pytest.raises(RuntimeError) as refused:
-            engine.backward(engine(x, x))
-        errors[name] = str(refused.value)
-        p.requires_grad_(not p.requires_grad)
-    engine.zero_grad()
+        engine.zero_grad()
+
+    def between_backward_and_step(toggle) -> None:
+        engine.backward(engine(x, x))
+        toggle()
+        engine.step()
+
+    for name in ("wpe.weight", "blocks.1.mlp.c_fc.weight"):
+        refused(name, "engine.backward", lambda toggle: (toggle(), engine.backward(engine(x, x))))
+        refused(name, "loss.backward", lambda toggle: (toggle(), engine(x, x).backward()))
+        refused(name, "step", between_backward_and_step)
     after = trained_params(engine)
     engine.close()
     return {"errors": errors, "unchanged": all(torch.equal(before[n], after[n]) for n in before)}
@@ -199,7 +210,7 @@ def checkpoint_case(rank: int, world: int, save_dir: str, cfg: dict, load_cfg: d
     loaded_next_loss, _ = train_engine(loading, batches[STEPS:], rank, world, 1)
     loading.close()
     frozen = frozen_names(frozen_gpt())
-    return {"equal": {n: torch.equal(saved[n], loaded[n]) for n in saved},
+    return {"equal": {n: torch.equal(saved[n], loaded[n]) for n in saved}, "saved": saved,
             "differed_before": [n for n in frozen if not torch.equal(saved[n], before_load[n])],
             "next_loss": (next_loss, loaded_next_loss)}
 
@@ -244,7 +255,7 @@ def two_ranks(tmp_path_factory) -> dict:
         (tmp / swap).mkdir()
     tmp = str(tmp)
     per_rank = run_distributed(_two_rank_cases, 2, args=(tmp,), timeout_s=300)
-    return {name: [results[name] for results in per_rank] for name in per_rank[0]}
+    return {"dir": tmp, **{name: [results[name] for results in per_rank] for name in per_rank[0]}}
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +280,7 @@ def assert_trains_as_reference(result: dict, reference, dtype: torch.dtype, worl
         assert_close_relative(result["losses"], ref_losses, rtol=world * LOSS_RTOL[dtype])
         for name, expected in ref_params.items():
             torch.testing.assert_close(result["params"][name].float(), expected.float(), rtol=WEIGHT_RTOL[dtype],
-                                       atol=STEPS * 1e-3, msg=lambda m, name=name: f"{name}: {m}")
+                                       atol=1e-3, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("stage,dtype,offload", [(0, torch.float32, None), (1, torch.float32, None),
@@ -312,14 +323,16 @@ def test_offloaded_frozen_shards_are_never_written_after_the_start(case, two_ran
         at_start, after = result["frozen_written"]
         assert at_start >= result["frozen_shard_bytes"] > 0
         assert after == at_start
-        assert result["nvme_reads"] > 0 and result["clean_drops"] > 0
+        assert result["frozen_nvme_reads"] > 0 and result["frozen_clean_drops"] > 0
 
 
 def test_unfreezing_or_freezing_after_initialize_is_refused(two_ranks):
     for result in two_ranks["unfreezing"]:
         errors = result["errors"]
-        assert "'wpe.weight' was unfrozen" in errors["wpe.weight"] and "build the engine again" in errors["wpe.weight"]
-        assert "'blocks.1.mlp.c_fc.weight' was frozen" in errors["blocks.1.mlp.c_fc.weight"]
+        for path in ("engine.backward", "loss.backward", "step"):
+            unfrozen, frozen = errors[("wpe.weight", path)], errors[("blocks.1.mlp.c_fc.weight", path)]
+            assert "'wpe.weight' was unfrozen" in unfrozen and "build the engine again" in unfrozen, path
+            assert "'blocks.1.mlp.c_fc.weight' was frozen" in frozen, path
         assert result["unchanged"]
 
 
@@ -331,3 +344,18 @@ def test_a_checkpoint_keeps_frozen_parameters_bit_for_bit(case, two_ranks):
         assert all(result["equal"].values()), [n for n, same in result["equal"].items() if not same]
         saving, loading = result["next_loss"]
         assert loading == saving
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_two_rank_stage_3_checkpoint_loads_into_one_process(stage, two_ranks):
+    """Resharding: the 2-rank stage-3 checkpoint loads into one process at stage 0 or 2 (the frozen parameters into
+    chunks laid out for one rank), every parameter bit for bit, and the next step's loss is the two ranks' mean."""
+    saved = two_ranks["checkpoint"][0]["saved"]
+    engine = initialize(frozen_gpt(seed=7), stage_config(stage, 1))
+    engine.load_checkpoint(f"{two_ranks['dir']}/ckpt", tag="frozen")
+    loaded = trained_params(engine)
+    next_loss, _ = train_engine(engine, token_batches(STEPS + 1, GLOBAL_BATCH)[STEPS:], 0, 1, 1)
+    engine.close()
+    assert all(torch.equal(saved[n], loaded[n]) for n in saved)
+    ranks_next_loss = sum(r["next_loss"][0][0] for r in two_ranks["checkpoint"]) / 2
+    assert_close_relative(next_loss, [ranks_next_loss])
