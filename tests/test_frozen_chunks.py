@@ -6,11 +6,13 @@ frozen weights bit for bit."""
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
 
 from engine import initialize, zero_init
+from engine.checkpoint.files import CheckpointError
 from engine.compat import deepspeed
 from tests.distributed import run_distributed
 from tests.reference import (
@@ -359,3 +361,30 @@ def test_a_two_rank_stage_3_checkpoint_loads_into_one_process(stage, two_ranks):
     assert all(torch.equal(saved[n], loaded[n]) for n in saved)
     ranks_next_loss = sum(r["next_loss"][0][0] for r in two_ranks["checkpoint"]) / 2
     assert_close_relative(next_loss, [ranks_next_loss])
+
+
+def test_changing_what_trains_goes_through_the_whole_state_dict(tmp_path):
+    """A checkpoint loads into an engine training the same parameters only: one saved with wpe frozen is refused by
+    an engine training it, naming the way that works, the whole state dict into a new model before initialize, which
+    then trains (wpe included) as plain PyTorch does from the same values."""
+    batches = token_batches(2, GLOBAL_BATCH)
+    engine = initialize(frozen_gpt(), stage_config(3, 1))
+    train_engine(engine, batches[:1], 0, 1, 1)
+    engine.save_checkpoint(str(tmp_path), tag="frozen")
+    state = engine.full_state_dict()
+    engine.close()
+    model = frozen_gpt(seed=7)
+    model.wpe.weight.requires_grad_(True)
+    model.load_state_dict(state)
+    reference = copy.deepcopy(model)
+    engine = initialize(model, stage_config(3, 1))
+    with pytest.raises(CheckpointError, match=r"trainable here but frozen in the checkpoint: \['wpe.weight'\]") as e:
+        engine.load_checkpoint(str(tmp_path), tag="frozen")
+    assert "engine.full_state_dict()" in str(e.value) and "model.load_state_dict(state)" in str(e.value)
+    losses, _ = train_engine(engine, batches[1:], 0, 1, 1)
+    params = trained_params(engine)
+    engine.close()
+    ref_losses, _ = train_reference(reference, batches[1:], adamw, clip=1.0)
+    assert_close_relative(losses, ref_losses)
+    assert_params_close(params, param_snapshot(reference))
+    assert not torch.equal(params["wpe.weight"], state["wpe.weight"])

@@ -24,6 +24,7 @@ from engine.checkpoint.saver import Control, _optimizer_name
 from engine.checkpoint.snapshot import restore_rng
 from engine.checkpoint.training_state import TrainingState
 from engine.placement import Placement
+from engine.zero.chunked_params import REBUILD_TO_CHANGE_WHAT_TRAINS as _REBUILD
 
 
 class LoadPlan:
@@ -54,6 +55,7 @@ class LoadPlan:
             self.members.append(mine)
         extras, _ = extra_entries(run.module, run.chunked)
         self.extras = extras
+        self._check_trainability(live_names, set(extras))
         self._check_names("parameter", live_names, set(checkpoint.param_names()))
         self._check_names("buffer or frozen parameter", set(extras), set(checkpoint.extras[0]))
         self._check_names("state-dict key", set(run.features.model_keys(list(run.module.state_dict(keep_vars=True)))),
@@ -66,6 +68,18 @@ class LoadPlan:
                                       f"{checkpoint.tensor_states + checkpoint.scalar_states} and this optimizer keeps "
                                       f"{keeps}; use the same optimizer, or load with load_optimizer_states=False")
         self.files = self._files()
+
+    def _check_trainability(self, trainable: set[str], extras: set[str]) -> None:
+        """Note [frozen chunks]: a parameter that trains here and was frozen when saved (or the other way round) is
+        laid out differently (a chunk member with optimizer states, or a whole extra): refused, naming the way."""
+        saved_params, saved_extras = set(self.checkpoint.param_names()), set(self.checkpoint.extras[0])
+        unfrozen, frozen = sorted(trainable & saved_extras), sorted(extras & saved_params)
+        if unfrozen or frozen:
+            raise CheckpointError(
+                f"{self.checkpoint.directory} was saved with other parameters frozen: trainable here but frozen in the "
+                f"checkpoint: {unfrozen[:5] or 'none'}; frozen here but trainable in the checkpoint: "
+                f"{frozen[:5] or 'none'}. A checkpoint loads into an engine training the same parameters; to change "
+                f"what trains: {_REBUILD}")
 
     def _check_names(self, what: str, live: set[str], saved: set[str]) -> None:
         """`live` against the checkpoint's `saved`, less the names other ranks hold (another stage's, experts)."""

@@ -100,6 +100,11 @@ from engine.zero.optimizer_binding import OptimizerBinding
 from engine.zero.param_shards import ShardedParams
 from offload.chunk import ChunkList, Slot
 
+# how to change what trains: a checkpoint holds each parameter as it trained, so it loads into the same split only
+REBUILD_TO_CHANGE_WHAT_TRAINS = (
+    "state = engine.full_state_dict(), then a new model with model.load_state_dict(state), requires_grad set as "
+    "wanted, and initialize(); the optimizer states start afresh")
+
 
 @dataclass(frozen=True)
 class ExpertChunks:
@@ -319,21 +324,22 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
 
     def check_trainability(self) -> None:
         """Note [frozen chunks]: every parameter trains as it did at initialize() (requires_grad unchanged), else
-        raise naming it: its chunk kind (gradients, masters, optimizer states or none) was laid out then."""
+        raise naming it: its chunk kind (gradients, masters, optimizer states or none) was laid out then. It checks
+        this rank's parameters only: every rank must freeze the same ones (as the chunk layout they share assumes)."""
         for p in self.params:
             if not p.requires_grad:
                 raise RuntimeError(
                     f"parameter '{self.name_of(p)}' was frozen (requires_grad=False) after initialize(), but it lives "
                     "in a trainable chunk whose gradient, master and optimizer states were laid out then, so it would "
                     "silently keep being updated; set requires_grad before initialize(): build the engine again "
-                    "(save a checkpoint, freeze it, initialize and load)")
+                    f"({REBUILD_TO_CHANGE_WHAT_TRAINS})")
         for p in self.frozen_params:
             if p.requires_grad:
                 raise RuntimeError(
                     f"parameter '{self.name_of(p)}' was unfrozen (requires_grad=True) after initialize(), but it lives "
                     "in a frozen chunk, which has no gradient, master or optimizer state, so it would silently never "
-                    "train; set requires_grad before initialize(): build the engine again (save a checkpoint, unfreeze "
-                    "it, initialize and load)")
+                    "train; set requires_grad before initialize(): build the engine again "
+                    f"({REBUILD_TO_CHANGE_WHAT_TRAINS})")
 
     def sync_views(self) -> None:
         """Before an update: every parameter trains as at initialize() and its .data still aliases its chunk (else
