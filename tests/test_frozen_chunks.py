@@ -388,3 +388,21 @@ def test_changing_what_trains_goes_through_the_whole_state_dict(tmp_path):
     assert_close_relative(losses, ref_losses)
     assert_params_close(params, param_snapshot(reference))
     assert not torch.equal(params["wpe.weight"], state["wpe.weight"])
+
+
+def test_loading_wider_frozen_values_into_bf16_chunks_says_it_rounds(tmp_path):
+    """Frozen chunks hold the compute dtype: an fp32 checkpoint's frozen parameters load into a bf16 engine rounded,
+    and the load warns with their count and both dtypes."""
+    saving = initialize(frozen_gpt(), stage_config(3, 1))
+    saving.save_checkpoint(str(tmp_path), tag="fp32")
+    saved = trained_params(saving)
+    saving.close()
+    loading = initialize(frozen_gpt(seed=7), stage_config(3, 1, torch.bfloat16))
+    count = len(loading.chunked.frozen_params)
+    with pytest.warns(UserWarning, match=f"{count} frozen parameters .* saved in torch.float32 and are loaded rounded "
+                                         "to torch.bfloat16"):
+        loading.load_checkpoint(str(tmp_path), tag="fp32")
+    loaded = trained_params(loading)
+    loading.close()
+    for name in frozen_names(frozen_gpt()):
+        assert torch.equal(loaded[name], saved[name].to(torch.bfloat16)), name

@@ -177,13 +177,18 @@ class LoadPlan:
                     loaded_states[j] = self._optimizer_state(j, mine, start, n, read, reader)
             if self.with_optimizer and not states.offloaded:
                 states.install_optimizer_states(loaded_states)
+            rounded: dict[tuple[torch.dtype, torch.dtype], int] = {}  # (saved, live) dtype -> frozen parameters
+            in_chunks = self.run.chunked.param_chunk_index()
             for key, tensor in self.extras.items():
                 same = self.direct(key)
                 if same is not None:
                     value = reader.tensor(ckpt.extra_piece(key, same.cut_rank))
                 else:
                     value = self.placements[key].take(reader.whole_extra(key))
+                if id(tensor) in in_chunks and value.dtype.itemsize > tensor.dtype.itemsize:
+                    rounded[(value.dtype, tensor.dtype)] = rounded.get((value.dtype, tensor.dtype), 0) + 1
                 self.run.load_extra(tensor, value)  # a frozen parameter into its chunk (Note [frozen chunks])
+            _warn_rounded(ckpt.directory, rounded)
             self.run.chunked.sharded_params.settle_frozen()
             states.finish_loading()
 
@@ -331,3 +336,11 @@ def _restore_training_state(run: TrainingState, checkpoint: Checkpoint, reader: 
     if own is not None:  # the same world: each rank's own generators (another world starts its streams afresh)
         record = manifest["ranks"][run.topology.rank]
         restore_rng(run, lambda key: reader.tensor(Piece(own, key, 0, 0, 0)), record)
+
+
+def _warn_rounded(directory, rounded: dict[tuple[torch.dtype, torch.dtype], int]) -> None:
+    """Note [frozen chunks]: frozen chunks hold the compute dtype, so wider saved frozen values are rounded; say so."""
+    for (saved, live), count in rounded.items():
+        warnings.warn(f"load_checkpoint: {count} frozen parameters of {directory} were saved in {saved} and are "
+                      f"loaded rounded to {live}: frozen parameters are kept in the compute dtype (bf16 / fp16), "
+                      "as the trainable ones' working copies are", stacklevel=3)
