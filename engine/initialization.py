@@ -132,7 +132,7 @@ def initialize(
         groups = [g for g in groups if g["params"]]
     chunked = chunk_parameters(model, cfg, topology, groups, pending=set(meta_of), tensor_parallel=tensor_parallel,
                                split=split, experts=experts)
-    model.to(topology.device)  # what is not in a chunk (frozen, or left out of the groups) joins the model there
+    model.to(topology.device)  # buffers and parameters this rank holds in no chunk join the model there
     data_parallel = DataParallelGroup(topology.dp_group, topology.dp_rank, topology.dp_world_size, comm)
     optimizer = build_chunk_optimizer(cfg, chunked, topology.device, optimizer, rebuild=split is not None,
                                       data_parallel=data_parallel)

@@ -406,3 +406,15 @@ def test_loading_wider_frozen_values_into_bf16_chunks_says_it_rounds(tmp_path):
     loading.close()
     for name in frozen_names(frozen_gpt()):
         assert torch.equal(loaded[name], saved[name].to(torch.bfloat16)), name
+
+
+def test_excluding_frozen_parameters_from_a_16_bit_export_follows_the_engine_layout():
+    """exclude_frozen_parameters leaves out what the engine froze at initialize, even with requires_grad toggled
+    since (the toggle is refused at the next backward or step, but an export may come first)."""
+    engine, *_ = deepspeed.initialize(model=frozen_gpt(), config=stage_config(3, 1))
+    engine.module.wpe.weight.requires_grad_(True)
+    engine.module.blocks[1].mlp.c_fc.weight.requires_grad_(False)
+    state = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+    engine.close()
+    assert "wpe.weight" not in state and "blocks.0.attn.c_attn.weight" not in state
+    assert "blocks.1.mlp.c_fc.weight" in state and "blocks.0.ln_1.weight" in state

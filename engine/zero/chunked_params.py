@@ -43,8 +43,8 @@ layout) sees `states` only, while ShardedParams, the gatherer, loading and the r
 - Whether a parameter trains is fixed at initialize(): a chunk's kind decides its gradient, master and optimizer
   state. Unfreezing a frozen parameter or freezing a trainable one afterwards is refused, naming the parameter,
   at the next backward and before any update (`check_trainability`); the fix is to build the engine again.
-- Checkpoints save frozen parameters whole, as "extra" entries (gathered chunk by chunk under stage 3, as they
-  were saved when they lived outside chunks: older checkpoints read the same), and load them into their chunks.
+- Checkpoints save frozen parameters whole, as "extra" entries (gathered chunk by chunk under stage 3), and load
+  them into their chunks.
 - `device_state_bytes` counts them under "param".
 
 Note [a bounded start]

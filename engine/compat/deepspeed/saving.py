@@ -25,7 +25,11 @@ def sixteen_bit_state_dict(engine: Engine, exclude_frozen_parameters: bool = Fal
     if state is None:
         return None
     if exclude_frozen_parameters:
-        frozen = {name for name, p in engine.module.named_parameters() if not p.requires_grad}
+        # frozen as the engine laid them out at initialize (Note [frozen chunks]), whatever requires_grad says now;
+        # a parameter this rank holds in no chunk (another pipeline stage's) by its flag
+        in_chunks, frozen_chunked = engine.chunked.param_chunk_index(), {id(p) for p in engine.chunked.frozen_params}
+        frozen = {name for name, p in engine.module.named_parameters()
+                  if (id(p) in frozen_chunked if id(p) in in_chunks else not p.requires_grad)}
         state = {k: v for k, v in state.items() if k not in frozen}
     dtype = engine.precision.compute_dtype
     return {k: v.to(dtype) if k in chunked else v for k, v in state.items()}
