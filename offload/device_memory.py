@@ -71,7 +71,12 @@ class DeviceMemory:
 
     def allocated(self) -> int | None:
         """Bytes the device's allocator has handed out now; None where there is no allocator to ask (CPU)."""
-        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+        if self.device.type != "cuda":
+            return None
+        # the allocator's nested stats: torch.cuda.memory_allocated flattens all of them first (~0.4 ms a call, and
+        # the chunk manager asks at every access)
+        stats = torch.cuda.memory.memory_stats_as_nested_dict(self.device)
+        return stats.get("allocated_bytes", {}).get("all", {}).get("current", 0)
 
     def peak_allocated(self) -> int | None:
         """The most bytes the allocator has handed out at once (since start or the last reset), or None."""

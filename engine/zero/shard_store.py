@@ -150,13 +150,13 @@ class ManagedStore:
             self.manager.move(self.handle, Location.NVME)
 
     def accumulate(self, values: torch.Tensor, first: bool) -> None:
-        with self.access(writes=True) as held:
-            if self.location() is Location.CPU:
+        with self.placed(writes=True) as (held, tier):
+            if first:  # straight into the held buffer (pinned on CUDA): no pageable staging copy
+                self.manager.memory.copy(held, tier, values, Location.DEVICE)
+                return
+            if tier is Location.CPU:
                 values = self.manager.memory.down(values)  # to the host, in its own dtype
-            if first:
-                held.copy_(values)
-            else:
-                held.add_(values)
+            held.add_(values)
 
 
 def manage(store: ShardStore, manager: ChunkManager, kind: str, home: Location) -> ManagedStore:
