@@ -14,7 +14,7 @@ import torch
 from engine import initialize, zero_init
 from engine.checkpoint.files import CheckpointError
 from engine.compat import deepspeed
-from tests.distributed import run_distributed
+from tests.distributed import results_by_case, run_cases, run_distributed
 from tests.reference import (
     assert_close_relative,
     assert_params_close,
@@ -240,13 +240,7 @@ def _two_rank_cases(rank: int, world: int, nvme_dir: str) -> dict:
             stage_config(3, world, offload="nvme", nvme_dir=f"{nvme_dir}/b")),
         "unfreezing": lambda: unfreezing_case(rank, world),
     }
-    results = {}
-    for name, case in cases.items():
-        try:
-            results[name] = case()
-        except Exception as e:
-            raise RuntimeError(f"case {name} failed on rank {rank}") from e
-    return results
+    return {name: result for (name,), result in run_cases(rank, [(n,) for n in cases], lambda n: cases[n]()).items()}
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +251,7 @@ def two_ranks(tmp_path_factory) -> dict:
         (tmp / swap).mkdir()
     tmp = str(tmp)
     per_rank = run_distributed(_two_rank_cases, 2, args=(tmp,), timeout_s=300)
-    return {"dir": tmp, **{name: [results[name] for results in per_rank] for name in per_rank[0]}}
+    return {"dir": tmp, **results_by_case(per_rank)}
 
 
 @pytest.fixture(scope="module")
