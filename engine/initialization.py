@@ -55,6 +55,7 @@ from engine.zero.offload_policy import OffloadPolicy, build_offloaded_optimizer
 from engine.zero.param_gather import ParamGatherer
 from engine.zero.policy import ChunkKind, ShardingPolicy
 from engine.zero.runtime import ZeroRuntime
+from engine.zero.weight_files import assign_weight_files
 from engine.zero.zero_init import materialize_parameters, zero_init_placeholders, zero_init_recording
 from offload.chunk import DEFAULT_CHUNK_CAPACITY
 
@@ -92,6 +93,7 @@ def initialize(
     model_parameters: Iterable | None = None,
     loss_fn: Callable | None = None,
     collectives: Collectives | None = None,
+    weights: str | os.PathLike | None = None,
 ) -> Engine:
     """Wraps `model` for training as `config` says: the steps below, applied in order to the model.
 
@@ -102,6 +104,8 @@ def initialize(
         backpropagates, for a model whose output carries none (Note [a pipelined step]).
     collectives: the all-gather and reduce-scatter every collective helper calls (engine.comm.collectives_of);
         default: torch.distributed's, under its 2.12+ names or 2.11's.
+    weights: a safetensors checkpoint (file, index or directory) whose tensors the model's parameters and buffers
+        take, by state-dict key; a model built under zero_init reads only each rank's part (Note [streamed weights]).
     """
     cfg = load_config(config)
     check_client_objects(cfg, optimizer, lr_scheduler, model_parameters)
@@ -118,6 +122,8 @@ def initialize(
     check_compressed_run(cfg, topology)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
+    if weights is not None:
+        assign_weight_files(model, weights, zero_init_recording(model))
     recording, meta_of = zero_init_placeholders(model, topology.device)  # Note [zero_init]
     _to_device(model, topology.device, _homed_on_host(model, cfg, topology))  # Note [a bounded start]
     comm = CommCounter(collectives=collectives) if collectives is not None else CommCounter()

@@ -4,11 +4,14 @@ changed (Note [master weights])."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
 from engine.comm import shard_range
 from engine.zero.chunk_state import ChunkPhase, ChunkState
+from engine.zero.weight_files import FileRange
 
 
 class ChunkLoading:
@@ -18,16 +21,29 @@ class ChunkLoading:
 
     def load(self, p: nn.Parameter, value: torch.Tensor) -> None:
         """Note [zero_init]: parameter `p`'s values into its chunk view, or with stage 3 into this rank's shard."""
+        flat = value.reshape(-1)
+        self._fill(p, lambda target, first: target.copy_(flat.narrow(0, first, target.numel())))
+
+    def load_file(self, p: nn.Parameter, source: FileRange) -> int:
+        """Note [streamed weights]: as `load`, reading from the file only the elements this rank keeps; returns the
+        bytes read."""
+        return self._fill(p, source.read_into) * source.dtype.itemsize
+
+    def _fill(self, p: nn.Parameter, fill: Callable[[torch.Tensor, int], object]) -> int:
+        """fill(target, first): elements [first, first + target.numel()) of `p`'s flattened values into `target`,
+        for the part of `p` this rank keeps; returns that part's number of elements."""
         index, slot = self._slot_of[id(p)]
         state = self.all_states[index]
         if state.phase is ChunkPhase.WHOLE:  # the payload always holds the values (Note [chunk phases])
-            state.param_chunk.view(slot).copy_(value)
-            return
+            fill(state.param_chunk.payload.narrow(0, slot.offset, slot.numel), 0)
+            return slot.numel
         part = self._owned_range(index, slot)
-        if part is not None:
-            start, lo, hi = part
-            with state.param_store.access(writes=True) as shard:  # in memory or in a manager
-                shard.narrow(0, lo - start, hi - lo).copy_(value.reshape(-1).narrow(0, lo - slot.offset, hi - lo))
+        if part is None:
+            return 0
+        start, lo, hi = part
+        with state.param_store.access(writes=True) as shard:  # in memory or in a manager
+            fill(shard.narrow(0, lo - start, hi - lo), lo - slot.offset)
+        return hi - lo
 
     def fill_from_sources(self, index: int) -> bool:
         """Note [a bounded start]: chunk `index`'s full payload gets storage and its parameters' starting values

@@ -50,6 +50,7 @@ parameter still disagree, the lowest of them broadcasts it.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -62,7 +63,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from engine.comm import CommCounter, all_reduce_max, broadcast_from
 from engine.config import load_config
+from engine.zero.weight_files import FileRange, mapped_file_range
 from offload.nvme import checksum  # the project's one XXH3-64
+
+logger = logging.getLogger(__name__)
 
 # calls that overwrite every element of the tensor they are given without reading it
 _OVERWRITES = {
@@ -98,6 +102,7 @@ class _Record:
     dtype: torch.dtype
     initial: torch.Tensor | None
     writes: list[_Write] = field(default_factory=list)
+    file: FileRange | None = None  # where the initial value's bytes lie in a file (Note [streamed weights])
 
 
 class InitRecording:
@@ -106,6 +111,8 @@ class InitRecording:
     def __init__(self) -> None:
         self.records: dict[int, _Record] = {}  # storage key -> record
         self.built_elements = 0  # elements of the values `materialize` made so far on this rank
+        self.read_bytes = 0  # bytes read from weight files so far on this rank (Note [streamed weights])
+        self.warned_in_memory = False
 
     def knows(self, p: torch.Tensor) -> bool:
         return p.is_meta and _storage_key(p) in self.records
@@ -117,6 +124,17 @@ class InitRecording:
         last_whole = max((i for i, w in enumerate(writes) if w.whole), default=0)
         return writes[last_whole:]
 
+    def file_source(self, p: torch.Tensor) -> FileRange | None:
+        """Where `p`'s values lie in a weight file, when nothing written since decides them (Note [streamed
+        weights])."""
+        record = self.records[_storage_key(p)]
+        return record.file if not self.live_writes(p) else None
+
+    def assign_file(self, p: torch.Tensor, source: FileRange) -> None:
+        """`p`'s values are those in `source` (initialize's weights=): what was recorded for it is dead."""
+        record = self.records[_storage_key(p)]
+        record.file, record.initial, record.writes = source, None, []
+
     def materialize(self, p: torch.Tensor, rng_states: list[torch.Tensor] | None = None) -> torch.Tensor:
         """`p`'s values as a normal construction would have made them: a new tensor on the CPU, where the writes
         were recorded (their RNG states are the CPU generator's). rng_states: the state before each live write,
@@ -124,11 +142,11 @@ class InitRecording:
         record = self.records[_storage_key(p)]
         writes = self.live_writes(p)
         starts_whole = bool(writes) and writes[0].whole
-        if not starts_whole and record.initial is None:
+        if not starts_whole and record.initial is None and record.file is None:
             raise RuntimeError(f"zero_init: parameter {record.name} {tuple(record.shape)} was never initialized (it "
                                "was created with torch.empty and nothing wrote to it), so it has no values to rebuild")
         value = (torch.empty(record.shape, dtype=record.dtype) if starts_whole
-                 else record.initial.to("cpu", copy=True))
+                 else self._initial_value(record))
         states = rng_states if rng_states is not None else [w.rng_state for w in writes]
         saved = torch.get_rng_state()
         try:
@@ -144,13 +162,23 @@ class InitRecording:
         self.built_elements += value.numel()
         return value
 
+    def _initial_value(self, record: _Record) -> torch.Tensor:
+        """A new CPU tensor of the record's initial value (read from its file where it has one: the mapped view
+        is not touched, Note [streamed weights])."""
+        if record.file is None:
+            return record.initial.to("cpu", copy=True)
+        self.read_bytes += record.file.nbytes
+        return record.file.read().view(record.shape).to(record.dtype)
+
     def recipe(self, p: torch.Tensor) -> int:
         """A hash of what decides `p`'s values besides the RNG states: its live writes (function, written geometry,
         arguments: tensors by their bytes) and the initial value they start from, if any (Note [zero_init])."""
         record = self.records[_storage_key(p)]
         writes = self.live_writes(p)
         parts = [repr((tuple(record.shape), str(record.dtype))).encode()]
-        if not (writes and writes[0].whole) and record.initial is not None:
+        if not (writes and writes[0].whole) and record.file is not None:  # its layout, not its bytes
+            parts.append(repr(("file",) + record.file.identity()).encode())
+        elif not (writes and writes[0].whole) and record.initial is not None:
             parts.append(_tensor_bytes(record.initial))
         for write in writes:
             parts.append(repr((_name(write.func), write.geometry, write.whole)).encode())
@@ -201,7 +229,7 @@ class _RecordWrites(TorchFunctionMode):
         stored_args, stored_kwargs = tree_map(lambda a: _TARGET if a is target else a, (args, kwargs))
         record.writes.append(_Write(func, stored_args, stored_kwargs, geometry, torch.get_rng_state(), whole))
         if whole:
-            record.initial = None  # its earlier values are dead
+            record.initial = record.file = None  # its earlier values are dead
         # the same call on a throw-away tensor: the RNG advances as in a normal construction
         scratch = torch.empty(record.shape, dtype=record.dtype).as_strided(*geometry)
         real_args, real_kwargs = tree_map(lambda a: scratch if a is _TARGET else a, (stored_args, stored_kwargs))
@@ -237,9 +265,13 @@ def zero_init(config=None):
         if param is None or param.is_meta:
             return None  # a tied parameter registered again is already on meta
         meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        meta.__dict__.update(param.__dict__)  # marks loaders set (transformers' _is_hf_initialized: not re-initialized)
         initial = param.detach()  # its values if it was made with them (torch.ones); dropped at a whole write
-        recording.records[_storage_key(meta)] = _Record(f"{type(module).__name__}.{name}", param.shape, param.dtype,
-                                                        initial)
+        record = _Record(f"{type(module).__name__}.{name}", param.shape, param.dtype, initial,
+                         file=mapped_file_range(initial))  # a view of a mapped weight file: its bytes stay unread
+        recording.records[_storage_key(meta)] = record
+        if record.file is None and getattr(param, "_is_hf_initialized", False):
+            _warn_in_memory(recording, record.name)
         meta.tiers_zero_init = recording  # initialize() finds the recording through the parameters
         return meta
 
@@ -249,6 +281,15 @@ def zero_init(config=None):
             yield recording
     finally:
         handle.remove()
+
+
+def _warn_in_memory(recording: InitRecording, name: str) -> None:
+    if not recording.warned_in_memory:
+        recording.warned_in_memory = True
+        logger.warning("zero_init: a loaded weight (%s, maybe more) came as a tensor in memory, not a view of its "
+                       "file (the loader converted its dtype or layout), so it is held whole until initialize; "
+                       "load in the checkpoint's own dtype (from_pretrained's dtype='auto') to stream it "
+                       "(Note [streamed weights])", name)
 
 
 def zero_init_recording(model: nn.Module) -> InitRecording | None:
@@ -310,12 +351,24 @@ def materialize_parameters(model: nn.Module, chunked, recording: InitRecording, 
         else:
             p.data = value
 
+    def read(p: nn.Parameter, source: FileRange) -> None:  # Note [streamed weights]: this rank's part only
+        if id(p) in chunked_ids:
+            recording.read_bytes += chunked.load_file(p, source)
+        else:
+            recording.read_bytes += source.nbytes
+            p.data = source.read().view(source.shape).to(device=device, dtype=p.dtype)
+
     checksums: list[int | None] = []
     with torch.no_grad():
         for meta, states in zip(metas, rng_states):
             p = held.get(id(meta))
             if p is None:  # another pipeline stage's: never built here
                 checksums.append(None)
+                continue
+            source = recording.file_source(meta)
+            if source is not None:  # the ranks agreed over its file layout in the recipes
+                checksums.append(0)
+                read(p, source)
                 continue
             value = recording.materialize(meta, states)
             checksums.append(_checksum(value) if ranks else 0)
