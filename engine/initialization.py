@@ -143,6 +143,7 @@ def initialize(
     optimizer = build_chunk_optimizer(cfg, chunked, topology.device, optimizer, rebuild=split is not None,
                                       data_parallel=data_parallel)
     if recording is not None:  # after offloading: shards may load straight into the chunk manager
+        chunked.load_loose(topology.dp_group, comm)  # parameters made after the block with values (PEFT's adapters)
         materialize_parameters(model, chunked, recording, meta_of, topology.device,
                                topology.dp_group if split is None else None, comm, split.names if split else None)
     loss_scaler = build_loss_scaler(cfg)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from engine import initialize, zero_init
+from engine.zero.unbuilt import Unbuilt
 from tests.distributed import results_by_case, run_cases, run_distributed
 from tests.reference import (
     assert_close_relative,
@@ -49,8 +50,9 @@ def test_materialized_weights_are_those_of_a_normal_construction(name):
     with zero_init():
         model = build()
     rng_after_block = torch.get_rng_state()
-    assert all(p.is_meta for p in model.parameters())
+    assert all(isinstance(p, Unbuilt) for p in model.parameters())  # no values (Note [zero_init])
     reference = build()
+    assert [p.shape for p in model.parameters()] == [q.shape for q in reference.parameters()]
     assert torch.equal(rng_after_block, torch.get_rng_state())  # the RNG advanced as in a normal construction
     engine = initialize(model, zero_config(0, 2, 1))
     for (n, p), (m, q) in zip(engine.module.named_parameters(), reference.named_parameters()):
@@ -243,3 +245,13 @@ def two_ranks() -> dict[tuple, list]:
     """Each two-rank case's results in rank order, keyed by the case."""
     per_rank = run_distributed(_two_rank_cases_worker, 2, timeout_s=600)
     return results_by_case(per_rank)
+
+
+def test_after_the_block_parameters_have_shapes_and_a_device_but_computing_with_them_raises():
+    """Code between the block and initialize reads shapes and devices (weight-decay groups, PEFT placing adapters on
+    their base layer's device); computing with a parameter's values raises, naming it."""
+    with zero_init():
+        model = nn.Linear(4, 3)
+    assert model.weight.shape == (3, 4) and model.weight.device.type == "cpu" and model.weight.dim() == 2
+    with pytest.raises(RuntimeError, match="Linear.weight .* was built under engine.zero_init"):
+        model(torch.ones(2, 4))

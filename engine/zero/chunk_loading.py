@@ -7,9 +7,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from engine.comm import shard_range
+from engine.comm import broadcast_from, shard_range
 from engine.zero.chunk_state import ChunkPhase, ChunkState
 from engine.zero.weight_files import FileRange
 
@@ -23,6 +24,18 @@ class ChunkLoading:
         """Note [zero_init]: parameter `p`'s values into its chunk view, or with stage 3 into this rank's shard."""
         flat = value.reshape(-1)
         self._fill(p, lambda target, first: target.copy_(flat.narrow(0, first, target.numel())))
+
+    def load_loose(self, group, comm) -> None:
+        """In a model built under zero_init, the parameters made outside the block with their values (PEFT's
+        adapters): rank 0's values (broadcast over each chunk's group; `group` for dense ones) into their chunks."""
+        loose, self._loose = self._loose, []
+        for p, value in loose:
+            state = self.all_states[self._slot_of[id(p)][0]]
+            value = value.to(state.param_chunk.payload.device)
+            chunk_group = state.place.group_or(group)
+            if dist.is_initialized() and dist.get_world_size(chunk_group) > 1:
+                broadcast_from(value, 0, chunk_group, comm)
+            self.load(p, value)
 
     def load_file(self, p: nn.Parameter, source: FileRange) -> int:
         """Note [streamed weights]: as `load`, reading from the file only the elements this rank keeps; returns the

@@ -164,6 +164,7 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
         grad_sharding = sharding or page_grads
         packed: list[ChunkGroup] = []  # trainable groups first, then frozen ones (Note [frozen chunks])
         self._sources: dict[tuple[int, int], list[tuple[Slot, torch.Tensor]]] = {}  # (group, chunk) -> its values
+        self._loose: list[tuple[nn.Parameter, torch.Tensor]] = []  # real values next to zero_init's (load_loose)
         self._names = names or {}
         layout = dict(capacity=capacity, device=device, first_capacity=first_capacity, align=shard_count)
 
@@ -187,6 +188,8 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
                 if lazy and not values_pending:
                     for slot, source in zip(param_chunks.slots, sources):
                         self._sources.setdefault((len(packed), slot.chunk), []).append((slot, source))
+                elif values_pending:  # zero_init loads the others; these (PEFT's adapters) come with their values
+                    self._loose += [(p, p.data) for p in members if id(p) not in pending]
                 for p, pv in zip(members, param_chunks.views):
                     p.data = pv
                 for p, gv in zip(members, grad_chunks.views if trains else []):

@@ -195,25 +195,25 @@ def assign_weight_files(model: nn.Module, path: str | os.PathLike, recording) ->
             missing.append(names[0])
             continue
         t, source = tensors[tid], ranges[name]
+        recorded = recording is not None and recording.knows(t)
+        shape = tuple(recording.shape(t) if recorded else t.shape)
         floats = t.dtype.is_floating_point and source.dtype.is_floating_point
-        if tuple(t.shape) != source.shape or (t.dtype != source.dtype and not floats):
-            mismatched.append(f"{name} ({tuple(source.shape)} {source.dtype} in the files, {tuple(t.shape)} "
-                              f"{t.dtype} in the model)")
-        elif t.is_meta and not (recording is not None and recording.knows(t)):
+        if shape != source.shape or (t.dtype != source.dtype and not floats):
+            mismatched.append(f"{name} ({source.shape} {source.dtype} in the files, {shape} {t.dtype} in the model)")
+        elif t.is_meta and not recorded:
             raise ValueError(f"{name} is on the meta device but was not built inside engine.zero_init(): build the "
                              "model inside `with zero_init():` to load weights= into it")
         else:
-            chosen[tid] = source
+            chosen[tid] = (source, recorded)
     unexpected = sorted(set(ranges) - {n for names in names_of.values() for n in names})
     if missing or unexpected or mismatched:
         raise ValueError(_mismatch_message(path, missing, unexpected, mismatched))
     with torch.no_grad():
-        for tid, source in chosen.items():
-            t = tensors[tid]
-            if t.is_meta:
-                recording.assign_file(t, source)
+        for tid, (source, recorded) in chosen.items():
+            if recorded:
+                recording.assign_file(tensors[tid], source)
             else:
-                source.read_into(t.data, 0)
+                source.read_into(tensors[tid].data, 0)
 
 
 def _mismatch_message(path, missing: list[str], unexpected: list[str], mismatched: list[str]) -> str:

@@ -2,7 +2,7 @@
 
 Note [zero_init]
     with zero_init():
-        model = Build()                 # every parameter is on the meta device
+        model = Build()                 # every parameter is recorded, none holds memory
     engine = initialize(model, config)  # each rank materializes its shards of rank 0's model
 
 Inside the block, every parameter a module registers is swapped for a meta-device parameter of
@@ -18,8 +18,14 @@ parameter's live calls (from the last one that overwrote all of it: earlier valu
 with an RNG state set first, hands the result to the chunks (stage 3 keeps this rank's shard of it,
 other stages the whole of it) and frees it. The values are bit-identical to a normal construction
 under that seed, and the working set is the largest single parameter.
+When the block ends, each meta parameter becomes an Unbuilt one in place (engine/zero/unbuilt.py: its
+shape and dtype, the CPU as its device, no values; computing with it raises): code between the block
+and initialize that places new tensors by a parameter's device (PEFT moves its adapters to their base
+layer's) keeps their values. A parameter made after the block with its values (PEFT's adapters) goes
+into the chunks with those values, rank 0's on every rank (`ChunkLoading.load_loose`).
 A parameter created with its values (`Parameter(torch.ones(n))`) keeps that real tensor as its
-initial value until a later call overwrites all of it. A write this cannot replay — one whose
+initial value until a later call overwrites all of it; a loaded weight that is a view of a mapped
+file keeps only where its bytes lie (Note [streamed weights]). A write this cannot replay — one whose
 other arguments are meta tensors (values computed on the meta device) — raises at once, naming
 the parameter, rather than producing different weights.
 The ranks may seed differently (DeepSpeed's zero.Init does not ask them not to); each ends with the
@@ -63,6 +69,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from engine.comm import CommCounter, all_reduce_max, broadcast_from
 from engine.config import load_config
+from engine.zero.unbuilt import Unbuilt, unbuilt_parameter
 from engine.zero.weight_files import FileRange, mapped_file_range
 from offload.nvme import checksum  # the project's one XXH3-64
 
@@ -113,33 +120,53 @@ class InitRecording:
         self.built_elements = 0  # elements of the values `materialize` made so far on this rank
         self.read_bytes = 0  # bytes read from weight files so far on this rank (Note [streamed weights])
         self.warned_in_memory = False
+        self._built: list[nn.Parameter] = []  # the meta parameters made in the block, until `seal`
+        self._sealed: dict[int, tuple[nn.Parameter, _Record]] = {}  # id -> the Unbuilt parameter and its record
 
     def knows(self, p: torch.Tensor) -> bool:
+        if isinstance(p, Unbuilt):
+            return id(p) in self._sealed and self._sealed[id(p)][0] is p
         return p.is_meta and _storage_key(p) in self.records
+
+    def _record(self, p: torch.Tensor) -> _Record:
+        return self._sealed[id(p)][1] if isinstance(p, Unbuilt) else self.records[_storage_key(p)]
+
+    def shape(self, p: torch.Tensor) -> torch.Size:
+        return self._record(p).shape
+
+    def seal(self) -> None:
+        """At the block's end: each meta parameter becomes an Unbuilt one, in place (engine/zero/unbuilt.py)."""
+        for p in self._built:
+            record = self.records[_storage_key(p)]
+            attributes = dict(p.__dict__)
+            torch.utils.swap_tensors(p, unbuilt_parameter(record.shape, record.dtype, record.name, p.requires_grad))
+            p.__dict__.update(attributes)
+            self._sealed[id(p)] = (p, record)
+        self._built = []
 
     def live_writes(self, p: torch.Tensor) -> list[_Write]:
         """The writes that decide `p`'s values: from the last one that overwrote all of it (earlier values are dead),
         or all of them, applied to its initial value."""
-        writes = self.records[_storage_key(p)].writes
+        writes = self._record(p).writes
         last_whole = max((i for i, w in enumerate(writes) if w.whole), default=0)
         return writes[last_whole:]
 
     def file_source(self, p: torch.Tensor) -> FileRange | None:
         """Where `p`'s values lie in a weight file, when nothing written since decides them (Note [streamed
         weights])."""
-        record = self.records[_storage_key(p)]
+        record = self._record(p)
         return record.file if not self.live_writes(p) else None
 
     def assign_file(self, p: torch.Tensor, source: FileRange) -> None:
         """`p`'s values are those in `source` (initialize's weights=): what was recorded for it is dead."""
-        record = self.records[_storage_key(p)]
+        record = self._record(p)
         record.file, record.initial, record.writes = source, None, []
 
     def materialize(self, p: torch.Tensor, rng_states: list[torch.Tensor] | None = None) -> torch.Tensor:
         """`p`'s values as a normal construction would have made them: a new tensor on the CPU, where the writes
         were recorded (their RNG states are the CPU generator's). rng_states: the state before each live write,
         in place of those recorded here (rank 0's, Note [zero_init])."""
-        record = self.records[_storage_key(p)]
+        record = self._record(p)
         writes = self.live_writes(p)
         starts_whole = bool(writes) and writes[0].whole
         if not starts_whole and record.initial is None and record.file is None:
@@ -173,7 +200,7 @@ class InitRecording:
     def recipe(self, p: torch.Tensor) -> int:
         """A hash of what decides `p`'s values besides the RNG states: its live writes (function, written geometry,
         arguments: tensors by their bytes) and the initial value they start from, if any (Note [zero_init])."""
-        record = self.records[_storage_key(p)]
+        record = self._record(p)
         writes = self.live_writes(p)
         parts = [repr((tuple(record.shape), str(record.dtype))).encode()]
         if not (writes and writes[0].whole) and record.file is not None:  # its layout, not its bytes
@@ -270,6 +297,7 @@ def zero_init(config=None):
         record = _Record(f"{type(module).__name__}.{name}", param.shape, param.dtype, initial,
                          file=mapped_file_range(initial))  # a view of a mapped weight file: its bytes stay unread
         recording.records[_storage_key(meta)] = record
+        recording._built.append(meta)  # until the block's end (seal)
         if record.file is None and getattr(param, "_is_hf_initialized", False):
             _warn_in_memory(recording, record.name)
         meta.tiers_zero_init = recording  # initialize() finds the recording through the parameters
@@ -281,6 +309,7 @@ def zero_init(config=None):
             yield recording
     finally:
         handle.remove()
+        recording.seal()
 
 
 def _warn_in_memory(recording: InitRecording, name: str) -> None:
@@ -295,14 +324,13 @@ def _warn_in_memory(recording: InitRecording, name: str) -> None:
 def zero_init_recording(model: nn.Module) -> InitRecording | None:
     """What `zero_init` recorded while the model was built (None for a model without meta parameters); raises
     for a meta parameter it did not build."""
-    metas = [p for p in model.parameters() if p.is_meta]
-    if not metas:
-        return None
-    recording = next((getattr(p, "tiers_zero_init", None) for p in metas), None)
+    recording = next((p.tiers_zero_init for p in model.parameters() if hasattr(p, "tiers_zero_init")), None)
     strays = [n for n, p in model.named_parameters() if p.is_meta and not (recording and recording.knows(p))]
     if strays:
         raise ValueError(f"parameter {strays[0]!r} is on the meta device but was not built inside engine.zero_init(); "
                          "build the model inside `with zero_init():`, or give it real weights before initialize()")
+    if recording is None or not any(recording.knows(p) for p in model.parameters()):
+        return None
     return recording
 
 
@@ -316,13 +344,13 @@ def zero_init_placeholders(model: nn.Module,
     recording = zero_init_recording(model)
     if recording is None:
         return None, {}
-    metas = {id(p): p for p in model.parameters() if p.is_meta}
+    metas = {id(p): p for p in model.parameters() if recording.knows(p)}
     replacement: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):  # tied parameters: one replacement for all their places
-            if p is not None and p.is_meta:
+            if p is not None and id(p) in metas:
                 if id(p) not in replacement:
-                    placeholder = torch.empty(p.shape, dtype=p.dtype, device=device)
+                    placeholder = torch.empty(recording.shape(p), dtype=p.dtype, device=device)
                     placeholder.untyped_storage().resize_(0)
                     replacement[id(p)] = nn.Parameter(placeholder, requires_grad=p.requires_grad)
                 module._parameters[name] = replacement[id(p)]
@@ -423,7 +451,7 @@ class _RankZero:
         the parameters whose recipe differs from rank 0's here (`foreign`); raises on every rank when one built a
         different model (other names, shapes, dtypes)."""
         recipes = [recording.recipe(p) for _, p in named]
-        layout = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, r, len(s))
+        layout = [(n, tuple(recording.shape(p)), str(p.dtype), p.requires_grad, r, len(s))
                   for (n, p), r, s in zip(named, recipes, own)]
         fingerprint = checksum(b"".join(s.numpy().tobytes() for states in own for s in states))
         plan = [(layout, fingerprint)]
@@ -463,7 +491,7 @@ class _RankZero:
     def value(self, recording: InitRecording, meta: torch.Tensor, source: int = 0) -> torch.Tensor:
         """The values of one parameter as group rank `source` builds it, broadcast from it."""
         value = (recording.materialize(meta).to(self.device) if self.rank == source
-                 else torch.empty(meta.shape, dtype=meta.dtype, device=self.device))
+                 else torch.empty(recording.shape(meta), dtype=meta.dtype, device=self.device))
         broadcast_from(value, source, self.group, self.comm)
         return value
 

@@ -43,7 +43,7 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
     params = [params] if isinstance(params, nn.Parameter) else list(params)
     if fwd_module is not None:
         refuse("GatheredParameters(fwd_module=...)", "GatheredParameters(params, modifier_rank=...)")
-    if any(p.is_meta for p in params):
+    if any(p.is_meta or hasattr(p, "tiers_zero_init") for p in params):
         refuse("GatheredParameters on parameters built under zero.Init before initialize()",
                "initialization inside the `with zero.Init():` block (it is recorded and replayed shard by shard), "
                "or GatheredParameters after initialize()")
