@@ -282,26 +282,32 @@ class Engine(ParallelCoordinates):
         self.runtime.zero_grads()
 
     # ---- whole weights ------------------------------------------------------------------------
-    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, rank0_only: bool = False, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
         """The model's full state dict (keys as `module.state_dict()`; under a pipeline, the unsplit model's,
         gathered from the stages), copied to CPU, on every rank; with rank0_only, on rank 0 only (the others get
         None). Stages 0-2 keep every parameter whole on every rank; stage 3 gathers one chunk at a time (every
-        rank must call this). With bf16 / fp16 the parameters are their fp32 master weights."""
+        rank must call this). With bf16 / fp16 the parameters are their fp32 master weights. trainable_only: the
+        parameters that train, nothing else (adapters without their frozen base: PEFT's save_pretrained takes it)."""
+        if trainable_only and self.features.joins_state_dict:
+            raise ValueError("full_state_dict(trainable_only=True) under tensor, expert or pipeline parallelism: take "
+                             "full_state_dict() and keep the trainable entries")
         keep = not rank0_only or self.topology.rank == 0
         # each rank gathers its part; the features join the parts (Note [feature objects])
         whole = whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.topology.shard_group,
-                                              self.comm, keep or self.features.joins_state_dict)
+                                              self.comm, keep or self.features.joins_state_dict, trainable_only)
         whole = self.features.join_state_dict(whole, keep)
         return whole if keep else None
 
     # ---- checkpoints (engine/checkpoint/) -------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True) -> str:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
         """Saves this engine's whole training state into save_dir/tag (default tag "global_step<N>") and points
         save_dir/latest at it; every rank must call it (Note [checkpoint commit]). client_state (JSON values and
         tensors, e.g. a data loader's state_dict()) comes back from load_checkpoint. Returns the checkpoint's path;
-        with checkpoint.async_save the files are still being written when it returns (Note [asynchronous save])."""
-        return self._saver.save(save_dir, tag, client_state, save_latest)
+        with checkpoint.async_save the files are still being written when it returns (Note [asynchronous save]).
+        exclude_frozen_parameters: leave the frozen parameters out (an adapter-only checkpoint); loading it keeps the
+        frozen values the loading engine holds (its pretrained base)."""
+        return self._saver.save(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):

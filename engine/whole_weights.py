@@ -16,12 +16,14 @@ from engine.zero.param_gather import ParamGatherer
 
 def full_state_dict(module: nn.Module, chunked: ChunkedParams, gatherer: ParamGatherer,
                     group: dist.ProcessGroup | None, counter: CommCounter,
-                    keep: bool) -> dict[str, torch.Tensor] | None:
+                    keep: bool, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
     """`module.state_dict()`'s keys with whole values copied to CPU (None where not `keep`). Parameters
     are read from their chunks one chunk at a time: their fp32 masters under bf16 / fp16 (Note [master
     weights]), gathered under stage 3 (Note [sharded parameters]), frozen ones too (Note [frozen chunks]); every
-    rank must call this."""
+    rank must call this. trainable_only: the keys of parameters that train only (no frozen chunk is gathered)."""
     entries = module.state_dict(keep_vars=True)  # the tensors themselves: no read of released chunks
+    if trainable_only:
+        entries = {k: t for k, t in entries.items() if isinstance(t, nn.Parameter) and t.requires_grad}
     chunk_of = (chunked.param_chunk_index() if chunked.gathers_params
                 else chunked.chunk_index() if chunked.has_masters else {})
     by_chunk: dict[int, list[str]] = {}

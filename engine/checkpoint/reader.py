@@ -140,6 +140,7 @@ class Checkpoint:
         self.chunk_numels: dict[tuple[int, int], list[int]] = {}  # (pp rank, tp rank) -> its chunks' sizes
         self.locations: dict[int, dict[str, list[Location]]] = {}  # tp rank -> name -> where (every stage's)
         self.extras: dict[int, dict[str, int]] = {}  # tp rank -> key -> the pipeline rank holding it
+        self.excluded_frozen = set(manifest.get("excluded_frozen", []))  # saved with exclude_frozen_parameters
         for pp, (chunks_of, extras_of) in enumerate(zip(self.stages("chunks"), self.stages("extras"))):
             for tp, chunks in chunks_of.items():
                 tp = int(tp)

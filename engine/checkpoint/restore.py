@@ -54,7 +54,8 @@ class LoadPlan:
                 self._check_shape(m.name, m.whole_shape)
             self.members.append(mine)
         extras, _ = extra_entries(run.module, run.chunked)
-        self.extras = extras
+        # left out of an adapter-only save (exclude_frozen_parameters): the live frozen values stay
+        self.extras = extras = {k: t for k, t in extras.items() if k not in checkpoint.excluded_frozen}
         self._check_trainability(live_names, set(extras))
         self._check_names("parameter", live_names, set(checkpoint.param_names()))
         self._check_names("buffer or frozen parameter", set(extras), set(checkpoint.extras[0]))

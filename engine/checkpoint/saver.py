@@ -92,7 +92,8 @@ class Saver:
         self._committed: str | None = None
 
     # ---- public ----------------------------------------------------------------------------
-    def save(self, save_dir: str, tag: str | None, client_state: dict | None, save_latest: bool) -> str:
+    def save(self, save_dir: str, tag: str | None, client_state: dict | None, save_latest: bool,
+             exclude_frozen: bool = False) -> str:
         self.wait()
         state, progress = self.state, self.state.progress
         if progress.micro_step % progress.gradient_accumulation_steps:
@@ -108,7 +109,7 @@ class Saver:
         asynchronous = self.config.async_save
         error, snapshot, common = None, None, None
         try:
-            snapshot = take_snapshot(state, state.placements(), copy=asynchronous)
+            snapshot = take_snapshot(state, state.placements(), copy=asynchronous, exclude_frozen=exclude_frozen)
             common = self._common_state(snapshot, tag, client_state) if self.control.rank == 0 else None
         except Exception as e:  # e.g. a client_state that is not JSON (rank 0), an NVMe read error (any rank)
             error = f"rank {self.control.rank}: {type(e).__name__}: {e}"
@@ -259,6 +260,7 @@ class Saver:
                                                                  [experts[(p, t, e)] for e in range(topo.ep_size)])
                                            for t in range(topo.tp_size)}),
             "extras": per_stage(lambda p: {str(t): head[(p, t)]["extras"] for t in range(topo.tp_size)}),
+            "excluded_frozen": sorted({k for p in stages for k in head[(p, 0)]["excluded_frozen"]}),
             # the whole model's: every stage's aliases, the unsplit model's keys (Note [checkpoint layout])
             "aliases": {k: v for p in stages for k, v in head[(p, 0)]["aliases"].items()},
             "state_dict_keys": _every_key([experts[(p, 0, e)]["keys"] for p in stages for e in range(topo.ep_size)]),

@@ -21,10 +21,12 @@ class RankSnapshot:
     record: dict = field(default_factory=dict)  # JSON: who wrote it, what it holds
 
 
-def take_snapshot(run: TrainingState, placements: dict[str, Placement], copy: bool) -> RankSnapshot:
+def take_snapshot(run: TrainingState, placements: dict[str, Placement], copy: bool,
+                  exclude_frozen: bool = False) -> RankSnapshot:
     """This rank's part of a checkpoint (Note [checkpoint layout]). copy=False keeps in-memory tensors as they are
     (a synchronous save writes them before training goes on); anything read from a chunk manager, a stage-3 shard
-    view or the device is copied to CPU memory either way."""
+    view or the device is copied to CPU memory either way. exclude_frozen: frozen parameters are left out (their
+    keys recorded as excluded; a load keeps the live values: Note [frozen chunks])."""
     topo, chunked, states = run.topology, run.chunked, run.live_states(placements)
     snap = RankSnapshot()
     snap.record = {"rank": topo.rank, "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "tp_rank": topo.tp_rank,
@@ -59,9 +61,12 @@ def take_snapshot(run: TrainingState, placements: dict[str, Placement], copy: bo
                                   **({"expert": True, "shards": states.shard_count(i)} if states.is_expert(i) else {})}
                                  for i in range(len(states))]
         snap.record["keys"] = run.features.model_keys(list(run.module.state_dict(keep_vars=True)))  # the whole model's
-    frozen = run.frozen_values(keep=topo.dp_rank == 0)  # (gathered on every rank under stage 3)
+    frozen = {} if exclude_frozen else run.frozen_values(keep=topo.dp_rank == 0)  # (gathered on every rank: stage 3)
     if topo.dp_rank == 0:
         extras, aliases = extra_entries(run.module, chunked)
+        frozen_ids = {id(p) for s in chunked.frozen_states for p in s.params} if exclude_frozen else set()
+        snap.record["excluded_frozen"] = sorted(k for k, t in extras.items() if id(t) in frozen_ids)
+        extras = {k: t for k, t in extras.items() if id(t) not in frozen_ids}
         for key, t in extras.items():
             snap.tensors[f"extra.{key}"] = frozen[id(t)] if id(t) in frozen else keep(t, False)
         snap.record["extras"] = {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}

@@ -190,10 +190,8 @@ class DeepSpeedEngine(nn.Module):
     def save_checkpoint(self, save_dir: str, tag=None, client_state: dict | None = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
         self._refuse_while_offloaded("save_checkpoint")
-        if exclude_frozen_parameters:
-            refuse("save_checkpoint(exclude_frozen_parameters=True)", "save_checkpoint(...) (frozen parameters are "
-                   "saved beside the chunks)")
-        self.engine.save_checkpoint(save_dir, None if tag is None else str(tag), client_state or {}, save_latest)
+        self.engine.save_checkpoint(save_dir, None if tag is None else str(tag), client_state or {}, save_latest,
+                                    exclude_frozen_parameters)
         return True
 
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
