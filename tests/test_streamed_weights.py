@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from engine import initialize, zero_init
@@ -39,8 +40,9 @@ def checkpoints(tmp_path_factory) -> dict:
             "bf16-tied-sharded": save_llama(str(root / "tied"), torch.bfloat16, tied=True, shard="20KB")}
 
 
-def engine_config(dtype: str, world: int, offload: str | None = None, nvme_dir: str | None = None) -> dict:
-    cfg = zero_config(3, 1, 1, chunk_size=4_000)
+def engine_config(dtype: str, world: int, offload: str | None = None, nvme_dir: str | None = None,
+                  stage: int = 3) -> dict:
+    cfg = zero_config(stage, 1, 1, chunk_size=4_000)
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if offload:
@@ -78,11 +80,12 @@ def assert_bit_exact(state: dict, reference: dict) -> None:
 
 
 @pytest.mark.parametrize("how", ["from_pretrained", "weights"])
-@pytest.mark.parametrize("files", ["fp32", "bf16", "bf16-tied-sharded"])
-def test_one_process_loads_what_from_pretrained_loads(checkpoints, files, how, caplog):
+@pytest.mark.parametrize("files, stage", [("fp32", 3), ("bf16", 3), ("bf16-tied-sharded", 3),
+                                          ("bf16-tied-sharded", 1)])  # stage 1: whole chunks
+def test_one_process_loads_what_from_pretrained_loads(checkpoints, files, stage, how, caplog):
     path = checkpoints[files]
     with caplog.at_level(logging.WARNING, logger="engine.zero.zero_init"):
-        state, read = loaded(path, how, engine_config(files[:4], 1))
+        state, read = loaded(path, how, engine_config(files[:4], 1, stage=stage))
     assert not caplog.records  # every weight streamed: none was handed over in memory
     reference = plain(path)
     assert_bit_exact(state, reference)
@@ -153,3 +156,41 @@ def test_a_directory_without_safetensors_is_an_error_naming_what_it_looks_for(tm
         model = transformers.LlamaForCausalLM(llama_config(tied=False))
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         initialize(model, engine_config("fp32", 1), weights=str(tmp_path))
+
+
+def test_a_weight_converted_in_memory_is_held_whole_with_a_warning_and_loads_exactly(checkpoints, caplog):
+    """from_pretrained converting a bf16 file to fp32 hands over tensors in memory, not views of the file."""
+    path = checkpoints["bf16"]
+    with caplog.at_level(logging.WARNING, logger="engine.zero.zero_init"):
+        with zero_init():
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert any("not a view of its file" in r.getMessage() for r in caplog.records)
+    engine = initialize(model, engine_config("fp32", 1))
+    state = engine.full_state_dict()
+    engine.close()
+    assert_bit_exact(state, transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict())
+
+
+def test_a_mapped_view_written_before_zero_init_saw_it_loads_what_it_holds(tmp_path):
+    """A view of a mapped file whose pages were written since (copy on write) no longer holds the file's bytes:
+    its own values load, not the file's."""
+    path = str(tmp_path / "w.safetensors")
+    save_file({"w": torch.arange(12.0).reshape(3, 4)}, path)
+    handle = safe_open(path, framework="pt", device="cpu")
+    view = handle.get_slice("w")[...]
+    view.mul_(2)
+    with zero_init():
+        layer = torch.nn.Linear(4, 3, bias=False)
+        layer.weight = torch.nn.Parameter(view)
+    engine = initialize(layer, engine_config("fp32", 1, stage=0))
+    assert torch.equal(engine.module.weight.detach(), torch.arange(12.0).reshape(3, 4) * 2)
+    engine.close()
+
+
+def test_a_model_built_in_two_zero_init_blocks_is_refused_by_name():
+    with zero_init():
+        first = torch.nn.Linear(4, 4)
+    with zero_init():
+        second = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="built in another zero_init block"):
+        initialize(torch.nn.Sequential(first, second), engine_config("fp32", 1))

@@ -8,7 +8,8 @@ OUT/model.safetensors, or with --max-shard-size OUT/model-0000k-of-0000n.safeten
 model.safetensors.index.json (Hugging Face's layout, so `from_pretrained` can read it). It streams:
 one parameter is read at a time (memory-mapped slices of the rank files), and values are kept
 only until the output piece they belong to is written, so memory holds at most one output piece
-and one parameter. Tied weights are written under each key (safetensors stores no aliases).
+and one parameter. Tied weights are written under each key (safetensors stores no aliases). An adapter-only
+checkpoint (saved with exclude_frozen_parameters) holds no whole model and is refused.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def resolve(path: str, tag: str | None) -> str:
 def consolidate(checkpoint_dir: str, out_dir: str, max_shard_bytes: int | None = None) -> list[str]:
     """Note [consolidating a checkpoint]; returns the files written (names in out_dir)."""
     checkpoint = Checkpoint(checkpoint_dir)
+    if checkpoint.excluded_frozen:
+        raise CheckpointError(f"{checkpoint_dir} was saved with exclude_frozen_parameters: it holds no frozen "
+                              f"parameter ({len(checkpoint.excluded_frozen)} left out, e.g. "
+                              f"{sorted(checkpoint.excluded_frozen)[0]!r}), so it is no whole model to convert; save "
+                              "one with save_checkpoint(...) or take the adapters from "
+                              "engine.full_state_dict(trainable_only=True)")
     reader = PieceReader(checkpoint)
     manifest = checkpoint.manifest
     aliases = manifest["aliases"]

@@ -56,6 +56,10 @@ class LoadPlan:
         extras, _ = extra_entries(run.module, run.chunked)
         # left out of an adapter-only save (exclude_frozen_parameters): the live frozen values stay
         self.extras = extras = {k: t for k, t in extras.items() if k not in checkpoint.excluded_frozen}
+        if checkpoint.excluded_frozen:
+            warnings.warn(f"load_checkpoint: {checkpoint.directory} was saved with exclude_frozen_parameters; its "
+                          f"{len(checkpoint.excluded_frozen)} frozen parameters keep this engine's values, so build it "
+                          "on the same pretrained base as the engine that saved it", stacklevel=2)
         self._check_trainability(live_names, set(extras))
         self._check_names("parameter", live_names, set(checkpoint.param_names()))
         self._check_names("buffer or frozen parameter", set(extras), set(checkpoint.extras[0]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 
 class Unbuilt(torch.Tensor):
@@ -32,9 +33,13 @@ class Unbuilt(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        this = next(a for a in args if isinstance(a, Unbuilt))
+        this = next(a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Unbuilt))
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):  # nn.Parameter(...) detaches
             return Unbuilt(this.shape, this.dtype, this.origin)
+        if func is torch.ops.aten._to_copy.default:  # model.to(...), .half(), .cuda() between the block and initialize
+            raise RuntimeError(f"parameter {this.origin} was built under engine.zero_init: initialize() places it and "
+                               "casts it (the config's bf16 / fp16 sections), so leave out model.to() / .half() / "
+                               ".cuda() before initialize")
         raise RuntimeError(f"parameter {this.origin} {tuple(this.shape)} was built under engine.zero_init and has no "
                            f"values until initialize() (it cannot run {func}): compute with it after initialize, on "
                            "the engine's model, or build the model without zero_init")

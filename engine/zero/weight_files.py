@@ -4,10 +4,11 @@ Note [streamed weights]
 A model built under zero_init gets pretrained weights without any rank holding them whole:
 - `with zero_init(): AutoModelForCausalLM.from_pretrained(path)`: transformers reads safetensors through a memory
   map and hands the module each loaded tensor as a zero-copy view of the mapped file (when it keeps the file's
-  dtype: `dtype="auto"`, its default). zero_init's registration hook swaps it for a meta parameter and records
-  where its bytes lie in the file (`mapped_file_range`, from the process's memory map), touching none of them. A
-  tensor that is no such view (transformers converted its dtype or fused it) is kept whole as its initial value,
-  with a warning, as any value a module is built with.
+  dtype: `dtype="auto"`, transformers 5's default). zero_init's registration hook swaps it for a meta parameter and
+  records where its bytes lie in the file (`mapped_file_range`, from the process's memory map), touching none of
+  them; a view with a page written since the file was mapped (its own copy now: pagemap says so) is not trusted
+  to be the file's bytes. A tensor that is no such view (transformers converted its dtype or fused it) is kept
+  whole as its initial value, with a warning, as any value a module is built with.
 - `initialize(model, cfg, weights=path)`: the safetensors headers (one file, or a directory holding
   model.safetensors or model.safetensors.index.json and its shards) give each tensor's byte range. The model's
   state-dict keys (a tied parameter: any one of its names) must be the files' keys exactly, with their shapes
@@ -27,11 +28,13 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -99,9 +102,12 @@ class FileRange:
 
 
 def mapped_file_range(t: torch.Tensor) -> FileRange | None:
-    """Where `t`'s bytes lie in a file it is a memory-mapped view of (safetensors' zero-copy load); None when it is
-    no such view (memory of its own, not contiguous, not on the CPU) or the system shows no memory map."""
+    """Where `t`'s bytes lie in a file it is an unwritten memory-mapped view of (safetensors' zero-copy load); None
+    when it is no such view (memory torch allocated, not contiguous, not on the CPU, a page written since it was
+    mapped) or the system shows no memory map."""
     if t.device.type != "cpu" or t.is_meta or not t.is_contiguous() or t.numel() == 0:
+        return None
+    if t.untyped_storage().resizable():  # memory of torch's own allocator: no file behind it
         return None
     try:
         maps = Path("/proc/self/maps").read_text()
@@ -119,10 +125,27 @@ def mapped_file_range(t: torch.Tensor) -> FileRange | None:
         if path.endswith(" (deleted)") or not os.path.isfile(path):
             return None
         offset, size = int(fields[2], 16) + start - low, os.path.getsize(path)
-        if start + t.nbytes > high or offset + t.nbytes > size:
+        if start + t.nbytes > high or offset + t.nbytes > size or not _unwritten(start, t.nbytes):
             return None
         return FileRange(path, offset, t.dtype, tuple(t.shape), size)
     return None
+
+
+def _unwritten(address: int, nbytes: int) -> bool:
+    """Whether no page of [address, address + nbytes) was written since it was mapped: a written page of a private
+    file mapping is a copy of its own (anonymous, or swapped out), which /proc/self/pagemap tells per page. False
+    where pagemap cannot be read (the bytes are then taken from memory, not from the file)."""
+    first, last = address // mmap.PAGESIZE, (address + nbytes - 1) // mmap.PAGESIZE
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            entries = np.frombuffer(f.read((last - first + 1) * 8), dtype=np.uint64)
+    except OSError:
+        return False
+    if len(entries) != last - first + 1:
+        return False
+    present, swapped, file_page = ((entries >> np.uint64(b)) & np.uint64(1) for b in (63, 62, 61))
+    return not bool(np.any((present & (1 - file_page)) | swapped))
 
 
 def safetensors_ranges(path: str | os.PathLike) -> dict[str, FileRange]:

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -123,6 +124,10 @@ class InitRecording:
         self._built: list[nn.Parameter] = []  # the meta parameters made in the block, until `seal`
         self._sealed: dict[int, tuple[nn.Parameter, _Record]] = {}  # id -> the Unbuilt parameter and its record
 
+    def add(self, meta: nn.Parameter, record: _Record) -> None:
+        self.records[_storage_key(meta)] = record
+        self._built.append(meta)
+
     def knows(self, p: torch.Tensor) -> bool:
         if isinstance(p, Unbuilt):
             return id(p) in self._sealed and self._sealed[id(p)][0] is p
@@ -135,14 +140,24 @@ class InitRecording:
         return self._record(p).shape
 
     def seal(self) -> None:
-        """At the block's end: each meta parameter becomes an Unbuilt one, in place (engine/zero/unbuilt.py)."""
+        """At the block's end: each meta parameter becomes an Unbuilt one, in place (engine/zero/unbuilt.py); from
+        here on the records are found through those parameters."""
         for p in self._built:
             record = self.records[_storage_key(p)]
             attributes = dict(p.__dict__)
+            if weakref.getweakrefcount(p):
+                raise RuntimeError(f"zero_init: parameter {record.name} is held by a weak reference made inside the "
+                                   "block, so it cannot become a placeholder in place; take the weak reference after "
+                                   "initialize()")
             torch.utils.swap_tensors(p, unbuilt_parameter(record.shape, record.dtype, record.name, p.requires_grad))
             p.__dict__.update(attributes)
             self._sealed[id(p)] = (p, record)
-        self._built = []
+        self._built, self.records = [], {}  # a freed meta storage's address may come again: no lookups by it
+
+    def release(self) -> None:
+        """After initialize materialized every parameter: what the records hold (initial values, memory-mapped
+        views of weight files) goes now, not at the next garbage collection (the parameters refer back here)."""
+        self._sealed, self.records = {}, {}
 
     def live_writes(self, p: torch.Tensor) -> list[_Write]:
         """The writes that decide `p`'s values: from the last one that overwrote all of it (earlier values are dead),
@@ -289,15 +304,15 @@ def zero_init(config=None):
     recording = InitRecording()
 
     def to_meta(module: nn.Module, name: str, param: nn.Parameter | None):
-        if param is None or param.is_meta:
-            return None  # a tied parameter registered again is already on meta
+        if param is None or param.is_meta or isinstance(param, Unbuilt):
+            return None  # a tied parameter registered again, or one a zero_init block made already
         meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
         meta.__dict__.update(param.__dict__)  # marks loaders set (transformers' _is_hf_initialized: not re-initialized)
         initial = param.detach()  # its values if it was made with them (torch.ones); dropped at a whole write
-        record = _Record(f"{type(module).__name__}.{name}", param.shape, param.dtype, initial,
-                         file=mapped_file_range(initial))  # a view of a mapped weight file: its bytes stay unread
-        recording.records[_storage_key(meta)] = record
-        recording._built.append(meta)  # until the block's end (seal)
+        file = mapped_file_range(initial)  # a view of a mapped weight file: its bytes stay unread
+        record = _Record(f"{type(module).__name__}.{name}", param.shape, param.dtype, None if file else initial,
+                         file=file)
+        recording.add(meta, record)
         if record.file is None and getattr(param, "_is_hf_initialized", False):
             _warn_in_memory(recording, record.name)
         meta.tiers_zero_init = recording  # initialize() finds the recording through the parameters
@@ -309,7 +324,7 @@ def zero_init(config=None):
             yield recording
     finally:
         handle.remove()
-        recording.seal()
+    recording.seal()  # not after an error in the block: that error is the one to see
 
 
 def _warn_in_memory(recording: InitRecording, name: str) -> None:
@@ -322,13 +337,17 @@ def _warn_in_memory(recording: InitRecording, name: str) -> None:
 
 
 def zero_init_recording(model: nn.Module) -> InitRecording | None:
-    """What `zero_init` recorded while the model was built (None for a model without meta parameters); raises
+    """What `zero_init` recorded while the model was built (None for a model with no parameter it recorded); raises
     for a meta parameter it did not build."""
     recording = next((p.tiers_zero_init for p in model.parameters() if hasattr(p, "tiers_zero_init")), None)
     strays = [n for n, p in model.named_parameters() if p.is_meta and not (recording and recording.knows(p))]
     if strays:
         raise ValueError(f"parameter {strays[0]!r} is on the meta device but was not built inside engine.zero_init(); "
                          "build the model inside `with zero_init():`, or give it real weights before initialize()")
+    others = [n for n, p in model.named_parameters() if isinstance(p, Unbuilt) and not recording.knows(p)]
+    if others:
+        raise ValueError(f"parameter {others[0]!r} was built in another zero_init block than the rest of the model; "
+                         "build the whole model inside one `with zero_init():`")
     if recording is None or not any(recording.knows(p) for p in model.parameters()):
         return None
     return recording
@@ -406,6 +425,7 @@ def materialize_parameters(model: nn.Module, chunked, recording: InitRecording, 
             if id(metas[i]) in held:
                 load(held[id(metas[i])], value)
         chunked.finish_loading()
+    recording.release()
 
 
 def _distributed(group: dist.ProcessGroup | None) -> bool:
