@@ -16,12 +16,14 @@ from engine.models import gpt_bench30m
 from tests.distributed import run_distributed
 from tests.reference import tiny_gpt, token_batches, train_engine
 from tests.rss import MALLOC_ENV
+from tests.test_frozen_chunks import frozen_gpt
 from tests.test_zero import model_state_bytes, zero_config
 
 # (stage, chunk_size (None: the engine's default layout), extra config); tp > 1 is in the world-4 list
 CASES = [(0, None, {}), (1, None, {}), (2, None, {}), (3, None, {}), (1, 20_000, {}), (2, 20_000, {}),
          (3, 20_000, {}), (3, None, {"stage3_param_persistence_threshold": "auto"}), (2, None, {"bf16": True}),
-         (3, 20_000, {"bf16": True}), (1, None, {"tp": 2})]
+         (3, 20_000, {"bf16": True}), (1, None, {"tp": 2}), (3, 20_000, {"frozen": True}),
+         (2, None, {"frozen": True, "bf16": True})]  # frozen: Note [frozen chunks]
 
 
 def case_config(stage: int, chunk_size: int | None, extra: dict) -> dict:
@@ -37,6 +39,10 @@ def case_config(stage: int, chunk_size: int | None, extra: dict) -> dict:
     return cfg
 
 
+def case_model(extra: dict):
+    return frozen_gpt if extra.get("frozen") else tiny_gpt
+
+
 def cases_at(world: int) -> list[tuple]:
     return [c for c in CASES if world % c[2].get("tp", 1) == 0]
 
@@ -45,7 +51,7 @@ def _measure_worker(rank, world):
     """Every case's engine trained one step (optimizer states exist after it); its bytes counted from the tensors."""
     measured = []
     for stage, chunk_size, extra in cases_at(world):
-        engine = initialize(tiny_gpt(), case_config(stage, chunk_size, extra))
+        engine = initialize(case_model(extra)(), case_config(stage, chunk_size, extra))
         train_engine(engine, token_batches(1, 2 * engine.dp_world_size), engine.dp_rank, engine.dp_world_size, 1)
         counted = model_state_bytes(engine)
         assert counted == engine.model_state_bytes(), (counted, engine.model_state_bytes())
@@ -60,8 +66,8 @@ def test_model_state_bytes_equal_the_engines_chunks_exactly(world):
     for case, counted in zip(cases_at(world), measured[0]):
         cfg = load_config(case_config(*case))
         tp = cfg.tensor_parallel.size
-        params = trace_strategy(tiny_gpt, cfg, None, activations=False).params
-        estimated = model_states(params, cfg, world // tp).by_kind()
+        trace = trace_strategy(case_model(case[2]), cfg, None, activations=False)
+        estimated = model_states(trace.params, cfg, world // tp, trace.frozen).by_kind()
         assert estimated == counted, (case, estimated, counted)
     for counted in measured[1:]:  # every rank holds the same bytes (chunks are padded to whole shards)
         assert counted == measured[0]

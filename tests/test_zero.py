@@ -43,7 +43,8 @@ def zero_config(stage: int, micro: int, accumulation: int, chunk_size: int = 20_
 def model_state_bytes(engine) -> dict[str, int]:
     """Counted from the tensors themselves, not from the engine: chunk payload storages and optimizer states."""
     chunked = engine.chunked
-    params = sum(c.payload.untyped_storage().nbytes() for g in chunked.groups for c in g.param_chunks.chunks)
+    params = sum(c.payload.untyped_storage().nbytes() for g in chunked.groups + chunked.frozen_groups
+                 for c in g.param_chunks.chunks)  # frozen chunks: parameters without gradients (Note [frozen chunks])
     grads = sum(c.payload.untyped_storage().nbytes() for g in chunked.groups for c in g.grad_chunks.chunks)
     if chunked.shards_grads:  # stages 2, 3: the persistent shards (the chunks hold no storage now)
         grads += sum(s.untyped_storage().nbytes() for s in chunked.sharded_grads.shards)

@@ -129,7 +129,7 @@ def estimate(factory: Callable[[], nn.Module], config: dict, world: int, tp_size
         trace = traces[key]
         built = 0 if zero_init else trace.built
         if spec.stages == 1:
-            states = model_states(trace.params, cfg, dp)
+            states = model_states(trace.params, cfg, dp, trace.frozen)
             row = _combine(strategy, cfg_dict, states, trace.activations.peak_at(batch.micro_batch_size),
                            runtime, built, compute_on_cpu)
         else:
@@ -165,6 +165,7 @@ class StrategyTrace:
     """What a strategy's model looks like on one rank, from the meta device."""
 
     params: list[TrainableParam]  # this rank's trainable parameters after the tensor-parallel plan
+    frozen: list[TrainableParam]  # and its frozen ones (Note [frozen chunks])
     activations: ActivationTrace | None
     built: int  # bytes of the whole model as built, before the plan and the chunks
     units: tuple[Unit, ...] = ()  # what a pipeline splits into stages (Note [estimating a pipeline])
@@ -181,15 +182,16 @@ def trace_strategy(factory: Callable[[], nn.Module], cfg: Config, seq_len: int |
             model.to(compute)  # 16-bit chunks: the model computes in the compute dtype
         trainable = [p for p in model.parameters() if p.requires_grad]
         params = [TrainableParam(p.shape, p.dtype) for p in trainable]
+        frozen = [TrainableParam(p.shape, p.dtype) for p in model.parameters() if not p.requires_grad]
         units = tuple(model_units(model, trainable))
         if not activations:
-            return StrategyTrace(params, None, built, units)
+            return StrategyTrace(params, frozen, None, built, units)
         if cfg.activation_checkpointing.enabled:
             from engine.activation_checkpointing import ActivationCheckpointing
             ActivationCheckpointing(cfg.activation_checkpointing, torch.device("meta")).wrap_modules(model)
         trace = trace_activations(model, seq_len or default_seq_len(model), batch_multiple=q,
                                   units=[u.modules for u in units])
-    return StrategyTrace(params, trace, built, units)
+    return StrategyTrace(params, frozen, trace, built, units)
 
 
 @contextlib.contextmanager

@@ -76,7 +76,8 @@ class ModelStates:
     gathered_peak: int  # stage 3: bytes of full parameter chunks gathered at once (transient)
     grad_in_flight: int  # stages 2-3: full gradient chunks alive while being reduced (transient)
     update_extra: int  # bf16/fp16: fp32 gradients of the masters, alive during the update (transient)
-    chunks: tuple[ChunkSpec, ...]
+    chunks: tuple[ChunkSpec, ...]  # trainable, then frozen
+    frozen: int = 0  # of `param`: the frozen chunks' bytes (Note [frozen chunks])
 
     def by_kind(self) -> dict[str, int]:
         return {"param": self.param, "grad": self.grad, "optim": self.optim}
@@ -118,9 +119,11 @@ def optimizer_state_bytes_per_element(config: Config, dtype: torch.dtype) -> flo
                if torch.is_tensor(v) and v.dim() > 0) / tensor.numel()
 
 
-def model_states(params: list[TrainableParam], config: Config, dp: int) -> ModelStates:
+def model_states(params: list[TrainableParam], config: Config, dp: int,
+                 frozen: list[TrainableParam] = ()) -> ModelStates:
     """Note [estimating model states]: one rank's model states over `dp` data-parallel ranks (over one shard group
-    of them under hybrid sharding: Note [hybrid sharding])."""
+    of them under hybrid sharding: Note [hybrid sharding]). frozen: parameters that do not train, in chunks of
+    their own (Note [frozen chunks]): sharded and offloaded as parameters are, without gradients or states."""
     if config.optimizer is None:
         raise ValueError("the config has no 'optimizer' section; the estimate needs it to size optimizer states")
     zero = config.zero_optimization
@@ -132,6 +135,7 @@ def model_states(params: list[TrainableParam], config: Config, dp: int) -> Model
     shards = group if policy.shards(ChunkKind.OPTIM) else 1
     sharded = shards > 1
     chunks = chunk_specs(params, config, shards)
+    frozen_chunks = chunk_specs(list(frozen), config, shards) if frozen else []
     masters = PrecisionPolicy.from_config(config).compute_dtype != torch.float32
 
     def stepped(c: ChunkSpec) -> int:
@@ -141,7 +145,11 @@ def model_states(params: list[TrainableParam], config: Config, dp: int) -> Model
     shard_params = (sharded or paged) and policy.shards(ChunkKind.PARAM)
     pages_grads = zero.offload_optimizer.device in OFFLOADED  # Note [device tier]: gradient shards go with the states
     shard_grads = (sharded or paged or pages_grads) and policy.shards(ChunkKind.GRAD)
-    param = sum(stepped(c) * c.dtype.itemsize if shard_params and not c.persistent else c.nbytes for c in chunks)
+    def held(c: ChunkSpec) -> int:  # a parameter chunk's bytes on this rank
+        return stepped(c) * c.dtype.itemsize if shard_params and not c.persistent else c.nbytes
+
+    frozen_bytes = sum(held(c) for c in frozen_chunks)
+    param = sum(held(c) for c in chunks) + frozen_bytes
     grad = sum(stepped(c) * c.dtype.itemsize if shard_grads else c.nbytes for c in chunks)
     state_dtype = {c.dtype for c in chunks} if not masters else {torch.float32}
     per_element = {d: optimizer_state_bytes_per_element(config, d) for d in state_dtype}
@@ -149,11 +157,11 @@ def model_states(params: list[TrainableParam], config: Config, dp: int) -> Model
     master_bytes = sum(stepped(c) * FP32 for c in chunks) if masters else 0
 
     largest_stepped = max(stepped(c) * (FP32 if masters else c.dtype.itemsize) for c in chunks)
-    tiers = _placement(config, chunks, param, grad, states, master_bytes, shard_params, shard_grads, masters,
-                       largest_stepped)
+    tiers = _placement(config, chunks + frozen_chunks, param, grad, states, master_bytes, shard_params, shard_grads,
+                       masters, largest_stepped)
     gathered = 0
     if shard_params:  # Note [gathering around modules]: up to the prefetch window plus the chunk in use
-        released = [c for c in chunks if not c.persistent]
+        released = [c for c in chunks + frozen_chunks if not c.persistent]
         largest = max((c.numel for c in released), default=0)
         window = min(sum(c.numel for c in released), zero.stage3_max_live_parameters,
                      _prefetch_numel(config) + 2 * largest)
@@ -162,7 +170,8 @@ def model_states(params: list[TrainableParam], config: Config, dp: int) -> Model
     # fp32 gradients staged for every master; managed 16-bit shards are widened one stepped tensor at a time
     streamed = zero.offload_optimizer.device in OFFLOADED and shard_grads
     update_extra = (largest_stepped if streamed else sum(stepped(c) * FP32 for c in chunks)) if masters else 0
-    return ModelStates(param, grad, states + master_bytes, tiers, gathered, in_flight, update_extra, tuple(chunks))
+    return ModelStates(param, grad, states + master_bytes, tiers, gathered, in_flight, update_extra,
+                       tuple(chunks + frozen_chunks), frozen_bytes)
 
 
 def _prefetch_numel(config: Config) -> int:

@@ -86,6 +86,12 @@ def format_estimate(est: Estimate) -> str:
         if r.pipeline is not None and (r.strategy.tp, r.pipeline.stages, r.pipeline.schedule) not in seen:
             seen.add((r.strategy.tp, r.pipeline.stages, r.pipeline.schedule))
             notes.append(pipeline_note(r))
+    frozen = [r for r in est.rows if r.states.frozen]
+    if frozen:
+        notes.append("param includes the frozen parameters (no gradient or optimizer state; sharded and offloaded as "
+                     "parameters are): " + ", ".join(f"{r.strategy.name} {human_bytes(r.states.frozen)}"
+                                                      for r in frozen[:3]) + (", ..." if len(frozen) > 3 else "") +
+                     ". Pipelined rows count the trainable parameters only.")
     notes += [f"Not estimated: {reason}" for reason in est.skipped]
     fitting = est.fitting()
     if est.budgets != type(est.budgets)():
