@@ -1,8 +1,9 @@
 """LoRA through PEFT, written as users write it: a pretrained Llama (built from a config, saved with save_pretrained)
 loaded under zero_init, wrapped by get_peft_model after the block, trained by the engine. On 2 ranks under ZeRO 1-3
-(stage 3 with the frozen base on NVMe or CPU; with Hugging Face's activation checkpointing and PEFT's
-enable_input_require_grads) it trains as PEFT in memory does on one process, the base's NVMe copy is never written
-after initialize, and the adapters saved with PEFT's save_pretrained from the gathered weights reload into PEFT."""
+in fp32, bf16 and fp16 (stage 3 with the frozen base on NVMe or CPU; with Hugging Face's activation checkpointing
+and PEFT's enable_input_require_grads) it trains as PEFT in memory does on one process, the base's NVMe copy is
+never written after initialize, and the adapters saved with PEFT's save_pretrained from the gathered weights
+reload into PEFT."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ from tests.test_zero import zero_config
 
 STEPS = 3
 GLOBAL_BATCH = 4
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FILE_OF = {"fp32": "fp32", "bf16": "bf16", "fp16": "bf16"}  # the pretrained file each precision trains from
+LOSS_SCALE = 1024.0  # fp16: static, the same in the engine and the reference
 
 
 def lora_config() -> LoraConfig:
@@ -50,8 +53,9 @@ def adapters(named: dict) -> dict[str, torch.Tensor]:
 
 
 def reference(path: str, dtype: str, checkpointing: bool) -> tuple[list[float], dict]:
-    """PEFT in memory on one process, full batches: AdamW over the adapters, clipped at 1.0; under bf16 the whole
-    model in bf16 (as the engine computes) with fp32 masters of the adapters."""
+    """PEFT in memory on one process, full batches: AdamW over the adapters, clipped at 1.0; under bf16 / fp16 the
+    whole model in that dtype (as the engine computes) with fp32 masters of the adapters (fp16: a static loss
+    scale)."""
     torch.manual_seed(0)
     model = peft_model(path, checkpointing).to(DTYPES[dtype])
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -60,9 +64,10 @@ def reference(path: str, dtype: str, checkpointing: bool) -> tuple[list[float], 
     losses = []
     for x in batches():
         loss = model(input_ids=x, labels=x).loss
-        loss.float().backward()
+        scale = LOSS_SCALE if dtype == "fp16" else 1.0
+        (loss.float() * scale).backward()
         for m, p in zip(masters, trainable):
-            m.grad, p.grad = p.grad.float(), None
+            m.grad, p.grad = p.grad.float() / scale, None
         torch.nn.utils.clip_grad_norm_(masters, 1.0)
         optimizer.step()
         optimizer.zero_grad()
@@ -78,6 +83,8 @@ def engine_config(stage: int, dtype: str, offload: str | None, swap: str) -> dic
     cfg = zero_config(stage, GLOBAL_BATCH // 2, 1, chunk_size=4_000)
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "loss_scale": LOSS_SCALE}
     if offload:
         for part in ("offload_param", "offload_optimizer"):
             cfg["zero_optimization"][part] = {"device": offload, "nvme_path": swap}
@@ -87,7 +94,8 @@ def engine_config(stage: int, dtype: str, offload: str | None, swap: str) -> dic
     return cfg
 
 
-CASES = [(3, "fp32", "nvme", False), (3, "bf16", "cpu", True), (2, "fp32", None, False), (1, "bf16", None, True)]
+CASES = [(3, "fp32", "nvme", False), (3, "bf16", "cpu", True), (2, "fp32", None, False), (1, "bf16", None, True),
+         (2, "fp16", None, False)]
 
 
 def lora_engine(path: str, cfg: dict, seed: int, checkpointing: bool, deepspeed_api: bool):
@@ -180,10 +188,9 @@ def pretrained(tmp_path_factory) -> dict:
 def trained(pretrained, tmp_path_factory) -> dict:
     out = str(tmp_path_factory.mktemp("lora-runs"))
     per_rank = {}
-    for dtype in DTYPES:  # each pretrained file once: the cases of that dtype share one group
-        cases = [c for c in CASES if c[1] == dtype]
-        per_rank.update(results_by_case(run_distributed(
-            lora_worker_for, 2, (pretrained[dtype], out, cases))))
+    for file in pretrained:  # each pretrained file once: the cases training from it share one group
+        cases = [c for c in CASES if FILE_OF[c[1]] == file]
+        per_rank.update(results_by_case(run_distributed(lora_worker_for, 2, (pretrained[file], out, cases))))
     return per_rank
 
 
@@ -194,14 +201,15 @@ def lora_worker_for(rank: int, world: int, path: str, out: str, cases: list) -> 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"stage{c[0]}-{c[1]}-{c[2] or 'gpu'}{'-ckpt' if c[3] else ''}")
 def test_lora_trains_as_peft_in_memory(pretrained, trained, case):
     stage, dtype, offload, checkpointing = case
-    expected_losses, expected_adapters = reference(pretrained[dtype], dtype, checkpointing)
+    path = pretrained[FILE_OF[dtype]]
+    expected_losses, expected_adapters = reference(path, dtype, checkpointing)
     zero, one = trained[case]
     losses = [(a + b) / 2 for a, b in zip(zero["losses"], one["losses"])]  # each rank's mean over half the batch
-    rtol = 1e-5 if dtype == "fp32" else LOSS_RTOL[torch.bfloat16]
+    rtol = 1e-5 if dtype == "fp32" else LOSS_RTOL[DTYPES[dtype]]
     assert_close_relative(losses, expected_losses, rtol)
     assert zero["gathered"] == sorted(expected_adapters)  # trainable_only: the adapters, nothing of the base
     assert_params_close(zero["adapters"], adapters(expected_adapters),
-                        1e-5 if dtype == "fp32" else WEIGHT_RTOL[torch.bfloat16])
+                        1e-5 if dtype == "fp32" else WEIGHT_RTOL[DTYPES[dtype]])
     if offload == "nvme":
         for rank_result in (zero, one):
             before, after = rank_result["frozen_written"]
@@ -215,7 +223,7 @@ def test_lora_trains_as_peft_in_memory(pretrained, trained, case):
             assert rank_result["resumed_loss"] == rank_result["losses"][-1]
         assert_params_close(zero["resumed_adapters"], zero["adapters"], 0.0)
     # PEFT reloads the saved adapters onto the plain pretrained model
-    reloaded = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(pretrained[dtype]),
+    reloaded = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(path),
                                          zero["saved"])
     named = {n.replace(".default", ""): p for n, p in reloaded.named_parameters() if "lora_" in n}
     saved = {n.replace(".default", ""): t for n, t in zero["adapters"].items()}
