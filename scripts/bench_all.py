@@ -90,6 +90,12 @@ BENCHMARKS = (
     Benchmark("onebit", "bench_onebit.py",
               "Compressed-communication optimizers (1-bit Adam, 0/1 Adam, 1-bit LAMB) vs fp32 all-reduce",
               quick=("--quick",), seconds={None: 240}),
+    Benchmark("streamed_load", "bench_streamed_load.py",
+              "Streamed pretrained weights: peak RSS per rank of a 1.1 B Llama loaded under zero_init, 2 ranks",
+              quick=("--preset", "tiny"), seconds={None: 120}, takes_dir=True),
+    Benchmark("finetune", "bench_finetune.py", "LoRA on a 7 B Llama in one process, the frozen base on NVMe",
+              quick=("--preset", "tiny", "--compute-layers", "1", "--raw-bytes", "67108864", "--cpu-budget-mb", "16"),
+              seconds={None: 1200}, takes_dir=True),
 )
 NAMES = [b.name for b in BENCHMARKS]
 

@@ -19,6 +19,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -117,10 +118,13 @@ def compute_only(rank: int, world: int, preset: str, layers: int, args, results)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", required=True, help="where the checkpoint and the NVMe swap files go")
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "tiers-bench"),
+                    help="where the checkpoint and the NVMe swap files go (on the disk to measure)")
     ap.add_argument("--preset", default="7b", choices=sorted(PRESETS))
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=8,
+                    help="tokens per step (CPUs without native bf16 matrix products run bf16 GEMMs in torch's "
+                         "reference kernel, under 1 GFLOP/s: a 7 B step of 32 tokens takes over 10 minutes there)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--cpu-budget-mb", type=int, default=1024, help="the chunk manager's CPU tier")
     ap.add_argument("--compute-layers", type=int, default=2, help="blocks of the in-memory compute model")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -93,7 +94,8 @@ def load(rank: int, world: int, variant: str, path: str, swap_root: str, cpu_bud
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", required=True, help="where the checkpoint and the NVMe swap files go")
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "tiers-bench"),
+                    help="where the checkpoint and the NVMe swap files go (on the disk to measure)")
     ap.add_argument("--preset", default="1b", choices=("tiny", "1b", "7b"))
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--cpu-budget-mb", type=int, default=256, help="the chunk manager's CPU tier")
