@@ -198,7 +198,12 @@ def lora_worker_for(rank: int, world: int, path: str, out: str, cases: list) -> 
     return run_cases(rank, cases, lambda *case: lora_case(rank, world, path, out, *case))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"stage{c[0]}-{c[1]}-{c[2] or 'gpu'}{'-ckpt' if c[3] else ''}")
+def case_id(case: tuple) -> str:
+    stage, dtype, offload, checkpointing = case
+    return f"stage{stage}-{dtype}-{offload or 'no-offload'}" + ("-ckpt" if checkpointing else "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_lora_trains_as_peft_in_memory(pretrained, trained, case):
     stage, dtype, offload, checkpointing = case
     path = pretrained[FILE_OF[dtype]]
