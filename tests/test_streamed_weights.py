@@ -24,8 +24,9 @@ def llama_config(tied: bool) -> transformers.LlamaConfig:
                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
 
 
-def save_llama(directory: str, dtype: torch.dtype, tied: bool = False, shard: str | None = None) -> str:
-    torch.manual_seed(7)
+def save_llama(directory: str, dtype: torch.dtype, tied: bool = False, shard: str | None = None,
+               seed: int = 7) -> str:
+    torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(llama_config(tied)).to(dtype)
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(directory, **kwargs)
@@ -37,7 +38,8 @@ def checkpoints(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("pretrained")
     return {"fp32": save_llama(str(root / "fp32"), torch.float32),
             "bf16": save_llama(str(root / "bf16"), torch.bfloat16),
-            "bf16-tied-sharded": save_llama(str(root / "tied"), torch.bfloat16, tied=True, shard="20KB")}
+            "bf16-tied-sharded": save_llama(str(root / "tied"), torch.bfloat16, tied=True, shard="20KB"),
+            "bf16-sharded-other": save_llama(str(root / "other"), torch.bfloat16, shard="20KB", seed=8)}
 
 
 def engine_config(dtype: str, world: int, offload: str | None = None, nvme_dir: str | None = None,
@@ -107,9 +109,14 @@ def streamed_case(rank: int, world: int, path: str, how: str, dtype: str, offloa
 
 def streamed_worker(rank: int, world: int, checkpoints: dict, nvme_dir: str) -> dict:
     cases = [("bf16", "from_pretrained", "bf16", "nvme"), ("fp32", "weights", "fp32", "cpu"),
-             ("bf16-tied-sharded", "weights", "bf16", None)]
+             ("bf16-tied-sharded", "weights", "bf16", None), ("bf16-or-sharded", "weights", "bf16", None)]
     return run_cases(rank, cases, lambda files, how, dtype, offload: streamed_case(
-        rank, world, checkpoints[files], how, dtype, offload, nvme_dir))
+        rank, world, files_of(checkpoints, files, rank), how, dtype, offload, nvme_dir))
+
+
+def files_of(checkpoints: dict, files: str, rank: int) -> str:
+    """bf16-or-sharded: rank 0 reads one file, rank 1 shards laid out otherwise (holding other values)."""
+    return checkpoints[("bf16", "bf16-sharded-other")[rank]] if files == "bf16-or-sharded" else checkpoints[files]
 
 
 def test_two_ranks_each_read_their_shards_only(checkpoints, tmp_path):
@@ -117,6 +124,11 @@ def test_two_ranks_each_read_their_shards_only(checkpoints, tmp_path):
     from_pretrained bit for bit, and each rank read about half of the files' bytes (its shards: chunk padding moves
     the split by at most a chunk)."""
     per_case = results_by_case(run_distributed(streamed_worker, 2, (checkpoints, str(tmp_path))))
+    zero, one = per_case.pop(("bf16-or-sharded", "weights", "bf16", None))
+    # files laid out differently on the ranks: every rank gets rank 0's values, broadcast (Note [streamed
+    # weights]); rank 1's own files hold other values, so its shards show whether the broadcast happened
+    assert_bit_exact(zero["state"], plain(checkpoints["bf16"]))
+    assert one["read"] > 0
     for (files, how, _, _), (zero, one) in per_case.items():
         reference = plain(checkpoints[files])
         assert_bit_exact(zero["state"], reference)
