@@ -74,6 +74,9 @@ def _rank_entry(rank: int, fn: Callable, world: int, args: tuple, queue) -> None
 # Benchmarks therefore start their processes with fixed, high thresholds (freed memory stays in
 # the process, as with jemalloc/tcmalloc) unless told otherwise, and report faults per step.
 KEEP_FREED_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
+# Benchmarks that report peak RSS do the opposite: the threshold fixed at 1 MiB, a freed tensor goes back to the
+# kernel and RSS counts memory in use, not blocks glibc kept (e.g. of zero_init's throw-away tensors).
+RETURN_FREED_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 
 def spawn_ranks(fn: Callable, world: int, args: tuple = (), env: dict[str, str] | None = None) -> list:

@@ -24,16 +24,23 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import DiskCounter, add_json_option, publish_report, result_record, spawn_ranks, write_results  # noqa: E402
+from bench_common import (  # noqa: E402
+    RETURN_FREED_MEMORY_ENV,
+    DiskCounter,
+    add_json_option,
+    publish_report,
+    result_record,
+    spawn_ranks,
+    write_results,
+)
 from disk_baseline import dd_bandwidth  # noqa: E402
-from pretrained_files import PRESETS, llama_config, write_random_llama  # noqa: E402
+from pretrained_files import PRESETS, llama_config, prepared_checkpoint  # noqa: E402
 
 from engine.estimate.report import markdown_table  # noqa: E402
 from engine.estimate.runtime import peak_rss_bytes, reset_peak_rss  # noqa: E402
 
 MB, GB = 1e6, 1e9
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-RETURN_FREED_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # RSS counts memory in use
 
 
 def lora():
@@ -133,11 +140,7 @@ def main() -> None:
     add_json_option(ap)
     args = ap.parse_args()
     started = time.perf_counter()
-    path = os.path.join(args.dir, f"llama-{args.preset}-bf16")
-    t0 = time.perf_counter()
-    base_bytes = write_random_llama(path, llama_config(args.preset))
-    print(f"checkpoint {path}: {base_bytes / GB:.2f} GB of bf16 weights ({time.perf_counter() - t0:.0f} s)",
-          flush=True)
+    path, base_bytes = prepared_checkpoint(args.dir, args.preset)
     swap = os.path.join(args.dir, "finetune-swap")
     os.makedirs(swap, exist_ok=True)
     disk = DiskCounter(args.dir)

@@ -25,6 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_common import (  # noqa: E402
+    RETURN_FREED_MEMORY_ENV,
     add_json_option,
     free_port,
     init_gloo,
@@ -33,15 +34,12 @@ from bench_common import (  # noqa: E402
     spawn_ranks,
     write_results,
 )
-from pretrained_files import llama_config, write_random_llama  # noqa: E402
+from pretrained_files import PRESETS, llama_config, prepared_checkpoint  # noqa: E402
 
 from engine.estimate.report import markdown_table  # noqa: E402
 from engine.estimate.runtime import peak_rss_bytes, reset_peak_rss  # noqa: E402
 
 MB = 1e6
-# glibc's mmap threshold adapts upward and then keeps freed blocks; fixed at 1 MiB, a freed tensor goes back to the
-# kernel and RSS counts memory in use, not what zero_init's throw-away construction left in the heap
-RETURN_FREED_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 
 def engine_config(swap: str, cpu_budget_mb: int) -> dict:
@@ -96,18 +94,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "tiers-bench"),
                     help="where the checkpoint and the NVMe swap files go (on the disk to measure)")
-    ap.add_argument("--preset", default="1b", choices=("tiny", "1b", "7b"))
+    ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--cpu-budget-mb", type=int, default=256, help="the chunk manager's CPU tier")
     ap.add_argument("--out", default=None, help="also write the report here")
     add_json_option(ap)
     args = ap.parse_args()
     started = time.perf_counter()
-    path = os.path.join(args.dir, f"llama-{args.preset}-bf16")
-    t0 = time.perf_counter()
-    model_bytes = write_random_llama(path, llama_config(args.preset))
-    print(f"checkpoint {path}: {model_bytes / MB:,.0f} MB of bf16 tensors ({time.perf_counter() - t0:.0f} s)",
-          flush=True)
+    path, model_bytes = prepared_checkpoint(args.dir, args.preset)
     rows, records = [], []
     for variant, world in (("plain from_pretrained", 1), ("from_pretrained under zero_init", args.world),
                            ("weights=", args.world)):

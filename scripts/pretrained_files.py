@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 import transformers
@@ -78,6 +79,17 @@ def write_random_llama(directory: str, config: transformers.LlamaConfig, shard_b
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     config.save_pretrained(directory)
     return total
+
+
+def prepared_checkpoint(root: str, preset: str) -> tuple[str, int]:
+    """The preset's checkpoint under `root` (written unless there already) and its tensor bytes; says how long the
+    writing took."""
+    path = os.path.join(root, f"llama-{preset}-bf16")
+    started = time.perf_counter()
+    nbytes = write_random_llama(path, llama_config(preset))
+    print(f"checkpoint {path}: {nbytes / 1e9:.2f} GB of bf16 tensors ({time.perf_counter() - started:.0f} s)",
+          flush=True)
+    return path, nbytes
 
 
 def _numel(shape: tuple[int, ...]) -> int:
