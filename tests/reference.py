@@ -73,18 +73,24 @@ def train_reference_mixed(
         with torch.autocast("cpu", dtype=dtype):
             loss = loss_fn(model, x)
         (loss.float() * loss_scale).backward()
-        for m, p in zip(masters, params):
-            m.grad = p.grad.float() / loss_scale
-            p.grad = None
-        torch.nn.utils.clip_grad_norm_(masters, clip if clip > 0 else float("inf"))
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(masters, params):
-                p.copy_(m)
+        step_masters(masters, params, opt, clip, loss_scale)
         losses.append(loss.item())
     names = [n for n, _ in model.named_parameters()]
     return losses, param_snapshot(model), {n: m.detach().clone() for n, m in zip(names, masters)}
+
+
+def step_masters(masters: list[torch.Tensor], params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
+                 clip: float = 0.0, loss_scale: float = 1.0) -> None:
+    """One mixed-precision update as DeepSpeed's bf16 / fp16 modes make it: the 16-bit `params`' gradients, widened
+    and unscaled, onto their fp32 `masters`, clipped (0: not), stepped, and rounded back into `params`."""
+    for m, p in zip(masters, params):
+        m.grad, p.grad = p.grad.float() / loss_scale, None
+    torch.nn.utils.clip_grad_norm_(masters, clip if clip > 0 else float("inf"))
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        for m, p in zip(masters, params):
+            p.copy_(m)
 
 
 def train_engine(engine, batches: list[torch.Tensor], rank: int, world: int, accumulation: int,

@@ -19,6 +19,7 @@ from tests.reference import (
     assert_close_relative,
     assert_params_close,
     param_snapshot,
+    step_masters,
     tiny_gpt,
     token_batches,
     train_engine,
@@ -64,14 +65,7 @@ def reference_bf16():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(x, x)
         loss.float().backward()
-        for m, p in zip(masters, trainable):
-            m.grad, p.grad = p.grad.float(), None
-        torch.nn.utils.clip_grad_norm_(masters, 1.0)
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(masters, trainable):
-                p.copy_(m)
+        step_masters(masters, trainable, opt, clip=1.0)
         losses.append(loss.item())
     return losses, param_snapshot(model)
 

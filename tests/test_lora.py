@@ -18,7 +18,7 @@ from safetensors import safe_open
 from engine import initialize, zero_init
 from engine.compat import deepspeed
 from tests.distributed import results_by_case, run_cases, run_distributed
-from tests.reference import assert_close_relative, assert_params_close, micro_batches, token_batches
+from tests.reference import assert_close_relative, assert_params_close, micro_batches, step_masters, token_batches
 from tests.test_data_parallel import adamw
 from tests.test_mixed_precision import LOSS_RTOL, WEIGHT_RTOL
 from tests.test_streamed_weights import save_llama
@@ -66,14 +66,7 @@ def reference(path: str, dtype: str, checkpointing: bool) -> tuple[list[float], 
         loss = model(input_ids=x, labels=x).loss
         scale = LOSS_SCALE if dtype == "fp16" else 1.0
         (loss.float() * scale).backward()
-        for m, p in zip(masters, trainable):
-            m.grad, p.grad = p.grad.float() / scale, None
-        torch.nn.utils.clip_grad_norm_(masters, 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(masters, trainable):
-                p.copy_(m)
+        step_masters(masters, trainable, optimizer, clip=1.0, loss_scale=scale)
         losses.append(loss.item())
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     return losses, dict(zip(names, (m.detach() for m in masters)))
