@@ -177,6 +177,7 @@ def check_run(cfg: Config, topology: Topology, *, optimizer=None, lr_scheduler=N
     if topology.tp_size > 1:
         _check_tensor_parallel(optimizer, model_parameters, built_under_zero_init)
     _check_step_in_backward(cfg, topology)
+    _check_quantize_frozen(cfg, topology)
     if cfg.moe.enabled and built_under_zero_init:
         raise ConfigError("moe.expert_parallel_size: building the model under zero_init() is not supported yet with "
                           "expert parallelism; build it normally (each rank keeps only its experts after initialize)")
@@ -254,6 +255,22 @@ def check_offload(cfg: Config, dp_world_size: int, optimizer=None) -> None:
     if offload.device == "nvme" == offload_param.device and offload_param.nvme_path != offload.nvme_path:
         raise ConfigError("zero_optimization.offload_param.nvme_path: Tiers keeps parameter shards and optimizer "
                           "states in one swap directory; give both the same nvme_path")
+
+
+def _check_quantize_frozen(cfg: Config, topology: Topology) -> None:
+    """Note [int8 frozen chunks]: int8 chunks are gathered around their use, so stage 3; on one mesh axis."""
+    zero = cfg.zero_optimization
+    if zero.quantize_frozen == "none":
+        return
+    key = f"zero_optimization.quantize_frozen: \"{zero.quantize_frozen}\""
+    if zero.stage != 3:
+        raise ConfigError(f"{key} keeps frozen weights as int8 and dequantizes them when gathered, which needs "
+                          f"ZeRO stage 3 (this run: stage {zero.stage}); set stage 3, or remove quantize_frozen")
+    parallel = [name for name, size in (("tensor", topology.tp_size), ("pipeline", topology.pp_size),
+                                        ("expert", topology.ep_size)) if size > 1]
+    if parallel:
+        raise ConfigError(f"{key} is not built yet with {' or '.join(parallel)} parallelism; train with data "
+                          "parallelism (and sequence parallelism), or remove quantize_frozen")
 
 
 def _check_step_in_backward(cfg: Config, topology: Topology) -> None:

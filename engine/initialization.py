@@ -275,14 +275,15 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
     dropped = experts.dropped if experts is not None else frozenset()
     frozen = [p for p in model.parameters() if not p.requires_grad and id(p) not in dropped
               and (split is None or split.holds(p))]  # Note [frozen chunks]
+    int8 = int8_frozen_weights(model, frozen) if cfg.zero_optimization.quantize_frozen == "int8" else frozenset()
     chunked = ChunkedParams(groups, capacity, topology.device, first_capacity, names,
                             shard_count=shards, shard_rank=topology.shard_rank if shards > 1 else 0,
                             shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
                             persistence_threshold=persistence_threshold(cfg), pending=pending,
                             compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype,
-                            page_params=cfg.zero_optimization.offload_param.device in OFFLOADED,
+                            page_params=cfg.zero_optimization.offload_param.device in OFFLOADED or bool(int8),
                             page_grads=_pages_grads(cfg), offloaded=_offloaded_kinds(cfg),
-                            experts=_expert_chunks(experts, topology, shards > 1), frozen=frozen)
+                            experts=_expert_chunks(experts, topology, shards > 1), frozen=frozen, int8=int8)
     if tensor_parallel is not None:
         chunked.norm_weights = tensor_parallel.norm_weights(model)
     if chunked.has_experts and not chunked.sharded:  # each rank holds the whole gradient: count it once over dp
@@ -295,6 +296,14 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
         if topology.pp_rank != ranks[0]:  # the lowest pipeline rank holding it counts it
             chunked.norm_weights[pid] = 0.0
     return chunked
+
+
+def int8_frozen_weights(model: nn.Module, frozen: list[nn.Parameter]) -> frozenset[int]:
+    """Note [int8 frozen chunks]: ids of the frozen parameters that are an `nn.Linear`'s weight (PEFT's base
+    layers, a frozen lm_head), which quantize_frozen "int8" keeps as int8."""
+    frozen_ids = {id(p) for p in frozen}
+    return frozenset(id(m.weight) for m in model.modules()
+                     if isinstance(m, nn.Linear) and id(m.weight) in frozen_ids and m.weight.dim() == 2)
 
 
 def _offloaded_kinds(cfg: Config) -> frozenset[str]:

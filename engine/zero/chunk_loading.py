@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.comm import broadcast_from, shard_range
 from engine.zero.chunk_state import ChunkPhase, ChunkState
+from engine.zero.int8_frozen import Int8Rows
 from engine.zero.weight_files import FileRange
 
 
@@ -23,6 +24,9 @@ class ChunkLoading:
     def load(self, p: nn.Parameter, value: torch.Tensor) -> None:
         """Note [zero_init]: parameter `p`'s values into its chunk view, or with stage 3 into this rank's shard."""
         flat = value.reshape(-1)
+        if self._int8_of(p) is not None:  # every rank has the whole value: each sets every row's scale
+            self._fill_int8(p, lambda lo, hi: flat[lo:hi], whole=True)
+            return
         self._fill(p, lambda target, first: target.copy_(flat.narrow(0, first, target.numel())))
 
     def load_loose(self, group, comm) -> None:
@@ -40,7 +44,24 @@ class ChunkLoading:
     def load_file(self, p: nn.Parameter, source: FileRange) -> int:
         """Note [streamed weights]: as `load`, reading from the file only the elements this rank keeps; returns the
         bytes read."""
+        if self._int8_of(p) is not None:  # the rows its elements touch; finish_loading joins the ranks' scales
+            return self._fill_int8(p, lambda lo, hi: source.read(lo, hi - lo), whole=False) * source.dtype.itemsize
         return self._fill(p, source.read_into) * source.dtype.itemsize
+
+    def _int8_of(self, p: nn.Parameter) -> Int8Rows | None:
+        return self.all_states[self._slot_of[id(p)][0]].int8
+
+    def _fill_int8(self, p: nn.Parameter, values: Callable[[int, int], torch.Tensor], whole: bool) -> int:
+        """Note [int8 frozen chunks]: the part of `p` this rank keeps, quantized by rows, into its int8 shard;
+        values(lo, hi): elements [lo, hi) of `p`'s flattened values. Returns the elements read."""
+        index, slot = self._slot_of[id(p)]
+        state = self.all_states[index]
+        part = self._owned_range(index, slot)
+        if part is None:
+            return state.int8.fill(slot.offset, values, None, 0, whole) if whole else 0
+        start, lo, hi = part
+        with state.param_store.access(writes=True) as shard:
+            return state.int8.fill(slot.offset, values, shard.narrow(0, lo - start, hi - lo), lo - slot.offset, whole)
 
     def _fill(self, p: nn.Parameter, fill: Callable[[torch.Tensor, int], object]) -> int:
         """fill(target, first): elements [first, first + target.numel()) of `p`'s flattened values into `target`,
@@ -74,8 +95,12 @@ class ChunkLoading:
             payload.narrow(0, state.param_chunk.used, payload.numel() - state.param_chunk.used).zero_()
         return True
 
-    def finish_loading(self) -> None:
-        """After every `load`: zero the padding (uninitialized memory) and, with stage 3, release the chunks."""
+    def finish_loading(self, group: dist.ProcessGroup | None = None) -> None:
+        """After every `load`: zero the padding (uninitialized memory) and, with stage 3, release the chunks; int8
+        chunks take every rank's scales (over each chunk's group; `group` for dense ones)."""
+        for state in self.all_states:
+            if state.int8 is not None:
+                state.int8.join_scales(state.place.group_or(group))
         with torch.no_grad():
             for state in self.all_states:
                 chunk = state.param_chunk

@@ -33,7 +33,7 @@ class ChunkNorms:
         clip_grad_norm_ takes them per parameter, keep fp32 accuracy; one fp32 reduction over a whole chunk loses
         ~1e-5), each with its parameter's share of the squared global norm (Note [global norm under tensor
         parallelism]); summing over the shard group gives the global norm."""
-        if not self.sharded and not self.has_masters:
+        if not self.sharded and not self.has_masters and not self.shards_grads:  # .grad is the whole gradient
             return [(p.grad, self.norm_weights.get(id(p), 1.0)) for p in self.params]
         # cut from the stepped gradients: this rank's shards, or the fp32 masters' gradients
         return [wp for index, owned in enumerate(self.grad_shards()) for wp in self._norm_pieces(index, owned)]

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import CommCounter, all_gather_into, shard_of
+from engine.zero.int8_frozen import Int8Rows
 from engine.zero.shard_store import ShardStore
 from offload.chunk import Chunk, Slot
 
@@ -94,6 +95,7 @@ class ChunkState:
     phase: ChunkPhase = ChunkPhase.WHOLE
     persistent: bool = False  # stage 3: below the persistence threshold, never released
     place: ShardPlace = ShardPlace()  # the ranks it is reduced over and sharded across
+    int8: Int8Rows | None = None  # an int8 frozen chunk: its shards hold int8 values (Note [int8 frozen chunks])
     # where this rank's values live
     # this rank's shards, in memory or managed (Note [shard stores]); set by ShardedParams / ShardedGrads, and under
     # the degenerate layout (Note [stage predicates]) the whole payload
@@ -158,11 +160,14 @@ class ChunkState:
             return False
         writer, place = self.writer, self.place
         writer.untyped_storage().resize_(self.param_chunk.nbytes)
-        shard = self.param_store.on_device(writer, place.rank, place.count)  # an offloaded one: into its own slot
+        target = writer  # an int8 chunk gathers its int8 values, dequantized once waited for
+        if self.int8 is not None:
+            target = self.int8.gathering = torch.empty(writer.numel(), dtype=torch.int8, device=writer.device)
+        shard = self.param_store.on_device(target, place.rank, place.count)  # an offloaded one: into its own slot
         if place.count > 1:
-            self.gather_work = all_gather_into(writer, shard, place.group_or(group), counter, async_op=True)
-        elif shard.data_ptr() != writer.data_ptr():  # one rank: its shard is the chunk (Note [paging in one process])
-            writer.copy_(shard)
+            self.gather_work = all_gather_into(target, shard, place.group_or(group), counter, async_op=True)
+        elif shard.data_ptr() != target.data_ptr():  # one rank: its shard is the chunk (Note [paging in one process])
+            target.copy_(shard)
         self.to(ChunkPhase.GATHERING)
         return True
 
@@ -172,6 +177,9 @@ class ChunkState:
             work, self.gather_work = self.gather_work, None
             if work is not None:
                 work.wait()
+            if self.int8 is not None:  # Note [int8 frozen chunks]
+                gathered, self.int8.gathering = self.int8.gathering, None
+                self.int8.dequantize_chunk(gathered, self.writer)
             self.to(ChunkPhase.GATHERED)
 
     def release(self) -> bool:
@@ -187,13 +195,19 @@ class ChunkState:
     def take_shard(self) -> None:
         """The full payload holds the starting values: this rank's shard of them goes to where the shard lives."""
         if self.phase is not ChunkPhase.WHOLE:
-            self.param_store.write_home(shard_of(self.param_chunk.payload, self.place.rank, self.place.count))
+            self.param_store.write_home(shard_of(self._stored(self.param_chunk.payload), self.place.rank,
+                                                 self.place.count))
 
     def refresh_shard(self) -> None:
         """After the gathered chunk was modified (the same way on every rank): its shard keeps the new values."""
         if self.phase is not ChunkPhase.WHOLE:
             with self.param_store.access(writes=True) as shard:
-                shard.copy_(shard_of(self.writer, self.place.rank, self.place.count))
+                shard.copy_(shard_of(self._stored(self.writer), self.place.rank, self.place.count))
+
+    def _stored(self, full: torch.Tensor) -> torch.Tensor:
+        """The full chunk's values as its shards keep them: int8 in an int8 chunk (every rank quantizes the same
+        values the same way), else themselves."""
+        return full if self.int8 is None else self.int8.quantize_chunk(full)
 
     # ---- gradients: accept, complete, retire (Note [sharded gradients]) -------------------------
     def accept_grad(self, p: nn.Parameter) -> None:
@@ -304,7 +318,8 @@ class ChunkState:
         members = ", ".join(names.get(id(p), f"<{tuple(p.shape)}>") for p in self.params)
         lines = [repr(self), f"  members: {members}"]
         if self.frozen:
-            lines.append("  frozen (no gradients, masters or optimizer states)")
+            lines.append("  frozen (no gradients, masters or optimizer states)"
+                         + (", int8 shards with per-row scales" if self.int8 is not None else ""))
         if self.persistent:
             lines.append("  persistent (below the persistence threshold: never released)")
         for what, shard, handle in (("param", self.param_shard, self.param_handle),

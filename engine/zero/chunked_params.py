@@ -95,6 +95,7 @@ from engine.zero.chunk_norms import ChunkNorms
 from engine.zero.chunk_queries import ChunkQueries
 from engine.zero.chunk_state import ChunkPhase, ChunkState, ShardPlace
 from engine.zero.grad_shards import ShardedGrads
+from engine.zero.int8_frozen import Int8Rows
 from engine.zero.master_weights import MasterWeights
 from engine.zero.optimizer_binding import OptimizerBinding
 from engine.zero.param_shards import ShardedParams
@@ -125,6 +126,7 @@ class ChunkGroup:
     grad_chunks: ChunkList | None  # None: frozen parameters (Note [frozen chunks])
     persistent: bool = False  # stage 3: below the persistence threshold, never released (Note [sharded parameters])
     place: ShardPlace = ShardPlace()  # its chunks' reduction group and shards (Note [expert parallelism])
+    int8: bool = False  # frozen weights kept as int8 (Note [int8 frozen chunks])
     states: list[ChunkState] = field(default_factory=list)  # its chunks' states (Note [chunk phases])
 
 
@@ -139,7 +141,8 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
                  shard_grads: bool = False, shard_params: bool = False, persistence_threshold: int = 0,
                  pending: set[int] | None = None, compute_dtype: torch.dtype = torch.float32,
                  page_params: bool = False, page_grads: bool = False, experts: ExpertChunks | None = None,
-                 offloaded: frozenset[str] = frozenset(), frozen: list[nn.Parameter] | None = None):
+                 offloaded: frozenset[str] = frozenset(), frozen: list[nn.Parameter] | None = None,
+                 int8: frozenset[int] = frozenset()):
         """pending: ids of parameters whose values `load` brings later (zero_init); memory that would only
         hold values transiently is then left untouched (uninitialized payloads). compute_dtype bf16/fp16:
         16-bit chunks with fp32 masters (Note [master weights]). page_params: stage 3's shards (and stage 2's
@@ -148,7 +151,8 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
         optimizer to take them to the host (Note [device tier]). experts: parameters whose chunks have a place of
         their own. offloaded: the kinds ("param", "grad", "optim") a chunk manager will hold: their shards and
         masters start as placeholders (Note [a bounded start]). frozen: the model's parameters that do not train
-        (in model order), packed into frozen chunks with those the param groups list (Note [frozen chunks])."""
+        (in model order), packed into frozen chunks with those the param groups list (Note [frozen chunks]). int8:
+        ids of frozen parameters kept in int8 chunks (Note [int8 frozen chunks])."""
         for what, value in (("capacity", capacity), ("first chunk capacity", first_capacity or shard_count)):
             if value % shard_count:
                 raise ValueError(f"chunk {what} {value} is not a multiple of the shard count {shard_count}")
@@ -169,13 +173,14 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
         layout = dict(capacity=capacity, device=device, first_capacity=first_capacity, align=shard_count)
 
         def pack(params: list[nn.Parameter], options: dict, trains: bool) -> None:
-            by_kind: dict[tuple[torch.dtype, bool, ShardPlace], list[nn.Parameter]] = {}
+            by_kind: dict[tuple[torch.dtype, bool, ShardPlace, bool], list[nn.Parameter]] = {}
             for p in params:
-                persistent = shard_params and p.numel() < persistence_threshold
+                quantized = not trains and id(p) in int8  # gathered around every use: never persistent
+                persistent = shard_params and p.numel() < persistence_threshold and not quantized
                 dtype = compute_dtype if compute_dtype != torch.float32 else p.dtype
                 place = experts.place if experts is not None and id(p) in experts.params else dense
-                by_kind.setdefault((dtype, persistent, place), []).append(p)
-            for (dtype, persistent, place), members in by_kind.items():
+                by_kind.setdefault((dtype, persistent, place, quantized), []).append(p)
+            for (dtype, persistent, place, quantized), members in by_kind.items():
                 # stage 3: a sharded chunk's full payload exists only while gathered, so it starts released and its
                 # values wait where they are until `start` fills it, one chunk at a time (Note [a bounded start])
                 lazy = shard_params and sharding and not persistent
@@ -194,7 +199,7 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
                     p.data = pv
                 for p, gv in zip(members, grad_chunks.views if trains else []):
                     p.grad = gv
-                packed.append(ChunkGroup(members, options, param_chunks, grad_chunks, persistent, place))
+                packed.append(ChunkGroup(members, options, param_chunks, grad_chunks, persistent, place, quantized))
 
         seen: set[int] = set()
         listed_frozen: list[nn.Parameter] = []
@@ -249,6 +254,7 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
                     index=base + i, params=[p for p, _ in m], slots=[s for _, s in m], param_chunk=pc,
                     grad_chunk=gc, grad_views=[grad_view_of[id(p)] for p, _ in m if id(p) in grad_view_of],
                     phase=phase, persistent=g.persistent, place=g.place,
+                    int8=Int8Rows([s for _, s in m], device, pc.dtype, pc.numel) if g.int8 else None,
                     stepped=None if gc is None else self._owned(pc.payload, g.place),
                     stepped_grad=None if gc is None else self._owned(gc.payload, g.place)))
             g.states = self.all_states[base:]

@@ -74,6 +74,9 @@ class ShardedParams:
         self.gathers = gathers
         for state in states:
             payload = state.param_chunk.payload
+            if state.int8 is not None and (state.persistent or not gathers):
+                raise ValueError(f"chunk {state.index}: int8 frozen chunks are gathered around their use, so they "
+                                 "need gathered (stage 3 or paged) chunks that are not persistent")
             if state.persistent or not gathers:
                 # a view: always holds
                 state.param_store = MemoryStore(shard_of(payload, state.place.rank, state.place.count))
@@ -83,7 +86,8 @@ class ShardedParams:
             state.writer.set_(storage, payload.storage_offset(), (payload.numel(),))
             storage.resize_(0)
             n = shard_range(payload.numel(), state.place.rank, state.place.count)[1]
-            state.param_store = MemoryStore(torch.empty(n, dtype=payload.dtype, device=payload.device))
+            dtype = payload.dtype if state.int8 is None else torch.int8  # Note [int8 frozen chunks]
+            state.param_store = MemoryStore(torch.empty(n, dtype=dtype, device=payload.device))
             if placeholders:
                 state.param_shard.untyped_storage().resize_(0)
         # the chunks that cycle SHARDED → GATHERING → GATHERED (none in the degenerate layout)
@@ -166,8 +170,9 @@ class ShardedParams:
 
     def shard_bytes(self) -> int:
         """Bytes of the in-memory shards that are tensors of their own (persistent chunks' shards are payload
-        views; offloaded shards are counted by their manager)."""
-        return sum(self.states[i].param_shard.untyped_storage().nbytes() for i in self.transient)
+        views; offloaded shards are counted by their manager), and int8 chunks' scales (Note [int8 frozen chunks])."""
+        return sum(self.states[i].param_shard.untyped_storage().nbytes()
+                   + (self.states[i].int8.nbytes if self.states[i].int8 is not None else 0) for i in self.transient)
 
     def stepped_chunks(self) -> dict[int, int]:
         """id(shard tensor) -> its manager chunk, for the offloaded shards (the optimizer steps those views)."""

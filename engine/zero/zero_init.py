@@ -424,7 +424,7 @@ def materialize_parameters(model: nn.Module, chunked, recording: InitRecording, 
             value = ranks.value(recording, metas[i], source)
             if id(metas[i]) in held:
                 load(held[id(metas[i])], value)
-        chunked.finish_loading()
+        chunked.finish_loading(group)
     recording.release()
 
 

@@ -1,0 +1,177 @@
+"""Frozen weights kept as int8 with one scale per row, dequantized into the compute dtype when gathered.
+
+Note [int8 frozen chunks]
+With `zero_optimization.quantize_frozen: "int8"` (stage 3) the frozen weights of `nn.Linear` modules (a fine-tune's
+base: PEFT's `base_layer`s, the frozen `lm_head`) live in frozen chunks of their own whose per-rank shards hold
+int8 values, half the bytes of bf16 on every tier (device shards, CPU, NVMe), and one fp32 scale per output row
+(per channel). The arithmetic is torchao's int8 weight-only recipe (`Int8Tensor.from_hp(w, PerRow())`: symmetric,
+scale = max|row| / 127.5 with fp32 eps, round to nearest, clamp to [-128, 127]) through its own primitives
+(`choose_qparams_affine`, `quantize_affine`, `dequantize_affine`), which run on CPU and CUDA; so the model trains
+on `int8_image(w)`: the weights `Int8Tensor.from_hp(w, PerRow()).dequantize()` gives, in the compute dtype, except
+that a row which is an int8 image already is kept (below). tests/test_int8_frozen.py compares against plain PEFT
+on `int8_image` of the base.
+- Rows are quantized whole, per parameter, before sharding: a shard boundary may split a row, so the scales are
+  not sharded but kept whole on every rank, on the device (4 bytes per row: 5 MB for a 7 B Llama).
+- The chunk's payload (the parameters' views) keeps the compute dtype and exists only while gathered, as any
+  stage-3 payload. A gather all-gathers the int8 shards into an int8 buffer and, once waited for, dequantizes it
+  into the payload and frees the buffer; a release frees the payload. So the quantized chunks are always gathered
+  around their use: stage 3, and with one rank the paging layout (Note [paging in one process]) even without
+  offload_param.
+- Values arrive whole (the runtime's start, a `load` under zero_init, a checkpoint) and every rank quantizes them
+  the same way; or, streamed from files (Note [streamed weights]), each rank reads the rows its elements touch,
+  quantizes those rows, keeps its elements, and the ranks' scales are joined by an all-reduce (max) once loading
+  ends.
+- Quantizing is idempotent, so a checkpoint of an int8 run (which holds the dequantized weights) resumes on the same
+  weights: per row, a scale that reproduces the row exactly is taken where one does (torchao's, or max|row| / 127
+  or / 128, the scales an int8 image has); otherwise torchao's.
+Other frozen parameters (embeddings not tied to a linear weight, norms, biases) stay in the compute dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from offload.chunk import Slot
+
+QMIN, QMAX = -128, 127
+
+
+def _primitives():
+    """torchao's affine quantization primitives, imported on first use (torchao is imported only by runs that
+    quantize)."""
+    try:
+        from torchao.quantization.quant_primitives import (MappingType, choose_qparams_affine, dequantize_affine,
+                                                           quantize_affine)
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError("zero_optimization.quantize_frozen: \"int8\" uses torchao's quantization primitives; "
+                          "install it (pip install 'tiers[hf]' or pip install torchao), or set quantize_frozen "
+                          "to \"none\"") from error
+    return MappingType, choose_qparams_affine, quantize_affine, dequantize_affine
+
+
+def row_scales(rows: torch.Tensor) -> torch.Tensor:
+    """torchao's per-row symmetric int8 scales of a 2-D tensor, fp32, shape (rows, 1)."""
+    mapping, choose, _, _ = _primitives()
+    scale, _ = choose(rows, mapping.SYMMETRIC, (1, rows.shape[1]), torch.int8, QMIN, QMAX,
+                      eps=torch.finfo(torch.float32).eps, scale_dtype=torch.float32, zero_point_dtype=torch.int8,
+                      keepdim=True)
+    return scale
+
+
+def quantize_rows(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 values of a 2-D tensor at the given per-row scales."""
+    _, _, quantize, _ = _primitives()
+    zero = torch.zeros_like(scales, dtype=torch.int8)
+    return quantize(rows, (1, rows.shape[1]), scales, zero, torch.int8, QMIN, QMAX)
+
+
+def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weights int8 rows stand for, in `dtype`."""
+    _, _, _, dequantize = _primitives()
+    return dequantize(q, (1, q.shape[1]), scales, None, torch.int8, output_dtype=dtype)
+
+
+def int8_image(weight: torch.Tensor) -> torch.Tensor:
+    """What a weight trains as in an int8 frozen chunk: its per-row int8 quantization, dequantized to its dtype."""
+    rows = weight.detach().reshape(weight.shape[0], -1)
+    scales = exact_scales(rows)
+    return dequantize_rows(quantize_rows(rows, scales), scales, weight.dtype).view(weight.shape)
+
+
+def exact_scales(rows: torch.Tensor) -> torch.Tensor:
+    """Per-row scales for `rows`: torchao's, except where only another scale's int8 image reproduces a row exactly
+    (the row is an int8 image already): that one."""
+    peak = rows.float().abs().amax(dim=1, keepdim=True)
+    candidates = [row_scales(rows), peak / QMAX, peak / -QMIN]
+    chosen, settled = candidates[0].clone(), torch.zeros_like(peak, dtype=torch.bool)
+    for scales in candidates:
+        scales = torch.where(scales > 0, scales, candidates[0])
+        exact = (dequantize_rows(quantize_rows(rows, scales), scales, rows.dtype) == rows).all(dim=1, keepdim=True)
+        take = exact & ~settled
+        chosen = torch.where(take, scales, chosen)
+        settled |= exact
+    return chosen
+
+
+@dataclass(frozen=True)
+class QuantizedMember:
+    """One weight in an int8 chunk: where its elements start in the chunk, its rows and their first scale."""
+
+    offset: int
+    rows: int
+    cols: int
+    first_row: int
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+class Int8Rows:
+    """An int8 frozen chunk's layout and scales (Note [int8 frozen chunks])."""
+
+    def __init__(self, slots: list[Slot], device: torch.device, compute_dtype: torch.dtype, numel: int):
+        self.members: list[QuantizedMember] = []
+        first = 0
+        for slot in slots:
+            rows = slot.shape[0] if len(slot.shape) else 1
+            self.members.append(QuantizedMember(slot.offset, rows, slot.numel // max(rows, 1), first))
+            first += rows
+        self.scales = torch.zeros(first, 1, dtype=torch.float32, device=device)  # whole on every rank
+        self.compute_dtype, self.numel = compute_dtype, numel
+        self.gathering: torch.Tensor | None = None  # the int8 buffer an all-gather in flight fills
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the scales (the int8 shards are counted as shards)."""
+        return self.scales.numel() * self.scales.element_size()
+
+    def quantize_chunk(self, payload: torch.Tensor) -> torch.Tensor:
+        """The whole chunk's values (compute dtype, full payload) as int8, every member quantized by rows (scales
+        set); padding 0."""
+        q = torch.zeros(self.numel, dtype=torch.int8, device=payload.device)
+        for m in self.members:
+            self._quantize_member(m, payload.narrow(0, m.offset, m.numel), 0, q.narrow(0, m.offset, m.numel))
+        return q
+
+    def dequantize_chunk(self, q: torch.Tensor, payload: torch.Tensor) -> None:
+        """The gathered int8 chunk into the compute-dtype payload (through its writer: Note [sharded parameters])."""
+        for m in self.members:
+            rows = q.narrow(0, m.offset, m.numel).view(m.rows, m.cols)
+            scales = self.scales.narrow(0, m.first_row, m.rows)
+            payload.narrow(0, m.offset, m.numel).view(m.rows, m.cols).copy_(
+                dequantize_rows(rows, scales, self.compute_dtype))
+        used = max((m.offset + m.numel for m in self.members), default=0)
+        payload.narrow(0, used, payload.numel() - used).zero_()
+
+    def member_at(self, offset: int) -> QuantizedMember:
+        return next(m for m in self.members if m.offset == offset)
+
+    def fill(self, offset: int, values, target: torch.Tensor | None, first: int, whole: bool) -> int:
+        """Elements [first, first + target.numel()) of the member at chunk offset `offset`, quantized, into the int8
+        `target` (None: this rank keeps none of them). values(lo, hi): elements [lo, hi) of the member's flattened
+        values (compute dtype or wider). Reads the whole rows the target touches, or with `whole` every row, and
+        sets those rows' scales; returns the elements read."""
+        m = self.member_at(offset)
+        n = 0 if target is None else target.numel()
+        row_lo, row_hi = (0, m.rows) if whole else (first // m.cols, -(-(first + n) // m.cols))
+        rows = values(row_lo * m.cols, row_hi * m.cols).to(self.compute_dtype).view(row_hi - row_lo, m.cols)
+        q = torch.empty(rows.shape, dtype=torch.int8, device=rows.device)
+        self._quantize_member(m, rows.reshape(-1), row_lo, q.view(-1))
+        if target is not None:
+            target.copy_(q.view(-1).narrow(0, first - row_lo * m.cols, n))
+        return rows.numel()
+
+    def _quantize_member(self, m: QuantizedMember, values: torch.Tensor, row_lo: int, into: torch.Tensor) -> None:
+        rows = values.view(-1, m.cols)
+        scales = exact_scales(rows)
+        self.scales.narrow(0, m.first_row + row_lo, rows.shape[0]).copy_(scales)
+        into.view(-1, m.cols).copy_(quantize_rows(rows, scales))
+
+    def join_scales(self, group: dist.ProcessGroup | None) -> None:
+        """After a streamed load: every rank set the scales of the rows it read (others are 0); all take them all."""
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(self.scales, op=dist.ReduceOp.MAX, group=group)
