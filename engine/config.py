@@ -101,7 +101,7 @@ class ZeroConfig:
     sub_group_size: int = bounded(1_000_000_000, min=1)
     chunk_size: int | None = bounded(None, min=1)  # Tiers: the most elements a chunk holds (Note [chunk packing])
     placement: Literal["static", "auto"] = "static"  # Tiers
-    quantize_frozen: Literal["none", "int8"] = "none"  # Tiers: frozen linear weights as int8 (Note [int8 frozen chunks])
+    quantize_frozen: Literal["none", "int8"] = "none"  # Tiers: frozen linear weights (Note [int8 frozen chunks])
     # MiCS / HSDP: ranks of dp × sp that one shard group spans; -1: all of them (Note [hybrid sharding])
     mics_shard_size: int = bounded(-1, min=-1)
 

@@ -52,12 +52,14 @@ def adapters(named: dict) -> dict[str, torch.Tensor]:
     return {n: t.float() for n, t in named.items() if "lora_" in n}
 
 
-def reference(path: str, dtype: str, checkpointing: bool) -> tuple[list[float], dict]:
+def reference(path: str, dtype: str, checkpointing: bool, prepare=None) -> tuple[list[float], dict]:
     """PEFT in memory on one process, full batches: AdamW over the adapters, clipped at 1.0; under bf16 / fp16 the
     whole model in that dtype (as the engine computes) with fp32 masters of the adapters (fp16: a static loss
-    scale)."""
+    scale). prepare(model): changes the model in that dtype before training."""
     torch.manual_seed(0)
     model = peft_model(path, checkpointing).to(DTYPES[dtype])
+    if prepare is not None:
+        prepare(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().float().clone().requires_grad_() for p in trainable]
     optimizer = adamw(masters)

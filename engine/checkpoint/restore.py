@@ -194,6 +194,7 @@ class LoadPlan:
                     rounded[(value.dtype, tensor.dtype)] = rounded.get((value.dtype, tensor.dtype), 0) + 1
                 self.run.load_extra(tensor, value)  # a frozen parameter into its chunk (Note [frozen chunks])
             _warn_rounded(ckpt.directory, rounded)
+            _warn_requantized(ckpt.directory, self.run.chunked.all_states)
             self.run.chunked.sharded_params.settle_frozen()
             states.finish_loading()
 
@@ -349,3 +350,17 @@ def _warn_rounded(directory, rounded: dict[tuple[torch.dtype, torch.dtype], int]
         warnings.warn(f"load_checkpoint: {count} frozen parameters of {directory} were saved in {saved} and are "
                       f"loaded rounded to {live}: frozen parameters are kept in the compute dtype (bf16 / fp16), "
                       "as the trainable ones' working copies are", stacklevel=3)
+
+
+def _warn_requantized(directory, states) -> None:
+    """Note [int8 frozen chunks]: frozen values loaded into int8 chunks that no scale reproduces were quantized
+    again, and differ from the saved ones; say so."""
+    rows = 0
+    for state in states:
+        if state.int8 is not None:
+            rows, state.int8.requantized_rows = rows + state.int8.requantized_rows, 0
+    if rows:
+        warnings.warn(f"load_checkpoint: {rows} rows of int8 frozen weights (quantize_frozen \"int8\") in "
+                      f"{directory} are no int8 image of this engine's scales and were quantized again, so they "
+                      "differ from the saved ones by up to a rounding step; build the engine from the same "
+                      "pretrained weights as the saving run to resume exactly", stacklevel=3)

@@ -21,9 +21,10 @@ on `int8_image` of the base.
   the same way; or, streamed from files (Note [streamed weights]), each rank reads the rows its elements touch,
   quantizes those rows, keeps its elements, and the ranks' scales are joined by an all-reduce (max) once loading
   ends.
-- Quantizing is idempotent, so a checkpoint of an int8 run (which holds the dequantized weights) resumes on the same
-  weights: per row, a scale that reproduces the row exactly is taken where one does (torchao's, or max|row| / 127
-  or / 128, the scales an int8 image has); otherwise torchao's.
+- A checkpoint of an int8 run holds the dequantized weights, and loading them back gives the same weights: per row,
+  a scale whose int8 image reproduces the row exactly is taken where one does — first the row's own scale (an engine
+  built from the same pretrained weights: always), then torchao's, max|row| / 127 or / 128 (in fp32 these recover
+  any int8 image; in bf16 not always) — otherwise torchao's, and the load warns how many rows changed.
 Other frozen parameters (embeddings not tied to a linear weight, norms, biases) stay in the compute dtype.
 """
 
@@ -43,8 +44,12 @@ def _primitives():
     """torchao's affine quantization primitives, imported on first use (torchao is imported only by runs that
     quantize)."""
     try:
-        from torchao.quantization.quant_primitives import (MappingType, choose_qparams_affine, dequantize_affine,
-                                                           quantize_affine)
+        from torchao.quantization.quant_primitives import (
+            MappingType,
+            choose_qparams_affine,
+            dequantize_affine,
+            quantize_affine,
+        )
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise ImportError("zero_optimization.quantize_frozen: \"int8\" uses torchao's quantization primitives; "
                           "install it (pip install 'tiers[hf]' or pip install torchao), or set quantize_frozen "
@@ -77,23 +82,24 @@ def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
 def int8_image(weight: torch.Tensor) -> torch.Tensor:
     """What a weight trains as in an int8 frozen chunk: its per-row int8 quantization, dequantized to its dtype."""
     rows = weight.detach().reshape(weight.shape[0], -1)
-    scales = exact_scales(rows)
+    scales, _ = exact_scales(rows)
     return dequantize_rows(quantize_rows(rows, scales), scales, weight.dtype).view(weight.shape)
 
 
-def exact_scales(rows: torch.Tensor) -> torch.Tensor:
-    """Per-row scales for `rows`: torchao's, except where only another scale's int8 image reproduces a row exactly
-    (the row is an int8 image already): that one."""
+def exact_scales(rows: torch.Tensor, held: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """Per-row scales for `rows`: the first of `held` (the scales the rows had: 0 where none), torchao's, max|row| /
+    127 and max|row| / 128 whose int8 image reproduces a row exactly (the row is an int8 image already); else
+    torchao's. Returns them and how many rows that held scales none reproduced."""
     peak = rows.float().abs().amax(dim=1, keepdim=True)
-    candidates = [row_scales(rows), peak / QMAX, peak / -QMIN]
-    chosen, settled = candidates[0].clone(), torch.zeros_like(peak, dtype=torch.bool)
-    for scales in candidates:
-        scales = torch.where(scales > 0, scales, candidates[0])
+    recipe = row_scales(rows)
+    held = torch.zeros_like(recipe) if held is None else held.to(recipe.device)
+    chosen, settled = recipe.clone(), torch.zeros_like(peak, dtype=torch.bool)
+    for scales in (held, recipe, peak / QMAX, peak / -QMIN):
+        scales = torch.where(scales > 0, scales, recipe)
         exact = (dequantize_rows(quantize_rows(rows, scales), scales, rows.dtype) == rows).all(dim=1, keepdim=True)
-        take = exact & ~settled
-        chosen = torch.where(take, scales, chosen)
+        chosen = torch.where(exact & ~settled, scales, chosen)
         settled |= exact
-    return chosen
+    return chosen, int((~settled & (held > 0)).sum())
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,7 @@ class Int8Rows:
         self.scales = torch.zeros(first, 1, dtype=torch.float32, device=device)  # whole on every rank
         self.compute_dtype, self.numel = compute_dtype, numel
         self.gathering: torch.Tensor | None = None  # the int8 buffer an all-gather in flight fills
+        self.requantized_rows = 0  # rows that held values and were loaded again with values no scale reproduced
 
     @property
     def nbytes(self) -> int:
@@ -167,8 +174,10 @@ class Int8Rows:
 
     def _quantize_member(self, m: QuantizedMember, values: torch.Tensor, row_lo: int, into: torch.Tensor) -> None:
         rows = values.view(-1, m.cols)
-        scales = exact_scales(rows)
-        self.scales.narrow(0, m.first_row + row_lo, rows.shape[0]).copy_(scales)
+        held = self.scales.narrow(0, m.first_row + row_lo, rows.shape[0])
+        scales, requantized = exact_scales(rows, held)
+        self.requantized_rows += requantized
+        held.copy_(scales)
         into.view(-1, m.cols).copy_(quantize_rows(rows, scales))
 
     def join_scales(self, group: dist.ProcessGroup | None) -> None:
