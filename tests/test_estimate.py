@@ -13,11 +13,12 @@ from engine.estimate.estimator import trace_strategy
 from engine.estimate.runtime import peak_rss_bytes as process_peak_rss
 from engine.estimate.runtime import reset_peak_rss
 from engine.models import gpt_bench30m
+from offload.chunk import Location
 from tests.distributed import run_distributed
 from tests.reference import tiny_gpt, token_batches, train_engine
 from tests.rss import MALLOC_ENV
-from tests.test_frozen_chunks import frozen_gpt
-from tests.test_zero import model_state_bytes, zero_config
+from tests.test_frozen_chunks import frozen_gpt, stage_config
+from tests.test_zero import GLOBAL_BATCH, model_state_bytes, zero_config
 
 # (stage, chunk_size (None: the engine's default layout), extra config); tp > 1 is in the world-4 list
 CASES = [(0, None, {}), (1, None, {}), (2, None, {}), (3, None, {}), (1, 20_000, {}), (2, 20_000, {}),
@@ -72,6 +73,69 @@ def test_model_state_bytes_equal_the_engines_chunks_exactly(world):
     for counted in measured[1:]:  # every rank holds the same bytes (chunks are padded to whole shards)
         assert counted == measured[0]
 
+
+
+# ---- int8 frozen chunks (Note [int8 frozen chunks]) -----------------------------------------------------------------
+
+INT8_OFFLOADS = (None, "cpu")  # stage 3, bf16: shards in memory (one rank: paged anyway), or homed on the CPU
+
+
+def int8_config(world: int, offload: str | None, quantize: str = "int8") -> dict:
+    cfg = stage_config(3, world, torch.bfloat16, offload)
+    cfg["zero_optimization"]["quantize_frozen"] = quantize
+    return cfg
+
+
+def _int8_worker(rank, world):
+    """Each offload case's engine after a step and a backward (gradient shards held): its bytes on the device and
+    in the manager, by tier, and by kind counted from the tensors (the int8 chunks' scales with the parameters)."""
+    measured = []
+    for offload in INT8_OFFLOADS:
+        engine = initialize(frozen_gpt(), int8_config(world, offload))
+        train_engine(engine, token_batches(1, GLOBAL_BATCH), rank, world, 1)
+        x = token_batches(1, GLOBAL_BATCH)[0][rank::world]
+        engine.backward(engine(x, x))
+        int8 = [s.int8 for s in engine.chunked.frozen_states if s.int8 is not None]
+        counted = model_state_bytes(engine)
+        counted["param"] += sum(q.scales.untyped_storage().nbytes() for q in int8)
+        manager = getattr(engine.optimizer, "manager", None)
+        measured.append({"int8_chunks": len(int8), "by_kind": counted, "engine": engine.model_state_bytes(),
+                         "device": sum(engine.device_state_bytes().values()),
+                         "cpu": sum(manager.used_bytes_by_kind(Location.CPU).values()) if manager else 0})
+        engine.close()
+    return measured
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_int8_frozen_chunks_are_estimated_as_the_engine_holds_them(world):
+    """quantize_frozen "int8" at stage 3, bf16: the frozen linear weights' shards at 1 byte per element and their
+    per-row scales on the device; the estimate's device and CPU tiers (and, without offload, its bytes by kind) are
+    the engine's exactly, below the same model's estimate with bf16 frozen chunks."""
+    measured = run_distributed(_int8_worker, world)
+    for offload, counted in zip(INT8_OFFLOADS, measured[0]):
+        cfg, plain = load_config(int8_config(world, offload)), load_config(int8_config(world, offload, "none"))
+        trace = trace_strategy(frozen_gpt, cfg, None, activations=False)
+        assert sum(p.linear_weight for p in trace.frozen) == 3  # the first attention's two, the head tied to wte
+        states = model_states(trace.params, cfg, world, trace.frozen)
+        assert counted["int8_chunks"] == sum(c.int8 for c in states.chunks) > 0, (offload, counted)
+        assert (states.tiers.device, states.tiers.cpu) == (counted["device"], counted["cpu"]), (offload, counted)
+        if offload is None:
+            assert states.by_kind() == counted["by_kind"] == counted["engine"], (offload, states, counted)
+        unquantized = model_states(trace.params, plain, world, trace.frozen)
+        assert states.frozen < unquantized.frozen and states.param < unquantized.param
+        assert states.tiers.device + states.tiers.cpu < unquantized.tiers.device + unquantized.tiers.cpu
+    for counted in measured[1:]:
+        assert counted == measured[0]
+
+
+def test_the_estimate_leaves_out_strategies_that_refuse_quantize_frozen():
+    """quantize_frozen needs stage 3 and data parallelism only: other strategies are named as not estimated."""
+    est = estimate(frozen_gpt, int8_config(2, None), 2, strategies=[Strategy(1), Strategy(3), Strategy(3, tp=2)],
+                   compute_on_cpu=True)
+    (row,) = est.rows
+    assert row.strategy == Strategy(3) and any(c.int8 for c in row.states.chunks)
+    assert len(est.skipped) == 2 and "needs ZeRO stage 3 (this run: stage 1)" in est.skipped[0]
+    assert "not built yet with tensor parallelism" in est.skipped[1]
 
 def peak_config(stage: int, micro: int) -> dict:
     return {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 10**6, "zero_optimization": {"stage": stage},

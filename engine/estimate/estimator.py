@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.config import Config, load_config
+from engine.config_checks import _check_quantize_frozen as check_quantize_frozen
 from engine.config_schema import ConfigError
 from engine.estimate.activations import ActivationTrace, default_seq_len, trace_activations
 from engine.estimate.model_spec import build_model
@@ -37,7 +38,9 @@ from engine.estimate.model_states import ModelStates, TrainableParam, model_stat
 from engine.estimate.pipeline_stages import PipelineEstimate, PipelineSpec, Unit, model_units, plan_pipeline
 from engine.estimate.runtime import runtime_host_bytes
 from engine.estimate.strategies import Strategy, candidate_strategies
+from engine.initialization import int8_frozen_weights
 from engine.precision import PrecisionPolicy
+from engine.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,10 @@ def estimate(factory: Callable[[], nn.Module], config: dict, world: int, tp_size
             raise ValueError(f"{strategy.name}: pipeline {spec.stages} x tensor-parallel {strategy.tp} does not "
                              f"divide the world size {world}")
         dp = world // (strategy.tp * spec.stages)
+        refusal = _quantize_refusal(cfg, world, dp, strategy.tp, spec.stages)
+        if refusal is not None:  # a strategy the engine refuses for this config is left out, named
+            result.skipped.append(f"{strategy.name}: {refusal}")
+            continue
         batch = cfg.batch_sizes(dp)
         result.micro_batch = batch.micro_batch_size
         key = (strategy.tp, cfg.tensor_parallel.mode)
@@ -182,7 +189,9 @@ def trace_strategy(factory: Callable[[], nn.Module], cfg: Config, seq_len: int |
             model.to(compute)  # 16-bit chunks: the model computes in the compute dtype
         trainable = [p for p in model.parameters() if p.requires_grad]
         params = [TrainableParam(p.shape, p.dtype) for p in trainable]
-        frozen = [TrainableParam(p.shape, p.dtype) for p in model.parameters() if not p.requires_grad]
+        frozen_params = [p for p in model.parameters() if not p.requires_grad]
+        linear = int8_frozen_weights(model, frozen_params)  # Note [int8 frozen chunks]: the engine's rule
+        frozen = [TrainableParam(p.shape, p.dtype, id(p) in linear) for p in frozen_params]
         units = tuple(model_units(model, trainable))
         if not activations:
             return StrategyTrace(params, frozen, None, built, units)
@@ -192,6 +201,18 @@ def trace_strategy(factory: Callable[[], nn.Module], cfg: Config, seq_len: int |
         trace = trace_activations(model, seq_len or default_seq_len(model), batch_multiple=q,
                                   units=[u.modules for u in units])
     return StrategyTrace(params, frozen, trace, built, units)
+
+
+def _quantize_refusal(cfg: Config, world: int, dp: int, tp: int, pp: int) -> str | None:
+    """Why the engine refuses this strategy's quantize_frozen (Note [int8 frozen chunks]: stage 3, data
+    parallelism only), or None."""
+    moe = cfg.moe.expert_parallel_size if cfg.moe.enabled else 1
+    topology = Topology(world, 0, None, dp, 0, torch.device("cpu"), tp_size=tp, pp_size=pp, ep_size=moe)
+    try:
+        check_quantize_frozen(cfg, topology)
+    except ConfigError as error:
+        return str(error)
+    return None
 
 
 @contextlib.contextmanager

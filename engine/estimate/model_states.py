@@ -13,10 +13,14 @@ steps follows from the sharding policy (Note [sharding policy]) over N data-para
 These three numbers are what `Engine.model_state_bytes()` counts. Offload moves kinds between
 tiers (Note [offload policy]): optimizer states and fp32 masters, and with stages 2-3 the gradient
 shards, to CPU or NVMe; with offload_param the parameter shards too, in one process as well
-(Note [paging in one process]). Transient buffers (a stage-2 gradient chunk while it is reduced,
-stage-3 gathered chunks, bf16 fp32 gradients at the update: all of them, or with managed gradient
-shards the one being stepped) are reported apart, as they add to the peak but not to the state at
-rest.
+(Note [paging in one process]). With quantize_frozen "int8" (Note [int8 frozen chunks]) the frozen
+`nn.Linear` weights get frozen chunks of their own, never persistent: their shards hold 1 byte per
+element (on their tier), their fp32 per-row scales (4 bytes per weight row) stay whole on every rank
+on the device, their gathered payload is in the compute dtype as any chunk's, and one rank pages its
+chunks even without offload_param. Transient buffers (a stage-2 gradient chunk while it is reduced,
+stage-3 gathered chunks with the int8 buffers their all-gathers fill, bf16 fp32 gradients at the
+update: all of them, or with managed gradient shards the one being stepped) are reported apart, as
+they add to the peak but not to the state at rest.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ class ChunkSpec:
     """One parameter chunk (and its gradient chunk): elements, padding included."""
 
     numel: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the payload (gathered: the compute dtype)
     persistent: bool
+    int8: bool = False  # an int8 frozen chunk: its shards hold 1 byte per element (Note [int8 frozen chunks])
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +82,7 @@ class ModelStates:
     grad_in_flight: int  # stages 2-3: full gradient chunks alive while being reduced (transient)
     update_extra: int  # bf16/fp16: fp32 gradients of the masters, alive during the update (transient)
     chunks: tuple[ChunkSpec, ...]  # trainable, then frozen
-    frozen: int = 0  # of `param`: the frozen chunks' bytes (Note [frozen chunks])
+    frozen: int = 0  # of `param`: the frozen chunks' bytes (Note [frozen chunks]), int8 scales included
 
     def by_kind(self) -> dict[str, int]:
         return {"param": self.param, "grad": self.grad, "optim": self.optim}
@@ -87,23 +92,31 @@ class ModelStates:
 class TrainableParam:
     shape: torch.Size
     dtype: torch.dtype
+    linear_weight: bool = False  # the 2-D weight of an nn.Linear: quantize_frozen "int8" keeps it frozen as int8
 
 
-def chunk_specs(params: list[TrainableParam], config: Config, shards: int) -> list[ChunkSpec]:
-    """The chunks `ChunkedParams` builds for one param group of these parameters, in its order."""
+def quantized(p: TrainableParam, config: Config) -> bool:
+    """Whether frozen `p` lives in an int8 chunk (Note [int8 frozen chunks]), as int8_frozen_weights picks them."""
+    return p.linear_weight and config.zero_optimization.quantize_frozen == "int8"
+
+
+def chunk_specs(params: list[TrainableParam], config: Config, shards: int, frozen: bool = False) -> list[ChunkSpec]:
+    """The chunks `ChunkedParams` builds for one param group of these parameters (frozen: the frozen ones, int8
+    chunks apart), in its order."""
     stage = ShardingPolicy(config.zero_optimization.stage)
     threshold = persistence_threshold(config)
     capacity, first = chunk_layout(config, shards)
     compute = PrecisionPolicy.from_config(config).compute_dtype
-    by_kind: dict[tuple[torch.dtype, bool], list[torch.Size]] = {}
+    by_kind: dict[tuple[torch.dtype, bool, bool], list[torch.Size]] = {}
     for p in params:
-        persistent = stage.shards(ChunkKind.PARAM) and p.shape.numel() < threshold
+        int8 = frozen and quantized(p, config)  # gathered around every use: never persistent
+        persistent = stage.shards(ChunkKind.PARAM) and p.shape.numel() < threshold and not int8
         dtype = compute if compute != torch.float32 else p.dtype
-        by_kind.setdefault((dtype, persistent), []).append(p.shape)
+        by_kind.setdefault((dtype, persistent, int8), []).append(p.shape)
     specs = []
-    for (dtype, persistent), shapes in by_kind.items():
+    for (dtype, persistent, int8), shapes in by_kind.items():
         _, sizes = plan_slots(shapes, capacity, align=shards, first_capacity=first)
-        specs += [ChunkSpec(n, dtype, persistent) for n in sizes]
+        specs += [ChunkSpec(n, dtype, persistent, int8) for n in sizes]
     return specs
 
 
@@ -135,20 +148,28 @@ def model_states(params: list[TrainableParam], config: Config, dp: int,
     shards = group if policy.shards(ChunkKind.OPTIM) else 1
     sharded = shards > 1
     chunks = chunk_specs(params, config, shards)
-    frozen_chunks = chunk_specs(list(frozen), config, shards) if frozen else []
+    frozen_chunks = chunk_specs(list(frozen), config, shards, frozen=True) if frozen else []
+    scales = sum(p.shape[0] for p in frozen if quantized(p, config)) * FP32  # whole on every rank, on the device
     masters = PrecisionPolicy.from_config(config).compute_dtype != torch.float32
 
     def stepped(c: ChunkSpec) -> int:
         return c.numel // shards
 
-    paged = zero.offload_param.device in OFFLOADED  # Note [paging in one process]: shards of one rank too
+    # Note [paging in one process]: shards of one rank too, with offload_param or int8 chunks to gather
+    paged = zero.offload_param.device in OFFLOADED or any(c.int8 for c in frozen_chunks)
     shard_params = (sharded or paged) and policy.shards(ChunkKind.PARAM)
     pages_grads = zero.offload_optimizer.device in OFFLOADED  # Note [device tier]: gradient shards go with the states
     shard_grads = (sharded or paged or pages_grads) and policy.shards(ChunkKind.GRAD)
+    if any(c.int8 for c in frozen_chunks) and not shard_params:
+        raise ValueError(f"zero_optimization.quantize_frozen: \"int8\" needs ZeRO stage 3 (this config: stage "
+                         f"{zero.stage}); set stage 3, or remove quantize_frozen")
+
     def held(c: ChunkSpec) -> int:  # a parameter chunk's bytes on this rank
+        if c.int8:
+            return stepped(c)  # int8: 1 byte per element of the shard
         return stepped(c) * c.dtype.itemsize if shard_params and not c.persistent else c.nbytes
 
-    frozen_bytes = sum(held(c) for c in frozen_chunks)
+    frozen_bytes = sum(held(c) for c in frozen_chunks) + scales
     param = sum(held(c) for c in chunks) + frozen_bytes
     grad = sum(stepped(c) * c.dtype.itemsize if shard_grads else c.nbytes for c in chunks)
     state_dtype = {c.dtype for c in chunks} if not masters else {torch.float32}
@@ -158,7 +179,7 @@ def model_states(params: list[TrainableParam], config: Config, dp: int,
 
     largest_stepped = max(stepped(c) * (FP32 if masters else c.dtype.itemsize) for c in chunks)
     tiers = _placement(config, chunks + frozen_chunks, param, grad, states, master_bytes, shard_params, shard_grads,
-                       masters, largest_stepped)
+                       masters, largest_stepped, scales)
     gathered = 0
     if shard_params:  # Note [gathering around modules]: up to the prefetch window plus the chunk in use
         released = [c for c in chunks + frozen_chunks if not c.persistent]
@@ -166,6 +187,8 @@ def model_states(params: list[TrainableParam], config: Config, dp: int,
         window = min(sum(c.numel for c in released), zero.stage3_max_live_parameters,
                      _prefetch_numel(config) + 2 * largest)
         gathered = window * (released[0].dtype.itemsize if released else 0)
+        # Note [int8 frozen chunks]: an int8 chunk's all-gather fills an int8 buffer beside its payload
+        gathered += min(window, sum(c.numel for c in released if c.int8))
     in_flight = 2 * max(c.nbytes for c in chunks) if shard_grads else 0  # one filling, one being reduced
     # fp32 gradients staged for every master; managed 16-bit shards are widened one stepped tensor at a time
     streamed = zero.offload_optimizer.device in OFFLOADED and shard_grads
@@ -180,9 +203,10 @@ def _prefetch_numel(config: Config) -> int:
 
 
 def _placement(config: Config, chunks: list[ChunkSpec], param: int, grad: int, states: int, master_bytes: int,
-               shard_params: bool, shard_grads: bool, masters: bool, largest: int) -> Tiers:
-    """Which tier each kind lives on (Note [offloaded optimizer states]). On a machine without an accelerator
-    the device tier is CPU memory too, but it is still reported as the device tier."""
+               shard_params: bool, shard_grads: bool, masters: bool, largest: int, scales: int = 0) -> Tiers:
+    """Which tier each kind lives on (Note [offloaded optimizer states]); `scales` of `param`: the int8 chunks'
+    scales, on the device wherever their shards live. On a machine without an accelerator the device tier is CPU
+    memory too, but it is still reported as the device tier."""
     configured = OffloadPolicy.from_config(config, grads_sharded=shard_grads, masters=masters)
     policy = configured  # parameters are offloaded only as stage-3 shards (Note [offloaded parameter shards])
     if not shard_params:
@@ -195,7 +219,7 @@ def _placement(config: Config, chunks: list[ChunkSpec], param: int, grad: int, s
     # Note [offloaded master weights]: the masters live with the states
     tiers = Tiers().on(tier[ChunkKind.OPTIM], states + master_bytes).on(tier[ChunkKind.GRAD], grad)
     persistent = sum(c.nbytes for c in chunks if c.persistent) if policy.home(ChunkKind.PARAM) else 0
-    tiers = tiers.on(tier[ChunkKind.PARAM], param - persistent).on("device", persistent)
+    tiers = tiers.on(tier[ChunkKind.PARAM], param - persistent - scales).on("device", persistent + scales)
     # NVMe kinds stream through a CPU window of buffer_count stepped tensors each (the CPU budget initialize sets)
     user_budget = config.memory.budget_bytes("cpu_budget")
     if user_budget is not None and configured.uses(Location.NVME):
