@@ -177,7 +177,7 @@ def check_run(cfg: Config, topology: Topology, *, optimizer=None, lr_scheduler=N
     if topology.tp_size > 1:
         _check_tensor_parallel(optimizer, model_parameters, built_under_zero_init)
     _check_step_in_backward(cfg, topology)
-    _check_quantize_frozen(cfg, topology)
+    check_quantize_frozen(cfg, topology)
     if cfg.moe.enabled and built_under_zero_init:
         raise ConfigError("moe.expert_parallel_size: building the model under zero_init() is not supported yet with "
                           "expert parallelism; build it normally (each rank keeps only its experts after initialize)")
@@ -257,7 +257,7 @@ def check_offload(cfg: Config, dp_world_size: int, optimizer=None) -> None:
                           "states in one swap directory; give both the same nvme_path")
 
 
-def _check_quantize_frozen(cfg: Config, topology: Topology) -> None:
+def check_quantize_frozen(cfg: Config, topology: Topology) -> None:
     """Note [int8 frozen chunks]: int8 chunks are gathered around their use, so stage 3; on one mesh axis."""
     zero = cfg.zero_optimization
     if zero.quantize_frozen == "none":

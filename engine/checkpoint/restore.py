@@ -184,6 +184,7 @@ class LoadPlan:
                 states.install_optimizer_states(loaded_states)
             rounded: dict[tuple[torch.dtype, torch.dtype], int] = {}  # (saved, live) dtype -> frozen parameters
             in_chunks = self.run.chunked.param_chunk_index()
+            _requantized_rows(self.run.chunked.all_states)  # counted from here on
             for key, tensor in self.extras.items():
                 same = self.direct(key)
                 if same is not None:
@@ -352,13 +353,19 @@ def _warn_rounded(directory, rounded: dict[tuple[torch.dtype, torch.dtype], int]
                       "as the trainable ones' working copies are", stacklevel=3)
 
 
-def _warn_requantized(directory, states) -> None:
-    """Note [int8 frozen chunks]: frozen values loaded into int8 chunks that no scale reproduces were quantized
-    again, and differ from the saved ones; say so."""
+def _requantized_rows(states) -> int:
+    """Rows of int8 chunks quantized again since the last call (Note [int8 frozen chunks]); the counts restart."""
     rows = 0
     for state in states:
         if state.int8 is not None:
             rows, state.int8.requantized_rows = rows + state.int8.requantized_rows, 0
+    return rows
+
+
+def _warn_requantized(directory, states) -> None:
+    """Note [int8 frozen chunks]: frozen values loaded into int8 chunks that no scale reproduces were quantized
+    again, and differ from the saved ones; say so."""
+    rows = _requantized_rows(states)
     if rows:
         warnings.warn(f"load_checkpoint: {rows} rows of int8 frozen weights (quantize_frozen \"int8\") in "
                       f"{directory} are no int8 image of this engine's scales and were quantized again, so they "

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.config import Config, load_config
-from engine.config_checks import _check_quantize_frozen as check_quantize_frozen
+from engine.config_checks import check_quantize_frozen
 from engine.config_schema import ConfigError
 from engine.estimate.activations import ActivationTrace, default_seq_len, trace_activations
 from engine.estimate.model_spec import build_model
