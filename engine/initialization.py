@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import warnings
 from typing import Callable, Iterable
 
 import torch
@@ -276,6 +277,10 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
     frozen = [p for p in model.parameters() if not p.requires_grad and id(p) not in dropped
               and (split is None or split.holds(p))]  # Note [frozen chunks]
     int8 = int8_frozen_weights(model, frozen) if cfg.zero_optimization.quantize_frozen == "int8" else frozenset()
+    if cfg.zero_optimization.quantize_frozen == "int8" and not int8:
+        warnings.warn("zero_optimization.quantize_frozen \"int8\": the model has no frozen nn.Linear weight, so "
+                      "nothing is quantized (weights of other layers, e.g. GPT-2's Conv1D, stay in the compute "
+                      "dtype); freeze the base before initialize(), or remove quantize_frozen", stacklevel=3)
     chunked = ChunkedParams(groups, capacity, topology.device, first_capacity, names,
                             shard_count=shards, shard_rank=topology.shard_rank if shards > 1 else 0,
                             shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),

@@ -113,15 +113,16 @@ def gathered_parameters(params: list[nn.Parameter], chunked: ChunkedParams, gath
     whole = [p for p in params if id(p) not in chunk_of]
     with gatherer.gathered(chunks) if chunks else contextlib.nullcontext():
         yield params
-        if modifier_rank is not None and distributed:
+        if modifier_rank is not None:
             with torch.no_grad():
-                for p in whole:
+                for p in whole if distributed else []:
                     place = chunked.all_states[index[id(p)]].place if id(p) in index else None
                     broadcast_from(p.data, *_modifier(place, modifier_rank, group), counter)
                 payloads = chunked.param_payloads()
                 for c in chunks:
-                    broadcast_from(payloads[c], *_modifier(chunked.all_states[c].place, modifier_rank, group),
-                                   counter)
-                    chunked.sharded_params.refresh_shard(c)
+                    if distributed:
+                        broadcast_from(payloads[c], *_modifier(chunked.all_states[c].place, modifier_rank, group),
+                                       counter)
+                    chunked.sharded_params.refresh_shard(c)  # one rank paging too: the shard keeps the edit
     if modifier_rank is not None:
         chunked.resync_masters(params)

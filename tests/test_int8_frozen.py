@@ -176,15 +176,13 @@ def test_int8_base_in_one_process_pages_without_offload(pretrained, tmp_path):
     check_against_reference(results, pretrained["fp32"], "fp32")
 
 
-def test_int8_image_is_torchaos_per_row_recipe_and_idempotent():
+def test_int8_image_is_torchaos_per_row_recipe():
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         weight = torch.randn(48, 40, dtype=dtype)
         image = int8_image(weight)
         assert torch.equal(image, Int8Tensor.from_hp(weight, PerRow()).dequantize(dtype))
         assert not torch.equal(image, weight)
-        if dtype == torch.float32:  # an image quantizes back to itself (bf16: through the held scales)
-            assert torch.equal(int8_image(image), image)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -263,6 +263,23 @@ def test_full_state_dict_and_gathered_parameters(reference, stage):
         assert torch.equal(results[0][3][name], results[1][3][name]), name
 
 
+def test_gathered_parameters_modifier_keeps_the_edit_when_one_rank_pages(tmp_path):
+    """One process paging its chunks (offload_param, Note [paging in one process]): an edit inside
+    gathered_parameters(modifier_rank=0) reaches the shard and its fp32 master, and so the next forward."""
+    cfg = zero_config(3, GLOBAL_BATCH, 1)
+    cfg["bf16"] = {"enabled": True}
+    for part in ("offload_param", "offload_optimizer"):
+        cfg["zero_optimization"][part] = {"device": "cpu"}
+    engine = initialize(tiny_gpt(), cfg)
+    weight = engine.module.lm_head.weight
+    with engine.gathered_parameters([weight], modifier_rank=0):
+        with torch.no_grad():
+            weight.fill_(0.25)
+    with engine.gathered_parameters([weight]):
+        assert torch.equal(weight, torch.full_like(weight, 0.25))
+    engine.close()
+
+
 def _offload_worker(rank, world, stage, device, nvme_dir, param_device):
     cfg = zero_config(stage, GLOBAL_BATCH // world // 2, 2)
     cfg["zero_optimization"]["offload_optimizer"] = {"device": device, "nvme_path": nvme_dir}  # buffer_count 4

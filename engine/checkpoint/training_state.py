@@ -51,8 +51,8 @@ class TrainingState:
     def load_extra(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
         """A loaded extra entry into its tensor: a frozen parameter into its chunk (this rank's shard under stage 3),
         anything else in place."""
-        if id(tensor) in self.chunked.param_chunk_index():
-            self.chunked.load(tensor, value)
+        if id(tensor) in self.chunked.param_chunk_index():  # int8 chunks: the saved image keeps its scales
+            self.chunked.load(tensor, value, keep_scales=True)
         else:
             tensor.data.copy_(value)
 

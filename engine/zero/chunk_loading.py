@@ -21,11 +21,13 @@ class ChunkLoading:
 
     all_states: list[ChunkState]  # trainable and frozen chunks (Note [frozen chunks])
 
-    def load(self, p: nn.Parameter, value: torch.Tensor) -> None:
-        """Note [zero_init]: parameter `p`'s values into its chunk view, or with stage 3 into this rank's shard."""
+    def load(self, p: nn.Parameter, value: torch.Tensor, keep_scales: bool = False) -> None:
+        """Note [zero_init]: parameter `p`'s values into its chunk view, or with stage 3 into this rank's shard.
+        keep_scales: an int8 chunk tries each row's own scale first (a checkpoint's values: Note [int8 frozen
+        chunks]); else the values are new and quantized afresh."""
         flat = value.reshape(-1)
         if self._int8_of(p) is not None:  # every rank has the whole value: each sets every row's scale
-            self._fill_int8(p, lambda lo, hi: flat[lo:hi], whole=True)
+            self._fill_int8(p, lambda lo, hi: flat[lo:hi], whole=True, keep_scales=keep_scales)
             return
         self._fill(p, lambda target, first: target.copy_(flat.narrow(0, first, target.numel())))
 
@@ -45,23 +47,26 @@ class ChunkLoading:
         """Note [streamed weights]: as `load`, reading from the file only the elements this rank keeps; returns the
         bytes read."""
         if self._int8_of(p) is not None:  # the rows its elements touch; finish_loading joins the ranks' scales
-            return self._fill_int8(p, lambda lo, hi: source.read(lo, hi - lo), whole=False) * source.dtype.itemsize
+            read = self._fill_int8(p, lambda lo, hi: source.read(lo, hi - lo), whole=False, keep_scales=False)
+            return read * source.dtype.itemsize
         return self._fill(p, source.read_into) * source.dtype.itemsize
 
     def _int8_of(self, p: nn.Parameter) -> Int8Rows | None:
         return self.all_states[self._slot_of[id(p)][0]].int8
 
-    def _fill_int8(self, p: nn.Parameter, values: Callable[[int, int], torch.Tensor], whole: bool) -> int:
+    def _fill_int8(self, p: nn.Parameter, values: Callable[[int, int], torch.Tensor], whole: bool,
+                   keep_scales: bool) -> int:
         """Note [int8 frozen chunks]: the part of `p` this rank keeps, quantized by rows, into its int8 shard;
         values(lo, hi): elements [lo, hi) of `p`'s flattened values. Returns the elements read."""
         index, slot = self._slot_of[id(p)]
         state = self.all_states[index]
         part = self._owned_range(index, slot)
         if part is None:
-            return state.int8.fill(slot.offset, values, None, 0, whole) if whole else 0
+            return state.int8.fill(slot.offset, values, None, 0, whole, keep_scales) if whole else 0
         start, lo, hi = part
         with state.param_store.access(writes=True) as shard:
-            return state.int8.fill(slot.offset, values, shard.narrow(0, lo - start, hi - lo), lo - slot.offset, whole)
+            return state.int8.fill(slot.offset, values, shard.narrow(0, lo - start, hi - lo), lo - slot.offset,
+                                   whole, keep_scales)
 
     def _fill(self, p: nn.Parameter, fill: Callable[[torch.Tensor, int], object]) -> int:
         """fill(target, first): elements [first, first + target.numel()) of `p`'s flattened values into `target`,

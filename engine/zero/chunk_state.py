@@ -195,19 +195,19 @@ class ChunkState:
     def take_shard(self) -> None:
         """The full payload holds the starting values: this rank's shard of them goes to where the shard lives."""
         if self.phase is not ChunkPhase.WHOLE:
-            self.param_store.write_home(shard_of(self._stored(self.param_chunk.payload), self.place.rank,
-                                                 self.place.count))
+            self.param_store.write_home(shard_of(self._stored(self.param_chunk.payload, keep_scales=False),
+                                                 self.place.rank, self.place.count))
 
     def refresh_shard(self) -> None:
         """After the gathered chunk was modified (the same way on every rank): its shard keeps the new values."""
         if self.phase is not ChunkPhase.WHOLE:
             with self.param_store.access(writes=True) as shard:
-                shard.copy_(shard_of(self._stored(self.writer), self.place.rank, self.place.count))
+                shard.copy_(shard_of(self._stored(self.writer, keep_scales=True), self.place.rank, self.place.count))
 
-    def _stored(self, full: torch.Tensor) -> torch.Tensor:
+    def _stored(self, full: torch.Tensor, keep_scales: bool) -> torch.Tensor:
         """The full chunk's values as its shards keep them: int8 in an int8 chunk (every rank quantizes the same
-        values the same way), else themselves."""
-        return full if self.int8 is None else self.int8.quantize_chunk(full)
+        values the same way; keep_scales: rows left as they were keep their values), else themselves."""
+        return full if self.int8 is None else self.int8.quantize_chunk(full, keep_scales)
 
     # ---- gradients: accept, complete, retire (Note [sharded gradients]) -------------------------
     def accept_grad(self, p: nn.Parameter) -> None:

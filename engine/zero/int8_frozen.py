@@ -7,9 +7,10 @@ int8 values, half the bytes of bf16 on every tier (device shards, CPU, NVMe), an
 (per channel). The arithmetic is torchao's int8 weight-only recipe (`Int8Tensor.from_hp(w, PerRow())`: symmetric,
 scale = max|row| / 127.5 with fp32 eps, round to nearest, clamp to [-128, 127]) through its own primitives
 (`choose_qparams_affine`, `quantize_affine`, `dequantize_affine`), which run on CPU and CUDA; so the model trains
-on `int8_image(w)`: the weights `Int8Tensor.from_hp(w, PerRow()).dequantize()` gives, in the compute dtype, except
-that a row which is an int8 image already is kept (below). tests/test_int8_frozen.py compares against plain PEFT
-on `int8_image` of the base.
+on `int8_image(w)`: the weights `Int8Tensor.from_hp(w, PerRow()).dequantize()` gives, in the compute dtype
+(tests/test_int8_frozen.py compares against plain PEFT on `int8_image` of the base). Rows are quantized a block at
+a time, and a gather dequantizes in place (torchao's arithmetic: the int8 value times its fp32 scale, rounded once),
+so neither holds more than a block's temporaries.
 - Rows are quantized whole, per parameter, before sharding: a shard boundary may split a row, so the scales are
   not sharded but kept whole on every rank, on the device (4 bytes per row: 5 MB for a 7 B Llama).
 - The chunk's payload (the parameters' views) keeps the compute dtype and exists only while gathered, as any
@@ -24,7 +25,8 @@ on `int8_image` of the base.
 - A checkpoint of an int8 run holds the dequantized weights, and loading them back gives the same weights: per row,
   a scale whose int8 image reproduces the row exactly is taken where one does — first the row's own scale (an engine
   built from the same pretrained weights: always), then torchao's, max|row| / 127 or / 128 (in fp32 these recover
-  any int8 image; in bf16 not always) — otherwise torchao's, and the load warns how many rows changed.
+  any int8 image; in bf16 not always) — otherwise torchao's, and the load warns how many rows changed. An edit
+  inside `gathered_parameters(modifier_rank=...)` re-quantizes the chunk the same way, so rows it left alone stay.
 Other frozen parameters (embeddings not tied to a linear weight, norms, biases) stay in the compute dtype.
 """
 
@@ -38,6 +40,7 @@ import torch.distributed as dist
 from offload.chunk import Slot
 
 QMIN, QMAX = -128, 127
+ROW_BLOCK_ELEMENTS = 1 << 22  # rows quantized together: bounds the fp32 temporaries of one step (~16 B / element)
 
 
 def _primitives():
@@ -82,17 +85,19 @@ def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
 def int8_image(weight: torch.Tensor) -> torch.Tensor:
     """What a weight trains as in an int8 frozen chunk: its per-row int8 quantization, dequantized to its dtype."""
     rows = weight.detach().reshape(weight.shape[0], -1)
-    scales, _ = exact_scales(rows)
+    scales = row_scales(rows)
     return dequantize_rows(quantize_rows(rows, scales), scales, weight.dtype).view(weight.shape)
 
 
 def exact_scales(rows: torch.Tensor, held: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-    """Per-row scales for `rows`: the first of `held` (the scales the rows had: 0 where none), torchao's, max|row| /
-    127 and max|row| / 128 whose int8 image reproduces a row exactly (the row is an int8 image already); else
-    torchao's. Returns them and how many rows that held scales none reproduced."""
-    peak = rows.float().abs().amax(dim=1, keepdim=True)
+    """Per-row scales for `rows`: torchao's; with `held` (the scales the rows have: 0 where none), the first of
+    held, torchao's, max|row| / 127 and max|row| / 128 whose int8 image reproduces a row exactly (the row is an int8
+    image already), else torchao's. Returns them and how many rows that held a scale none reproduced."""
     recipe = row_scales(rows)
-    held = torch.zeros_like(recipe) if held is None else held.to(recipe.device)
+    if held is None:
+        return recipe, 0
+    peak = rows.float().abs().amax(dim=1, keepdim=True)
+    held = held.to(recipe.device)
     chosen, settled = recipe.clone(), torch.zeros_like(peak, dtype=torch.bool)
     for scales in (held, recipe, peak / QMAX, peak / -QMIN):
         scales = torch.where(scales > 0, scales, recipe)
@@ -136,49 +141,61 @@ class Int8Rows:
         """Bytes of the scales (the int8 shards are counted as shards)."""
         return self.scales.numel() * self.scales.element_size()
 
-    def quantize_chunk(self, payload: torch.Tensor) -> torch.Tensor:
-        """The whole chunk's values (compute dtype, full payload) as int8, every member quantized by rows (scales
-        set); padding 0."""
+    def quantize_chunk(self, payload: torch.Tensor, keep_scales: bool) -> torch.Tensor:
+        """The whole chunk's values (compute dtype, full payload, the same on every rank) as int8, every member
+        quantized by rows, scales set (keep_scales: a row's own scale first, so that rows left as they were keep
+        their values); padding 0."""
         q = torch.zeros(self.numel, dtype=torch.int8, device=payload.device)
         for m in self.members:
-            self._quantize_member(m, payload.narrow(0, m.offset, m.numel), 0, q.narrow(0, m.offset, m.numel))
+            values = payload.narrow(0, m.offset, m.numel)
+            self._quantize(m, lambda lo, hi, v=values: v[lo:hi], 0, m.rows, q.narrow(0, m.offset, m.numel), 0,
+                           keep_scales)
         return q
 
     def dequantize_chunk(self, q: torch.Tensor, payload: torch.Tensor) -> None:
-        """The gathered int8 chunk into the compute-dtype payload (through its writer: Note [sharded parameters])."""
+        """The gathered int8 chunk into the compute-dtype payload (through its writer: Note [sharded parameters]), in
+        place: torchao's dequantize_affine arithmetic (the int8 value times its fp32 scale, rounded once to the
+        compute dtype) without its temporaries."""
         for m in self.members:
-            rows = q.narrow(0, m.offset, m.numel).view(m.rows, m.cols)
-            scales = self.scales.narrow(0, m.first_row, m.rows)
-            payload.narrow(0, m.offset, m.numel).view(m.rows, m.cols).copy_(
-                dequantize_rows(rows, scales, self.compute_dtype))
+            view = payload.narrow(0, m.offset, m.numel).view(m.rows, m.cols)
+            view.copy_(q.narrow(0, m.offset, m.numel).view(m.rows, m.cols))
+            view.mul_(self.scales.narrow(0, m.first_row, m.rows))
         used = max((m.offset + m.numel for m in self.members), default=0)
         payload.narrow(0, used, payload.numel() - used).zero_()
 
     def member_at(self, offset: int) -> QuantizedMember:
         return next(m for m in self.members if m.offset == offset)
 
-    def fill(self, offset: int, values, target: torch.Tensor | None, first: int, whole: bool) -> int:
+    def fill(self, offset: int, values, target: torch.Tensor | None, first: int, whole: bool,
+             keep_scales: bool) -> int:
         """Elements [first, first + target.numel()) of the member at chunk offset `offset`, quantized, into the int8
         `target` (None: this rank keeps none of them). values(lo, hi): elements [lo, hi) of the member's flattened
         values (compute dtype or wider). Reads the whole rows the target touches, or with `whole` every row, and
-        sets those rows' scales; returns the elements read."""
+        sets those rows' scales (keep_scales: a row's own scale first, for values that were its int8 image);
+        returns the elements read."""
         m = self.member_at(offset)
         n = 0 if target is None else target.numel()
         row_lo, row_hi = (0, m.rows) if whole else (first // m.cols, -(-(first + n) // m.cols))
-        rows = values(row_lo * m.cols, row_hi * m.cols).to(self.compute_dtype).view(row_hi - row_lo, m.cols)
-        q = torch.empty(rows.shape, dtype=torch.int8, device=rows.device)
-        self._quantize_member(m, rows.reshape(-1), row_lo, q.view(-1))
-        if target is not None:
-            target.copy_(q.view(-1).narrow(0, first - row_lo * m.cols, n))
-        return rows.numel()
+        self._quantize(m, values, row_lo, row_hi, target, first, keep_scales)
+        return (row_hi - row_lo) * m.cols
 
-    def _quantize_member(self, m: QuantizedMember, values: torch.Tensor, row_lo: int, into: torch.Tensor) -> None:
-        rows = values.view(-1, m.cols)
-        held = self.scales.narrow(0, m.first_row + row_lo, rows.shape[0])
-        scales, requantized = exact_scales(rows, held)
-        self.requantized_rows += requantized
-        held.copy_(scales)
-        into.view(-1, m.cols).copy_(quantize_rows(rows, scales))
+    def _quantize(self, m: QuantizedMember, values, row_lo: int, row_hi: int, into: torch.Tensor | None,
+                  first: int, keep_scales: bool) -> None:
+        """Rows [row_lo, row_hi) of member `m` quantized, a block of rows at a time (bounding the temporaries); their
+        scales set; the int8 values of member elements [first, first + into.numel()) into `into`."""
+        n = 0 if into is None else into.numel()
+        step = max(1, ROW_BLOCK_ELEMENTS // m.cols)
+        for r0 in range(row_lo, row_hi, step):
+            r1 = min(r0 + step, row_hi)
+            rows = values(r0 * m.cols, r1 * m.cols).to(self.compute_dtype).view(r1 - r0, m.cols)
+            held = self.scales.narrow(0, m.first_row + r0, r1 - r0)
+            scales, requantized = exact_scales(rows, held if keep_scales else None)
+            self.requantized_rows += requantized
+            held.copy_(scales)
+            lo, hi = max(r0 * m.cols, first), min(r1 * m.cols, first + n)
+            if lo < hi:
+                q = quantize_rows(rows, scales).view(-1)
+                into.narrow(0, lo - first, hi - lo).copy_(q.narrow(0, lo - r0 * m.cols, hi - lo))
 
     def join_scales(self, group: dist.ProcessGroup | None) -> None:
         """After a streamed load: every rank set the scales of the rows it read (others are 0); all take them all."""
