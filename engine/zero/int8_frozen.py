@@ -157,9 +157,12 @@ class Int8Rows:
         place: torchao's dequantize_affine arithmetic (the int8 value times its fp32 scale, rounded once to the
         compute dtype) without its temporaries."""
         for m in self.members:
-            view = payload.narrow(0, m.offset, m.numel).view(m.rows, m.cols)
-            view.copy_(q.narrow(0, m.offset, m.numel).view(m.rows, m.cols))
-            view.mul_(self.scales.narrow(0, m.first_row, m.rows))
+            step = max(1, ROW_BLOCK_ELEMENTS // m.cols)  # the mixed-dtype product's fp32 buffer: a block's
+            for r0 in range(0, m.rows, step):
+                r1 = min(r0 + step, m.rows)
+                view = payload.narrow(0, m.offset + r0 * m.cols, (r1 - r0) * m.cols).view(r1 - r0, m.cols)
+                view.copy_(q.narrow(0, m.offset + r0 * m.cols, (r1 - r0) * m.cols).view(r1 - r0, m.cols))
+                view.mul_(self.scales.narrow(0, m.first_row + r0, r1 - r0))
         used = max((m.offset + m.numel for m in self.members), default=0)
         payload.narrow(0, used, payload.numel() - used).zero_()
 
