@@ -25,9 +25,11 @@ from tests.test_lora import DTYPES, GLOBAL_BATCH, adapters, batches, engine_conf
 from tests.test_mixed_precision import LOSS_RTOL, WEIGHT_RTOL
 from tests.test_streamed_weights import save_llama
 
-# (dtype, offload, how the base arrives): streamed from its files under zero_init, or a model built in memory whose
-# values the start quantizes; "checkpoint": a full checkpoint saved before the last step resumes in a new engine
-CASES = [("fp32", "nvme", "zero_init"), ("bf16", "cpu", "checkpoint"), ("bf16", None, "memory")]
+# (dtype, offload, how the base arrives, its file): streamed from its files under zero_init, or a model built in
+# memory whose values the start quantizes; "checkpoint": a full checkpoint saved before the last step resumes in a
+# new engine; "bf16-tied": lm_head is the embedding's weight (quantized once, read by both)
+CASES = [("fp32", "nvme", "zero_init", "fp32"), ("bf16", "cpu", "checkpoint", "bf16"), ("bf16", None, "memory", "bf16"),
+         ("fp16", None, "zero_init", "bf16-tied")]
 
 
 def quantize_base(model: nn.Module) -> None:
@@ -107,8 +109,8 @@ def loading_warnings(engine, checkpoint: str) -> list[str]:
 
 
 def int8_worker(rank: int, world: int, paths: dict, out: str, cases: list) -> dict:
-    return run_cases(rank, cases, lambda dtype, *rest: int8_case(rank, world, paths[dtype], out, dtype, *rest,
-                                                                 other_path=paths["bf16-other"]))
+    return run_cases(rank, cases, lambda dtype, offload, arrival, file: int8_case(
+        rank, world, paths[file], out, dtype, offload, arrival, other_path=paths["bf16-other"]))
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +118,8 @@ def pretrained(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("int8")
     return {"fp32": save_llama(str(root / "fp32"), torch.float32),
             "bf16": save_llama(str(root / "bf16"), torch.bfloat16),
-            "bf16-other": save_llama(str(root / "other"), torch.bfloat16, seed=8)}
+            "bf16-other": save_llama(str(root / "other"), torch.bfloat16, seed=8),
+            "bf16-tied": save_llama(str(root / "tied"), torch.bfloat16, tied=True)}
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +134,7 @@ def expected(path: str, dtype: str) -> tuple[list[float], dict, dict]:
 
     def prepare(model: nn.Module) -> None:
         quantize_base(model)
-        images.update(base_weights(model, dict(model.named_parameters())))
+        images.update(base_weights(model, model.state_dict()))  # a tied lm_head under its own key too
 
     losses, trained_adapters = reference(path, dtype, False, prepare)
     return losses, adapters(trained_adapters), {n: t.detach().clone() for n, t in images.items()}
@@ -152,11 +155,11 @@ def check_against_reference(results: list[dict], path: str, dtype: str) -> None:
         assert r["int8_chunks"] > 0 and r["shard_dtypes"] == {torch.int8}
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1] or 'no-offload'}-{c[2]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1] or 'no-offload'}-{c[2]}-{c[3]}")
 def test_int8_base_trains_as_peft_on_its_int8_image(pretrained, trained, case):
-    dtype, offload, arrival = case
+    dtype, offload, arrival, file = case
     results = trained[case]
-    check_against_reference(results, pretrained[dtype], dtype)
+    check_against_reference(results, pretrained[file], dtype)
     if offload == "nvme":
         for r in results:
             before, after, shard_bytes = r["frozen_written"]
