@@ -162,12 +162,16 @@ class ChunkState:
         writer.untyped_storage().resize_(self.param_chunk.nbytes)
         target = writer  # an int8 chunk gathers its int8 values, dequantized once waited for
         if self.int8 is not None:
-            target = self.int8.gathering = torch.empty(writer.numel(), dtype=torch.int8, device=writer.device)
+            target = torch.empty(writer.numel(), dtype=torch.int8, device=writer.device)
         shard = self.param_store.on_device(target, place.rank, place.count)  # an offloaded one: into its own slot
         if place.count > 1:
             self.gather_work = all_gather_into(target, shard, place.group_or(group), counter, async_op=True)
+        elif self.int8 is not None:  # one rank: its int8 shard is the chunk, dequantized from where it is
+            target = shard
         elif shard.data_ptr() != target.data_ptr():  # one rank: its shard is the chunk (Note [paging in one process])
             target.copy_(shard)
+        if self.int8 is not None:
+            self.int8.gathering = target
         self.to(ChunkPhase.GATHERING)
         return True
 

@@ -120,6 +120,12 @@ class QuantizedMember:
     def numel(self) -> int:
         return self.rows * self.cols
 
+    def row_blocks(self, row_lo: int, row_hi: int):
+        """Rows [row_lo, row_hi) as (first, end) blocks of about ROW_BLOCK_ELEMENTS: what bounds the temporaries."""
+        step = max(1, ROW_BLOCK_ELEMENTS // self.cols)
+        for r0 in range(row_lo, row_hi, step):
+            yield r0, min(r0 + step, row_hi)
+
 
 class Int8Rows:
     """An int8 frozen chunk's layout and scales (Note [int8 frozen chunks])."""
@@ -157,9 +163,7 @@ class Int8Rows:
         place: torchao's dequantize_affine arithmetic (the int8 value times its fp32 scale, rounded once to the
         compute dtype) without its temporaries."""
         for m in self.members:
-            step = max(1, ROW_BLOCK_ELEMENTS // m.cols)  # the mixed-dtype product's fp32 buffer: a block's
-            for r0 in range(0, m.rows, step):
-                r1 = min(r0 + step, m.rows)
+            for r0, r1 in m.row_blocks(0, m.rows):  # the mixed-dtype product's fp32 buffer: a block's
                 view = payload.narrow(0, m.offset + r0 * m.cols, (r1 - r0) * m.cols).view(r1 - r0, m.cols)
                 view.copy_(q.narrow(0, m.offset + r0 * m.cols, (r1 - r0) * m.cols).view(r1 - r0, m.cols))
                 view.mul_(self.scales.narrow(0, m.first_row + r0, r1 - r0))
@@ -187,9 +191,7 @@ class Int8Rows:
         """Rows [row_lo, row_hi) of member `m` quantized, a block of rows at a time (bounding the temporaries); their
         scales set; the int8 values of member elements [first, first + into.numel()) into `into`."""
         n = 0 if into is None else into.numel()
-        step = max(1, ROW_BLOCK_ELEMENTS // m.cols)
-        for r0 in range(row_lo, row_hi, step):
-            r1 = min(r0 + step, row_hi)
+        for r0, r1 in m.row_blocks(row_lo, row_hi):
             rows = values(r0 * m.cols, r1 * m.cols).to(self.compute_dtype).view(r1 - r0, m.cols)
             held = self.scales.narrow(0, m.first_row + r0, r1 - r0)
             scales, requantized = exact_scales(rows, held if keep_scales else None)
