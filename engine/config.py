@@ -54,6 +54,12 @@ class BF16Config:
     # skip a step whose gradients hold inf/nan, as fp16 does (DeepSpeed's default is true since 0.19.3; Tiers keeps
     # false, see docs/migrating-from-deepspeed.md)
     check_grad_overflow: bool = False
+    # DeepSpeed's low-precision masters (Note [bf16 master weights]): the bf16 weights and gradients are the masters,
+    # and with bf16_optimizer_states the Adam moments are bf16 too
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+    # Tiers' key: bf16 masters rounded stochastically after each update (Note [keyed stochastic rounding])
+    stochastic_rounding: bool = False
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,7 @@ def check_config(cfg: Config) -> None:
          "copying saved inputs into one preallocated buffer is not supported yet; set it to false"),
     ]
     checks += _pipeline_checks(cfg)
+    checks += _bf16_master_checks(cfg)
     sp = cfg.sequence_parallel
     checks += [
         (tp.sequence_parallel and tp.size == 1, "tensor_parallel.sequence_parallel", True,
@@ -140,6 +141,47 @@ def check_config(cfg: Config) -> None:
 
 
 PARTITIONS = ("parameters", "uniform", "time")
+# what Tiers' tiled Adam steps (Note [bf16 master weights])
+TILED_ADAM = ("Adam", "AdamW")
+
+
+def tiled_bf16_masters(cfg: Config) -> bool:
+    """bf16 masters that Tiers' tiled Adam steps: with fp32 moments, or rounded stochastically."""
+    bf16 = cfg.bf16
+    return bf16.bf16_master_weights_and_grads and (bf16.stochastic_rounding or not bf16.bf16_optimizer_states)
+
+
+def _bf16_master_checks(cfg: Config) -> list[tuple[bool, str, object, str]]:
+    """DeepSpeed's rules for its low-precision masters (Note [bf16 master weights]), and Tiers' for stochastic
+    rounding."""
+    bf16, zero, opt = cfg.bf16, cfg.zero_optimization, cfg.optimizer
+    masters = bf16.bf16_master_weights_and_grads
+    checks = [
+        (masters and not bf16.enabled, "bf16.bf16_master_weights_and_grads", True,
+         "keeps the master weights of a model trained in bf16, and bf16.enabled is false; set bf16.enabled to true"),
+        (masters and zero.stage == 0, "bf16.bf16_master_weights_and_grads", True,
+         "needs ZeRO stage 1-3, as in DeepSpeed; set zero_optimization.stage to 1, 2 or 3"),
+        (bf16.bf16_optimizer_states and not masters, "bf16.bf16_optimizer_states", True,
+         "keeps the moments of bf16 master weights, as in DeepSpeed; set bf16.bf16_master_weights_and_grads to true"),
+        (bf16.stochastic_rounding and not masters, "bf16.stochastic_rounding", True,
+         "rounds bf16 master weights as they are updated, and the masters are fp32; set "
+         "bf16.bf16_master_weights_and_grads to true"),
+        (masters and not bf16.bf16_optimizer_states and zero.offload_optimizer.device not in OFFLOADED,
+         "bf16.bf16_optimizer_states", False, "fp32 moments beside bf16 master weights are stepped on the offloaded "
+         "states, as in DeepSpeed (its CPU Adam); set zero_optimization.offload_optimizer.device to cpu or nvme, or "
+         "bf16.bf16_optimizer_states to true"),
+    ]
+    if opt is not None and tiled_bf16_masters(cfg):
+        why = ("fp32 moments" if not bf16.bf16_optimizer_states else "stochastic rounding") + " of bf16 masters"
+        checks += [
+            (opt.type not in TILED_ADAM, "optimizer.type", opt.type,
+             f"{why} are stepped by Tiers' tiled Adam; use Adam or AdamW, or bf16.bf16_optimizer_states without "
+             "stochastic_rounding"),
+            (opt.type in TILED_ADAM and not opt.params.get("bias_correction", True),
+             "optimizer.params.bias_correction", False, f"{why} are stepped by Tiers' tiled Adam, which corrects the "
+             "bias; remove the key"),
+        ]
+    return checks
 
 
 def _pipeline_checks(cfg: Config) -> list[tuple[bool, str, object, str]]:
@@ -207,6 +249,10 @@ def check_client_objects(cfg: Config, optimizer=None, lr_scheduler=None, model_p
     if optimizer is None and cfg.optimizer is None:
         raise ConfigError("optimizer: missing; "
                           "add an 'optimizer' section to the config or pass initialize(optimizer=...)")
+    if optimizer is not None and tiled_bf16_masters(cfg):
+        raise ConfigError("optimizer: bf16 masters with fp32 moments or stochastic rounding are stepped by Tiers' "
+                          "tiled Adam (Note [bf16 master weights]), built from the config; give an optimizer section "
+                          "(Adam or AdamW) instead of initialize(optimizer=...)")
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("scheduler: given both in the config and as initialize(lr_scheduler=...); keep one")
     if optimizer is not None and model_parameters is not None:

@@ -128,10 +128,7 @@ _OFFLOAD_OPTIMIZER_KEYS: dict[str, tuple[Any, str]] = {
 _SECTION_KEYS: dict[str, dict[str, tuple[Any, str]]] = {
     "fp16": {"fp16_master_weights_and_grads": (_off(False), "fp16 master weights and gradients (Tiers keeps fp32 "
                                                              "masters)")},
-    "bf16": {"bf16_master_weights_and_grads": (_off(False), "bf16 master weights and gradients (Tiers keeps fp32 "
-                                                             "masters)"),
-             "bf16_optimizer_states": (_off(False), "bf16 optimizer states"),
-             "immediate_grad_update": (_off(False), "accumulating each micro-batch's bf16 gradients into fp32 (Tiers "
+    "bf16": {"immediate_grad_update": (_off(False), "accumulating each micro-batch's bf16 gradients into fp32 (Tiers "
                                                     "accumulates them in bf16, as DeepSpeed's default does)")},
     "aio": {"use_gds": (_off(False), "GPUDirect Storage")},
     "checkpoint": {"checkpoint_serialization": (ANY, "torch.save's format; Tiers writes safetensors"),

@@ -6,31 +6,38 @@ import torch
 import torch.distributed as dist
 
 from engine.comm import CommCounter
-from engine.config import OptimizerConfig
+from engine.config import Config, OptimizerConfig
 from engine.config_schema import ConfigError
 from engine.optimizers.adam import UncorrectedAdam
+from engine.optimizers.bf16_master_adam import Bf16MasterAdam, Bf16Masters
 from engine.optimizers.compressed import DataParallelGroup
 from engine.optimizers.lamb import Lamb
 from engine.optimizers.onebit_adam import OneBitAdam
 from engine.optimizers.onebit_lamb import OneBitLamb
 from engine.optimizers.params import COMPRESSED_OPTIMIZERS
 from engine.optimizers.segments import Segments
+from engine.optimizers.stochastic_rounding import KeyedBits
 from engine.optimizers.zero_one_adam import ZeroOneAdam
 
 
 def build_optimizer(config: OptimizerConfig, param_groups: list[dict], segments: Segments | None = None,
-                    data_parallel: DataParallelGroup | None = None) -> torch.optim.Optimizer:
+                    data_parallel: DataParallelGroup | None = None,
+                    bf16_masters: Bf16Masters | None = None) -> torch.optim.Optimizer:
     """DeepSpeed's meanings: "Adam" is AdamW unless adam_w_mode is false; torch_adam picks torch's
     unfused implementation. Otherwise Adam/AdamW use torch's fused kernels (CPU and CUDA);
     bias_correction false takes UncorrectedAdam (DeepSpeed FusedAdam's bias_correction=False).
 
     `param_groups` are torch param-group dicts; options set in a group override the config's. `segments`: where
     each parameter lies inside the stepped tensors, for optimizers that take per-parameter norms (Lamb) or
-    scales (the compressed family); `data_parallel`: the group the compressed family averages over.
+    scales (the compressed family); `data_parallel`: the group the compressed family averages over; `bf16_masters`:
+    Adam and AdamW step bf16 masters in fp32 tiles (Note [bf16 master weights]).
     """
     p = config.params
     if config.type in ("Adam", "AdamW"):
         decoupled = config.type == "AdamW" or p["adam_w_mode"]
+        if bf16_masters is not None:
+            return Bf16MasterAdam(param_groups, bf16_masters, lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
+                                  weight_decay=p["weight_decay"], decoupled=decoupled)
         if not p["bias_correction"]:
             return UncorrectedAdam(param_groups, lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
                                    weight_decay=p["weight_decay"], decoupled=decoupled)
@@ -48,6 +55,16 @@ def build_optimizer(config: OptimizerConfig, param_groups: list[dict], segments:
     if config.type in COMPRESSED_OPTIMIZERS:
         return _build_compressed(config, param_groups, segments, data_parallel)
     raise ValueError(f"optimizer.type: {config.type!r} has no builder")  # config validation prevents this
+
+
+def bf16_masters_of(cfg: Config, chunked) -> Bf16Masters | None:
+    """How the bf16 masters of `chunked` are stepped (Note [bf16 master weights]); None: fp32 masters, or fp32."""
+    bf16 = cfg.bf16
+    if not bf16.bf16_master_weights_and_grads:
+        return None
+    rounds = bf16.stochastic_rounding
+    return Bf16Masters(torch.bfloat16 if bf16.bf16_optimizer_states else torch.float32,
+                       KeyedBits(cfg.seed or 0) if rounds else None, chunked.key_spans() if rounds else {})
 
 
 def _build_compressed(config: OptimizerConfig, param_groups: list[dict], segments: Segments | None,

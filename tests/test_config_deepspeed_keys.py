@@ -97,8 +97,6 @@ def test_auto_without_a_source_names_every_key_and_the_integrations(raw, unfille
     ("zero_optimization.leaf_module", {}, {"classes": ["Block"]}, "leaf modules"),
     ("zero_optimization.offload_optimizer.super_offload", False, True, "SuperOffload"),
     ("fp16.fp16_master_weights_and_grads", False, True, "fp16 master weights"),
-    ("bf16.bf16_master_weights_and_grads", False, True, "bf16 master weights"),
-    ("bf16.bf16_optimizer_states", False, True, "bf16 optimizer states"),
     ("checkpoint.writer", None, {"type": "fast"}, "FastPersist"),
     ("tensor_parallel.preset_model", None, "llama", "preset"),
     ("gradient_allreduce_op", "mean", "sum", "summed"),

@@ -33,6 +33,7 @@ from engine.config import Config
 from engine.config_checks import OFFLOADED
 from engine.initialization import chunk_layout, persistence_threshold
 from engine.optim import build_optimizer
+from engine.optimizers.bf16_master_adam import TILE
 from engine.precision import PrecisionPolicy
 from engine.zero.offload_policy import OffloadPolicy, nvme_window
 from engine.zero.policy import ChunkKind, ShardingPolicy
@@ -150,7 +151,8 @@ def model_states(params: list[TrainableParam], config: Config, dp: int,
     chunks = chunk_specs(params, config, shards)
     frozen_chunks = chunk_specs(list(frozen), config, shards, frozen=True) if frozen else []
     scales = sum(p.shape[0] for p in frozen if quantized(p, config)) * FP32  # whole on every rank, on the device
-    masters = PrecisionPolicy.from_config(config).compute_dtype != torch.float32
+    bf16_masters = config.bf16.bf16_master_weights_and_grads  # Note [bf16 master weights]: the weights are masters
+    masters = PrecisionPolicy.from_config(config).compute_dtype != torch.float32 and not bf16_masters
 
     def stepped(c: ChunkSpec) -> int:
         return c.numel // shards
@@ -172,9 +174,11 @@ def model_states(params: list[TrainableParam], config: Config, dp: int,
     frozen_bytes = sum(held(c) for c in frozen_chunks) + scales
     param = sum(held(c) for c in chunks) + frozen_bytes
     grad = sum(stepped(c) * c.dtype.itemsize if shard_grads else c.nbytes for c in chunks)
-    state_dtype = {c.dtype for c in chunks} if not masters else {torch.float32}
-    per_element = {d: optimizer_state_bytes_per_element(config, d) for d in state_dtype}
-    states = sum(round(stepped(c) * per_element[torch.float32 if masters else c.dtype]) for c in chunks)
+    # the dtype the states take: fp32 beside fp32 masters, the moments' dtype of bf16 masters, else the chunks'
+    moments = torch.bfloat16 if config.bf16.bf16_optimizer_states else torch.float32
+    state_of = {c.dtype: torch.float32 if masters else moments if bf16_masters else c.dtype for c in chunks}
+    per_element = {d: optimizer_state_bytes_per_element(config, d) for d in set(state_of.values())}
+    states = sum(round(stepped(c) * per_element[state_of[c.dtype]]) for c in chunks)
     master_bytes = sum(stepped(c) * FP32 for c in chunks) if masters else 0
 
     largest_stepped = max(stepped(c) * (FP32 if masters else c.dtype.itemsize) for c in chunks)
@@ -193,6 +197,8 @@ def model_states(params: list[TrainableParam], config: Config, dp: int,
     # fp32 gradients staged for every master; managed 16-bit shards are widened one stepped tensor at a time
     streamed = zero.offload_optimizer.device in OFFLOADED and shard_grads
     update_extra = (largest_stepped if streamed else sum(stepped(c) * FP32 for c in chunks)) if masters else 0
+    if bf16_masters:  # one tile's fp32 weights, gradients, moments and Adam's temporaries
+        update_extra = min(TILE, max(stepped(c) for c in chunks)) * FP32 * 6
     return ModelStates(param, grad, states + master_bytes, tiers, gathered, in_flight, update_extra,
                        tuple(chunks + frozen_chunks), frozen_bytes)
 

@@ -142,10 +142,11 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
                  pending: set[int] | None = None, compute_dtype: torch.dtype = torch.float32,
                  page_params: bool = False, page_grads: bool = False, experts: ExpertChunks | None = None,
                  offloaded: frozenset[str] = frozenset(), frozen: list[nn.Parameter] | None = None,
-                 int8: frozenset[int] = frozenset()):
+                 int8: frozenset[int] = frozenset(), fp32_masters: bool = True):
         """pending: ids of parameters whose values `load` brings later (zero_init); memory that would only
         hold values transiently is then left untouched (uninitialized payloads). compute_dtype bf16/fp16:
-        16-bit chunks with fp32 masters (Note [master weights]). page_params: stage 3's shards (and stage 2's
+        16-bit chunks with fp32 masters (Note [master weights]), or none (fp32_masters False: the bf16 stepped tensors
+        are their own masters, Note [bf16 master weights]). page_params: stage 3's shards (and stage 2's
         gradient shards) even with one shard, so that offload_param can page chunks in around their use
         (Note [paging in one process]). page_grads: gradient shards even with one shard, for an offloaded
         optimizer to take them to the host (Note [device tier]). experts: parameters whose chunks have a place of
@@ -284,7 +285,7 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
                 state.stepped_grad = state.grad_shard
         # bf16 / fp16: the optimizer steps fp32 masters of the stepped tensors (Note [master weights])
         self.masters: MasterWeights | None = None
-        if compute_dtype != torch.float32:
+        if compute_dtype != torch.float32 and fp32_masters:
             self.masters = MasterWeights([s.stepped for s in self.states], [s.stepped_grad for s in self.states],
                                          placeholders="optim" in offloaded)
             for state, master, grad in zip(self.states, self.masters.masters, self.masters.grads):

@@ -204,14 +204,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
 
 def _state_layout(make, p: torch.Tensor) -> tuple[list[str], list[torch.Tensor]]:
-    """The names and zero initial values of the state tensors the optimizer keeps for `p` (found by one
-    step of a throw-away optimizer on a small tensor: every state it creates with p's shape)."""
+    """The names and zero initial values of the state tensors the optimizer keeps for `p`: its `state_layout` where
+    it has one, else found by one step of a throw-away optimizer on a small tensor (every state it creates with p's
+    shape, in the dtype it creates it)."""
     probe = torch.zeros(4, dtype=p.dtype, device=p.device, requires_grad=True)
-    probe.grad = torch.zeros_like(probe)
     opt = make([{"params": [probe]}])
+    if hasattr(opt, "state_layout"):
+        return opt.state_layout(p)
+    probe.grad = torch.zeros_like(probe)
     opt.step()
-    names = [k for k, v in opt.state[probe].items() if torch.is_tensor(v) and v.shape == probe.shape]
-    return names, [torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape) for _ in names]
+    states = [(k, v) for k, v in opt.state[probe].items() if torch.is_tensor(v) and v.shape == probe.shape]
+    return [k for k, _ in states], [torch.zeros((), dtype=v.dtype, device=p.device).expand(p.shape) for _, v in states]
 
 
 

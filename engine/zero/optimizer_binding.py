@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.optimizers.stochastic_rounding import KeySpan, parameter_key
 from engine.zero.chunk_state import ChunkState
 
 
@@ -38,3 +39,16 @@ class OptimizerBinding:
     def grads_managed(self) -> bool:
         """Gradient shards in the chunk manager (Note [offloaded gradient shards])."""
         return self.sharded_grads.managed is not None
+
+    def key_spans(self) -> dict[int, list[KeySpan]]:
+        """id(stepped tensor) -> where each parameter's elements lie in it (Note [keyed stochastic rounding])."""
+        spans = {}
+        for index, state in enumerate(self.states):
+            here = []
+            for p, slot in self.chunk_members(index):
+                owned = self._owned_range(index, slot)
+                if owned is not None:
+                    start, lo, hi = owned
+                    here.append(KeySpan(lo - start, hi - lo, parameter_key(self.name_of(p)), lo - slot.offset))
+            spans[id(state.stepped)] = here
+        return spans

@@ -1,0 +1,92 @@
+"""Stochastic rounding of fp32 values to bf16, with random bits keyed on (seed, step, parameter, element).
+
+Note [keyed stochastic rounding]
+`bf16.stochastic_rounding` (Tiers' key) rounds each updated fp32 value to one of its two bf16 neighbours, away
+from zero with probability (the 16 low bits bf16 drops) / 2^16, so the rounding is unbiased and updates smaller
+than bf16's last place still move the weight on average. It adds 0xFFFF minus 16 uniform random bits r to the fp32
+bit pattern and truncates: the carry reaches bf16's last place exactly when r < the low bits, which is torchao's
+`_fp32_to_bf16_sr` rule (a test checks the two agree on the same draws); the draws differ. torchao draws them from the
+global generator, which would make the weights depend on how the tensor is cut. Here the bits of element i of a
+parameter at optimizer step t are a function of (seed, t, the parameter's name, i) alone:
+- the elements of a parameter are cut into blocks of 65536 from its start; block b's bits are the first draws of a
+  torch.Generator seeded with a hash of (seed, t, crc32 of the name, b) (a prefix of the block when fewer are
+  needed, which are the same draws);
+- a stepped tensor (a chunk, or this rank's shard of one) knows where each parameter lies in it (`KeySpan`),
+  so any data-parallel size, ZeRO stage, tile size or resharded resume gives every element the same bits, and a
+  run's weights are the same. Padding gets no bits (it stays zero).
+`seed` is the config's top-level `seed` (0 when absent); t is the optimizer's own step count, which checkpoints
+keep. The generator is the device's: on CUDA the bits are Philox draws and differ from the CPU's. Under tensor
+parallelism a slice of a parameter is keyed by the name and the element's index in the slice.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 1 << 16  # elements per generator seed
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class KeySpan:
+    """Elements [offset, offset + numel) of a stepped tensor are elements [first, first + numel) of the parameter
+    whose key is `key`."""
+
+    offset: int
+    numel: int
+    key: int
+    first: int
+
+
+def parameter_key(name: str) -> int:
+    """A parameter's key: the crc32 of its name in the whole model."""
+    return zlib.crc32(name.encode())
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: 64 well-mixed bits of x."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class KeyedBits:
+    """The random bits of Note [keyed stochastic rounding] for one run's seed."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def block_seed(self, step: int, key: int, block: int) -> int:
+        return _mix(_mix(_mix(self.seed ^ _mix(step)) ^ key) ^ block)
+
+    def bits(self, step: int, spans: list[KeySpan], start: int, numel: int, device: torch.device) -> torch.Tensor:
+        """Random 16-bit values (int32 in [0, 65536)) for elements [start, start + numel) of a stepped tensor whose
+        parameters lie as `spans` say; elements no span covers get 0."""
+        out = torch.zeros(numel, dtype=torch.int32, device=device)
+        generator = torch.Generator(device=device)
+        for span in spans:
+            lo, hi = max(span.offset, start), min(span.offset + span.numel, start + numel)
+            element, end = span.first + lo - span.offset, span.first + hi - span.offset  # the parameter's indices
+            while element < end:
+                block = element // BLOCK
+                first, upto = element - block * BLOCK, min(end - block * BLOCK, BLOCK)
+                generator.manual_seed(self.block_seed(step, span.key, block))
+                draws = torch.randint(0, 1 << 16, (upto,), generator=generator, dtype=torch.int32, device=device)
+                at = lo - start + element - (span.first + lo - span.offset)
+                out[at:at + upto - first] = draws[first:]
+                element += upto - first
+        return out
+
+
+def round_stochastically(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """bf16 of fp32 `values`, each rounded away from zero when its 16 low bits plus `bits` carry (Note [keyed
+    stochastic rounding]); NaN stays NaN (the carry could otherwise wrap a NaN's pattern into a number)."""
+    pattern = values.view(torch.int32) + 0xFFFF
+    pattern.sub_(bits)  # a carry exactly when bits < the low 16 bits: torchao's rule on the same draws
+    pattern.bitwise_and_(-65536)  # 0xFFFF0000: what bf16 keeps
+    rounded = pattern.view(torch.float32).to(torch.bfloat16)
+    return torch.where(values.isnan(), values.to(torch.bfloat16), rounded)
