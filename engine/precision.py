@@ -23,7 +23,7 @@ class PrecisionPolicy:
     def from_config(cls, config: Config) -> "PrecisionPolicy":
         if config.fp16.enabled:
             return cls(torch.float16, cast_inputs=config.fp16.auto_cast)
-        if config.bf16.enabled:
+        if config.bf16.enabled:  # (with torch_autocast to bf16 too: the forward runs under it either way)
             return cls(torch.bfloat16)
         if config.torch_autocast.enabled:  # bf16 only (config_checks): no loss scaling needed
             return cls(torch.float32, autocast_dtype=torch.bfloat16)

@@ -15,6 +15,7 @@ import torch
 from engine import initialize
 from engine.config import load_config
 from engine.config_deepspeed import NEVER_PRINT
+from engine.precision import PrecisionPolicy
 from tests.reference import assert_params_close, param_snapshot, tiny_gpt, token_batches
 from tests.test_config import raises
 
@@ -165,9 +166,14 @@ def test_new_typed_keys_parse():
     raises({"gradient_predivide_factor": 0}, "gradient_predivide_factor", "> 0")
     raises({**BATCH, "torch_autocast": {"enabled": True, "dtype": "float16"}}, "torch_autocast.dtype", "not built yet")
     raises({**BATCH, "torch_autocast": {"enabled": True}}, "torch_autocast.dtype: null", "bfloat16")
-    raises({**BATCH, "torch_autocast": {"enabled": True, "dtype": "bf16"}, "bf16": {"enabled": True}},
-           "torch_autocast.enabled",
-           "enable one of them")
+    raises({**BATCH, "torch_autocast": {"enabled": True, "dtype": "bf16"}, "fp16": {"enabled": True}},
+           "torch_autocast.enabled", "enable one of them")
+    # DeepSpeed's bf16 master weight example: bf16 weights under autocast to bf16, as bf16 alone runs
+    both = load_config({**BATCH, "torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"}, "bf16": {
+        "enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}, "zero_optimization": {
+        "stage": 3}})
+    assert PrecisionPolicy.from_config(both) == PrecisionPolicy.from_config(load_config({**BATCH, "bf16": {
+        "enabled": True}}))
 
 
 def test_bf16_check_grad_overflow_skips_the_step():

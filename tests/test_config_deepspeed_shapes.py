@@ -1,8 +1,8 @@
 """DeepSpeed configs in the shapes real scripts and frameworks write them (tests/fixtures/deepspeed_configs: the
-CIFAR and BERT tutorials, DeepSpeedExamples, DeepSpeed-Chat's and OpenRLHF's get_train_ds_config, Hugging Face's
-documented zero2/zero3 configs before and after the Trainer fills "auto", accelerate's plugin config), each with the
-outcome it must have: it loads, is refused naming the feature, or needs an integration for its "auto" values. None
-may fail as an unknown key (Note [reading a DeepSpeed config])."""
+CIFAR and BERT tutorials, DeepSpeedExamples (its bf16 master-weight example's bf16_full.json too), DeepSpeed-Chat's
+and OpenRLHF's get_train_ds_config, Hugging Face's documented zero2/zero3 configs before and after the Trainer fills
+"auto", accelerate's plugin config), each with the outcome it must have: it loads, is refused naming the feature, or
+needs an integration for its "auto" values. None may fail as an unknown key (Note [reading a DeepSpeed config])."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ EXPECTED = {
     "dschat_reward_zero2_offload.json": (Outcome.LOADS, ""),
     "dschat_hybrid_engine.json": (Outcome.REFUSED, "hybrid_engine"),
     "examples_autotuning.json": (Outcome.LOADS, ""),
+    "examples_bf16_master_weight_full.json": (Outcome.LOADS, ""),
     "examples_compression_off.json": (Outcome.LOADS, ""),
     "examples_imagenet_fp16.json": (Outcome.LOADS, ""),
     "examples_random_ltd.json": (Outcome.REFUSED, "data_efficiency.data_routing.random_ltd"),
