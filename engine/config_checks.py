@@ -31,9 +31,10 @@ def check_config(cfg: Config) -> None:
         (cfg.torch_autocast.enabled and not cfg.torch_autocast.is_bf16, "torch_autocast.dtype",
          cfg.torch_autocast.dtype, "autocast to fp16 (which needs DeepSpeed's GradScaler; also torch's "
          "default on CUDA when dtype is not given) is not built yet; set \"dtype\": \"bfloat16\", or use fp16.enabled"),
-        (cfg.torch_autocast.enabled and (cfg.fp16.enabled or cfg.bf16.enabled), "torch_autocast.enabled", True,
-         "runs the forward under autocast with fp32 weights, and fp16/bf16.enabled keep 16-bit weights; enable "
-         "one of them"),
+        # with bf16.enabled (DeepSpeed's bf16 master weight example): bf16 weights, the forward under autocast to
+        # bf16, which is how bf16 runs anyway
+        (cfg.torch_autocast.enabled and cfg.fp16.enabled, "torch_autocast.enabled", True,
+         "runs the forward under autocast to bf16, and fp16.enabled keeps fp16 weights; enable one of them"),
         (zero.stage >= 1 and not zero.allgather_partitions, "zero_optimization.allgather_partitions", False,
          "Tiers always all-gathers the updated shards; remove the key or set it to true"),
         (not zero.load_from_fp32_weights, "zero_optimization.load_from_fp32_weights", False,
@@ -141,8 +142,9 @@ def check_config(cfg: Config) -> None:
 
 
 PARTITIONS = ("parameters", "uniform", "time")
-# what Tiers' tiled Adam steps (Note [bf16 master weights])
-TILED_ADAM = ("Adam", "AdamW")
+# what Tiers' tiled Adam steps (Note [bf16 master weights], [block-wise optimizer states])
+LOW_BIT = ("AdamW8bit", "Adam8bit", "AdamW4bit", "Adam4bit")
+TILED_ADAM = ("Adam", "AdamW", *LOW_BIT)
 
 
 def tiled_bf16_masters(cfg: Config) -> bool:
@@ -166,10 +168,19 @@ def _bf16_master_checks(cfg: Config) -> list[tuple[bool, str, object, str]]:
         (bf16.stochastic_rounding and not masters, "bf16.stochastic_rounding", True,
          "rounds bf16 master weights as they are updated, and the masters are fp32; set "
          "bf16.bf16_master_weights_and_grads to true"),
-        (masters and not bf16.bf16_optimizer_states and zero.offload_optimizer.device not in OFFLOADED,
+        (masters and not bf16.bf16_optimizer_states and zero.offload_optimizer.device not in OFFLOADED
+         and (opt is None or opt.type not in LOW_BIT),
          "bf16.bf16_optimizer_states", False, "fp32 moments beside bf16 master weights are stepped on the offloaded "
          "states, as in DeepSpeed (its CPU Adam); set zero_optimization.offload_optimizer.device to cpu or nvme, or "
          "bf16.bf16_optimizer_states to true"),
+    ]
+    low_bit = opt is not None and opt.type in LOW_BIT
+    checks += [
+        (low_bit and cfg.tensor_parallel.size > 1, "optimizer.type", opt and opt.type, "block-wise states of "
+         "tensor-parallel slices are not built yet (a checkpoint joins each state's slices whole); use Adam or AdamW "
+         "with tensor parallelism"),
+        (low_bit and cfg.moe.expert_parallel_size > 1, "optimizer.type", opt and opt.type, "block-wise states of "
+         "expert-parallel experts are not built yet; use Adam or AdamW with expert parallelism"),
     ]
     if opt is not None and tiled_bf16_masters(cfg):
         why = ("fp32 moments" if not bf16.bf16_optimizer_states else "stochastic rounding") + " of bf16 masters"

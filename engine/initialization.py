@@ -34,7 +34,7 @@ from engine.features import ExpertFeature, Features, PipelineFeature, SequenceFe
 from engine.lr_schedules import build_lr_scheduler
 from engine.moe.plan import ExpertParallel, apply_expert_parallel
 from engine.monitor import Monitor
-from engine.optim import bf16_masters_of, build_optimizer, check_compressed_run, chunk_segments
+from engine.optim import build_optimizer, check_compressed_run, chunk_segments, state_blocks, tiled_layout_of
 from engine.optimizers.compressed import DataParallelGroup
 from engine.pipeline.block_timing import measured_costs
 from engine.pipeline.driver import PipelineDriver, shared_parameter_groups, sync_shared_values
@@ -289,7 +289,8 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
                             page_params=cfg.zero_optimization.offload_param.device in OFFLOADED or bool(int8),
                             page_grads=_pages_grads(cfg), offloaded=_offloaded_kinds(cfg),
                             experts=_expert_chunks(experts, topology, shards > 1), frozen=frozen, int8=int8,
-                            fp32_masters=not cfg.bf16.bf16_master_weights_and_grads)
+                            fp32_masters=not cfg.bf16.bf16_master_weights_and_grads,
+                            state_blocks=state_blocks(cfg.optimizer))
     if tensor_parallel is not None:
         chunked.norm_weights = tensor_parallel.norm_weights(model)
     if chunked.has_experts and not chunked.sharded:  # each rank holds the whole gradient: count it once over dp
@@ -387,7 +388,7 @@ def build_chunk_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.dev
     if client is None:
         segments = chunk_segments(cfg.optimizer, chunked, offloaded=False)
         return build_optimizer(cfg.optimizer, chunked.optimizer_param_groups(), segments, data_parallel,
-                               bf16_masters_of(cfg, chunked))
+                               tiled_layout_of(cfg, chunked))
     if chunked.sharded or chunked.has_masters or chunked.values_pending or rebuild:
         return _rebuilt_over_shards(client, chunked)
     return client

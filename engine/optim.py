@@ -9,35 +9,44 @@ from engine.comm import CommCounter
 from engine.config import Config, OptimizerConfig
 from engine.config_schema import ConfigError
 from engine.optimizers.adam import UncorrectedAdam
-from engine.optimizers.bf16_master_adam import Bf16MasterAdam, Bf16Masters
+from engine.optimizers.blockwise_states import BlockwiseStates
 from engine.optimizers.compressed import DataParallelGroup
 from engine.optimizers.lamb import Lamb
 from engine.optimizers.onebit_adam import OneBitAdam
 from engine.optimizers.onebit_lamb import OneBitLamb
-from engine.optimizers.params import COMPRESSED_OPTIMIZERS
+from engine.optimizers.params import COMPRESSED_OPTIMIZERS, LOW_BIT_OPTIMIZERS
 from engine.optimizers.segments import Segments
 from engine.optimizers.stochastic_rounding import KeyedBits
+from engine.optimizers.tiled_adam import TILE, Arithmetic, TiledAdam, TiledLayout
 from engine.optimizers.zero_one_adam import ZeroOneAdam
 
 
 def build_optimizer(config: OptimizerConfig, param_groups: list[dict], segments: Segments | None = None,
                     data_parallel: DataParallelGroup | None = None,
-                    bf16_masters: Bf16Masters | None = None) -> torch.optim.Optimizer:
+                    tiled: TiledLayout | None = None) -> torch.optim.Optimizer:
     """DeepSpeed's meanings: "Adam" is AdamW unless adam_w_mode is false; torch_adam picks torch's
     unfused implementation. Otherwise Adam/AdamW use torch's fused kernels (CPU and CUDA);
     bias_correction false takes UncorrectedAdam (DeepSpeed FusedAdam's bias_correction=False).
 
     `param_groups` are torch param-group dicts; options set in a group override the config's. `segments`: where
     each parameter lies inside the stepped tensors, for optimizers that take per-parameter norms (Lamb) or
-    scales (the compressed family); `data_parallel`: the group the compressed family averages over; `bf16_masters`:
-    Adam and AdamW step bf16 masters in fp32 tiles (Note [bf16 master weights]).
+    scales (the compressed family); `data_parallel`: the group the compressed family averages over; `tiled`: how
+    TiledAdam steps bf16 masters (Adam, AdamW: Note [bf16 master weights]) and the low-bit optimizers' states (Note
+    [block-wise optimizer states]; without it, all their moments are plain).
     """
     p = config.params
+    if config.type in LOW_BIT_OPTIMIZERS:
+        bits, decoupled = LOW_BIT_OPTIMIZERS[config.type]
+        blocks = BlockwiseStates(bits, p["block_size"])
+        tiled = tiled or TiledLayout(Arithmetic.TORCHAO, torch.float32, blockwise=blocks)
+        return TiledAdam(param_groups, tiled, lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
+                         weight_decay=p["weight_decay"], decoupled=decoupled,
+                         tile=TILE // p["block_size"] * p["block_size"])  # whole blocks
     if config.type in ("Adam", "AdamW"):
         decoupled = config.type == "AdamW" or p["adam_w_mode"]
-        if bf16_masters is not None:
-            return Bf16MasterAdam(param_groups, bf16_masters, lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
-                                  weight_decay=p["weight_decay"], decoupled=decoupled)
+        if tiled is not None:
+            return TiledAdam(param_groups, tiled, lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
+                             weight_decay=p["weight_decay"], decoupled=decoupled)
         if not p["bias_correction"]:
             return UncorrectedAdam(param_groups, lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
                                    weight_decay=p["weight_decay"], decoupled=decoupled)
@@ -57,14 +66,26 @@ def build_optimizer(config: OptimizerConfig, param_groups: list[dict], segments:
     raise ValueError(f"optimizer.type: {config.type!r} has no builder")  # config validation prevents this
 
 
-def bf16_masters_of(cfg: Config, chunked) -> Bf16Masters | None:
-    """How the bf16 masters of `chunked` are stepped (Note [bf16 master weights]); None: fp32 masters, or fp32."""
-    bf16 = cfg.bf16
-    if not bf16.bf16_master_weights_and_grads:
+def state_blocks(config: OptimizerConfig | None) -> BlockwiseStates | None:
+    """The block-wise format of a low-bit optimizer's moments (Note [block-wise optimizer states]); None: plain."""
+    if config is None or config.type not in LOW_BIT_OPTIMIZERS:
         return None
-    rounds = bf16.stochastic_rounding
-    return Bf16Masters(torch.bfloat16 if bf16.bf16_optimizer_states else torch.float32,
-                       KeyedBits(cfg.seed or 0) if rounds else None, chunked.key_spans() if rounds else {})
+    return BlockwiseStates(LOW_BIT_OPTIMIZERS[config.type][0], config.params["block_size"])
+
+
+def tiled_layout_of(cfg: Config, chunked) -> TiledLayout | None:
+    """How TiledAdam steps the chunks of `chunked`: bf16 masters (Note [bf16 master weights]) and low-bit states
+    (Note [block-wise optimizer states]); None: neither (torch's optimizers step them)."""
+    bf16, blocks = cfg.bf16, state_blocks(cfg.optimizer)
+    if not bf16.bf16_master_weights_and_grads and blocks is None:
+        return None
+    rounds = bf16.bf16_master_weights_and_grads and bf16.stochastic_rounding
+    moments = torch.bfloat16 if bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states else torch.float32
+    quantized = frozenset(id(s.stepped) for g in chunked.groups if g.blockwise for s in g.states)
+    return TiledLayout(Arithmetic.TORCHAO if blocks is not None else Arithmetic.TORCH, moments,
+                       KeyedBits(cfg.seed or 0) if rounds else None, chunked.key_spans() if rounds else {},
+                       blocks, quantized)
+
 
 
 def _build_compressed(config: OptimizerConfig, param_groups: list[dict], segments: Segments | None,

@@ -96,6 +96,9 @@ BENCHMARKS = (
     Benchmark("finetune", "bench_finetune.py", "LoRA on a 7 B Llama in one process, the frozen base on NVMe",
               quick=("--preset", "tiny", "--compute-layers", "1", "--raw-bytes", "67108864", "--cpu-budget-mb", "16"),
               seconds={None: 2410}, takes_dir=True),
+    Benchmark("lowbit_accuracy", "bench_lowbit_accuracy.py",
+              "Low-precision layouts (bf16 masters, stochastic rounding, 8/4-bit states): the example job's final eval "
+              "loss", quick=("--steps", "5"), seconds={None: 1100}),
     Benchmark("finetune_int8", "bench_finetune.py",
               "LoRA on a 7 B Llama in one process, the frozen base on NVMe as int8", args=("--base", "int8"),
               quick=("--base", "int8", "--preset", "tiny", "--compute-layers", "1", "--raw-bytes", "67108864",

@@ -6,8 +6,9 @@ eval loss against the fp32-master run's (target: within 1%, ratio <= 1.01).
 
 Every layout runs the same job: configs/bf16.json's optimizer, schedule (its cosine decay spanning --steps),
 batch and seed at ZeRO stage 1 in one process, differing in the bf16 section only (and offload_optimizer where
-fp32 moments beside bf16 masters need it, as in DeepSpeed). Bytes per parameter are the model states at rest:
-weights + masters + moments (Note [bf16 master weights]).
+fp32 moments beside bf16 masters need it, as in DeepSpeed) and, for the 8- and 4-bit rows, optimizer.type. Bytes
+per parameter are the model states at rest: weights + masters + moments (Note [bf16 master weights], [block-wise
+optimizer states]).
 
 This is a benchmark script: it prints what it measured and never asserts.
 """
@@ -28,13 +29,16 @@ from bench_common import add_json_option, publish_report, result_record, write_r
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MASTERS = {"bf16_master_weights_and_grads": True}
-# name -> (bf16 section additions, offload the optimizer states, bytes per parameter at rest)
+ROUNDED = {**MASTERS, "bf16_optimizer_states": True, "stochastic_rounding": True}
+# name -> (bf16 section additions, offload the optimizer states, bytes per parameter at rest, optimizer type (None:
+# the config's AdamW)); 8/4-bit: parameters under 4096 elements keep bf16 moments (Note [block-wise optimizer states])
 LAYOUTS = {
-    "fp32 masters (bf16 default)": ({}, False, 14),
-    "bf16 masters, fp32 moments (DeepSpeed)": (MASTERS, True, 10),
-    "bf16 masters, bf16 moments (DeepSpeed)": ({**MASTERS, "bf16_optimizer_states": True}, False, 6),
-    "bf16 masters, bf16 moments, stochastic rounding": (
-        {**MASTERS, "bf16_optimizer_states": True, "stochastic_rounding": True}, False, 6),
+    "fp32 masters (bf16 default)": ({}, False, "14", None),
+    "bf16 masters, fp32 moments (DeepSpeed)": (MASTERS, True, "10", None),
+    "bf16 masters, bf16 moments (DeepSpeed)": ({**MASTERS, "bf16_optimizer_states": True}, False, "6", None),
+    "bf16 masters, bf16 moments, stochastic rounding": (ROUNDED, False, "6", None),
+    "bf16 masters, AdamW8bit, stochastic rounding": (ROUNDED, False, "~4.03", "AdamW8bit"),
+    "bf16 masters, AdamW4bit, stochastic rounding": (ROUNDED, False, "~3.06", "AdamW4bit"),
 }
 BASELINE = "fp32 masters (bf16 default)"
 
@@ -42,8 +46,10 @@ BASELINE = "fp32 masters (bf16 default)"
 def layout_config(name: str, steps: int) -> dict:
     with open(os.path.join(REPO, "configs", "bf16.json")) as f:
         cfg = json.load(f)
-    extra, offload, _ = LAYOUTS[name]
+    extra, offload, _, optimizer = LAYOUTS[name]
     cfg["bf16"].update(extra)
+    if optimizer is not None:
+        cfg["optimizer"]["type"] = optimizer
     cfg["zero_optimization"] = {"stage": 1, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
     cfg["scheduler"]["params"]["total_num_steps"] = steps
     cfg["tensorboard"] = {"enabled": False}

@@ -25,7 +25,9 @@ CASES = [(0, None, {}), (1, None, {}), (2, None, {}), (3, None, {}), (1, 20_000,
          (3, 20_000, {}), (3, None, {"stage3_param_persistence_threshold": "auto"}), (2, None, {"bf16": True}),
          (3, 20_000, {"bf16": True}), (1, None, {"tp": 2}), (3, 20_000, {"frozen": True}),
          (2, None, {"frozen": True, "bf16": True}),  # frozen: Note [frozen chunks]
-         (1, None, {"bf16": "masters"}), (3, 20_000, {"bf16": "masters"})]  # Note [bf16 master weights]
+         (1, None, {"bf16": "masters"}), (3, 20_000, {"bf16": "masters"}),  # Note [bf16 master weights]
+         (2, None, {"optimizer": "AdamW8bit", "bf16": True}),  # Note [block-wise optimizer states]
+         (3, 20_000, {"optimizer": "AdamW4bit", "bf16": "masters"})]
 
 
 def case_config(stage: int, chunk_size: int | None, extra: dict) -> dict:
@@ -36,6 +38,8 @@ def case_config(stage: int, chunk_size: int | None, extra: dict) -> dict:
         cfg["bf16"] = {"enabled": True}
     if extra.get("bf16") == "masters":
         cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    if extra.get("optimizer"):
+        cfg["optimizer"] = {"type": extra["optimizer"], "params": {"lr": 1e-3}}
     if extra.get("tp"):
         cfg["tensor_parallel"] = {"size": extra["tp"]}
     if chunk_size is None:

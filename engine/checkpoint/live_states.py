@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 from torch import nn
@@ -136,9 +137,25 @@ class LiveStates:
         state = self.optimizer.state.get(self._stepped[index], {})
         yield {k: v for k, v in state.items() if torch.is_tensor(v)}
 
+    def state_entries(self, index: int) -> dict[str, tuple[Fraction, torch.dtype]] | None:
+        """The tensor optimizer states of chunk `index` by name: entries per stepped element and dtype (Note [block-wise
+        optimizer states]); None: the optimizer keeps the same states, one fp32 entry per element, for every chunk."""
+        if self._offloaded:
+            return self.optimizer.state_entries(index)
+        if hasattr(self.optimizer, "state_entries"):
+            return self.optimizer.state_entries(self._stepped[index])
+        return None
+
     def install_optimizer_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
         """Loading into a torch optimizer: its states replaced by `states` (chunk index -> name -> tensor), placed as
-        torch places loaded states (Optimizer.load_state_dict: the parameter's device and dtype, "step" as is)."""
+        torch places loaded states (Optimizer.load_state_dict: the parameter's device and dtype, "step" as is); a
+        TiledAdam's keep their own dtypes (block-wise bytes, fp32 moments of bf16 masters), which torch would cast."""
+        if hasattr(self.optimizer, "state_entries"):
+            for index, state in states.items():
+                stepped = self._stepped[index]
+                self.optimizer.state[stepped] = {k: v if k == "step" else v.to(stepped.device)
+                                                 for k, v in state.items()}
+            return
         saved = self.optimizer.state_dict()
         saved["state"] = states
         self.optimizer.load_state_dict(saved)

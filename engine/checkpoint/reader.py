@@ -30,6 +30,7 @@ import os
 import re
 import warnings
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -160,6 +161,8 @@ class Checkpoint:
         self.cuts = {name: decode_spec(spec) for name, spec in manifest["tp_specs"].items()}
         self.tensor_states: list[str] = manifest["optimizer"]["tensor_states"]
         self.scalar_states: list[str] = manifest["optimizer"]["scalar_states"]
+        # entries per element of the states that are not one per element (Note [block-wise optimizer states])
+        self.state_entries = {k: Fraction(v) for k, v in manifest["optimizer"].get("entries", {}).items()}
 
     def _chunk_locations(self, index: int, chunk: dict, pp: int):
         """(location, name) of each member of saved chunk `index`: every ep rank's, for an expert chunk."""
@@ -203,9 +206,11 @@ class Checkpoint:
         dp = shard if loc.ep < 0 else shard * self._expert_groups + loc.ep
         return self._file_of[(loc.pp, dp, tp_rank)]
 
-    def pieces(self, name: str, kind: str, tp_rank: int, start: int, stop: int) -> list[Piece]:
+    def pieces(self, name: str, kind: str, tp_rank: int, start: int, stop: int,
+               ratio: Fraction = Fraction(1)) -> list[Piece]:
         """Where elements [start, stop) of saved cut piece `tp_rank` of parameter `name` are stored, from whichever
-        saved chunks cover them; kind "param" (fp32 values) or a tensor state name (e.g. "exp_avg")."""
+        saved chunks cover them; kind "param" (fp32 values) or a tensor state name (e.g. "exp_avg"), whose tensors
+        hold `ratio` entries per element (the pieces are in entries; the elements lie on whole entries)."""
         key = f"{'param' if kind == 'param' else 'optim.' + kind}"
         out = []
         for loc in self.locations[tp_rank][name]:  # (one per ep rank holding part of a fused expert tensor)
@@ -218,8 +223,8 @@ class Checkpoint:
             for d in range(a // n, (b - 1) // n + 1):
                 first, _ = shard_range(numel, d, loc.shards)
                 lo, hi = max(a, first), min(b, first + n)
-                out.append(Piece(self._file(loc, d, tp_rank), f"chunk.{loc.chunk}.{key}", lo - first, hi - first,
-                                 lo - a + lo_el - start))
+                out.append(Piece(self._file(loc, d, tp_rank), f"chunk.{loc.chunk}.{key}", int((lo - first) * ratio),
+                                 int((hi - first) * ratio), int((lo - a + lo_el - start) * ratio)))
         return out
 
     def scalar_piece(self, name: str, state: str, tp_rank: int) -> Piece:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from fractions import Fraction
 
 import torch
 
@@ -65,14 +66,35 @@ class LoadPlan:
         self._check_names("buffer or frozen parameter", set(extras), set(checkpoint.extras[0]))
         self._check_names("state-dict key", set(run.features.model_keys(list(run.module.state_dict(keep_vars=True)))),
                           set(checkpoint.manifest["state_dict_keys"]))
-        if self.with_optimizer and self.states.offloaded and len(self.states):
-            with self.states.optimizer_state(0, writes=False) as live:
-                keeps = sorted(live)
-            if set(checkpoint.tensor_states + checkpoint.scalar_states) != set(keeps):
-                raise CheckpointError(f"{checkpoint.directory} holds the optimizer states "
-                                      f"{checkpoint.tensor_states + checkpoint.scalar_states} and this optimizer keeps "
-                                      f"{keeps}; use the same optimizer, or load with load_optimizer_states=False")
+        # per chunk: its tensor states by name, (entries per element, dtype) (Note [block-wise optimizer states])
+        self.kinds: list[dict[str, tuple[Fraction, torch.dtype]]] = []
+        if self.with_optimizer:
+            self.kinds = self._state_kinds()
         self.files = self._files()
+
+    def _state_kinds(self) -> list[dict[str, tuple[Fraction, torch.dtype]]]:
+        """Each chunk's tensor states as the live optimizer keeps them, checked against the checkpoint's."""
+        ckpt, states = self.checkpoint, self.states
+        told = [states.state_entries(j) for j in range(len(states))]
+        saved = {k: (Fraction(1), torch.float32) for k in ckpt.tensor_states}
+        kinds = [t if t is not None else saved for t in told]
+        live = set().union(*kinds) if kinds else set()
+        scalars = set(ckpt.scalar_states)
+        if states.offloaded and len(states):
+            with states.optimizer_state(0, writes=False) as state:
+                scalars = {k for k, v in state.items() if v.dim() == 0}
+        if live != set(ckpt.tensor_states) or scalars != set(ckpt.scalar_states):
+            raise CheckpointError(f"{ckpt.directory} holds the optimizer states "
+                                  f"{ckpt.tensor_states + ckpt.scalar_states} and this optimizer keeps "
+                                  f"{sorted(live | scalars)}; use the same optimizer, or load with "
+                                  "load_optimizer_states=False")
+        for name, (ratio, _) in {k: v for t in kinds for k, v in t.items()}.items():
+            if ckpt.state_entries.get(name, Fraction(1)) != ratio:
+                raise CheckpointError(f"{ckpt.directory} holds {ckpt.state_entries.get(name, 1)} entries of the "
+                                      f"optimizer state {name} per parameter element and this optimizer {ratio} "
+                                      "(another block_size); use the same optimizer params, or load with "
+                                      "load_optimizer_states=False")
+        return kinds
 
     def _check_trainability(self, trainable: set[str], extras: set[str]) -> None:
         """Note [frozen chunks]: a parameter that trains here and was frozen when saved (or the other way round) is
@@ -122,8 +144,11 @@ class LoadPlan:
             raise CheckpointError(f"{ckpt.directory}: parameter {name} has shape {tuple(saved)} in the checkpoint (as "
                                   f"this rank cuts it) and {tuple(live_shape)} in the model; build the same model")
 
-    def _kinds(self) -> list[str]:
-        return ["param"] + (self.checkpoint.tensor_states if self.with_optimizer else [])
+    def _kinds(self, j: int) -> list[str]:
+        return ["param"] + (list(self.kinds[j]) if self.with_optimizer else [])
+
+    def _ratio(self, j: int, kind: str) -> Fraction:
+        return self.kinds[j][kind][0] if kind != "param" else Fraction(1)
 
     def _sources(self, name: str) -> list[Placement]:
         """The saved cut pieces `name` is read from: its own, or every one."""
@@ -140,11 +165,11 @@ class LoadPlan:
 
     def _files(self) -> set[str]:
         ckpt, files = self.checkpoint, set()
-        for mine in self.members:
+        for j, mine in enumerate(self.members):
             for m, lo, hi in mine:
-                for kind in self._kinds():
+                for kind in self._kinds(j):
                     files.update(p.file for piece, a, b in self._ranges(m, lo, hi)
-                                 for p in ckpt.pieces(m.name, kind, piece, a, b))
+                                 for p in ckpt.pieces(m.name, kind, piece, a, b, self._ratio(j, kind)))
         for j in range(len(self.states)) if self.with_optimizer else ():
             first = self.states.members(j)[0].name
             files.update(ckpt.scalar_piece(first, s, self.scalar_source(first)).file for s in ckpt.scalar_states)
@@ -160,11 +185,14 @@ class LoadPlan:
         ckpt, states = self.checkpoint, self.states
         cache: dict[tuple[str, str], torch.Tensor] = {}
 
-        def read(name: str, kind: str, a: int, b: int, out: torch.Tensor) -> None:
+        def read(name: str, kind: str, a: int, b: int, out: torch.Tensor, ratio: Fraction = Fraction(1)) -> None:
             same = self.direct(name)
             if same is not None:
-                reader.into(ckpt.pieces(name, kind, same.cut_rank, a, b), out)
+                reader.into(ckpt.pieces(name, kind, same.cut_rank, a, b, ratio), out)
                 return
+            if ratio != 1:  # (block-wise states are refused with tensor parallelism)
+                raise CheckpointError(f"{ckpt.directory}: the optimizer state {kind} of {name} is block-wise and was "
+                                      "cut otherwise; load it under the tensor-parallel layout that saved it")
             if (name, kind) not in cache:
                 cache.clear()  # one parameter at a time
                 cache[(name, kind)] = self.placements[name].take(reader.whole(name, kind)).reshape(-1)
@@ -203,21 +231,23 @@ class LoadPlan:
         ckpt, states = self.checkpoint, self.states
         first = states.members(j)[0].name  # also when this rank's range of the chunk is only padding
         scalars = {s: reader.tensor(ckpt.scalar_piece(first, s, self.scalar_source(first))) for s in ckpt.scalar_states}
+        def into(tensor: torch.Tensor, kind: str, ratio: Fraction) -> None:  # entries of elements [lo, hi)
+            for m, lo, hi in mine:
+                read(m.name, kind, *m.span(lo, hi), tensor.narrow(0, int((lo - start) * ratio), int((hi - lo) * ratio)),
+                     ratio)
+
         if states.offloaded:  # written in place, wherever the chunk lives
             with states.optimizer_state(j, writes=True) as live:
-                for kind in ckpt.tensor_states:
+                for kind, (ratio, _) in self.kinds[j].items():
                     live[kind].zero_()
-                    for m, lo, hi in mine:
-                        read(m.name, kind, *m.span(lo, hi), live[kind].narrow(0, lo - start, hi - lo))
+                    into(live[kind], kind, ratio)
                 for s, value in scalars.items():
                     live[s].copy_(value)
             return {}
         out = {}
-        for kind in ckpt.tensor_states:
-            tensor = torch.zeros(n, dtype=torch.float32)
-            for m, lo, hi in mine:
-                read(m.name, kind, *m.span(lo, hi), tensor.narrow(0, lo - start, hi - lo))
-            out[kind] = tensor
+        for kind, (ratio, dtype) in self.kinds[j].items():
+            out[kind] = torch.zeros(int(n * ratio), dtype=dtype)
+            into(out[kind], kind, ratio)
         return {**out, **scalars}
 
 

@@ -55,7 +55,11 @@ def take_snapshot(run: TrainingState, placements: dict[str, Placement], copy: bo
                     names = scalar_states if t.dim() == 0 else tensor_states
                     if name not in names:
                         names.append(name)
-    snap.record["optimizer_states"] = {"tensor_states": tensor_states, "scalar_states": scalar_states}
+    # states of fewer or more entries than elements (Note [block-wise optimizer states]): how many per element
+    entries = {name: str(ratio) for i in range(len(states))
+               for name, (ratio, _) in (states.state_entries(i) or {}).items() if ratio != 1}
+    snap.record["optimizer_states"] = {"tensor_states": tensor_states, "scalar_states": scalar_states,
+                                       **({"entries": entries} if entries else {})}
     if topo.expert_dp_rank == 0:  # each ep rank's first rank: its experts' names (Note [checkpoint layout])
         snap.record["chunks"] = [{"numel": states.chunk_numel(i), "members": [m.record() for m in states.members(i)],
                                   **({"expert": True, "shards": states.shard_count(i)} if states.is_expert(i) else {})}

@@ -32,8 +32,8 @@ import torch
 from engine.config import Config
 from engine.config_checks import OFFLOADED
 from engine.initialization import chunk_layout, persistence_threshold
-from engine.optim import build_optimizer
-from engine.optimizers.bf16_master_adam import TILE
+from engine.optim import build_optimizer, state_blocks
+from engine.optimizers.tiled_adam import TILE
 from engine.precision import PrecisionPolicy
 from engine.zero.offload_policy import OffloadPolicy, nvme_window
 from engine.zero.policy import ChunkKind, ShardingPolicy
@@ -50,6 +50,7 @@ class ChunkSpec:
     dtype: torch.dtype  # of the payload (gathered: the compute dtype)
     persistent: bool
     int8: bool = False  # an int8 frozen chunk: its shards hold 1 byte per element (Note [int8 frozen chunks])
+    blockwise: bool = False  # its optimizer states are quantized block-wise (Note [block-wise optimizer states])
 
     @property
     def nbytes(self) -> int:
@@ -108,16 +109,19 @@ def chunk_specs(params: list[TrainableParam], config: Config, shards: int, froze
     threshold = persistence_threshold(config)
     capacity, first = chunk_layout(config, shards)
     compute = PrecisionPolicy.from_config(config).compute_dtype
-    by_kind: dict[tuple[torch.dtype, bool, bool], list[torch.Size]] = {}
+    blocks = state_blocks(config.optimizer)
+    by_kind: dict[tuple[torch.dtype, bool, bool, bool], list[torch.Size]] = {}
     for p in params:
         int8 = frozen and quantized(p, config)  # gathered around every use: never persistent
         persistent = stage.shards(ChunkKind.PARAM) and p.shape.numel() < threshold and not int8
         dtype = compute if compute != torch.float32 else p.dtype
-        by_kind.setdefault((dtype, persistent, int8), []).append(p.shape)
+        blockwise = not frozen and blocks is not None and blocks.quantizes(p.shape.numel())
+        by_kind.setdefault((dtype, persistent, int8, blockwise), []).append(p.shape)
     specs = []
-    for (dtype, persistent, int8), shapes in by_kind.items():
-        _, sizes = plan_slots(shapes, capacity, align=shards, first_capacity=first)
-        specs += [ChunkSpec(n, dtype, persistent, int8) for n in sizes]
+    for (dtype, persistent, int8, blockwise), shapes in by_kind.items():
+        align = shards * (blocks.block if blockwise else 1)
+        _, sizes = plan_slots(shapes, capacity, align=align, first_capacity=first)
+        specs += [ChunkSpec(n, dtype, persistent, int8, blockwise) for n in sizes]
     return specs
 
 
@@ -177,8 +181,17 @@ def model_states(params: list[TrainableParam], config: Config, dp: int,
     # the dtype the states take: fp32 beside fp32 masters, the moments' dtype of bf16 masters, else the chunks'
     moments = torch.bfloat16 if config.bf16.bf16_optimizer_states else torch.float32
     state_of = {c.dtype: torch.float32 if masters else moments if bf16_masters else c.dtype for c in chunks}
-    per_element = {d: optimizer_state_bytes_per_element(config, d) for d in set(state_of.values())}
-    states = sum(round(stepped(c) * per_element[state_of[c.dtype]]) for c in chunks)
+    blocks, blockwise_bytes = state_blocks(config.optimizer), 0.0
+    if blocks is None:
+        per_element = {d: optimizer_state_bytes_per_element(config, d) for d in set(state_of.values())}
+    else:  # Note [block-wise optimizer states]: two plain moments, or each moment's codes and scale bytes
+        per_element = {d: 2.0 * d.itemsize for d in set(state_of.values())}
+        blockwise_bytes = float(sum(blocks.entries_per_element(n) for n in blocks.names()))
+
+    def state_bytes(c: ChunkSpec) -> int:
+        return round(stepped(c) * (blockwise_bytes if c.blockwise else per_element[state_of[c.dtype]]))
+
+    states = sum(state_bytes(c) for c in chunks)
     master_bytes = sum(stepped(c) * FP32 for c in chunks) if masters else 0
 
     largest_stepped = max(stepped(c) * (FP32 if masters else c.dtype.itemsize) for c in chunks)

@@ -17,7 +17,18 @@ OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
     "onebitlamb": {**_ADAM_LIKE, **_COMPRESSED, "freeze_step": 100000, "max_coeff": 10.0, "min_coeff": 0.01,
                    "coeff_beta": 0.9, "factor_max": 4.0, "factor_min": 0.5, "factor_threshold": 0.1},
 }
-OPTIMIZER_NAMES = {"lamb": "Lamb", "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb"}
+# torchao's and bitsandbytes' low-bit Adam names (Note [block-wise optimizer states]): torchao's defaults
+_LOW_BIT = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "amsgrad": False}
+OPTIMIZER_PARAMS.update({
+    "adamw8bit": {**_LOW_BIT, "weight_decay": 1e-2, "block_size": 256},
+    "adam8bit": {**_LOW_BIT, "weight_decay": 0.0, "block_size": 256},
+    "adamw4bit": {**_LOW_BIT, "weight_decay": 1e-2, "block_size": 128},
+    "adam4bit": {**_LOW_BIT, "weight_decay": 0.0, "block_size": 128},
+})
+OPTIMIZER_NAMES = {"lamb": "Lamb", "onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb",
+                   "adamw8bit": "AdamW8bit", "adam8bit": "Adam8bit", "adamw4bit": "AdamW4bit", "adam4bit": "Adam4bit"}
+# name -> (bits per moment element, decoupled weight decay)
+LOW_BIT_OPTIMIZERS = {"AdamW8bit": (8, True), "Adam8bit": (8, False), "AdamW4bit": (4, True), "Adam4bit": (4, False)}
 # the optimizers that average over the data-parallel group themselves (Note [optimizers that communicate])
 COMPRESSED_OPTIMIZERS = frozenset({"OneBitAdam", "ZeroOneAdam", "OneBitLamb"})
 # intervals and counts that must be at least 1
@@ -35,6 +46,9 @@ def check_optimizer_params(name: str, params: dict) -> str | None:
             if params[key] != default:
                 return (f"optimizer.params.{key}: {params[key]!r} — DeepSpeed's {OPTIMIZER_NAMES[name]} never reads "
                         f"it (its update would not be what the config says); remove it")
+    if OPTIMIZER_NAMES[name] in LOW_BIT_OPTIMIZERS and (params["block_size"] < 8 or params["block_size"] % 8):
+        return (f"optimizer.params.block_size: {params['block_size']} is not allowed; expected a multiple of 8 "
+                "elements (torchao's defaults: 256 for 8-bit states, 128 for 4-bit)")
     for key in _POSITIVE:
         if key in params and params[key] < 1:
             return f"optimizer.params.{key}: {params[key]} is not allowed; expected a whole number >= 1"

@@ -90,6 +90,7 @@ import torch
 from torch import nn
 
 from engine.comm import shard_of, shard_range
+from engine.optimizers.blockwise_states import BlockwiseStates
 from engine.zero.chunk_loading import ChunkLoading
 from engine.zero.chunk_norms import ChunkNorms
 from engine.zero.chunk_queries import ChunkQueries
@@ -127,6 +128,7 @@ class ChunkGroup:
     persistent: bool = False  # stage 3: below the persistence threshold, never released (Note [sharded parameters])
     place: ShardPlace = ShardPlace()  # its chunks' reduction group and shards (Note [expert parallelism])
     int8: bool = False  # frozen weights kept as int8 (Note [int8 frozen chunks])
+    blockwise: bool = False  # their optimizer states are quantized block-wise (Note [block-wise optimizer states])
     states: list[ChunkState] = field(default_factory=list)  # its chunks' states (Note [chunk phases])
 
 
@@ -142,7 +144,8 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
                  pending: set[int] | None = None, compute_dtype: torch.dtype = torch.float32,
                  page_params: bool = False, page_grads: bool = False, experts: ExpertChunks | None = None,
                  offloaded: frozenset[str] = frozenset(), frozen: list[nn.Parameter] | None = None,
-                 int8: frozenset[int] = frozenset(), fp32_masters: bool = True):
+                 int8: frozenset[int] = frozenset(), fp32_masters: bool = True,
+                 state_blocks: BlockwiseStates | None = None):
         """pending: ids of parameters whose values `load` brings later (zero_init); memory that would only
         hold values transiently is then left untouched (uninitialized payloads). compute_dtype bf16/fp16:
         16-bit chunks with fp32 masters (Note [master weights]), or none (fp32_masters False: the bf16 stepped tensors
@@ -153,7 +156,9 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
         their own. offloaded: the kinds ("param", "grad", "optim") a chunk manager will hold: their shards and
         masters start as placeholders (Note [a bounded start]). frozen: the model's parameters that do not train
         (in model order), packed into frozen chunks with those the param groups list (Note [frozen chunks]). int8:
-        ids of frozen parameters kept in int8 chunks (Note [int8 frozen chunks])."""
+        ids of frozen parameters kept in int8 chunks (Note [int8 frozen chunks]). state_blocks: the parameters whose
+        optimizer states it quantizes go into chunks of their own, aligned to its blocks (Note [block-wise optimizer
+        states])."""
         for what, value in (("capacity", capacity), ("first chunk capacity", first_capacity or shard_count)):
             if value % shard_count:
                 raise ValueError(f"chunk {what} {value} is not a multiple of the shard count {shard_count}")
@@ -174,14 +179,17 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
         layout = dict(capacity=capacity, device=device, first_capacity=first_capacity, align=shard_count)
 
         def pack(params: list[nn.Parameter], options: dict, trains: bool) -> None:
-            by_kind: dict[tuple[torch.dtype, bool, ShardPlace, bool], list[nn.Parameter]] = {}
+            by_kind: dict[tuple[torch.dtype, bool, ShardPlace, bool, bool], list[nn.Parameter]] = {}
             for p in params:
                 quantized = not trains and id(p) in int8  # gathered around every use: never persistent
                 persistent = shard_params and p.numel() < persistence_threshold and not quantized
                 dtype = compute_dtype if compute_dtype != torch.float32 else p.dtype
                 place = experts.place if experts is not None and id(p) in experts.params else dense
-                by_kind.setdefault((dtype, persistent, place, quantized), []).append(p)
-            for (dtype, persistent, place, quantized), members in by_kind.items():
+                blockwise = trains and state_blocks is not None and state_blocks.quantizes(p.numel())
+                by_kind.setdefault((dtype, persistent, place, quantized, blockwise), []).append(p)
+            for (dtype, persistent, place, quantized, blockwise), members in by_kind.items():
+                # Note [block-wise optimizer states]: every shard a whole number of blocks
+                layout["align"] = shard_count * (state_blocks.block if blockwise else 1)
                 # stage 3: a sharded chunk's full payload exists only while gathered, so it starts released and its
                 # values wait where they are until `start` fills it, one chunk at a time (Note [a bounded start])
                 lazy = shard_params and sharding and not persistent
@@ -200,7 +208,8 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
                     p.data = pv
                 for p, gv in zip(members, grad_chunks.views if trains else []):
                     p.grad = gv
-                packed.append(ChunkGroup(members, options, param_chunks, grad_chunks, persistent, place, quantized))
+                packed.append(ChunkGroup(members, options, param_chunks, grad_chunks, persistent, place, quantized,
+                                         blockwise))
 
         seen: set[int] = set()
         listed_frozen: list[nn.Parameter] = []

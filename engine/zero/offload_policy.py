@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import Config
-from engine.optim import bf16_masters_of, build_optimizer
+from engine.optim import build_optimizer, tiled_layout_of
 from engine.zero.chunked_params import ChunkedParams
 from engine.zero.offloaded_optimizer import OffloadedOptimizer
 from engine.zero.policy import ChunkKind
@@ -131,8 +131,8 @@ def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch
         masters.offload_to(manager, homes, chunked.sharded_params.placed_shard if chunked.gathers_params else None)
         param_chunks = {id(m): h for m, h in zip(masters.masters, masters.handles)}
         round_into = lambda i: masters.placed_target(i, writes=True)  # noqa: E731
-    bf16_masters = bf16_masters_of(cfg, chunked)  # Note [bf16 master weights]
-    optimizer = OffloadedOptimizer(lambda g: build_optimizer(cfg.optimizer, g, bf16_masters=bf16_masters), groups,
+    tiled = tiled_layout_of(cfg, chunked)  # Note [bf16 master weights], [block-wise optimizer states]
+    optimizer = OffloadedOptimizer(lambda g: build_optimizer(cfg.optimizer, g, tiled=tiled), groups,
                                    manager, homes, param_chunks, chunked.stepped_grad_chunks(), round_into)
     _check_device_budget(manager, device_budget)
     if user_budget is None and on_nvme and on_cpu:  # one kind homed on CPU, the other streamed from NVMe

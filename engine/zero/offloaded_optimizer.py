@@ -32,6 +32,7 @@ leaves the model partly updated: it raises saying so (restore from a checkpoint)
 from __future__ import annotations
 
 import contextlib
+from fractions import Fraction
 from typing import Callable, ContextManager
 
 import torch
@@ -82,7 +83,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device)}
                 if id(p) in self._grad_chunks:
                     self._item_of_grad[self._grad_chunks[id(p)]] = len(self._items)
-                self._items.append((opt, p, chunk, {"names": names, "group": group}))
+                entries = {n: (Fraction(t.numel(), p.numel()), t.dtype) for n, t in zip(names, states)}
+                self._items.append((opt, p, chunk, {"names": names, "group": group, "entries": entries}))
 
     def step(self, closure=None, *, grad_scale: float | tuple[float, ...] = 1.0) -> None:
         """Steps every tensor not stepped early; gradients held in the manager are multiplied by `grad_scale` (a
@@ -194,6 +196,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             yield {**scalars, **dict(zip(info["names"], views))}
         finally:
             self.manager.release(chunk)
+
+    def state_entries(self, index: int) -> dict[str, tuple[Fraction, torch.dtype]]:
+        """The state tensors of stepped tensor `index` by name: entries per stepped element, and dtype."""
+        return self._items[index][3]["entries"]
 
     def state_dict(self):
         raise NotImplementedError("the states of an offloaded optimizer live in its chunk manager; save them with "

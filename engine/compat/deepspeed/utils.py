@@ -19,6 +19,8 @@ from engine.compat.deepspeed.z3_leaf import (  # noqa: F401 (deepspeed.utils' na
     z3_leaf_module,
     z3_leaf_parameter,
 )
+from engine.optimizers.blockwise_states import MOMENTS
+from engine.optimizers.tiled_adam import TiledAdam
 
 logger = logging.getLogger("DeepSpeed")
 
@@ -79,10 +81,20 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
         return value.detach().float().clone()
     chunked = engine.chunked
     state = chunked.states[chunked.chunk_index()[id(param)]]
-    value = engine.optimizer.state[state.stepped][optim_state_key]
+    value = _state_value(engine.optimizer, state.stepped, optim_state_key)
     if value.dim() == 0:
         return value.detach().clone()
     return chunked.master_values(param, _whole(value, state.place, engine)).float().clone()
+
+
+def _state_value(optimizer: torch.optim.Optimizer, stepped: torch.Tensor, key: str) -> torch.Tensor:
+    """Optimizer state `key` of a stepped tensor; a block-wise moment dequantized to fp32 (Note [block-wise
+    optimizer states])."""
+    state = optimizer.state[stepped]
+    blocks = optimizer.layout.blockwise if isinstance(optimizer, TiledAdam) else None
+    if key in MOMENTS and key not in state and blocks is not None:
+        return blocks.moments(state, 0, stepped.numel())[MOMENTS.index(key)].dequantize()
+    return state[key]
 
 
 def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
