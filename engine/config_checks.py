@@ -182,16 +182,17 @@ def _bf16_master_checks(cfg: Config) -> list[tuple[bool, str, object, str]]:
         (low_bit and cfg.moe.expert_parallel_size > 1, "optimizer.type", opt and opt.type, "block-wise states of "
          "expert-parallel experts are not built yet; use Adam or AdamW with expert parallelism"),
     ]
+    checks.append((low_bit and cfg.pipeline.enabled, "optimizer.type", opt and opt.type, "block-wise states with "
+                   "pipeline parallelism are not built yet (each stage would record its own state names in a "
+                   "checkpoint); use Adam or AdamW with pipeline stages"))
     if opt is not None and tiled_bf16_masters(cfg):
         why = ("fp32 moments" if not bf16.bf16_optimizer_states else "stochastic rounding") + " of bf16 masters"
-        checks += [
-            (opt.type not in TILED_ADAM, "optimizer.type", opt.type,
-             f"{why} are stepped by Tiers' tiled Adam; use Adam or AdamW, or bf16.bf16_optimizer_states without "
-             "stochastic_rounding"),
-            (opt.type in TILED_ADAM and not opt.params.get("bias_correction", True),
-             "optimizer.params.bias_correction", False, f"{why} are stepped by Tiers' tiled Adam, which corrects the "
-             "bias; remove the key"),
-        ]
+        checks.append((opt.type not in TILED_ADAM, "optimizer.type", opt.type,
+                       f"{why} are stepped by Tiers' tiled Adam; use Adam, AdamW or a low-bit AdamW, or "
+                       "bf16.bf16_optimizer_states without stochastic_rounding"))
+    checks.append((masters and opt is not None and opt.type in ("Adam", "AdamW")
+                   and not opt.params.get("bias_correction", True), "optimizer.params.bias_correction", False,
+                   "bf16 masters are stepped by Tiers' tiled Adam, which corrects the bias; remove the key"))
     return checks
 
 

@@ -281,9 +281,11 @@ BASE = {"train_batch_size": 8, "optimizer": {"type": "AdamW"}, "zero_optimizatio
     ({"enabled": True, "stochastic_rounding": True}, {}, None, "bf16_master_weights_and_grads to true"),
     ({"enabled": True, "bf16_master_weights_and_grads": True}, {}, None, "offload_optimizer.device to cpu or nvme"),
     ({"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True,
-      "stochastic_rounding": True}, {}, {"type": "SGD", "params": {"lr": 0.1}}, "use Adam or AdamW"),
+      "stochastic_rounding": True}, {}, {"type": "SGD", "params": {"lr": 0.1}}, "use Adam, AdamW"),
     ({"enabled": True, "bf16_master_weights_and_grads": True}, {"offload_optimizer": {"device": "cpu"}},
      {"type": "Adam", "params": {"bias_correction": False}}, "bias_correction"),
+    ({"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}, {},
+     {"type": "AdamW", "params": {"bias_correction": False}}, "bias_correction"),
 ])
 def test_deepspeeds_rules_and_tiers_are_named(bf16, zero, optimizer, key):
     cfg = {**BASE, "bf16": bf16, "zero_optimization": {**BASE["zero_optimization"], **zero}}
@@ -304,4 +306,19 @@ def test_other_optimizers_step_bf16_masters_with_bf16_states():
     engine.step()
     states = [t for s in engine.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
     assert states and all(t.dtype == torch.bfloat16 for t in states)
+    engine.close()
+
+
+def test_the_gradient_norm_of_bf16_masters_is_summed_in_fp32():
+    """Clipping bf16 masters' gradients: the global norm is fp32's norm of the bf16 gradients (bf16 norms would be
+    off by up to 0.4%), clipped into the bf16 gradients before the step."""
+    cfg = {**masters_config(2, "bf16 states", 1), "gradient_clipping": 0.5}
+    engine = initialize(tiny_gpt(), cfg)
+    model = tiny_gpt().to(torch.bfloat16)
+    x = token_batches(1, GLOBAL_BATCH)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x, x).backward()
+    expected = torch.stack([p.grad.float().norm() for p in model.parameters()]).norm().item()
+    train(engine, 0, 1, [x])
+    assert abs(engine.get_global_grad_norm() - expected) <= 1e-5 * expected
     engine.close()

@@ -248,6 +248,7 @@ def test_a_two_rank_checkpoint_resumes_in_one_process_at_stage_1(two_ranks):
 
 @pytest.mark.parametrize("change,key", [
     ({"tensor_parallel": {"size": 2}}, "tensor-parallel"),
+    ({"pipeline": {"stages": 2}}, "pipeline"),
     ({"optimizer": {"type": "AdamW8bit", "params": {"block_size": 100}}}, "block_size"),
     ({"optimizer": {"type": "AdamW4bit", "params": {"amsgrad": True}}}, "amsgrad"),
 ])

@@ -15,8 +15,9 @@ parameter at optimizer step t are a function of (seed, t, the parameter's name, 
   so any data-parallel size, ZeRO stage, tile size or resharded resume gives every element the same bits, and a
   run's weights are the same. Padding gets no bits (it stays zero).
 `seed` is the config's top-level `seed` (0 when absent); t is the optimizer's own step count, which checkpoints
-keep. The generator is the device's: on CUDA the bits are Philox draws and differ from the CPU's. Under tensor
-parallelism a slice of a parameter is keyed by the name and the element's index in the slice.
+keep. The draws are always the CPU generator's (then copied to the tensor's device), so a tensor stepped on the
+host or on an accelerator, which offload placements decide, rounds the same way. Under tensor parallelism a slice
+of a parameter is keyed by the name and the element's index in the slice.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ class KeyedBits:
     def bits(self, step: int, spans: list[KeySpan], start: int, numel: int, device: torch.device) -> torch.Tensor:
         """Random 16-bit values (int32 in [0, 65536)) for elements [start, start + numel) of a stepped tensor whose
         parameters lie as `spans` say; elements no span covers get 0."""
-        out = torch.zeros(numel, dtype=torch.int32, device=device)
-        generator = torch.Generator(device=device)
+        out = torch.zeros(numel, dtype=torch.int32)
+        generator = torch.Generator()
         for span in spans:
             lo, hi = max(span.offset, start), min(span.offset + span.numel, start + numel)
             element, end = span.first + lo - span.offset, span.first + hi - span.offset  # the parameter's indices
@@ -75,11 +76,11 @@ class KeyedBits:
                 block = element // BLOCK
                 first, upto = element - block * BLOCK, min(end - block * BLOCK, BLOCK)
                 generator.manual_seed(self.block_seed(step, span.key, block))
-                draws = torch.randint(0, 1 << 16, (upto,), generator=generator, dtype=torch.int32, device=device)
+                draws = torch.randint(0, 1 << 16, (upto,), generator=generator, dtype=torch.int32)
                 at = lo - start + element - (span.first + lo - span.offset)
                 out[at:at + upto - first] = draws[first:]
                 element += upto - first
-        return out
+        return out.to(device)
 
 
 def round_stochastically(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

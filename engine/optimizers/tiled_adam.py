@@ -75,8 +75,9 @@ class TiledAdam(torch.optim.Optimizer):
     def state_layout(self, p: torch.Tensor) -> tuple[list[str], list[torch.Tensor]]:
         """The names and zero values of the state tensors kept for `p` (an offloaded optimizer pages them)."""
         blocks = self._format(p)
-        if blocks is not None:
-            return blocks.names(), blocks.zeros(p.numel(), p.device)
+        if blocks is not None:  # (shapes only: nothing is allocated)
+            return blocks.names(), [torch.zeros((), dtype=torch.uint8, device=p.device).expand(int(p.numel() * r))
+                                    for r in map(blocks.entries_per_element, blocks.names())]
         return list(MOMENTS), [torch.zeros((), dtype=self.layout.state_dtype, device=p.device).expand(p.shape)
                                for _ in MOMENTS]
 

@@ -58,11 +58,12 @@ class ChunkNorms:
 
 def piece_norms(pieces: list[tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, torch.Tensor]:
     """(the fp32 norm of each piece, its weight in float64): per-piece norms keep fp32 accuracy, as torch's
-    clip_grad_norm_ takes them per parameter."""
+    clip_grad_norm_ takes them per parameter; bf16 pieces (the gradients of bf16 masters, Note [bf16 master
+    weights]) are summed in fp32 too."""
     weights = torch.tensor([w for _, w in pieces], dtype=torch.float64)
     if not pieces:
         return torch.zeros(0), weights
-    return torch.stack(torch._foreach_norm([piece for piece, _ in pieces], 2.0)), weights
+    return torch.stack(torch._foreach_norm([piece for piece, _ in pieces], 2.0, dtype=torch.float32)), weights
 
 
 def square_sum_of_norms(norms: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
