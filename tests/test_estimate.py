@@ -144,6 +144,15 @@ def test_the_estimate_leaves_out_strategies_that_refuse_quantize_frozen():
     assert len(est.skipped) == 2 and "needs ZeRO stage 3 (this run: stage 1)" in est.skipped[0]
     assert "not built yet with tensor parallelism" in est.skipped[1]
 
+
+def test_the_estimate_names_the_strategies_a_low_precision_layout_rules_out():
+    """bf16 master weights need stage 1-3 and block-wise states no tensor parallelism (Note [bf16 master weights],
+    [block-wise optimizer states]): DDP and TP2 are named as not estimated, the others estimated."""
+    cfg = case_config(3, None, {"bf16": "masters", "optimizer": "AdamW8bit"})
+    est = estimate(tiny_gpt, cfg, 2, strategies=[Strategy(0), Strategy(2), Strategy(3, tp=2)], compute_on_cpu=True)
+    assert [row.strategy for row in est.rows] == [Strategy(2)]
+    assert "needs ZeRO stage 1-3" in est.skipped[0] and "tensor-parallel" in est.skipped[1]
+
 def peak_config(stage: int, micro: int) -> dict:
     return {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 10**6, "zero_optimization": {"stage": stage},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}

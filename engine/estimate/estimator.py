@@ -103,6 +103,7 @@ def estimate(factory: Callable[[], nn.Module], config: dict, world: int, tp_size
     few layers, the schedule needs other micro-batch counts) is left out and named in `skipped`."""
     if compute_on_cpu is None:
         compute_on_cpu = not torch.cuda.is_available()
+    load_config(config)  # the user's own config errors are raised; what a strategy changes the engine may refuse
     if strategies is None:
         strategies = default_strategies(config, world, tp_sizes, nvme=True, pp_sizes=pp_sizes)
     meta = build_model(factory, "meta")
@@ -114,9 +115,7 @@ def estimate(factory: Callable[[], nn.Module], config: dict, world: int, tp_size
         cfg_dict = strategy.config(config, nvme_path)
         try:
             cfg = load_config(cfg_dict)
-        except ConfigError as e:
-            if strategy.pp == 1:
-                raise
+        except ConfigError as e:  # (e.g. bf16 master weights at stage 0, a low-bit optimizer's states with tp)
             result.skipped.append(f"{strategy.name}: {e}")
             continue
         spec = PipelineSpec.of(cfg_dict, cfg)
