@@ -13,8 +13,8 @@ small whatever the chunk size: each tile's weights, gradients and (bf16) moments
 single-tensor Adam arithmetic (`torch.optim.adam.adam`, foreach and fused off) steps them, and the results are
 rounded back: the moments to nearest, the weights to nearest or, with `bf16.stochastic_rounding`, stochastically
 (Note [keyed stochastic rounding]). torch's single-tensor path is elementwise op by op, so a tile's results do not
-depend on where the tile starts (its fused kernels round the last elements of a call differently): any
-data-parallel size, ZeRO stage or tile size gives the same weights, bit for bit. Other optimizers (SGD, Lamb) step
+depend on where the tile starts (its fused kernels round the last elements of a call differently): under any
+data-parallel size, ZeRO stage or tile size the same gradients give the same update, bit for bit. Other optimizers (SGD, Lamb) step
 the bf16 tensors directly with bf16 states, as DeepSpeed's do. The low-bit optimizers (Note [block-wise optimizer
 states]) step the same tiles with torchao's arithmetic instead, over fp32 or bf16 weights.
 """
