@@ -41,7 +41,7 @@ def build_optimizer(config: OptimizerConfig, param_groups: list[dict], segments:
         tiled = tiled or TiledLayout(Arithmetic.TORCHAO, torch.float32, blockwise=blocks)
         return TiledAdam(param_groups, tiled, lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
                          weight_decay=p["weight_decay"], decoupled=decoupled,
-                         tile=TILE // p["block_size"] * p["block_size"])  # whole blocks
+                         tile=TILE // p["block_size"] * p["block_size"], compiled=p["compile"])  # whole blocks
     if config.type in ("Adam", "AdamW"):
         decoupled = config.type == "AdamW" or p["adam_w_mode"]
         if tiled is not None:

@@ -18,7 +18,7 @@ OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
                    "coeff_beta": 0.9, "factor_max": 4.0, "factor_min": 0.5, "factor_threshold": 0.1},
 }
 # torchao's and bitsandbytes' low-bit Adam names (Note [block-wise optimizer states]): torchao's defaults
-_LOW_BIT = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "amsgrad": False}
+_LOW_BIT = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "amsgrad": False, "compile": False}
 OPTIMIZER_PARAMS.update({
     "adamw8bit": {**_LOW_BIT, "weight_decay": 1e-2, "block_size": 256},
     "adam8bit": {**_LOW_BIT, "weight_decay": 0.0, "block_size": 256},

@@ -14,13 +14,15 @@ single-tensor Adam arithmetic (`torch.optim.adam.adam`, foreach and fused off) s
 rounded back: the moments to nearest, the weights to nearest or, with `bf16.stochastic_rounding`, stochastically
 (Note [keyed stochastic rounding]). torch's single-tensor path is elementwise op by op, so a tile's results do not
 depend on where the tile starts (its fused kernels round the last elements of a call differently): under any
-data-parallel size, ZeRO stage or tile size the same gradients give the same update, bit for bit. Other optimizers (SGD, Lamb) step
-the bf16 tensors directly with bf16 states, as DeepSpeed's do. The low-bit optimizers (Note [block-wise optimizer
-states]) step the same tiles with torchao's arithmetic instead, over fp32 or bf16 weights.
+data-parallel size, ZeRO stage or tile size the same gradients give the same update, bit for bit. Other
+optimizers (SGD, Lamb) step the bf16 tensors directly with bf16 states, as DeepSpeed's do. The low-bit optimizers
+(Note [block-wise optimizer states]) step the same tiles with torchao's arithmetic instead, over fp32 or bf16
+weights.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 from fractions import Fraction
@@ -57,10 +59,13 @@ class TiledAdam(torch.optim.Optimizer):
     """Adam (decoupled=False: L2 in the gradient) or AdamW, a tile at a time (Note [bf16 master weights])."""
 
     def __init__(self, params, layout: TiledLayout, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = True, tile: int = TILE):
+                 eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = True, tile: int = TILE,
+                 compiled: bool = False):
+        """compiled: torchao's update compiled (torch.compile, one shape: every tile `tile` elements, the last one
+        padded with zeros; Note [block-wise optimizer states])."""
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       decoupled=decoupled))
-        self.layout, self.tile = layout, tile
+        self.layout, self.tile, self.compiled = layout, tile, compiled
         if layout.blockwise is not None and tile % layout.blockwise.block:
             raise ValueError(f"tile {tile} is not a whole number of blocks of {layout.blockwise.block}")
         # keyed by place, not identity: an offloaded optimizer steps a manager view in a tensor's place
@@ -119,14 +124,15 @@ class TiledAdam(torch.optim.Optimizer):
         weights, grad = p.view(-1).narrow(0, start, numel), p.grad.view(-1).narrow(0, start, numel)
         # fp32 weights step in place; 16-bit ones through an fp32 copy, rounded back below
         wide = weights if weights.dtype == torch.float32 else weights.float()
-        if blocks is not None:
-            moments = blocks.moments(state, start, numel)
+        if self.compiled:
+            _compiled_update(wide, grad, state, group, blocks, start, numel, self.tile)
         else:
-            moments = tuple(state[name].view(-1).narrow(0, start, numel) for name in MOMENTS)
-        if self.layout.arithmetic is Arithmetic.TORCHAO:
-            _torchao_update(wide, grad, state["step"], moments, group)
-        else:
-            _torch_update(wide, grad, state["step"], moments, group)
+            if blocks is not None:
+                moments = blocks.moments(state, start, numel)
+            else:
+                moments = tuple(state[name].view(-1).narrow(0, start, numel) for name in MOMENTS)
+            update = _torchao_update if self.layout.arithmetic is Arithmetic.TORCHAO else _torch_update
+            update(wide, grad, state["step"], moments, group)
         if wide is weights:
             return
         if self.layout.rounding is None:
@@ -149,11 +155,50 @@ def _torch_update(wide: torch.Tensor, grad: torch.Tensor, step: torch.Tensor, mo
             moment.copy_(wide_moment)
 
 
-def _torchao_update(wide: torch.Tensor, grad: torch.Tensor, step: torch.Tensor, moments: tuple, group: dict) -> None:
-    """torchao's single_param_adam, eagerly, on fp32 weights and its own state objects (or plain moments)."""
+def _torchao_update(wide: torch.Tensor, grad: torch.Tensor, step: torch.Tensor, moments: tuple, group: dict,
+                    update=None) -> None:
+    """torchao's single_param_adam (or `update`, its compiled form), on fp32 weights and torchao's own state objects
+    (or plain moments)."""
     from torchao.optim.adam import single_param_adam
 
     beta1, beta2 = group["betas"]
     lr = torch.tensor(group["lr"], dtype=torch.float32, device=wide.device)  # as torchao keeps it
-    single_param_adam(wide, grad, step.to(wide.device), moments[0], moments[1], None, lr, beta1, beta2,
-                      group["weight_decay"], group["eps"], group["decoupled"], False)
+    (update or single_param_adam)(wide, grad, step.to(wide.device), moments[0], moments[1], None, lr, beta1, beta2,
+                                  group["weight_decay"], group["eps"], group["decoupled"], False)
+
+
+@functools.cache
+def _compiled_adam():
+    """torchao's single_param_adam compiled as torchao compiles it (a graph per shape, dtype and flags)."""
+    from torchao.optim.adam import single_param_adam
+
+    return torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+
+
+def _compiled_update(wide: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, blocks: BlockwiseStates | None,
+                     start: int, numel: int, tile: int) -> None:
+    """The compiled update of elements [start, start + numel) on `tile` elements always (one compiled shape): a
+    shorter last tile is stepped in zero-padded copies (the padding is whole blocks of zeros, which quantize alone),
+    written back after."""
+    names = blocks.names() if blocks is not None else list(MOMENTS)
+    ratio = {n: blocks.entries_per_element(n) if blocks is not None else 1 for n in names}
+    views = {n: state[n].view(-1).narrow(0, int(start * ratio[n]), int(numel * ratio[n])) for n in names}
+    padded = numel < tile
+    if padded:
+        views = {n: _padded(v, int(tile * ratio[n])) for n, v in views.items()}
+        weights, grad = _padded(wide, tile), _padded(grad, tile)
+    else:
+        weights = wide
+    moments = (blocks.moments(views, 0, tile) if blocks is not None else tuple(views[n] for n in MOMENTS))
+    _torchao_update(weights, grad, state["step"], moments, group, _compiled_adam())
+    if padded:
+        wide.copy_(weights[:numel])
+        for n in names:
+            state[n].view(-1).narrow(0, int(start * ratio[n]), int(numel * ratio[n])).copy_(
+                views[n][:int(numel * ratio[n])])
+
+
+def _padded(values: torch.Tensor, size: int) -> torch.Tensor:
+    out = torch.zeros(size, dtype=values.dtype, device=values.device)
+    out[:values.numel()] = values
+    return out
