@@ -46,7 +46,15 @@ from disk_baseline import dd_bandwidth  # noqa: E402
 from engine.estimate.report import markdown_table  # noqa: E402
 from engine.estimate.runtime import peak_rss_bytes  # noqa: E402
 
-STATE_BYTES_PER_PARAM = 16  # bf16 parameter + bf16 gradient + fp32 master + Adam's two fp32 moments
+MASTERS = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+# --layout -> (bf16 section, optimizer type, training-state bytes per parameter after backward: Note [bf16 master
+# weights], [block-wise optimizer states])
+LAYOUTS = {
+    "fp32-masters": ({"enabled": True}, "AdamW", 16),  # bf16 param + grad, fp32 master + two fp32 moments
+    "bf16-masters": (MASTERS, "AdamW", 8),  # bf16 param (the master) + grad + two bf16 moments (DeepSpeed's)
+    "rounded": ({**MASTERS, "stochastic_rounding": True}, "AdamW", 8),
+    "lowbit": ({**MASTERS, "stochastic_rounding": True}, "AdamW8bit", 6.03),  # two 8-bit block-wise moments
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--aio-threads", type=int, default=2)
     ap.add_argument("--lr", type=float, default=2e-6)  # Adam moves every weight by ~lr at first: small at 4096 wide
     ap.add_argument("--raw-bytes", type=int, default=2 << 30, help="bytes per raw dd pass (default 2 GiB)")
+    ap.add_argument("--layout", default="fp32-masters", choices=sorted(LAYOUTS),
+                    help="training-state layout: fp32 masters (default); bf16 masters with bf16 moments; the same "
+                         "rounded stochastically; lowbit: that with AdamW8bit's moments, its update compiled")
     ap.add_argument("--out", default=None, help="also write the markdown to this file")
     add_json_option(ap)
     return ap.parse_args(argv)
@@ -71,9 +82,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def engine_config(args, world: int) -> dict:
     offload = {"device": "nvme", "nvme_path": args.dir, "pin_memory": True, "buffer_count": args.buffer_count}
     largest = 4 * args.embd * args.embd  # an MLP weight: every large matrix is a chunk of its own or shares one
-    return {"train_micro_batch_size_per_gpu": args.micro_batch,
-            "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
-            "bf16": {"enabled": True},
+    bf16, optimizer, _ = LAYOUTS[args.layout]
+    params = {"lr": args.lr, "weight_decay": 0.0, **({"compile": True} if optimizer == "AdamW8bit" else {})}
+    return {"train_micro_batch_size_per_gpu": args.micro_batch, "seed": 1234,
+            "optimizer": {"type": optimizer, "params": params},
+            "bf16": bf16,
             "gradient_clipping": 1.0,
             "zero_optimization": {"stage": 3, "chunk_size": largest - largest % world,
                                   "stage3_prefetch_bucket_size": largest,
@@ -109,7 +122,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
         t = time.perf_counter()
         loss = engine(window[:, :-1], labels=window[:, 1:])
         engine.backward(loss)
-        held.append(manager.stats.resident_bytes["nvme"] + manager.stats.resident_bytes["cpu"])  # all 16 bytes/param
+        held.append(manager.stats.resident_bytes["nvme"] + manager.stats.resident_bytes["cpu"])  # every state
         engine.step()
         times.append(time.perf_counter() - t)
         losses.append(loss.item())
@@ -129,7 +142,7 @@ def summarize(world: int, ranks: list[dict], write_bw: float, read_bw: float, ra
     read = statistics.median(sum(r["moved"][i]["nvme->cpu"] for r in ranks) for i in timed)
     disk_s = written / write_bw + read / read_bw
     ratio = step_s / disk_s if disk_s > 0 else float("nan")  # nan: the CPU window held every chunk
-    states = sum(r["held_after_backward"] for r in ranks)  # the manager's CPU window and NVMe, all 16 bytes/param
+    states = sum(r["held_after_backward"] for r in ranks)  # the manager's CPU window and NVMe: every state
     on_disk = sum(r["nvme_bytes"] for r in ranks)  # at rest, after the last step (gradient shards freed)
     psi = ranks[0]["psi"]
     peak_rss = max(r["peak_rss"] for r in ranks)
@@ -139,8 +152,9 @@ def summarize(world: int, ranks: list[dict], write_bw: float, read_bw: float, ra
            f"{fmt_bytes(peak_rss)} ({100 * peak_rss / ram:.1f}%)", f"{max(r['init_s'] for r in ranks):.0f}",
            f"{step_s:.1f}", fmt_bytes(written), fmt_bytes(read), f"{disk_s:.1f}", f"{ratio:.2f}",
            " → ".join(f"{x:.3f}" for x in losses) + (" (falling)" if falling else " (not falling)")]
+    layout = "" if args.layout == "fp32-masters" else f" ({args.layout})"
     record = result_record(
-        "scale", f"tiers ZeRO-3 bf16, everything on NVMe, {world} process(es)", world=world,
+        "scale", f"tiers ZeRO-3 bf16{layout}, everything on NVMe, {world} process(es)", world=world, layout=args.layout,
         peer="raw disk (dd, O_DIRECT, same run)", strategy="ZeRO-3 NVMe bf16", metric="step ÷ disk time",
         ratio=ratio, target=1.3, step_s=step_s, throughput=world * args.micro_batch * args.seq / step_s,
         unit="tokens/s", peak_rss_per_rank_bytes=peak_rss, parameters=psi, states_bytes=states,
@@ -168,12 +182,14 @@ def main(argv=None) -> None:
         rows.append(row)
         records.append(record)
     psi = next(iter(runs.values()))[0]["psi"]
+    bf16, optimizer, per_param = LAYOUTS[args.layout]
     text = "\n".join([
-        "### Scale: the largest GPT through NVMe (bf16, ZeRO-3, everything offloaded)",
+        f"### Scale: the largest GPT through NVMe (bf16, ZeRO-3, everything offloaded; layout {args.layout})",
         "",
         f"GPT {args.layers} layers × {args.embd} wide ({args.heads} heads), byte vocabulary, Ψ = {psi:,}: training "
-        f"states {STATE_BYTES_PER_PARAM}Ψ = {fmt_bytes(STATE_BYTES_PER_PARAM * psi)} against {fmt_bytes(ram)} of "
-        f"RAM. Micro batch {args.micro_batch} × seq {args.seq} per process, AdamW lr {args.lr}, clipping 1.0, "
+        f"states {per_param}Ψ = {fmt_bytes(per_param * psi)} against {fmt_bytes(ram)} of RAM (bf16 section "
+        f"{bf16}). Micro batch {args.micro_batch} × seq {args.seq} per process, {optimizer} lr {args.lr}, "
+        "clipping 1.0, "
         f"buffer_count {args.buffer_count}, built under zero_init. Raw disk (dd, O_DIRECT, 8 MiB blocks, "
         f"{fmt_bytes(args.raw_bytes)}; mean of before/after): write {write_bw / 1e6:,.0f} MB/s "
         f"({before[0] / 1e6:,.0f} / {after[0] / 1e6:,.0f}), read {read_bw / 1e6:,.0f} MB/s "
