@@ -16,7 +16,7 @@ from engine.config import ConfigError, load_config
 from engine.optimizers.stochastic_rounding import BLOCK, KeyedBits, KeySpan, parameter_key, round_stochastically
 from engine.optimizers.tiled_adam import Arithmetic, TiledAdam, TiledLayout
 from tests.distributed import results_by_case, run_cases, run_distributed
-from tests.reference import micro_batches, tiny_gpt, token_batches
+from tests.reference import tiny_gpt, token_batches, train_engine, trained_params
 from tests.test_data_parallel import ADAMW
 from tests.test_mixed_precision import LOSS_RTOL, WEIGHT_RTOL
 
@@ -170,19 +170,8 @@ def reference_run(layout: str, steps: int = STEPS) -> tuple[list[float], dict[st
 
 
 def train(engine, rank: int, world: int, batches: list[torch.Tensor]) -> list[float]:
-    losses = []
-    for x in batches:
-        (micro,) = micro_batches(x, rank, world, 1)
-        loss = engine(micro, micro)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
-def weights(engine) -> dict[str, torch.Tensor]:
-    full = engine.full_state_dict()
-    return {n: full[n] for n, _ in engine.module.named_parameters()}
+    """This rank's losses over the global `batches`, one micro-batch per step."""
+    return train_engine(engine, batches, rank, world, 1)[0]
 
 
 @pytest.mark.parametrize("layout,offload", [("bf16 states", None), ("bf16 states, rounded", None),
@@ -193,7 +182,7 @@ def test_one_process_is_the_plain_reference_bit_for_bit(layout, offload, tmp_pat
     losses = train(engine, 0, 1, token_batches(STEPS, GLOBAL_BATCH))
     expected_losses, expected = reference_run(layout)
     assert losses == expected_losses
-    for name, value in weights(engine).items():
+    for name, value in trained_params(engine).items():
         assert value.dtype == torch.bfloat16 and torch.equal(value, expected[name]), name
     engine.close()
 
@@ -212,7 +201,7 @@ def masters_case(rank: int, world: int, root: str, stage: int, layout: str, offl
     if offload == "nvme":
         engine.save_checkpoint(os.path.join(root, "checkpoint"))
     losses += train(engine, rank, world, batches[2:])
-    result = {"losses": losses, "weights": weights(engine)}
+    result = {"losses": losses, "weights": trained_params(engine)}
     engine.close()
     return result
 
@@ -265,7 +254,7 @@ def test_a_two_rank_checkpoint_resumes_in_one_process_under_stage_2(two_ranks, t
     engine.load_checkpoint(os.path.join(root, "checkpoint"))
     losses = train(engine, 0, 1, token_batches(STEPS, GLOBAL_BATCH)[2:])
     expected_losses, expected = reference_run(layout)
-    assert_bf16_close(losses, weights(engine), expected_losses[2:], expected)
+    assert_bf16_close(losses, trained_params(engine), expected_losses[2:], expected)
     engine.close()
 
 

@@ -16,8 +16,8 @@ from engine import initialize
 from engine.config import ConfigError, load_config
 from engine.optimizers.stochastic_rounding import KeyedBits, KeySpan, parameter_key, round_stochastically
 from tests.distributed import results_by_case, run_cases, run_distributed
-from tests.reference import FP32_RTOL, micro_batches, tiny_gpt, token_batches
-from tests.test_bf16_masters import assert_bf16_close
+from tests.reference import FP32_RTOL, tiny_gpt, token_batches, trained_params
+from tests.test_bf16_masters import assert_bf16_close, train
 
 torchao_optim = pytest.importorskip("torchao.optim")
 from torchao.optim.adam import single_param_adam  # noqa: E402
@@ -110,22 +110,6 @@ def reference_run(layout: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: s.detach().clone() for n, s in stepped}  # (fp32 masters: what full_state_dict gives)
 
 
-def train(engine, rank: int, world: int, batches: list[torch.Tensor]) -> list[float]:
-    losses = []
-    for x in batches:
-        (micro,) = micro_batches(x, rank, world, 1)
-        loss = engine(micro, micro)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
-def weights(engine) -> dict[str, torch.Tensor]:
-    full = engine.full_state_dict()
-    return {n: full[n] for n, _ in engine.module.named_parameters()}
-
-
 @pytest.mark.parametrize("layout,stage", [("8-bit fp32", 0), ("4-bit fp32", 1), ("8-bit bf16", 2),
                                           ("8-bit bf16 masters, rounded", 1)])
 def test_one_process_is_torchaos_arithmetic_bit_for_bit(layout, stage):
@@ -134,7 +118,7 @@ def test_one_process_is_torchaos_arithmetic_bit_for_bit(layout, stage):
     losses = train(engine, 0, 1, token_batches(STEPS, GLOBAL_BATCH))
     expected_losses, expected = reference_run(layout)
     assert losses == expected_losses
-    for name, value in weights(engine).items():
+    for name, value in trained_params(engine).items():
         assert torch.equal(value, expected[name]), name
     engine.close()
 
@@ -181,7 +165,7 @@ def lowbit_case(rank: int, world: int, root: str, layout: str, stage: int, offlo
         engine.save_checkpoint(os.path.join(root, "checkpoint"))
     losses += train(engine, rank, world, batches[2:])
     manager = getattr(engine.optimizer, "manager", None)
-    result = {"losses": losses, "weights": weights(engine),
+    result = {"losses": losses, "weights": trained_params(engine),
               "optim_bytes": sum(manager.chunk(c).nbytes for c in manager.chunks_of("optim")) if manager else None}
     engine.close()
     return result
@@ -242,7 +226,7 @@ def test_a_two_rank_checkpoint_resumes_in_one_process_at_stage_1(two_ranks):
     losses = train(engine, 0, 1, token_batches(STEPS, GLOBAL_BATCH)[2:])
     saved = results[("8-bit fp32", 3, "nvme")]
     continued = [sum(r["losses"][i] for r in saved) / 2 for i in range(2, STEPS)]
-    assert_close_to(losses, weights(engine), continued, saved[0]["weights"], 1e-4)
+    assert_close_to(losses, trained_params(engine), continued, saved[0]["weights"], 1e-4)
     engine.close()
 
 
