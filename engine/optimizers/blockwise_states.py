@@ -26,6 +26,7 @@ state format. The compiled kernel rounds a few values differently from the eager
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -87,12 +88,7 @@ class BlockwiseStates:
         return out[0], out[1]
 
 
-_QMAPS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
-
-
+@functools.cache
 def _qmap(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
     """torchao's map as an fp32 tensor on `device`, made once."""
-    key = (values, device)
-    if key not in _QMAPS:
-        _QMAPS[key] = torch.tensor(values, dtype=torch.float32, device=device)
-    return _QMAPS[key]
+    return torch.tensor(values, dtype=torch.float32, device=device)
