@@ -82,6 +82,8 @@ class OffloadParamConfig:
     buffer_count: int = bounded(5, min=1)
     buffer_size: int = bounded(100_000_000, min=1)
     max_in_cpu: int = bounded(1_000_000_000, min=0)
+    # Tiers' own: train_batch runs a step's micro-batches block by block (Note [layer-major accumulation])
+    layer_major: bool = False
 
 
 @dataclass(frozen=True)

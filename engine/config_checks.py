@@ -114,6 +114,7 @@ def check_config(cfg: Config) -> None:
     ]
     checks += _pipeline_checks(cfg)
     checks += _bf16_master_checks(cfg)
+    checks += _layer_major_checks(cfg)
     sp = cfg.sequence_parallel
     checks += [
         (tp.sequence_parallel and tp.size == 1, "tensor_parallel.sequence_parallel", True,
@@ -194,6 +195,26 @@ def _bf16_master_checks(cfg: Config) -> list[tuple[bool, str, object, str]]:
                    and not opt.params.get("bias_correction", True), "optimizer.params.bias_correction", False,
                    "bf16 masters are stepped by Tiers' tiled Adam, which corrects the bias; remove the key"))
     return checks
+
+
+def _layer_major_checks(cfg: Config) -> list[tuple[bool, str, object, str]]:
+    """Note [layer-major accumulation]: what running a step's micro-batches block by block needs."""
+    zero, key = cfg.zero_optimization, "zero_optimization.offload_param.layer_major"
+    if not zero.offload_param.layer_major:
+        return []
+    others = [name for name, on in (("pipeline", cfg.pipeline.enabled), ("tensor", cfg.tensor_parallel.size > 1),
+                                    ("sequence", cfg.sequence_parallel.enabled),
+                                    ("expert", cfg.moe.expert_parallel_size > 1)) if on]
+    return [
+        (zero.stage != 3 or zero.offload_param.device not in OFFLOADED, key, True,
+         "saves reads of offloaded parameters, which exist under ZeRO stage 3 with offload_param.device cpu or nvme "
+         f"(this run: stage {zero.stage}, offload_param.device {json.dumps(zero.offload_param.device)}); set both, "
+         "or remove layer_major"),
+        (bool(others), key, True, f"running micro-batches block by block with {' or '.join(others)} parallelism is "
+         "not built yet; remove layer_major"),
+        (zero.offload_optimizer.step_in_backward, key, True, "with offload_optimizer.step_in_backward is not built "
+         "yet; remove one of them"),
+    ]
 
 
 def _pipeline_checks(cfg: Config) -> list[tuple[bool, str, object, str]]:

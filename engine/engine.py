@@ -237,10 +237,11 @@ class Engine(ParallelCoordinates):
         self._update()
 
     def train_batch(self, data_iter=None) -> float:
-        """Under a pipeline config (Note [a pipelined step]): takes the step's gradient_accumulation_steps
-        micro-batches from `data_iter` (each a dict of the model's keyword arguments, a tensor, or a tuple), runs
-        them through the pipeline schedule and updates the model; returns the step's mean loss on every rank.
-        Every rank of the pipeline passes an iterator over the same micro-batches (its data-parallel rank's)."""
+        """Under a pipeline config (Note [a pipelined step]) or offload_param.layer_major (Note [layer-major
+        accumulation]): takes the step's gradient_accumulation_steps micro-batches from `data_iter` (each a dict of
+        the model's keyword arguments, a tensor, or a tuple), runs them through the pipeline schedule (or block by
+        block) and updates the model; returns the step's mean loss on every rank. Every rank of a pipeline passes
+        an iterator over the same micro-batches (its data-parallel rank's)."""
         pipeline = self.features.schedule("train_batch")
         microbatches = self._microbatches(data_iter)
         self.runtime.check_steppable()
@@ -255,8 +256,8 @@ class Engine(ParallelCoordinates):
         return loss
 
     def eval_batch(self, data_iter=None) -> float:
-        """Under a pipeline config: the forwards of gradient_accumulation_steps micro-batches from `data_iter`
-        in eval mode, without gradients; returns their mean loss on every rank."""
+        """Under a pipeline config or offload_param.layer_major: the forwards of gradient_accumulation_steps
+        micro-batches from `data_iter` in eval mode, without gradients; returns their mean loss on every rank."""
         return self.features.schedule("eval_batch").evaluate(self._microbatches(data_iter))
 
     def _microbatches(self, data_iter) -> list:
@@ -393,6 +394,7 @@ class Engine(ParallelCoordinates):
             if hasattr(self.optimizer, "close"):
                 self.optimizer.close()
             self._tensor_backward.remove_hooks()
+            self.features.close()
             self.runtime.close()
 
 

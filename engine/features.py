@@ -22,6 +22,7 @@ from engine import whole_weights
 from engine.comm import CommCounter
 from engine.moe.plan import ExpertParallel
 from engine.pipeline.driver import PipelineDriver
+from engine.pipeline.layer_major import REFUSED_FORWARD, LayerMajorDriver
 from engine.placement import Placement
 from engine.sequence_parallel.runtime import SequenceSplit
 from engine.tensor_backward import ScheduledBackward, TensorBackward
@@ -57,6 +58,9 @@ class Feature:
 
     def join_state_dict(self, whole: dict, keep: bool) -> dict:
         return whole
+
+    def close(self) -> None:
+        """Removes what the feature installed on the model (Engine.close)."""
 
     def chunked_keys(self, state: dict) -> set[str]:
         """Keys of `state` that other ranks' chunks hold (saved in the compute dtype like this rank's)."""
@@ -219,6 +223,24 @@ class PipelineFeature(Feature):
                            "once per step instead of forward, backward and step")
 
 
+class LayerMajorFeature(Feature):
+    """Note [layer-major accumulation]: train_batch runs a step's micro-batches block by block in place of the
+    per-micro-batch calls; a forward without gradients still runs as usual."""
+
+    name = "layer_major"
+
+    def __init__(self, driver: LayerMajorDriver):
+        self.parallel = driver
+
+    def check_micro_batch_call(self, call: str) -> None:
+        if call == "forward" and not torch.is_grad_enabled():
+            return
+        raise RuntimeError(f"engine.{call}: {REFUSED_FORWARD}")
+
+    def close(self) -> None:
+        self.parallel.close()
+
+
 class Features:
     """The run's feature objects, in the order initialize() applied them; each call folds over them."""
 
@@ -280,6 +302,10 @@ class Features:
         for f in self.items:
             f.check_micro_batch_call(call)
 
+    def close(self) -> None:
+        for f in self.items:
+            f.close()
+
     def placements(self, tensors: dict[str, torch.Tensor]) -> dict[str, Placement]:
         """Note [placements]: each of this rank's tensors (by name in the whole model) placed by every feature."""
         placed = {name: Placement(name) for name in tensors}
@@ -308,14 +334,17 @@ class Features:
     def generators(self) -> list:
         return [g for f in self.items for g in f.generators()]
 
-    def schedule(self, call: str) -> PipelineDriver:
-        """The pipeline driver engine.`call` (train_batch, eval_batch) runs; raises without a pipeline."""
-        driver = self.parallel("pipeline")
+    def schedule(self, call: str) -> PipelineDriver | LayerMajorDriver:
+        """The driver engine.`call` (train_batch, eval_batch) runs: a pipeline's, or layer-major accumulation's
+        (Note [layer-major accumulation]); raises without either."""
+        driver = self.parallel("pipeline") or self.parallel("layer_major")
         if driver is None:
-            raise RuntimeError(f"engine.{call} runs a pipeline schedule, and this config has no pipeline "
-                               "(pipeline.stages is 1); call the engine's forward, backward and step per micro-batch")
+            raise RuntimeError(f"engine.{call} runs a step's micro-batches through a schedule, and this config has "
+                               "none (pipeline.stages is 1, zero_optimization.offload_param.layer_major is false); "
+                               "call the engine's forward, backward and step per micro-batch")
         return driver
 
     def tensor_backward(self, build: Callable) -> TensorBackward | ScheduledBackward:
         """build() (Note [tensor backward]), unless a schedule runs the micro-batches' backward passes itself."""
-        return ScheduledBackward() if self.parallel("pipeline") is not None else build()
+        scheduled = self.parallel("pipeline") or self.parallel("layer_major")
+        return ScheduledBackward() if scheduled is not None else build()

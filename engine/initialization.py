@@ -30,7 +30,14 @@ from engine.comm import Collectives, CommCounter, broadcast_from
 from engine.config import Config, load_config
 from engine.config_checks import OFFLOADED, check_client_objects, check_offload, check_run
 from engine.engine import Engine, EngineParts
-from engine.features import ExpertFeature, Features, PipelineFeature, SequenceFeature, TensorParallelFeature
+from engine.features import (
+    ExpertFeature,
+    Features,
+    LayerMajorFeature,
+    PipelineFeature,
+    SequenceFeature,
+    TensorParallelFeature,
+)
 from engine.lr_schedules import build_lr_scheduler
 from engine.moe.plan import ExpertParallel, apply_expert_parallel
 from engine.monitor import Monitor
@@ -38,7 +45,8 @@ from engine.optim import build_optimizer, check_compressed_run, chunk_segments, 
 from engine.optimizers.compressed import DataParallelGroup
 from engine.pipeline.block_timing import measured_costs
 from engine.pipeline.driver import PipelineDriver, shared_parameter_groups, sync_shared_values
-from engine.pipeline.model_split import PipelineModel, plan_stages, split_model
+from engine.pipeline.layer_major import LayerMajorDriver
+from engine.pipeline.model_split import PipelineModel, plan_block_stages, plan_stages, split_model
 from engine.precision import PrecisionPolicy, build_loss_scaler
 from engine.process_exit import close_at_exit
 from engine.progress import TrainingProgress
@@ -101,8 +109,8 @@ def initialize(
     optimizer: a torch optimizer over `model`'s parameters, instead of the config's `optimizer`.
     lr_scheduler: a scheduler, or a callable taking the optimizer, instead of the config's `scheduler`.
     model_parameters: parameters or param-group dicts for the config's optimizer (default: all).
-    loss_fn: under a pipeline config, loss_fn(output, micro-batch or its labels) gives the loss train_batch
-        backpropagates, for a model whose output carries none (Note [a pipelined step]).
+    loss_fn: under a pipeline config or offload_param.layer_major, loss_fn(output, micro-batch or its labels)
+        gives the loss train_batch backpropagates, for a model whose output carries none (Note [a pipelined step]).
     collectives: the all-gather and reduce-scatter every collective helper calls (engine.comm.collectives_of);
         default: torch.distributed's, under its 2.12+ names or 2.11's.
     weights: a safetensors checkpoint (file, index or directory) whose tensors the model's parameters and buffers
@@ -110,9 +118,9 @@ def initialize(
     """
     cfg = load_config(config)
     check_client_objects(cfg, optimizer, lr_scheduler, model_parameters)
-    if loss_fn is not None and not cfg.pipeline.enabled:
-        raise ValueError("initialize(loss_fn=...) is the loss train_batch uses under a pipeline config, and this "
-                         "config has none (pipeline.stages is 1); compute the loss yourself and call "
+    if loss_fn is not None and not (cfg.pipeline.enabled or cfg.zero_optimization.offload_param.layer_major):
+        raise ValueError("initialize(loss_fn=...) is the loss train_batch uses under a pipeline config (or "
+                         "offload_param.layer_major), and this config has neither; compute the loss yourself and call "
                          "engine.backward(loss)")
     topology = Topology.from_environment(tp_size=cfg.tensor_parallel.size, tp_mode=cfg.tensor_parallel.mode,
                                          pp_size=cfg.pipeline.stages, sp_size=cfg.sequence_parallel.size,
@@ -153,6 +161,12 @@ def initialize(
     if split is not None:  # each stage's forward makes the calls of the features applied before the pipeline
         pipeline = build_pipeline(split, shared_groups, cfg, topology, runtime, comm, loss_fn, features)
         features = Features(features.items + [PipelineFeature(pipeline, topology, comm)])
+    if cfg.zero_optimization.offload_param.layer_major:  # Note [layer-major accumulation]
+        key = "zero_optimization.offload_param.layer_major"
+        split = split_model(model, plan_block_stages(model, key), 0, key)
+        layer_major = LayerMajorDriver(split, runtime, PrecisionPolicy.from_config(cfg), topology, features, comm,
+                                       loss_fn)
+        features = Features(features.items + [LayerMajorFeature(layer_major)])
     scheduler = _scheduler(cfg, optimizer, lr_scheduler)
     progress = TrainingProgress(cfg.batch_sizes(topology.data_parallel_size).gradient_accumulation_steps)
     saver = Saver(TrainingState(  # Note [checkpoint commit]

@@ -99,6 +99,10 @@ BENCHMARKS = (
     Benchmark("lowbit_accuracy", "bench_lowbit_accuracy.py",
               "Low-precision layouts (bf16 masters, stochastic rounding, 8/4-bit states): the example job's final eval "
               "loss", quick=("--steps", "5"), seconds={None: 1100}),
+    Benchmark("layer_major", "bench_layer_major.py",
+              "Layer-major accumulation vs micro-batch by micro-batch: parameter reads per step, ZeRO-3 on NVMe",
+              quick=("--layers", "2", "--embd", "128", "--heads", "4", "--steps", "2"), seconds={None: 95},
+              takes_dir=True),
     Benchmark("finetune_int8", "bench_finetune.py",
               "LoRA on a 7 B Llama in one process, the frozen base on NVMe as int8", args=("--base", "int8"),
               quick=("--base", "int8", "--preset", "tiny", "--compute-layers", "1", "--raw-bytes", "67108864",

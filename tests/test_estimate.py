@@ -153,6 +153,20 @@ def test_the_estimate_names_the_strategies_a_low_precision_layout_rules_out():
     assert [row.strategy for row in est.rows] == [Strategy(2)]
     assert "needs ZeRO stage 1-3" in est.skipped[0] and "tensor-parallel" in est.skipped[1]
 
+def test_layer_major_accumulation_keeps_every_micro_batchs_activations():
+    """Note [layer-major accumulation]: the step holds what each of the 8 micro-batches' forwards leaves for its
+    backward at once; a strategy without offload_param drops the section, layer_major with it."""
+    cfg = zero_config(3, 2, 8, offload_param={"device": "cpu", "layer_major": True},
+                      offload_optimizer={"device": "cpu"})
+    offloaded = Strategy(3, offload_optimizer="cpu", offload_param="cpu")
+    est = estimate(tiny_gpt, cfg, 1, strategies=[offloaded, Strategy(3)], compute_on_cpu=True)
+    layered, plain = est.rows
+    trace = trace_strategy(tiny_gpt, load_config(cfg), est.seq_len).activations
+    held = sum(trace.held_at(2))
+    assert held > 0 and plain.activations == trace.peak_at(2)
+    assert layered.activations == plain.activations + 7 * held
+
+
 def peak_config(stage: int, micro: int) -> dict:
     return {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 10**6, "zero_optimization": {"stage": stage},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}

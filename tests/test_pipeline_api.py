@@ -197,7 +197,7 @@ def test_config_errors_name_the_fix():
     with pytest.raises(ValueError, match="pipeline.stages 2 needs 2 processes"):
         initialize(example_gpt(), pipeline_config(2, "1f1b", 1, M))
     engine = initialize(example_gpt(), {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}})
-    with pytest.raises(RuntimeError, match="engine.train_batch runs a pipeline schedule"):
+    with pytest.raises(RuntimeError, match="engine.train_batch runs a step.s micro-batches through a schedule"):
         engine.train_batch(iter([]))
 
 

@@ -136,7 +136,7 @@ def estimate(factory: Callable[[], nn.Module], config: dict, world: int, tp_size
         built = 0 if zero_init else trace.built
         if spec.stages == 1:
             states = model_states(trace.params, cfg, dp, trace.frozen)
-            row = _combine(strategy, cfg_dict, states, trace.activations.peak_at(batch.micro_batch_size),
+            row = _combine(strategy, cfg_dict, states, _unpipelined_activations(trace.activations, cfg, batch),
                            runtime, built, compute_on_cpu)
         else:
             try:
@@ -200,6 +200,15 @@ def trace_strategy(factory: Callable[[], nn.Module], cfg: Config, seq_len: int |
         trace = trace_activations(model, seq_len or default_seq_len(model), batch_multiple=q,
                                   units=[u.modules for u in units])
     return StrategyTrace(params, frozen, trace, built, units)
+
+
+def _unpipelined_activations(activations: ActivationTrace, cfg: Config, batch) -> int:
+    """The step's activation peak: one micro-batch's; under layer-major accumulation (Note [layer-major
+    accumulation]) the other m - 1 micro-batches' forwards keep what they leave for their backward beside it."""
+    peak = activations.peak_at(batch.micro_batch_size)
+    if not cfg.zero_optimization.offload_param.layer_major:
+        return peak
+    return peak + (batch.gradient_accumulation_steps - 1) * sum(activations.held_at(batch.micro_batch_size))
 
 
 def _quantize_refusal(cfg: Config, world: int, dp: int, tp: int, pp: int) -> str | None:

@@ -118,7 +118,7 @@ class PipelineDriver:
         view, state, last = self.split.views[stage], self.split.state, self.split.plan.stages - 1
 
         def run(received: torch.Tensor | None, microbatch) -> torch.Tensor:
-            args, kwargs = _arguments(microbatch, with_loss_fn=self.loss_fn is not None)
+            args, kwargs = microbatch_arguments(microbatch, with_loss_fn=self.loss_fn is not None)
             args, kwargs = self.features.split_inputs(args, kwargs)
             state.begin(received)
             try:
@@ -149,18 +149,7 @@ class PipelineDriver:
         return RouterLossCarrier.apply(out, aux.to(out.device), weight, scale)
 
     def _loss(self, out, microbatch) -> torch.Tensor:
-        if self.loss_fn is not None:
-            target = microbatch[1] if isinstance(microbatch, (tuple, list)) else microbatch
-            return self.loss_fn(out, target)
-        loss = out if torch.is_tensor(out) else getattr(out, "loss", None)
-        if loss is None and isinstance(out, dict):
-            loss = out.get("loss")
-        if not torch.is_tensor(loss) or loss.dim() != 0:
-            raise ValueError(f"the model returned {type(out).__name__} without a scalar loss: under a pipeline "
-                             "config train_batch needs the loss from the model's output (pass labels in the "
-                             "micro-batch, e.g. {\"input_ids\": x, \"labels\": y}) or initialize(..., loss_fn=f) "
-                             "with f(output, micro-batch or its labels)")
-        return loss
+        return loss_of(out, microbatch, self.loss_fn)
 
     # ---- what the stages share ---------------------------------------------------------------------
     def _sum_shared_gradients(self) -> None:
@@ -207,7 +196,24 @@ def _forward_phase(runtime, precision: PrecisionPolicy, device: torch.device, ke
         yield
 
 
-def _arguments(microbatch, with_loss_fn: bool) -> tuple[tuple, dict]:
+def loss_of(out, microbatch, loss_fn: LossFunction | None) -> torch.Tensor:
+    """A micro-batch's loss from the model's output: loss_fn(output, micro-batch or its labels), else the output's
+    own (`.loss`, a "loss" entry, or a scalar output)."""
+    if loss_fn is not None:
+        target = microbatch[1] if isinstance(microbatch, (tuple, list)) else microbatch
+        return loss_fn(out, target)
+    loss = out if torch.is_tensor(out) else getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if not torch.is_tensor(loss) or loss.dim() != 0:
+        raise ValueError(f"the model returned {type(out).__name__} without a scalar loss: "
+                         "train_batch needs the loss from the model's output (pass labels in the "
+                         "micro-batch, e.g. {\"input_ids\": x, \"labels\": y}) or initialize(..., loss_fn=f) "
+                         "with f(output, micro-batch or its labels)")
+    return loss
+
+
+def microbatch_arguments(microbatch, with_loss_fn: bool) -> tuple[tuple, dict]:
     """The model's forward arguments from a micro-batch: keyword arguments from a dict; with a loss_fn, (inputs,
     labels) as DeepSpeed's pipeline takes them; else a tuple's elements as positional arguments, or one tensor."""
     if isinstance(microbatch, dict):

@@ -100,7 +100,19 @@ def plan_stages(model: nn.Module, config: PipelineConfig, measure=None) -> Stage
     return StagePlan(list_name, tuple(starts), len(blocks), tuple(outside), config.stages)
 
 
-def _outside_modules(model: nn.Module, list_name: str) -> list[tuple[str, Place]]:
+def plan_block_stages(model: nn.Module, what: str) -> StagePlan:
+    """One stage per block of `model`'s block list, all on one rank (Note [layer-major accumulation]); `what`
+    names the option asking for it in errors."""
+    found = find_block_list(model)
+    if found is None:
+        raise ValueError(f"{what}: {type(model).__name__} has no nn.ModuleList of same-class blocks to run block by "
+                         "block (e.g. GPT-2's transformer.h); remove the option for this model")
+    list_name, blocks = found
+    return StagePlan(list_name, tuple(range(len(blocks))), len(blocks), tuple(_outside_modules(model, list_name, what)),
+                     ranks=1)
+
+
+def _outside_modules(model: nn.Module, list_name: str, what: str = "pipeline") -> list[tuple[str, Place]]:
     """The modules with parameters beside the path from the root to the block list, each before or after it by
     registration order. A parameter held directly by a module on that path cannot be placed: refused."""
     path = list_name.split(".") if list_name else []
@@ -108,7 +120,7 @@ def _outside_modules(model: nn.Module, list_name: str) -> list[tuple[str, Place]
     for step in path:
         direct = [n for n, _ in module.named_parameters(recurse=False)]
         if direct:
-            raise ValueError(f"pipeline: parameter {prefix}{direct[0]} belongs to {type(module).__name__}, which "
+            raise ValueError(f"{what}: parameter {prefix}{direct[0]} belongs to {type(module).__name__}, which "
                              "contains the block list, so no stage can hold it alone; move it into a submodule "
                              "(e.g. an nn.Embedding) so that the stage that uses it holds it")
         place = Place.BEFORE
@@ -148,9 +160,10 @@ class PipelineModel:
         return {pid: ranks for pid, ranks in self.shared.items() if self.rank in ranks}
 
 
-def split_model(model: nn.Module, plan: StagePlan, rank: int) -> PipelineModel:
-    """Vacates in `model` what pipeline rank `rank` does not hold, and builds its stages' views."""
-    _refuse_losses_over_every_block(model)
+def split_model(model: nn.Module, plan: StagePlan, rank: int, what: str = "pipeline.stages") -> PipelineModel:
+    """Vacates in `model` what pipeline rank `rank` does not hold, and builds its stages' views; `what` names the
+    option asking for the split in errors."""
+    _refuse_losses_over_every_block(model, what)
     names = {id(p): n for n, p in model.named_parameters()}
     keys = tuple(model.state_dict(keep_vars=True))  # before vacating: every stage's keys
     ranks_of = _ranks_of_parameters(model, plan)
@@ -229,12 +242,12 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent._modules[child] = new
 
 
-def _refuse_losses_over_every_block(model: nn.Module) -> None:
+def _refuse_losses_over_every_block(model: nn.Module, what: str) -> None:
     """A Hugging Face MoE model with output_router_logits adds an aux loss over every layer's router logits; only
     the hidden state crosses a stage boundary, so the last stage would take it over its own layers' logits only."""
     if getattr(getattr(model, "config", None), "output_router_logits", False):
-        raise ValueError(f"pipeline.stages: {type(model).__name__} adds its routers' aux loss (output_router_logits="
-                         "True) from every MoE layer's router logits, and in a pipeline only the hidden state crosses "
-                         "a stage boundary, so the last stage would see its own layers' logits only; set "
+        raise ValueError(f"{what}: {type(model).__name__} adds its routers' aux loss (output_router_logits="
+                         "True) from every MoE layer's router logits, and only the hidden state crosses a stage "
+                         "boundary, so the last stage would see its own layers' logits only; set "
                          "output_router_logits=False in its config, or build its MoE layers with engine.moe.MoE "
                          "(moe.aux_loss_coef then adds their router losses on every stage)")

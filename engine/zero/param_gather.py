@@ -233,6 +233,22 @@ class ParamGatherer:
         self._ahead.discard(chunk)
         self.shards.release(chunk)
 
+    def chunks_of(self, modules) -> set[int]:
+        """The gathered (non-persistent) chunks holding a parameter of one of `modules` (hooked ones)."""
+        return {c for m in modules for c in self._module_chunks.get(m, ())}
+
+    def hold(self, chunk: int) -> None:
+        """Keeps `chunk` from being released once gathered, until `let_go` (Note [layer-major accumulation])."""
+        self.states[chunk].held += 1
+
+    def let_go(self, chunk: int) -> None:
+        """Ends a `hold`: in a forward whose every owner module of the chunk has run, the chunk is released now;
+        otherwise the usual rules release it (a backward, once its gradients are in; the pass end)."""
+        state = self.states[chunk]
+        state.held -= 1
+        if self.phase is TrainingPhase.FORWARD and state.done >= state.owners:
+            self.release(chunk)
+
     @contextlib.contextmanager
     def gathered(self, chunks: list[int]):
         """Chunks gathered for user code (all ranks, same chunks), held through any pass run inside the

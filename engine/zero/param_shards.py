@@ -95,6 +95,7 @@ class ShardedParams:
         # elements of transient chunks not released (gathered or gathering): kept, not summed per demand
         self.live_numel = sum(states[i].numel for i in self.transient)
         self._manager: ChunkManager | None = None  # Note [offloaded parameter shards]
+        self.gathered_bytes = 0  # full-chunk bytes of the gathers started so far (reads of parameters per step)
 
     @property
     def shards(self) -> list[torch.Tensor]:
@@ -154,6 +155,7 @@ class ShardedParams:
         if not state.gather(group, counter):
             return False
         self.live_numel += state.numel
+        self.gathered_bytes += state.param_chunk.nbytes
         return True
 
     def wait(self, index: int) -> None:
