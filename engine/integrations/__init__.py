@@ -1,0 +1,1 @@
+"""Ways in from the frameworks people already train with (Hugging Face Trainer, ...)."""
