@@ -77,10 +77,20 @@ def run(model_fn, layer_major: bool, device: str, path: str, optimizer: dict = S
         engine.close()
 
 
+def hf_llama(seed: int = 0):
+    """Llama from a config: rotary positions and the causal mask computed in the model's forward, around its blocks."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg)
+
+
 CASES = {  # name: (model, offload device, optimizer, extra config)
     "tiny-cpu-sgd": (tiny_gpt, "cpu", SGD, {}),
     "tiny-nvme-adamw-checkpointing": (tiny_gpt, "nvme", ADAMW, {"activation_checkpointing": {"enabled": True}}),
     "hf-gpt2-nvme-sgd": (hf_gpt2, "nvme", SGD, {}),
+    "hf-llama-cpu-sgd": (hf_llama, "cpu", SGD, {}),
     "tiny-cpu-bf16": (tiny_gpt, "cpu", ADAMW, {"bf16": {"enabled": True}}),
 }
 BF16_LOSS_RTOL = 1e-3  # the bf16 gradients are summed in bf16 in another order

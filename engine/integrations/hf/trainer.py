@@ -204,14 +204,16 @@ class TiersTrainerMixin:
                                f"{engine.micro_step}, gradient_accumulation_steps {engine.gradient_accumulation_steps})"
                                ": an epoch ended inside an accumulation; make each epoch's micro-batches a multiple "
                                "of gradient_accumulation_steps")
-        self.engine.backward(loss * engine.gradient_accumulation_steps)  # engine.backward divides by them again
+        engine.backward(loss * engine.gradient_accumulation_steps)  # engine.backward divides by them again
         if engine.is_gradient_accumulation_boundary():
             self.lr_scheduler.last_update_lr = engine.get_lr()
         engine.step()
         return loss.detach()
 
     def _clip_grad_norm(self, model):
-        return self._get_grad_norm(model)
+        if self.engine is None:
+            return super()._clip_grad_norm(model)
+        return self.engine.get_global_grad_norm()  # the engine clipped by it at its update
 
     def _get_grad_norm(self, model, grad_norm=None):
         if self.engine is None:
