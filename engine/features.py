@@ -337,7 +337,7 @@ class Features:
     def schedule(self, call: str) -> PipelineDriver | LayerMajorDriver:
         """The driver engine.`call` (train_batch, eval_batch) runs: a pipeline's, or layer-major accumulation's
         (Note [layer-major accumulation]); raises without either."""
-        driver = self.parallel("pipeline") or self.parallel("layer_major")
+        driver = self._scheduling_driver()
         if driver is None:
             raise RuntimeError(f"engine.{call} runs a step's micro-batches through a schedule, and this config has "
                                "none (pipeline.stages is 1, zero_optimization.offload_param.layer_major is false); "
@@ -346,5 +346,7 @@ class Features:
 
     def tensor_backward(self, build: Callable) -> TensorBackward | ScheduledBackward:
         """build() (Note [tensor backward]), unless a schedule runs the micro-batches' backward passes itself."""
-        scheduled = self.parallel("pipeline") or self.parallel("layer_major")
-        return ScheduledBackward() if scheduled is not None else build()
+        return ScheduledBackward() if self._scheduling_driver() is not None else build()
+
+    def _scheduling_driver(self) -> PipelineDriver | LayerMajorDriver | None:
+        return self.parallel("pipeline") or self.parallel("layer_major")

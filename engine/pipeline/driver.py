@@ -46,7 +46,7 @@ from engine.pipeline.executor import PipelineRunner, StepResult
 from engine.pipeline.model_split import PipelineModel
 from engine.pipeline.schedules import Action, ActionKind, build_schedule
 from engine.pipeline.simulate import simulate
-from engine.pipeline.stage_modules import StageOutput
+from engine.pipeline.stage_modules import run_stage_view
 from engine.precision import PrecisionPolicy
 from engine.topology import Topology
 
@@ -120,14 +120,9 @@ class PipelineDriver:
         def run(received: torch.Tensor | None, microbatch) -> torch.Tensor:
             args, kwargs = microbatch_arguments(microbatch, with_loss_fn=self.loss_fn is not None)
             args, kwargs = self.features.split_inputs(args, kwargs)
-            state.begin(received)
-            try:
-                with self.features.around_forward():
-                    out = view(*args, **kwargs)
-            except StageOutput as sent:
-                return self._carrying_router_losses(sent.value, last=False)
-            finally:
-                state.end()
+            out, ran_to_end = run_stage_view(view, state, received, args, kwargs, self.features.around_forward)
+            if not ran_to_end:
+                return self._carrying_router_losses(out, last=False)
             if stage != last:
                 raise RuntimeError(f"pipeline stage {stage}'s forward returned without reaching its last block; the "
                                    "model's forward skipped blocks of its block list")

@@ -47,7 +47,7 @@ import torch
 from engine.comm import CommCounter, all_reduce_sum
 from engine.pipeline.driver import LossFunction, loss_of, microbatch_arguments
 from engine.pipeline.model_split import PipelineModel
-from engine.pipeline.stage_modules import StageOutput
+from engine.pipeline.stage_modules import run_stage_view
 from engine.precision import PrecisionPolicy
 from engine.topology import Topology
 
@@ -143,9 +143,13 @@ class LayerMajorDriver:
                                "skips; remove zero_optimization.offload_param.layer_major")
         self._cut_checked = True
 
-    def _whole_loss(self, microbatch) -> torch.Tensor:
+    def _arguments(self, microbatch) -> tuple[tuple, dict]:
+        """The model's forward arguments from a micro-batch, as the engine's forward prepares them."""
         args, kwargs = microbatch_arguments(microbatch, with_loss_fn=self.loss_fn is not None)
-        args, kwargs = self.features.split_inputs(self.precision.forward_args(args), kwargs)
+        return self.features.split_inputs(self.precision.forward_args(args), kwargs)
+
+    def _whole_loss(self, microbatch) -> torch.Tensor:
+        args, kwargs = self._arguments(microbatch)
         with self.runtime.forward(), self.precision.autocast(self.topology.device), self.features.around_forward():
             out = self.split.holder(*args, **kwargs)
         self.features.take_aux_loss()
@@ -183,17 +187,11 @@ class LayerMajorDriver:
 
     def _run_stage(self, stage: int, received: torch.Tensor | None, microbatch, last: bool) -> torch.Tensor:
         """Stage `stage`'s forward on one micro-batch: its hidden state out, or on the last stage its loss."""
-        view, state = self.split.views[stage], self.split.state
-        args, kwargs = microbatch_arguments(microbatch, with_loss_fn=self.loss_fn is not None)
-        args, kwargs = self.features.split_inputs(self.precision.forward_args(args), kwargs)
-        state.begin(received)
-        try:
-            with self.features.around_forward():
-                out = view(*args, **kwargs)
-        except StageOutput as sent:
-            return sent.value
-        finally:
-            state.end()
+        args, kwargs = self._arguments(microbatch)
+        out, ran_to_end = run_stage_view(self.split.views[stage], self.split.state, received, args, kwargs,
+                                         self.features.around_forward)
+        if not ran_to_end:
+            return out
         if not last:
             raise RuntimeError(f"layer_major: the model's forward returned without running block {stage} of its block "
                                f"list {self.split.plan.list_name}, so it cannot run block by block; remove "

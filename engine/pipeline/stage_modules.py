@@ -87,6 +87,20 @@ class StageBoundary(nn.Module):
         return out
 
 
+def run_stage_view(view: nn.Module, state: StageState, received: torch.Tensor | None, args: tuple, kwargs: dict,
+                   around) -> tuple[object, bool]:
+    """A stage's view run on one micro-batch's arguments, its first block taking `received`, inside `around()`:
+    (the hidden state its last block sends on, False), or (the model's own output, True) when it ran to the end."""
+    state.begin(received)
+    try:
+        with around():
+            return view(*args, **kwargs), True
+    except StageOutput as sent:
+        return sent.value, False
+    finally:
+        state.end()
+
+
 def _with_hidden_state(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
     """The block's call with its hidden state (its first argument, or keyword `hidden_states`) replaced."""
     if args:
