@@ -260,7 +260,7 @@ def check_run(cfg: Config, topology: Topology, *, optimizer=None, lr_scheduler=N
     sharded = cfg.zero_optimization.stage >= 1 and topology.dp_world_size > 1
     rebuilt = sharded or cfg.bf16.enabled or cfg.fp16.enabled or built_under_zero_init or cfg.pipeline.enabled
     if optimizer is not None and rebuilt:
-        _check_client_optimizer_rebuild(optimizer, lr_scheduler)
+        _check_client_optimizer_rebuild(optimizer, lr_scheduler, cfg.pipeline.enabled)
 
 
 def _check_pipeline_run(cfg: Config, topology: Topology, built_under_zero_init: bool) -> None:
@@ -293,17 +293,17 @@ def check_client_objects(cfg: Config, optimizer=None, lr_scheduler=None, model_p
                          "a passed optimizer already names its parameters")
 
 
-def _check_client_optimizer_rebuild(client: torch.optim.Optimizer, lr_scheduler) -> None:
-    """ZeRO stage >= 1, bf16/fp16, zero_init and pipeline stages rebuild a client optimizer over the shards,
-    masters or the stage's parameters."""
-    if lr_scheduler is not None and hasattr(lr_scheduler, "step"):
-        raise ValueError("with ZeRO stage >= 1, bf16/fp16 or pipeline stages the optimizer passed to initialize() "
-                         "is rebuilt over this rank's shards, fp32 master weights or stage parameters, so a "
-                         "scheduler built on it would drive the old one; pass lr_scheduler as a callable that "
-                         "takes the optimizer (e.g. lambda opt: LambdaLR(opt, f))")
+def _check_client_optimizer_rebuild(client: torch.optim.Optimizer, lr_scheduler, pipelined: bool) -> None:
+    """ZeRO stage >= 1, bf16/fp16 and zero_init point a client optimizer at the shards or masters (a scheduler
+    built on it still drives it); pipeline stages rebuild it over the stage's parameters."""
+    if pipelined and lr_scheduler is not None and hasattr(lr_scheduler, "step"):
+        raise ValueError("under pipeline stages the optimizer passed to initialize() is rebuilt over the stage's "
+                         "parameters, so a scheduler built on it would drive the old one; pass lr_scheduler as a "
+                         "callable that takes the optimizer (e.g. lambda opt: LambdaLR(opt, f))")
     if client.state:
-        raise ValueError(f"the {type(client).__name__} passed to initialize() already holds state; with ZeRO "
-                         "stage >= 1 it is rebuilt over this rank's shards, so pass a freshly built optimizer")
+        raise ValueError(f"the {type(client).__name__} passed to initialize() already holds state, kept for "
+                         "whole parameters, while with ZeRO stage >= 1, bf16/fp16 or pipeline stages it steps this "
+                         "rank's shards or masters; pass a freshly built optimizer (load states with load_checkpoint)")
 
 
 def _check_tensor_parallel(optimizer, model_parameters, built_under_zero_init: bool) -> None:

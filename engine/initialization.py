@@ -391,8 +391,9 @@ def build_chunk_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.dev
                           client: torch.optim.Optimizer | None = None, rebuild: bool = False,
                           data_parallel: DataParallelGroup | None = None) -> torch.optim.Optimizer:
     """The optimizer over the chunks: the config's, with its states placed by the OffloadPolicy (Note [offload
-    policy]); or the client's, rebuilt over this rank's shards or fp32 masters when there are any, or when
-    `rebuild` (a pipeline stage: the client holds every stage's parameters)."""
+    policy]); or the client's, pointed at this rank's shards or fp32 masters when there are any, or rebuilt when
+    `rebuild` (a pipeline stage: the client holds every stage's parameters, and a stage may hold no parameter of
+    one of its groups)."""
     check_offload(cfg, chunked.shard_count, client)  # (initialize checked it already; this step may run alone)
     policy = OffloadPolicy.from_config(cfg, grads_sharded=chunked.shards_grads,
                                        masters=chunked.has_masters)
@@ -403,8 +404,10 @@ def build_chunk_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.dev
         segments = chunk_segments(cfg.optimizer, chunked, offloaded=False)
         return build_optimizer(cfg.optimizer, chunked.optimizer_param_groups(), segments, data_parallel,
                                tiled_layout_of(cfg, chunked))
-    if chunked.sharded or chunked.has_masters or chunked.values_pending or rebuild:
+    if rebuild:
         return _rebuilt_over_shards(client, chunked)
+    if chunked.sharded or chunked.has_masters or chunked.values_pending:
+        return _repointed_at_shards(client, chunked)
     return client
 
 
@@ -475,6 +478,18 @@ def _given_param_groups(model: nn.Module, optimizer, model_parameters, replaced:
     if items and isinstance(items[0], dict):
         return [dict(g, params=list(g["params"])) for g in items]
     return [{"params": items}]
+
+
+def _repointed_at_shards(client: torch.optim.Optimizer, chunked: ChunkedParams) -> torch.optim.Optimizer:
+    """ZeRO shards a client optimizer's states as DeepSpeed does: the client's param groups (their options kept)
+    now hold this rank's shards of the chunks, so a scheduler built on the client drives the engine's updates."""
+    groups = chunked.optimizer_param_groups()
+    if len(groups) != len(client.param_groups):  # chunking keeps one group per client group
+        raise RuntimeError(f"chunking made {len(groups)} param groups of the client's {len(client.param_groups)}")
+    client.param_groups.clear()
+    for group in groups:
+        client.add_param_group(group)
+    return client
 
 
 def _rebuilt_over_shards(client: torch.optim.Optimizer, chunked: ChunkedParams) -> torch.optim.Optimizer:

@@ -54,10 +54,10 @@ def test_a_client_optimizer_wins_over_the_config_and_model_parameters(caplog):
     assert optimizer.param_groups[0]["params"] == [model[0].weight] and engine.get_lr() == [0.3]
 
 
-def test_a_scheduler_object_drives_the_optimizer_the_engine_rebuilt():
-    """bf16 rebuilds the client optimizer over fp32 masters (where DeepSpeed wraps it): the client's StepLR is
-    re-pointed at it, so the engine's learning rate follows the schedule, without torch's order warning; a
-    client scheduler wins over a config `scheduler`."""
+def test_a_scheduler_object_drives_the_client_optimizer_pointed_at_masters():
+    """bf16 points the client optimizer's groups at fp32 masters (where DeepSpeed wraps it): the client's StepLR
+    still drives it, so the engine's learning rate follows the schedule, without torch's order warning; a client
+    scheduler wins over a config `scheduler`."""
     model = mlp()
     client = torch.optim.SGD(model.parameters(), lr=0.1)
     schedule = torch.optim.lr_scheduler.StepLR(client, step_size=1, gamma=0.5)
@@ -65,7 +65,7 @@ def test_a_scheduler_object_drives_the_optimizer_the_engine_rebuilt():
               "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
     engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=client, lr_scheduler=schedule,
                                                            config=config)
-    assert optimizer is not client and scheduler is schedule and schedule.optimizer is optimizer
+    assert optimizer is client and scheduler is schedule and schedule.optimizer is optimizer
     seen = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")

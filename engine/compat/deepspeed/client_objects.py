@@ -3,10 +3,10 @@
 - A client optimizer wins over the config's `optimizer` section and over `model_parameters` (DeepSpeed uses the
   client's and logs it); a callable optimizer is called with the model parameters, as DeepSpeed calls it.
 - A client scheduler wins over the config's `scheduler` section. A scheduler object drives whatever optimizer the
-  engine steps: Tiers rebuilds a client optimizer over this rank's shards or fp32 master weights (ZeRO >= 1,
-  bf16/fp16), where DeepSpeed wraps it, so the scheduler is re-pointed at the optimizer the engine steps. Its
-  state (step count, base learning rates) is kept; the rebuilt optimizer's groups carry the learning rates the
-  scheduler set when it was built.
+  engine steps: under ZeRO >= 1 and bf16/fp16 that is the client itself, its groups pointed at this rank's shards
+  or fp32 masters; pipeline stages rebuild the client over the stage's parameters, so there the scheduler is
+  re-pointed at the rebuilt one. Its state (step count, base learning rates) is kept; the rebuilt optimizer's
+  groups carry the learning rates the scheduler set when it was built.
 """
 
 from __future__ import annotations
