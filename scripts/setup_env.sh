@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the repo's virtual environment .venv and installs what is missing.
 #   scripts/setup_env.sh            the package and its dependencies
-#   scripts/setup_env.sh dev,hf     plus the extras (tests, Hugging Face test clients)
+#   scripts/setup_env.sh dev,hf,lightning,ray   plus the extras (tests; Hugging Face, Lightning and Ray clients)
 # torch is pinned first to the version these machines carry as a local CPU wheel, so pip never
 # pulls a CUDA build from the registry; set TIERS_TORCH to install another (e.g. "torch" on a GPU box).
 set -euo pipefail

@@ -2,6 +2,9 @@
 
     results = run_distributed(worker, world_size=2, args=(...), timeout_s=120)
 
+A user's script whose framework starts the processes itself (Lightning's launcher, Ray) runs through
+`run_user_script`, under the same time bound.
+
 `worker(rank, world_size, *args)` must be a module-level function (it is pickled by reference
 into freshly spawned processes). It runs with torch.distributed already initialized (gloo) and
 the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) set, with one
@@ -13,6 +16,9 @@ from __future__ import annotations
 import io
 import os
 import queue
+import signal
+import subprocess
+import sys
 import time
 import traceback
 
@@ -135,3 +141,27 @@ def run_cases(rank: int, cases: list[tuple], run) -> dict:
 def results_by_case(per_rank: list[dict]) -> dict:
     """{case: [rank 0's result, rank 1's, ...]} from what each rank's run_cases returned."""
     return {case: [results[case] for results in per_rank] for case in per_rank[0]}
+
+
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
+                    "MASTER_PORT", "PL_GLOBAL_SEED")
+
+
+def run_user_script(script, args: list[str], cwd, timeout_s: float = 240.0) -> str:
+    """Runs `python script *args` in `cwd` as a user would (no launch variables inherited, one thread per process),
+    in a session of its own, so that the processes its framework starts die with it on a timeout; returns its
+    output, or raises with the output's tail when it fails or runs past timeout_s."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    job = subprocess.Popen([sys.executable, str(script), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = job.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        output, _ = job.communicate()
+        raise TimeoutError(f"{script} ran past {timeout_s:.0f} s (hang or deadlock?):\n{output[-4000:]}") from None
+    if job.returncode != 0:
+        raise RuntimeError(f"{script} exited with {job.returncode}:\n{output[-6000:]}")
+    return output
+

@@ -13,7 +13,7 @@ import pytest
 from engine.config import load_config
 from engine.config_schema import ConfigError
 from engine.integrations.hf import resolve_config
-from engine.integrations.hf.auto_config import model_parallel_size
+from engine.integrations.parallel_sizes import model_parallel_size
 
 transformers = pytest.importorskip("transformers")
 accelerate_deepspeed = pytest.importorskip("accelerate.utils.deepspeed")

@@ -32,15 +32,15 @@ on one trainer, a scheduler object passed to the Trainer, auto_find_batch_size, 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 
-from torch import nn
 from transformers import Trainer, TrainingArguments, get_scheduler
 
 from engine.initialization import initialize
-from engine.integrations.hf.auto_config import model_parallel_size, resolve_config
+from engine.integrations.hf.auto_config import resolve_config
+from engine.integrations.parallel_sizes import model_parallel_size
+from engine.integrations.stand_ins import EngineModule, EngineOptimizer
 
 
 @dataclasses.dataclass
@@ -54,49 +54,6 @@ class TiersTrainingArguments(TrainingArguments):
     @property
     def place_model_on_device(self) -> bool:
         return False  # the engine places the model (its chunks, offloaded or sharded)
-
-
-class EngineModule(nn.Module):
-    """What the Trainer calls as its model once the engine exists: the engine's forward, no gradient syncing of its
-    own (the engine reduces at its boundary) and nothing to zero (the engine clears after each update)."""
-
-    def __init__(self, engine):
-        super().__init__()
-        object.__setattr__(self, "engine", engine)  # not a submodule: the wrapped model's parameters stay its own
-
-    def forward(self, *args, **kwargs):
-        return self.engine(*args, **kwargs)
-
-    def train(self, mode: bool = True) -> EngineModule:
-        self.engine.train(mode)
-        return super().train(mode)
-
-    def no_sync(self):
-        return contextlib.nullcontext()
-
-    def _get_name(self) -> str:
-        return self.engine.module._get_name()  # the Trainer tells causal LMs by it (label smoothing shifts labels)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
-
-
-class EngineOptimizer:
-    """The Trainer's optimizer once the engine exists: the engine's param groups; stepping and zeroing are the
-    engine's own."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.engine.optimizer.param_groups
-
-    def step(self, closure=None) -> None:
-        pass
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
 
 
 class EngineScheduler:

@@ -1,0 +1,94 @@
+"""A DeepSpeed-style config completed from what Lightning's Trainer or Fabric was told (Note [Lightning's arguments
+in the config])."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+from engine.integrations.parallel_sizes import model_parallel_size
+
+AUTO = "auto"
+# Lightning's precision flag -> the config section it enables; "32-true" leaves the config's own sections as they are
+PRECISION_SECTIONS = {"32-true": None, "bf16-mixed": "bf16", "16-mixed": "fp16"}
+
+
+def read_config(config: str | os.PathLike | dict) -> dict:
+    """A deep copy of `config` (a dict, or a JSON file's path)."""
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    with open(config, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def lightning_config(config: str | os.PathLike | dict, *, precision: str, accumulation: int | None = None,
+                     clipping: float | None = None, micro_batch: int | None = None) -> dict:
+    """Note [Lightning's arguments in the config]
+    The Trainer's (or Fabric's) arguments are written into the config where it leaves them out or says "auto", and a
+    config value that contradicts them is refused, so the engine trains as the arguments say:
+    - gradient_accumulation_steps from accumulate_grad_batches (Fabric has none: the config's, default 1);
+    - gradient_clipping from gradient_clip_val (a config's number wins over an unset value, as in DeepSpeed);
+    - train_micro_batch_size_per_gpu from the training loader's batch size (Fabric: 1 unless the config derives it
+      from train_batch_size); it counts samples for throughput and checks train_batch_size;
+    - precision "bf16-mixed" / "16-mixed" enables the config's bf16 / fp16 section; "32-true" leaves the config's
+      sections as they are (a config with bf16 trains in bf16, as under DeepSpeed); "-true" half precisions and
+      64-bit are refused (the engine keeps fp32 master weights).
+    Tensor, pipeline and sequence parallelism are refused: Lightning's sampler gives every process other samples."""
+    config = read_config(config)
+    problems: list[str] = []
+    _settle(config, "gradient_accumulation_steps", accumulation, "accumulate_grad_batches", problems)
+    _settle(config, "gradient_clipping", clipping, "gradient_clip_val", problems, unset=0.0)
+    _settle(config, "train_micro_batch_size_per_gpu", micro_batch, "the training data loader's batch_size", problems,
+            unset=None if isinstance(config.get("train_batch_size"), int) else 1)
+    if config.get("train_batch_size") == AUTO:
+        del config["train_batch_size"]  # derived from the micro-batch, the accumulation and the processes
+    _settle_precision(config, precision, problems)
+    if problems:
+        raise ValueError("TiersStrategy: the config contradicts Lightning's arguments: " + "; ".join(problems))
+    if model_parallel_size(config) > 1:
+        raise ValueError("TiersStrategy with tensor, pipeline or sequence parallelism is not built yet (Lightning's "
+                         "sampler gives every process other samples); train with data parallelism and ZeRO")
+    if ((config.get("zero_optimization") or {}).get("offload_param") or {}).get("layer_major"):
+        raise ValueError("zero_optimization.offload_param.layer_major needs every micro-batch of a step at once "
+                         "(engine.train_batch), and Lightning runs one micro-batch at a time; remove it")
+    return config
+
+
+def _settle(config: dict, key: str, value, source: str, problems: list[str], unset=None) -> None:
+    """config[key] from the framework's `value` (None: the framework sets none, so `unset` fills an absent or "auto"
+    key, or nothing when `unset` is None)."""
+    current = config.get(key, AUTO)
+    if value is None:
+        if current == AUTO and unset is not None:
+            config[key] = unset
+        elif current == AUTO and key in config:
+            del config[key]
+        return
+    if current == AUTO:
+        config[key] = value
+    elif current != value:
+        problems.append(f"{key} is {current!r} in the config but {source} gives {value!r}; set one of them (the "
+                        f"config's to \"auto\")")
+
+
+def _settle_precision(config: dict, precision: str, problems: list[str]) -> None:
+    if precision not in PRECISION_SECTIONS:
+        problems.append(f"precision={precision!r} is not built under TiersStrategy; use \"bf16-mixed\" or "
+                        "\"16-mixed\" (the engine keeps fp32 master weights), or \"32-true\" with the config's own "
+                        "bf16/fp16 section")
+        return
+    wanted = PRECISION_SECTIONS[precision]
+    for name in ("bf16", "fp16"):
+        section = config.get(name)
+        if isinstance(section, dict) and section.get("enabled") == AUTO:
+            section["enabled"] = name == wanted
+    if wanted is None:
+        return
+    other = "fp16" if wanted == "bf16" else "bf16"
+    if (config.get(other) or {}).get("enabled") is True:
+        problems.append(f"precision={precision!r} but the config enables {other}")
+    section = config.setdefault(wanted, {})
+    if section.get("enabled", True) is not True:
+        problems.append(f"precision={precision!r} but the config's {wanted}.enabled is {section['enabled']!r}")
+    section["enabled"] = True

@@ -1,0 +1,250 @@
+"""Lightning's Trainer over a Tiers engine: TiersStrategy and its precision plugin.
+
+Note [Lightning's Trainer over an engine]
+The Trainer keeps its loop (data, hooks, logging, callbacks, validation, checkpoint files); the strategy swaps what
+touches the model's training state:
+- setup (fit): the config is completed from the Trainer's arguments (Note [Lightning's arguments in the config]) and
+  the LightningModule is wrapped once with `initialize`, with the optimizer of `configure_optimizers` (or the
+  config's `optimizer` section, not both). The engine points that optimizer at its shards, so the schedulers
+  `configure_optimizers` built on it keep working; Lightning steps them (interval, frequency, monitor), the engine
+  does not. The Trainer then holds stand-ins: the model it calls runs the engine's forward (training_step and
+  validation_step are redirected through it, as through DDP), its optimizer's zero_grad does nothing.
+- each micro-batch: the loop runs the optimizer step every batch (`handles_gradient_accumulation`): the closure
+  runs training_step and the backward, whose loss Lightning already divided by accumulate_grad_batches, so it goes
+  to engine.backward multiplied by the engine's accumulation steps (engine.backward divides by them and by the
+  data-parallel size, which DDP's gradient mean does too); then engine.step(), which updates at the boundary.
+  Lightning's accumulation boundaries must be the engine's: an epoch whose batches the accumulation does not divide
+  is refused at its first batch, and every batch checks that the engine's micro-step agrees with batch_idx.
+- clipping is the engine's (gradient_clip_val goes to the config's gradient_clipping); clipping by value and an
+  overridden configure_gradient_clipping or backward are refused, as is manual optimization.
+- checkpoints: a Trainer checkpoint path becomes a directory holding the engine's checkpoint (every state, any
+  layout) with Lightning's own state (loops, callbacks, schedulers) as its client state; a resume loads it into
+  the engine (restore after setup). A weights-only checkpoint is one file with the full weights, written by rank 0.
+  `lightning_module_state_dict` is the engine's full_state_dict (every process gathers its part).
+- configure_model runs under zero_init when the config is ZeRO stage 3 (`model_sharded_context`).
+- validate/test/predict after fit run the engine's forward; before any fit they run the plain module.
+Not built yet, refused: a second fit on one strategy, tensor/pipeline/sequence parallelism, layer-major
+accumulation, half ("-true") and 64-bit precision, more than one optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import contextmanager, nullcontext
+
+import lightning.pytorch as pl
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.optim import Optimizer
+
+from engine.initialization import initialize
+from engine.integrations.lightning.settings import lightning_config, read_config
+from engine.integrations.stand_ins import EngineModule, EngineOptimizer
+from engine.zero.zero_init import zero_init
+
+
+class TiersPrecision(Precision):
+    """Lightning's precision plugin under TiersStrategy: the engine casts, autocasts, scales and clips (the config's
+    bf16/fp16 sections, which the precision flag enables); this keeps Lightning's hooks around the engine's backward
+    and step."""
+
+    def __init__(self, precision: str = "32-true"):
+        self.precision = precision
+        self.engine = None
+
+    @classmethod
+    def replacing(cls, plugin: Precision) -> TiersPrecision:
+        if isinstance(plugin, cls):
+            return plugin
+        if type(plugin) not in (Precision, MixedPrecision):
+            raise ValueError(f"TiersStrategy with the precision plugin {type(plugin).__name__} is not built; use "
+                             "precision=\"bf16-mixed\", \"16-mixed\" or \"32-true\" (the config's bf16/fp16 decide)")
+        return cls(plugin.precision)
+
+    def backward(self, tensor, model, optimizer, *args, **kwargs) -> None:
+        # Lightning divided the loss by accumulate_grad_batches; engine.backward divides by them again
+        self.engine.backward(tensor * self.engine.gradient_accumulation_steps)
+
+    def optimizer_step(self, optimizer, model, closure, **kwargs):
+        result = closure()
+        if model.automatic_optimization and result is None:
+            raise ValueError("training_step returned None (a skipped backward), which TiersStrategy cannot skip: every "
+                             "process must reach the engine's gradient reduction; return a loss")
+        if self.engine.is_gradient_accumulation_boundary():
+            self._after_closure(model, optimizer)  # on_before_optimizer_step, once per update as under DDP
+        self.engine.step()
+        return result
+
+    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
+        pass  # the engine clips at its update, by the config's gradient_clipping (from gradient_clip_val)
+
+
+class TiersStrategy(DDPStrategy):
+    """Note [Lightning's Trainer over an engine]: `Trainer(strategy=TiersStrategy("ds_config.json"), ...)`.
+
+    config: a DeepSpeed-style config (a JSON file's path or a dict). The other arguments are DDPStrategy's
+    (process_group_backend, timeout, start_method, cluster_environment, ...); Lightning starts the processes."""
+
+    strategy_name = "tiers"
+
+    def __init__(self, config: str | os.PathLike | dict, **kwargs):
+        super().__init__(**kwargs)
+        self.config = config
+        self.engine = None
+        self._fitted = False
+
+    @property
+    def precision_plugin(self) -> TiersPrecision:
+        return self._precision_plugin if self._precision_plugin is not None else TiersPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # the Trainer's precision flag, kept as the config's bf16/fp16 sections; the engine casts and scales
+        self._precision_plugin = None if plugin is None else TiersPrecision.replacing(plugin)
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        return True
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the engine must exist to load its checkpoint
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # the engine's checkpoint holds the optimizer's states
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.accelerator.setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            if self.engine is None:
+                self.model_to_device()
+            self.model = EngineModule(self.engine) if self.engine is not None else self.lightning_module
+            return
+        if self._fitted:
+            raise ValueError("fit once per TiersStrategy: its engine holds the last fit's optimizer and schedule; make "
+                             "a new Trainer and TiersStrategy (ckpt_path=... to go on from a checkpoint)")
+        self._check_module(trainer)
+        config = lightning_config(self.config, precision=self.precision_plugin.precision,
+                                  accumulation=trainer.accumulate_grad_batches, clipping=trainer.gradient_clip_val,
+                                  micro_batch=_loader_batch_size(trainer))
+        optimizer, scheduler_configs = self._module_optimizer(config)
+        self.engine = initialize(self.lightning_module, config, optimizer=optimizer)
+        self._fitted = True
+        self.model = EngineModule(self.engine)
+        self.optimizers = [EngineOptimizer(self.engine)]
+        self.lr_scheduler_configs = scheduler_configs
+        self.precision_plugin.engine = self.engine
+
+    def _check_module(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise ValueError("manual optimization (automatic_optimization = False) under TiersStrategy is not built "
+                             "yet; let Lightning run the optimization")
+        if str(trainer.gradient_clip_algorithm) in ("value", "GradClipAlgorithmType.VALUE"):
+            raise ValueError("gradient_clip_algorithm=\"value\": the engine clips by the global norm only; use "
+                             "\"norm\"")
+        for hook in ("configure_gradient_clipping", "backward"):
+            if is_overridden(hook, module, pl.LightningModule):
+                raise ValueError(f"{type(module).__name__} overrides {hook}, which TiersStrategy would not run (the "
+                                 "engine runs the backward and clips by the config's gradient_clipping); remove it")
+
+    def _module_optimizer(self, config: dict) -> tuple[Optimizer | None, list]:
+        """The optimizer and scheduler configs of configure_optimizers, or none when the config has an optimizer."""
+        module = self.lightning_module
+        overridden = is_overridden("configure_optimizers", module, pl.LightningModule)
+        if "optimizer" in config:
+            if overridden:
+                raise ValueError(f"an optimizer both in the config and in {type(module).__name__}.configure_optimizers;"
+                                 " keep one")
+            return None, []
+        optimizers, scheduler_configs = _init_optimizers_and_lr_schedulers(module)
+        if len(optimizers) != 1 or not isinstance(optimizers[0], Optimizer):
+            raise ValueError(f"TiersStrategy trains with one optimizer, and configure_optimizers gave {len(optimizers)}"
+                             " (or none); return one, or give the config an optimizer section")
+        if scheduler_configs and "scheduler" in config:
+            raise ValueError("a scheduler both in the config and in configure_optimizers; keep one")
+        return optimizers[0], scheduler_configs
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        trainer, engine = self.lightning_module.trainer, self.engine
+        accumulation = engine.gradient_accumulation_steps
+        batches = trainer.num_training_batches
+        if batch_idx == 0 and batches != math.inf and batches % accumulation:
+            raise ValueError(f"an epoch of {batches} batches ends with a partial accumulation of "
+                             f"{batches % accumulation} (accumulate_grad_batches {accumulation}), where DDP would "
+                             "update early and the engine would not; make the batches per epoch a multiple of it "
+                             "(the dataset's size, the batch size, drop_last, limit_train_batches)")
+        if engine.micro_step % accumulation != batch_idx % accumulation:
+            raise RuntimeError(f"batch {batch_idx} is micro-step {engine.micro_step % accumulation} of the engine's "
+                               f"accumulation of {accumulation}: the last epoch ended inside an accumulation; make "
+                               "each epoch's batches a multiple of accumulate_grad_batches")
+
+    @contextmanager
+    def model_sharded_context(self):
+        stage = (read_config(self.config).get("zero_optimization") or {}).get("stage", 0)
+        with zero_init() if stage == 3 else nullcontext():
+            yield
+
+    def model_to_device(self) -> None:
+        if self.engine is None:  # the engine places the model's chunks (offloaded, sharded) itself
+            super().model_to_device()
+
+    def lightning_module_state_dict(self) -> dict:
+        if self.engine is None:
+            return super().lightning_module_state_dict()
+        return self.engine.full_state_dict(rank0_only=True)  # every process gathers its part
+
+    def optimizer_state(self, optimizer) -> dict:
+        return {}  # the engine's checkpoint holds it
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        if self.engine is None or "optimizer_states" not in checkpoint:  # weights only: one file, full weights
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError("storage_options: TiersStrategy writes the engine's checkpoint itself, not through "
+                            "CheckpointIO; leave it out")
+        filepath = self.broadcast(str(filepath))
+        state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        self.engine.save_checkpoint(filepath, tag="checkpoint", client_state=state)
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        if self.engine is None:
+            raise ValueError("a Tiers checkpoint loads into the engine, which exists from fit on; resume with "
+                             "trainer.fit(..., ckpt_path=...), or evaluate from full weights (a weights-only "
+                             "checkpoint or engine.full_state_dict())")
+        if os.path.isfile(checkpoint_path):
+            raise ValueError(f"{checkpoint_path} is a file (a weights-only checkpoint); resume from a TiersStrategy "
+                             "checkpoint directory, or load these weights with LightningModule.load_from_checkpoint")
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        path, state = self.engine.load_checkpoint(str(checkpoint_path), load_optimizer_states=fitting,
+                                                  load_lr_scheduler_states=fitting)
+        if path is None:
+            raise FileNotFoundError(f"{checkpoint_path} holds no Tiers checkpoint (no `latest`)")
+        return state
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        pass  # load_checkpoint loaded the engine's weights
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass  # and its optimizer's states
+
+    def teardown(self) -> None:
+        # unlike DDP's, nothing moves to the CPU: the engine's chunks hold the parameters and optimizer states
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+
+def _loader_batch_size(trainer: pl.Trainer) -> int | None:
+    """The training loader's batch size, as Lightning's DeepSpeed strategy reads it (None when unknown)."""
+    source = trainer.fit_loop._data_source
+    if not source.is_defined():
+        return None
+    loader = source.dataloader()
+    sampler = getattr(loader, "batch_sampler", None)
+    return getattr(sampler, "batch_size", None)
