@@ -457,8 +457,8 @@ def _param_groups(model: nn.Module, optimizer, model_parameters, meta_of: dict[i
     placeholders replaced. dropped: ids of parameters of experts other ranks hold (Note [expert parallelism])."""
     replaced = {id(meta_of[id(p)]): p for p in model.parameters() if id(p) in meta_of}
     groups = _given_param_groups(model, optimizer, model_parameters, replaced, dropped)
-    groups = [dict(g, params=[replaced.get(id(p), p) for p in g["params"] if id(p) not in dropped]) for g in groups]
-    return [g for g in groups if g["params"]]
+    # a group left empty stays: chunk groups remember the index of the group they came from (a client optimizer's)
+    return [dict(g, params=[replaced.get(id(p), p) for p in g["params"] if id(p) not in dropped]) for g in groups]
 
 
 def _given_param_groups(model: nn.Module, optimizer, model_parameters, replaced: dict,
@@ -481,14 +481,11 @@ def _given_param_groups(model: nn.Module, optimizer, model_parameters, replaced:
 
 
 def _repointed_at_shards(client: torch.optim.Optimizer, chunked: ChunkedParams) -> torch.optim.Optimizer:
-    """ZeRO shards a client optimizer's states as DeepSpeed does: the client's param groups (their options kept)
-    now hold this rank's shards of the chunks, so a scheduler built on the client drives the engine's updates."""
-    groups = chunked.optimizer_param_groups()
-    if len(groups) != len(client.param_groups):  # chunking keeps one group per client group
-        raise RuntimeError(f"chunking made {len(groups)} param groups of the client's {len(client.param_groups)}")
-    client.param_groups.clear()
-    for group in groups:
-        client.add_param_group(group)
+    """ZeRO shards a client optimizer's states as DeepSpeed does: each of the client's param groups (its options
+    kept) now holds this rank's shards of its parameters' chunks, so a scheduler built on the client drives the
+    engine's updates."""
+    for group, stepped in zip(client.param_groups, chunked.stepped_by_origin(len(client.param_groups)), strict=True):
+        group["params"] = stepped
     return client
 
 

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from engine.zero.zero_init import zero_init_recording
 from tests.distributed import run_distributed
 from tests.reference import assert_close_relative, assert_params_close
 
@@ -62,22 +63,31 @@ def logged(trainer, key: str) -> list[float]:
     return [h[key] for h in trainer.state.log_history if "loss" in h]
 
 
-def plain_run(output_dir: str, **overrides) -> tuple[list[float], list[float], dict]:
+def halving_adamw(model) -> tuple:
+    """An optimizer and scheduler passed to the Trainer, built on the model's parameters before training."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+
+
+def plain_run(output_dir: str, passed=None, **overrides) -> tuple[list[float], list[float], dict]:
     model = gpt2()
-    trainer = transformers.Trainer(model=model, train_dataset=Tokens(),
-                                   args=transformers.TrainingArguments(output_dir, **{**ARGUMENTS, **overrides}))
+    trainer = transformers.Trainer(model=model, train_dataset=Tokens(), optimizers=passed(model) if passed else
+                                   (None, None), args=transformers.TrainingArguments(output_dir,
+                                                                                    **{**ARGUMENTS, **overrides}))
     trainer.train()
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return losses_of(trainer), logged(trainer, "grad_norm"), weights
 
 
-def tiers_trainer(output_dir: str, config: dict, **overrides) -> TiersTrainer:
+def tiers_trainer(output_dir: str, config: dict, passed=None, **overrides) -> TiersTrainer:
     args = TiersTrainingArguments(output_dir, tiers_config=config, **{**ARGUMENTS, **overrides})
-    return TiersTrainer(model=gpt2(), train_dataset=Tokens(), args=args)
+    model = gpt2()
+    return TiersTrainer(model=model, train_dataset=Tokens(), args=args,
+                        optimizers=passed(model) if passed else (None, None))
 
 
-def tiers_run(output_dir: str, config: dict, **overrides) -> tuple[list[float], list[float], dict]:
-    trainer = tiers_trainer(output_dir, config, **overrides)
+def tiers_run(output_dir: str, config: dict, passed=None, **overrides) -> tuple[list[float], list[float], dict]:
+    trainer = tiers_trainer(output_dir, config, passed, **overrides)
     trainer.train()
     weights = trainer.engine.full_state_dict()
     trainer.engine.close()
@@ -109,18 +119,46 @@ def test_one_process_equals_plain_trainer_in_losses_norms_rates_and_weights(path
     trainer.engine.close()
 
 
+def test_a_model_loaded_under_the_arguments_zero_init_trains_as_the_plain_one(tmp_path):
+    """TiersTrainingArguments.zero_init() around from_pretrained under a stage-3 config: the model arrives as
+    shards (their values read at initialize), and trains as plain Trainer on the same pretrained weights."""
+    gpt2().save_pretrained(tmp_path / "pretrained")
+    config = {**AUTO_BATCH, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    args = TiersTrainingArguments(str(tmp_path / "tiers"), tiers_config=config, **ARGUMENTS)
+    with args.zero_init():
+        model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "pretrained")
+    assert zero_init_recording(model) is not None  # built as shards: the values come in at initialize
+    trainer = TiersTrainer(model=model, train_dataset=Tokens(), args=args)
+    trainer.train()
+    plain_model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "pretrained")
+    plain = transformers.Trainer(model=plain_model, train_dataset=Tokens(),
+                                 args=transformers.TrainingArguments(str(tmp_path / "plain"), **ARGUMENTS))
+    plain.train()
+    assert_close_relative(losses_of(trainer), losses_of(plain))
+    weights = trainer.engine.full_state_dict()
+    assert_params_close({n: weights[n] for n, _ in plain_model.named_parameters()},
+                        {n: p.detach() for n, p in plain_model.named_parameters()})
+    trainer.engine.close()
+    with TiersTrainingArguments(str(tmp_path / "x"), tiers_config=CONFIGS["stage2"], **ARGUMENTS).zero_init():
+        assert zero_init_recording(transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "pretrained")) is None
+
+
 def two_process_worker(rank: int, world: int, root: str) -> dict:
     out = {"ddp": plain_run(os.path.join(root, "ddp"))}
     for name, config in CONFIGS.items():
         out[name] = tiers_run(os.path.join(root, name), config)
+    out["ddp-passed"] = plain_run(os.path.join(root, "ddp-passed"), halving_adamw)
+    out["stage2-passed"] = tiers_run(os.path.join(root, "stage2-passed"), CONFIGS["stage2"], halving_adamw)
     return out
 
 
 def test_two_processes_equal_plain_trainer_over_ddp(tmp_path):
-    """Every stage, the Trainer's optimizer or the config's, and ZeRO-3 with CPU offload."""
+    """Every stage, the Trainer's optimizer or the config's, ZeRO-3 with CPU offload, and an optimizer and
+    scheduler passed to the Trainer (the engine points that optimizer at its shards; the scheduler still drives
+    it)."""
     for result in run_distributed(two_process_worker, 2, (str(tmp_path),), timeout_s=240):
-        expected_losses, expected_norms, expected = result["ddp"]
-        for name in CONFIGS:
+        for name, reference in [*((name, "ddp") for name in CONFIGS), ("stage2-passed", "ddp-passed")]:
+            expected_losses, expected_norms, expected = result[reference]
             losses, norms, weights = result[name]
             assert_close_relative(losses, expected_losses)
             assert_close_relative(norms, expected_norms)  # the gradients' scale, which clipping and Adam hide

@@ -195,6 +195,37 @@ def test_stage_1_steps_a_scheduler_bound_to_the_client_optimizer():
         assert_params_close(params, reference)
 
 
+def test_a_client_group_split_into_chunk_kinds_or_all_frozen_keeps_its_place():
+    """Stage 3 with a persistence threshold packs a group's small parameters apart from its sharded ones,
+    and a group whose parameters are all frozen packs none: the client keeps one group per own group, each holding
+    its parameters' stepped tensors, so a scheduler's per-group rates still land on the right ones."""
+    model = tiny_gpt()
+    blocks = [p for n, p in model.named_parameters() if "blocks." in n]
+    others = [p for p in model.parameters() if all(p is not b for b in blocks)]
+    frozen = [blocks[0]]
+    frozen[0].requires_grad_(False)
+    opt = torch.optim.AdamW([{"params": blocks[1:], "lr": 1e-3}, {"params": frozen, "lr": 5e-4},
+                             {"params": others, "lr": 2e-3}])
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1.0, lambda s: 1.0, lambda s: 0.5 ** s])
+    cfg = {**zero_config(3, 2, 1), "bf16": {"enabled": True}}  # fp32 masters: the client is pointed at them
+    del cfg["optimizer"]
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 1000  # norms and biases whole
+    engine = initialize(model, cfg, optimizer=opt, lr_scheduler=schedule)
+    assert engine.optimizer is opt and [g["lr"] for g in opt.param_groups] == [1e-3, 5e-4, 2e-3]
+    kinds = {(g.origin, g.persistent) for g in engine.chunked.groups}
+    assert (0, True) in kinds and (0, False) in kinds  # the first group split in two
+    stepped = {id(s.stepped) for g in engine.chunked.groups for s in g.states}
+    assert opt.param_groups[1]["params"] == []
+    for origin, group in enumerate(opt.param_groups):
+        expected = [id(s.stepped) for g in engine.chunked.groups if g.origin == origin for s in g.states]
+        assert [id(p) for p in group["params"]] == expected and set(expected) <= stepped
+    x = token_batches(1, 2)[0]
+    engine.backward(engine(x, x))
+    engine.step()
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 5e-4, 1e-3]  # the scheduler stepped the client's groups
+    engine.close()
+
+
 def test_stage_1_in_one_process_keeps_the_client_optimizer():
     model = tiny_gpt()
     opt = adamw(model.parameters())

@@ -130,6 +130,7 @@ class ChunkGroup:
     int8: bool = False  # frozen weights kept as int8 (Note [int8 frozen chunks])
     blockwise: bool = False  # their optimizer states are quantized block-wise (Note [block-wise optimizer states])
     states: list[ChunkState] = field(default_factory=list)  # its chunks' states (Note [chunk phases])
+    origin: int = -1  # the index of the param group it was packed from (-1: the frozen parameters)
 
 
 class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
@@ -178,7 +179,7 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
         self._names = names or {}
         layout = dict(capacity=capacity, device=device, first_capacity=first_capacity, align=shard_count)
 
-        def pack(params: list[nn.Parameter], options: dict, trains: bool) -> None:
+        def pack(params: list[nn.Parameter], options: dict, trains: bool, origin: int = -1) -> None:
             by_kind: dict[tuple[torch.dtype, bool, ShardPlace, bool, bool], list[nn.Parameter]] = {}
             for p in params:
                 quantized = not trains and id(p) in int8  # gathered around every use: never persistent
@@ -209,11 +210,11 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
                 for p, gv in zip(members, grad_chunks.views if trains else []):
                     p.grad = gv
                 packed.append(ChunkGroup(members, options, param_chunks, grad_chunks, persistent, place, quantized,
-                                         blockwise))
+                                         blockwise, origin=origin))
 
         seen: set[int] = set()
         listed_frozen: list[nn.Parameter] = []
-        for group in param_groups:
+        for origin, group in enumerate(param_groups):
             trainable = []
             for p in group["params"]:
                 if id(p) in seen:
@@ -227,7 +228,7 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
                     raise TypeError(f"parameter '{self.name_of(p)}' of dtype {p.dtype} requires grad but only floating "
                                     "dtypes train; set requires_grad=False on it")
                 trainable.append(p)
-            pack(trainable, {k: v for k, v in group.items() if k != "params"}, trains=True)
+            pack(trainable, {k: v for k, v in group.items() if k != "params"}, trains=True, origin=origin)
         if not packed:
             raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
         frozen_once: dict[int, nn.Parameter] = {}  # each once (tied), in model order, then those only the groups list

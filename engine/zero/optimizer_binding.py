@@ -20,6 +20,16 @@ class OptimizerBinding:
         self.rebind_optimizer_grads()
         return [{"params": [s.stepped for s in g.states], **g.options} for g in self.groups]
 
+    def stepped_by_origin(self, count: int) -> list[list[torch.Tensor]]:
+        """The stepped tensors (payloads, shards or masters) of each of the `count` param groups the chunks were
+        packed from, in order: a group split by dtype, persistence or placement comes back whole, and one whose
+        parameters are all frozen comes back empty."""
+        self.rebind_optimizer_grads()
+        stepped: list[list[torch.Tensor]] = [[] for _ in range(count)]
+        for g in self.groups:
+            stepped[g.origin] += [s.stepped for s in g.states]
+        return stepped
+
     def rebind_optimizer_grads(self) -> None:
         """Optimizers' zero_grad(set_to_none) drops payload .grad; put the grad chunks back."""
         for state in self.states:

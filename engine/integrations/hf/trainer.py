@@ -9,7 +9,10 @@ touches the model's training state:
   and the model is wrapped once with `initialize`.
   With no `optimizer` section, the Trainer's own optimizer (`create_optimizer`) is handed to initialize, and
   with no `scheduler` section its scheduler (`lr_scheduler_type`, warmup) is built by the engine over the
-  engine's optimizer, as transformers does for DeepSpeed. The Trainer then holds stand-ins: its optimizer's and
+  engine's optimizer, as transformers does for DeepSpeed. An optimizer and scheduler passed to the Trainer
+  (`optimizers=(optimizer, scheduler)`) go to initialize as they are: the engine points that optimizer at its
+  shards, so the scheduler drives it, and the engine steps the scheduler after each update, where the Trainer
+  would. The Trainer then holds stand-ins: its optimizer's and
   scheduler's `step` do nothing (the engine updates at its accumulation boundary), the scheduler reports the
   rate of the last update, and the model it passes around (`EngineModule`) runs the engine's forward.
 - each micro-batch (`training_step`): the Trainer's loss, already its share of the accumulation (divided by the
@@ -27,11 +30,12 @@ touches the model's training state:
 - a resume needs the engine's checkpoint in the folder (not a save_only_model one): refused otherwise.
 Not built yet, refused: tensor, pipeline and sequence parallelism under the Trainer (its data loader gives every
 process other samples), layer-major accumulation (the Trainer calls one micro-batch at a time), a second train()
-on one trainer, a scheduler object passed to the Trainer, auto_find_batch_size, load_best_model_at_end.
+on one trainer, a scheduler passed without its optimizer, auto_find_batch_size, load_best_model_at_end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -41,6 +45,7 @@ from engine.initialization import initialize
 from engine.integrations.hf.auto_config import resolve_config
 from engine.integrations.parallel_sizes import model_parallel_size
 from engine.integrations.stand_ins import EngineModule, EngineOptimizer
+from engine.zero.zero_init import zero_init
 
 
 @dataclasses.dataclass
@@ -54,6 +59,17 @@ class TiersTrainingArguments(TrainingArguments):
     @property
     def place_model_on_device(self) -> bool:
         return False  # the engine places the model (its chunks, offloaded or sharded)
+
+    def zero_init(self):
+        """Where to build or load the model: `with args.zero_init(): model = AutoModelForCausalLM.from_pretrained(
+        ...)`. Under a ZeRO stage-3 config each process keeps only its shards of the weights (Note [zero_init]), as
+        transformers' from_pretrained does under a DeepSpeed stage-3 config; otherwise the model builds as usual."""
+        config = self.tiers_config
+        if isinstance(config, str):
+            with open(config, encoding="utf-8") as f:
+                config = json.load(f)
+        stage = ((config or {}).get("zero_optimization") or {}).get("stage", 0)
+        return zero_init() if stage == 3 else contextlib.nullcontext()
 
 
 class EngineScheduler:
@@ -98,9 +114,11 @@ class TiersTrainerMixin:
         self._check_trainer_run(config, train_dataloader)
         config = resolve_config(with_trainer_sections(config, args), args, self.model, num_training_steps=max_steps)
         optimizer = None if "optimizer" in config else self.create_optimizer()
-        lr_scheduler = None if "scheduler" in config else (lambda opt: get_scheduler(
-            args.lr_scheduler_type, optimizer=opt, num_warmup_steps=args.get_warmup_steps(max_steps),
-            num_training_steps=max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs))
+        lr_scheduler = self.lr_scheduler  # passed as Trainer(optimizers=(optimizer, scheduler)): the engine steps it
+        if lr_scheduler is None and "scheduler" not in config:
+            lr_scheduler = lambda opt: get_scheduler(  # noqa: E731
+                args.lr_scheduler_type, optimizer=opt, num_warmup_steps=args.get_warmup_steps(max_steps),
+                num_training_steps=max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
         self.engine = initialize(self.model, config, optimizer=optimizer, lr_scheduler=lr_scheduler)
         self.optimizer, self.lr_scheduler = EngineOptimizer(self.engine), EngineScheduler(self.engine)
         self.model_wrapped = EngineModule(self.engine)
@@ -120,10 +138,9 @@ class TiersTrainerMixin:
         if self.engine is not None:
             raise ValueError("train() once per TiersTrainer: the engine it built holds the last run's schedule and "
                              "accumulation; make a new trainer (resume_from_checkpoint to go on)")
-        if self.lr_scheduler is not None:
-            raise ValueError("a scheduler passed to the Trainer (optimizers=(optimizer, scheduler)) cannot step the "
-                             "engine's optimizer; give it as the config's scheduler section, or leave it to the "
-                             "training arguments (lr_scheduler_type)")
+        if self.lr_scheduler is not None and self.optimizer is None:
+            raise ValueError("a scheduler passed to the Trainer without its optimizer (optimizers=(None, scheduler)) "
+                             "drives an optimizer the engine does not step; pass both")
         for name in ("auto_find_batch_size", "load_best_model_at_end"):
             if getattr(args, name, False):
                 raise ValueError(f"{name} under TiersTrainer is not built yet; set it to False")

@@ -15,10 +15,18 @@ maps it onto the engine's per-micro-batch calls:
 - optimizer.step(): the engine's update. It must come right after the accumulation's last backward, and a backward
   must not follow that one without it: both are refused, as is a `no_backward_sync(enabled=...)` that disagrees
   with the config's gradient_accumulation_steps (the engine would update on other micro-batches than the loop).
+- optimizer.zero_grad(): the engine clears at its update, so it must come between an update and the next
+  accumulation (DDP's loop clears there); one inside an accumulation, and a backward after an update with none
+  (DDP would add to the old gradients), are refused.
 - clipping is the config's gradient_clipping: fabric.clip_gradients is refused (the engine clips at its update).
 - fabric.save(path, state) writes the engine's checkpoint (every state, any layout) into the directory `path`, with
-  the state's other entries (schedulers' and other stateful objects' state_dict(), plain values) as its client
-  state; fabric.load(path, state) loads it and restores those entries in place, returning what is left.
+  the state's other entries (schedulers' and other stateful objects' state_dict(), plain values) beside it (Note
+  [Lightning's state beside the engine's checkpoint]); fabric.load(path, state) restores what `state` holds: the
+  model's weights, with the optimizer its states and the engine's counters, the other entries in place, and
+  returns what is left. The model must be in `state` (the engine is restored in place).
+- the weights: fabric.strategy.get_module_state_dict(model) gathers them from the engine (the model's own
+  state_dict() holds the compute copies: bf16 under bf16, placeholders under ZeRO-3); weights loaded into the model
+  after fabric.setup are not the engine's (load them before, or through fabric.load).
 - fabric.init_module() builds under zero_init when the config is ZeRO stage 3.
 Not built yet, refused: a config `optimizer` section (pass the optimizer to fabric.setup), more than one optimizer
 or model, save filters, tensor/pipeline/sequence parallelism, half ("-true") and 64-bit precision.
@@ -35,6 +43,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import _Stateful
 
 from engine.initialization import initialize
+from engine.integrations.lightning.checkpoint_state import load_with_state, save_with_state
 from engine.integrations.lightning.settings import lightning_config, read_config
 from engine.integrations.stand_ins import EngineModule, EngineOptimizer
 from engine.zero.zero_init import zero_init
@@ -81,10 +90,14 @@ class TiersFabricStrategy(DDPStrategy):
 
     def __init__(self, config: str | os.PathLike | dict, **kwargs):
         super().__init__(**kwargs)
+        if self._ddp_kwargs:
+            raise ValueError(f"TiersFabricStrategy: {', '.join(sorted(self._ddp_kwargs))} configure DDP's wrapper, "
+                             "which the engine replaces (it reduces the gradients itself); leave them out")
         self.config = config
         self.engine = None
         self.declared_accumulating: bool | None = None
         self._update_pending = False
+        self._cleared = True  # no gradients held since the last update's zero_grad (or the start)
         self._backward_sync_control = _DeclaredAccumulation(self)
 
     @property
@@ -106,7 +119,7 @@ class TiersFabricStrategy(DDPStrategy):
             raise ValueError("under Fabric the optimizer comes from fabric.setup(model, optimizer); remove the "
                              "config's optimizer section")
         self.engine = initialize(module, config, optimizer=optimizers[0])
-        return EngineModule(self.engine), [EngineOptimizer(self.engine)], scheduler
+        return EngineModule(self.engine), [FabricEngineOptimizer(self)], scheduler
 
     def setup_module(self, module):
         raise ValueError("TiersFabricStrategy sets up the model and its optimizer together: "
@@ -130,6 +143,10 @@ class TiersFabricStrategy(DDPStrategy):
             raise RuntimeError(f"fabric.backward after the accumulation's last micro-batch without optimizer.step(): "
                                f"the engine updates after every {accumulation} backward calls (the config's "
                                "gradient_accumulation_steps); step the optimizer there, or set it to your accumulation")
+        if not self._cleared and engine.micro_step % accumulation == 0:
+            raise RuntimeError("fabric.backward after an update without optimizer.zero_grad(): DDP would add these "
+                               "gradients to the last update's, and the engine cleared them at its update; call "
+                               "optimizer.zero_grad() after optimizer.step()")
         boundary = engine.is_gradient_accumulation_boundary()
         if self.declared_accumulating is not None and self.declared_accumulating == boundary:
             raise RuntimeError(f"no_backward_sync(enabled={self.declared_accumulating}) at micro-batch "
@@ -149,7 +166,18 @@ class TiersFabricStrategy(DDPStrategy):
                                f"every {engine.gradient_accumulation_steps} fabric.backward calls (the config's "
                                "gradient_accumulation_steps); step there, or set it to your accumulation")
         self._update_pending = False
+        self._cleared = False
         engine.step()
+
+    def zero_grad(self) -> None:
+        """optimizer.zero_grad(): the engine clears the gradients at its update, which is where DDP's loop clears
+        them; anywhere inside an accumulation it would drop gradients that the engine keeps."""
+        engine = self._engine()
+        if self._update_pending or engine.micro_step % engine.gradient_accumulation_steps:
+            raise RuntimeError("optimizer.zero_grad() inside an accumulation (before optimizer.step() ends it) would "
+                               "drop its gradients under DDP, and the engine keeps them; call it after "
+                               "optimizer.step()")
+        self._cleared = True
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
         raise ValueError("the engine clips by the config's gradient_clipping at its update; set it there and remove "
@@ -170,13 +198,20 @@ class TiersFabricStrategy(DDPStrategy):
                             "storage_options and filter")
         client = {name: value.state_dict() if isinstance(value, _Stateful) else value
                   for name, value in state.items() if not isinstance(value, (EngineModule, EngineOptimizer))}
-        self._engine().save_checkpoint(str(self.broadcast(str(path))), tag="checkpoint", client_state=client)
+        save_with_state(self._engine(), self.broadcast(str(path)), client, self.is_global_zero)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None) -> dict:
-        loaded, client = self._engine().load_checkpoint(str(path))
-        if loaded is None:
-            raise FileNotFoundError(f"{path} holds no Tiers checkpoint (no `latest`)")
-        for name, value in (state or {}).items():
+        """Restores what `state` holds: the model (its weights), the optimizer (its states, the engine's counters
+        and RNG), and the other entries in place; returns what the checkpoint holds besides."""
+        held = list((state or {}).values())
+        if not any(isinstance(value, EngineModule) for value in held):
+            raise ValueError("fabric.load under TiersFabricStrategy restores the engine in place: pass the model (and "
+                             "the optimizer to restore its states), e.g. fabric.load(path, {\"model\": model, "
+                             "\"optimizer\": optimizer})")
+        with_optimizer = any(isinstance(value, EngineOptimizer) for value in held)
+        client = load_with_state(self._engine(), path, weights_only, load_optimizer_states=with_optimizer,
+                                 load_lr_scheduler_states=with_optimizer, load_module_only=not with_optimizer)
+        for name, value in state.items():
             if isinstance(value, (EngineModule, EngineOptimizer)):
                 continue
             if name not in client:
@@ -193,3 +228,15 @@ class TiersFabricStrategy(DDPStrategy):
         if self.engine is None:
             raise RuntimeError("the engine exists once fabric.setup(model, optimizer) has run under this strategy")
         return self.engine
+
+
+class FabricEngineOptimizer(EngineOptimizer):
+    """The optimizer a Fabric loop holds: the engine's param groups; its zero_grad is checked against the engine's
+    accumulation (TiersFabricStrategy.zero_grad)."""
+
+    def __init__(self, strategy: TiersFabricStrategy):
+        super().__init__(strategy.engine)
+        self.strategy = strategy
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.strategy.zero_grad()

@@ -10,7 +10,7 @@ import os
 from engine.integrations.parallel_sizes import model_parallel_size
 
 AUTO = "auto"
-# Lightning's precision flag -> the config section it enables; "32-true" leaves the config's own sections as they are
+# Lightning's precision flag -> the config section an "auto" enabled value follows
 PRECISION_SECTIONS = {"32-true": None, "bf16-mixed": "bf16", "16-mixed": "fp16"}
 
 
@@ -31,9 +31,12 @@ def lightning_config(config: str | os.PathLike | dict, *, precision: str, accumu
     - gradient_clipping from gradient_clip_val (a config's number wins over an unset value, as in DeepSpeed);
     - train_micro_batch_size_per_gpu from the training loader's batch size (Fabric: 1 unless the config derives it
       from train_batch_size); it counts samples for throughput and checks train_batch_size;
-    - precision "bf16-mixed" / "16-mixed" enables the config's bf16 / fp16 section; "32-true" leaves the config's
-      sections as they are (a config with bf16 trains in bf16, as under DeepSpeed); "-true" half precisions and
-      64-bit are refused (the engine keeps fp32 master weights).
+    - precision: "bf16-mixed" is DDP's, fp32 weights and a forward under bf16 autocast, which the config's
+      torch_autocast section gives; a config whose bf16 or fp16 section says "auto" follows the flag instead (bf16
+      weights and gradients with fp32 masters, as DeepSpeed's Lightning strategy does), as does one that enables
+      bf16 itself. "16-mixed" (autocast with torch's GradScaler) has no engine equivalent: it needs the config's
+      own fp16 section (DeepSpeed's loss scaling). "32-true" leaves the config's sections as they are. "-true"
+      half precisions and 64-bit are refused.
     Tensor, pipeline and sequence parallelism are refused: Lightning's sampler gives every process other samples."""
     config = read_config(config)
     problems: list[str] = []
@@ -74,21 +77,27 @@ def _settle(config: dict, key: str, value, source: str, problems: list[str], uns
 
 def _settle_precision(config: dict, precision: str, problems: list[str]) -> None:
     if precision not in PRECISION_SECTIONS:
-        problems.append(f"precision={precision!r} is not built under TiersStrategy; use \"bf16-mixed\" or "
-                        "\"16-mixed\" (the engine keeps fp32 master weights), or \"32-true\" with the config's own "
-                        "bf16/fp16 section")
+        problems.append(f"precision={precision!r} is not built under TiersStrategy; use \"bf16-mixed\" (or "
+                        "\"16-mixed\" with the config's fp16 section), or \"32-true\" with the config's own bf16/fp16 "
+                        "section")
         return
     wanted = PRECISION_SECTIONS[precision]
     for name in ("bf16", "fp16"):
         section = config.get(name)
         if isinstance(section, dict) and section.get("enabled") == AUTO:
             section["enabled"] = name == wanted
-    if wanted is None:
+    enabled = [name for name in ("bf16", "fp16") if (config.get(name) or {}).get("enabled") is True]
+    if wanted is None or enabled == [wanted]:
         return
-    other = "fp16" if wanted == "bf16" else "bf16"
-    if (config.get(other) or {}).get("enabled") is True:
-        problems.append(f"precision={precision!r} but the config enables {other}")
-    section = config.setdefault(wanted, {})
-    if section.get("enabled", True) is not True:
-        problems.append(f"precision={precision!r} but the config's {wanted}.enabled is {section['enabled']!r}")
-    section["enabled"] = True
+    if enabled:
+        problems.append(f"precision={precision!r} but the config enables {enabled[0]}")
+    elif wanted == "fp16":
+        problems.append("precision='16-mixed' (autocast with torch's GradScaler) has no engine equivalent; enable the "
+                        "config's fp16 section (DeepSpeed's fp16: fp16 weights, fp32 masters, its loss scaling), or "
+                        "use \"bf16-mixed\"")
+    else:
+        autocast = config.setdefault("torch_autocast", {})
+        dtype = autocast.get("dtype", "bfloat16")
+        if autocast.get("enabled") is False or dtype not in ("bfloat16", "bf16", "torch.bfloat16"):
+            problems.append(f"precision='bf16-mixed' but the config's torch_autocast is {autocast}")
+        autocast.update(enabled=True, dtype="bfloat16")

@@ -14,17 +14,22 @@ touches the model's training state:
   to engine.backward multiplied by the engine's accumulation steps (engine.backward divides by them and by the
   data-parallel size, which DDP's gradient mean does too); then engine.step(), which updates at the boundary.
   Lightning's accumulation boundaries must be the engine's: an epoch whose batches the accumulation does not divide
-  is refused at its first batch, and every batch checks that the engine's micro-step agrees with batch_idx.
+  is refused at its first batch (an unsized loader's at its last), and every batch checks that the engine's
+  micro-step agrees with batch_idx and that accumulate_grad_batches has not changed.
 - clipping is the engine's (gradient_clip_val goes to the config's gradient_clipping); clipping by value and an
   overridden configure_gradient_clipping or backward are refused, as is manual optimization.
 - checkpoints: a Trainer checkpoint path becomes a directory holding the engine's checkpoint (every state, any
-  layout) with Lightning's own state (loops, callbacks, schedulers) as its client state; a resume loads it into
-  the engine (restore after setup). A weights-only checkpoint is one file with the full weights, written by rank 0.
-  `lightning_module_state_dict` is the engine's full_state_dict (every process gathers its part).
+  layout) with Lightning's own state (loops, callbacks, schedulers, hyperparameters) beside it (Note [Lightning's
+  state beside the engine's checkpoint]); a resume loads it into the engine (restore after setup). A weights-only
+  checkpoint is one file with the full weights, written by rank 0. `lightning_module_state_dict` is the engine's
+  full_state_dict (every process gathers its part).
 - configure_model runs under zero_init when the config is ZeRO stage 3 (`model_sharded_context`).
-- validate/test/predict after fit run the engine's forward; before any fit they run the plain module.
+- validate/test/predict after fit run the engine's forward (of the fitted module only); before any fit they run the
+  plain module.
 Not built yet, refused: a second fit on one strategy, tensor/pipeline/sequence parallelism, layer-major
-accumulation, half ("-true") and 64-bit precision, more than one optimizer.
+accumulation, half ("-true") and 64-bit precision, more than one optimizer, sync_batchnorm and DDP's own arguments,
+callbacks that change the run outside the engine (OUTSIDE_THE_ENGINE), and under ZeRO-2/3 gradient hooks of the
+module (its parameters' .grad are shards there).
 """
 
 from __future__ import annotations
@@ -34,6 +39,15 @@ import os
 from contextlib import contextmanager, nullcontext
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import (
+    BaseFinetuning,
+    BatchSizeFinder,
+    GradientAccumulationScheduler,
+    LearningRateFinder,
+    ModelPruning,
+    StochasticWeightAveraging,
+    WeightAveraging,
+)
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -42,15 +56,20 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
 from engine.initialization import initialize
+from engine.integrations.lightning.checkpoint_state import load_with_state, save_with_state
 from engine.integrations.lightning.settings import lightning_config, read_config
 from engine.integrations.stand_ins import EngineModule, EngineOptimizer
 from engine.zero.zero_init import zero_init
 
+# callbacks that change the accumulation, the weights, the trainable parameters or the run outside the engine
+OUTSIDE_THE_ENGINE = (GradientAccumulationScheduler, StochasticWeightAveraging, WeightAveraging, ModelPruning,
+                      BaseFinetuning, BatchSizeFinder, LearningRateFinder)
+
 
 class TiersPrecision(Precision):
-    """Lightning's precision plugin under TiersStrategy: the engine casts, autocasts, scales and clips (the config's
-    bf16/fp16 sections, which the precision flag enables); this keeps Lightning's hooks around the engine's backward
-    and step."""
+    """Lightning's precision plugin under TiersStrategy: the engine casts, autocasts, scales and clips, as the config's
+    precision sections say (completed from the precision flag: Note [Lightning's arguments in the config]); this
+    keeps Lightning's hooks around the engine's backward and step."""
 
     def __init__(self, precision: str = "32-true"):
         self.precision = precision
@@ -74,7 +93,12 @@ class TiersPrecision(Precision):
         if model.automatic_optimization and result is None:
             raise ValueError("training_step returned None (a skipped backward), which TiersStrategy cannot skip: every "
                              "process must reach the engine's gradient reduction; return a loss")
-        if self.engine.is_gradient_accumulation_boundary():
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        if model.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and not boundary:
+            raise RuntimeError(f"the epoch's last batch ends a partial accumulation (accumulate_grad_batches "
+                               f"{self.engine.gradient_accumulation_steps}), where DDP would update early and the "
+                               "engine would not; make the batches per epoch a multiple of accumulate_grad_batches")
+        if boundary:
             self._after_closure(model, optimizer)  # on_before_optimizer_step, once per update as under DDP
         self.engine.step()
         return result
@@ -93,6 +117,12 @@ class TiersStrategy(DDPStrategy):
 
     def __init__(self, config: str | os.PathLike | dict, **kwargs):
         super().__init__(**kwargs)
+        ddp_only = {name: value for name, value in [*self._ddp_kwargs.items(), ("ddp_comm_hook", self._ddp_comm_hook),
+                    ("ddp_comm_state", self._ddp_comm_state), ("ddp_comm_wrapper", self._ddp_comm_wrapper),
+                    ("model_averaging_period", self._model_averaging_period)] if value is not None}
+        if ddp_only:
+            raise ValueError(f"TiersStrategy: {', '.join(sorted(ddp_only))} configure DDP's wrapper, which the engine "
+                             "replaces (it reduces the gradients itself); leave them out")
         self.config = config
         self.engine = None
         self._fitted = False
@@ -121,6 +151,9 @@ class TiersStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         self.accelerator.setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
+            if self.engine is not None and self.lightning_module is not self.engine.module:
+                raise ValueError("this TiersStrategy's engine wraps the module it fitted; evaluate that one, or give "
+                                 "the other module a Trainer and strategy of its own")
             if self.engine is None:
                 self.model_to_device()
             self.model = EngineModule(self.engine) if self.engine is not None else self.lightning_module
@@ -142,6 +175,12 @@ class TiersStrategy(DDPStrategy):
 
     def _check_module(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
+        outside = [type(c).__name__ for c in trainer.callbacks if isinstance(c, OUTSIDE_THE_ENGINE)]
+        if outside:
+            raise ValueError(f"{', '.join(outside)} under TiersStrategy is not built: it changes the accumulation, the "
+                             "weights, the trainable parameters or the run itself outside the engine; remove it")
+        if self._layer_sync is not None:
+            raise ValueError("sync_batchnorm=True under TiersStrategy is not built; leave it out")
         if not module.automatic_optimization:
             raise ValueError("manual optimization (automatic_optimization = False) under TiersStrategy is not built "
                              "yet; let Lightning run the optimization")
@@ -152,6 +191,13 @@ class TiersStrategy(DDPStrategy):
             if is_overridden(hook, module, pl.LightningModule):
                 raise ValueError(f"{type(module).__name__} overrides {hook}, which TiersStrategy would not run (the "
                                  "engine runs the backward and clips by the config's gradient_clipping); remove it")
+        stage = (read_config(self.config).get("zero_optimization") or {}).get("stage", 0)
+        for hook in ("on_after_backward", "on_before_optimizer_step"):
+            if stage >= 2 and is_overridden(hook, module, pl.LightningModule):
+                raise ValueError(f"{type(module).__name__} overrides {hook}, where under ZeRO stage {stage} the "
+                                 "parameters' .grad are not whole (the engine reduces them into shards as backward "
+                                 "runs), so reading or changing them would not act on the update; remove it (the "
+                                 "engine's norm: self.trainer.strategy.engine.get_global_grad_norm())")
 
     def _module_optimizer(self, config: dict) -> tuple[Optimizer | None, list]:
         """The optimizer and scheduler configs of configure_optimizers, or none when the config has an optimizer."""
@@ -173,6 +219,9 @@ class TiersStrategy(DDPStrategy):
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         trainer, engine = self.lightning_module.trainer, self.engine
         accumulation = engine.gradient_accumulation_steps
+        if trainer.accumulate_grad_batches != accumulation:
+            raise RuntimeError(f"accumulate_grad_batches changed to {trainer.accumulate_grad_batches} during fit, and "
+                               f"the engine accumulates {accumulation} (fixed when it was built); keep it fixed")
         batches = trainer.num_training_batches
         if batch_idx == 0 and batches != math.inf and batches % accumulation:
             raise ValueError(f"an epoch of {batches} batches ends with a partial accumulation of "
@@ -208,9 +257,8 @@ class TiersStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("storage_options: TiersStrategy writes the engine's checkpoint itself, not through "
                             "CheckpointIO; leave it out")
-        filepath = self.broadcast(str(filepath))
         state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        self.engine.save_checkpoint(filepath, tag="checkpoint", client_state=state)
+        save_with_state(self.engine, self.broadcast(str(filepath)), state, self.is_global_zero)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         if self.engine is None:
@@ -221,11 +269,8 @@ class TiersStrategy(DDPStrategy):
             raise ValueError(f"{checkpoint_path} is a file (a weights-only checkpoint); resume from a TiersStrategy "
                              "checkpoint directory, or load these weights with LightningModule.load_from_checkpoint")
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        path, state = self.engine.load_checkpoint(str(checkpoint_path), load_optimizer_states=fitting,
-                                                  load_lr_scheduler_states=fitting)
-        if path is None:
-            raise FileNotFoundError(f"{checkpoint_path} holds no Tiers checkpoint (no `latest`)")
-        return state
+        return load_with_state(self.engine, checkpoint_path, weights_only, load_optimizer_states=fitting,
+                               load_lr_scheduler_states=fitting)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         pass  # load_checkpoint loaded the engine's weights
