@@ -288,6 +288,12 @@ def check_client_objects(cfg: Config, optimizer=None, lr_scheduler=None, model_p
                           "(Adam or AdamW) instead of initialize(optimizer=...)")
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("scheduler: given both in the config and as initialize(lr_scheduler=...); keep one")
+    bound = getattr(lr_scheduler, "optimizer", None) if hasattr(lr_scheduler, "step") else None
+    if bound is not None and bound is not optimizer:
+        raise ConfigError("lr_scheduler: the scheduler object drives the optimizer it was built on, which is not the "
+                          "one the engine steps (" + ("the config's" if optimizer is None else "the one passed") +
+                          "); build it on the optimizer passed to initialize, or pass a callable that takes the "
+                          "engine's optimizer (e.g. lambda opt: LambdaLR(opt, f))")
     if optimizer is not None and model_parameters is not None:
         raise ValueError("model_parameters is for the config's optimizer; "
                          "a passed optimizer already names its parameters")

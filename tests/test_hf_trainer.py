@@ -203,6 +203,8 @@ def test_runs_the_engine_cannot_follow_are_refused(tmp_path):
         **CONFIGS["stage3-cpu-offload"]["zero_optimization"], "offload_param": {"device": "cpu", "layer_major": True}}}
     with pytest.raises(ValueError, match="the Trainer calls one micro-batch at a time"):
         tiers_trainer(str(tmp_path / "d"), layer_major).train()
+    with pytest.raises(ValueError, match="an optimizer both passed to the Trainer"):
+        tiers_trainer(str(tmp_path / "f"), CONFIGS["stage3-cpu-offload"], halving_adamw).train()
     with pytest.raises(ValueError, match="auto_find_batch_size under TiersTrainer is not built yet"):
         tiers_trainer(str(tmp_path / "e"), CONFIGS["stage0"], auto_find_batch_size=True).train()
     with pytest.raises(ValueError, match="TiersTrainerMixin needs the engine.s config"):

@@ -46,6 +46,8 @@ def test_bf16_mixed_under_tiers_strategy_equals_ddp_bf16_mixed(runs):
     """fp32 weights and a bf16-autocast forward (the config's torch_autocast), as DDP's bf16-mixed runs; the
     reduction order's rounding is amplified by bf16 activations, hence 1e-3."""
     assert_same_training(runs, "tiers_bf16", "ddp_bf16", rtol=1e-3)
+    with pytest.raises(AssertionError):  # the tolerance still tells bf16-mixed from fp32 training
+        assert_params_close(runs[0]["tiers_bf16"]["state"], runs[0]["ddp"]["state"], 1e-3)
 
 
 def test_a_run_resumed_from_a_tiers_checkpoint_equals_the_uninterrupted_ddp_run(runs):
@@ -75,6 +77,7 @@ REFUSALS = {
     "fabric_early_step": "optimizer.step() before the accumulation's last micro-batch",
     "accumulation_schedule": "GradientAccumulationScheduler under TiersStrategy is not built",
     "sync_batchnorm": "sync_batchnorm=True under TiersStrategy is not built",
+    "gradient_hook": "GradNormLogger overrides on_before_optimizer_step, where under ZeRO stage 2",
     "ddp_arguments": "find_unused_parameters configure DDP's wrapper",
     "fabric_zero_grad_inside": "optimizer.zero_grad() inside an accumulation",
     "fabric_no_zero_grad": "fabric.backward after an update without optimizer.zero_grad()",

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from engine import initialize
+from engine import ConfigError, initialize
+from engine.checkpoint import CheckpointError
 from tests.distributed import run_distributed
 from tests.reference import (
     assert_close_relative,
@@ -214,6 +215,8 @@ def test_a_client_group_split_into_chunk_kinds_or_all_frozen_keeps_its_place():
     assert engine.optimizer is opt and [g["lr"] for g in opt.param_groups] == [1e-3, 5e-4, 2e-3]
     kinds = {(g.origin, g.persistent) for g in engine.chunked.groups}
     assert (0, True) in kinds and (0, False) in kinds  # the first group split in two
+    for origin, own in enumerate([blocks[1:], [], others]):  # each chunk group remembers the group it came from
+        assert {id(p) for g in engine.chunked.groups if g.origin == origin for p in g.params} == {id(p) for p in own}
     stepped = {id(s.stepped) for g in engine.chunked.groups for s in g.states}
     assert opt.param_groups[1]["params"] == []
     for origin, group in enumerate(opt.param_groups):
@@ -224,6 +227,47 @@ def test_a_client_group_split_into_chunk_kinds_or_all_frozen_keeps_its_place():
     engine.step()
     assert [g["lr"] for g in opt.param_groups] == [1e-3, 5e-4, 1e-3]  # the scheduler stepped the client's groups
     engine.close()
+
+
+def test_a_scheduler_built_on_another_optimizer_is_refused():
+    model = tiny_gpt()
+    stray = torch.optim.lr_scheduler.LambdaLR(adamw(tiny_gpt().parameters()), lambda s: 0.5 ** s)
+    with pytest.raises(ConfigError, match="drives the optimizer it was built on, which is not the one the engine"):
+        initialize(model, {k: v for k, v in zero_config(1, 2, 1).items() if k != "optimizer"},
+                   optimizer=adamw(model.parameters()), lr_scheduler=stray)
+
+
+def _grouped_engine(stage: int, rates: tuple[float, float]):
+    """The config's AdamW over two param groups (the blocks, the rest) at `rates`; stage 3 keeps small parameters
+    whole (threshold 1000), so its groups split into more chunk groups than stage 2's."""
+    model = tiny_gpt()
+    blocks = [p for n, p in model.named_parameters() if "blocks." in n]
+    others = [p for n, p in model.named_parameters() if "blocks." not in n]
+    cfg = zero_config(stage, 2, 1)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 1000
+    return initialize(model, cfg, model_parameters=[{"params": blocks, "lr": rates[0]},
+                                                    {"params": others, "lr": rates[1]}])
+
+
+def test_a_checkpoint_whose_groups_regroup_takes_one_set_of_options_or_is_refused(tmp_path):
+    """Loading under another grouping (here stage 2's groups into stage 3's split ones): one set of saved options
+    goes to every group; different ones cannot be told apart and are refused, not zipped onto the wrong groups."""
+    for rates, name in (((1e-3, 1e-3), "same"), ((1e-3, 2e-3), "different")):
+        saved = _grouped_engine(2, rates)
+        for group in saved.optimizer.param_groups:
+            group["lr"] *= 0.7  # a scheduled rate the load must restore
+        saved.save_checkpoint(str(tmp_path / name))
+        saved.close()
+        loading = _grouped_engine(3, (5e-3, 5e-3))
+        assert len(loading.optimizer.param_groups) > len(saved.optimizer.param_groups)
+        if name == "same":
+            loading.load_checkpoint(str(tmp_path / name))
+            assert [g["lr"] for g in loading.optimizer.param_groups] == pytest.approx([7e-4] * len(
+                loading.optimizer.param_groups))
+        else:
+            with pytest.raises(CheckpointError, match="so which is which is unknown"):
+                loading.load_checkpoint(str(tmp_path / name))
+        loading.close()
 
 
 def test_stage_1_in_one_process_keeps_the_client_optimizer():

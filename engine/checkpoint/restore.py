@@ -350,13 +350,21 @@ def _stage_entries(run: TrainingState, checkpoint: Checkpoint, optimizer_states:
                 f"it under pipeline.stages {len(entries)}, or pass load_optimizer_states=False and "
                 "load_lr_scheduler_states=False")
     saved, live = out["param_groups"], run.optimizer.param_groups
-    divided = max(saved_stages, stages) > 1
-    if saved is not None and divided and len(saved) != len(live) and any(g != saved[0] for g in saved):
+    if saved is None or len(saved) == len(live):
+        return out
+    if all(g == saved[0] for g in saved):  # one set of options (one group regrouped): every live group takes it
+        out["param_groups"] = [saved[0]] * len(live)
+        return out
+    if max(saved_stages, stages) > 1:
         raise CheckpointError(
             f"{checkpoint.directory}: this pipeline stage's optimizer has {len(live)} param groups and the checkpoint "
             f"{len(saved)} with different options, so which is which is unknown; load it under the pipeline.stages "
             f"it was saved with ({saved_stages}), or pass load_optimizer_states=False")
-    return out
+    raise CheckpointError(
+        f"{checkpoint.directory}: the optimizer has {len(live)} param groups and the checkpoint {len(saved)} with "
+        "different options (a ZeRO stage, persistence threshold, precision or optimizer other than the saving run's "
+        "groups its parameters otherwise), so which is which is unknown; load it under the settings it was saved "
+        "with, or pass load_optimizer_states=False")
 
 
 def _restore_training_state(run: TrainingState, checkpoint: Checkpoint, reader: PieceReader, stage: dict,

@@ -151,6 +151,11 @@ def optimizer_and_warmup_setup():
     return model, optimizer_and_warmup(model.parameters())[0]
 
 
+class GradNormLogger(L.Callback):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        pl_module.log("grad_norm", torch.stack([p.grad.norm() for p in pl_module.parameters()]).norm())
+
+
 def trainer_fit(strategy, **arguments):
     trainer = L.Trainer(**{**dict(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
                                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False),
@@ -166,6 +171,7 @@ def refusals(fabric_checkpoint: str) -> dict[str, str | None]:
         "accumulation_schedule": refused(lambda: trainer_fit(TiersStrategy(ZERO_2), callbacks=[
             GradientAccumulationScheduler({0: 1, 1: 2})])),
         "sync_batchnorm": refused(lambda: trainer_fit(TiersStrategy(ZERO_2), sync_batchnorm=True)),
+        "gradient_hook": refused(lambda: trainer_fit(TiersStrategy(ZERO_2), callbacks=[GradNormLogger()])),
         "ddp_arguments": refused(lambda: TiersStrategy(ZERO_2, find_unused_parameters=True)),
         "fabric_zero_grad_inside": refused(lambda: fabric_loop(TiersFabricStrategy(fabric_config), every_second,
                                                                zero_grad="every_batch")),

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 
 from transformers import Trainer, TrainingArguments, get_scheduler
 
@@ -65,7 +66,7 @@ class TiersTrainingArguments(TrainingArguments):
         ...)`. Under a ZeRO stage-3 config each process keeps only its shards of the weights (Note [zero_init]), as
         transformers' from_pretrained does under a DeepSpeed stage-3 config; otherwise the model builds as usual."""
         config = self.tiers_config
-        if isinstance(config, str):
+        if isinstance(config, (str, os.PathLike)):
             with open(config, encoding="utf-8") as f:
                 config = json.load(f)
         stage = ((config or {}).get("zero_optimization") or {}).get("stage", 0)
@@ -138,6 +139,9 @@ class TiersTrainerMixin:
         if self.engine is not None:
             raise ValueError("train() once per TiersTrainer: the engine it built holds the last run's schedule and "
                              "accumulation; make a new trainer (resume_from_checkpoint to go on)")
+        if self.optimizer is not None and "optimizer" in config:
+            raise ValueError("an optimizer both passed to the Trainer (optimizers=(optimizer, ...)) and in the "
+                             "config's optimizer section; keep one")
         if self.lr_scheduler is not None and self.optimizer is None:
             raise ValueError("a scheduler passed to the Trainer without its optimizer (optimizers=(None, scheduler)) "
                              "drives an optimizer the engine does not step; pass both")

@@ -90,9 +90,10 @@ class TiersFabricStrategy(DDPStrategy):
 
     def __init__(self, config: str | os.PathLike | dict, **kwargs):
         super().__init__(**kwargs)
-        if self._ddp_kwargs:
-            raise ValueError(f"TiersFabricStrategy: {', '.join(sorted(self._ddp_kwargs))} configure DDP's wrapper, "
-                             "which the engine replaces (it reduces the gradients itself); leave them out")
+        ddp_only = sorted(name for name, value in self._ddp_kwargs.items() if value not in (None, False))
+        if ddp_only:
+            raise ValueError(f"TiersFabricStrategy: {', '.join(ddp_only)} configure DDP's wrapper, which the engine "
+                             "replaces (it reduces the gradients itself); leave them out")
         self.config = config
         self.engine = None
         self.declared_accumulating: bool | None = None

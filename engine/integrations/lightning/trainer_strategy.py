@@ -42,6 +42,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import (
     BaseFinetuning,
     BatchSizeFinder,
+    Callback,
     GradientAccumulationScheduler,
     LearningRateFinder,
     ModelPruning,
@@ -119,7 +120,7 @@ class TiersStrategy(DDPStrategy):
         super().__init__(**kwargs)
         ddp_only = {name: value for name, value in [*self._ddp_kwargs.items(), ("ddp_comm_hook", self._ddp_comm_hook),
                     ("ddp_comm_state", self._ddp_comm_state), ("ddp_comm_wrapper", self._ddp_comm_wrapper),
-                    ("model_averaging_period", self._model_averaging_period)] if value is not None}
+                    ("model_averaging_period", self._model_averaging_period)] if value not in (None, False)}
         if ddp_only:
             raise ValueError(f"TiersStrategy: {', '.join(sorted(ddp_only))} configure DDP's wrapper, which the engine "
                              "replaces (it reduces the gradients itself); leave them out")
@@ -192,9 +193,10 @@ class TiersStrategy(DDPStrategy):
                 raise ValueError(f"{type(module).__name__} overrides {hook}, which TiersStrategy would not run (the "
                                  "engine runs the backward and clips by the config's gradient_clipping); remove it")
         stage = (read_config(self.config).get("zero_optimization") or {}).get("stage", 0)
-        for hook in ("on_after_backward", "on_before_optimizer_step"):
-            if stage >= 2 and is_overridden(hook, module, pl.LightningModule):
-                raise ValueError(f"{type(module).__name__} overrides {hook}, where under ZeRO stage {stage} the "
+        hooked = [(module, pl.LightningModule)] + [(c, Callback) for c in trainer.callbacks]
+        for hook, (owner, base) in ((h, o) for h in ("on_after_backward", "on_before_optimizer_step") for o in hooked):
+            if stage >= 2 and is_overridden(hook, owner, base):
+                raise ValueError(f"{type(owner).__name__} overrides {hook}, where under ZeRO stage {stage} the "
                                  "parameters' .grad are not whole (the engine reduces them into shards as backward "
                                  "runs), so reading or changing them would not act on the update; remove it (the "
                                  "engine's norm: self.trainer.strategy.engine.get_global_grad_norm())")
