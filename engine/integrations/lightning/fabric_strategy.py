@@ -50,8 +50,9 @@ from engine.zero.zero_init import zero_init
 
 
 class TiersFabricPrecision(Precision):
-    """Fabric's precision plugin under TiersFabricStrategy: it keeps the precision flag, which the config's bf16/fp16
-    sections carry out; the engine casts, autocasts and scales, so the forward is not wrapped again."""
+    """Fabric's precision plugin under TiersFabricStrategy: it keeps the precision flag, which the config's precision
+    sections carry out (Note [Lightning's arguments in the config]); the engine casts, autocasts and scales, so the
+    forward is not wrapped again."""
 
     def __init__(self, precision: str = "32-true"):
         self.precision = precision
