@@ -30,10 +30,9 @@ reaches the config loader, which takes DeepSpeed's defaults inside zero_optimiza
 
 from __future__ import annotations
 
-import copy
-import json
 import os
 
+from engine.integrations.config_dict import read_config, zero_stage
 from engine.integrations.parallel_sizes import data_parallel_size
 
 AUTO = "auto"
@@ -45,10 +44,7 @@ def resolve_config(config: dict | str | os.PathLike, training_args, model=None,
     TrainingArguments) and `model` (its config's hidden size), as Note [auto values from the Trainer] says.
     num_training_steps: the run's optimizer steps (the Trainer knows them once it has the data), for the
     scheduler's total and warmup steps; default training_args.max_steps when that is set."""
-    if not isinstance(config, dict):
-        with open(config) as f:
-            config = json.load(f)
-    filler = _Filler(copy.deepcopy(config))
+    filler = _Filler(read_config(config))
     args = training_args
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
@@ -76,7 +72,7 @@ def resolve_config(config: dict | str | os.PathLike, training_args, model=None,
 
 def _fill_bucket_sizes(filler: _Filler, model) -> None:
     keys = ["zero_optimization.reduce_bucket_size"]
-    if (filler.config.get("zero_optimization") or {}).get("stage") == 3:
+    if zero_stage(filler.config) == 3:
         keys += ["zero_optimization.stage3_prefetch_bucket_size",
                  "zero_optimization.stage3_param_persistence_threshold"]
     wanted = [k for k in keys if filler.is_auto(k)]

@@ -37,12 +37,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import os
 
 from transformers import Trainer, TrainingArguments, get_scheduler
 
 from engine.initialization import initialize
+from engine.integrations.config_dict import read_config, zero_stage
 from engine.integrations.hf.auto_config import resolve_config
 from engine.integrations.parallel_sizes import model_parallel_size
 from engine.integrations.stand_ins import EngineModule, EngineOptimizer
@@ -65,12 +64,8 @@ class TiersTrainingArguments(TrainingArguments):
         """Where to build or load the model: `with args.zero_init(): model = AutoModelForCausalLM.from_pretrained(
         ...)`. Under a ZeRO stage-3 config each process keeps only its shards of the weights (Note [zero_init]), as
         transformers' from_pretrained does under a DeepSpeed stage-3 config; otherwise the model builds as usual."""
-        config = self.tiers_config
-        if isinstance(config, (str, os.PathLike)):
-            with open(config, encoding="utf-8") as f:
-                config = json.load(f)
-        stage = ((config or {}).get("zero_optimization") or {}).get("stage", 0)
-        return zero_init() if stage == 3 else contextlib.nullcontext()
+        config = read_config(self.tiers_config) if self.tiers_config is not None else {}
+        return zero_init() if zero_stage(config) == 3 else contextlib.nullcontext()
 
 
 class EngineScheduler:
@@ -108,10 +103,7 @@ class TiersTrainerMixin:
         if self.tiers_config is None:
             raise ValueError("TiersTrainerMixin needs the engine's config, a JSON file's path or a dict: "
                              "TiersTrainingArguments(tiers_config=...), or the trainer's tiers_config=... keyword")
-        config = self.tiers_config
-        if not isinstance(config, dict):
-            with open(config) as f:
-                config = json.load(f)
+        config = read_config(self.tiers_config)
         self._check_trainer_run(config, train_dataloader)
         config = resolve_config(with_trainer_sections(config, args), args, self.model, num_training_steps=max_steps)
         optimizer = None if "optimizer" in config else self.create_optimizer()

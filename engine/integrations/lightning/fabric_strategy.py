@@ -43,8 +43,9 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import _Stateful
 
 from engine.initialization import initialize
+from engine.integrations.config_dict import read_config, zero_stage
 from engine.integrations.lightning.checkpoint_state import load_with_state, save_with_state
-from engine.integrations.lightning.settings import lightning_config, read_config
+from engine.integrations.lightning.settings import lightning_config, precision_flag
 from engine.integrations.stand_ins import EngineModule, EngineOptimizer
 from engine.zero.zero_init import zero_init
 
@@ -61,10 +62,7 @@ class TiersFabricPrecision(Precision):
     def replacing(cls, plugin: Precision) -> TiersFabricPrecision:
         if isinstance(plugin, cls):
             return plugin
-        if type(plugin) not in (Precision, MixedPrecision):
-            raise ValueError(f"TiersFabricStrategy with the precision plugin {type(plugin).__name__} is not built; use "
-                             "precision=\"bf16-mixed\", \"16-mixed\" or \"32-true\" (the config's bf16/fp16 decide)")
-        return cls(plugin.precision)
+        return cls(precision_flag(plugin, (Precision, MixedPrecision), "TiersFabricStrategy"))
 
 
 class _DeclaredAccumulation(_BackwardSyncControl):
@@ -135,8 +133,9 @@ class TiersFabricStrategy(DDPStrategy):
         pass  # the engine places the model's chunks (offloaded, sharded) itself
 
     def module_init_context(self, empty_init: bool | None = None):
-        stage = (read_config(self.config).get("zero_optimization") or {}).get("stage", 0)
-        return zero_init() if stage == 3 else super().module_init_context(empty_init)
+        if zero_stage(read_config(self.config)) == 3:
+            return zero_init()
+        return super().module_init_context(empty_init)
 
     def backward(self, tensor, module, *args, **kwargs) -> None:
         engine = self._engine()

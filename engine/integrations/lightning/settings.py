@@ -3,10 +3,9 @@ in the config])."""
 
 from __future__ import annotations
 
-import copy
-import json
 import os
 
+from engine.integrations.config_dict import read_config
 from engine.integrations.parallel_sizes import model_parallel_size
 
 AUTO = "auto"
@@ -14,12 +13,14 @@ AUTO = "auto"
 PRECISION_SECTIONS = {"32-true": None, "bf16-mixed": "bf16", "16-mixed": "fp16"}
 
 
-def read_config(config: str | os.PathLike | dict) -> dict:
-    """A deep copy of `config` (a dict, or a JSON file's path)."""
-    if isinstance(config, dict):
-        return copy.deepcopy(config)
-    with open(config, encoding="utf-8") as f:
-        return json.load(f)
+def precision_flag(plugin, plain: tuple[type, ...], strategy: str) -> str:
+    """The precision flag of Lightning's plugin, which the config's precision sections carry out (the engine casts,
+    autocasts and scales); `plain`: the Trainer's or Fabric's Precision and MixedPrecision, the only plugins whose
+    flag says all they do."""
+    if type(plugin) not in plain:
+        raise ValueError(f"{strategy} with the precision plugin {type(plugin).__name__} is not built; use "
+                         "precision=\"bf16-mixed\", \"16-mixed\" or \"32-true\" (the config's bf16/fp16 decide)")
+    return plugin.precision
 
 
 def lightning_config(config: str | os.PathLike | dict, *, precision: str, accumulation: int | None = None,

@@ -57,8 +57,9 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
 from engine.initialization import initialize
+from engine.integrations.config_dict import read_config, zero_stage
 from engine.integrations.lightning.checkpoint_state import load_with_state, save_with_state
-from engine.integrations.lightning.settings import lightning_config, read_config
+from engine.integrations.lightning.settings import lightning_config, precision_flag
 from engine.integrations.stand_ins import EngineModule, EngineOptimizer
 from engine.zero.zero_init import zero_init
 
@@ -80,10 +81,7 @@ class TiersPrecision(Precision):
     def replacing(cls, plugin: Precision) -> TiersPrecision:
         if isinstance(plugin, cls):
             return plugin
-        if type(plugin) not in (Precision, MixedPrecision):
-            raise ValueError(f"TiersStrategy with the precision plugin {type(plugin).__name__} is not built; use "
-                             "precision=\"bf16-mixed\", \"16-mixed\" or \"32-true\" (the config's bf16/fp16 decide)")
-        return cls(plugin.precision)
+        return cls(precision_flag(plugin, (Precision, MixedPrecision), "TiersStrategy"))
 
     def backward(self, tensor, model, optimizer, *args, **kwargs) -> None:
         # Lightning divided the loss by accumulate_grad_batches; engine.backward divides by them again
@@ -162,10 +160,10 @@ class TiersStrategy(DDPStrategy):
         if self._fitted:
             raise ValueError("fit once per TiersStrategy: its engine holds the last fit's optimizer and schedule; make "
                              "a new Trainer and TiersStrategy (ckpt_path=... to go on from a checkpoint)")
-        self._check_module(trainer)
         config = lightning_config(self.config, precision=self.precision_plugin.precision,
                                   accumulation=trainer.accumulate_grad_batches, clipping=trainer.gradient_clip_val,
                                   micro_batch=_loader_batch_size(trainer))
+        self._check_module(trainer, zero_stage(config))
         optimizer, scheduler_configs = self._module_optimizer(config)
         self.engine = initialize(self.lightning_module, config, optimizer=optimizer)
         self._fitted = True
@@ -174,7 +172,7 @@ class TiersStrategy(DDPStrategy):
         self.lr_scheduler_configs = scheduler_configs
         self.precision_plugin.engine = self.engine
 
-    def _check_module(self, trainer: pl.Trainer) -> None:
+    def _check_module(self, trainer: pl.Trainer, stage: int) -> None:
         module = self.lightning_module
         outside = [type(c).__name__ for c in trainer.callbacks if isinstance(c, OUTSIDE_THE_ENGINE)]
         if outside:
@@ -192,7 +190,6 @@ class TiersStrategy(DDPStrategy):
             if is_overridden(hook, module, pl.LightningModule):
                 raise ValueError(f"{type(module).__name__} overrides {hook}, which TiersStrategy would not run (the "
                                  "engine runs the backward and clips by the config's gradient_clipping); remove it")
-        stage = (read_config(self.config).get("zero_optimization") or {}).get("stage", 0)
         hooked = [(module, pl.LightningModule)] + [(c, Callback) for c in trainer.callbacks]
         for hook, (owner, base) in ((h, o) for h in ("on_after_backward", "on_before_optimizer_step") for o in hooked):
             if stage >= 2 and is_overridden(hook, owner, base):
@@ -237,8 +234,7 @@ class TiersStrategy(DDPStrategy):
 
     @contextmanager
     def model_sharded_context(self):
-        stage = (read_config(self.config).get("zero_optimization") or {}).get("stage", 0)
-        with zero_init() if stage == 3 else nullcontext():
+        with zero_init() if zero_stage(read_config(self.config)) == 3 else nullcontext():
             yield
 
     def model_to_device(self) -> None:
