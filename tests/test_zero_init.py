@@ -143,7 +143,30 @@ class CopiesMetaValues(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(4, 4))
         with torch.no_grad():
-            self.weight.copy_(torch.eye(4, device=self.weight.device) * 2)  # computed on the meta device
+            self.weight.copy_(self.weight * 2)  # computed from a parameter that has no values yet
+
+
+class PlacesByDevice(nn.Module):
+    """Makes a value on its parameter's device, as libraries do (kernelize asks model.device inside
+    from_pretrained; PEFT places adapters by their base layer's device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 4))
+        assert self.weight.device.type == "cpu" and self.weight.storage_offset() == 0
+        with torch.no_grad():
+            self.weight.copy_(torch.eye(4, device=self.weight.device) * 2)
+            self.weight[1:3].t().add_(torch.ones(2, device=self.weight.device))  # through a view
+
+
+def test_parameters_in_the_block_report_the_cpu_and_writes_made_there_replay():
+    torch.manual_seed(0)
+    reference = PlacesByDevice()
+    with zero_init():
+        model = PlacesByDevice()
+        assert {p.device for p in model.parameters()} == {torch.device("cpu")}
+    engine = initialize(model, zero_config(0, 2, 1))
+    assert torch.equal(engine.module.weight, reference.weight)
 
 
 def test_a_write_it_cannot_replay_names_the_parameter():

@@ -1,6 +1,11 @@
-"""The parameters a `zero_init` block leaves behind: their shape, dtype and a device (the CPU), no values.
+"""The parameters of a `zero_init` block: inside it `Recorded` ones (meta storage that reports the CPU), after it
+`Unbuilt` ones (the CPU, no storage); both have a shape and a dtype, and no values.
 
-Inside the block parameters live on the meta device (Note [zero_init]). Code that runs between the block and
+Inside the block parameters hold meta storage (Note [zero_init]): writes into them are recorded and cost nothing,
+and views of them share that storage, so the recording finds a parameter from any view. Yet libraries ask a model's
+device inside the block: `from_pretrained` ends by `kernelize(model)` (transformers 5.25 with `kernels`), which
+refuses the meta device. So each one reports the CPU, where a plain `from_pretrained` leaves the model, and where its
+`Unbuilt` successor says it is. Code that runs between the block and
 initialize reads their metadata (weight-decay groups by `p.dim()`, parameter counts) and places new tensors by their
 device: PEFT moves each adapter to its base layer's weight device, and an adapter moved to the meta device loses its
 values. So when the block ends each meta parameter becomes an `Unbuilt` tensor (in place: the same Python object,
@@ -12,7 +17,55 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
+
+
+class Recorded(torch.Tensor):
+    """A parameter inside a `zero_init` block, or a view of one: a shape, a dtype, the CPU as its device, and a meta
+    tensor (`meta`) over the parameter's meta storage that every operation runs on (Note [zero_init]). Views of it
+    are Recorded too (their `meta` a view of the same storage), in-place operations return it, and other results are
+    plain meta tensors."""
+
+    meta: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, meta: torch.Tensor, requires_grad: bool = False):
+        t = torch.Tensor._make_wrapper_subclass(cls, meta.shape, strides=meta.stride(),
+                                                storage_offset=meta.storage_offset(), dtype=meta.dtype, device="cpu",
+                                                requires_grad=requires_grad)
+        t.meta = meta
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"Recorded({tuple(self.shape)}, {self.dtype})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        recorded = {id(a.meta): a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Recorded)}
+        storages = {m.meta.untyped_storage()._cdata for m in recorded.values()}
+        out = func(*tree_map(_meta_of, args), **tree_map(_meta_of, kwargs or {}))
+
+        def wrap(result):
+            if not isinstance(result, torch.Tensor) or not result.is_meta:
+                return result
+            if id(result) in recorded:  # in place: the same tensor
+                return recorded[id(result)]
+            if result.untyped_storage()._cdata in storages:  # a view of a recorded parameter
+                return Recorded(result)
+            return result
+
+        return tree_map(wrap, out)
+
+
+def _meta_of(a):
+    return a.meta if isinstance(a, Recorded) else a
+
+
+def recorded_parameter(meta: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    """A parameter over `meta`'s storage that reports the CPU as its device."""
+    return nn.Parameter(Recorded(meta), requires_grad=requires_grad)
 
 
 class Unbuilt(torch.Tensor):

@@ -7,7 +7,9 @@ Note [zero_init]
 
 Inside the block, every parameter a module registers is swapped for a meta-device parameter of
 the same shape (torch's module parameter-registration hook; the real tensor the module made is
-dropped at once, and `torch.empty` never touched its memory). A TorchFunctionMode records each
+dropped at once, and `torch.empty` never touched its memory) that reports the CPU as its device
+(engine/zero/unbuilt.py: libraries that ask a model's device inside the block, such as
+`kernelize` at the end of `from_pretrained`, refuse the meta device). A TorchFunctionMode records each
 call that writes into such a parameter — `nn.init.*_` functions, in-place tensor methods
 (`normal_`, `fill_`, `mul_`, ...), `copy_` and `__setitem__`, through the parameter itself, its
 `.data` or a view — together with the global RNG state just before it, and then runs the same
@@ -70,7 +72,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from engine.comm import CommCounter, all_reduce_max, broadcast_from
 from engine.config import load_config
-from engine.zero.unbuilt import Unbuilt, unbuilt_parameter
+from engine.zero.unbuilt import Recorded, Unbuilt, recorded_parameter, unbuilt_parameter
 from engine.zero.weight_files import FileRange, mapped_file_range
 from offload.nvme import checksum  # the project's one XXH3-64
 
@@ -131,7 +133,7 @@ class InitRecording:
     def knows(self, p: torch.Tensor) -> bool:
         if isinstance(p, Unbuilt):
             return id(p) in self._sealed and self._sealed[id(p)][0] is p
-        return p.is_meta and _storage_key(p) in self.records
+        return (p.is_meta or isinstance(p, Recorded)) and _storage_key(p) in self.records
 
     def _record(self, p: torch.Tensor) -> _Record:
         return self._sealed[id(p)][1] if isinstance(p, Unbuilt) else self.records[_storage_key(p)]
@@ -144,7 +146,7 @@ class InitRecording:
         here on the records are found through those parameters."""
         for p in self._built:
             record = self.records[_storage_key(p)]
-            attributes = dict(p.__dict__)
+            attributes = {k: v for k, v in p.__dict__.items() if k != "meta"}  # Recorded's own
             if weakref.getweakrefcount(p):
                 raise RuntimeError(f"zero_init: parameter {record.name} is held by a weak reference made inside the "
                                    "block, so it cannot become a placeholder in place; take the weak reference after "
@@ -245,7 +247,7 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    return (t.meta if isinstance(t, Recorded) else t).untyped_storage()._cdata
 
 
 class _RecordWrites(TorchFunctionMode):
@@ -261,7 +263,7 @@ class _RecordWrites(TorchFunctionMode):
         if target is None or not self.recording.knows(target) or not _writes(func):
             return func(*args, **kwargs)
         record = self.recording.records[_storage_key(target)]
-        others = [t for t in tensors[1:] if t.is_meta]
+        others = [t for t in tensors[1:] if t.is_meta or isinstance(t, Recorded)]
         if others:
             raise RuntimeError(f"zero_init cannot rebuild parameter {record.name}: {_name(func)} writes into it values "
                                "computed on the meta device; build this model without zero_init, or initialize the "
@@ -304,9 +306,9 @@ def zero_init(config=None):
     recording = InitRecording()
 
     def to_meta(module: nn.Module, name: str, param: nn.Parameter | None):
-        if param is None or param.is_meta or isinstance(param, Unbuilt):
+        if param is None or param.is_meta or isinstance(param, (Recorded, Unbuilt)):
             return None  # a tied parameter registered again, or one a zero_init block made already
-        meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        meta = recorded_parameter(torch.empty_like(param, device="meta"), param.requires_grad)
         meta.__dict__.update(param.__dict__)  # marks loaders set (transformers' _is_hf_initialized: not re-initialized)
         initial = param.detach()  # its values if it was made with them (torch.ones); dropped at a whole write
         file = mapped_file_range(initial)  # a view of a mapped weight file: its bytes stay unread
