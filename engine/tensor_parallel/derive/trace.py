@@ -22,6 +22,9 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+from engine.zero.unbuilt import Unbuilt
 
 SEQ_LEN, BATCH = 8, 2  # the example input's shape: small, and unlike any width
 
@@ -75,8 +78,29 @@ def linear_features(module: nn.Module) -> tuple[int, int]:
 def fake_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     """The model deep-copied with every parameter and buffer a fake tensor (no data copied; tied parameters
     stay tied)."""
-    memo = {id(t): mode.from_tensor(t) for t in itertools.chain(model.parameters(), model.buffers())}
-    return copy.deepcopy(model, memo).train()  # traced as it trains: dropout in the forward, whatever mode it was in
+    memo = {id(t): _fake(t, mode) for t in itertools.chain(model.parameters(), model.buffers())}
+    fake = copy.deepcopy(model, memo).train()  # traced as it trains: dropout in the forward, whatever mode it was in
+    _trace_experts_batched(fake)
+    return fake
+
+
+def _fake(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
+    """A fake tensor like `t`; by its shape alone for a parameter without values (one zero_init has not built yet, or
+    a ZeRO-3 parameter whose chunk is released)."""
+    if isinstance(t, Unbuilt) or (t.numel() and not t.untyped_storage().nbytes()):
+        with mode:
+            return nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device=t.device), requires_grad=t.requires_grad)
+    return mode.from_tensor(t)
+
+
+def _trace_experts_batched(model: nn.Module) -> None:
+    """Hugging Face's "eager" MoE experts loop over the experts a batch routes to (a count fake tensors do not
+    have); "batched_mm" computes the same function on the same parameters without that loop. The experts' 3-D
+    parameters are no linear layers, so a plan leaves them whole either way: only their output's shape matters."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_experts_implementation", None) == "eager":
+            config._experts_implementation = "batched_mm"
 
 
 def example_input(model: nn.Module, mode: FakeTensorMode, batch: int = BATCH) -> tuple[tuple, dict, str]:
@@ -137,6 +161,23 @@ def _refs(value):
     return value
 
 
+# ops whose fake-tensor (meta) kernel takes bf16 only, where the CPU and CUDA kernels the model runs take fp32 too
+# (Hugging Face's default MoE experts call grouped_mm): traced in bf16, their result cast back
+_META_BF16_ONLY = {"grouped_mm", "_grouped_mm"}
+
+
+def _run_fake(func, args: tuple, kwargs: dict):
+    """func(*args, **kwargs) on fake tensors, as the model's own kernels would shape it."""
+    if getattr(func, "__name__", "") not in _META_BF16_ONLY or not args or args[0].dtype == torch.bfloat16:
+        return func(*args, **kwargs)
+
+    def narrow(a):
+        return a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+
+    out = func(*tree_map(narrow, args), **tree_map(narrow, kwargs))
+    return out.to(args[0].dtype)
+
+
 class _Recorder(TorchFunctionMode):
     """Records the ops of one forward; modules report their calls through hooks (see `trace`)."""
 
@@ -151,7 +192,7 @@ class _Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         recording = not self.atomic
         arg_refs, kwarg_refs = (_refs(args), _refs(kwargs)) if recording else (None, None)  # before an in-place op
-        out = func(*args, **kwargs)
+        out = _run_fake(func, args, kwargs)
         name = op_name(func)
         outs = _tensors(args[0]) if name == "setitem" else _tensors(out)  # x[i] = y writes x
         if outs and recording:
