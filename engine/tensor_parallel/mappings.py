@@ -47,6 +47,17 @@ def gather_along(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
     return torch.cat(out.unbind(0), dim=dim)
 
 
+class PartialGradientSum:
+    """A gradient hook for a whole parameter whose gradient each tp rank computes a part of (Note [partial
+    gradients of whole parameters]): the parts summed over the tp group, before the gradient accumulates."""
+
+    def __init__(self, tp: TPGroup):
+        self.tp = tp
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(grad, self.tp)
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp):

@@ -48,7 +48,7 @@ from engine.tensor_parallel.derive.plan_2d import derive_plan_2d
 from engine.tensor_parallel.inputs_2d import BatchInputs2D
 from engine.tensor_parallel.layers_1d import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from engine.tensor_parallel.layers_2d import Classifier2D, Embedding2D, Linear2D, Norm2D
-from engine.tensor_parallel.mappings import TPGroup
+from engine.tensor_parallel.mappings import PartialGradientSum, TPGroup
 from engine.tensor_parallel.mappings_2d import Mesh2D
 from engine.tensor_parallel.rng import RNGStreams, Stream
 from engine.tensor_parallel.sequence_1d import SequenceRegions, SequenceShards
@@ -67,6 +67,9 @@ class Plan:
     rng: dict[str, Stream] = field(default_factory=dict)  # glob -> dropout stream (Note [tensor-parallel RNG])
     mode: str = "1d"
     sequence: SequenceRegions | None = None  # Note [Megatron sequence parallelism]; built-in 1D plans only
+    # parameters left whole whose gradient each tp rank computes a part of (Note [partial gradients of whole
+    # parameters]); derived 1D plans only
+    partial_gradients: tuple[str, ...] = ()
 
 
 def _divide(owner: str, attr: str, value: int, parts: int) -> int:
@@ -172,7 +175,8 @@ def derived_plan(model: nn.Module, tp_size: int) -> Plan:
         if tp != tp_size:
             raise ValueError(f"a plan derived for tensor_parallel.size {tp_size} applied at size {tp}")
         return [(target.get_submodule(name), attr, value) for name, attr, value in derived.adjustments]
-    return Plan(f"plan derived for {type(model).__name__}", derived.styles, adjust, derived.rng)
+    return Plan(f"plan derived for {type(model).__name__}", derived.styles, adjust, derived.rng,
+                partial_gradients=derived.partial_gradients)
 
 
 def derived_plan_2d(model: nn.Module, tp_size: int) -> Plan:
@@ -218,6 +222,8 @@ def apply_plan(model: nn.Module, plan: Plan, tp: TPGroup, streams: RNGStreams | 
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
     for module, attr, value in changes:
         setattr(module, attr, value)
+    for name in plan.partial_gradients:
+        model.get_parameter(name).register_hook(PartialGradientSum(tp))
     if mesh is not None:
         model.register_forward_pre_hook(BatchInputs2D(model, mesh), with_kwargs=True)
     if sequence is not None:

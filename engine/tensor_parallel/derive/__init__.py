@@ -29,7 +29,8 @@ are fake tensors (no memory, no compute; engine/tensor_parallel/derive/trace.py)
    are the plan's adjustments, as the built-in plans' are; an attribute that only happens to equal a
    split size stays). When none passes, the model is refused, naming the module and the op whose
    shape would be wrong.
-4. The plan names modules exactly; dropout called on split activations draws per-rank masks
+4. The plan names modules exactly, and the parameters no planned layer owns that meet a split tensor (Note
+   [partial gradients of whole parameters]); dropout called on split activations draws per-rank masks
    (Note [tensor-parallel RNG]), and dropout on whole activations inside such a module the shared ones;
    a module dropping out both is refused (no stream suits both).
 Every layer left whole stays correct; a model where nothing splits is refused, naming the first
@@ -68,6 +69,7 @@ class DerivedPlan:
     styles: dict[str, str]  # exact module name -> style
     adjustments: list[tuple[str, str, int]] = field(default_factory=list)  # (module name, attribute, per-rank value)
     rng: dict[str, Stream] = field(default_factory=dict)
+    partial_gradients: tuple[str, ...] = ()  # whole parameters whose gradient each tp rank computes a part of
 
 
 @dataclass
@@ -81,15 +83,16 @@ def derive_plan(model: nn.Module, tp: int) -> DerivedPlan:
     cls = type(model).__name__
     copy, mode, args, kwargs, whole = traced(model)
     layers = _layers(copy)
-    settled, decisions, first = propagate(whole, layers, tp)
+    settled, decisions, first = propagate(whole, layers, tp, frozenset(id(p) for p in copy.parameters()))
     styles = styles_of(settled, decisions, layers)
     if not any(style in ("colwise", "colwise_qkv", "rowwise") for style in styles.values()):
         raise ValueError(f"tensor_parallel.plan \"auto\": found no pair of linear layers to split in {cls}: "
-                         f"{_why_none(first, whole, layers)}; give tensor_parallel.plan as "
-                         f"{{module-name glob: style}}, or use tensor_parallel.size 1")
+                         f"{_why_none(first, whole, layers)}{_subclassed_linears(model)}; give tensor_parallel.plan "
+                         f"as {{module-name glob: style}}, or use tensor_parallel.size 1")
     _install_per_rank_layers(copy, styles, tp, mode)
     changes = adjustments(copy, whole, settled, tp, mode, args, kwargs, cls)
-    return DerivedPlan(styles, changes, _streams(settled, cls))
+    names = {id(p): n for n, p in copy.named_parameters()}
+    return DerivedPlan(styles, changes, _streams(settled, cls), tuple(sorted(names[i] for i in settled.partial)))
 
 
 def traced(model: nn.Module, kind=module_kind, batch: int = BATCH) -> tuple[nn.Module, FakeTensorMode, tuple, dict,
@@ -139,6 +142,14 @@ def _why_none(first: Pass, whole: Trace, layers: dict[str, Layer]) -> str:
     if name in first.foreign or layers[name].held_elsewhere:
         return f"the parameters of {name!r} are read or held outside it"
     return f"the output of {name!r} reaches no other linear layer"
+
+
+def _subclassed_linears(model: nn.Module) -> str:
+    """A note on the layers a plan could not replace because they subclass nn.Linear with a forward of their own."""
+    kinds = sorted({type(m).__name__ for m in model.modules()
+                    if isinstance(m, nn.Linear) and type(m) is not nn.Linear and module_kind(m) is None})
+    return (f" ({', '.join(kinds)}: subclasses of nn.Linear with a forward of their own, traced as their ops "
+            "rather than replaced)") if kinds else ""
 
 
 def _install_per_rank_layers(copy: nn.Module, styles: dict[str, str], tp: int, mode: FakeTensorMode) -> None:

@@ -5,6 +5,16 @@ output split along the features), a linear layer whose input arrives split is ro
 rules say where the split travels between them. A column-parallel try whose split reaches an op that
 needs the whole tensor is settled: gathered (colwise_gather) where that op is the model's output or a
 loss, else left whole; then the pass runs again, until nothing changes.
+
+Note [partial gradients of whole parameters]
+A parameter no planned layer owns is whole on every tp rank, and usually meets whole activations only (a
+layer norm on the residual stream), so its gradient is the same on every rank. One that meets a split
+tensor does not: Qwen3's and OLMoE's per-head q/k norms scale this rank's heads only, so each rank's
+gradient of the norm's weight is the part over its heads, and the whole gradient is their sum. The pass
+follows every whole tensor computed from such a parameter (Gemma's `1 + weight` too) and names the
+parameters that meet a split tensor in any op; the plan sums their gradients over the tp group before they
+accumulate (engine/tensor_parallel/mappings.py), as Megatron sums layer-norm gradients under sequence
+parallelism. Without that each rank would step its own part: the weights drift apart, silently.
 """
 
 from __future__ import annotations
@@ -42,15 +52,21 @@ class Pass:
     vocab: set[str] = field(default_factory=set)  # embeddings of the model's input ids, vocabulary-parallel
     foreign: set[str] = field(default_factory=set)  # layers whose parameters an op outside them reads
     dropouts: list[tuple[str, bool]] = field(default_factory=list)  # (module, on a split tensor)
+    partial: set[int] = field(default_factory=set)  # ids of parameters no layer owns that meet a split tensor
 
 
 class Propagation:
     """One pass over `trace` under `decisions`."""
 
-    def __init__(self, trace: Trace, layers: dict[str, Layer], tp: int, decisions: Decisions):
+    def __init__(self, trace: Trace, layers: dict[str, Layer], tp: int, decisions: Decisions,
+                 params: frozenset[int] = frozenset()):
+        """params: ids of the traced copy's parameters (those of layers are left out here)."""
         self.trace, self.layers, self.tp, self.decisions = trace, layers, tp, decisions
         self.owner = {pid: name for name, layer in layers.items() for pid in layer.params}
         self.states: dict[int, Split | None] = {}
+        # tensor id -> the parameters (of no layer) a whole tensor was computed from (Note [partial gradients of
+        # whole parameters])
+        self.made_from: dict[int, frozenset[int]] = {pid: frozenset([pid]) for pid in params - self.owner.keys()}
         self.from_input = set(trace.inputs)
         self.result = Pass()
 
@@ -64,6 +80,7 @@ class Propagation:
                 for source in blocked.sources:
                     self.result.blocked.setdefault(source, (blocked, op.module))
                 outs = [None] * len(op.outputs)
+            self._follow_parameters(op, refs, ins, outs)
             if op.name in rules.MOVES_VALUES and any(r.id in self.from_input for r in refs):
                 self.from_input.update(o.id for o in op.outputs)
             for ref, state in zip(op.outputs, outs):
@@ -76,6 +93,19 @@ class Propagation:
                     self.result.blocked.setdefault(source, (Blocked(state.sources, "the model's output", "output"),
                                                             ""))
         return self.result
+
+    def _follow_parameters(self, op: Op, refs: list[Ref], ins: dict, outs: list) -> None:
+        """Note [partial gradients of whole parameters]."""
+        made_from = frozenset().union(*(self.made_from.get(r.id, frozenset()) for r in refs))
+        if not made_from:
+            return
+        if op.name.endswith("_module") and any(state is not None for state in outs):
+            return  # a split layer fed a whole tensor sums that tensor's gradient over the ranks in its backward
+        if any(state is not None for state in ins.values()):
+            self.result.partial |= made_from
+            return
+        for ref in op.outputs:
+            self.made_from[ref.id] = self.made_from.get(ref.id, frozenset()) | made_from
 
     def require_parts(self, sources, parts: int) -> None:
         for source in sources:
@@ -222,12 +252,14 @@ def settle(result: Pass, decisions: Decisions, layers: dict[str, Layer]) -> bool
     return (decisions.replicated, decisions.gathered) != before
 
 
-def propagate(trace: Trace, layers: dict[str, Layer], tp: int) -> tuple[Pass, Decisions, Pass]:
-    """(the settled pass, its decisions, the first pass: what was tried first and why it did not hold)."""
+def propagate(trace: Trace, layers: dict[str, Layer], tp: int,
+              params: frozenset[int] = frozenset()) -> tuple[Pass, Decisions, Pass]:
+    """(the settled pass, its decisions, the first pass: what was tried first and why it did not hold). params:
+    ids of the traced copy's parameters, whose partial gradients the settled pass names."""
     decisions = Decisions()
     first = None
     for _ in range(2 * len(layers) + 2):  # each pass that changes something moves at least one layer
-        result = Propagation(trace, layers, tp, decisions).run()
+        result = Propagation(trace, layers, tp, decisions, params).run()
         first = first or result
         if not settle(result, decisions, layers):
             return result, decisions, first
