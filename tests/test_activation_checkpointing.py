@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -321,13 +322,18 @@ def test_partitioning_an_input_that_differs_between_tp_ranks_is_an_error():
                 and "the input of per_head_scores differs between the tensor-parallel ranks" in message)
 
 
-def test_a_key_value_cache_is_refused_in_a_checkpointed_block():
-    engine = initialize(hf_gpt2(use_cache=True), config("stage0", {"enabled": True}))
-    x = token_batches(1, GLOBAL_BATCH, seq=SEQ)[0]
-    with pytest.raises(RuntimeError, match=r"transformer.h.0 \(GPT2Block\).*use_cache=False"):
-        engine(input_ids=x, labels=x)
-    with torch.no_grad():  # generation-style use without gradients is not checkpointed
-        engine(input_ids=x)
+def test_a_hugging_face_model_with_its_default_cache_runs_as_transformers_checkpoints_it(caplog):
+    """use_cache=True, transformers' default: the checkpointed blocks run without the cache (the recompute would
+    update it again), as transformers' own gradient checkpointing runs them, said once; losses and gradients are
+    those of the same model trained without checkpointing (and with its cache)."""
+    build = lambda: hf_gpt2(use_cache=True)  # noqa: E731
+    loss_fn = MODELS["hf_gpt2"][1]
+    with caplog.at_level(logging.WARNING, logger="engine.activation_checkpointing.checkpointer"):
+        results = {"off": losses_and_gradients(initialize(build(), config("stage0")), loss_fn),
+                   "on": losses_and_gradients(initialize(build(), config("stage0", {"enabled": True})), loss_fn)}
+    assert_same_training(results)
+    told = [r for r in caplog.records if "use_cache=False" in r.getMessage()]
+    assert len(told) == 1 and "transformer.h.0 (GPT2Block)" in told[0].getMessage()
 
 
 # --- engine.checkpoint, profile ------------------------------------------------------------------

@@ -22,14 +22,17 @@ does the work; the engine adds:
 - profile: the time spent recomputing (wall clock; the device is synchronized around it), for
   the monitor; synchronize_checkpoint_boundary: the device is synchronized at both ends of every
   checkpointed forward.
-A key/value cache (Hugging Face use_cache=True) would be updated a second time by the recompute,
-so a checkpointed module refuses one.
+A key/value cache (Hugging Face use_cache=True) would be updated a second time by the recompute: as
+transformers does under its own gradient checkpointing, a checkpointed module is called with use_cache False
+and without the cache, given by keyword or by position (a module that only reads it,
+`_can_checkpoint_with_cache`, keeps it), and the run says so once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 import weakref
 from typing import Callable
@@ -43,6 +46,9 @@ from engine.activation_checkpointing.selection import select_modules
 from engine.config import ActivationCheckpointingConfig
 from engine.tensor_parallel.mappings import TPGroup
 from engine.tensor_parallel.rng import RNGStreams
+
+logger = logging.getLogger(__name__)
+CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache", "layer_past")  # transformers' names over versions
 
 
 class ActivationCheckpointing:
@@ -60,6 +66,7 @@ class ActivationCheckpointing:
         self.recomputes = 0
         self.wrapped: list[str] = []  # names of the modules whose forward is checkpointed
         self.recompute_context = recompute_context
+        self.told_cache = False  # the cache taken out of a checkpointed call, said once
 
     # ---- modules --------------------------------------------------------------------------------
     def wrap_modules(self, model: nn.Module) -> list[str]:
@@ -81,8 +88,24 @@ class ActivationCheckpointing:
         forward = functools.partial(type(owner).forward, owner)
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        _refuse_cache(name, owner, args, kwargs)
-        return self._run(forward, args, kwargs, name)
+        return self._run(forward, *self._without_cache(name, owner, args, kwargs), name)
+
+    def _without_cache(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A checkpointed call's arguments without a key/value cache, as transformers' own checkpointing passes
+        them (Note [activation checkpointing])."""
+        reads_only = getattr(module, "_can_checkpoint_with_cache", False)
+        positional = not reads_only and any(_is_cache(v) for v in args)
+        taken = [k for k in CACHE_ARGUMENTS if not reads_only and kwargs.get(k) is not None]
+        if not kwargs.get("use_cache") and not taken and not positional:
+            return args, kwargs
+        if not self.told_cache:
+            self.told_cache = True
+            logger.warning("activation checkpointing: %s (%s) was called with a key/value cache, which its "
+                           "recompute would update a second time; it runs with use_cache=False and no cache, as "
+                           "transformers does under gradient checkpointing (said once)", name, type(module).__name__)
+        args = tuple(None if positional and _is_cache(v) else v for v in args)
+        kwargs = {**kwargs, **dict.fromkeys(taken)}
+        return args, ({**kwargs, "use_cache": False} if "use_cache" in kwargs else kwargs)
 
     # ---- the checkpoint -------------------------------------------------------------------------
     def checkpoint(self, function, *args, use_reentrant: bool | None = None, preserve_rng_state: bool = True,
@@ -202,15 +225,10 @@ class _Recompute:
             owner.streams.restore(current)
 
 
-def _refuse_cache(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """A Hugging Face key/value cache would be updated again by the recompute (and keeps every layer's keys
-    and values alive): refuse it in a checkpointed module."""
-    if kwargs.get("use_cache") or any(hasattr(v, "get_seq_length") for v in (*args, *kwargs.values())):
-        raise RuntimeError(
-            f"{name} ({type(module).__name__}) is checkpointed and was called with a key/value cache "
-            "(use_cache=True): the recompute in backward would update the cache a second time, and the cache keeps "
-            "every layer's keys and values alive; train with use_cache=False (e.g. model.config.use_cache = False), "
-            "or leave this module out of activation_checkpointing.modules")
+
+
+def _is_cache(value) -> bool:
+    return hasattr(value, "get_seq_length")  # a transformers Cache
 
 
 class CheckpointedForward:
