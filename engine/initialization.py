@@ -46,7 +46,7 @@ from engine.optimizers.compressed import DataParallelGroup
 from engine.pipeline.block_timing import measured_costs
 from engine.pipeline.driver import PipelineDriver, shared_parameter_groups, sync_shared_values
 from engine.pipeline.layer_major import LayerMajorDriver
-from engine.pipeline.model_split import PipelineModel, plan_block_stages, plan_stages, split_model
+from engine.pipeline.model_split import PipelineModel, outside_modules, plan_block_stages, plan_stages, split_model
 from engine.precision import PrecisionPolicy, build_loss_scaler
 from engine.process_exit import close_at_exit
 from engine.progress import TrainingProgress
@@ -93,6 +93,9 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+LAYER_MAJOR = "zero_optimization.offload_param.layer_major"
+
+
 def initialize(
     model: nn.Module,
     config: str | os.PathLike | dict | Config,
@@ -135,13 +138,16 @@ def initialize(
         assign_weight_files(model, weights, zero_init_recording(model))
     recording, meta_of = zero_init_placeholders(model, topology.device)  # Note [zero_init]
     _to_device(model, topology.device, _homed_on_host(model, cfg, topology))  # Note [a bounded start]
+    layer_major = cfg.zero_optimization.offload_param.layer_major
+    outside = outside_modules(model, LAYER_MAJOR if layer_major and not cfg.pipeline.enabled else "pipeline") \
+        if cfg.pipeline.enabled or layer_major else None  # before the features change the model
     comm = CommCounter(collectives=collectives) if collectives is not None else CommCounter()
     tensor_parallel = parallelize_tensors(model, cfg, topology, comm.collectives)
     experts = place_experts(model, cfg, topology, comm, tensor_parallel)
     sequence = split_sequences(model, cfg, topology, comm)
     checkpointing = apply_activation_checkpointing(model, cfg, topology, tensor_parallel, sequence)
     groups = _param_groups(model, optimizer, model_parameters, meta_of, experts.dropped if experts else frozenset())
-    split, shared_groups = split_pipeline(model, cfg, topology, comm, pending=set(meta_of))
+    split, shared_groups = split_pipeline(model, cfg, topology, comm, pending=set(meta_of), outside=outside)
     if split is not None:  # this rank's parameters, named as in the whole model
         groups = [dict(g, params=[p for p in g["params"] if split.holds(p)]) for g in groups]
         groups = [g for g in groups if g["params"]]
@@ -161,9 +167,8 @@ def initialize(
     if split is not None:  # each stage's forward makes the calls of the features applied before the pipeline
         pipeline = build_pipeline(split, shared_groups, cfg, topology, runtime, comm, loss_fn, features)
         features = Features(features.items + [PipelineFeature(pipeline, topology, comm)])
-    if cfg.zero_optimization.offload_param.layer_major:  # Note [layer-major accumulation]
-        key = "zero_optimization.offload_param.layer_major"
-        split = split_model(model, plan_block_stages(model, key), 0, key)
+    if layer_major:  # Note [layer-major accumulation]
+        split = split_model(model, plan_block_stages(model, LAYER_MAJOR, outside), 0, LAYER_MAJOR)
         layer_major = LayerMajorDriver(split, runtime, PrecisionPolicy.from_config(cfg), topology, features, comm,
                                        loss_fn)
         features = Features(features.items + [LayerMajorFeature(layer_major)])
@@ -232,7 +237,8 @@ def apply_activation_checkpointing(model: nn.Module, cfg: Config, topology: Topo
 
 
 def split_pipeline(model: nn.Module, cfg: Config, topology: Topology, comm: CommCounter,
-                   pending: set[int] = frozenset()) -> tuple[PipelineModel | None, dict]:
+                   pending: set[int] = frozenset(),
+                   outside: list | None = None) -> tuple[PipelineModel | None, dict]:
     """Note [pipeline stages of an unmodified model]: `model` keeps what this rank's pipeline stages hold, and
     the views those stages run, with the groups of the pipeline ranks sharing parameters, which start from the
     lowest one's values (`pending`: ids of parameters whose values zero_init brings later, the same on every
@@ -241,7 +247,7 @@ def split_pipeline(model: nn.Module, cfg: Config, topology: Topology, comm: Comm
         return None, {}
     micro_batch = cfg.batch_sizes(topology.data_parallel_size).micro_batch_size
     measure = functools.partial(measured_costs, model, micro_batch=micro_batch, device=topology.device)
-    split = split_model(model, plan_stages(model, cfg.pipeline, measure), topology.pp_rank)
+    split = split_model(model, plan_stages(model, cfg.pipeline, measure, outside), topology.pp_rank)
     groups = shared_parameter_groups(split, topology)
     sync_shared_values(split, groups, comm, pending)
     return split, groups

@@ -3,8 +3,9 @@
 Note [pipeline stages of an unmodified model]
 A model is cut where users cut it by hand: its block list (engine.block_list: the largest ModuleList
 of same-class modules) is divided into S = pipeline.stages × virtual_stages contiguous runs of
-blocks, balanced by parameters (the modules before the list, such as the embeddings, count towards
-the first run, the modules after it, such as the final norm and the output layer, towards the last)
+blocks, balanced by parameters (the modules called before the list, such as the embeddings, count towards
+the first run, the modules called after it, such as the final norm and the output layer, towards the last;
+where the forward calls them: engine/pipeline/call_order.py)
 or uniformly, or by each block's forward time measured on one synthetic micro-batch (rank 0's
 measurement, broadcast), or at the blocks pipeline.partition names. Stage s lives on pipeline rank s mod P.
 Nothing is traced or rewritten: each stage runs the model's own forward, from the micro-batch's own
@@ -13,8 +14,8 @@ inputs, on a view of the model whose block list holds only that stage's blocks:
   0's takes the embeddings' output, as in the whole model); the last block of a stage before the last
   ends the forward (StageOutput) and its hidden state is sent on. The last stage runs to the end, and
   the loss is the model's own (`.loss`, or a scalar output) or initialize's loss_fn.
-- modules with parameters outside the list run on the first stage (registered before the list) or on
-  the last (registered after); elsewhere a VacantModule stands in: before the blocks it gives zeros
+- modules with parameters outside the list run on the first stage (called before the list) or on
+  the last (called after); elsewhere a VacantModule stands in: before the blocks it gives zeros
   shaped like the received hidden state (what mask and position code reads), anywhere else it
   raises, naming the module (a model that calls a module on the other side of its blocks from where
   it registers it is refused, not silently wrong).
@@ -22,6 +23,10 @@ inputs, on a view of the model whose block list holds only that stage's blocks:
   attention mask, position ids) reaches it: every stage reads the micro-batch itself. Only the hidden
   state crosses a stage boundary: blocks that hand other values to the next block (T5's position
   bias, taken from the previous block's output) are not supported yet.
+- a Hugging Face forward picks each layer's mask (sliding-window or full attention) by the layer's place in the
+  list it runs (`config.layer_types[i]`): a stage's view carries a config whose layer_types are its own
+  blocks', and runs with use_cache False (a cache is built for the whole config's layers, and a training
+  step reads none).
 - the model object itself (engine.module) keeps exactly this rank's parameters under their own
   names: what another rank holds is replaced by VacantModules. A parameter that modules of two stages
   use (GPT-2's lm_head.weight is wte.weight) is held by both ranks: it starts from the lowest one's
@@ -38,6 +43,7 @@ from torch import nn
 
 from engine.block_list import find_block_list
 from engine.config import PipelineConfig
+from engine.pipeline.call_order import traced_places
 from engine.pipeline.partition import balanced_starts, starts_from_names
 from engine.pipeline.stage_modules import Place, StageBoundary, StageState, VacantModule
 
@@ -49,7 +55,7 @@ class StagePlan:
     list_name: str
     starts: tuple[int, ...]  # the first block of each stage
     block_count: int
-    outside: tuple[tuple[str, Place], ...]  # modules with parameters outside the list, in registration order
+    outside: tuple[tuple[str, Place], ...]  # modules with parameters outside the list, in registration order, placed
     ranks: int  # pipeline ranks P; stage s lives on rank s mod P
 
     @property
@@ -74,15 +80,17 @@ class StagePlan:
         return f"pipeline stage {stage} (rank {stage % self.ranks}, blocks {blocks.start}-{blocks.stop - 1})"
 
 
-def plan_stages(model: nn.Module, config: PipelineConfig, measure=None) -> StagePlan:
+def plan_stages(model: nn.Module, config: PipelineConfig, measure=None,
+                outside: list[tuple[str, Place]] | None = None) -> StagePlan:
     """Note [pipeline stages of an unmodified model]: the cut of `model` that `config` asks for. measure(blocks)
-    gives (each block's seconds, before them, after them) for partition "time"."""
+    gives (each block's seconds, before them, after them) for partition "time"; outside: `outside_modules` of the
+    model before any feature changed it (found now if not given)."""
     found = find_block_list(model)
     if found is None:
         raise ValueError(f"pipeline: {type(model).__name__} has no nn.ModuleList of same-class blocks to cut into "
                          "stages; Tiers splits a model at the blocks of its layer list (e.g. GPT-2's transformer.h)")
     list_name, blocks = found
-    outside = _outside_modules(model, list_name)
+    outside = outside_modules(model) if outside is None else outside
     stages = config.stages * config.virtual_stages
     block_names = [f"{list_name}.{i}" for i in range(len(blocks))]
     if isinstance(config.partition, list):
@@ -100,21 +108,35 @@ def plan_stages(model: nn.Module, config: PipelineConfig, measure=None) -> Stage
     return StagePlan(list_name, tuple(starts), len(blocks), tuple(outside), config.stages)
 
 
-def plan_block_stages(model: nn.Module, what: str) -> StagePlan:
+def plan_block_stages(model: nn.Module, what: str, outside: list[tuple[str, Place]] | None = None) -> StagePlan:
     """One stage per block of `model`'s block list, all on one rank (Note [layer-major accumulation]); `what`
-    names the option asking for it in errors."""
+    names the option asking for it in errors; outside: as plan_stages takes it."""
     found = find_block_list(model)
     if found is None:
         raise ValueError(f"{what}: {type(model).__name__} has no nn.ModuleList of same-class blocks to run block by "
                          "block (e.g. GPT-2's transformer.h); remove the option for this model")
     list_name, blocks = found
-    return StagePlan(list_name, tuple(range(len(blocks))), len(blocks), tuple(_outside_modules(model, list_name, what)),
-                     ranks=1)
+    outside = outside_modules(model, what) if outside is None else outside
+    return StagePlan(list_name, tuple(range(len(blocks))), len(blocks), tuple(outside), ranks=1)
 
 
-def _outside_modules(model: nn.Module, list_name: str, what: str = "pipeline") -> list[tuple[str, Place]]:
+def outside_modules(model: nn.Module, what: str = "pipeline") -> list[tuple[str, Place]] | None:
+    """The modules with parameters beside the path from the root to `model`'s block list, each before or after it
+    where the forward calls it (engine/pipeline/call_order.py; by registration order where the forward cannot run
+    on fake tensors); None for a model without a block list. A parameter held directly by a module on that path
+    cannot be placed: refused. Found on the model as the user built it: a copy of one whose features hold process
+    groups cannot be made."""
+    found = find_block_list(model)
+    if found is None:
+        return None
+    registered = _registered_outside(model, found[0], what)
+    traced = traced_places(model, found[0], [name for name, _ in registered], what) or {}
+    return [(name, traced.get(name, place)) for name, place in registered]
+
+
+def _registered_outside(model: nn.Module, list_name: str, what: str) -> list[tuple[str, Place]]:
     """The modules with parameters beside the path from the root to the block list, each before or after it by
-    registration order. A parameter held directly by a module on that path cannot be placed: refused."""
+    registration order."""
     path = list_name.split(".") if list_name else []
     outside, module, prefix = [], model, ""
     for step in path:
@@ -218,7 +240,25 @@ def _view(model: nn.Module, plan: StagePlan, stage: int, state: StageState, orig
         held_here = plan.runs_outside(place, stage)
         replacements[name] = outside[name] if held_here else VacantModule(
             name, place, plan.describe_stage(0 if place is Place.BEFORE else plan.stages - 1), state)
-    return _copy_path(model, "", replacements)
+    view = _copy_path(model, "", replacements)
+    _stage_layer_types(view, plan, run)
+    return view
+
+
+def _stage_layer_types(view: nn.Module, plan: StagePlan, run: list[int]) -> None:
+    """A Hugging Face model's forward picks each layer's mask by its place in the block list it runs
+    (`config.layer_types[i]`: sliding-window or full attention), and a stage's list starts at its first block: the
+    copies on the view's path get a config whose layer_types are the stage's blocks' (the blocks themselves read
+    theirs when built)."""
+    module, path = view, plan.list_name.split(".")
+    for step in path:
+        config = getattr(module, "config", None)
+        types = getattr(config, "layer_types", None)
+        if isinstance(types, (list, tuple)) and len(types) == plan.block_count:
+            staged = copy.copy(config)
+            staged.layer_types = type(types)(types[i] for i in run)
+            module.config = staged
+        module = module._modules[step]
 
 
 def _copy_path(module: nn.Module, prefix: str, replacements: dict[str, nn.Module]) -> nn.Module:

@@ -4,6 +4,7 @@ wrappers that start and end a stage at its first and last block (Note [pipeline 
 from __future__ import annotations
 
 import enum
+import inspect
 
 import torch
 from torch import nn
@@ -90,7 +91,12 @@ class StageBoundary(nn.Module):
 def run_stage_view(view: nn.Module, state: StageState, received: torch.Tensor | None, args: tuple, kwargs: dict,
                    around) -> tuple[object, bool]:
     """A stage's view run on one micro-batch's arguments, its first block taking `received`, inside `around()`:
-    (the hidden state its last block sends on, False), or (the model's own output, True) when it ran to the end."""
+    (the hidden state its last block sends on, False), or (the model's own output, True) when it ran to the end.
+    A forward that takes `use_cache` runs with it False: a training step reads no key/value cache, and a cache
+    sized by the whole model's config would not fit a stage's blocks (Note [pipeline stages of an unmodified
+    model])."""
+    if "use_cache" in inspect.signature(view.forward).parameters:
+        kwargs = {**kwargs, "use_cache": False}
     state.begin(received)
     try:
         with around():
