@@ -174,10 +174,13 @@ class SequenceFeature(Feature):
         return self.parallel.split(args, kwargs)
 
     def around_forward(self):
-        return self.parallel.attention()
+        return self.parallel.forward_context()
 
     def output(self, output):
         return self.parallel.whole_loss(output)
+
+    def close(self) -> None:
+        self.parallel.close()
 
     def loss_weight(self) -> float:
         return self.parallel.token_weight

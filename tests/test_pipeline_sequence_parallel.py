@@ -27,7 +27,7 @@ from tests.test_pipeline_engine import hf_gpt2, hf_llama
 STEPS, BATCH, SEQ, MICRO_BATCHES, WIDTH = 2, 4, 32, 4, 64
 MODELS = {"hf_llama": hf_llama, "hf_gpt2": hf_gpt2}
 # (model, mode, schedule, ZeRO stage, activation checkpointing, padded labels)
-TRAINING_CASES = [("hf_llama", "ring", "1f1b", 0, False, False), ("hf_llama", "ulysses", "1f1b", 1, True, False),
+TRAINING_CASES = [("hf_llama", "ring", "1f1b", 0, True, False), ("hf_llama", "ulysses", "1f1b", 1, True, False),
                   ("hf_gpt2", "ulysses", "1f1b", 3, False, True), ("hf_gpt2", "ring", "zero_bubble", 1, False, True)]
 SAVED_CASE = TRAINING_CASES[1]  # its run ends with a checkpoint, which one process resumes
 
@@ -54,10 +54,7 @@ def micro_batches(batch: torch.Tensor, padded: bool) -> list[dict]:
 
 
 def _train(name: str, mode: str, schedule: str, stage: int, checkpointing: bool, padded: bool, save_dir: str):
-    model = MODELS[name]()
-    # a checkpointed layer refuses a key/value cache; without one, Hugging Face reads ring's zigzag positions as
-    # packed sequences and passes a mask, which ring attention refuses: ring runs with the cache, unused
-    model.config.use_cache = not checkpointing
+    model = MODELS[name]()  # use_cache True, transformers' default: a checkpointed block runs without the cache
     engine = initialize(model, config(mode, schedule, stage, checkpointing))
     assert (engine.num_stages, engine.seq_parallel_world_size, engine.sequence.mode) == (2, 2, mode)
     losses, p2p = [], []
@@ -73,12 +70,8 @@ def _train(name: str, mode: str, schedule: str, stage: int, checkpointing: bool,
 
 def _refused(what: str):
     model = hf_llama()
-    model.config.use_cache = what != "ring_without_cache"
     try:
-        if what == "loss_fn":
-            initialize(model, config("ulysses", "1f1b", 0, False), loss_fn=lambda out, labels: out.logits.mean())
-        else:
-            initialize(model, config("ring", "1f1b", 0, True))
+        initialize(model, config("ulysses", "1f1b", 0, False), loss_fn=lambda out, labels: out.logits.mean())
     except ValueError as e:
         return str(e)
     return ""
@@ -97,7 +90,7 @@ def save_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def four_ranks(save_dir) -> dict:
     """{case: [each rank's result]}: every case in one spawned group of pp 2 × sp 2."""
-    cases = [("train", *case) for case in TRAINING_CASES] + [("refused", "loss_fn"), ("refused", "ring_without_cache")]
+    cases = [("train", *case) for case in TRAINING_CASES] + [("refused", "loss_fn")]
     return results_by_case(run_distributed(_worker, 4, args=(cases, save_dir), timeout_s=300))
 
 
@@ -137,14 +130,6 @@ def test_a_loss_fn_under_sequence_parallelism_is_refused_naming_the_fix(four_ran
     for message in four_ranks[("refused", "loss_fn")]:
         assert "initialize(loss_fn=...) under sequence_parallel" in message, message
         assert "pass the labels in the micro-batch" in message, message
-
-
-def test_ring_on_a_hugging_face_model_without_a_cache_is_refused_naming_ulysses(four_ranks):
-    """Activation checkpointing wants use_cache False; without a cache Hugging Face would mask ring's zigzag
-    positions as packed sequences."""
-    for message in four_ranks[("refused", "ring_without_cache")]:
-        assert "ring attention on a Hugging Face model without a key/value cache" in message, message
-        assert "use sequence_parallel.mode \"ulysses\"" in message, message
 
 
 def test_a_checkpoint_saved_at_pp2_by_sp2_resumes_in_one_process(four_ranks, save_dir):

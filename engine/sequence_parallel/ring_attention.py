@@ -22,6 +22,8 @@ dS = P ⊙ (dO·Vᵀ − rowsum(dO ⊙ O)), dQ += dS·K·scale, dK_b = dSᵀ·Q�
 kernel's backward, given O and L, computes the same); the blocks travel the ring again, each
 carrying the dK and dV summed so far, and after S steps one more hop brings them home to the rank
 that owns that block.
+A sliding window (a key `window` or more positions before its query hidden too) only hides more pairs: a piece
+pair wholly outside it is skipped, one wholly inside it is computed as before, and the rest are masked by position.
 """
 
 from __future__ import annotations
@@ -94,10 +96,11 @@ def _without_autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _block_scores(q, k, q_pos, k_pos, scale):
-    """fp32 scores of queries against keys, -inf where the causal mask hides a key."""
+def _block_scores(q, k, q_pos, k_pos, scale, window: int | None = None):
+    """fp32 scores of queries against keys, -inf where the causal mask (and the sliding window) hides a key."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    hidden = q_pos[:, None] < k_pos[None, :]
+    offset = q_pos[:, None] - k_pos[None, :]
+    hidden = offset < 0 if window is None else (offset < 0) | (offset >= window)
     return scores.masked_fill(hidden, float("-inf"))
 
 
@@ -117,17 +120,18 @@ def _pieces(positions: torch.Tensor) -> list[tuple[int, int, int, int]]:
     return [(a, b, values[a], values[b - 1]) for a, b in zip(starts, starts[1:] + [len(values)])]
 
 
-def _meetings(q_pos: torch.Tensor, k_pos: torch.Tensor):
+def _meetings(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None):
     """(query slice, key slice, Meeting) of every piece of queries and piece of keys the mask lets meet; a key
-    piece wholly after a query piece is skipped."""
+    piece wholly after a query piece, or wholly `window` or more positions before it, is skipped."""
     k_pieces = _pieces(k_pos)
     for qa, qb, q_first, q_last in _pieces(q_pos):
         for ka, kb, k_first, k_last in k_pieces:
-            if k_first > q_last:
+            if k_first > q_last or (window is not None and q_first - k_last >= window):
                 continue
-            if k_last <= q_first:
+            inside = window is None or q_last - k_first < window
+            if k_last <= q_first and inside:
                 kind = Meeting.ALL
-            elif (k_first, k_last) == (q_first, q_last):
+            elif (k_first, k_last) == (q_first, q_last) and inside:
                 kind = Meeting.DIAGONAL
             else:
                 kind = Meeting.PARTIAL
@@ -140,13 +144,13 @@ def _fused_kernel(q) -> bool:
     return q.device.type == "cpu"
 
 
-def _meet(q, k, v, q_pos, k_pos, kind, scale, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _meet(q, k, v, q_pos, k_pos, kind, scale, fused: bool, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 output and log-sum-exp of queries against keys (rows that see no key: output 0, lse -inf)."""
     if kind is not Meeting.PARTIAL and fused:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, kind is Meeting.DIAGONAL, scale=scale)
         return out.float(), lse.float()
-    scores = _block_scores(q, k, q_pos, k_pos, scale)
+    scores = _block_scores(q, k, q_pos, k_pos, scale, window)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
     return torch.matmul(probs, v.float()), lse
@@ -160,21 +164,24 @@ def merge(out, lse, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
     return out * keep + out_b * take, merged
 
 
-def attend_block(q, k_b, v_b, q_pos, k_pos, scale, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_block(q, k_b, v_b, q_pos, k_pos, scale, fused: bool | None = None,
+                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 output and log-sum-exp of queries `q` against one block of keys and values, computed only where
-    pieces of queries and keys meet under the causal mask; `fused`: by torch's kernel (default: where it runs)."""
+    pieces of queries and keys meet under the causal mask (and the sliding window); `fused`: by torch's kernel
+    (default: where it runs)."""
     fused = _fused_kernel(q) if fused is None else fused
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     with _without_autocast(q.device):
-        for rows, keys, kind in _meetings(q_pos, k_pos):
+        for rows, keys, kind in _meetings(q_pos, k_pos, window):
             out_m, lse_m = _meet(q[..., rows, :], k_b[..., keys, :], v_b[..., keys, :], q_pos[rows], k_pos[keys],
-                                 kind, scale, fused)
+                                 kind, scale, fused, window)
             out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], out_m, lse_m)
     return out, lse
 
 
-def block_gradients(q, k_b, v_b, q_pos, k_pos, scale, grad_out, out, lse, fused: bool | None = None):
+def block_gradients(q, k_b, v_b, q_pos, k_pos, scale, grad_out, out, lse, fused: bool | None = None,
+                    window: int | None = None):
     """This block's share of dQ and its dK, dV (fp32), from the final output `out` and log-sum-exp `lse` (as
     flash attention's backward: P = exp(q·kᵀ·scale − lse)), over the same meetings as attend_block."""
     fused = _fused_kernel(q) if fused is None else fused
@@ -182,7 +189,7 @@ def block_gradients(q, k_b, v_b, q_pos, k_pos, scale, grad_out, out, lse, fused:
     dk = torch.zeros(k_b.shape, dtype=torch.float32, device=k_b.device)
     dv = torch.zeros(v_b.shape, dtype=torch.float32, device=v_b.device)
     with _without_autocast(q.device):  # the same fp32 as the forward, inside autocast or not
-        for rows, keys, kind in _meetings(q_pos, k_pos):
+        for rows, keys, kind in _meetings(q_pos, k_pos, window):
             q_r, k_r, v_r, go = q[..., rows, :], k_b[..., keys, :], v_b[..., keys, :], grad_out[..., rows, :]
             if kind is not Meeting.PARTIAL and fused:
                 grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -191,7 +198,7 @@ def block_gradients(q, k_b, v_b, q_pos, k_pos, scale, grad_out, out, lse, fused:
                 dq_m, dk_m, dv_m = (g.float() for g in grads)
             else:
                 q_r, k_r, v_r, go = q_r.float(), k_r.float(), v_r.float(), go.float()
-                probs = torch.exp(_block_scores(q_r, k_r, q_pos[rows], k_pos[keys], scale)
+                probs = torch.exp(_block_scores(q_r, k_r, q_pos[rows], k_pos[keys], scale, window)
                                   - lse[..., rows].unsqueeze(-1)).nan_to_num(0.0)
                 dv_m = torch.matmul(probs.transpose(-1, -2), go)
                 delta = (go * out[..., rows, :]).sum(-1, keepdim=True)
@@ -207,7 +214,7 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's q over every rank's k, v (Note [ring attention]); [B, H, T_local, D]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, group, scale, counter):
+    def forward(ctx, q, k, v, positions, group, scale, counter, window):
         ring = _Ring(group, counter)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
@@ -216,11 +223,11 @@ class RingAttention(torch.autograd.Function):
             k_b, v_b, pos_b = block
             if step + 1 < ring.size:  # the next block travels while this one is computed
                 following = ring.start(block)
-            out, lse = merge(out, lse, *attend_block(q, k_b, v_b, positions, pos_b, scale))
+            out, lse = merge(out, lse, *attend_block(q, k_b, v_b, positions, pos_b, scale, window=window))
             if step + 1 < ring.size:
                 block = following.wait()
         ctx.save_for_backward(q, k, v, positions, out, lse)
-        ctx.group, ctx.scale, ctx.counter = group, scale, counter
+        ctx.group, ctx.scale, ctx.counter, ctx.window = group, scale, counter, window
         return out.to(q.dtype)
 
     @staticmethod
@@ -233,26 +240,27 @@ class RingAttention(torch.autograd.Function):
         block = [k, v, positions, dk, dv]
         for step in range(ring.size):
             k_b, v_b, pos_b, dk_b, dv_b = block
-            dq_b, dk_own, dv_own = block_gradients(q, k_b, v_b, positions, pos_b, scale, grad_out, out, lse)
+            dq_b, dk_own, dv_own = block_gradients(q, k_b, v_b, positions, pos_b, scale, grad_out, out, lse,
+                                                   window=ctx.window)
             dq += dq_b
             block = [k_b, v_b, pos_b, dk_b + dk_own, dv_b + dv_own]
             if step + 1 < ring.size:  # one exchange with the gradients (measured: sending the keys and values
                 block = ring.shift(block)  # ahead, in a second exchange, cost more than it hid on 2 cores)
         dk_home, dv_home = ring.shift([block[3], block[4]])  # one more hop: every block back to its owner
-        return dq.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    group: dist.ProcessGroup | None, scale: float | None = None,
-                   counter: CommCounter | None = None) -> torch.Tensor:
+                   counter: CommCounter | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention over the whole sequence for this rank's queries `q` ([B, H, T_local, D]), the keys and
     values of every rank of `group` passing around the ring; `positions`: the global position of each local
     token (zigzag_positions). Keys and values with fewer heads (GQA) are repeated to q's heads. counter: where the
-    bytes sent are counted (p2p_bytes)."""
+    bytes sent are counted (p2p_bytes); window: a key this many positions or more before its query is hidden."""
     if k.shape[1] != q.shape[1]:
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"{q.shape[1]} query heads do not divide into {k.shape[1]} key/value heads")
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return RingAttention.apply(q, k, v, positions, group, scale, counter)
+    return RingAttention.apply(q, k, v, positions, group, scale, counter, window)

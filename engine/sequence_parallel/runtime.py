@@ -13,10 +13,12 @@ sequence-shaped arguments along dim 1:
   models that take already-shifted labels (the example GPT) get theirs as they are;
 - `position_ids` are the tokens' global positions (given ones are split like the rest); a model
   whose forward takes no position_ids is refused (its positions would be the part's, silently).
-Inside the forward, a TorchFunctionMode routes every F.scaled_dot_product_attention call (causal,
-without a mask) to ring or Ulysses attention over the group; a mask tensor or attention dropout is
-refused, naming what to do (so is ring on a Hugging Face model with use_cache False: without a cache it
-reads the zigzag positions as packed sequences and builds a mask). "auto" picks Ulysses when the model's
+Inside the forward, a Hugging Face model's attention runs through an implementation registered for the
+split in transformers' attention interface, with each layer's window and softcapping (Note [Hugging Face
+attention under sequence parallelism]); in another model a TorchFunctionMode routes every
+F.scaled_dot_product_attention call (causal, without a mask) to ring or Ulysses attention over the group.
+A mask tensor or attention dropout is refused, naming what to do, and so is a forward that ran no attention
+either way (its attention, written out by hand, would see this rank's part only). "auto" picks Ulysses when the model's
 heads (per tp rank) divide by S, else ring, and says which. The model's loss is its mean over this
 rank's tokens; engine.backward weighs it by this rank's share of the group's counted tokens (labels
 other than -100) times S, so that averaging the gradients over the ranks gives the loss over every token
@@ -31,6 +33,7 @@ rank's part, and the last stage's loss carries the token weight in its gradient 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -41,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from engine.comm import CommCounter
 from engine.outputs import replace_loss
+from engine.sequence_parallel.hf_attention import InterfaceAttention, uses_attention_interface
 from engine.sequence_parallel.ring_attention import ring_attention, zigzag_positions
 from engine.sequence_parallel.ulysses import ulysses_attention
 
@@ -75,12 +79,13 @@ class SequenceSplit:
             raise ValueError(f"sequence parallelism gives each rank its tokens' global positions as position_ids, "
                              f"and {type(model).__name__}.forward takes no position_ids; add a position_ids argument "
                              "that the model's position embedding (or rotary) uses")
-        if mode == "ring" and self.hf_labels and getattr(getattr(model, "config", None), "use_cache", True) is False:
-            raise ValueError("ring attention on a Hugging Face model without a key/value cache (config.use_cache "
-                             "False, as activation checkpointing wants) is not supported: without a cache the model "
-                             "reads ring's zigzag position_ids as packed sequences and passes a mask; use "
-                             "sequence_parallel.mode \"ulysses\", or keep use_cache True without checkpointing")
         self.token_weight = 1.0  # of the last forward's loss (Note [sequence parallelism])
+        self.attended = 0  # attention calls run over the group so far
+        self.attending = False
+        self.model_name = type(model).__name__
+        self.interface = InterfaceAttention(self) if uses_attention_interface(model) else None
+        if self.interface is not None:
+            self.interface.install(model)
 
     def positions(self, seq_len: int, device) -> torch.Tensor:
         if self.mode == "ring":
@@ -143,9 +148,42 @@ class SequenceSplit:
         own = loss if self.token_weight else loss.nan_to_num(0.0)
         return own + (weighted.to(loss.dtype) - own.detach())
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, window: int | None = None,
+               softcap: float | None = None, where: str = "the attention") -> torch.Tensor:
+        """Causal attention over the group for this rank's part of the sequence ([B, H, T/S, D] each); window: a key
+        this many positions or more before its query is hidden; softcap: logits capped at ±softcap."""
+        if self.mode == "ring" and softcap is not None:
+            raise ValueError(f"sequence parallelism: {where} caps its attention logits (softcapping), which ring "
+                             "attention does not; use sequence_parallel.mode \"ulysses\"")
+        self.attended += 1
+        self.attending = True  # its own scaled_dot_product_attention calls pass the mode
+        try:
+            if self.mode == "ring":
+                return ring_attention(q, k, v, self.positions(q.shape[2] * self.size, q.device), self.group, scale,
+                                      self.counter, window)
+            return ulysses_attention(q, k, v, self.group, scale, counter=self.counter, window=window, softcap=softcap)
+        finally:
+            self.attending = False
+
     def attention(self):
-        """The context the forward runs in: its attention over the group."""
+        """The context a forward (or a checkpoint's recompute) runs in: its attention over the group."""
         return _SplitAttention(self)
+
+    @contextlib.contextmanager
+    def forward_context(self):
+        """`attention()` around the model's forward, which must run some attention over the group."""
+        before = self.attended
+        with self.attention():
+            yield
+        if self.attended == before:
+            raise ValueError(f"sequence parallelism: {self.model_name}'s forward ran no attention Tiers splits (no "
+                             "torch.nn.functional.scaled_dot_product_attention call, nor a Hugging Face attention "
+                             "implementation): attention written out by hand, such as ALiBi attention, would see "
+                             "this rank's part of the sequence only; use sequence_parallel.size 1")
+
+    def close(self) -> None:
+        if self.interface is not None:
+            self.interface.uninstall()
 
 
 class _SplitAttention(TorchFunctionMode):
@@ -155,8 +193,12 @@ class _SplitAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
+        if func is not F.scaled_dot_product_attention or self.split.attending:
             return func(*args, **kwargs)
+        if self.split.interface is not None:
+            raise ValueError(f"sequence parallelism: {self.split.model_name} calls scaled_dot_product_attention "
+                             "outside its attention implementation, where Tiers cannot split it; use "
+                             "sequence_parallel.size 1")
         q, k, v = args[:3]
         mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
         dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
@@ -168,11 +210,7 @@ class _SplitAttention(TorchFunctionMode):
         if dropout:
             raise ValueError("attention dropout is not supported under sequence parallelism; set the model's "
                              "attention dropout to 0")
-        scale = kwargs.get("scale")
-        if self.split.mode == "ring":
-            return ring_attention(q, k, v, self.split.positions(q.shape[2] * self.split.size, q.device),
-                                  self.split.group, scale, self.split.counter)
-        return ulysses_attention(q, k, v, self.split.group, scale, counter=self.split.counter)
+        return self.split.attend(q, k, v, kwargs.get("scale"))
 
 
 def _sequence_length(args: tuple, kwargs: dict) -> int:

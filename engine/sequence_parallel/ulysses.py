@@ -3,7 +3,8 @@
 Note [Ulysses attention]
 Each of S ranks holds a contiguous 1/S of the sequence for every head. An all-to-all turns that into
 the whole sequence for 1/S of the heads; attention runs locally (causal, over the full sequence, the
-device's own scaled_dot_product_attention); a second all-to-all turns the output back into the
+device's own scaled_dot_product_attention, or the same math written out where a layer caps its logits;
+a sliding window hides keys `window` or more positions back); a second all-to-all turns the output back into the
 sequence split. q, k and v travel in one all-to-all (one synchronization instead of three). Each
 all-to-all moves (S-1)/S of what a rank sends, so the bytes per link stay O(T/S) as S grows
 (DeepSpeed-Ulysses). Heads must divide by S; keys and values with fewer heads
@@ -70,11 +71,33 @@ def heads_to_sequence(xs: list[torch.Tensor], group, size: int,
     return [received[:, i].permute(1, 0, 2, 3, 4).reshape(b, size * h_part, t, d) for i in range(len(xs))]
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
+    """Causal attention over whole sequences ([B, H, T, D], positions 0..T-1), a key `window` or more positions
+    before its query hidden (None: none), the logits capped at ±softcap (softcap·tanh(s/softcap)) before the mask,
+    as Hugging Face's eager attention does."""
+    length = q.shape[2]
+    banded = window is not None and window < length
+    if softcap is None and not banded:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    positions = torch.arange(length, device=q.device)
+    offset = positions[:, None] - positions[None, :]
+    visible = (offset >= 0) & (offset < window) if banded else offset >= 0
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
-                      scale: float | None = None, is_causal: bool = True,
-                      counter: CommCounter | None = None) -> torch.Tensor:
+                      scale: float | None = None, is_causal: bool = True, counter: CommCounter | None = None,
+                      window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention over the whole sequence for this rank's contiguous slice of it ([B, H, T/S, D] each), heads split
-    over the ranks of `group` around it (Note [Ulysses attention]); counter: where all-to-all bytes are counted."""
+    over the ranks of `group` around it (Note [Ulysses attention]); counter: where all-to-all bytes are counted;
+    window, softcap: as `causal_attention`'s."""
     size = dist.get_world_size(group)
     heads = q.shape[1]
     if heads % size:
@@ -89,5 +112,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         q, k, v = _Exchange.apply(group, size, counter, True, q, k, v)
     else:  # e.g. a value head size other than the query's
         q, k, v = (_Exchange.apply(group, size, counter, True, t)[0] for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    if is_causal:
+        out = causal_attention(q, k, v, scale, window, softcap)
+    elif window is None and softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    else:
+        raise ValueError("Ulysses attention with a sliding window or softcapping is causal only")
     return _Exchange.apply(group, size, counter, False, out)[0]
