@@ -68,3 +68,10 @@ def test_the_grid_lists_only_cells_that_exist_and_reasons_it_defines():
     assert set(REFUSED) <= set(CELLS)
     assert set(REFUSED.values()) == set(REASONS)
     assert len(hf_zoo.names()) == 22 and len(hf_zoo.MOE_MODELS) == 4
+
+
+def test_the_docs_grid_is_this_data():
+    from scripts.zoo_grid import REPO, main
+
+    docs = str(REPO / "docs" / "parallelism.md")
+    assert main(["--check", docs]) == 0, "run: python scripts/zoo_grid.py --write docs/parallelism.md"

@@ -71,3 +71,32 @@ def test_a_rank_keeps_its_stage_and_names_what_it_does_not_hold():
     with pytest.raises(RuntimeError, match=r"wte is held by pipeline stage 0 \(rank 0, blocks 0-1\) and was "
                                            r"called outside the pipeline.*engine.train_batch"):
         model(torch.zeros(1, 4, dtype=torch.long))
+
+
+class NormRegisteredFirst(torch.nn.Module):
+    """OPT's order: the final norm registered before the blocks, called after them; `between`, when set, is called
+    among the blocks."""
+
+    def __init__(self, between: bool = False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.final_norm = torch.nn.LayerNorm(8)
+        self.mixer = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        self.head = torch.nn.Linear(8, 16)
+        self.between = between
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for i, block in enumerate(self.blocks):
+            x = block(self.mixer(x) if self.between and i == 2 else x)
+        return self.head(self.final_norm(x))
+
+
+def test_modules_beside_the_blocks_go_where_the_forward_calls_them_and_one_called_among_them_is_refused():
+    plan = plan_stages(NormRegisteredFirst(), PipelineConfig(stages=2, partition="uniform"))
+    assert dict(plan.outside) == {"embed": Place.BEFORE, "final_norm": Place.AFTER, "mixer": Place.BEFORE,
+                                  "head": Place.AFTER}  # mixer: never called, so by registration
+    with pytest.raises(ValueError, match=r"pipeline: mixer is called among the blocks, and only the modules "
+                                         r"called before the block list or after it"):
+        plan_stages(NormRegisteredFirst(between=True), PipelineConfig(stages=2, partition="uniform"))

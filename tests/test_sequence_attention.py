@@ -1,6 +1,8 @@
 """Attention over a sequence split across ranks equals causal attention over the full sequence in one process, forward
 and backward (fp32 1e-5): ring attention (Note [ring attention]: each rank's queries, keys and values passed around
-the ring, zigzag layout) and Ulysses (Note [Ulysses attention]: heads split around attention, contiguous layout)."""
+the ring, zigzag layout) and Ulysses (Note [Ulysses attention]: heads split around attention, contiguous layout);
+with a sliding window shorter than the sequence (and than a rank's part), and Ulysses with logit softcapping, as
+Hugging Face's models compute them."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def full_inputs(kv_heads: int):
     return q, k, v, torch.randn(B, H, T, D, generator=g)
 
 
-def _worker(rank, world, kv_heads, mode):
+def _worker(rank, world, kv_heads, mode, window=None, softcap=None):
     q, k, v, grad = full_inputs(kv_heads)
     if mode == "ring":
         pos = zigzag_positions(T, rank, world)
@@ -30,7 +32,8 @@ def _worker(rank, world, kv_heads, mode):
         pos = torch.arange(rank * T // world, (rank + 1) * T // world)
         mode = "ring" if mode == "ring_contiguous" else mode
     mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*mine, pos, None) if mode == "ring" else ulysses_attention(*mine, None)
+    out = ring_attention(*mine, pos, None, window=window) if mode == "ring" else \
+        ulysses_attention(*mine, None, window=window, softcap=softcap)
     out.backward(grad[:, :, pos])
     return pos, out.detach(), [t.grad for t in mine]
 
@@ -46,6 +49,32 @@ def test_split_sequence_attention_equals_full_causal_attention_forward_and_backw
                                          is_causal=True)
     out.backward(grad)
     for pos, got, grads in run_distributed(_worker, world, args=(kv_heads, mode), timeout_s=120):
+        torch.testing.assert_close(got, out.detach()[:, :, pos], rtol=FP32_RTOL, atol=1e-6)
+        for name, g, ref in zip("qkv", grads, leaves):
+            torch.testing.assert_close(g, ref.grad[:, :, pos], rtol=FP32_RTOL, atol=1e-6, msg=name)
+
+
+def eager_reference(q, k, v, window: int | None, softcap: float | None) -> torch.Tensor:
+    """Hugging Face's eager attention: scores, softcap, the sliding-window causal mask, softmax."""
+    scores = q @ k.transpose(2, 3) * D ** -0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    offset = torch.arange(T)[:, None] - torch.arange(T)[None, :]
+    visible = (offset >= 0) & (offset < (window or T))
+    return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.parametrize("mode,world,window,softcap", [
+    ("ring", 2, 5, None), ("ring", 4, 7, None), ("ring", 4, 1, None), ("ring_contiguous", 4, 4, None),
+    ("ulysses", 2, 5, None), ("ulysses", 2, None, 2.0), ("ulysses", 4, 7, 2.0)])
+def test_a_sliding_window_and_softcapping_equal_the_eager_attention_of_one_process(mode, world, window, softcap):
+    """Windows shorter than a rank's part (ring's zigzag chunks are 24 / 2S tokens), one that hides every earlier
+    token, and capped logits."""
+    q, k, v, grad = full_inputs(2)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = eager_reference(leaves[0], *(t.repeat_interleave(H // 2, 1) for t in leaves[1:]), window, softcap)
+    out.backward(grad)
+    for pos, got, grads in run_distributed(_worker, world, args=(2, mode, window, softcap), timeout_s=120):
         torch.testing.assert_close(got, out.detach()[:, :, pos], rtol=FP32_RTOL, atol=1e-6)
         for name, g, ref in zip("qkv", grads, leaves):
             torch.testing.assert_close(g, ref.grad[:, :, pos], rtol=FP32_RTOL, atol=1e-6, msg=name)

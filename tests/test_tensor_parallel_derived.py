@@ -360,3 +360,29 @@ def test_a_derived_2d_plan_maps_every_layer_and_refuses_what_2d_cannot_split():
         with pytest.raises(ValueError, match=r"plan \"auto\" \(mode \"2d\"\): cannot split _TinyLM: " + message):
             apply_tensor_parallel(model, "auto", MESH.whole, mesh=MESH)
         assert isinstance(model.fc, nn.Linear), variant  # nothing changed
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
+def test_a_plan_derives_for_hugging_face_experts_in_each_implementation(implementation):
+    """grouped_mm's fake-tensor kernel takes bf16 only (the model runs it in fp32), and the eager loop counts the
+    experts a batch routes to: the trace runs both as the model computes them. The experts stay whole; the model's
+    own implementation is left as it was."""
+    from tests.moe_models import mixtral
+
+    model = mixtral()
+    model.config._experts_implementation = implementation
+    plan = derive_plan(model, 2)
+    assert plan.styles["model.layers.0.self_attn.q_proj"] == "colwise"
+    assert plan.styles["model.layers.1.self_attn.o_proj"] == "rowwise"
+    assert not any("experts" in name for name in plan.styles)
+    assert model.config._experts_implementation == implementation
+
+
+def test_whole_parameters_that_meet_split_heads_have_their_gradients_summed():
+    """Qwen3's per-head q/k norms scale each rank's heads only (Note [partial gradients of whole parameters]); the
+    layer norms on the residual stream see whole activations."""
+    from tests import hf_zoo
+
+    assert set(derive_plan(hf_zoo.build("qwen3"), 2).partial_gradients) == {
+        f"model.layers.{i}.self_attn.{n}_norm.weight" for i in range(hf_zoo.LAYERS) for n in "qk"}
+    assert derive_plan(hf_zoo.build("llama"), 2).partial_gradients == ()
