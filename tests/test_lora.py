@@ -39,11 +39,20 @@ def batches() -> list[torch.Tensor]:
     return token_batches(STEPS, GLOBAL_BATCH, seq=16, vocab=96)
 
 
+def enable_checkpointing(model) -> None:
+    """transformers' own checkpointing, reentrant: without an input that requires grad, no gradient would reach the
+    adapters (activation_checkpointing_enable since transformers 5.24, gradient_checkpointing_enable before)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+
+
 def peft_model(path: str, checkpointing: bool) -> torch.nn.Module:
     model = get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(path), lora_config())
-    if checkpointing:  # reentrant: without an input that requires grad, no gradient would reach the adapters
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
-        model.enable_input_require_grads()
+    if checkpointing:
+        enable_checkpointing(model)
     model.train()
     return model
 
@@ -100,8 +109,7 @@ def lora_engine(path: str, cfg: dict, seed: int, checkpointing: bool, deepspeed_
         model = transformers.AutoModelForCausalLM.from_pretrained(path)
     model = get_peft_model(model, lora_config())
     if checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
-        model.enable_input_require_grads()
+        enable_checkpointing(model)
     model.train()
     return deepspeed.initialize(model=model, config=cfg)[0] if deepspeed_api else initialize(model, cfg)
 

@@ -5,6 +5,8 @@ ZeRO-3."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -194,3 +196,30 @@ def test_with_activation_checkpointing_and_a_checkpoint_resumed_without_sequence
     engine.step()
     assert_close_relative([loss.item()], ref_losses[2:])
     assert_params_close(trained_params(engine), param_snapshot(model), rtol=1e-4)  # ring: see check()
+
+
+def _outside_the_engine_worker(rank, world):
+    """A Hugging Face model's attention runs split only inside the engine's forward: the model called directly
+    computes as before; given positions that restart (packed documents) are refused before the forward."""
+    model = hf_llama()
+    plain = copy.deepcopy(model)
+    cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH, "optimizer": {"type": "AdamW", "params": ADAMW},
+           "steps_per_print": 10**6, "sequence_parallel": {"size": 2, "mode": "ulysses"}}
+    engine = initialize(model, cfg)
+    x = token_batches(1, GLOBAL_BATCH, seq=SEQ)[0]
+    with torch.no_grad():
+        direct = engine.module(input_ids=x).logits
+        expected = plain(input_ids=x).logits
+    packed = torch.arange(SEQ // 2).repeat(2).unsqueeze(0)
+    try:
+        engine(input_ids=x, labels=x, position_ids=packed)
+        refusal = ""
+    except ValueError as e:
+        refusal = str(e)
+    return torch.equal(direct, expected), refusal
+
+
+def test_the_model_called_outside_the_engine_is_unchanged_and_packed_positions_are_refused():
+    for same, refusal in run_distributed(_outside_the_engine_worker, 2, timeout_s=120):
+        assert same
+        assert "position_ids given restart or skip within a sequence (packed documents)" in refusal

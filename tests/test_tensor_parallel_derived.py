@@ -386,3 +386,41 @@ def test_whole_parameters_that_meet_split_heads_have_their_gradients_summed():
     assert set(derive_plan(hf_zoo.build("qwen3"), 2).partial_gradients) == {
         f"model.layers.{i}.self_attn.{n}_norm.weight" for i in range(hf_zoo.LAYERS) for n in "qk"}
     assert derive_plan(hf_zoo.build("llama"), 2).partial_gradients == ()
+
+
+class ScaledOnBothSides(nn.Module):
+    """A scalar parameter that scales the split MLP activations and the whole residual stream."""
+
+    def __init__(self, hidden: int = 16, vocab: int = 32):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, hidden), nn.Linear(hidden, vocab)
+        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.alpha = nn.Parameter(torch.ones(1))
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        x = x + self.down(torch.relu(self.up(x)) * self.alpha) + self.alpha * x
+        return self.head(x)
+
+
+class GatedByTheHiddenState(nn.Module):
+    """A one-wide gate computed from the hidden state, broadcast over the split MLP activations."""
+
+    def __init__(self, hidden: int = 16, vocab: int = 32):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, hidden), nn.Linear(hidden, vocab)
+        self.up, self.down, self.gate = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden), nn.Linear(hidden, 1)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        return self.head(x + self.down(torch.relu(self.up(x)) * torch.sigmoid(self.gate(x))))
+
+
+@pytest.mark.parametrize("model,why", [
+    (ScaledOnBothSides, "a parameter it meets is also used on whole activations"),
+    (GatedByTheHiddenState, "mul combines a split tensor with a whole one a gradient flows through")])
+def test_a_whole_tensor_whose_gradient_would_be_one_ranks_part_keeps_the_layers_whole(model, why):
+    """Summing the scalar's gradient would also count its whole use tp times; the gate's gradient would flow on into
+    the hidden state as one rank's part (Note [partial gradients of whole parameters])."""
+    with pytest.raises(ValueError, match=f"found no pair of linear layers to split.*{why}"):
+        derive_plan(model(), 2)

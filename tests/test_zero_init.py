@@ -159,6 +159,24 @@ class PlacesByDevice(nn.Module):
             self.weight[1:3].t().add_(torch.ones(2, device=self.weight.device))  # through a view
 
 
+class AssignsData(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.lin.weight.data = torch.full((4, 4), 7.0)  # as older init code and some libraries write it
+
+
+def test_assigning_data_in_the_block_is_recorded_like_a_copy():
+    torch.manual_seed(0)
+    reference = AssignsData()
+    torch.manual_seed(0)
+    with zero_init():
+        model = AssignsData()
+    engine = initialize(model, zero_config(0, 2, 1))
+    assert torch.equal(engine.module.lin.weight, reference.lin.weight)
+    assert torch.equal(engine.module.lin.bias, reference.lin.bias)
+
+
 def test_parameters_in_the_block_report_the_cpu_and_writes_made_there_replay():
     torch.manual_seed(0)
     reference = PlacesByDevice()
@@ -173,6 +191,21 @@ def test_a_write_it_cannot_replay_names_the_parameter():
     with pytest.raises(RuntimeError, match="zero_init cannot rebuild parameter CopiesMetaValues.weight"):
         with zero_init():
             CopiesMetaValues()
+
+
+class TruncatedNormal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 4))
+        nn.init.trunc_normal_(self.weight, std=0.02)  # samples by rejection: reads the values it drew
+
+
+def test_an_initialization_that_reads_values_is_refused_not_skipped():
+    """trunc_normal_ has no torch-function hook, so the block sees its inner operations, which branch on values;
+    on a meta tensor it returns without drawing, which left the weight uninitialized."""
+    with pytest.raises(RuntimeError, match="reads the values of a tensor computed from its parameters.*trunc_normal_"):
+        with zero_init():
+            TruncatedNormal()
 
 
 def test_meta_parameters_not_built_by_zero_init_are_refused():

@@ -95,7 +95,12 @@ class ActivationCheckpointing:
         them (Note [activation checkpointing])."""
         reads_only = getattr(module, "_can_checkpoint_with_cache", False)
         positional = not reads_only and any(_is_cache(v) for v in args)
-        taken = [k for k in CACHE_ARGUMENTS if not reads_only and kwargs.get(k) is not None]
+        taken = [k for k in CACHE_ARGUMENTS if not reads_only and _is_cache(kwargs.get(k))]
+        other = [k for k, v in kwargs.items() if _is_cache(v) and k not in CACHE_ARGUMENTS and not reads_only]
+        if other:
+            raise RuntimeError(f"{name} ({type(module).__name__}) is checkpointed and was passed a key/value cache as "
+                               f"{other[0]!r}, which its recompute would update a second time; train with "
+                               "use_cache=False, or leave this module out of activation_checkpointing.modules")
         if not kwargs.get("use_cache") and not taken and not positional:
             return args, kwargs
         if not self.told_cache:

@@ -248,17 +248,37 @@ def _view(model: nn.Module, plan: StagePlan, stage: int, state: StageState, orig
 def _stage_layer_types(view: nn.Module, plan: StagePlan, run: list[int]) -> None:
     """A Hugging Face model's forward picks each layer's mask by its place in the block list it runs
     (`config.layer_types[i]`: sliding-window or full attention), and a stage's list starts at its first block: the
-    copies on the view's path get a config whose layer_types are the stage's blocks' (the blocks themselves read
-    theirs when built)."""
-    module, path = view, plan.list_name.split(".")
-    for step in path:
+    copies on the view's path get a config reading the model's own but for layer_types, which are the stage's
+    blocks' (the blocks themselves read theirs when built). Types not one per block, unless all alike, are refused:
+    the stage could not tell its blocks' apart."""
+    module = view
+    for step in plan.list_name.split("."):
         config = getattr(module, "config", None)
         types = getattr(config, "layer_types", None)
-        if isinstance(types, (list, tuple)) and len(types) == plan.block_count:
-            staged = copy.copy(config)
-            staged.layer_types = type(types)(types[i] for i in run)
-            module.config = staged
+        if isinstance(types, (list, tuple)) and len(set(types)) > 1:
+            if len(types) != plan.block_count:
+                raise ValueError(f"pipeline: {type(module).__name__}'s config.layer_types lists {len(types)} layer "
+                                 f"types for {plan.block_count} blocks, so a stage cannot tell its blocks' types; "
+                                 "use pipeline.stages 1")
+            module.__dict__["config"] = StageConfig(config, type(types)(types[i] for i in run))
         module = module._modules[step]
+
+
+class StageConfig:
+    """A model's config as one pipeline stage's view reads it: every attribute the model's own (read and written
+    through, so later changes reach every stage), but layer_types, which are the stage's blocks'."""
+
+    def __init__(self, config, layer_types):
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "layer_types", layer_types)
+
+    def __getattr__(self, name: str):
+        return getattr(object.__getattribute__(self, "_config"), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "layer_types":
+            raise AttributeError("a pipeline stage's layer_types are its blocks'; change the model's config")
+        setattr(object.__getattribute__(self, "_config"), name, value)
 
 
 def _copy_path(module: nn.Module, prefix: str, replacements: dict[str, nn.Module]) -> nn.Module:

@@ -32,6 +32,7 @@ class StageState:
     def __init__(self):
         self.received: torch.Tensor | None = None  # what the previous stage sent (None on stage 0)
         self.blocks_started = False
+        self.takes_use_cache: dict[int, bool] = {}  # id(view) -> its forward is run with use_cache False
 
     def begin(self, received: torch.Tensor | None) -> None:
         self.received, self.blocks_started = received, False
@@ -95,7 +96,10 @@ def run_stage_view(view: nn.Module, state: StageState, received: torch.Tensor | 
     A forward that takes `use_cache` runs with it False: a training step reads no key/value cache, and a cache
     sized by the whole model's config would not fit a stage's blocks (Note [pipeline stages of an unmodified
     model])."""
-    if "use_cache" in inspect.signature(view.forward).parameters:
+    takes = state.takes_use_cache.get(id(view))
+    if takes is None:
+        takes = state.takes_use_cache[id(view)] = _takes_use_cache(view)
+    if takes:
         kwargs = {**kwargs, "use_cache": False}
     state.begin(received)
     try:
@@ -105,6 +109,15 @@ def run_stage_view(view: nn.Module, state: StageState, received: torch.Tensor | 
         return sent.value, False
     finally:
         state.end()
+
+
+def _takes_use_cache(view: nn.Module) -> bool:
+    """The forward names use_cache, or passes its keyword arguments on to a transformers model (a PEFT model)."""
+    parameters = inspect.signature(view.forward).parameters
+    if "use_cache" in parameters:
+        return True
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()) and any(
+        type(m).__module__.startswith("transformers.") and hasattr(m, "config") for m in view.modules())
 
 
 def _with_hidden_state(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:

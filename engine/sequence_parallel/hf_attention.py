@@ -18,6 +18,7 @@ ALiBi attention does) is refused after that forward (Note [sequence parallelism]
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 
@@ -31,43 +32,47 @@ _names = itertools.count()
 _UNSAID = object()  # an attention call that passes no sliding_window
 
 
-def uses_attention_interface(model: nn.Module) -> bool:
-    """A transformers model whose attention dispatches on config._attn_implementation; one whose attention adds
-    ALiBi biases (carried by the mask, which the interface leaves to the implementation) is refused."""
-    config = getattr(model, "config", None)
-    if not (type(model).__module__.startswith("transformers.") and hasattr(config, "_attn_implementation")):
-        return False
-    if getattr(config, "alibi", False):
-        raise ValueError(f"sequence parallelism: {type(model).__name__} adds ALiBi position biases to its attention "
+def transformers_model(model: nn.Module) -> nn.Module | None:
+    """The transformers model whose attention dispatches on config._attn_implementation: `model` itself, or the one
+    it wraps (a PEFT model); None for another model. One whose attention adds ALiBi biases (carried by the mask,
+    which the interface leaves to the implementation) is refused."""
+    found = next((m for m in model.modules() if type(m).__module__.startswith("transformers.")
+                  and hasattr(getattr(m, "config", None), "_attn_implementation")), None)
+    if found is not None and getattr(found.config, "alibi", False):
+        raise ValueError(f"sequence parallelism: {type(found).__name__} adds ALiBi position biases to its attention "
                          "through its mask, which Tiers does not split with the sequence; use sequence_parallel.size "
                          "1, or a model with rotary positions (config.alibi False)")
-    return True
+    return found
 
 
 class InterfaceAttention:
     """The implementation one SequenceSplit registers in transformers' AttentionInterface (held weakly: the
-    registry is transformers' own and outlives the engine)."""
+    registry is transformers' own and outlives the engine). The model's text config names it only while the
+    engine's forward (or a checkpoint's recompute) runs: any other call of the model computes as before."""
 
-    def __init__(self, split):
+    def __init__(self, split, model: nn.Module):
+        from transformers import AttentionInterface
+
         self._split = weakref.ref(split)
         self.name = f"tiers_sequence_parallel_{next(_names)}"
-        self._restore: list[tuple[object, str]] = []
-
-    def install(self, model: nn.Module) -> None:
-        from transformers import AttentionInterface
-
+        self.config = model.config.get_text_config()  # the decoder's (its layers hold the same object)
+        self._saved: list[str | None] = []  # the implementation each active() entry found
         AttentionInterface.register(self.name, self)
-        for config in _configs(model):
-            self._restore.append((config, config._attn_implementation))
-            config._attn_implementation = self.name
+
+    @contextlib.contextmanager
+    def active(self):
+        """The model's attention through this implementation inside (nested entries keep it)."""
+        self._saved.append(self.config._attn_implementation_internal)
+        self.config._attn_implementation_internal = self.name  # (not the setter: it would recurse into sub-configs)
+        try:
+            yield
+        finally:
+            self.config._attn_implementation_internal = self._saved.pop()
 
     def uninstall(self) -> None:
-        """The model's own implementation back (engine.close)."""
+        """Out of transformers' registry (engine.close)."""
         from transformers import AttentionInterface
 
-        for config, implementation in self._restore:
-            config._attn_implementation = implementation
-        self._restore = []
         AttentionInterface._global_mapping.pop(self.name, None)
 
     def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -78,6 +83,9 @@ class InterfaceAttention:
             raise RuntimeError(f"{type(module).__name__} runs its attention over a sequence split by an engine that "
                                "is gone; run the model through its engine, or set its attn_implementation back")
         where = type(module).__name__
+        if query.shape[2] != key.shape[2]:
+            raise ValueError(f"sequence parallelism: {where} attends {query.shape[2]} queries to {key.shape[2]} keys "
+                             "(a key/value cache); the engine's forward runs whole sequences: pass use_cache=False")
         if attention_mask is not None:
             raise ValueError(f"sequence parallelism: {where} was given an attention mask, which cannot be split with "
                              "the sequence (padding or packed documents); give full-length sequences without one")
@@ -97,16 +105,16 @@ class InterfaceAttention:
 
 
 def layer_window(module: nn.Module) -> int | None:
-    """The sliding window of an attention layer that does not pass one to its attention (Qwen2-MoE leaves it to
-    the mask): its own `sliding_window`, else its type in config.layer_types; a layer type other than full or
-    sliding attention is refused."""
+    """The sliding window of an attention layer that does not pass one to its attention (Qwen2-MoE and PhiMoE leave
+    it to the mask): its own `sliding_window`, else its type in config.layer_types, else config.sliding_window (the
+    mask builder's); a layer type other than full or sliding attention is refused."""
     own = getattr(module, "sliding_window", None)
     if own:
         return own
     config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
     types = getattr(config, "layer_types", None)
-    if not types or index is None:
-        return None
+    if not types or index is None:  # one window for every layer, as the model's mask builder takes it (PhiMoE)
+        return getattr(config, "sliding_window", None)
     kind = types[index]
     if kind not in ("full_attention", "sliding_attention"):
         raise ValueError(f"sequence parallelism: {type(module).__name__} (layer {index}) is a {kind!r} layer; Tiers "
@@ -114,12 +122,3 @@ def layer_window(module: nn.Module) -> int | None:
     return getattr(config, "sliding_window", None) if kind == "sliding_attention" else None
 
 
-def _configs(model: nn.Module) -> list:
-    """The model's config and its sub-configs that choose an attention implementation."""
-    configs, seen = [], set()
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation") and id(config) not in seen:
-            seen.add(id(config))
-            configs.append(config)
-    return configs

@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from engine.comm import CommCounter
 from engine.outputs import replace_loss
-from engine.sequence_parallel.hf_attention import InterfaceAttention, uses_attention_interface
+from engine.sequence_parallel.hf_attention import InterfaceAttention, transformers_model
 from engine.sequence_parallel.ring_attention import ring_attention, zigzag_positions
 from engine.sequence_parallel.ulysses import ulysses_attention
 
@@ -83,9 +83,8 @@ class SequenceSplit:
         self.attended = 0  # attention calls run over the group so far
         self.attending = False
         self.model_name = type(model).__name__
-        self.interface = InterfaceAttention(self) if uses_attention_interface(model) else None
-        if self.interface is not None:
-            self.interface.install(model)
+        hf_model = transformers_model(model)
+        self.interface = InterfaceAttention(self, hf_model) if hf_model is not None else None
 
     def positions(self, seq_len: int, device) -> torch.Tensor:
         if self.mode == "ring":
@@ -110,8 +109,10 @@ class SequenceSplit:
         if labels is not None and self.hf_labels:  # shifted on the whole sequence, before it is split
             kwargs["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         positions = self.positions(seq_len, _device(args, kwargs))
-        if "position_ids" not in kwargs or kwargs["position_ids"] is None:
+        if kwargs.get("position_ids") is None:
             kwargs["position_ids"] = positions.unsqueeze(0)
+        else:
+            _refuse_restarts(kwargs["position_ids"])
         local = lambda t: t[:, positions] if torch.is_tensor(t) and t.dim() >= 2 and t.shape[1] == seq_len else t  # noqa: E731
         args = tuple(local(a) for a in args)
         kwargs = {k: local(v) for k, v in kwargs.items()}  # every sequence-shaped argument
@@ -165,9 +166,12 @@ class SequenceSplit:
         finally:
             self.attending = False
 
+    @contextlib.contextmanager
     def attention(self):
         """The context a forward (or a checkpoint's recompute) runs in: its attention over the group."""
-        return _SplitAttention(self)
+        with self.interface.active() if self.interface is not None else contextlib.nullcontext(), \
+                _SplitAttention(self):
+            yield
 
     @contextlib.contextmanager
     def forward_context(self):
@@ -211,6 +215,15 @@ class _SplitAttention(TorchFunctionMode):
             raise ValueError("attention dropout is not supported under sequence parallelism; set the model's "
                              "attention dropout to 0")
         return self.split.attend(q, k, v, kwargs.get("scale"))
+
+
+def _refuse_restarts(position_ids: torch.Tensor) -> None:
+    """Given positions must run on by one along each row: ones that restart mark packed documents, whose mask the
+    split attention does not build (Note [Hugging Face attention under sequence parallelism])."""
+    if position_ids.shape[-1] > 1 and bool((position_ids.diff(dim=-1) != 1).any()):
+        raise ValueError("sequence parallelism: the position_ids given restart or skip within a sequence (packed "
+                         "documents), and the split attention runs one causal sequence per row; give one document "
+                         "per row, or leave position_ids out")
 
 
 def _sequence_length(args: tuple, kwargs: dict) -> int:

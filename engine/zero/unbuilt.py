@@ -5,7 +5,8 @@ Inside the block parameters hold meta storage (Note [zero_init]): writes into th
 and views of them share that storage, so the recording finds a parameter from any view. Yet libraries ask a model's
 device inside the block: `from_pretrained` ends by `kernelize(model)` (transformers 5.25 with `kernels`), which
 refuses the meta device. So each one reports the CPU, where a plain `from_pretrained` leaves the model, and where its
-`Unbuilt` successor says it is. Code that runs between the block and
+`Unbuilt` successor says it is. What the block computes from them is `Computed`: shapes and dtypes only, and an
+initialization that reads values (rejection sampling) raises instead of silently drawing nothing. Code that runs between the block and
 initialize reads their metadata (weight-decay groups by `p.dim()`, parameter counts) and places new tensors by their
 device: PEFT moves each adapter to its base layer's weight device, and an adapter moved to the meta device loses its
 values. So when the block ends each meta parameter becomes an `Unbuilt` tensor (in place: the same Python object,
@@ -24,7 +25,7 @@ class Recorded(torch.Tensor):
     """A parameter inside a `zero_init` block, or a view of one: a shape, a dtype, the CPU as its device, and a meta
     tensor (`meta`) over the parameter's meta storage that every operation runs on (Note [zero_init]). Views of it
     are Recorded too (their `meta` a view of the same storage), in-place operations return it, and other results are
-    plain meta tensors."""
+    Computed."""
 
     meta: torch.Tensor
 
@@ -41,6 +42,21 @@ class Recorded(torch.Tensor):
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"Recorded({tuple(self.shape)}, {self.dtype})"
 
+    @property
+    def data(self) -> torch.Tensor:
+        return self.detach()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """`p.data = value` writes value into p, recorded like `p.copy_(value)` (a tensor's own `.data` assignment
+        would swap in values the recording never sees)."""
+        if tuple(value.shape) != tuple(self.shape):
+            raise ValueError(f"zero_init: assigning .data of shape {tuple(value.shape)} to a parameter of shape "
+                             f"{tuple(self.shape)} cannot be recorded; assign the parameter itself "
+                             "(module.weight = nn.Parameter(...)) or build the model without zero_init")
+        with torch.no_grad():
+            self.copy_(value)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         recorded = {id(a.meta): a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Recorded)}
@@ -54,13 +70,48 @@ class Recorded(torch.Tensor):
                 return recorded[id(result)]
             if result.untyped_storage()._cdata in storages:  # a view of a recorded parameter
                 return Recorded(result)
-            return result
+            return Computed(result)
 
         return tree_map(wrap, out)
 
 
+class Computed(torch.Tensor):
+    """A value computed inside a `zero_init` block from parameters that have no values yet: a shape, a dtype, the CPU
+    as its device, a meta tensor its operations run on (their results Computed too). Reading its values raises: an
+    initialization that branches on values (nn.init.trunc_normal_'s and orthogonal_'s sampling) cannot be recorded."""
+
+    meta: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, meta: torch.Tensor):
+        t = torch.Tensor._make_wrapper_subclass(cls, meta.shape, strides=meta.stride(),
+                                                storage_offset=meta.storage_offset(), dtype=meta.dtype, device="cpu")
+        t.meta = meta
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"Computed({tuple(self.shape)}, {self.dtype})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in _READS_VALUES:
+            raise RuntimeError("zero_init: the model's construction reads the values of a tensor computed from its "
+                               "parameters, which have none inside the block (an initialization that branches on "
+                               "values, such as nn.init.trunc_normal_'s or orthogonal_'s sampling); build the model "
+                               "without zero_init, or initialize that parameter with a function that does not")
+        computed = {id(a.meta): a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Computed)}
+        out = func(*tree_map(_meta_of, args), **tree_map(_meta_of, kwargs or {}))
+        return tree_map(lambda r: computed.get(id(r)) or Computed(r) if isinstance(r, torch.Tensor) and r.is_meta
+                        else r, out)
+
+
+_READS_VALUES = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+
+
 def _meta_of(a):
-    return a.meta if isinstance(a, Recorded) else a
+    return a.meta if isinstance(a, (Recorded, Computed)) else a
 
 
 def recorded_parameter(meta: torch.Tensor, requires_grad: bool) -> nn.Parameter:

@@ -72,7 +72,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from engine.comm import CommCounter, all_reduce_max, broadcast_from
 from engine.config import load_config
-from engine.zero.unbuilt import Recorded, Unbuilt, recorded_parameter, unbuilt_parameter
+from engine.zero.unbuilt import Computed, Recorded, Unbuilt, recorded_parameter, unbuilt_parameter
 from engine.zero.weight_files import FileRange, mapped_file_range
 from offload.nvme import checksum  # the project's one XXH3-64
 
@@ -263,11 +263,12 @@ class _RecordWrites(TorchFunctionMode):
         if target is None or not self.recording.knows(target) or not _writes(func):
             return func(*args, **kwargs)
         record = self.recording.records[_storage_key(target)]
-        others = [t for t in tensors[1:] if t.is_meta or isinstance(t, Recorded)]
+        others = [t for t in tensors[1:] if t.is_meta or isinstance(t, (Recorded, Computed))]
         if others:
             raise RuntimeError(f"zero_init cannot rebuild parameter {record.name}: {_name(func)} writes into it values "
-                               "computed on the meta device; build this model without zero_init, or initialize the "
-                               "parameter with torch.nn.init functions")
+                               "computed from parameters built inside the block, which have none yet; build this "
+                               "model without zero_init, or initialize the parameter from its own RNG draws "
+                               "(torch.nn.init.normal_, uniform_, ...) or from real tensors")
         geometry = (tuple(target.shape), tuple(target.stride()), target.storage_offset())
         whole = func in _OVERWRITES and geometry == (tuple(record.shape), _contiguous_strides(record.shape), 0)
         stored_args, stored_kwargs = tree_map(lambda a: _TARGET if a is target else a, (args, kwargs))

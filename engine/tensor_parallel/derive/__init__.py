@@ -92,7 +92,8 @@ def derive_plan(model: nn.Module, tp: int) -> DerivedPlan:
     _install_per_rank_layers(copy, styles, tp, mode)
     changes = adjustments(copy, whole, settled, tp, mode, args, kwargs, cls)
     names = {id(p): n for n, p in copy.named_parameters()}
-    return DerivedPlan(styles, changes, _streams(settled, cls), tuple(sorted(names[i] for i in settled.partial)))
+    partial = sorted(names[pid] for pid in settled.partial if pid in names)  # (a replaced layer's: split, not whole)
+    return DerivedPlan(styles, changes, _streams(settled, cls), tuple(partial))
 
 
 def traced(model: nn.Module, kind=module_kind, batch: int = BATCH) -> tuple[nn.Module, FakeTensorMode, tuple, dict,

@@ -68,6 +68,8 @@ def _refuse(cls: str, what: str) -> ValueError:
 class Propagation2D(Propagation):
     """One pass under 2D: every layer's output split along its last dim (the classifiers' whole)."""
 
+    follows_gradients = False
+
     def _module(self, op, ins: dict) -> list:
         name, layer, inp = op.module, self.layers[op.module], op.args[0]
         state = ins.get(inp.id)
@@ -93,6 +95,8 @@ class Propagation2D(Propagation):
 class BatchPropagation(Propagation):
     """The batch split instead: the token ids (the forward's first argument) cut along dim 0, carried through
     every layer (the classifiers gather it back) and, by the same rules, through the ops between them."""
+
+    follows_gradients = False
 
     def __init__(self, trace: Trace, layers: dict[str, Layer], q: int, decisions: Decisions, cut: set[int],
                  held: set[int]):

@@ -7,14 +7,19 @@ needs the whole tensor is settled: gathered (colwise_gather) where that op is th
 loss, else left whole; then the pass runs again, until nothing changes.
 
 Note [partial gradients of whole parameters]
-A parameter no planned layer owns is whole on every tp rank, and usually meets whole activations only (a
-layer norm on the residual stream), so its gradient is the same on every rank. One that meets a split
-tensor does not: Qwen3's and OLMoE's per-head q/k norms scale this rank's heads only, so each rank's
-gradient of the norm's weight is the part over its heads, and the whole gradient is their sum. The pass
-follows every whole tensor computed from such a parameter (Gemma's `1 + weight` too) and names the
-parameters that meet a split tensor in any op; the plan sums their gradients over the tp group before they
-accumulate (engine/tensor_parallel/mappings.py), as Megatron sums layer-norm gradients under sequence
-parallelism. Without that each rank would step its own part: the weights drift apart, silently.
+A whole tensor that meets a split one (broadcast along the split dim: the rules allow nothing else) gets
+from that op only this rank's part of its gradient. The pass follows two kinds of whole tensors:
+- computed from parameters and constants only (a norm's weight, Gemma's `1 + weight`): one that meets a
+  split tensor is partial, and the plan sums its parameters' gradients over the tp group before they
+  accumulate (engine/tensor_parallel/mappings.py), as Megatron sums layer-norm gradients under sequence
+  parallelism. Qwen3's per-head q/k norms scale this rank's heads only, so each rank's gradient of the
+  norm's weight is the part over its heads. A parameter with a whole use as well (entering a layer,
+  meeting a whole activation, reaching the output) would then get its whole part summed tp times: the
+  layers whose split it meets are left whole instead;
+- a gradient flows through it from the input (a layer's output, a gate computed from the hidden state): the
+  part it would get flows on into everything before it, so the layers whose split it meets are left whole.
+Constants (positions, masks, rotary tables) meet split tensors freely. Without this each rank would step
+its own part: the weights drift apart, silently.
 """
 
 from __future__ import annotations
@@ -52,21 +57,27 @@ class Pass:
     vocab: set[str] = field(default_factory=set)  # embeddings of the model's input ids, vocabulary-parallel
     foreign: set[str] = field(default_factory=set)  # layers whose parameters an op outside them reads
     dropouts: list[tuple[str, bool]] = field(default_factory=list)  # (module, on a split tensor)
-    partial: set[int] = field(default_factory=set)  # ids of parameters no layer owns that meet a split tensor
+    # Note [partial gradients of whole parameters]: parameter id -> the layers whose split it meets; and the
+    # parameters with a whole use too (both: left whole, see settle)
+    partial: dict[int, set[str]] = field(default_factory=lambda: defaultdict(set))
+    whole_use: set[int] = field(default_factory=set)
 
 
 class Propagation:
     """One pass over `trace` under `decisions`."""
 
+    follows_gradients = True  # Note [partial gradients of whole parameters]: 1D's concern (2D splits everything)
+
     def __init__(self, trace: Trace, layers: dict[str, Layer], tp: int, decisions: Decisions,
                  params: frozenset[int] = frozenset()):
-        """params: ids of the traced copy's parameters (those of layers are left out here)."""
+        """params: ids of the traced copy's parameters."""
         self.trace, self.layers, self.tp, self.decisions = trace, layers, tp, decisions
         self.owner = {pid: name for name, layer in layers.items() for pid in layer.params}
         self.states: dict[int, Split | None] = {}
-        # tensor id -> the parameters (of no layer) a whole tensor was computed from (Note [partial gradients of
-        # whole parameters])
-        self.made_from: dict[int, frozenset[int]] = {pid: frozenset([pid]) for pid in params - self.owner.keys()}
+        # Note [partial gradients of whole parameters]: whole tensors computed from parameters and constants only
+        # (id -> those parameters), and whole tensors a gradient flows through that depend on the input too
+        self.made_from: dict[int, frozenset[int]] = {pid: frozenset([pid]) for pid in params}
+        self.learned: set[int] = set()
         self.from_input = set(trace.inputs)
         self.result = Pass()
 
@@ -80,32 +91,45 @@ class Propagation:
                 for source in blocked.sources:
                     self.result.blocked.setdefault(source, (blocked, op.module))
                 outs = [None] * len(op.outputs)
-            self._follow_parameters(op, refs, ins, outs)
+            if self.follows_gradients:
+                self._follow_gradients(op, refs, ins, outs)
             if op.name in rules.MOVES_VALUES and any(r.id in self.from_input for r in refs):
                 self.from_input.update(o.id for o in op.outputs)
             for ref, state in zip(op.outputs, outs):
                 self.states[ref.id] = state
             self.result.op_states.append(outs)
         for ref in self.trace.outputs:
+            self.result.whole_use |= self.made_from.get(ref.id, frozenset())
             state = self.states.get(ref.id)
             if state is not None:
                 for source in state.sources:
                     self.result.blocked.setdefault(source, (Blocked(state.sources, "the model's output", "output"),
                                                             ""))
+        for pid in self.result.partial.keys() & self.result.whole_use:  # neither whole nor a sum of parts: whole
+            sources = frozenset(self.result.partial[pid])
+            for source in sources:
+                self.result.blocked.setdefault(source, (Blocked(sources, "a parameter it meets is also used on whole "
+                                                                         "activations"), ""))
         return self.result
 
-    def _follow_parameters(self, op: Op, refs: list[Ref], ins: dict, outs: list) -> None:
-        """Note [partial gradients of whole parameters]."""
+    def _follow_gradients(self, op: Op, refs: list[Ref], ins: dict, outs: list) -> None:
+        """Note [partial gradients of whole parameters]: which whole tensors carry a gradient, and where parameters
+        meet split tensors."""
         made_from = frozenset().union(*(self.made_from.get(r.id, frozenset()) for r in refs))
-        if not made_from:
-            return
-        if op.name.endswith("_module") and any(state is not None for state in outs):
-            return  # a split layer fed a whole tensor sums that tensor's gradient over the ranks in its backward
-        if any(state is not None for state in ins.values()):
-            self.result.partial |= made_from
-            return
-        for ref in op.outputs:
-            self.made_from[ref.id] = self.made_from.get(ref.id, frozenset()) | made_from
+        learned = any(r.id in self.learned for r in refs)
+        split = [s for s in ins.values() if s is not None]
+        if op.name.endswith("_module"):  # a layer: its gradient into a whole input is whole (a split one sums it)
+            self.result.whole_use |= made_from
+            self.learned.update(ref.id for ref, state in zip(op.outputs, outs) if state is None)
+        elif split:
+            for pid in made_from:
+                self.result.partial[pid].update(rules.sources_of(split))
+        elif learned:
+            self.result.whole_use |= made_from
+            self.learned.update(ref.id for ref in op.outputs)
+        elif made_from:
+            for ref in op.outputs:
+                self.made_from[ref.id] = self.made_from.get(ref.id, frozenset()) | made_from
 
     def require_parts(self, sources, parts: int) -> None:
         for source in sources:
@@ -148,6 +172,10 @@ class Propagation:
             # rules do not read: the split stops here, which leaves its layers whole (always correct)
             raise Blocked(rules.sources_of(ins.values()), f"{op.name} with arguments the rules do not read "
                                                           f"({type(error).__name__})") from error
+        if self.follows_gradients and any(r.id in self.learned and ins.get(r.id) is None for r in refs):
+            # the whole tensor's gradient would be this rank's part only
+            raise Blocked(rules.sources_of(ins.values()), f"{op.name} combines a split tensor with a whole one a "
+                                                          "gradient flows through (broadcast along the split)")
         if op.name not in rules.KEEPS_FUSED_PARTS:
             for state in split:
                 if state.fresh:
