@@ -409,7 +409,8 @@ class GatedByTheHiddenState(nn.Module):
     def __init__(self, hidden: int = 16, vocab: int = 32):
         super().__init__()
         self.emb, self.head = nn.Embedding(vocab, hidden), nn.Linear(hidden, vocab)
-        self.up, self.down, self.gate = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden), nn.Linear(hidden, 1)
+        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.gate = nn.Linear(hidden, 1)
 
     def forward(self, input_ids):
         x = self.emb(input_ids)

@@ -6,12 +6,12 @@ and views of them share that storage, so the recording finds a parameter from an
 device inside the block: `from_pretrained` ends by `kernelize(model)` (transformers 5.25 with `kernels`), which
 refuses the meta device. So each one reports the CPU, where a plain `from_pretrained` leaves the model, and where its
 `Unbuilt` successor says it is. What the block computes from them is `Computed`: shapes and dtypes only, and an
-initialization that reads values (rejection sampling) raises instead of silently drawing nothing. Code that runs between the block and
-initialize reads their metadata (weight-decay groups by `p.dim()`, parameter counts) and places new tensors by their
-device: PEFT moves each adapter to its base layer's weight device, and an adapter moved to the meta device loses its
-values. So when the block ends each meta parameter becomes an `Unbuilt` tensor (in place: the same Python object,
-torch.utils.swap_tensors), which reports the CPU and computes nothing: any operation on its values raises, naming
-the parameter.
+initialization that reads values (rejection sampling) raises instead of silently drawing nothing.
+Code that runs between the block and initialize reads their metadata (weight-decay groups by `p.dim()`, parameter
+counts) and places new tensors by their device: PEFT moves each adapter to its base layer's weight device, and an
+adapter moved to the meta device loses its values. So when the block ends each meta parameter becomes an `Unbuilt`
+tensor (in place: the same Python object, torch.utils.swap_tensors), which reports the CPU and computes nothing: any
+operation on its values raises, naming the parameter.
 """
 
 from __future__ import annotations
