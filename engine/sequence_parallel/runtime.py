@@ -177,13 +177,22 @@ class SequenceSplit:
     def forward_context(self):
         """`attention()` around the model's forward, which must run some attention over the group."""
         before = self.attended
-        with self.attention():
-            yield
+        try:
+            with self.attention():
+                yield
+        except Exception as error:  # a model that branches on its attention implementation's name and fails
+            if self.attended != before or isinstance(error, ValueError):
+                raise
+            raise self._no_attention(f", and it raised {type(error).__name__}: {error}") from error
         if self.attended == before:
-            raise ValueError(f"sequence parallelism: {self.model_name}'s forward ran no attention Tiers splits (no "
-                             "torch.nn.functional.scaled_dot_product_attention call, nor a Hugging Face attention "
-                             "implementation): attention written out by hand, such as ALiBi attention, would see "
-                             "this rank's part of the sequence only; use sequence_parallel.size 1")
+            raise self._no_attention("")
+
+    def _no_attention(self, more: str) -> ValueError:
+        return ValueError(f"sequence parallelism: {self.model_name}'s forward ran no attention Tiers splits (no "
+                          "torch.nn.functional.scaled_dot_product_attention call, nor a Hugging Face attention "
+                          f"implementation){more}: attention written out by hand, such as ALiBi attention, would see "
+                          "this rank's part of the sequence only; use sequence_parallel.size 1, or a transformers "
+                          "release whose model calls its attention through AttentionInterface")
 
     def close(self) -> None:
         if self.interface is not None:
