@@ -100,3 +100,19 @@ def test_modules_beside_the_blocks_go_where_the_forward_calls_them_and_one_calle
     with pytest.raises(ValueError, match=r"pipeline: mixer is called among the blocks, and only the modules "
                                          r"called before the block list or after it"):
         plan_stages(NormRegisteredFirst(between=True), PipelineConfig(stages=2, partition="uniform"))
+
+
+def test_a_stage_config_reads_and_writes_through_to_the_model_config_but_for_its_layer_types():
+    from types import SimpleNamespace
+
+    from engine.pipeline.model_split import StageConfig
+
+    config = SimpleNamespace(layer_types=["sliding", "full", "sliding"], sliding_window=4)
+    stage = StageConfig(config, ["full", "sliding"])
+    assert stage.layer_types == ["full", "sliding"] and stage.sliding_window == 4
+    stage.is_causal = True  # transformers sets such flags for a forward and deletes them after it
+    assert config.is_causal is True
+    del stage.is_causal
+    assert not hasattr(config, "is_causal")
+    with pytest.raises(AttributeError, match="a pipeline stage's layer_types are its blocks'"):
+        stage.layer_types = ["full"]

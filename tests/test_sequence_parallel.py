@@ -211,15 +211,57 @@ def _outside_the_engine_worker(rank, world):
         direct = engine.module(input_ids=x).logits
         expected = plain(input_ids=x).logits
     packed = torch.arange(SEQ // 2).repeat(2).unsqueeze(0)
+    refusals = [_refusal(lambda: engine(input_ids=x, labels=x, position_ids=packed))]
+    engine.module.gradient_checkpointing_enable()
+    refusals.append(_refusal(lambda: engine(input_ids=x, labels=x)))
+    return torch.equal(direct, expected), refusals
+
+
+def _refusal(call) -> str:
     try:
-        engine(input_ids=x, labels=x, position_ids=packed)
-        refusal = ""
+        call()
     except ValueError as e:
-        refusal = str(e)
-    return torch.equal(direct, expected), refusal
+        return str(e)
+    return ""
 
 
-def test_the_model_called_outside_the_engine_is_unchanged_and_packed_positions_are_refused():
-    for same, refusal in run_distributed(_outside_the_engine_worker, 2, timeout_s=120):
+def test_the_model_called_outside_the_engine_is_unchanged_and_what_it_cannot_split_is_refused():
+    """Restarting positions (packed documents), and transformers' own checkpointing, whose recompute in backward
+    would run attention outside the split."""
+    for same, (packed, checkpointed) in run_distributed(_outside_the_engine_worker, 2, timeout_s=120):
         assert same
-        assert "position_ids given restart or skip within a sequence (packed documents)" in refusal
+        assert "position_ids given restart or skip within a sequence (packed documents)" in packed
+        assert "runs transformers' own gradient checkpointing" in checkpointed
+
+
+def stray_window_llama():
+    """A Llama config carrying a sliding_window key it never uses (as a config.json may)."""
+    transformers = pytest.importorskip("transformers")
+    config = hf_llama().config.to_dict()
+    config["sliding_window"] = 8
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+
+
+def lora_llama():
+    """Llama wrapped by PEFT: its labels are shifted inside the wrapped model, as a plain Llama's."""
+    peft = pytest.importorskip("peft")
+    return peft.get_peft_model(hf_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+
+def _first_loss_worker(rank, world, name):
+    cfg = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH, "optimizer": {"type": "AdamW", "params": ADAMW},
+           "steps_per_print": 10**6, "sequence_parallel": {"size": 2, "mode": "ulysses"}}
+    engine = initialize({"stray_window": stray_window_llama, "lora": lora_llama}[name](), cfg)
+    x = token_batches(1, GLOBAL_BATCH, seq=SEQ)[0]
+    return engine(input_ids=x, labels=x).loss.item()
+
+
+@pytest.mark.parametrize("name", ["stray_window", "lora"])
+def test_a_stray_window_key_and_a_peft_wrapped_model_give_the_one_process_loss(name):
+    model = {"stray_window": stray_window_llama, "lora": lora_llama}[name]()
+    x = token_batches(1, GLOBAL_BATCH, seq=SEQ)[0]
+    with torch.no_grad():
+        expected = model(input_ids=x, labels=x).loss.item()
+    for loss in run_distributed(_first_loss_worker, 2, args=(name,), timeout_s=120):
+        assert_close_relative([loss], [expected])

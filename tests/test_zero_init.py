@@ -200,6 +200,33 @@ class TruncatedNormal(nn.Module):
         nn.init.trunc_normal_(self.weight, std=0.02)  # samples by rejection: reads the values it drew
 
 
+class MovesAndComputes(nn.Module):
+    """In-block calls that must keep working: a move with nothing to move, a value computed from a parameter and
+    changed in place (never written back)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.to("cpu")
+        scaled = self.lin.weight * 2
+        scaled.add_(1)
+        assert scaled.shape == (4, 4) and scaled.device.type == "cpu"
+
+
+def test_moves_and_values_computed_in_the_block_keep_working_and_a_cast_is_refused():
+    torch.manual_seed(0)
+    reference = MovesAndComputes()
+    torch.manual_seed(0)
+    with zero_init():
+        model = MovesAndComputes()
+    engine = initialize(model, zero_config(0, 2, 1))
+    assert torch.equal(engine.module.lin.weight, reference.lin.weight)
+    with pytest.raises(ValueError, match=r"assigning .data of \(4, 4\) torch.float16 to a parameter of \(4, 4\) "
+                                         r"torch.float32 cannot be recorded \(a cast"):
+        with zero_init():
+            nn.Linear(4, 4).half()
+
+
 def test_an_initialization_that_reads_values_is_refused_not_skipped():
     """trunc_normal_ has no torch-function hook, so the block sees its inner operations, which branch on values;
     on a meta tensor it returns without drawing, which left the weight uninitialized."""

@@ -280,6 +280,11 @@ class StageConfig:
             raise AttributeError("a pipeline stage's layer_types are its blocks'; change the model's config")
         setattr(object.__getattribute__(self, "_config"), name, value)
 
+    def __delattr__(self, name: str) -> None:
+        if name == "layer_types":
+            raise AttributeError("a pipeline stage's layer_types are its blocks'; change the model's config")
+        delattr(object.__getattribute__(self, "_config"), name)
+
 
 def _copy_path(module: nn.Module, prefix: str, replacements: dict[str, nn.Module]) -> nn.Module:
     """A shallow copy of `module` whose children named in `replacements` are replaced, recursing into the

@@ -9,6 +9,8 @@ import inspect
 import torch
 from torch import nn
 
+from engine.hf_model import transformers_model
+
 
 class Place(enum.Enum):
     """Where a module outside the block list runs: before the blocks (embeddings) or after (norm, output)."""
@@ -116,8 +118,8 @@ def _takes_use_cache(view: nn.Module) -> bool:
     parameters = inspect.signature(view.forward).parameters
     if "use_cache" in parameters:
         return True
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()) and any(
-        type(m).__module__.startswith("transformers.") and hasattr(m, "config") for m in view.modules())
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()) and \
+        transformers_model(view) is not None
 
 
 def _with_hidden_state(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:

@@ -32,17 +32,12 @@ _names = itertools.count()
 _UNSAID = object()  # an attention call that passes no sliding_window
 
 
-def transformers_model(model: nn.Module) -> nn.Module | None:
-    """The transformers model whose attention dispatches on config._attn_implementation: `model` itself, or the one
-    it wraps (a PEFT model); None for another model. One whose attention adds ALiBi biases (carried by the mask,
-    which the interface leaves to the implementation) is refused."""
-    found = next((m for m in model.modules() if type(m).__module__.startswith("transformers.")
-                  and hasattr(getattr(m, "config", None), "_attn_implementation")), None)
-    if found is not None and getattr(found.config, "alibi", False):
-        raise ValueError(f"sequence parallelism: {type(found).__name__} adds ALiBi position biases to its attention "
+def refuse_alibi(model: nn.Module) -> None:
+    """ALiBi biases are carried by the mask, which the interface leaves to the implementation: refused."""
+    if getattr(model.config, "alibi", False):
+        raise ValueError(f"sequence parallelism: {type(model).__name__} adds ALiBi position biases to its attention "
                          "through its mask, which Tiers does not split with the sequence; use sequence_parallel.size "
                          "1, or a model with rotary positions (config.alibi False)")
-    return found
 
 
 class InterfaceAttention:
@@ -106,19 +101,21 @@ class InterfaceAttention:
 
 def layer_window(module: nn.Module) -> int | None:
     """The sliding window of an attention layer that does not pass one to its attention (Qwen2-MoE and PhiMoE leave
-    it to the mask): its own `sliding_window`, else its type in config.layer_types, else config.sliding_window (the
-    mask builder's); a layer type other than full or sliding attention is refused."""
+    it to the mask): its own `sliding_window`, else its type in config.layer_types, else the window a config class
+    that declares one gives every layer (PhiMoE's mask builder takes it); a layer type other than full or sliding
+    attention is refused. A `sliding_window` a config merely carries (a key left in a Llama config.json) is none."""
     own = getattr(module, "sliding_window", None)
     if own:
         return own
     config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
     types = getattr(config, "layer_types", None)
-    if not types or index is None:  # one window for every layer, as the model's mask builder takes it (PhiMoE)
-        return getattr(config, "sliding_window", None)
-    kind = types[index]
-    if kind not in ("full_attention", "sliding_attention"):
-        raise ValueError(f"sequence parallelism: {type(module).__name__} (layer {index}) is a {kind!r} layer; Tiers "
-                         "splits full and sliding-window attention only; use sequence_parallel.size 1")
-    return getattr(config, "sliding_window", None) if kind == "sliding_attention" else None
-
-
+    if types:
+        if index is None:
+            return None
+        kind = types[index]
+        if kind not in ("full_attention", "sliding_attention"):
+            raise ValueError(f"sequence parallelism: {type(module).__name__} (layer {index}) is a {kind!r} layer; "
+                             "Tiers splits full and sliding-window attention only; use sequence_parallel.size 1")
+        return getattr(config, "sliding_window", None) if kind == "sliding_attention" else None
+    declared = "sliding_window" in getattr(type(config), "__dataclass_fields__", {})
+    return getattr(config, "sliding_window", None) if declared else None

@@ -43,8 +43,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from engine.comm import CommCounter
+from engine.hf_model import transformers_model
 from engine.outputs import replace_loss
-from engine.sequence_parallel.hf_attention import InterfaceAttention, transformers_model
+from engine.sequence_parallel.hf_attention import InterfaceAttention, refuse_alibi
 from engine.sequence_parallel.ring_attention import ring_attention, zigzag_positions
 from engine.sequence_parallel.ulysses import ulysses_attention
 
@@ -68,8 +69,9 @@ class SequenceSplit:
         """counter: where the attention's all-to-all and point-to-point bytes are counted (the engine's)."""
         self.group, self.size, self.rank, self.mode = group, size, rank, mode
         self.counter = counter
+        hf_model = transformers_model(model)  # the model itself, or the one a PEFT model wraps
         # labels the model shifts itself (Hugging Face): passed as shift_labels
-        self.hf_labels = type(model).__module__.startswith("transformers.")
+        self.hf_labels = hf_model is not None
         # positional arguments by name, so that labels passed positionally are found
         parameters = inspect.signature(model.forward).parameters.values()
         self.positional = [p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
@@ -83,8 +85,11 @@ class SequenceSplit:
         self.attended = 0  # attention calls run over the group so far
         self.attending = False
         self.model_name = type(model).__name__
-        hf_model = transformers_model(model)
+        if hf_model is not None:
+            refuse_alibi(hf_model)
         self.interface = InterfaceAttention(self, hf_model) if hf_model is not None else None
+        # transformers' own checkpointing would recompute attention in backward, outside the split (refused)
+        self.own_checkpointing = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
 
     def positions(self, seq_len: int, device) -> torch.Tensor:
         if self.mode == "ring":
@@ -176,12 +181,18 @@ class SequenceSplit:
     @contextlib.contextmanager
     def forward_context(self):
         """`attention()` around the model's forward, which must run some attention over the group."""
+        checkpointed = next((m for m in self.own_checkpointing if m.gradient_checkpointing is True), None)
+        if checkpointed is not None and torch.is_grad_enabled():
+            raise ValueError(f"sequence parallelism: {type(checkpointed).__name__} runs transformers' own gradient "
+                             "checkpointing, whose recompute in backward would run attention outside the split; turn "
+                             "it off (model.gradient_checkpointing_disable()) and set activation_checkpointing "
+                             "{\"enabled\": true} in the config, which recomputes over the split sequence")
         before = self.attended
         try:
             with self.attention():
                 yield
-        except Exception as error:  # a model that branches on its attention implementation's name and fails
-            if self.attended != before or isinstance(error, ValueError):
+        except (TypeError, AttributeError, KeyError, NotImplementedError) as error:
+            if self.attended != before:  # a model that branches on its attention implementation's name and fails
                 raise
             raise self._no_attention(f", and it raised {type(error).__name__}: {error}") from error
         if self.attended == before:

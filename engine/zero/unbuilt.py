@@ -50,10 +50,13 @@ class Recorded(torch.Tensor):
     def data(self, value: torch.Tensor) -> None:
         """`p.data = value` writes value into p, recorded like `p.copy_(value)` (a tensor's own `.data` assignment
         would swap in values the recording never sees)."""
-        if tuple(value.shape) != tuple(self.shape):
-            raise ValueError(f"zero_init: assigning .data of shape {tuple(value.shape)} to a parameter of shape "
-                             f"{tuple(self.shape)} cannot be recorded; assign the parameter itself "
-                             "(module.weight = nn.Parameter(...)) or build the model without zero_init")
+        if value is self or (isinstance(value, Recorded) and _same_place(value.meta, self.meta)):
+            return  # module.to() / .cpu() with nothing to move assigns a parameter its own tensor
+        if tuple(value.shape) != tuple(self.shape) or value.dtype != self.dtype:
+            raise ValueError(f"zero_init: assigning .data of {tuple(value.shape)} {value.dtype} to a parameter of "
+                             f"{tuple(self.shape)} {self.dtype} cannot be recorded (a cast, such as module.to(dtype), "
+                             "or another shape); build in the dtype you want (torch.set_default_dtype, "
+                             "from_pretrained(dtype=...)), assign the parameter itself, or build without zero_init")
         with torch.no_grad():
             self.copy_(value)
 
@@ -103,11 +106,21 @@ class Computed(torch.Tensor):
                                "without zero_init, or initialize that parameter with a function that does not")
         computed = {id(a.meta): a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Computed)}
         out = func(*tree_map(_meta_of, args), **tree_map(_meta_of, kwargs or {}))
-        return tree_map(lambda r: computed.get(id(r)) or Computed(r) if isinstance(r, torch.Tensor) and r.is_meta
-                        else r, out)
+        def wrap(result):
+            if not isinstance(result, torch.Tensor) or not result.is_meta:
+                return result
+            same = computed.get(id(result))  # in place: the same tensor
+            return same if same is not None else Computed(result)
+
+        return tree_map(wrap, out)
 
 
 _READS_VALUES = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+
+
+def _same_place(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.shape == b.shape
+            and a.stride() == b.stride() and a.storage_offset() == b.storage_offset() and a.dtype == b.dtype)
 
 
 def _meta_of(a):
