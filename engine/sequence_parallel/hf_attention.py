@@ -4,8 +4,9 @@ Note [Hugging Face attention under sequence parallelism]
 A transformers model calls its attention by name (`config._attn_implementation`: "sdpa", "eager", ...) through
 `AttentionInterface`, passing what each layer needs besides q, k and v: its scaling, its sliding window (None for a
 full-attention layer: per-layer attention types, config.layer_types), Gemma's logit softcapping, dropout. Under
-sequence parallelism the model is switched to an implementation registered for its split (`install`), which runs
-Ulysses or ring attention over the group with exactly those per-layer semantics on the tokens' global positions.
+sequence parallelism the model is switched to an implementation registered for its split (`InterfaceAttention`),
+which runs Ulysses or ring attention over the group with exactly those per-layer semantics on the tokens' global
+positions.
 Intercepting F.scaled_dot_product_attention instead would miss what a layer does not pass to it: an eager model
 (Gemma2's softcapping) never calls it, and a sliding window shorter than the sequence but not than a rank's part is
 dropped by the model's own mask builder, which sees the part's length. An implementation transformers has no mask
@@ -41,9 +42,9 @@ def refuse_alibi(model: nn.Module) -> None:
 
 
 class InterfaceAttention:
-    """The implementation one SequenceSplit registers in transformers' AttentionInterface (held weakly: the
-    registry is transformers' own and outlives the engine). The model's text config names it only while the
-    engine's forward (or a checkpoint's recompute) runs: any other call of the model computes as before."""
+    """The implementation one SequenceSplit registers in transformers' AttentionInterface (it holds the split
+    weakly: the registry is transformers' own, and keeps it until engine.close). The model's text config names it
+    only while the engine's forward (or a checkpoint's recompute) runs: any other call computes as before."""
 
     def __init__(self, split, model: nn.Module):
         from transformers import AttentionInterface
