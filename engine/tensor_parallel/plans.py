@@ -36,6 +36,7 @@ ids, attention_mask, position ids) are cut to the batch blocks before its forwar
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from typing import Callable
 from torch import nn
 
 from engine.tensor_parallel.derive import derive_plan
+from engine.tensor_parallel.derive.given_plan import partial_gradients_of
 from engine.tensor_parallel.derive.plan_2d import derive_plan_2d
 from engine.tensor_parallel.inputs_2d import BatchInputs2D
 from engine.tensor_parallel.layers_1d import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -68,7 +70,7 @@ class Plan:
     mode: str = "1d"
     sequence: SequenceRegions | None = None  # Note [Megatron sequence parallelism]; built-in 1D plans only
     # parameters left whole whose gradient each tp rank computes a part of (Note [partial gradients of whole
-    # parameters]); derived 1D plans only
+    # parameters], [partial gradients under a given plan]); 1D only
     partial_gradients: tuple[str, ...] = ()
 
 
@@ -154,13 +156,17 @@ def resolve_plan(model: nn.Module, plan: str | dict, mode: str = "1d", tp_size: 
             glob, style = next(iter(bad.items()))
             raise ValueError(f"tensor_parallel.plan[{glob!r}]: style {style!r} is not a {mode} style; choose from "
                              f"{', '.join(styles)}")
-        return Plan("user plan", dict(plan), mode=mode)
+        partial = partial_gradients_of(model, plan, tp_size) if mode == "1d" else ()
+        return Plan("user plan", dict(plan), mode=mode, partial_gradients=partial)
     derive = derived_plan if mode == "1d" else derived_plan_2d
     if plan == "derived":  # derived even where a built-in plan exists (to compare them)
         return derive(model, tp_size)
     key = type(model).__name__ if plan == "auto" else plan
-    if key in built_in:
+    if key in built_in and (mode == "2d" or key == type(model).__name__):
         return built_in[key]
+    if key in built_in:  # named for a model of another class
+        return dataclasses.replace(built_in[key], partial_gradients=partial_gradients_of(model, built_in[key].styles,
+                                                                                         tp_size))
     if plan != "auto":
         raise ValueError(f"tensor_parallel.plan: no built-in {mode} plan {plan!r}; choose from \"auto\", "
                          f"\"derived\", {', '.join(repr(k) for k in built_in)}, or give {{module-name glob: style}}")
@@ -222,7 +228,7 @@ def apply_plan(model: nn.Module, plan: Plan, tp: TPGroup, streams: RNGStreams | 
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
     for module, attr, value in changes:
         setattr(module, attr, value)
-    for name in plan.partial_gradients:
+    for name in plan.partial_gradients if sequence is None else ():  # (sequence sums every whole parameter's)
         model.get_parameter(name).register_hook(PartialGradientSum(tp))
     if mesh is not None:
         model.register_forward_pre_hook(BatchInputs2D(model, mesh), with_kwargs=True)

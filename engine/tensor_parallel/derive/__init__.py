@@ -82,7 +82,7 @@ def derive_plan(model: nn.Module, tp: int) -> DerivedPlan:
     """A 1D plan for `model` at tensor-parallel size `tp` (Note [derived tensor-parallel plans])."""
     cls = type(model).__name__
     copy, mode, args, kwargs, whole = traced(model)
-    layers = _layers(copy)
+    layers = layers_of(copy)
     settled, decisions, first = propagate(whole, layers, tp, frozenset(id(p) for p in copy.parameters()))
     styles = styles_of(settled, decisions, layers)
     if not any(style in ("colwise", "colwise_qkv", "rowwise") for style in styles.values()):
@@ -112,7 +112,7 @@ def traced(model: nn.Module, kind=module_kind, batch: int = BATCH) -> tuple[nn.M
                          f"tensor_parallel.plan as {{module-name glob: style}}") from error
 
 
-def _layers(model: nn.Module) -> dict[str, Layer]:
+def layers_of(model: nn.Module, kind=module_kind) -> dict[str, Layer]:
     """The linear layers and embeddings; one whose parameter another module also holds (BERT's MLM head keeps its
     decoder's bias as its own) is marked so, since replacing the layer would leave that module the old tensor."""
     holders: dict[int, set[str]] = {}
@@ -121,12 +121,12 @@ def _layers(model: nn.Module) -> dict[str, Layer]:
             holders.setdefault(id(p), set()).add(name)
     layers = {}
     for name, module in model.named_modules():
-        kind = module_kind(module)
-        if kind is not None:
-            width = linear_features(module)[1] if kind == "linear" else module.num_embeddings
+        what = kind(module)
+        if what is not None:
+            width = linear_features(module)[1] if what == "linear" else module.num_embeddings
             params = tuple(id(p) for p in module.parameters(recurse=False))
-            held_elsewhere = any(module_kind(model.get_submodule(h)) is None for p in params for h in holders[p])
-            layers[name] = Layer(kind, width, not isinstance(module, (nn.Linear, nn.Embedding)), params,
+            held_elsewhere = any(kind(model.get_submodule(h)) is None for p in params for h in holders[p])
+            layers[name] = Layer(what, width, not isinstance(module, (nn.Linear, nn.Embedding)), params,
                                  held_elsewhere)
     return layers
 

@@ -175,7 +175,8 @@ class Propagation:
         if self.follows_gradients and any(r.id in self.learned and ins.get(r.id) is None for r in refs):
             # the whole tensor's gradient would be this rank's part only
             raise Blocked(rules.sources_of(ins.values()), f"{op.name} combines a split tensor with a whole one a "
-                                                          "gradient flows through (broadcast along the split)")
+                                                          "gradient flows through (broadcast along the split)",
+                          "gradient")
         if op.name not in rules.KEEPS_FUSED_PARTS:
             for state in split:
                 if state.fresh:
