@@ -122,6 +122,19 @@ class DeviceMemory:
         else:
             self.down_into(dst, src)
 
+    def up_converted(self, device_tensor: torch.Tensor, host: torch.Tensor, scratch: torch.Tensor) -> None:
+        """device_tensor.copy_(host tensor of another dtype), counted as device_tensor's bytes: converted on the host
+        into `scratch` (host memory of device_tensor's shape and dtype, reused by the caller) and copied up; the
+        seam's device is host memory, so there the conversion writes it directly (the copy up stands for a DMA,
+        which takes no host core)."""
+        self.bus.host_to_device += device_tensor.numel() * device_tensor.element_size()
+        with record_function("tiers.copy.host->device"):
+            if self.device.type == "cpu":
+                device_tensor.copy_(host)
+                return
+            scratch.copy_(host)
+            device_tensor.copy_(scratch)
+
     def up(self, device_tensor: torch.Tensor, host: torch.Tensor) -> None:
         """device_tensor.copy_(host tensor), converted to the device tensor's dtype on the host first, so that
         only its bytes cross the bus."""

@@ -7,6 +7,9 @@ import torch
 from torch import nn
 
 from engine.zero.chunk_state import ChunkState
+from engine.zero.master_weights import MasterWeights
+
+NORM_TILE = 1 << 18  # elements widened at a time: fp32 scratch that stays in cache
 
 
 class ChunkNorms:
@@ -15,6 +18,7 @@ class ChunkNorms:
     states: list[ChunkState]
     params: list[nn.Parameter]
     norm_weights: dict[int, float]
+    masters: MasterWeights | None
 
     def _norm_pieces(self, index: int, owned: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
         """`owned` (this rank's elements of chunk `index`) cut at parameter boundaries, each piece with its
@@ -48,12 +52,29 @@ class ChunkNorms:
         """(fp32 norms, float64 weights) of the pieces of managed gradient shard `index`, widened to fp32 and
         multiplied by `unscale` first, as the in-memory fp32 gradients are before their norms are taken."""
         with self.sharded_grads.shard(index, writes=False) as shard:
-            if shard.dtype != torch.float32 or unscale != 1.0:
-                shard = shard.float()
-                if unscale != 1.0:
-                    shard.mul_(unscale)
-            norms, weights = piece_norms(self._norm_pieces(index, shard))
+            pieces = self._norm_pieces(index, shard)
+            if shard.dtype == torch.float32:
+                norms, weights = piece_norms(pieces)
+            else:
+                norms, weights = widened_piece_norms(pieces, self._widening_tile(shard.device))
+            if unscale != 1.0:
+                norms = norms * unscale  # (as the norm of the unscaled values, up to rounding)
             return norms.cpu(), weights
+
+    def master_grad_norms(self, unscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norms of the 16-bit gradients the fp32 masters are stepped from (Note [master weights]), taken as
+        grad_norms takes managed 16-bit shards: the in-memory and the offloaded step clip by the same norm."""
+        sources = self.masters.grad_sources
+        pieces = [wp for index, source in enumerate(sources) for wp in self._norm_pieces(index, source)]
+        norms, weights = widened_piece_norms(pieces, self._widening_tile(sources[0].device))
+        return (norms * unscale if unscale != 1.0 else norms), weights
+
+    def _widening_tile(self, device: torch.device) -> torch.Tensor:
+        """fp32 scratch for widened_piece_norms, made once."""
+        tile = getattr(self, "_norm_tile", None)
+        if tile is None or tile.device != device:
+            tile = self._norm_tile = torch.empty(NORM_TILE, dtype=torch.float32, device=device)
+        return tile
 
 
 def piece_norms(pieces: list[tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,6 +85,24 @@ def piece_norms(pieces: list[tuple[torch.Tensor, float]]) -> tuple[torch.Tensor,
     if not pieces:
         return torch.zeros(0), weights
     return torch.stack(torch._foreach_norm([piece for piece, _ in pieces], 2.0, dtype=torch.float32)), weights
+
+
+def widened_piece_norms(pieces: list[tuple[torch.Tensor, float]], tile: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+    """piece_norms of 16-bit pieces, widened a tile at a time into `tile` (fp32 scratch, reused: no fp32 copy of a
+    whole shard, which torch's norms make when asked for an fp32 result) and their squares summed in float64."""
+    if tile.device.type != "cpu":  # an accelerator's norm kernels widen as they read
+        return piece_norms(pieces)
+    weights = torch.tensor([w for _, w in pieces], dtype=torch.float64)
+    norms = torch.empty(len(pieces), dtype=torch.float32)
+    for i, (piece, _) in enumerate(pieces):
+        flat, square = piece.reshape(-1), torch.zeros((), dtype=torch.float64, device=piece.device)
+        for start in range(0, flat.numel(), tile.numel()):
+            wide = tile[:min(tile.numel(), flat.numel() - start)]
+            wide.copy_(flat[start:start + wide.numel()])
+            square += torch.dot(wide, wide)
+        norms[i] = square.sqrt()
+    return norms, weights
 
 
 def square_sum_of_norms(norms: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,11 @@ class GradientClipper:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
         if not self.needs_norm:
             return GradStats(None)
-        stats, coef = self._clipped(self._total(*piece_norms(self.chunked.grad_norm_pieces())))
+        if self.chunked.has_masters:  # the 16-bit gradients, as the offloaded step measures them
+            measured = self.chunked.master_grad_norms(1.0 / loss_scale)
+        else:
+            measured = piece_norms(self.chunked.grad_norm_pieces())
+        stats, coef = self._clipped(self._total(*measured))
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
         return stats

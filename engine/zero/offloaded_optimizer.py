@@ -37,6 +37,7 @@ from typing import Callable, ContextManager
 
 import torch
 
+from engine.zero.fused_tiles import TileStepper, steps_in_tiles
 from offload.chunk import Location
 from offload.manager import ChunkManager
 from offload.states import TensorState
@@ -69,6 +70,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._param_chunks = param_chunks or {}
         self._grad_chunks = grad_chunks or {}
         self._round_into = round_into
+        self._tiles = TileStepper(manager.memory)  # Note [the host step in tiles]
         self._items: list[tuple[torch.optim.Optimizer, torch.Tensor, int | None, dict]] = []
         self._stepped_early: set[int] = set()  # Note [stepping in backward]: items already stepped this iteration
         self._item_of_grad: dict[int, int] = {}  # gradient chunk -> the item it steps
@@ -84,7 +86,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if id(p) in self._grad_chunks:
                     self._item_of_grad[self._grad_chunks[id(p)]] = len(self._items)
                 entries = {n: (Fraction(t.numel(), p.numel()), t.dtype) for n, t in zip(names, states)}
-                self._items.append((opt, p, chunk, {"names": names, "group": group, "entries": entries}))
+                tiled = names == ["exp_avg", "exp_avg_sq"] and steps_in_tiles(opt, p.dtype, [t.dtype for t in states])
+                self._items.append((opt, p, chunk, {"names": names, "group": group, "entries": entries,
+                                                    "tiled": tiled}))
 
     def step(self, closure=None, *, grad_scale: float | tuple[float, ...] = 1.0) -> None:
         """Steps every tensor not stepped early; gradients held in the manager are multiplied by `grad_scale` (a
@@ -119,6 +123,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         inner = opt.param_groups[0]
         values, grad_chunk = self._param_chunks.get(id(p)), self._grad_chunks.get(id(p))
         where = self._step_location(chunk, values, grad_chunk)
+        if info["tiled"] and where is Location.CPU and grad_chunk is not None:
+            self._step_tiled(index, opt, p, chunk, values, grad_chunk, info, grad_scale)
+            return
         memory, on_host = self.manager.memory, where is Location.CPU and self.manager.memory.separate
         accessed: list[int] = []
         target, bound_grad = p, p.grad
@@ -171,6 +178,37 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             p.grad = bound_grad
             for c in accessed:
                 # a consumed gradient is dropped at once (no write-back): its room serves the next reads
+                self.manager.release(c, TensorState.FREE if c == grad_chunk else TensorState.HOLD)
+
+    def _step_tiled(self, index: int, opt: torch.optim.Optimizer, p: torch.Tensor, chunk: int, values: int | None,
+                    grad_chunk: int, info: dict, grad_scale: float | tuple[float, ...]) -> None:
+        """Note [the host step in tiles]: one stepped tensor on the host, with its states, gradient (and offloaded
+        values) accessed there and released even when the step raises."""
+        group = opt.param_groups[0]
+        for key, value in info["group"].items():
+            if key != "params":
+                group[key] = value  # a scheduler changed the outer group
+        state = opt.state[p]
+        if state["step"].device.type != "cpu":
+            state["step"] = state["step"].cpu()  # the host kernel wants it beside the tensors
+        accessed: list[int] = []
+        try:
+            (grad,) = self.manager.access(grad_chunk, Location.CPU, writes=False)
+            accessed.append(grad_chunk)
+            exp_avg, exp_avg_sq = self.manager.access(chunk, Location.CPU)
+            accessed.append(chunk)
+            if values is not None:
+                (target,) = self.manager.access(values, Location.CPU)
+                accessed.append(values)
+                tier = Location.CPU
+            else:  # a tensor of the device (or of the host, where the device is the host)
+                target, tier = p.detach(), Location.DEVICE
+            rounding = self._round_into(index) if self._round_into is not None else contextlib.nullcontext()
+            with rounding as rounded:
+                self._tiles.step(group, state["step"], target, tier, grad, _factors(grad_scale), exp_avg, exp_avg_sq,
+                                 rounded)
+        finally:
+            for c in accessed:
                 self.manager.release(c, TensorState.FREE if c == grad_chunk else TensorState.HOLD)
 
     def _step_location(self, chunk: int | None, values: int | None, grad_chunk: int | None) -> Location:

@@ -1,0 +1,94 @@
+"""The offloaded optimizer's update of one stepped tensor, a tile at a time, through torch's fused Adam kernel.
+
+Note [the host step in tiles]
+torch's fused AdamW over fp32 values, gradients and moments moves 28 bytes per element; that pass is the floor
+of an update. The offloaded step used to add whole-tensor passes around it: the 16-bit gradient shard widened
+into a fresh fp32 tensor, multiplied once per factor (unscaling, clipping), the fp32 master rounded into the
+16-bit parameter through another fresh tensor: about twice the floor's traffic, and fresh host memory (page
+faults) every step. Here, for torch's Adam / AdamW with `fused=True` over fp32 values and fp32 moments, each
+tile of `TILE` elements is
+- widened from the gradient shard into a scratch tile and multiplied by the step's factors in turn (the same
+  operations, in the same order, as on the whole tensor: the same values);
+- stepped by torch's fused kernel (`torch._fused_adam_` / `torch._fused_adamw_`, what `Adam(fused=True).step()`
+  calls, the step counter advanced once before the tiles as it advances it);
+- rounded into the 16-bit tensor the model uses (or copied back up, for fp32 values of the device stepped on
+  the host: Note [separate device memory]) while it is still in cache.
+The scratch tiles are made once and reused, so a step allocates nothing large. Main-memory traffic per element:
+the gradient read once, values and moments read and written, the 16-bit result written. The fused kernel
+vectorizes each call from its first element, so a tile boundary may round a few elements in the last bit
+differently from one call over the whole tensor (Note [bf16 master weights] says the same of TiledAdam).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.optimizers.tiled_adam import TILE
+from offload.chunk import Location
+from offload.device_memory import DeviceMemory
+
+FUSED_ADAM = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def steps_in_tiles(opt: torch.optim.Optimizer, values_dtype: torch.dtype, state_dtypes: list[torch.dtype]) -> bool:
+    """Whether `opt` (over one tensor) is what the tiles compute: torch's fused Adam / AdamW, plain options, fp32
+    values and moments."""
+    if type(opt) not in FUSED_ADAM:
+        return False
+    group = opt.param_groups[0]
+    return bool(group.get("fused")) and not group["amsgrad"] and not group["differentiable"] \
+        and values_dtype == torch.float32 and state_dtypes == [torch.float32, torch.float32]
+
+
+class TileStepper:
+    """Steps tensors tile by tile (Note [the host step in tiles]); holds the reused scratch tiles."""
+
+    def __init__(self, memory: DeviceMemory, tile: int = TILE):
+        self.memory, self.tile = memory, tile
+        self._scratch: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def _tile_of(self, role: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buf = self._scratch.get((role, dtype))
+        if buf is None:
+            buf = self._scratch[(role, dtype)] = torch.empty(self.tile, dtype=dtype)
+        return buf[:numel]
+
+    @torch.no_grad()
+    def step(self, group: dict, step: torch.Tensor, values: torch.Tensor, values_tier: Location, grad: torch.Tensor,
+             factors: list[float], exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+             rounded: tuple[torch.Tensor, Location] | None) -> None:
+        """One update on the host of `values` (fp32, on `values_tier`: the host, or the device, whose tiles go down
+        and back up) from `grad` (on the host, any float dtype) times `factors`, with the host moments; `rounded`:
+        the 16-bit tensor the model uses and its tier, which takes the new values."""
+        kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+        beta1, beta2 = group["betas"]
+        lr = group["lr"].item() if torch.is_tensor(group["lr"]) else group["lr"]
+        step += 1  # once per update, as torch's fused Adam advances it before its kernel
+        flat = [t.view(-1) for t in (values, grad, exp_avg, exp_avg_sq)]
+        low = None if rounded is None else rounded[0].view(-1)
+        crosses = self.memory.separate and values_tier is not Location.CPU
+        for start in range(0, values.numel(), self.tile):
+            n = min(self.tile, values.numel() - start)
+            v, g, m, s = (t.narrow(0, start, n) for t in flat)
+            if crosses:  # the values of the device, stepped here and sent back up
+                host_v = self._tile_of("values", v.dtype, n)
+                self.memory.down_into(host_v, v)
+            else:
+                host_v = v
+            wide = self._tile_of("grad", torch.float32, n)
+            wide.copy_(g)
+            for factor in factors:
+                wide.mul_(factor)
+            kernel([host_v], [wide], [m], [s], [], [step], amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
+                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+            if crosses:
+                self.memory.up(v, host_v)
+            if low is not None:
+                self._round(low.narrow(0, start, n), rounded[1], host_v)
+
+    def _round(self, low: torch.Tensor, low_tier: Location, values: torch.Tensor) -> None:
+        """low := values rounded to low's dtype; across the bus only low's bytes travel."""
+        if low_tier is Location.CPU or not self.memory.separate:
+            low.copy_(values)
+            return
+        self.memory.up_converted(low, values, self._tile_of("rounded", low.dtype, values.numel()))
