@@ -46,9 +46,12 @@ class GradientClipper:
         self.checks_overflow = checks_overflow
         self.needs_norm = clip > 0 or checks_overflow or norm_logged
 
-    def prepare(self, loss_scale: float, early_square: torch.Tensor | None = None) -> GradStats:
+    def prepare(self, loss_scale: float, early_square: torch.Tensor | None = None,
+                staged_factor: float = 1.0) -> GradStats:
         """early_square: the squared norm summed while shards were stepped in backward (Note [stepping in
-        backward]); those shards are updated already, so nothing is clipped."""
+        backward]); those shards are updated already, so nothing is clipped. staged_factor: what the fp32 master
+        gradients were multiplied by after they were staged from their 16-bit sources (Note [optimizers that
+        communicate])."""
         if self.chunked.grads_managed:
             return self._prepare_streamed(loss_scale, early_square)
         grads = self.chunked.grad_shards()  # what the optimizer reads: the reduced shards
@@ -57,7 +60,7 @@ class GradientClipper:
         if not self.needs_norm:
             return GradStats(None)
         if self.chunked.has_masters:  # the 16-bit gradients, as the offloaded step measures them
-            measured = self.chunked.master_grad_norms(1.0 / loss_scale)
+            measured = self.chunked.master_grad_norms(staged_factor / loss_scale)
         else:
             measured = piece_norms(self.chunked.grad_norm_pieces())
         stats, coef = self._clipped(self._total(*measured))

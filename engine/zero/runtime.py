@@ -319,10 +319,12 @@ class ZeroRuntime:
             chunked.sync_views()
             if chunked.has_masters and not chunked.grads_managed:  # Note [master weights]
                 chunked.masters.stage_grads()  # (managed 16-bit shards are widened as stepped)
+            staged_factor = 1.0
             if self.reduces_grads and not self._engine_reduces():  # Note [optimizers that communicate]
-                torch._foreach_mul_(chunked.grad_shards(), float(self.topology.dp_world_size))
+                staged_factor = float(self.topology.dp_world_size)
+                torch._foreach_mul_(chunked.grad_shards(), staged_factor)
             stepped_early = chunked.grads_managed and self.optimizer.stepped_early  # Note [stepping in backward]
-            return self.clipper.prepare(loss_scale, self._early_square if stepped_early else None)
+            return self.clipper.prepare(loss_scale, self._early_square if stepped_early else None, staged_factor)
 
     def update(self, grads: GradStats) -> None:
         """The optimizer steps; the model's chunks take the new values on every rank."""
