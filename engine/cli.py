@@ -45,7 +45,8 @@ def _launch_command(args: argparse.Namespace) -> int:
                             master_port=args.master_port,
                             launcher=LauncherKind(args.launcher) if args.launcher else None,
                             max_restarts=args.max_restarts, as_deepspeed=args.as_deepspeed,
-                            local_rank_arg=not args.no_local_rank)
+                            local_rank_arg=not args.no_local_rank, bind_cores=args.bind_cores,
+                            bind_core_list=args.bind_core_list)
     try:
         return launch(options, dry_run=args.dry_run)
     except LaunchError as e:
@@ -140,6 +141,12 @@ def add_launch_arguments(launch: argparse.ArgumentParser) -> None:
                              "and it gets --local_rank=N as from DeepSpeed's launcher (docs/launcher.md)")
     launch.add_argument("--no_local_rank", "--no-local-rank", action="store_true",
                         help="with --as-deepspeed: pass no --local_rank argument (DeepSpeed's --no_local_rank)")
+    launch.add_argument("--bind-cores", "--bind_cores_to_rank", action="store_true",
+                        help="pin each local rank to its share of the node's physical cores and set its thread count "
+                             "to match (DeepSpeed's --bind_cores_to_rank; docs/launcher.md)")
+    launch.add_argument("--bind_core_list", "--bind-core-list", default=None,
+                        help="with --bind-cores: the CPUs to share out, e.g. 0-7,16-23 (default: all this process "
+                             "may use)")
     launch.add_argument("--dry-run", "--dry_run", action="store_true", help="print every node's command and exit")
     launch.add_argument("script", help="the training script each process runs")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments, passed as they are")

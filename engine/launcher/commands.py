@@ -15,6 +15,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
+from engine.launcher.core_binding import BIND_ENV
 from engine.launcher.plan import LauncherKind, LaunchPlan, Node
 
 # Note [the deepspeed shim]: the directory holding the `deepspeed` package that is the compat layer, and the
@@ -22,6 +23,7 @@ from engine.launcher.plan import LauncherKind, LaunchPlan, Node
 ENGINE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHIM_DIR = os.path.join(ENGINE_ROOT, "engine", "compat", "shim")
 DEEPSPEED_SCRIPT = os.path.join(ENGINE_ROOT, "engine", "launcher", "deepspeed_script.py")
+BOUND_SCRIPT = os.path.join(ENGINE_ROOT, "engine", "launcher", "bound_script.py")  # Note [binding cores to ranks]
 
 # Lines pdsh and srun print (on stderr) when one host's command fails: they name the host.
 PDSH_FAILURE = re.compile(r"^pdsh@[^:\s]+: (?P<host>[^:\s]+): ssh exited with exit code (?P<code>\d+)")
@@ -53,6 +55,8 @@ def node_environment(plan: LaunchPlan, node: Node) -> dict[str, str]:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # workers' own store costs start-up time for nothing
     if node.slots != tuple(range(len(node.slots))):  # a subset of the host's devices: --include/--exclude
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, node.slots))
+    if plan.bind_cores is not None:  # Note [binding cores to ranks]
+        env[BIND_ENV] = plan.bind_cores
     if plan.as_deepspeed:  # the shim first, for this job's processes only (never site-packages)
         paths = [SHIM_DIR, ENGINE_ROOT, *plan.exported.get("PYTHONPATH", "").split(os.pathsep)]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
@@ -69,7 +73,10 @@ def torchrun_argv(plan: LaunchPlan, node: Node) -> list[str]:
                  f"--rdzv_id={plan.rdzv_id}"]
     else:
         argv += [f"--node_rank={node.rank}", f"--master_addr={plan.master_addr}", f"--master_port={plan.master_port}"]
-    script = [DEEPSPEED_SCRIPT, plan.script] if plan.as_deepspeed else [plan.script]  # (Note [the deepspeed shim])
+    if plan.as_deepspeed:  # (Note [the deepspeed shim]; it binds cores too)
+        script = [DEEPSPEED_SCRIPT, plan.script]
+    else:
+        script = [BOUND_SCRIPT, plan.script] if plan.bind_cores is not None else [plan.script]
     return argv + [*script, *plan.script_args]
 
 

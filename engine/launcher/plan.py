@@ -10,6 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 
+from engine.launcher.core_binding import parse_core_list
 from engine.launcher.environment import exported_environment
 from engine.launcher.errors import LaunchError
 from engine.launcher.hosts import expand_nodelist, read_hostfile, select_resources
@@ -39,6 +40,8 @@ class LaunchOptions:
     max_restarts: int = 0
     as_deepspeed: bool = False  # Note [the deepspeed shim]: the script's `import deepspeed` is the compat layer
     local_rank_arg: bool = True  # with as_deepspeed: `--local_rank=N` first among the script's arguments
+    bind_cores: bool = False  # Note [binding cores to ranks]
+    bind_core_list: str | None = None  # the CPUs to share out (default: each node's affinity)
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class LaunchPlan:
     rdzv_id: str = ""
     as_deepspeed: bool = False
     local_rank_arg: bool = True
+    bind_cores: str | None = None  # TIERS_BIND_CORES for every process: "1", or the core list (None: not bound)
 
     @property
     def uses_rendezvous(self) -> bool:
@@ -106,6 +110,14 @@ def make_plan(options: LaunchOptions, environ: dict[str, str] | None = None, cwd
         raise LaunchError(f"--max_restarts {options.max_restarts}: must be >= 0")
     if not 0 < options.master_port < 65536:
         raise LaunchError(f"--master_port {options.master_port}: not a TCP port (1..65535)")
+    if options.bind_core_list is not None and not options.bind_cores:
+        raise LaunchError("--bind_core_list names the cores --bind-cores (--bind_cores_to_rank) shares out; add "
+                          "--bind-cores")
+    if options.bind_core_list is not None:
+        try:
+            parse_core_list(options.bind_core_list)
+        except ValueError as e:
+            raise LaunchError(str(e)) from e
     pool = _host_pool(options, environ)
     resources = select_resources(pool, options.include, options.exclude, options.num_nodes, options.nproc_per_node)
     nodes = tuple(Node(host, rank, tuple(slots)) for rank, (host, slots) in enumerate(resources.items()))
@@ -121,4 +133,5 @@ def make_plan(options: LaunchOptions, environ: dict[str, str] | None = None, cwd
                       script_args=tuple(options.script_args), python=sys.executable, cwd=cwd, exported=exported,
                       from_env_files=from_files, srun_cpus=environ.get("SLURM_CPUS_ON_NODE"),
                       rdzv_id=f"tiers-{uuid.uuid4().hex[:12]}", as_deepspeed=options.as_deepspeed,
-                      local_rank_arg=options.local_rank_arg)
+                      local_rank_arg=options.local_rank_arg,
+                      bind_cores=(options.bind_core_list or "1") if options.bind_cores else None)
