@@ -57,6 +57,7 @@ from engine.tensor_parallel.rng import RNGStreams
 from engine.topology import Topology
 from engine.zero.chunk_state import ShardPlace
 from engine.zero.chunked_params import ChunkedParams, ExpertChunks
+from engine.zero.fused_tiles import stepped_from_sources
 from engine.zero.grad_clip import GradientClipper
 from engine.zero.grad_sync import GradReducer
 from engine.zero.hooks import ZeroHooks
@@ -408,8 +409,12 @@ def build_chunk_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.dev
         return build_offloaded_optimizer(cfg, chunked, device, policy)
     if client is None:
         segments = chunk_segments(cfg.optimizer, chunked, offloaded=False)
-        return build_optimizer(cfg.optimizer, chunked.optimizer_param_groups(), segments, data_parallel,
-                               tiled_layout_of(cfg, chunked))
+        built = build_optimizer(cfg.optimizer, chunked.optimizer_param_groups(), segments, data_parallel,
+                                tiled_layout_of(cfg, chunked))
+        if not chunked.has_masters:
+            return built
+        masters = chunked.masters  # Note [the host step in tiles]: stepped from the 16-bit gradients on the CPU
+        return stepped_from_sources(built, masters.masters, masters.grad_sources, masters.targets)
     if rebuild:
         return _rebuilt_over_shards(client, chunked)
     if chunked.sharded or chunked.has_masters or chunked.values_pending:

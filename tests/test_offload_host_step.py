@@ -1,5 +1,5 @@
-"""The offloaded host step in tiles (Note [the host step in tiles]): what it allocates, and that it trains as the
-in-memory step does."""
+"""The host step in tiles (Note [the host step in tiles]): offloaded, and in memory over fp32 masters on the CPU;
+what it allocates, and that it trains as the step over staged fp32 gradients does."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import initialize
 from engine.models.gpt import GPT, GPTConfig
+from engine.zero.fused_tiles import MastersFromSources
 from offload.device_memory import SEPARATE_ENV
 from tests.reference import assert_close_relative, assert_params_close, trained_params
 
 LARGE = 1 << 20  # bytes
+ADAMW = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 
 
 class LargeAllocations(TorchDispatchMode):
@@ -40,7 +42,7 @@ def _config(precision: str, offload: bool) -> dict:
     zero = {"stage": 2, "chunk_size": 1 << 20}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": ADAMW},
             "gradient_clipping": 0.5, "zero_optimization": zero, "steps_per_print": 10**9,
             **({"bf16": {"enabled": True}} if precision == "bf16" else {}),
             **({"fp16": {"enabled": True, "initial_scale_power": 8}} if precision == "fp16" else {})}
@@ -85,3 +87,35 @@ def test_the_allocation_check_sees_a_large_fresh_tensor():
         torch.empty(LARGE // 4 + 1).float()
         torch.zeros(16)
     assert len(watch.seen) == 1
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_masters_stepped_from_their_16_bit_gradients_equal_staged_ones_bit_for_bit(precision, stage):
+    """The config's AdamW steps the masters in tiles from the 16-bit gradients; a client's torch AdamW (fused) is
+    pointed at the masters and steps staged fp32 gradients: the same values, bit for bit, overflow skips included
+    (fp16 starts at a loss scale of 2^30)."""
+    def run(client: bool):
+        cfg = _config(precision, offload=False)
+        cfg["zero_optimization"]["stage"] = stage
+        if precision == "fp16":
+            cfg["fp16"]["initial_scale_power"] = 30
+        model = _gpt()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
+                                      weight_decay=ADAMW["weight_decay"], fused=True) if client else None
+        if client:
+            del cfg["optimizer"]
+        engine = initialize(model, cfg, optimizer=optimizer)
+        watch = LargeAllocations()
+        losses = _train(engine, steps=4, watch=None if client else watch)
+        out = (type(engine.optimizer), losses, trained_params(engine), engine.skipped_steps, watch.seen)
+        engine.close()
+        return out
+
+    tiled, staged = run(client=False), run(client=True)
+    assert tiled[0] is MastersFromSources and staged[0] is not MastersFromSources
+    assert tiled[1] == staged[1] and tiled[3] == staged[3]
+    assert (tiled[3] > 0) == (precision == "fp16")
+    for name, value in staged[2].items():
+        assert torch.equal(tiled[2][name], value), name
+    assert tiled[4] == []  # no fp32 gradient staged: nothing large allocated by the step

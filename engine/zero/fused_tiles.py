@@ -1,4 +1,4 @@
-"""The offloaded optimizer's update of one stepped tensor, a tile at a time, through torch's fused Adam kernel.
+"""The host update of one stepped tensor, a tile at a time, through torch's fused Adam kernel.
 
 Note [the host step in tiles]
 torch's fused AdamW over fp32 values, gradients and moments moves 28 bytes per element; that pass is the floor
@@ -13,6 +13,9 @@ tile of `TILE` elements is
   calls, the step counter advanced once before the tiles as it advances it);
 - rounded into the 16-bit tensor the model uses (or copied back up, for fp32 values of the device stepped on
   the host: Note [separate device memory]) while it is still in cache.
+The same tiles step fp32 masters held in memory on the CPU (MastersFromSources, what initialize builds for
+the config's Adam / AdamW there): their 16-bit gradients are read in place, so no fp32 gradient is staged
+for the step and freed after it (Note [master weights]), and the result equals the staged path bit for bit.
 The scratch tiles are made once and reused, so a step allocates nothing large. Main-memory traffic per element:
 the gradient read once, values and moments read and written, the 16-bit result written. The fused kernel
 vectorizes each call from its first element, so a tile boundary may round a few elements in the last bit
@@ -92,3 +95,51 @@ class TileStepper:
             low.copy_(values)
             return
         self.memory.up_converted(low, values, self._tile_of("rounded", low.dtype, values.numel()))
+
+
+class MastersFromSources(torch.optim.Adam):
+    """torch's fused Adam / AdamW (the same options, state and checkpoints) over fp32 masters in memory on the CPU,
+    stepped in tiles from their 16-bit gradients and rounded into their 16-bit tensors (Note [the host step in
+    tiles]): no fp32 gradient is staged. `sources`: id(master) -> (its 16-bit gradient, its 16-bit tensor).
+    Before each step the runtime sets `factors` (the unscaling, the clipping); a step without them (nobody set
+    them) is torch's own, over the masters' .grad."""
+
+    def __init__(self, params, sources: dict[int, tuple[torch.Tensor, torch.Tensor]], **defaults):
+        super().__init__(params, **defaults)
+        self._sources = sources
+        self.factors: tuple[float, ...] | None = None
+        self._tiles = TileStepper(DeviceMemory("cpu", separate=False))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.factors is None:
+            return super().step(closure)
+        if closure is not None:
+            raise ValueError("masters stepped from their 16-bit gradients take no closure")
+        factors, self.factors = [f for f in self.factors if f != 1.0], None
+        for group in self.param_groups:
+            for p in group["params"]:
+                source, target = self._sources[id(p)]
+                state = self.state[p]
+                if not state:  # what torch's fused Adam makes on its first step
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self._tiles.step(group, state["step"], p, Location.CPU, source, factors, state["exp_avg"],
+                                 state["exp_avg_sq"], (target, Location.CPU))
+        return None
+
+
+def stepped_from_sources(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor], sources: list[torch.Tensor],
+                         targets: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """`optimizer` as MastersFromSources where it is torch's fused Adam / AdamW over fp32 CPU masters with fp32
+    moments (what the tiles compute), else itself."""
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    if type(optimizer) not in FUSED_ADAM or optimizer.state or not group.get("fused") or group.get("amsgrad") \
+            or group.get("differentiable") or any(m.device.type != "cpu" or m.dtype != torch.float32 for m in masters):
+        return optimizer
+    listed = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if listed != {id(m) for m in masters}:
+        return optimizer
+    return MastersFromSources(optimizer.param_groups, {id(m): (s, t) for m, s, t in zip(masters, sources, targets)},
+                              **optimizer.defaults)

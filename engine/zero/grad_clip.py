@@ -47,13 +47,20 @@ class GradientClipper:
         self.needs_norm = clip > 0 or checks_overflow or norm_logged
 
     def prepare(self, loss_scale: float, early_square: torch.Tensor | None = None,
-                staged_factor: float = 1.0) -> GradStats:
+                staged_factor: float = 1.0, staged: bool = True) -> GradStats:
         """early_square: the squared norm summed while shards were stepped in backward (Note [stepping in
         backward]); those shards are updated already, so nothing is clipped. staged_factor: what the fp32 master
         gradients were multiplied by after they were staged from their 16-bit sources (Note [optimizers that
-        communicate])."""
+        communicate]). staged=False: the fp32 masters' gradients are not staged (Note [the host step in tiles]): as
+        for streamed ones, the optimizer applies the unscaling and clipping factors."""
         if self.chunked.grads_managed:
             return self._prepare_streamed(loss_scale, early_square)
+        if not staged:
+            unscale = 1.0 / loss_scale
+            if not self.needs_norm:
+                return GradStats(None, streamed_scale=(unscale,))
+            stats, coef = self._clipped(self._total(*self.chunked.master_grad_norms(unscale)))
+            return GradStats(stats.norm, stats.overflow, (unscale, coef))
         grads = self.chunked.grad_shards()  # what the optimizer reads: the reduced shards
         if loss_scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / loss_scale)

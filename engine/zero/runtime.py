@@ -35,6 +35,7 @@ from engine.topology import Topology
 from engine.zero.chunk_norms import square_sum_of_norms
 from engine.zero.chunked_params import ChunkedParams
 from engine.zero.device_bytes import device_state_bytes
+from engine.zero.fused_tiles import MastersFromSources
 from engine.zero.grad_clip import GradientClipper, GradStats
 from engine.zero.grad_sync import GradReducer
 from engine.zero.hooks import ZeroHooks
@@ -307,6 +308,11 @@ class ZeroRuntime:
         finally:
             self.phase = TrainingPhase.IDLE
 
+    @property
+    def masters_from_sources(self) -> bool:
+        """Note [the host step in tiles]: the optimizer steps the fp32 masters from their 16-bit gradients."""
+        return isinstance(self.optimizer, MastersFromSources)
+
     def pre_step(self, loss_scale: float) -> GradStats:
         """Every gradient reduced, in fp32 where the optimizer reads it, unscaled and clipped."""
         with record_function("tiers.zero.pre_step"):
@@ -317,14 +323,15 @@ class ZeroRuntime:
             self.gradients = GradientsHeld.LOCAL
             chunked.sharded_grads.settle()  # shards no backward wrote (Note [sharded gradients]); stages 0-1: none
             chunked.sync_views()
-            if chunked.has_masters and not chunked.grads_managed:  # Note [master weights]
-                chunked.masters.stage_grads()  # (managed 16-bit shards are widened as stepped)
+            if chunked.has_masters and not chunked.grads_managed and not self.masters_from_sources:
+                chunked.masters.stage_grads()  # Note [master weights] (managed or tiled 16-bit ones: as stepped)
             staged_factor = 1.0
             if self.reduces_grads and not self._engine_reduces():  # Note [optimizers that communicate]
                 staged_factor = float(self.topology.dp_world_size)
                 torch._foreach_mul_(chunked.grad_shards(), staged_factor)
             stepped_early = chunked.grads_managed and self.optimizer.stepped_early  # Note [stepping in backward]
-            return self.clipper.prepare(loss_scale, self._early_square if stepped_early else None, staged_factor)
+            return self.clipper.prepare(loss_scale, self._early_square if stepped_early else None, staged_factor,
+                                        staged=not self.masters_from_sources)
 
     def update(self, grads: GradStats) -> None:
         """The optimizer steps; the model's chunks take the new values on every rank."""
@@ -332,9 +339,12 @@ class ZeroRuntime:
             self.chunked.rebind_optimizer_grads()
             if self.chunked.grads_managed:  # Note [offloaded gradient shards]: unscaled and clipped as stepped
                 self.optimizer.step(grad_scale=grads.streamed_scale)
+            elif self.masters_from_sources:  # Note [the host step in tiles]: unscaled, clipped and rounded as stepped
+                self.optimizer.factors = grads.streamed_scale
+                self.optimizer.step()
             else:
                 self.optimizer.step()
-            if self.chunked.has_masters and not self.chunked.masters.offloaded:
+            if self.chunked.has_masters and not self.chunked.masters.offloaded and not self.masters_from_sources:
                 self.chunked.masters.update_params()  # (offloaded ones are rounded as stepped)
             self.gather_updated_params()
 
