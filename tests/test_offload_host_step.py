@@ -119,3 +119,26 @@ def test_masters_stepped_from_their_16_bit_gradients_equal_staged_ones_bit_for_b
     for name, value in staged[2].items():
         assert torch.equal(tiled[2][name], value), name
     assert tiled[4] == []  # no fp32 gradient staged: nothing large allocated by the step
+
+
+@pytest.mark.parametrize("backwards", [1, 2])
+def test_the_norm_taken_as_shards_go_down_equals_the_one_read_back(monkeypatch, backwards):
+    """Note [the norm where the gradient is reduced]: one backward at the boundary leaves every shard's norms
+    measured before the step; a second one adds to the shards, and their norms are read back instead. Either way
+    the clipped update equals the in-memory one."""
+    monkeypatch.setenv(SEPARATE_ENV, "1")
+    engines = [initialize(_gpt(), _config("bf16", offload=offload)) for offload in (False, True)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        for _ in range(backwards):
+            x = torch.randint(0, 256, (2, 8), generator=g)
+            for engine in engines:
+                engine.backward(engine(x, x))
+        measured = len(engines[1].chunked._retired_norms)
+        assert measured == (len(engines[1].chunked.states) if backwards == 1 else 0)
+        for engine in engines:
+            engine.step()
+    assert engines[1].get_global_grad_norm() == engines[0].get_global_grad_norm() > 0.5  # clipped at 0.5
+    assert_params_close(trained_params(engines[1]), trained_params(engines[0]))
+    for engine in engines:
+        engine.close()

@@ -1,11 +1,22 @@
 """The norms of the gradient elements this rank owns, cut at parameter boundaries (Note [global norm under tensor
-parallelism]), in memory or streamed from managed shards (Note [offloaded gradient shards])."""
+parallelism]), in memory or streamed from managed shards (Note [offloaded gradient shards]).
+
+Note [the norm where the gradient is reduced]
+With managed gradient shards, a boundary backward whose update needs the global norm measures each shard's
+pieces from its reduced values on the compute device, just before they go down to the shard's home, when they
+are the whole of the shard (its first contribution since the last update), as DeepSpeed takes the norm before
+the copy to the host: the step then adds scalars instead of reading every 16-bit gradient back on the host. A
+later contribution to the shard (a second backward at the boundary) drops its measure, every zeroing drops them
+all, and a shard without one is read back at the step. The values measured are the bytes that go down, so the
+norms are the ones the step would take (on the CPU seam bit for bit; a GPU's reduction order is its own).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from engine.comm import shard_of
 from engine.zero.chunk_state import ChunkState
 from engine.zero.master_weights import MasterWeights
 
@@ -19,6 +30,7 @@ class ChunkNorms:
     params: list[nn.Parameter]
     norm_weights: dict[int, float]
     masters: MasterWeights | None
+    _retired_norms: dict[int, tuple[torch.Tensor, torch.Tensor]]  # Note [the norm where the gradient is reduced]
 
     def _norm_pieces(self, index: int, owned: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
         """`owned` (this rank's elements of chunk `index`) cut at parameter boundaries, each piece with its
@@ -51,6 +63,10 @@ class ChunkNorms:
     def grad_norms(self, index: int, unscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp32 norms, float64 weights) of the pieces of managed gradient shard `index`, widened to fp32 and
         multiplied by `unscale` first, as the in-memory fp32 gradients are before their norms are taken."""
+        measured = self._retired_norms.pop(index, None)  # Note [the norm where the gradient is reduced]
+        if measured is not None:
+            norms, weights = measured
+            return (norms * unscale if unscale != 1.0 else norms).cpu(), weights
         with self.sharded_grads.shard(index, writes=False) as shard:
             pieces = self._norm_pieces(index, shard)
             if shard.dtype == torch.float32:
@@ -60,6 +76,23 @@ class ChunkNorms:
             if unscale != 1.0:
                 norms = norms * unscale  # (as the norm of the unscaled values, up to rounding)
             return norms.cpu(), weights
+
+    def measure_before_retire(self, index: int) -> None:
+        """Note [the norm where the gradient is reduced]: the norms of managed gradient shard `index`'s pieces, from
+        its reduced values on the compute device before they go down to the shard's home; grad_norms takes them
+        instead of reading the shard back."""
+        state = self.states[index]
+        reduced = shard_of(state.grad_chunk.payload, state.place.rank, state.place.count)
+        pieces = self._norm_pieces(index, reduced)
+        self._retired_norms[index] = piece_norms(pieces) if reduced.dtype == torch.float32 else \
+            widened_piece_norms(pieces, self._widening_tile(reduced.device))
+
+    def forget_retired_norm(self, index: int | None = None) -> None:
+        """Shard `index` (None: every shard) changed since its norms were measured."""
+        if index is None:
+            self._retired_norms.clear()
+        else:
+            self._retired_norms.pop(index, None)
 
     def master_grad_norms(self, unscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """The norms of the 16-bit gradients the fp32 masters are stepped from (Note [master weights]), taken as

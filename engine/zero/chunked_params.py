@@ -295,6 +295,7 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
                 state.stepped_grad = state.grad_shard
         # bf16 / fp16: the optimizer steps fp32 masters of the stepped tensors (Note [master weights])
         self.masters: MasterWeights | None = None
+        self._retired_norms = {}  # Note [the norm where the gradient is reduced]
         if compute_dtype != torch.float32 and fp32_masters:
             self.masters = MasterWeights([s.stepped for s in self.states], [s.stepped_grad for s in self.states],
                                          placeholders="optim" in offloaded)
@@ -388,6 +389,7 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
         """Zeroes the gradient shards (the degenerate layout's: the chunks); a .grad replaced by user code is
         re-adopted by the hooks or sync_views."""
         self.sharded_grads.zero()
+        self.forget_retired_norm()
 
 def view_of_released(payload: torch.Tensor, make_view):
     """make_view(payload), also where the payload's storage is released (Note [a bounded start]): a view is checked

@@ -107,12 +107,16 @@ class GradReducer:
         # given to `arm` for a backward whose shards are final (Note [stepping in backward]): called with a
         # chunk index once that chunk's reduced shard is retired
         self._on_shard_reduced = None
+        self._measure = None
         self._callback_error: BaseException | None = None
 
-    def arm(self, on_shard_reduced=None) -> None:
+    def arm(self, on_shard_reduced=None, measure=None) -> None:
         """The coming backward ends the accumulation: reduce chunks as they complete. on_shard_reduced(chunk), if
-        given, runs once each chunk's reduced shard is retired (Note [stepping in backward])."""
+        given, runs once each chunk's reduced shard is retired (Note [stepping in backward]); measure(chunk), if
+        given, just before a reduced shard that is the whole of its gradient goes down (Note [the norm where the
+        gradient is reduced])."""
         self._on_shard_reduced = on_shard_reduced
+        self._measure = measure
         for state in self.states:
             state.arrived.clear()
         self._cursor = 0
@@ -247,6 +251,10 @@ class GradReducer:
             self._retire(index)
 
     def _retire(self, index: int) -> None:
+        if not self.states[index].grad_fresh:  # adds to what was there: a norm measured before is stale
+            self.chunked.forget_retired_norm(index)
+        elif self._measure is not None:
+            self._measure(index)
         self.states[index].retire()
         if self._on_shard_reduced is not None:
             try:

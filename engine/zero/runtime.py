@@ -199,12 +199,20 @@ class ZeroRuntime:
         try:  # pre_backward: the reducer is armed when this backward reduces (Note [micro-steps and boundaries])
             with record_function("tiers.zero.pre_backward"):
                 if reduces:
-                    self.reducer.arm(self._shard_stepper(loss_scale) if self.steps_in_backward and boundary else None)
+                    self.reducer.arm(self._shard_stepper(loss_scale) if self.steps_in_backward and boundary else None,
+                                     self._norm_measure(boundary))
                 self.gatherer.begin(TrainingPhase.BACKWARD, trace_key)
         except BaseException as e:
             self.abandon_backward(reduces, e)
             raise
         return reduces
+
+    def _norm_measure(self, boundary: bool):
+        """Note [the norm where the gradient is reduced]: what measures a managed shard's norms as it goes down, in
+        a boundary backward whose update needs them; None otherwise."""
+        if boundary and self.chunked.grads_managed and self.clipper.needs_norm and not self.steps_in_backward:
+            return self.chunked.measure_before_retire
+        return None
 
     def end_backward(self, reduces: bool) -> None:
         """post_backward: stage 3 releases, and the launched reductions are waited for."""
