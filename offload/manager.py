@@ -173,12 +173,15 @@ class ChunkManager:
     # ---- use
 
     def access(self, chunk: int, location: Location = Location.DEVICE,
-               tensors: Sequence[int] | None = None, *, writes: bool = True) -> list[torch.Tensor]:
+               tensors: Sequence[int] | None = None, *, writes: bool = True,
+               overwrites: bool = False) -> list[torch.Tensor]:
         """Makes the chunk resident on `location`, marks `tensors` (default all) COMPUTE, returns all views.
 
         writes=False promises the caller will not modify the chunk during this use: a chunk whose swap
         file is then still current is evicted to NVMe by dropping its payload, with no write (Note
-        [clean chunks]). Modifying it anyway loses the change at its next eviction.
+        [clean chunks]). Modifying it anyway loses the change at its next eviction. overwrites=True promises the
+        caller writes every element before it reads any: a chunk holding nothing (FREE) gets its payload
+        uninitialized instead of zeroed.
         """
         self._check_open()
         entry = self._entry(chunk)
@@ -196,7 +199,7 @@ class ChunkManager:
             entry.prefetched = False
         elif entry.chunk.location is not location and entry.chunk.location is not Location.RELEASED:
             self._stats.prefetch_misses += 1
-        self._move(entry, location, protect={chunk}, on_demand=True)
+        self._move(entry, location, protect={chunk}, on_demand=True, zeroed=not overwrites)
         self._make_room(location, None, {chunk})  # the budget may have shrunk (device_capacity): shed the excess
         if location is not Location.DEVICE:
             self.device_tier.shed({chunk})
@@ -217,9 +220,10 @@ class ChunkManager:
         return self._chunks.used_by_kind(location)
 
     @contextlib.contextmanager
-    def accessed(self, chunk: int, location: Location = Location.DEVICE, *, writes: bool = True):
+    def accessed(self, chunk: int, location: Location = Location.DEVICE, *, writes: bool = True,
+                 overwrites: bool = False):
         """`access` for the duration of a block (all its tensors), released (HOLD) after it; yields the views."""
-        views = self.access(chunk, location, writes=writes)
+        views = self.access(chunk, location, writes=writes, overwrites=overwrites)
         try:
             yield views
         finally:
@@ -347,7 +351,7 @@ class ChunkManager:
     # ---- moves (caller's thread)
 
     def _move(self, entry: ChunkEntry, target: Location, protect: set[int], on_demand: bool = False,
-              only_if_used_after: float | None = None) -> bool:
+              only_if_used_after: float | None = None, zeroed: bool = True) -> bool:
         """Steps the chunk tier by tier toward `target`. A prefetch (only_if_used_after given) issues one
         asynchronous step at most and gives up (False) rather than evict anything needed sooner."""
         prefetch = only_if_used_after is not None
@@ -356,7 +360,7 @@ class ChunkManager:
             if here is Location.RELEASED:
                 if prefetch:
                     return False  # nothing to bring: access allocates it
-                self._materialize(entry, target if target is not Location.NVME else Location.CPU, protect)
+                self._materialize(entry, target if target is not Location.NVME else Location.CPU, protect, zeroed)
                 continue
             up = is_above(target, here)
             if entry.transfer is not None:
@@ -377,10 +381,12 @@ class ChunkManager:
                 return True
         return True
 
-    def _materialize(self, entry: ChunkEntry, location: Location, protect: set[int]) -> None:
-        """A RELEASED chunk gets a zeroed payload on `location` (its values were FREE; it has no swap file)."""
+    def _materialize(self, entry: ChunkEntry, location: Location, protect: set[int], zeroed: bool = True) -> None:
+        """A RELEASED chunk gets a payload on `location` (its values were FREE; it has no swap file): zeroed, or
+        uninitialized for a caller that overwrites it all."""
         self._make_room(location, entry.chunk, protect)
-        self._chunks.place(entry, location, self._chunks.allocate(location, entry.chunk).zero_())
+        payload = self._chunks.allocate(location, entry.chunk)
+        self._chunks.place(entry, location, payload.zero_() if zeroed else payload)
 
     def _drop(self, entry: ChunkEntry) -> None:
         """Frees a chunk's payload and swap file; its data is not wanted, so a failed transfer does not matter."""

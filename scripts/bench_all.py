@@ -64,6 +64,9 @@ BENCHMARKS = (
                 quick=("--stage", str(s), *QUICK_TRAINING), worlds=(2,), seconds={2: t})
       for s, peer, t in ((1, "torch ZeroRedundancyOptimizer + DDP", 339), (2, "torch DDP", 353),
                          (3, "torch FSDP2", 344))),
+    Benchmark("host_step", "bench_host_step.py",
+              "The offloaded host step vs torch's fused AdamW over as many fp32 elements, one process",
+              quick=("--layers", "2", "--width", "256", "--steps", "2", "--warmup", "1"), seconds={None: 170}),
     Benchmark("zero_nvme", "bench_zero_nvme.py", "ZeRO stage 3 through NVMe",
               quick=("--model", "small", "--seq", "32", "--steps", "2", "--warmup", "1", "--raw-bytes", "67108864",
                      "--cpu-budget", "4MB"), seconds={None: 32}, takes_dir=True),

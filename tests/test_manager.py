@@ -236,3 +236,28 @@ def test_a_chunk_only_read_since_its_swap_in_is_dropped_not_rewritten(tmp_path):
     assert m.store.stats.writes == writes + 1
     assert torch.equal(m.access(0, Location.CPU)[0], torch.full((256,), 5.0))
     m.close()
+
+
+def test_a_free_chunk_accessed_to_be_overwritten_is_not_zero_filled_first():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func in (torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar)
+            return func(*args, **(kwargs or {}))
+
+    m = _manager()
+    m.register("grad", [torch.zeros(()).expand(64)], capacity=64, zeros=True)
+    for overwrites, fills in ((False, 1), (True, 0)):
+        m.free(0)
+        with Fills() as seen:
+            (view,) = m.access(0, Location.CPU, overwrites=overwrites)
+        assert seen.count == fills
+        view.copy_(torch.arange(64.0))
+        m.release(0)
+        assert torch.equal(m.access(0, Location.CPU, writes=False)[0], torch.arange(64.0))
+        m.release(0)

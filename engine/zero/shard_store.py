@@ -150,7 +150,9 @@ class ManagedStore:
             self.manager.move(self.handle, Location.NVME)
 
     def accumulate(self, values: torch.Tensor, first: bool) -> None:
-        with self.placed(writes=True) as (held, tier):
+        tier = self.manager.use_tier(self.handle)
+        # first: every element is written, so a shard holding nothing needs no zero-fill
+        with self.manager.accessed(self.handle, tier, writes=True, overwrites=first) as (held,):
             if first:  # straight into the held buffer (pinned on CUDA): no pageable staging copy
                 self.manager.memory.copy(held, tier, values, Location.DEVICE)
                 return
