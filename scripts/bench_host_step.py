@@ -6,8 +6,7 @@
 
 One process, one GPT (vocab 256, `--layers` blocks of `--width`), AdamW fp32 states, gradient clipping 1.0
 (fp16: dynamic loss scaling with its overflow check). For each case (ZeRO stage 2 or 3 × bf16 / fp16 with fp32
-masters, or fp32) two engines train on the same batches: one with `offload_optimizer: cpu` (stage 3 also
-`offload_param: cpu`), one without. Each step is timed in its phases (forward, backward, step), median of
+masters, or fp32) two engines train on the same batches: one with `offload_optimizer: cpu`, one without. Each step is timed in its phases (forward, backward, step), median of
 `--steps` after `--warmup` steps. The floor is one step of torch's fused AdamW (`fused=True`) over a flat
 fp32 tensor of as many elements as the model has parameters, in the same process and thread count.
 
@@ -78,8 +77,6 @@ def config(stage: int, precision: str, offload: bool, args) -> dict:
     zero = {"stage": stage}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-        if stage == 3:
-            zero["offload_param"] = {"device": "cpu"}
     return {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
             "gradient_clipping": 1.0, "zero_optimization": zero, "steps_per_print": 10**9,

@@ -78,10 +78,13 @@ class TileStepper:
                 self.memory.down_into(host_v, v)
             else:
                 host_v = v
-            wide = self._tile_of("grad", torch.float32, n)
-            wide.copy_(g)
-            for factor in factors:
-                wide.mul_(factor)
+            if g.dtype == torch.float32 and not factors:  # read as it is (the kernel only reads the gradient)
+                wide = g
+            else:
+                wide = self._tile_of("grad", torch.float32, n)
+                wide.copy_(g)
+                for factor in factors:
+                    wide.mul_(factor)
             kernel([host_v], [wide], [m], [s], [], [step], amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
                    weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
             if crosses:
