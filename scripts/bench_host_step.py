@@ -6,9 +6,11 @@
 
 One process, one GPT (vocab 256, `--layers` blocks of `--width`), AdamW fp32 states, gradient clipping 1.0
 (fp16: dynamic loss scaling with its overflow check). For each case (ZeRO stage 2 or 3 × bf16 / fp16 with fp32
-masters, or fp32) two engines train on the same batches: one with `offload_optimizer: cpu`, one without. Each step is timed in its phases (forward, backward, step), median of
-`--steps` after `--warmup` steps. The floor is one step of torch's fused AdamW (`fused=True`) over a flat
-fp32 tensor of as many elements as the model has parameters, in the same process and thread count.
+masters, or fp32) two engines train on the same batches: one with `offload_optimizer: cpu`, one without. Each
+step is timed in its phases (forward, backward, step), median of `--steps` after `--warmup` steps. The floor is
+one step of torch's fused AdamW (`fused=True`) over a flat fp32 tensor of as many elements as the model has
+parameters, in the same process and thread count. The two engines and the floor take their steps in turn, and
+R and the plain ratio are medians of per-step ratios, so that the machine's drift hits all of them alike.
 
     R     = (backward + step of the offloaded engine - backward of the engine without offload) / floor
     plain = step of the engine without offload / floor
@@ -87,79 +89,103 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def run_engine(stage: int, precision: str, offload: bool, args) -> dict:
-    """Median phase times of one engine, its page faults and bus bytes per step."""
-    engine = initialize(model(args), config(stage, precision, offload, args))
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, 256, (args.batch, args.seq), generator=g) for _ in range(args.warmup + args.steps)]
-    manager = getattr(engine.optimizer, "manager", None)
-    phases = {"forward": [], "backward": [], "step": []}
-    faults, bus = [], []
-    for i, x in enumerate(batches):
-        f0 = _faults()
-        b0 = manager.memory.bus.total + sum(manager.stats.moved_bytes.values()) if manager else 0
+class Timed:
+    """One engine on the case's batches, a step at a time: phase times, page faults and bus bytes per step."""
+
+    def __init__(self, stage: int, precision: str, offload: bool, args):
+        self.engine = initialize(model(args), config(stage, precision, offload, args))
+        self.manager = getattr(self.engine.optimizer, "manager", None)
+        self.phases: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
+        self.faults: list[int] = []
+        self.bus: list[int] = []
+        self.params = sum(p.numel() for p in self.engine.module.parameters())
+
+    def _bus(self) -> int:
+        m = self.manager
+        return m.memory.bus.total + sum(m.stats.moved_bytes.values()) if m is not None else 0
+
+    def train_step(self, x: torch.Tensor, record: bool) -> None:
+        f0, b0 = _faults(), self._bus()
         t0 = time.perf_counter()
-        loss = engine(x, x)
+        loss = self.engine(x, x)
         t1 = time.perf_counter()
-        engine.backward(loss)
+        self.engine.backward(loss)
         t2 = time.perf_counter()
-        engine.step()
+        self.engine.step()
         t3 = time.perf_counter()
-        if i >= args.warmup:
-            for name, s in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
-                phases[name].append(s)
-            faults.append(_faults() - f0)
-            if manager:
-                bus.append(manager.memory.bus.total + sum(manager.stats.moved_bytes.values()) - b0)
-    params = sum(p.numel() for p in engine.module.parameters())
-    engine.close()
-    return {**{k: statistics.median(v) for k, v in phases.items()}, "faults": statistics.median(faults),
-            "bus": statistics.median(bus) if bus else 0, "params": params}
+        if record:
+            for name, seconds in zip(self.phases, (t1 - t0, t2 - t1, t3 - t2)):
+                self.phases[name].append(seconds)
+            self.faults.append(_faults() - f0)
+            self.bus.append(self._bus() - b0)
 
 
-def fused_adamw_pass(numel: int, args) -> float:
-    """Median seconds of one torch fused AdamW step over `numel` fp32 elements."""
-    p = torch.nn.Parameter(torch.randn(numel))
-    p.grad = torch.randn(numel)
-    opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.01, fused=True)
-    times = []
-    for i in range(args.warmup + args.steps):
+class FusedAdamW:
+    """The floor: torch's fused AdamW over `numel` fp32 elements, one step at a time."""
+
+    def __init__(self, numel: int):
+        self.p = torch.nn.Parameter(torch.randn(numel))
+        self.p.grad = torch.randn(numel)
+        self.opt = torch.optim.AdamW([self.p], lr=1e-4, weight_decay=0.01, fused=True)
+
+    def timed_step(self) -> float:
         t = time.perf_counter()
-        opt.step()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        self.opt.step()
+        return time.perf_counter() - t
+
+
+def run_case(stage: int, precision: str, args) -> dict:
+    """The offloaded engine, the one without offload and the floor, interleaved step by step (drift of the
+    machine hits all three alike); R and the plain ratio as medians of the per-step ratios."""
+    off, plain = Timed(stage, precision, True, args), Timed(stage, precision, False, args)
+    floor = FusedAdamW(off.params)
+    g = torch.Generator().manual_seed(1)
+    floors, r, ratio = [], [], []
+    for i in range(args.warmup + args.steps):
+        x = torch.randint(0, 256, (args.batch, args.seq), generator=g)
+        record = i >= args.warmup
+        plain.train_step(x, record)
+        off.train_step(x, record)
+        seconds = floor.timed_step()
+        if record:
+            floors.append(seconds)
+            r.append((off.phases["backward"][-1] + off.phases["step"][-1] - plain.phases["backward"][-1]) / seconds)
+            ratio.append(plain.phases["step"][-1] / seconds)
+    out = {"off": {k: statistics.median(v) for k, v in off.phases.items()},
+           "plain": {k: statistics.median(v) for k, v in plain.phases.items()},
+           "floor": statistics.median(floors), "R": statistics.median(r), "ratio": statistics.median(ratio),
+           "faults": statistics.median(off.faults), "bus": statistics.median(off.bus), "params": off.params}
+    off.engine.close()
+    plain.engine.close()
+    return out
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.time()
     rows, records = [], []
-    floor = None
+    floors = []
     for case in args.cases.split(","):
         stage, precision = int(case.split("-")[0]), case.split("-")[1]
-        off = run_engine(stage, precision, True, args)
-        plain = run_engine(stage, precision, False, args)
-        if floor is None:
-            floor = fused_adamw_pass(off["params"], args)
-        r = (off["backward"] + off["step"] - plain["backward"]) / floor
-        ratio = plain["step"] / floor
-        per = off["params"]
+        m = run_case(stage, precision, args)
+        off, plain, r, ratio, per = m["off"], m["plain"], m["R"], m["ratio"], m["params"]
+        floors.append(m["floor"])
         rows.append([f"ZeRO-{stage} {precision}", f"{off['backward']:.3f} / {off['step']:.3f}",
-                     f"{plain['backward']:.3f} / {plain['step']:.3f}", f"{r:.2f}", f"{ratio:.2f}",
-                     f"{off['faults'] * 4096 / per:.3f}", f"{off['bus'] / per:.1f}"])
+                     f"{plain['backward']:.3f} / {plain['step']:.3f}", f"{m['floor'] * 1e3:.0f}", f"{r:.2f}",
+                     f"{ratio:.2f}", f"{m['faults'] * 4096 / per:.3f}", f"{m['bus'] / per:.1f}"])
         print(" | ".join(rows[-1]), flush=True)
         measured = (("offloaded", "R", r, 1.2), ("not offloaded", "step / floor", ratio, 1.3))
         for system, metric, value, target in measured:
             records.append(result_record("host_step", f"ZeRO-{stage} {precision} {system}", world=1,
                                          peer="torch fused AdamW", strategy=f"ZeRO-{stage} {precision}",
                                          metric=metric, ratio=round(value, 3), target=target,
-                                         floor_s=floor, params=per))
-    header = ["case", "offloaded: backward / step (s)", "not offloaded: backward / step (s)", "R",
+                                         floor_s=m["floor"], params=per))
+    header = ["case", "offloaded: backward / step (s)", "not offloaded: backward / step (s)", "floor (ms)", "R",
               "plain step / floor", "faulted bytes per param", "bus bytes per param"]
     body = (f"# The offloaded host step\n\n{machine_line()}\n\n`{command_line()}`\n\n"
-            f"{off['params'] / 1e6:.0f} M parameters; floor: torch fused AdamW over as many fp32 elements "
-            f"{floor * 1e3:.0f} ms, {torch.get_num_threads()} threads.\n\n{markdown_table(header, rows)}\n"
+            f"{per / 1e6:.0f} M parameters, {torch.get_num_threads()} threads; floor: torch's fused AdamW over as "
+            f"many fp32 elements (median {statistics.median(floors) * 1e3:.0f} ms). R and the plain ratio are "
+            f"medians of per-step ratios, the three timed in turn.\n\n{markdown_table(header, rows)}\n"
             f"\n{time.time() - started:.0f} s\n")
     print(body)
     if args.out:
