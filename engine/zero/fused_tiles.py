@@ -18,8 +18,8 @@ the config's Adam / AdamW there): their 16-bit gradients are read in place, so n
 for the step and freed after it (Note [master weights]), and the result equals the staged path bit for bit.
 The scratch tiles are made once and reused, so a step allocates nothing large. Main-memory traffic per element:
 the gradient read once, values and moments read and written, the 16-bit result written. The fused kernel
-vectorizes each call from its first element, so a tile boundary may round a few elements in the last bit
-differently from one call over the whole tensor (Note [bf16 master weights] says the same of TiledAdam).
+vectorizes each call from its first element; tiles of `TILE` elements (a multiple of every vector width) start
+on vector boundaries, so the tiles give the values one call over the whole tensor gives (checked bit for bit).
 """
 
 from __future__ import annotations
