@@ -61,21 +61,15 @@ class ChunkNorms:
         return torch.cat(norms), torch.cat(weights)
 
     def grad_norms(self, index: int, unscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fp32 norms, float64 weights) of the pieces of managed gradient shard `index`, widened to fp32 and
-        multiplied by `unscale` first, as the in-memory fp32 gradients are before their norms are taken."""
-        measured = self._retired_norms.pop(index, None)  # Note [the norm where the gradient is reduced]
-        if measured is not None:
-            norms, weights = measured
-            return (norms * unscale if unscale != 1.0 else norms).cpu(), weights
-        with self.sharded_grads.shard(index, writes=False) as shard:
-            pieces = self._norm_pieces(index, shard)
-            if shard.dtype == torch.float32:
-                norms, weights = piece_norms(pieces)
-            else:
-                norms, weights = widened_piece_norms(pieces, self._widening_tile(shard.device))
-            if unscale != 1.0:
-                norms = norms * unscale  # (as the norm of the unscaled values, up to rounding)
-            return norms.cpu(), weights
+        """(fp32 norms, float64 weights) of the pieces of managed gradient shard `index`, times `unscale` (the norms
+        of the unscaled values, up to rounding): measured as the shard went down (Note [the norm where the gradient
+        is reduced]), else read back."""
+        measured = self._retired_norms.pop(index, None)
+        if measured is None:
+            with self.sharded_grads.shard(index, writes=False) as shard:
+                measured = self._norms_of(self._norm_pieces(index, shard), shard)
+        norms, weights = measured
+        return (norms * unscale if unscale != 1.0 else norms).cpu(), weights
 
     def measure_before_retire(self, index: int) -> None:
         """Note [the norm where the gradient is reduced]: the norms of managed gradient shard `index`'s pieces, from
@@ -83,9 +77,7 @@ class ChunkNorms:
         instead of reading the shard back."""
         state = self.states[index]
         reduced = shard_of(state.grad_chunk.payload, state.place.rank, state.place.count)
-        pieces = self._norm_pieces(index, reduced)
-        self._retired_norms[index] = piece_norms(pieces) if reduced.dtype == torch.float32 else \
-            widened_piece_norms(pieces, self._widening_tile(reduced.device))
+        self._retired_norms[index] = self._norms_of(self._norm_pieces(index, reduced), reduced)
 
     def forget_retired_norm(self, index: int | None = None) -> None:
         """Shard `index` (None: every shard) changed since its norms were measured."""
@@ -99,15 +91,18 @@ class ChunkNorms:
         grad_norms takes managed 16-bit shards: the in-memory and the offloaded step clip by the same norm."""
         sources = self.masters.grad_sources
         pieces = [wp for index, source in enumerate(sources) for wp in self._norm_pieces(index, source)]
-        norms, weights = widened_piece_norms(pieces, self._widening_tile(sources[0].device))
+        norms, weights = self._norms_of(pieces, sources[0])
         return (norms * unscale if unscale != 1.0 else norms), weights
 
-    def _widening_tile(self, device: torch.device) -> torch.Tensor:
-        """fp32 scratch for widened_piece_norms, made once."""
+    def _norms_of(self, pieces: list[tuple[torch.Tensor, float]], whole: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+        """piece_norms of pieces cut from `whole`; 16-bit ones widened a tile at a time into scratch made once."""
+        if whole.dtype == torch.float32:
+            return piece_norms(pieces)
         tile = getattr(self, "_norm_tile", None)
-        if tile is None or tile.device != device:
-            tile = self._norm_tile = torch.empty(NORM_TILE, dtype=torch.float32, device=device)
-        return tile
+        if tile is None or tile.device != whole.device:
+            tile = self._norm_tile = torch.empty(NORM_TILE, dtype=torch.float32, device=whole.device)
+        return widened_piece_norms(pieces, tile)
 
 
 def piece_norms(pieces: list[tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, torch.Tensor]:

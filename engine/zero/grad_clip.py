@@ -56,11 +56,7 @@ class GradientClipper:
         if self.chunked.grads_managed:
             return self._prepare_streamed(loss_scale, early_square)
         if not staged:
-            unscale = 1.0 / loss_scale
-            if not self.needs_norm:
-                return GradStats(None, streamed_scale=(unscale,))
-            stats, coef = self._clipped(self._total(*self.chunked.master_grad_norms(unscale)))
-            return GradStats(stats.norm, stats.overflow, (unscale, coef))
+            return self._prepare_streamed(loss_scale, None, self.chunked.master_grad_norms)
         grads = self.chunked.grad_shards()  # what the optimizer reads: the reduced shards
         if loss_scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
@@ -83,15 +79,16 @@ class GradientClipper:
         # each rank holds a shard of the gradient: sum the squares over the groups
         return math.sqrt(self.summed_over_ranks(square_sum_of_norms(norms, weights)))
 
-    def _prepare_streamed(self, loss_scale: float, early_square: torch.Tensor | None) -> GradStats:
-        """Gradients in the chunk manager: read one shard at a time for the norm; the optimizer unscales and
-        clips each as it steps it, by the same factors in the same order as in memory."""
+    def _prepare_streamed(self, loss_scale: float, early_square: torch.Tensor | None, norms=None) -> GradStats:
+        """Gradients the optimizer reads as it steps (in the chunk manager, or the 16-bit sources of fp32 masters):
+        `norms(unscale)` (default: read one managed shard at a time) for the norm; the optimizer unscales and clips
+        each as it steps it, by the same factors in the same order as in memory."""
         unscale = 1.0 / loss_scale
         if not self.needs_norm:
             return GradStats(None, streamed_scale=(unscale,))
         if early_square is not None:
             return GradStats(math.sqrt(self.summed_over_ranks(early_square)), streamed_scale=(unscale,))
-        stats, coef = self._clipped(self._total(*self.chunked.streamed_grad_norms(unscale)))
+        stats, coef = self._clipped(self._total(*(norms or self.chunked.streamed_grad_norms)(unscale)))
         return GradStats(stats.norm, stats.overflow, (unscale, coef))
 
     def summed_over_ranks(self, square: torch.Tensor) -> float:
