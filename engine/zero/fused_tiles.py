@@ -36,11 +36,14 @@ FUSED_ADAM = (torch.optim.Adam, torch.optim.AdamW)
 def steps_in_tiles(opt: torch.optim.Optimizer, values_dtype: torch.dtype, state_dtypes: list[torch.dtype]) -> bool:
     """Whether `opt` (over one tensor) is what the tiles compute: torch's fused Adam / AdamW, plain options, fp32
     values and moments."""
-    if type(opt) not in FUSED_ADAM:
-        return False
-    group = opt.param_groups[0]
-    return bool(group.get("fused")) and not group["amsgrad"] and not group["differentiable"] \
-        and values_dtype == torch.float32 and state_dtypes == [torch.float32, torch.float32]
+    return _plain_fused_adam(opt) and values_dtype == torch.float32 and state_dtypes == [torch.float32] * 2
+
+
+def _plain_fused_adam(opt: torch.optim.Optimizer) -> bool:
+    """torch's Adam / AdamW with fused=True and no amsgrad, nor differentiable steps."""
+    group = opt.param_groups[0] if opt.param_groups else {}
+    return type(opt) in FUSED_ADAM and bool(group.get("fused")) and not group.get("amsgrad") \
+        and not group.get("differentiable")
 
 
 class TileStepper:
@@ -58,11 +61,12 @@ class TileStepper:
 
     @torch.no_grad()
     def step(self, group: dict, step: torch.Tensor, values: torch.Tensor, values_tier: Location, grad: torch.Tensor,
-             factors: list[float], exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+             factors: tuple[float, ...] | list[float], exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
              rounded: tuple[torch.Tensor, Location] | None) -> None:
         """One update on the host of `values` (fp32, on `values_tier`: the host, or the device, whose tiles go down
         and back up) from `grad` (on the host, any float dtype) times `factors`, with the host moments; `rounded`:
         the 16-bit tensor the model uses and its tier, which takes the new values."""
+        factors = [f for f in factors if f != 1.0]
         kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
         beta1, beta2 = group["betas"]
         lr = group["lr"].item() if torch.is_tensor(group["lr"]) else group["lr"]
@@ -119,7 +123,7 @@ class MastersFromSources(torch.optim.Adam):
             return super().step(closure)
         if closure is not None:
             raise ValueError("masters stepped from their 16-bit gradients take no closure")
-        factors, self.factors = [f for f in self.factors if f != 1.0], None
+        factors, self.factors = self.factors, None
         for group in self.param_groups:
             for p in group["params"]:
                 source, target = self._sources[id(p)]
@@ -137,9 +141,8 @@ def stepped_from_sources(optimizer: torch.optim.Optimizer, masters: list[torch.T
                          targets: list[torch.Tensor]) -> torch.optim.Optimizer:
     """`optimizer` as MastersFromSources where it is torch's fused Adam / AdamW over fp32 CPU masters with fp32
     moments (what the tiles compute), else itself."""
-    group = optimizer.param_groups[0] if optimizer.param_groups else {}
-    if type(optimizer) not in FUSED_ADAM or optimizer.state or not group.get("fused") or group.get("amsgrad") \
-            or group.get("differentiable") or any(m.device.type != "cpu" or m.dtype != torch.float32 for m in masters):
+    if not _plain_fused_adam(optimizer) or optimizer.state \
+            or any(m.device.type != "cpu" or m.dtype != torch.float32 for m in masters):
         return optimizer
     listed = {id(p) for g in optimizer.param_groups for p in g["params"]}
     if listed != {id(m) for m in masters}:

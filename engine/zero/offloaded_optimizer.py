@@ -157,9 +157,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 accessed.append(chunk)
                 for name, view in zip(info["names"], views):
                     state[name] = view
-            for key, value in info["group"].items():
-                if key != "params":
-                    inner[key] = value  # a scheduler changed the outer group
+            _take_options(inner, info["group"])
             opt.step()
             with torch.no_grad():
                 if values is None and target is not p:  # the updated tensor goes back up
@@ -185,9 +183,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Note [the host step in tiles]: one stepped tensor on the host, with its states, gradient (and offloaded
         values) accessed there and released even when the step raises."""
         group = opt.param_groups[0]
-        for key, value in info["group"].items():
-            if key != "params":
-                group[key] = value  # a scheduler changed the outer group
+        _take_options(group, info["group"])
         state = opt.state[p]
         if state["step"].device.type != "cpu":
             state["step"] = state["step"].cpu()  # the host kernel wants it beside the tensors
@@ -260,6 +256,13 @@ def _state_layout(make, p: torch.Tensor) -> tuple[list[str], list[torch.Tensor]]
     states = [(k, v) for k, v in opt.state[probe].items() if torch.is_tensor(v) and v.shape == probe.shape]
     return [k for k, _ in states], [torch.zeros((), dtype=v.dtype, device=p.device).expand(p.shape) for _, v in states]
 
+
+
+def _take_options(inner: dict, outer: dict) -> None:
+    """The per-tensor optimizer's group takes the outer group's options (a scheduler may have changed them)."""
+    for key, value in outer.items():
+        if key != "params":
+            inner[key] = value
 
 
 def _factors(scale: float | tuple[float, ...]) -> list[float]:

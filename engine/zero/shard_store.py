@@ -110,9 +110,10 @@ class ManagedStore:
         tensor.untyped_storage().resize_(0)
 
     @contextlib.contextmanager
-    def placed(self, writes: bool):
+    def placed(self, writes: bool, overwrites: bool = False):
+        """overwrites: the caller writes every element before it reads any (ChunkManager.access)."""
         tier = self.manager.use_tier(self.handle)
-        with self.manager.accessed(self.handle, tier, writes=writes) as (view,):
+        with self.manager.accessed(self.handle, tier, writes=writes, overwrites=overwrites) as (view,):
             yield view, tier
 
     @contextlib.contextmanager
@@ -150,9 +151,8 @@ class ManagedStore:
             self.manager.move(self.handle, Location.NVME)
 
     def accumulate(self, values: torch.Tensor, first: bool) -> None:
-        tier = self.manager.use_tier(self.handle)
         # first: every element is written, so a shard holding nothing needs no zero-fill
-        with self.manager.accessed(self.handle, tier, writes=True, overwrites=first) as (held,):
+        with self.placed(writes=True, overwrites=first) as (held, tier):
             if first:  # straight into the held buffer (pinned on CUDA): no pageable staging copy
                 self.manager.memory.copy(held, tier, values, Location.DEVICE)
                 return
