@@ -166,13 +166,18 @@ class AssignsData(nn.Module):
         self.lin.weight.data = torch.full((4, 4), 7.0)  # as older init code and some libraries write it
 
 
-def test_assigning_data_in_the_block_is_recorded_like_a_copy():
+def _built_with_and_without_zero_init(cls) -> tuple[nn.Module, object]:
+    """(cls() built plainly, an engine over cls() built under zero_init), from the same seed."""
     torch.manual_seed(0)
-    reference = AssignsData()
+    reference = cls()
     torch.manual_seed(0)
     with zero_init():
-        model = AssignsData()
-    engine = initialize(model, zero_config(0, 2, 1))
+        model = cls()
+    return reference, initialize(model, zero_config(0, 2, 1))
+
+
+def test_assigning_data_in_the_block_is_recorded_like_a_copy():
+    reference, engine = _built_with_and_without_zero_init(AssignsData)
     assert torch.equal(engine.module.lin.weight, reference.lin.weight)
     assert torch.equal(engine.module.lin.bias, reference.lin.bias)
 
@@ -214,12 +219,7 @@ class MovesAndComputes(nn.Module):
 
 
 def test_moves_and_values_computed_in_the_block_keep_working_and_a_cast_is_refused():
-    torch.manual_seed(0)
-    reference = MovesAndComputes()
-    torch.manual_seed(0)
-    with zero_init():
-        model = MovesAndComputes()
-    engine = initialize(model, zero_config(0, 2, 1))
+    reference, engine = _built_with_and_without_zero_init(MovesAndComputes)
     assert torch.equal(engine.module.lin.weight, reference.lin.weight)
     with pytest.raises(ValueError, match=r"assigning .data of \(4, 4\) torch.float16 to a parameter of \(4, 4\) "
                                          r"torch.float32 cannot be recorded \(a cast"):
