@@ -503,7 +503,7 @@ class ChunkManager:
         """All or none: every change is checked (Note [chunk states]) before any is made."""
         indices = range(len(entry.chunk.slots)) if tensors is None else list(tensors)
         for i in indices:
-            check_transition(entry.chunk.states[i], state, f"tensor {i} of chunk {entry.describe()}")
+            check_transition(entry.chunk.states[i], state, lambda i=i: f"tensor {i} of chunk {entry.describe()}")
         for i in indices:
             entry.chunk.set_state(i, state)
 

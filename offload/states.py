@@ -15,7 +15,7 @@ Only the transitions in _LEGAL are allowed; anything else is a bug in the caller
 from __future__ import annotations
 
 import enum
-from typing import Iterable
+from typing import Callable, Iterable
 
 from offload.errors import OffloadError
 
@@ -42,10 +42,12 @@ class IllegalTransition(OffloadError):
     """A tensor was asked to move between two states that Note [chunk states] does not connect."""
 
 
-def check_transition(old: TensorState, new: TensorState, what: str) -> TensorState:
-    """Returns `new` if `old → new` is legal (a state may always stay as it is), else raises."""
+def check_transition(old: TensorState, new: TensorState, what: str | Callable[[], str]) -> TensorState:
+    """Returns `new` if `old → new` is legal (a state may always stay as it is), else raises; `what` names the
+    tensor (a callable: named only when it raises, off the hot path)."""
     if new is not old and new not in _LEGAL[old]:
         allowed = ", ".join(sorted(s.name for s in _LEGAL[old]))
+        what = what() if callable(what) else what
         raise IllegalTransition(f"{what}: {old.name} → {new.name} is not a legal state change "
                                 f"(from {old.name}: {allowed}); see Note [chunk states]")
     return new
