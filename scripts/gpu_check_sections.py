@@ -21,8 +21,11 @@ H100_BF16_DENSE_FLOPS = 989e12  # the peak MFU is taken against
 def run_section(name: str, simulate: bool) -> dict:
     if simulate:
         os.environ[SEPARATE_ENV] = "1"
+    section = globals().get(f"section_{name}")
+    if section is None:  # a section in a file of its own: scripts/gpu_check_<name>.py
+        section = getattr(importlib.import_module(f"scripts.gpu_check_{name}"), f"section_{name}")
     with contextlib.redirect_stdout(sys.stderr):  # the child's stdout carries its JSON only
-        return globals()[f"section_{name}"](simulate)
+        return section(simulate)
 
 
 def _device(simulate: bool) -> torch.device:
