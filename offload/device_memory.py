@@ -11,13 +11,14 @@ machine) the chunk manager's device tier is host memory accounted apart, the eng
 device count as device memory, and the copies between them are real copies, counted as bus bytes — what tests,
 benchmarks and `gpu_check.py --simulate` measure. It is a seam for those, not a user setting.
 Copies the engine makes across the bus (a gradient shard sent down to its CPU home, an updated parameter shard
-sent up) go through `down` and `up`, which count them; the chunk manager counts its own moves
-(`ManagerStats.moved_bytes`).
+sent up) go through `down` and `up`, or the host step's StagingRing (Note [staged copies]), which count them;
+the chunk manager counts its own moves (`ManagerStats.moved_bytes`).
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 import psutil
@@ -28,6 +29,7 @@ from offload.chunk import Location
 
 SEPARATE_ENV = "TIERS_SEPARATE_DEVICE_MEMORY"
 CAPACITY_ENV = "TIERS_DEVICE_MEMORY_BYTES"  # the seam's device size (default: this machine's RAM)
+HOST_TO_DEVICE, DEVICE_TO_HOST = "host->device", "device->host"
 
 
 @dataclass
@@ -53,6 +55,8 @@ class DeviceMemory:
             separate = self.device.type != "cpu" or os.environ.get(SEPARATE_ENV, "") == "1"
         self.separate = separate
         self.bus = BusCounter()
+        # copies across the bus by (direction, pinned host memory, non_blocking): Note [staged copies]
+        self.requests: Counter[tuple[str, bool, bool]] = Counter()
         self.sampled_peak = 0  # the most device bytes any `sample` saw
 
     def sample(self, nbytes: int) -> None:
@@ -95,12 +99,24 @@ class DeviceMemory:
     def host(self) -> torch.device:
         return torch.device("cpu")
 
+    def count(self, direction: str, nbytes: int, pinned: bool, non_blocking: bool) -> None:
+        """Counts a copy across the bus (`direction`: HOST_TO_DEVICE or DEVICE_TO_HOST): its bytes, and the request
+        (whether its host memory is pinned and whether it was issued non-blocking; Note [staged copies])."""
+        if direction == HOST_TO_DEVICE:
+            self.bus.host_to_device += nbytes
+        else:
+            self.bus.device_to_host += nbytes
+        self.requests[(direction, pinned, non_blocking)] += 1
+
+    def _pinned(self, host: torch.Tensor) -> bool:
+        return self.device.type == "cuda" and host.is_pinned()
+
     def down(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of a device tensor, counted; the tensor itself where the device is the host."""
         if not self.separate:
             return tensor
         with record_function("tiers.copy.device->host"):
-            self.bus.device_to_host += tensor.numel() * tensor.element_size()
+            self.count(DEVICE_TO_HOST, tensor.numel() * tensor.element_size(), pinned=False, non_blocking=False)
             out = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.host)
             out.copy_(tensor)
         return out
@@ -108,7 +124,7 @@ class DeviceMemory:
     def down_into(self, host: torch.Tensor, tensor: torch.Tensor) -> None:
         """host.copy_(device tensor), counted (the conversion to host's dtype happens on the host)."""
         if self.separate:
-            self.bus.device_to_host += tensor.numel() * tensor.element_size()
+            self.count(DEVICE_TO_HOST, tensor.numel() * tensor.element_size(), self._pinned(host), False)
         with record_function("tiers.copy.device->host"):
             host.copy_(tensor)
 
@@ -122,25 +138,12 @@ class DeviceMemory:
         else:
             self.down_into(dst, src)
 
-    def up_converted(self, device_tensor: torch.Tensor, host: torch.Tensor, scratch: torch.Tensor) -> None:
-        """device_tensor.copy_(host tensor of another dtype), counted as device_tensor's bytes: converted on the host
-        into `scratch` (host memory of device_tensor's shape and dtype, reused by the caller) and copied up; the
-        seam's device is host memory, so there the conversion writes it directly (the copy up stands for a DMA,
-        which takes no host core)."""
-        self.bus.host_to_device += device_tensor.numel() * device_tensor.element_size()
-        with record_function("tiers.copy.host->device"):
-            if self.device.type == "cpu":
-                device_tensor.copy_(host)
-                return
-            scratch.copy_(host)
-            device_tensor.copy_(scratch)
-
     def up(self, device_tensor: torch.Tensor, host: torch.Tensor) -> None:
         """device_tensor.copy_(host tensor), converted to the device tensor's dtype on the host first, so that
         only its bytes cross the bus."""
         if host.dtype != device_tensor.dtype:
             host = host.to(device_tensor.dtype)
         if self.separate:
-            self.bus.host_to_device += host.numel() * host.element_size()
+            self.count(HOST_TO_DEVICE, host.numel() * host.element_size(), self._pinned(host), False)
         with record_function("tiers.copy.host->device"):
             device_tensor.copy_(host)

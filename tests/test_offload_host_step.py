@@ -142,3 +142,28 @@ def test_the_norm_taken_as_shards_go_down_equals_the_one_read_back(monkeypatch, 
     assert_params_close(trained_params(engines[1]), trained_params(engines[0]))
     for engine in engines:
         engine.close()
+
+
+@pytest.mark.parametrize("precision,stage", [("bf16", 2), ("fp32", 2), ("fp16", 3)])
+def test_the_steps_copies_across_the_bus_are_non_blocking_from_pinned_memory(monkeypatch, precision, stage):
+    """Note [staged copies], through the recording seam: every copy the step makes across the bus is issued
+    non-blocking from pinned host memory (what a GPU is asked for; a CPU-only torch has none to pin), and the bytes
+    are what the step moves: the rounded 16-bit values up; fp32 values of the device down and back up."""
+    monkeypatch.setenv(SEPARATE_ENV, "1")
+    cfg = _config(precision, offload=True)
+    cfg["zero_optimization"]["stage"] = stage
+    engine = initialize(_gpt(), cfg)
+    memory = engine.optimizer.manager.memory
+    _train(engine, steps=1)
+    x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(2))
+    engine.backward(engine(x, x))
+    memory.requests.clear()
+    up, down = memory.bus.host_to_device, memory.bus.device_to_host
+    engine.step()
+    assert memory.requests and all(pinned and non_blocking for _, pinned, non_blocking in memory.requests), \
+        dict(memory.requests)
+    stepped = sum(p.numel() for _, p, _, _ in engine.optimizer._items)
+    width = 4 if precision == "fp32" else 2
+    assert memory.bus.host_to_device - up == width * stepped
+    assert memory.bus.device_to_host - down == (4 * stepped if precision == "fp32" else 0)
+    engine.close()

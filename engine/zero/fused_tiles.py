@@ -12,7 +12,8 @@ tile of `TILE` elements is
 - stepped by torch's fused kernel (`torch._fused_adam_` / `torch._fused_adamw_`, what `Adam(fused=True).step()`
   calls, the step counter advanced once before the tiles as it advances it);
 - rounded into the 16-bit tensor the model uses (or copied back up, for fp32 values of the device stepped on
-  the host: Note [separate device memory]) while it is still in cache.
+  the host: Note [separate device memory]) while it is still in cache; what crosses the bus goes non-blocking
+  through pinned tiles (Note [staged copies]).
 The same tiles step fp32 masters held in memory on the CPU (MastersFromSources, what initialize builds for
 the config's Adam / AdamW there): their 16-bit gradients are read in place, so no fp32 gradient is staged
 for the step and freed after it (Note [master weights]), and the result equals the staged path bit for bit.
@@ -29,6 +30,7 @@ import torch
 from engine.optimizers.tiled_adam import TILE
 from offload.chunk import Location
 from offload.device_memory import DeviceMemory
+from offload.staging_ring import StagingRing
 
 FUSED_ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -52,6 +54,7 @@ class TileStepper:
     def __init__(self, memory: DeviceMemory, tile: int = TILE):
         self.memory, self.tile = memory, tile
         self._scratch: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._ring = StagingRing(memory, tile)  # Note [staged copies]: what crosses the bus
 
     def _tile_of(self, role: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
         buf = self._scratch.get((role, dtype))
@@ -77,9 +80,8 @@ class TileStepper:
         for start in range(0, values.numel(), self.tile):
             n = min(self.tile, values.numel() - start)
             v, g, m, s = (t.narrow(0, start, n) for t in flat)
-            if crosses:  # the values of the device, stepped here and sent back up
-                host_v = self._tile_of("values", v.dtype, n)
-                self.memory.down_into(host_v, v)
+            if crosses:  # the values of the device, stepped here (in a slot of the ring) and sent back up
+                host_v, slot = self._ring.bring_down(v)
             else:
                 host_v = v
             if g.dtype == torch.float32 and not factors:  # read as it is (the kernel only reads the gradient)
@@ -92,7 +94,7 @@ class TileStepper:
             kernel([host_v], [wide], [m], [s], [], [step], amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
                    weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
             if crosses:
-                self.memory.up(v, host_v)
+                self._ring.send_slot_up(v, host_v, slot)
             if low is not None:
                 self._round(low.narrow(0, start, n), rounded[1], host_v)
 
@@ -101,7 +103,7 @@ class TileStepper:
         if low_tier is Location.CPU or not self.memory.separate:
             low.copy_(values)
             return
-        self.memory.up_converted(low, values, self._tile_of("rounded", low.dtype, values.numel()))
+        self._ring.send_up(low, values)
 
 
 class MastersFromSources(torch.optim.Adam):
