@@ -26,6 +26,7 @@ import torch
 from torch.profiler import record_function
 
 from offload.chunk import Location
+from offload.copy_engine import CopyDone
 
 SEPARATE_ENV = "TIERS_SEPARATE_DEVICE_MEMORY"
 CAPACITY_ENV = "TIERS_DEVICE_MEMORY_BYTES"  # the seam's device size (default: this machine's RAM)
@@ -127,6 +128,18 @@ class DeviceMemory:
             self.count(DEVICE_TO_HOST, tensor.numel() * tensor.element_size(), self._pinned(host), False)
         with record_function("tiers.copy.device->host"):
             host.copy_(tensor)
+
+    def down_async(self, host: torch.Tensor, tensor: torch.Tensor, pinned: bool) -> CopyDone:
+        """host.copy_(device tensor), counted, issued non-blocking on the compute stream (ordered after the work
+        that made `tensor` and before any that follows; on CUDA `host` is pinned memory: `pinned` is whether it
+        was asked for, recorded, Note [staged copies]): the host reads `host` only after the copy is done."""
+        self.count(DEVICE_TO_HOST, tensor.numel() * tensor.element_size(), pinned, non_blocking=True)
+        with record_function("tiers.copy.device->host"):
+            if self.device.type != "cuda":
+                host.copy_(tensor)
+                return CopyDone()
+            host.copy_(tensor, non_blocking=True)
+            return CopyDone(torch.cuda.current_stream(self.device).record_event(), self.device)
 
     def copy(self, dst: torch.Tensor, dst_tier: Location, src: torch.Tensor, src_tier: Location) -> None:
         """dst.copy_(src) between tensors on the given tiers (CPU: the host), through `up` / `down_into` when they

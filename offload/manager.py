@@ -45,14 +45,14 @@ from typing import Sequence
 import torch
 
 from offload.chunk import DEFAULT_CHUNK_CAPACITY, Chunk, Location, plan_slots
-from offload.copy_engine import CopyEngine
+from offload.copy_engine import CopyDone, CopyEngine
 from offload.device_memory import DeviceMemory
 from offload.device_tier import DeviceTier
 from offload.errors import OffloadError
 from offload.host_pool import HostBufferPool, pinning
 from offload.nvme import NvmeStore
 from offload.policy import PlacementPolicy, is_above, next_tier, worth_prefetching
-from offload.residency import ChunkEntry, Residency, budget_message, held_bytes
+from offload.residency import ChunkEntry, Residency, Transfer, budget_message, held_bytes
 from offload.states import TensorState, check_transition
 from offload.stats import ManagerStats
 from offload.tracer import TracePhase, Tracer
@@ -101,6 +101,9 @@ class ChunkManager:
         for name, value in (("device", budgets.device), ("cpu", budgets.cpu)):
             if value is not None and value < 0:
                 raise ValueError(f"the {name} budget must be >= 0 bytes or None (unbounded), got {value}")
+        # pinned host buffers as asked (default: where the device has memory of its own, the seam counted; Note
+        # [staged copies] records the request), as given where a pinned allocator exists
+        self.pins_host = self.memory.separate if pin_memory is None else pin_memory
         pinned = pinning(self.device.type == "cuda" if pin_memory is None else pin_memory)
         self.store = (NvmeStore(nvme_dir, threads=nvme_threads, queue_depth=nvme_queue_depth,
                                 block_size=nvme_block_size) if nvme_dir else None)
@@ -210,6 +213,21 @@ class ChunkManager:
         if phase is TracePhase.FOLLOWING and self.prefetch_depth > 0:
             self._prefetch_ahead(self.tracer.position - 1)  # best effort: never raises
         return entry.chunk.views()
+
+    def pending_write(self, chunk: int, done: CopyDone) -> None:
+        """A copy into the chunk's host buffer, issued on the compute stream and maybe unfinished (Note [staged
+        copies]), becomes its transfer in flight: every later access, move or free of the chunk waits for it."""
+        entry = self._entry(chunk)
+        if done.done():
+            return
+        if entry.transfer is not None or entry.chunk.location is not Location.CPU:
+            raise OffloadError(f"chunk {entry.describe()} cannot take a copy in flight: it is not resting on the "
+                               "CPU tier with no transfer of its own")
+
+        def undo() -> None:
+            raise AssertionError("a device/host copy cannot fail after it was issued")
+
+        self._chunks.set_transfer(entry, Transfer(done, None, undo))
 
     def use_tier(self, *chunks: int) -> Location:
         """Where a use of these chunks, held together, makes them resident (Note [where a chunk is used])."""

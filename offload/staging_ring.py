@@ -8,7 +8,10 @@ buffer of its own), so the next tile's update waits for the bus. Here each tile 
 pinned host tiles: the host writes slot k, the copy up is issued non-blocking on the compute stream (where the
 parameters are read next, so nothing else needs ordering) and an event marks its end; the host waits for that
 event only when the ring comes back to slot k, having updated the tiles between meanwhile. A tile brought down
-goes into its slot non-blocking, and the host waits for it before reading it. On the seam (Note [separate device
+goes into its slot non-blocking, and the host waits for it before reading it. A reduced gradient shard goes down
+the same way as backward retires it (`DeviceMemory.down_async`, straight into its chunk's pinned host buffer): the
+copy is the chunk's transfer in flight (`ChunkManager.pending_write`), so the step's access of the shard, or a
+move or free of it, waits for it, and backward goes on meanwhile. On the seam (Note [separate device
 memory]) the device is host memory: a converted tile is written into the device tensor directly, the copy up
 standing for a DMA, which takes no host core. Every copy is recorded in `DeviceMemory.requests` by direction,
 whether its host memory is pinned and whether it was issued non-blocking; on a CPU-only torch, where nothing

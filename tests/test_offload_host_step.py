@@ -146,9 +146,10 @@ def test_the_norm_taken_as_shards_go_down_equals_the_one_read_back(monkeypatch, 
 
 @pytest.mark.parametrize("precision,stage", [("bf16", 2), ("fp32", 2), ("fp16", 3)])
 def test_the_steps_copies_across_the_bus_are_non_blocking_from_pinned_memory(monkeypatch, precision, stage):
-    """Note [staged copies], through the recording seam: every copy the step makes across the bus is issued
-    non-blocking from pinned host memory (what a GPU is asked for; a CPU-only torch has none to pin), and the bytes
-    are what the step moves: the rounded 16-bit values up; fp32 values of the device down and back up."""
+    """Note [staged copies], through the recording seam: every copy backward and the step make across the bus is
+    issued non-blocking from pinned host memory (what a GPU is asked for; a CPU-only torch has none to pin), and the
+    bytes are what they move: the reduced gradient shards down as backward retires them; in the step, the rounded
+    16-bit values up, or fp32 values of the device down and back up."""
     monkeypatch.setenv(SEPARATE_ENV, "1")
     cfg = _config(precision, offload=True)
     cfg["zero_optimization"]["stage"] = stage
@@ -156,14 +157,17 @@ def test_the_steps_copies_across_the_bus_are_non_blocking_from_pinned_memory(mon
     memory = engine.optimizer.manager.memory
     _train(engine, steps=1)
     x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(2))
-    engine.backward(engine(x, x))
+    loss = engine(x, x)
     memory.requests.clear()
+    down = memory.bus.device_to_host
+    engine.backward(loss)
+    stepped = sum(p.numel() for _, p, _, _ in engine.optimizer._items)
+    width = 4 if precision == "fp32" else 2
+    assert memory.bus.device_to_host - down == width * stepped  # each gradient shard once
     up, down = memory.bus.host_to_device, memory.bus.device_to_host
     engine.step()
     assert memory.requests and all(pinned and non_blocking for _, pinned, non_blocking in memory.requests), \
         dict(memory.requests)
-    stepped = sum(p.numel() for _, p, _, _ in engine.optimizer._items)
-    width = 4 if precision == "fp32" else 2
     assert memory.bus.host_to_device - up == width * stepped
     assert memory.bus.device_to_host - down == (4 * stepped if precision == "fp32" else 0)
     engine.close()
