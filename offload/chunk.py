@@ -114,7 +114,7 @@ class Chunk:
     def set_state(self, index: int, new: TensorState) -> None:
         """Tensor `index` of this chunk (in registration order) changes state; illegal changes raise."""
         old = self.states[index]
-        self.states[index] = check_transition(old, new, f"tensor {index} of a chunk")
+        self.states[index] = check_transition(old, new, lambda: f"tensor {index} of a chunk")
         self._computing += (new is TensorState.COMPUTE) - (old is TensorState.COMPUTE)
 
     @property

@@ -11,7 +11,8 @@ machine) the chunk manager's device tier is host memory accounted apart, the eng
 device count as device memory, and the copies between them are real copies, counted as bus bytes — what tests,
 benchmarks and `gpu_check.py --simulate` measure. It is a seam for those, not a user setting.
 Copies the engine makes across the bus (a gradient shard sent down to its CPU home, an updated parameter shard
-sent up) go through `down` and `up`, or the host step's StagingRing (Note [staged copies]), which count them;
+sent up) go through `down`, `down_async` and `up`, or the host step's StagingRing (Note [staged copies]),
+which count them;
 the chunk manager counts its own moves (`ManagerStats.moved_bytes`).
 """
 
@@ -57,6 +58,7 @@ class DeviceMemory:
         self.separate = separate
         self.bus = BusCounter()
         # copies across the bus by (direction, pinned host memory, non_blocking): Note [staged copies]
+        # (pinned: the host memory is pinned, or asked to be where nothing can be)
         self.requests: Counter[tuple[str, bool, bool]] = Counter()
         self.sampled_peak = 0  # the most device bytes any `sample` saw
 
@@ -130,9 +132,9 @@ class DeviceMemory:
             host.copy_(tensor)
 
     def down_async(self, host: torch.Tensor, tensor: torch.Tensor, pinned: bool) -> CopyDone:
-        """host.copy_(device tensor), counted, issued non-blocking on the compute stream (ordered after the work
-        that made `tensor` and before any that follows; on CUDA `host` is pinned memory: `pinned` is whether it
-        was asked for, recorded, Note [staged copies]): the host reads `host` only after the copy is done."""
+        """host.copy_(device tensor), counted, issued non-blocking on the current (compute) stream: after the work
+        queued there before it, before any queued after. `pinned`: whether `host` is pinned memory, or asked to be
+        (recorded: Note [staged copies]). The host may read `host` only once the returned copy is done."""
         self.count(DEVICE_TO_HOST, tensor.numel() * tensor.element_size(), pinned, non_blocking=True)
         with record_function("tiers.copy.device->host"):
             if self.device.type != "cuda":

@@ -101,8 +101,8 @@ class ChunkManager:
         for name, value in (("device", budgets.device), ("cpu", budgets.cpu)):
             if value is not None and value < 0:
                 raise ValueError(f"the {name} budget must be >= 0 bytes or None (unbounded), got {value}")
-        # pinned host buffers as asked (default: where the device has memory of its own, the seam counted; Note
-        # [staged copies] records the request), as given where a pinned allocator exists
+        # whether host buffers are asked to be pinned: as configured, else where the device has memory of its own
+        # (the seam too; Note [staged copies] records it); `pinning` says what this machine can give
         self.pins_host = self.memory.separate if pin_memory is None else pin_memory
         pinned = pinning(self.device.type == "cuda" if pin_memory is None else pin_memory)
         self.store = (NvmeStore(nvme_dir, threads=nvme_threads, queue_depth=nvme_queue_depth,
@@ -216,13 +216,17 @@ class ChunkManager:
 
     def pending_write(self, chunk: int, done: CopyDone) -> None:
         """A copy into the chunk's host buffer, issued on the compute stream and maybe unfinished (Note [staged
-        copies]), becomes its transfer in flight: every later access, move or free of the chunk waits for it."""
+        copies]), becomes its transfer in flight: every later access, move or free of the chunk waits for it. A
+        chunk that cannot take it (not on the CPU tier, or with a transfer of its own) is refused after the copy
+        has finished, so that nothing is left writing into a buffer the manager does not know is in use."""
+        self._check_open()
         entry = self._entry(chunk)
+        if entry.transfer is not None or entry.chunk.location is not Location.CPU:
+            done.wait_host()
+            raise OffloadError(f"chunk {entry.describe()} cannot take a copy in flight: it is not on the CPU tier "
+                               "with no transfer of its own")
         if done.done():
             return
-        if entry.transfer is not None or entry.chunk.location is not Location.CPU:
-            raise OffloadError(f"chunk {entry.describe()} cannot take a copy in flight: it is not resting on the "
-                               "CPU tier with no transfer of its own")
 
         def undo() -> None:
             raise AssertionError("a device/host copy cannot fail after it was issued")

@@ -11,11 +11,13 @@ event only when the ring comes back to slot k, having updated the tiles between 
 goes into its slot non-blocking, and the host waits for it before reading it. A reduced gradient shard goes down
 the same way as backward retires it (`DeviceMemory.down_async`, straight into its chunk's pinned host buffer): the
 copy is the chunk's transfer in flight (`ChunkManager.pending_write`), so the step's access of the shard, or a
-move or free of it, waits for it, and backward goes on meanwhile. On the seam (Note [separate device
+move or free of it, waits for it, and the host goes on with backward meanwhile. On the seam (Note [separate device
 memory]) the device is host memory: a converted tile is written into the device tensor directly, the copy up
 standing for a DMA, which takes no host core. Every copy is recorded in `DeviceMemory.requests` by direction,
-whether its host memory is pinned and whether it was issued non-blocking; on a CPU-only torch, where nothing
-can be pinned, the ring records what it asks of a GPU: the recording seam tests read.
+whether its host memory is pinned (or asked to be, where nothing can be: a CPU-only torch) and whether it was
+issued non-blocking: the recording seam tests read. Where the copies cannot overlap: fp32 values of the device
+wait for their copy down before they are stepped (the tile after is not brought down ahead); and with
+`step_in_backward` each shard is stepped as it goes down, so the step waits for that copy.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class StagingRing:
             return
         slot, k = self._next_slot(device_tensor.dtype, values.numel())
         slot.copy_(values.view(-1))
-        device_tensor.view(-1).copy_(slot, non_blocking=True)
+        device_tensor.view(-1).copy_(slot, non_blocking=self._cuda)
         self._issued(device_tensor.dtype, k)
 
     def bring_down(self, device_tensor: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -11,7 +11,7 @@ import torch
 
 from offload.chunk import Location
 from offload.errors import OffloadError
-from offload.manager import ChunkManager
+from offload.manager import Budgets, ChunkManager
 from tests.test_manager_async_copies import _LazyCopy
 
 N = 4096
@@ -50,12 +50,28 @@ def test_a_pending_copy_is_waited_for_by_every_later_use(tmp_path, use):
     manager.close()
 
 
-def test_a_pending_copy_is_refused_where_the_chunk_is_not_resting_on_the_cpu(tmp_path):
+def test_a_pending_copy_is_waited_for_before_its_chunk_is_evicted_to_make_room(tmp_path):
+    nbytes = N * 4
+    manager = ChunkManager("cpu", Budgets(cpu=nbytes + nbytes // 2), nvme_dir=str(tmp_path))
+    first, second = manager.register("grad", [torch.zeros(N), torch.zeros(N)], capacity=N, zeros=True)
+    source = torch.randn(N)
+    lazy = _copied_in(manager, first.chunk, source)
+    with manager.accessed(second.chunk, Location.CPU, overwrites=True):  # room for it: the first goes to NVMe
+        assert manager.chunk(first.chunk).location is Location.NVME
+        assert lazy.finished
+    with manager.accessed(first.chunk, Location.CPU, writes=False) as (held,):
+        assert torch.equal(held, source)
+    manager.close()
+
+
+def test_a_second_pending_copy_is_refused_once_it_has_finished(tmp_path):
     manager = ChunkManager("cpu", nvme_dir=str(tmp_path))
     (ref,) = manager.register("grad", [torch.zeros(N)], zeros=True)
     lazy = _copied_in(manager, ref.chunk, torch.randn(N))
+    refused = _NeverPolled(torch.empty(N), torch.randn(N), random.Random(1))
     with pytest.raises(OffloadError, match="cannot take a copy in flight"):
-        manager.pending_write(ref.chunk, _NeverPolled(torch.empty(N), torch.randn(N), random.Random(1)))
+        manager.pending_write(ref.chunk, refused)
+    assert refused.finished  # nothing left writing into a buffer the manager does not track
     assert not lazy.finished
     manager.close()
     assert lazy.finished

@@ -81,7 +81,7 @@ class TileStepper:
             n = min(self.tile, values.numel() - start)
             v, g, m, s = (t.narrow(0, start, n) for t in flat)
             if crosses:  # the values of the device, stepped here (in a slot of the ring) and sent back up
-                host_v, slot = self._ring.bring_down(v)
+                host_v, key = self._ring.bring_down(v)
             else:
                 host_v = v
             if g.dtype == torch.float32 and not factors:  # read as it is (the kernel only reads the gradient)
@@ -94,7 +94,7 @@ class TileStepper:
             kernel([host_v], [wide], [m], [s], [], [step], amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
                    weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
             if crosses:
-                self._ring.send_slot_up(v, host_v, slot)
+                self._ring.send_slot_up(v, host_v, key)
             if low is not None:
                 self._round(low.narrow(0, start, n), rounded[1], host_v)
 

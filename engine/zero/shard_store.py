@@ -152,19 +152,18 @@ class ManagedStore:
 
     def accumulate(self, values: torch.Tensor, first: bool) -> None:
         # first: every element is written, so a shard holding nothing needs no zero-fill
-        memory, in_flight = self.manager.memory, None
+        memory = self.manager.memory
         with self.placed(writes=True, overwrites=first) as (held, tier):
             if first and tier is Location.CPU and memory.separate:
-                # straight into the held buffer (pinned on CUDA), non-blocking: backward goes on (Note [staged copies])
-                in_flight = memory.down_async(held, values, pinned=self.manager.pins_host)
+                # straight into the held buffer (pinned on CUDA), non-blocking (Note [staged copies]); the next
+                # access, move or free of the shard waits for it
+                self.manager.pending_write(self.handle, memory.down_async(held, values, self.manager.pins_host))
             elif first:
                 memory.copy(held, tier, values, Location.DEVICE)
             else:
                 if tier is Location.CPU:
                     values = memory.down(values)  # to the host, in its own dtype
                 held.add_(values)
-        if in_flight is not None:  # the next access, move or free of the shard waits for it
-            self.manager.pending_write(self.handle, in_flight)
 
 
 def manage(store: ShardStore, manager: ChunkManager, kind: str, home: Location) -> ManagedStore:
