@@ -11,9 +11,8 @@ machine) the chunk manager's device tier is host memory accounted apart, the eng
 device count as device memory, and the copies between them are real copies, counted as bus bytes — what tests,
 benchmarks and `gpu_check.py --simulate` measure. It is a seam for those, not a user setting.
 Copies the engine makes across the bus (a gradient shard sent down to its CPU home, an updated parameter shard
-sent up) go through `down`, `down_async` and `up`, or the host step's StagingRing (Note [staged copies]),
-which count them;
-the chunk manager counts its own moves (`ManagerStats.moved_bytes`).
+sent up) go through `down`, `down_async` and `up`, or the host step's StagingRing (Note [staged copies]), which
+count them; the chunk manager counts its own moves (`ManagerStats.moved_bytes`).
 """
 
 from __future__ import annotations
