@@ -53,6 +53,7 @@ from offload.host_pool import HostBufferPool, pinning
 from offload.nvme import NvmeStore
 from offload.policy import PlacementPolicy, is_above, next_tier, worth_prefetching
 from offload.residency import ChunkEntry, Residency, Transfer, budget_message, held_bytes
+from offload.staging_ring import StagingRing
 from offload.states import TensorState, check_transition
 from offload.stats import ManagerStats
 from offload.tracer import TracePhase, Tracer
@@ -104,6 +105,7 @@ class ChunkManager:
         # whether host buffers are asked to be pinned: as configured, else where the device has memory of its own
         # (the seam too; Note [staged copies] records it); `pinning` says what this machine can give
         self.pins_host = self.memory.separate if pin_memory is None else pin_memory
+        self.staging = StagingRing(self.memory)  # pinned tiles for what crosses the bus beside the chunks
         pinned = pinning(self.device.type == "cuda" if pin_memory is None else pin_memory)
         self.store = (NvmeStore(nvme_dir, threads=nvme_threads, queue_depth=nvme_queue_depth,
                                 block_size=nvme_block_size) if nvme_dir else None)

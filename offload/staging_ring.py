@@ -11,7 +11,8 @@ event only when the ring comes back to slot k, having updated the tiles between 
 goes into its slot non-blocking, and the host waits for it before reading it. A reduced gradient shard goes down
 the same way as backward retires it (`DeviceMemory.down_async`, straight into its chunk's pinned host buffer): the
 copy is the chunk's transfer in flight (`ChunkManager.pending_write`), so the step's access of the shard, or a
-move or free of it, waits for it, and the host goes on with backward meanwhile. On the seam (Note [separate device
+move or free of it, waits for it, and the host goes on with backward meanwhile; a micro-batch's shard added to
+what is held on the host (not at the boundary) comes down a slot at a time. On the seam (Note [separate device
 memory]) the device is host memory: a converted tile is written into the device tensor directly, the copy up
 standing for a DMA, which takes no host core. Every copy is recorded in `DeviceMemory.requests` by direction,
 whether its host memory is pinned (or asked to be, where nothing can be: a CPU-only torch) and whether it was
@@ -27,12 +28,13 @@ import torch
 from offload.device_memory import DEVICE_TO_HOST, HOST_TO_DEVICE, DeviceMemory
 
 SLOTS = 2  # pinned tiles per dtype: the host writes one while the other is on the bus
+STAGING_TILE = 1 << 20  # elements per slot where the caller does not choose
 
 
 class StagingRing:
     """Pinned host tiles of `tile` elements per dtype, reused in turn (Note [staged copies])."""
 
-    def __init__(self, memory: DeviceMemory, tile: int):
+    def __init__(self, memory: DeviceMemory, tile: int = STAGING_TILE):
         self.memory, self.tile = memory, tile
         self._cuda = memory.device.type == "cuda"
         self._slots: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -80,6 +82,14 @@ class StagingRing:
         if self._cuda:
             torch.cuda.current_stream(self.memory.device).synchronize()
         return slot, k
+
+    def add_down(self, host: torch.Tensor, device_tensor: torch.Tensor) -> None:
+        """host += device_tensor (same shape), brought down a slot at a time: no host tensor of its size is made."""
+        flat, into = device_tensor.reshape(-1), host.view(-1)
+        for start in range(0, flat.numel(), self.tile):
+            n = min(self.tile, flat.numel() - start)
+            slot, _ = self.bring_down(flat.narrow(0, start, n))
+            into.narrow(0, start, n).add_(slot)
 
     def send_slot_up(self, device_tensor: torch.Tensor, slot: torch.Tensor, k: int) -> None:
         """device_tensor := the slot `bring_down` filled (and the host updated), non-blocking."""

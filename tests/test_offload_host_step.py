@@ -171,3 +171,32 @@ def test_the_steps_copies_across_the_bus_are_non_blocking_from_pinned_memory(mon
     assert memory.bus.host_to_device - up == width * stepped
     assert memory.bus.device_to_host - down == (4 * stepped if precision == "fp32" else 0)
     engine.close()
+
+
+def test_micro_batch_gradients_added_on_the_host_come_down_through_pinned_tiles(monkeypatch):
+    """Note [staged copies]: with gradient accumulation, each micro-batch's shard goes down (the first into the
+    held buffer, the next ones added to it a pinned tile at a time), all non-blocking, and the accumulated
+    update equals the one without offload."""
+    monkeypatch.setenv(SEPARATE_ENV, "1")
+    engines = []
+    for offload in (False, True):
+        cfg = _config("bf16", offload=offload)
+        cfg["gradient_accumulation_steps"] = 3
+        engines.append(initialize(_gpt(), cfg))
+    reference, engine = engines
+    memory = engine.optimizer.manager.memory
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        memory.requests.clear()
+        down = memory.bus.device_to_host
+        for _ in range(3):
+            x = torch.randint(0, 256, (2, 8), generator=g)
+            for e in engines:
+                e.backward(e(x, x))
+                e.step()
+        assert all(pinned and non_blocking for _, pinned, non_blocking in memory.requests), dict(memory.requests)
+        stepped = sum(p.numel() for _, p, _, _ in engine.optimizer._items)
+        assert memory.bus.device_to_host - down == 3 * 2 * stepped  # every micro-batch's bf16 shard, once
+    assert_params_close(trained_params(engine), trained_params(reference))
+    for e in engines:
+        e.close()

@@ -160,9 +160,9 @@ class ManagedStore:
                 self.manager.pending_write(self.handle, memory.down_async(held, values, self.manager.pins_host))
             elif first:
                 memory.copy(held, tier, values, Location.DEVICE)
+            elif tier is Location.CPU and memory.separate:
+                self.manager.staging.add_down(held, values)  # in its own dtype, through pinned tiles
             else:
-                if tier is Location.CPU:
-                    values = memory.down(values)  # to the host, in its own dtype
                 held.add_(values)
 
 
