@@ -25,18 +25,23 @@ import time
 import torch
 import torch.distributed as dist
 
-from scripts.gpu_check_sections import _collect, _device, _gpt, _peaks, _reset_peak, _sync, _tier_config
+from scripts.gpu_check_sections import (
+    _collect,
+    _device,
+    _gpt,
+    _peaks,
+    _reset_peak,
+    _sync,
+    _tier_config,
+    big_gpt_run,
+)
 
 PHASES = ("forward", "backward", "step")
 
 
 def section_offload(simulate: bool) -> dict:
     device = _device(simulate)
-    shape = None if simulate else dict(n_layer=24, n_head=16, n_embd=2048, vocab_size=32000, block_size=1024)
-    seq, micro, steps = (64, 4, 3) if simulate else (1024, 2, 3)
-    vocab = 256 if simulate else 32000
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, vocab, (micro, seq), generator=g) for _ in range(steps)]
+    shape, seq, micro, batches = big_gpt_run(simulate)
     owns_group = not dist.is_initialized()
     if owns_group:  # FSDP2 needs a process group; Tiers uses the same world of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))

@@ -278,13 +278,18 @@ def section_ring(simulate: bool) -> dict:
 
 
 # ---- a ~1.2 B GPT ------------------------------------------------------------------------------------------------
-def section_gpt(simulate: bool) -> dict:
-    device = _device(simulate)
+def big_gpt_run(simulate: bool) -> tuple[dict | None, int, int, list[torch.Tensor]]:
+    """The ~1.28 B GPT's shape (None: the tiny one), seq, micro batch and batches of the gpt and offload sections."""
     shape = None if simulate else dict(n_layer=24, n_head=16, n_embd=2048, vocab_size=32000, block_size=1024)
     seq, micro, steps = (64, 4, 3) if simulate else (1024, 2, 3)
     vocab = 256 if simulate else 32000
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, vocab, (micro, seq), generator=g) for _ in range(steps)]
+    return shape, seq, micro, [torch.randint(0, vocab, (micro, seq), generator=g) for _ in range(steps)]
+
+
+def section_gpt(simulate: bool) -> dict:
+    device = _device(simulate)
+    shape, seq, micro, batches = big_gpt_run(simulate)
     out = {"plain_pytorch": _train_plain(_gpt(simulate, shape), batches, device)}
     configs = {"tiers_stage0": _tier_config(0, micro, offload=False),  # (fully offloaded: the offload section)
                "tiers_stage3_offload_device_budget": _tier_config(3, micro, offload=True, param_offload=True,

@@ -51,16 +51,18 @@ def _plain_fused_adam(opt: torch.optim.Optimizer) -> bool:
 class TileStepper:
     """Steps tensors tile by tile (Note [the host step in tiles]); holds the reused scratch tiles."""
 
-    def __init__(self, memory: DeviceMemory, tile: int = TILE):
-        self.memory, self.tile = memory, tile
-        self._scratch: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-        self._ring = StagingRing(memory, tile)  # Note [staged copies]: what crosses the bus
+    def __init__(self, staging: StagingRing, tile: int = TILE):
+        """staging: the pinned tiles what crosses the bus goes through (Note [staged copies]; a chunk manager's),
+        on `staging.memory`."""
+        if tile > staging.tile:
+            raise ValueError(f"tiles of {tile} elements do not fit the staging ring's {staging.tile}")
+        self.memory, self.tile, self._ring = staging.memory, tile, staging
+        self._wide: torch.Tensor | None = None  # the fp32 gradient tile, made once
 
-    def _tile_of(self, role: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        buf = self._scratch.get((role, dtype))
-        if buf is None:
-            buf = self._scratch[(role, dtype)] = torch.empty(self.tile, dtype=dtype)
-        return buf[:numel]
+    def _grad_tile(self, numel: int) -> torch.Tensor:
+        if self._wide is None:
+            self._wide = torch.empty(self.tile, dtype=torch.float32)
+        return self._wide[:numel]
 
     @torch.no_grad()
     def step(self, group: dict, step: torch.Tensor, values: torch.Tensor, values_tier: Location, grad: torch.Tensor,
@@ -87,7 +89,7 @@ class TileStepper:
             if g.dtype == torch.float32 and not factors:  # read as it is (the kernel only reads the gradient)
                 wide = g
             else:
-                wide = self._tile_of("grad", torch.float32, n)
+                wide = self._grad_tile(n)
                 wide.copy_(g)
                 for factor in factors:
                     wide.mul_(factor)
@@ -117,7 +119,7 @@ class MastersFromSources(torch.optim.Adam):
         super().__init__(params, **defaults)
         self._sources = sources
         self.factors: tuple[float, ...] | None = None
-        self._tiles = TileStepper(DeviceMemory("cpu", separate=False))
+        self._tiles = TileStepper(StagingRing(DeviceMemory("cpu", separate=False)))  # (nothing crosses a bus)
 
     @torch.no_grad()
     def step(self, closure=None):

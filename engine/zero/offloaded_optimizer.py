@@ -70,7 +70,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._param_chunks = param_chunks or {}
         self._grad_chunks = grad_chunks or {}
         self._round_into = round_into
-        self._tiles = TileStepper(manager.memory)  # Note [the host step in tiles]
+        self._tiles = TileStepper(manager.staging)  # Note [the host step in tiles]
         self._items: list[tuple[torch.optim.Optimizer, torch.Tensor, int | None, dict]] = []
         self._stepped_early: set[int] = set()  # Note [stepping in backward]: items already stepped this iteration
         self._item_of_grad: dict[int, int] = {}  # gradient chunk -> the item it steps
