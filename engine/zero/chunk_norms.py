@@ -86,6 +86,12 @@ class ChunkNorms:
         else:
             self._retired_norms.pop(index, None)
 
+    def in_memory_grad_norms(self, unscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norms of grad_norm_pieces (gradients held in memory, left scaled: Note [one gradient factor]) times
+        `unscale`, and their weights."""
+        norms, weights = piece_norms(self.grad_norm_pieces())
+        return (norms * unscale if unscale != 1.0 else norms), weights
+
     def master_grad_norms(self, unscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """The norms of the 16-bit gradients the fp32 masters are stepped from (Note [master weights]), taken as
         grad_norms takes managed 16-bit shards: the in-memory and the offloaded step clip by the same norm."""

@@ -7,10 +7,10 @@ into a fresh fp32 tensor, multiplied once per factor (unscaling, clipping), the 
 16-bit parameter through another fresh tensor: about twice the floor's traffic, and fresh host memory (page
 faults) every step. Here, for torch's Adam / AdamW with `fused=True` over fp32 values and fp32 moments, each
 tile of `TILE` elements is
-- widened from the gradient shard into a scratch tile and multiplied by the step's factors in turn (the same
-  operations, in the same order, as on the whole tensor: the same values);
+- widened from the gradient shard into a scratch tile (an fp32 gradient is read where it is);
 - stepped by torch's fused kernel (`torch._fused_adam_` / `torch._fused_adamw_`, what `Adam(fused=True).step()`
-  calls, the step counter advanced once before the tiles as it advances it);
+  calls, the step counter advanced once before the tiles as it advances it), which divides the gradient by the
+  step's `grad_scale` as it reads it (Note [one gradient factor]);
 - rounded into the 16-bit tensor the model uses (or copied back up, for fp32 values of the device stepped on
   the host: Note [separate device memory]) while it is still in cache; what crosses the bus goes non-blocking
   through pinned tiles (Note [staged copies]).
@@ -28,24 +28,16 @@ from __future__ import annotations
 import torch
 
 from engine.optimizers.tiled_adam import TILE
+from engine.zero.gradient_factor import kernel_grad_scale, plain_fused_adam
 from offload.chunk import Location
 from offload.device_memory import DeviceMemory
 from offload.staging_ring import StagingRing
-
-FUSED_ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def steps_in_tiles(opt: torch.optim.Optimizer, values_dtype: torch.dtype, state_dtypes: list[torch.dtype]) -> bool:
     """Whether `opt` (over one tensor) is what the tiles compute: torch's fused Adam / AdamW, plain options, fp32
     values and moments."""
-    return _plain_fused_adam(opt) and values_dtype == torch.float32 and state_dtypes == [torch.float32] * 2
-
-
-def _plain_fused_adam(opt: torch.optim.Optimizer) -> bool:
-    """torch's Adam / AdamW with fused=True and no amsgrad, nor differentiable steps."""
-    group = opt.param_groups[0] if opt.param_groups else {}
-    return type(opt) in FUSED_ADAM and bool(group.get("fused")) and not group.get("amsgrad") \
-        and not group.get("differentiable")
+    return plain_fused_adam(opt) and values_dtype == torch.float32 and state_dtypes == [torch.float32] * 2
 
 
 class TileStepper:
@@ -69,9 +61,10 @@ class TileStepper:
              factors: tuple[float, ...] | list[float], exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
              rounded: tuple[torch.Tensor, Location] | None) -> None:
         """One update on the host of `values` (fp32, on `values_tier`: the host, or the device, whose tiles go down
-        and back up) from `grad` (on the host, any float dtype) times `factors`, with the host moments; `rounded`:
-        the 16-bit tensor the model uses and its tier, which takes the new values."""
-        factors = [f for f in factors if f != 1.0]
+        and back up) from `grad` (on the host, any float dtype) times `factors` (an fp32 `grad` is left holding
+        that product, as a multiplication in place leaves it), with the host moments; `rounded`: the 16-bit tensor
+        the model uses and its tier, which takes the new values."""
+        grad_scale = kernel_grad_scale(factors)
         kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
         beta1, beta2 = group["betas"]
         lr = group["lr"].item() if torch.is_tensor(group["lr"]) else group["lr"]
@@ -86,15 +79,14 @@ class TileStepper:
                 host_v, key = self._ring.bring_down(v)
             else:
                 host_v = v
-            if g.dtype == torch.float32 and not factors:  # read as it is (the kernel only reads the gradient)
+            if g.dtype == torch.float32:  # read where it is (a grad_scale writes the divided values back into it)
                 wide = g
             else:
                 wide = self._grad_tile(n)
                 wide.copy_(g)
-                for factor in factors:
-                    wide.mul_(factor)
             kernel([host_v], [wide], [m], [s], [], [step], amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
-                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                   grad_scale=grad_scale)
             if crosses:
                 self._ring.send_slot_up(v, host_v, key)
             if low is not None:
@@ -145,7 +137,7 @@ def stepped_from_sources(optimizer: torch.optim.Optimizer, masters: list[torch.T
                          targets: list[torch.Tensor]) -> torch.optim.Optimizer:
     """`optimizer` as MastersFromSources where it is torch's fused Adam / AdamW over fp32 CPU masters with fp32
     moments (what the tiles compute), else itself."""
-    if not _plain_fused_adam(optimizer) or optimizer.state \
+    if not plain_fused_adam(optimizer) or optimizer.state \
             or any(m.device.type != "cpu" or m.dtype != torch.float32 for m in masters):
         return optimizer
     listed = {id(p) for g in optimizer.param_groups for p in g["params"]}

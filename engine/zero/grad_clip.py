@@ -9,7 +9,8 @@ parallelism]); under a pipeline, over the stages too. The norm costs a pass over
 it is taken only when clipping, an fp16 overflow check or TensorBoard uses it. Gradients the chunk
 manager holds (Note [offloaded gradient shards]) are read one shard at a time for the norm (widened
 to fp32 and unscaled first, as in memory); their unscaling and clipping become two factors the
-offloaded optimizer applies in turn as it steps each shard, so the result equals the in-memory
+offloaded optimizer applies as it steps each shard (torch's fused Adam: as one grad_scale, Note [one
+gradient factor], as in memory; others: in turn, as in memory), so the result equals the in-memory
 path's. bf16/fp32 never overflow: as in DeepSpeed the update proceeds (and shows the NaN).
 """
 
@@ -33,7 +34,7 @@ class GradStats:
 
     norm: float | None
     overflow: bool = False
-    streamed_scale: tuple[float, ...] = ()  # factors applied in turn (the unscaling, then the clipping)
+    streamed_scale: tuple[float, ...] = ()  # the unscaling, then the clipping: what the optimizer applies
 
 
 class GradientClipper:
@@ -47,16 +48,17 @@ class GradientClipper:
         self.needs_norm = clip > 0 or checks_overflow or norm_logged
 
     def prepare(self, loss_scale: float, early_square: torch.Tensor | None = None,
-                staged_factor: float = 1.0, staged: bool = True) -> GradStats:
+                staged_factor: float = 1.0, factored_norms=None) -> GradStats:
         """early_square: the squared norm summed while shards were stepped in backward (Note [stepping in
         backward]); those shards are updated already, so nothing is clipped. staged_factor: what the fp32 master
         gradients were multiplied by after they were staged from their 16-bit sources (Note [optimizers that
-        communicate]). staged=False: the fp32 masters' gradients are not staged (Note [the host step in tiles]): as
-        for streamed ones, the optimizer applies the unscaling and clipping factors."""
+        communicate]). factored_norms: where the optimizer applies the unscaling and clipping factors as it steps
+        (Note [the host step in tiles], Note [one gradient factor]), what measures the gradients' norms, given the
+        unscaling: the gradients are left as they are and the factors are returned."""
         if self.chunked.grads_managed:
             return self._prepare_streamed(loss_scale, early_square)
-        if not staged:
-            return self._prepare_streamed(loss_scale, None, self.chunked.master_grad_norms)
+        if factored_norms is not None:
+            return self._prepare_streamed(loss_scale, None, factored_norms)
         grads = self.chunked.grad_shards()  # what the optimizer reads: the reduced shards
         if loss_scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / loss_scale)

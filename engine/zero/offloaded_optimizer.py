@@ -38,6 +38,7 @@ from typing import Callable, ContextManager
 import torch
 
 from engine.zero.fused_tiles import TileStepper, steps_in_tiles
+from engine.zero.gradient_factor import folds_factors, scaled_by
 from offload.chunk import Location
 from offload.manager import ChunkManager
 from offload.states import TensorState
@@ -127,6 +128,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._step_tiled(index, opt, p, chunk, values, grad_chunk, info, grad_scale)
             return
         memory, on_host = self.manager.memory, where is Location.CPU and self.manager.memory.separate
+        folded, factors = folds_factors(opt), ()  # Note [one gradient factor]
         accessed: list[int] = []
         target, bound_grad = p, p.grad
         try:
@@ -144,8 +146,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 accessed.append(grad_chunk)
                 if grad.dtype != target.dtype:  # a 16-bit gradient shard for an fp32 master
                     grad = grad.to(target.dtype)
-                for factor in _factors(grad_scale):  # one by one, as the in-memory gradients are scaled
-                    grad.mul_(factor)
+                if folded:  # Note [one gradient factor]
+                    factors = _factors(grad_scale)
+                else:
+                    for factor in _factors(grad_scale):  # one by one, as the in-memory gradients are scaled
+                        grad.mul_(factor)
                 target.grad = grad
             elif target is not p:  # the gradient of a tensor of the device
                 target.grad = None if p.grad is None else memory.down(p.grad) if on_host else p.grad
@@ -158,7 +163,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 for name, view in zip(info["names"], views):
                     state[name] = view
             _take_options(inner, info["group"])
-            opt.step()
+            with scaled_by(opt, factors):
+                opt.step()
             with torch.no_grad():
                 if values is None and target is not p:  # the updated tensor goes back up
                     memory.up(p, target)

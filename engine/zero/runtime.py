@@ -38,6 +38,7 @@ from engine.zero.device_bytes import device_state_bytes
 from engine.zero.fused_tiles import MastersFromSources
 from engine.zero.grad_clip import GradientClipper, GradStats
 from engine.zero.grad_sync import GradReducer
+from engine.zero.gradient_factor import folds_factors, scaled_by
 from engine.zero.hooks import ZeroHooks
 from engine.zero.param_gather import ParamGatherer
 from engine.zero.training_phase import LEGAL_MOVES, TrainingPhase
@@ -339,7 +340,18 @@ class ZeroRuntime:
                 torch._foreach_mul_(chunked.grad_shards(), staged_factor)
             stepped_early = chunked.grads_managed and self.optimizer.stepped_early  # Note [stepping in backward]
             return self.clipper.prepare(loss_scale, self._early_square if stepped_early else None, staged_factor,
-                                        staged=not self.masters_from_sources)
+                                        self._factored_norms(staged_factor))
+
+    def _factored_norms(self, staged_factor: float):
+        """Where the optimizer applies the gradient factors as it steps gradients held in memory, what measures
+        their norms (see GradientClipper.prepare); None where the gradients are multiplied before the step."""
+        chunked = self.chunked
+        if self.masters_from_sources:  # Note [the host step in tiles]
+            return chunked.master_grad_norms
+        if chunked.grads_managed or staged_factor != 1.0 or not folds_factors(self.optimizer):
+            return None
+        # Note [one gradient factor]: torch's fused Adam divides by the factors' grad_scale as it reads
+        return chunked.master_grad_norms if chunked.has_masters else chunked.in_memory_grad_norms
 
     def update(self, grads: GradStats) -> None:
         """The optimizer steps; the model's chunks take the new values on every rank."""
@@ -351,7 +363,8 @@ class ZeroRuntime:
                 self.optimizer.factors = grads.streamed_scale
                 self.optimizer.step()
             else:
-                self.optimizer.step()
+                with scaled_by(self.optimizer, grads.streamed_scale):  # Note [one gradient factor]; () for none
+                    self.optimizer.step()
             if self.chunked.has_masters and not self.chunked.masters.offloaded and not self.masters_from_sources:
                 self.chunked.masters.update_params()  # (offloaded ones are rounded as stepped)
             self.gather_updated_params()
