@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine import initialize
 from engine.models.gpt import GPT, GPTConfig
 from engine.zero.fused_tiles import MastersFromSources
-from offload.device_memory import SEPARATE_ENV
+from offload.device_memory import DEVICE_TO_HOST, SEPARATE_ENV, DeviceMemory
+from offload.staging_ring import StagingRing
 from tests.reference import assert_close_relative, assert_params_close, trained_params
 
 LARGE = 1 << 20  # bytes
@@ -200,3 +201,41 @@ def test_micro_batch_gradients_added_on_the_host_come_down_through_pinned_tiles(
     assert_params_close(trained_params(engine), trained_params(reference))
     for e in engines:
         e.close()
+
+
+class Copies(TorchDispatchMode):
+    """Records the source address of every copy_."""
+
+    def __init__(self):
+        super().__init__()
+        self.sources: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name == "aten::copy_":
+            self.sources.append(args[1].data_ptr())
+        return func(*args, **(kwargs or {}))
+
+
+def test_tiles_of_the_device_come_down_one_tile_ahead_of_the_host():
+    """Note [staged copies]: while the host works on tile i, tile i + 1 is already on its way down, into the other
+    slot; every tile arrives whole, and the two slots alternate."""
+    memory = DeviceMemory("cpu", separate=True)
+    ring = StagingRing(memory, tile=64)
+    device = torch.arange(5 * 64 - 10, dtype=torch.float32)
+    starts = list(range(0, device.numel(), 64))
+    watch, seen, slots = Copies(), [], []
+    with watch:
+        for start, slot, key in ring.tiles_down(device, 64):
+            issued = list(watch.sources)
+            seen.append(start)
+            slots.append(slot.data_ptr())
+            assert torch.equal(slot, device[start:start + 64])
+            following = starts[starts.index(start) + 1:]
+            if following:  # the next tile's copy was issued before the host got this one
+                assert device[following[0]:].data_ptr() in issued
+                assert device[following[1]:].data_ptr() not in issued if len(following) > 1 else True
+            ring.send_slot_up(device[start:start + slot.numel()], slot.mul_(2), key)
+    assert seen == starts
+    assert len(set(slots)) == 2 and all(a != b for a, b in zip(slots, slots[1:]))
+    assert torch.equal(device, torch.arange(5 * 64 - 10, dtype=torch.float32) * 2)
+    assert memory.requests[(DEVICE_TO_HOST, True, True)] == len(starts)

@@ -69,16 +69,17 @@ class TileStepper:
         beta1, beta2 = group["betas"]
         lr = group["lr"].item() if torch.is_tensor(group["lr"]) else group["lr"]
         step += 1  # once per update, as torch's fused Adam advances it before its kernel
-        flat = [t.view(-1) for t in (values, grad, exp_avg, exp_avg_sq)]
+        flat_v, flat = values.view(-1), [t.view(-1) for t in (grad, exp_avg, exp_avg_sq)]
         low = None if rounded is None else rounded[0].view(-1)
         crosses = self.memory.separate and values_tier is not Location.CPU
-        for start in range(0, values.numel(), self.tile):
-            n = min(self.tile, values.numel() - start)
-            v, g, m, s = (t.narrow(0, start, n) for t in flat)
-            if crosses:  # the values of the device, stepped here (in a slot of the ring) and sent back up
-                host_v, key = self._ring.bring_down(v)
-            else:
-                host_v = v
+        if crosses:  # the values of the device, stepped here (in slots of the ring, brought down a tile ahead)
+            tiles = self._ring.tiles_down(flat_v, self.tile)
+        else:
+            tiles = ((start, flat_v.narrow(0, start, min(self.tile, flat_v.numel() - start)), None)
+                     for start in range(0, flat_v.numel(), self.tile))
+        for start, host_v, key in tiles:
+            n = host_v.numel()
+            g, m, s = (t.narrow(0, start, n) for t in flat)
             if g.dtype == torch.float32:  # read where it is (a grad_scale writes the divided values back into it)
                 wide = g
             else:
@@ -87,8 +88,8 @@ class TileStepper:
             kernel([host_v], [wide], [m], [s], [], [step], amsgrad=False, lr=lr, beta1=beta1, beta2=beta2,
                    weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                    grad_scale=grad_scale)
-            if crosses:
-                self._ring.send_slot_up(v, host_v, key)
+            if crosses:  # and sent back up from its slot
+                self._ring.send_slot_up(flat_v.narrow(0, start, n), host_v, key)
             if low is not None:
                 self._round(low.narrow(0, start, n), rounded[1], host_v)
 
