@@ -7,7 +7,8 @@ copy from pageable memory holds the host thread until the device has the tile (C
 buffer of its own), so the next tile's update waits for the bus. Here each tile goes through one of `SLOTS`
 pinned host tiles: the host writes slot k, the copy up is issued non-blocking on the compute stream (where the
 parameters are read next, so nothing else needs ordering) and an event marks its end; the host waits for that
-event only when the ring comes back to slot k, having updated the tiles between meanwhile. A tile brought down
+event only when the ring comes back to slot k, having updated the tiles between meanwhile (a tensor another
+optimizer stepped whole on the host goes up the same way, a slot at a time). A tile brought down
 goes into its slot non-blocking, issued one tile ahead (while the host updates the tile before it; on one stream it
 follows that slot's last copy up, so the host does not wait to reuse the slot), and the host waits for it only
 before reading it. A reduced gradient shard goes down
@@ -19,7 +20,8 @@ memory]) the device is host memory: a converted tile is written into the device 
 standing for a DMA, which takes no host core. Every copy is recorded in `DeviceMemory.requests` by direction,
 whether its host memory is pinned (or asked to be, where nothing can be: a CPU-only torch) and whether it was
 issued non-blocking: the recording seam tests read. Where the copies cannot overlap: the first tile brought down
-is waited for at once; and with `step_in_backward` each shard is stepped as it goes down, so the step waits for
+is waited for at once; fp32 values of the device that an optimizer other than torch's fused Adam steps come down
+whole (`DeviceMemory.down`); and with `step_in_backward` each shard is stepped as it goes down, so the step waits for
 that copy.
 """
 
@@ -74,6 +76,13 @@ class StagingRing:
         slot.copy_(values.view(-1))
         device_tensor.view(-1).copy_(slot, non_blocking=self._cuda)
         self._issued(device_tensor.dtype, k)
+
+    def send_all_up(self, device_tensor: torch.Tensor, values: torch.Tensor) -> None:
+        """send_up of a whole tensor (any size; `values` of the same shape), a slot at a time."""
+        flat, source = device_tensor.view(-1), values.reshape(-1)
+        for start in range(0, flat.numel(), self.tile):
+            n = min(self.tile, flat.numel() - start)
+            self.send_up(flat.narrow(0, start, n), source.narrow(0, start, n))
 
     def bring_down_ahead(self, device_tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Issues the copy of the flat `device_tensor` into the next slot of its dtype, non-blocking; returns the slot

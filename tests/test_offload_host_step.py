@@ -145,16 +145,21 @@ def test_the_norm_taken_as_shards_go_down_equals_the_one_read_back(monkeypatch, 
         engine.close()
 
 
-@pytest.mark.parametrize("precision,stage", [("bf16", 2), ("fp32", 2), ("fp16", 3)])
-def test_the_steps_copies_across_the_bus_are_non_blocking_from_pinned_memory(monkeypatch, precision, stage):
+@pytest.mark.parametrize("precision,stage,per_tensor", [("bf16", 2, False), ("fp32", 2, False), ("fp16", 3, False),
+                                                        ("bf16", 2, True)])
+def test_the_steps_copies_across_the_bus_are_non_blocking_from_pinned_memory(monkeypatch, precision, stage,
+                                                                              per_tensor):
     """Note [staged copies], through the recording seam: every copy backward and the step make across the bus is
     issued non-blocking from pinned host memory (what a GPU is asked for; a CPU-only torch has none to pin), and the
     bytes are what they move: the reduced gradient shards down as backward retires them; in the step, the rounded
-    16-bit values up, or fp32 values of the device down and back up."""
+    16-bit values up, or fp32 values of the device down and back up. per_tensor: torch's single-tensor AdamW
+    (`torch_adam`), stepped a whole tensor at a time, not in tiles."""
     monkeypatch.setenv(SEPARATE_ENV, "1")
     cfg = _config(precision, offload=True)
     cfg["zero_optimization"]["stage"] = stage
+    cfg["optimizer"]["params"]["torch_adam"] = per_tensor
     engine = initialize(_gpt(), cfg)
+    assert all(info["tiled"] != per_tensor for *_, info in engine.optimizer._items)
     memory = engine.optimizer.manager.memory
     _train(engine, steps=1)
     x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(2))

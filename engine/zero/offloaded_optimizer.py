@@ -166,11 +166,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             with scaled_by(opt, factors):
                 opt.step()
             with torch.no_grad():
-                if values is None and target is not p:  # the updated tensor goes back up
-                    memory.up(p, target)
+                if values is None and target is not p:  # the updated tensor goes back up (Note [staged copies])
+                    self.manager.staging.send_all_up(p, target)
                 if self._round_into is not None:  # Note [offloaded master weights]
                     with self._round_into(index) as (low, low_tier):
-                        memory.copy(low, low_tier, target, where)
+                        if memory.separate and low_tier is Location.DEVICE and where is Location.CPU:
+                            self.manager.staging.send_all_up(low, target)  # Note [staged copies]
+                        else:
+                            memory.copy(low, low_tier, target, where)
         finally:
             state = opt.state.get(target, {})
             for name in info["names"]:
