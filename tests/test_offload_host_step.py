@@ -208,6 +208,39 @@ def test_micro_batch_gradients_added_on_the_host_come_down_through_pinned_tiles(
         e.close()
 
 
+def test_micro_batch_gradients_accumulate_on_the_device_where_its_budget_holds_them(monkeypatch):
+    """With a device_budget that holds the gradient shards but not their optimizer states (Note [device tier]),
+    once the first step has traced the chunks' use, the micro-batches add into the shards on the device and each
+    shard goes down once per step, to be stepped on the host with its states; the result equals the run without
+    offload."""
+    monkeypatch.setenv(SEPARATE_ENV, "1")
+    engines = []
+    for offload in (False, True):
+        cfg = _config("bf16", offload=offload)
+        cfg["gradient_accumulation_steps"] = 3
+        if offload:
+            cfg["memory"] = {"device_budget": "8MB"}
+        engines.append(initialize(_gpt(), cfg))
+    reference, engine = engines
+    manager = engine.optimizer.manager
+    stepped = sum(p.numel() for _, p, _, _ in engine.optimizer._items)
+    assert 2 * stepped < 8_000_000 < 12 * stepped  # the bf16 gradient shards fit, their fp32 states do not
+    g = torch.Generator().manual_seed(3)
+    for step in range(3):
+        bus, moved = manager.memory.bus.device_to_host, manager.stats.moved_bytes["device->cpu"]
+        for _ in range(3):
+            x = torch.randint(0, 256, (2, 8), generator=g)
+            for e in engines:
+                e.backward(e(x, x))
+                e.step()
+        if step > 0:
+            assert manager.memory.bus.device_to_host == bus  # no micro-batch's shard went down on its own
+            assert manager.stats.moved_bytes["device->cpu"] - moved == 2 * stepped  # each shard once, to be stepped
+    assert_params_close(trained_params(engine), trained_params(reference))
+    for e in engines:
+        e.close()
+
+
 class Copies(TorchDispatchMode):
     """Records the source address of every copy_."""
 
