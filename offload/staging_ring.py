@@ -2,27 +2,26 @@
 
 Note [staged copies]
 The host step (Note [the host step in tiles]) sends every updated tile up: the 16-bit parameter rounded from its
-fp32 master, or fp32 values of the device stepped on the host, which came down tile by tile first. A blocking
-copy from pageable memory holds the host thread until the device has the tile (CUDA stages it through a bounce
-buffer of its own), so the next tile's update waits for the bus. Here each tile goes through one of `SLOTS`
-pinned host tiles: the host writes slot k, the copy up is issued non-blocking on the compute stream (where the
-parameters are read next, so nothing else needs ordering) and an event marks its end; the host waits for that
-event only when the ring comes back to slot k, having updated the tiles between meanwhile (a tensor another
-optimizer stepped whole on the host goes up the same way, a slot at a time). A tile brought down
-goes into its slot non-blocking, issued one tile ahead (while the host updates the tile before it; on one stream it
-follows that slot's last copy up, so the host does not wait to reuse the slot), and the host waits for it only
-before reading it. A reduced gradient shard goes down
-the same way as backward retires it (`DeviceMemory.down_async`, straight into its chunk's pinned host buffer): the
-copy is the chunk's transfer in flight (`ChunkManager.pending_write`), so the step's access of the shard, or a
-move or free of it, waits for it, and the host goes on with backward meanwhile; a micro-batch's shard added to
-what is held on the host (not at the boundary) comes down a slot at a time. On the seam (Note [separate device
-memory]) the device is host memory: a converted tile is written into the device tensor directly, the copy up
-standing for a DMA, which takes no host core. Every copy is recorded in `DeviceMemory.requests` by direction,
-whether its host memory is pinned (or asked to be, where nothing can be: a CPU-only torch) and whether it was
-issued non-blocking: the recording seam tests read. Where the copies cannot overlap: the first tile brought down
-is waited for at once; fp32 values of the device that an optimizer other than torch's fused Adam steps come down
-whole (`DeviceMemory.down`); and with `step_in_backward` each shard is stepped as it goes down, so the step waits for
-that copy.
+fp32 master, or fp32 values of the device stepped on the host, which came down tile by tile first. A blocking copy
+from pageable memory holds the host thread until the device has the tile (CUDA stages it through a bounce buffer of
+its own), so the next tile's update waits for the bus. Here each tile goes through one of `SLOTS` pinned host tiles:
+the host writes slot k, the copy up is issued non-blocking on the compute stream (where the parameters are read
+next, so nothing else needs ordering) and an event marks its end; the host waits for that event only when the ring
+comes back to slot k, having updated the tiles between meanwhile (a tensor another optimizer stepped whole on the
+host goes up the same way, a slot at a time). A tile brought down goes into its slot non-blocking, issued one tile
+ahead (while the host updates the tile before it; on one stream it follows that slot's last copy up, so the host
+does not wait to reuse the slot), and the host waits for it only before reading it. A reduced gradient shard goes
+down the same way as backward retires it (`DeviceMemory.down_async`, straight into its chunk's pinned host buffer):
+the copy is the chunk's transfer in flight (`ChunkManager.pending_write`), so the step's access of the shard, or a
+move or free of it, waits for it, and the host goes on with backward meanwhile; a micro-batch's shard added to what
+is held on the host (not at the boundary) comes down a slot at a time. On the seam (Note [separate device memory])
+the device is host memory: a converted tile is written into the device tensor directly, the copy up standing for a
+DMA, which takes no host core. Every copy is recorded in `DeviceMemory.requests` by direction, whether its host
+memory is pinned (or asked to be, where nothing can be: a CPU-only torch) and whether it was issued non-blocking:
+the recording seam tests read. Where the copies cannot overlap: the first tile brought down is waited for at once;
+fp32 values of the device that an optimizer other than torch's fused Adam steps come down whole
+(`DeviceMemory.down`); and with `step_in_backward` each shard is stepped as it goes down, so the step waits for that
+copy.
 """
 
 from __future__ import annotations
