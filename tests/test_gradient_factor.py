@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import initialize
 from engine.models.gpt import GPT, GPTConfig
-from engine.zero.gradient_factor import kernel_grad_scale, scaled_by
+from engine.zero.gradient_factor import folds_factors, kernel_grad_scale, scaled_by
 from offload.device_memory import SEPARATE_ENV
 from tests.reference import assert_close_relative, assert_params_close, param_snapshot, trained_params
 from tests.test_mixed_precision import LOSS_RTOL
@@ -125,3 +125,79 @@ def test_an_optimizer_already_carrying_a_grad_scale_is_refused_unchanged():
     with scaled_by(opt, (0.5,)):
         assert opt.grad_scale.item() == 2.0
     assert not hasattr(opt, "grad_scale")
+
+
+def test_an_infinite_norm_clips_by_zero_as_the_multiplication_does():
+    """bf16 / fp32 take the step whatever the norm (as DeepSpeed does): an infinite gradient element clips every
+    gradient by 0, so finite ones step as 0 and the infinite one as NaN, the same as multiplying by the factor."""
+    assert kernel_grad_scale([0.0]).item() == float("inf")
+    batches = _batches(1)
+    out = []
+    for torch_adam in (False, True):
+        cfg = _config(2, "fp32", offload=False)
+        cfg["optimizer"]["params"]["torch_adam"] = torch_adam
+        engine = initialize(_gpt(), cfg)
+        x = batches[0]
+        engine.backward(engine(x, x))
+        first = next(p for p in engine.module.parameters() if p.grad is not None and p.grad.dim() == 2)
+        first.grad[0, 0] = float("inf")
+        engine.step()
+        assert engine.skipped_steps == 0 and engine.get_global_grad_norm() == float("inf")
+        out.append(trained_params(engine))
+        engine.close()
+    folded, multiplied = out
+    assert any(t.isnan().any() for t in folded.values())
+    for name, value in multiplied.items():
+        torch.testing.assert_close(folded[name], value, rtol=1e-5, atol=1e-6, equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_client_fused_adamw_whose_first_group_is_frozen_takes_the_factor(precision):
+    """A first param group whose parameters are all frozen (a frozen embedding, LoRA) is empty where the engine
+    steps fp32 masters (bf16): the factor still reaches the other groups, and training matches the same client
+    AdamW unfused (gradients multiplied first), and in fp32 plain PyTorch."""
+    batches = _batches(3)
+
+    def optimizer(model, fused: bool):
+        embedding = [model.wte.weight, model.wpe.weight]
+        for p in embedding:
+            p.requires_grad_(False)
+        rest = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW([{"params": embedding}, {"params": rest}], **ADAMW,
+                                 **({"fused": True} if fused else {"foreach": False}))
+
+    cfg = {k: v for k, v in _config(2, precision, offload=False).items() if k != "optimizer"}
+    runs = []
+    for fused in (True, False):
+        model = _gpt()
+        engine = initialize(model, cfg, optimizer=optimizer(model, fused))
+        watch = ScalingPasses()
+        runs.append((_train(engine, batches, watch), trained_params(engine), watch.seen))
+        engine.close()
+    (losses, params, seen), (unfused_losses, unfused_params, unfused_seen) = runs
+    assert seen == [] and unfused_seen
+    rtol = 1e-5 if precision == "fp32" else LOSS_RTOL[torch.bfloat16]
+    assert_close_relative(losses, unfused_losses, rtol=rtol)
+    if precision == "bf16":
+        return
+    assert_params_close(params, unfused_params)
+    reference = _gpt()
+    opt = optimizer(reference, fused=True)
+    expected = []
+    for x in batches:
+        loss = reference(x, x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.requires_grad], 0.05)
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    assert_close_relative(losses, expected)
+    assert_params_close(params, param_snapshot(reference))
+
+
+def test_groups_that_are_not_all_fused_are_multiplied_first():
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    mixed = torch.optim.AdamW([{"params": [a]}, {"params": [b], "fused": False}], fused=True)
+    assert not folds_factors(mixed)
+    assert folds_factors(torch.optim.AdamW([a, b], fused=True))
+    assert not folds_factors(torch.optim.AdamW([a.detach().bfloat16().requires_grad_()], fused=True))

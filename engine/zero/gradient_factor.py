@@ -26,10 +26,10 @@ FUSED_ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def plain_fused_adam(opt: torch.optim.Optimizer) -> bool:
-    """torch's Adam / AdamW with fused=True and no amsgrad, nor differentiable steps."""
-    group = opt.param_groups[0] if opt.param_groups else {}
-    return type(opt) in FUSED_ADAM and bool(group.get("fused")) and not group.get("amsgrad") \
-        and not group.get("differentiable")
+    """torch's Adam / AdamW with fused=True and no amsgrad, nor differentiable steps, in every group."""
+    groups = opt.param_groups or [opt.defaults]
+    return type(opt) in FUSED_ADAM and all(bool(g.get("fused")) and not g.get("amsgrad")
+                                           and not g.get("differentiable") for g in groups)
 
 
 def folds_factors(opt: torch.optim.Optimizer) -> bool:
@@ -38,12 +38,14 @@ def folds_factors(opt: torch.optim.Optimizer) -> bool:
     return plain_fused_adam(opt) and all(p.dtype == torch.float32 for g in opt.param_groups for p in g["params"])
 
 
-def kernel_grad_scale(factors: Sequence[float], device: torch.device | str = "cpu") -> torch.Tensor | None:
-    """What the fused kernel divides the gradients by to multiply them by `factors`; None for no scaling."""
+def kernel_grad_scale(factors: Sequence[float]) -> torch.Tensor | None:
+    """What the fused kernel divides the gradients by to multiply them by `factors` (on the CPU: torch's Adam moves
+    it beside each device's tensors); None for no scaling. A factor of 0 (clipping by an infinite norm, which bf16
+    and fp32 do not skip) is a scale of inf: finite gradients become 0 and infinite ones NaN, as multiplied."""
     product = math.prod(f for f in factors if f != 1.0)
     if product == 1.0:
         return None
-    return torch.tensor(1.0 / product, dtype=torch.float32, device=device)
+    return torch.tensor(1.0 / product if product != 0.0 else math.inf, dtype=torch.float32)
 
 
 @contextlib.contextmanager
@@ -57,7 +59,6 @@ def scaled_by(opt: torch.optim.Optimizer, factors: Sequence[float]) -> Iterator[
     if getattr(opt, "grad_scale", None) is not None:
         raise RuntimeError("the optimizer already carries a grad_scale (set by torch's GradScaler?), and the engine "
                            "unscales and clips the gradients itself: step it through engine.step() only")
-    scale = scale.to(opt.param_groups[0]["params"][0].device)
     opt.grad_scale = scale
     try:
         yield

@@ -198,6 +198,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             state["step"] = state["step"].cpu()  # the host kernel wants it beside the tensors
         accessed: list[int] = []
         try:
+            # read-only: dropped once stepped, never written back (a grad_scale's kernel writes the divided fp32
+            # values into it: Note [one gradient factor])
             (grad,) = self.manager.access(grad_chunk, Location.CPU, writes=False)
             accessed.append(grad_chunk)
             exp_avg, exp_avg_sq = self.manager.access(chunk, Location.CPU)
