@@ -38,6 +38,16 @@ def folds_factors(opt: torch.optim.Optimizer) -> bool:
     return plain_fused_adam(opt) and all(p.dtype == torch.float32 for g in opt.param_groups for p in g["params"])
 
 
+def factored_norms(opt: torch.optim.Optimizer, chunked, staged_factor: float):
+    """Where `opt` takes the factors of gradients held in memory by `chunked` (a ChunkedParams) as one grad_scale,
+    what measures their norms given the unscaling (their 16-bit sources' for fp32 masters); None where the
+    gradients are multiplied before the step (gradients the chunk manager holds, a staged factor, another
+    optimizer)."""
+    if chunked.grads_managed or staged_factor != 1.0 or not folds_factors(opt):
+        return None
+    return chunked.master_grad_norms if chunked.has_masters else chunked.in_memory_grad_norms
+
+
 def kernel_grad_scale(factors: Sequence[float]) -> torch.Tensor | None:
     """What the fused kernel divides the gradients by to multiply them by `factors` (on the CPU: torch's Adam moves
     it beside each device's tensors); None for no scaling. A factor of 0 (clipping by an infinite norm, which bf16

@@ -38,7 +38,7 @@ from engine.zero.device_bytes import device_state_bytes
 from engine.zero.fused_tiles import MastersFromSources
 from engine.zero.grad_clip import GradientClipper, GradStats
 from engine.zero.grad_sync import GradReducer
-from engine.zero.gradient_factor import folds_factors, scaled_by
+from engine.zero.gradient_factor import factored_norms, scaled_by
 from engine.zero.hooks import ZeroHooks
 from engine.zero.param_gather import ParamGatherer
 from engine.zero.training_phase import LEGAL_MOVES, TrainingPhase
@@ -339,19 +339,11 @@ class ZeroRuntime:
                 staged_factor = float(self.topology.dp_world_size)
                 torch._foreach_mul_(chunked.grad_shards(), staged_factor)
             stepped_early = chunked.grads_managed and self.optimizer.stepped_early  # Note [stepping in backward]
+            # where the optimizer applies the factors as it steps, what measures the norms (GradientClipper.prepare)
+            factored = chunked.master_grad_norms if self.masters_from_sources \
+                else factored_norms(self.optimizer, chunked, staged_factor)  # Note [one gradient factor]
             return self.clipper.prepare(loss_scale, self._early_square if stepped_early else None, staged_factor,
-                                        self._factored_norms(staged_factor))
-
-    def _factored_norms(self, staged_factor: float):
-        """Where the optimizer applies the gradient factors as it steps gradients held in memory, what measures
-        their norms (see GradientClipper.prepare); None where the gradients are multiplied before the step."""
-        chunked = self.chunked
-        if self.masters_from_sources:  # Note [the host step in tiles]
-            return chunked.master_grad_norms
-        if chunked.grads_managed or staged_factor != 1.0 or not folds_factors(self.optimizer):
-            return None
-        # Note [one gradient factor]: torch's fused Adam divides by the factors' grad_scale as it reads
-        return chunked.master_grad_norms if chunked.has_masters else chunked.in_memory_grad_norms
+                                        factored)
 
     def update(self, grads: GradStats) -> None:
         """The optimizer steps; the model's chunks take the new values on every rank."""
