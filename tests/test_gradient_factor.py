@@ -11,7 +11,13 @@ from engine import initialize
 from engine.models.gpt import GPT, GPTConfig
 from engine.zero.gradient_factor import folds_factors, kernel_grad_scale, scaled_by
 from offload.device_memory import SEPARATE_ENV
-from tests.reference import assert_close_relative, assert_params_close, param_snapshot, trained_params
+from tests.reference import (
+    assert_close_relative,
+    assert_params_close,
+    param_snapshot,
+    train_reference,
+    trained_params,
+)
 from tests.test_mixed_precision import LOSS_RTOL
 
 LARGE = 1 << 16  # elements: a multiplication over this many is a pass over gradients, not over scalars
@@ -91,15 +97,8 @@ def test_the_step_multiplies_no_gradient_and_clips_as_plain_pytorch(monkeypatch,
     if precision == "fp32":
         assert_params_close(trained_params(engine), trained_params(multiplied))
         reference = _gpt()
-        opt = torch.optim.AdamW(reference.parameters(), **ADAMW, fused=True)
-        expected = []
-        for x in batches:
-            loss = reference(x, x)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
-            opt.step()
-            opt.zero_grad()
-            expected.append(loss.item())
+        expected, _ = train_reference(reference, batches, lambda params: torch.optim.AdamW(params, **ADAMW, fused=True),
+                                      clip=0.05)
         assert_close_relative(losses, expected)
         assert_params_close(trained_params(engine), param_snapshot(reference))
     engine.close()
@@ -182,15 +181,7 @@ def test_a_client_fused_adamw_whose_first_group_is_frozen_takes_the_factor(preci
         return
     assert_params_close(params, unfused_params)
     reference = _gpt()
-    opt = optimizer(reference, fused=True)
-    expected = []
-    for x in batches:
-        loss = reference(x, x)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.requires_grad], 0.05)
-        opt.step()
-        opt.zero_grad()
-        expected.append(loss.item())
+    expected, _ = train_reference(reference, batches, lambda _: optimizer(reference, fused=True), clip=0.05)
     assert_close_relative(losses, expected)
     assert_params_close(params, param_snapshot(reference))
 
