@@ -212,8 +212,6 @@ def _layer_major_checks(cfg: Config) -> list[tuple[bool, str, object, str]]:
          "or remove layer_major"),
         (bool(others), key, True, f"running micro-batches block by block with {' or '.join(others)} parallelism is "
          "not built yet; remove layer_major"),
-        (zero.offload_optimizer.step_in_backward, key, True, "with offload_optimizer.step_in_backward is not built "
-         "yet; remove one of them"),
     ]
 
 

@@ -36,6 +36,8 @@ block instead, and reads each chunk twice per step:
 The loss train_batch returns is the mean of the micro-batches' losses, averaged over the data-parallel ranks.
 Refused where micro-batches arrive one at a time (the engine's forward with gradients, backward and step; HF
 Trainer and Lightning make those calls), and not built yet with tensor, sequence, expert or pipeline parallelism.
+With offload_optimizer.step_in_backward each chunk's shard is stepped in that one backward (Note [stepping in
+backward]).
 """
 
 from __future__ import annotations

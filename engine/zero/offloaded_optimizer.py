@@ -27,6 +27,11 @@ it is reduced: no clipping by the global norm, no loss-scale overflow check (fp3
 second backward before engine.step(); initialize and backward refuse those. The global norm, when
 TensorBoard logs it, is summed shard by shard as they are stepped. A backward that fails half-way
 leaves the model partly updated: it raises saying so (restore from a checkpoint).
+Every state layout steps a shard as the step after backward does (bf16 masters, bf16 states, the keyed
+stochastic rounding, whose bits depend on the element and the step only, block-wise 8- and 4-bit states),
+so the weights are equal bit for bit. Under layer-major accumulation (Note [layer-major accumulation]) the one
+autograd call over the step's micro-batches gives each parameter one final gradient, after every node that
+reads its value has run, so its shard is stepped as soon as it is reduced there too.
 """
 
 from __future__ import annotations
