@@ -273,6 +273,25 @@ def _check_pipeline_run(cfg: Config, topology: Topology, built_under_zero_init: 
                           "stages'; use \"parameters\" or \"uniform\", or name the stages' first blocks")
 
 
+def check_packages(cfg: Config) -> None:
+    """The optional packages `cfg` trains with, imported now: a missing one is named at initialize, before anything
+    is built, not inside the first step (where step_in_backward would already have updated some shards)."""
+    from engine.optimizers.blockwise_states import import_torchao
+    from engine.optimizers.params import LOW_BIT_OPTIMIZERS
+    from engine.zero.int8_frozen import import_primitives
+
+    needs = []
+    if cfg.optimizer is not None and cfg.optimizer.type in LOW_BIT_OPTIMIZERS:
+        needs.append((f"optimizer.type: {json.dumps(cfg.optimizer.type)}", import_torchao))
+    if cfg.zero_optimization.quantize_frozen == "int8":
+        needs.append(('zero_optimization.quantize_frozen: "int8"', import_primitives))
+    for key, load in needs:
+        try:
+            load()
+        except ImportError as e:
+            raise ConfigError(f"{key} needs a package this environment lacks ({e.__cause__ or e}): {e}") from e
+
+
 def check_client_objects(cfg: Config, optimizer=None, lr_scheduler=None, model_parameters=None) -> None:
     """The optimizer, scheduler and parameters passed to initialize(), against the config's sections."""
     if optimizer is not None and cfg.optimizer is not None:

@@ -28,7 +28,7 @@ from engine.checkpoint import Saver
 from engine.checkpoint.training_state import TrainingState
 from engine.comm import Collectives, CommCounter, broadcast_from
 from engine.config import Config, load_config
-from engine.config_checks import OFFLOADED, check_client_objects, check_offload, check_run
+from engine.config_checks import OFFLOADED, check_client_objects, check_offload, check_packages, check_run
 from engine.engine import Engine, EngineParts
 from engine.features import (
     ExpertFeature,
@@ -122,6 +122,7 @@ def initialize(
     """
     cfg = load_config(config)
     check_client_objects(cfg, optimizer, lr_scheduler, model_parameters)
+    check_packages(cfg)
     if loss_fn is not None and not (cfg.pipeline.enabled or cfg.zero_optimization.offload_param.layer_major):
         raise ValueError("initialize(loss_fn=...) is the loss train_batch uses under a pipeline config (or "
                          "offload_param.layer_major), and this config has neither; compute the loss yourself and call "

@@ -7,11 +7,14 @@ gradients as stepping after backward, so the weights are equal bit for bit."""
 from __future__ import annotations
 
 import os
+import re
+import sys
 
 import pytest
 import torch
 
 from engine import initialize
+from engine.config import ConfigError
 from tests.distributed import results_by_case, run_cases, run_distributed
 from tests.reference import micro_batches, tiny_gpt, token_batches, trained_params
 
@@ -131,3 +134,22 @@ def test_two_ranks_step_in_backward_as_after_it(two_ranks, case):
     # every rank holds the same whole weights
     early = two_ranks[(*case, True)]
     assert all(torch.equal(early[0]["weights"][n], early[1]["weights"][n]) for n in early[0]["weights"])
+
+
+@pytest.mark.parametrize("layout,quantize_frozen,named", [
+    ("8-bit", "none", "optimizer.type: \"AdamW8bit\""), ("4-bit", "none", "optimizer.type: \"AdamW4bit\""),
+    ("fp32 masters", "int8", "quantize_frozen: \"int8\"")])
+def test_a_missing_torchao_is_named_at_initialize(layout, quantize_frozen, named, monkeypatch, tmp_path):
+    """Without torchao (every torchao module unimportable) initialize refuses a config that needs it, before it
+    builds anything: no chunk is made, the model keeps its parameters."""
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")] + ["torchao"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    cfg = layout_config(layout, "nvme", str(tmp_path), early=True)
+    cfg["zero_optimization"]["quantize_frozen"] = quantize_frozen
+    model = tiny_gpt()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ConfigError, match=f"{re.escape(named)} needs a package this environment lacks") as e:
+        initialize(model, cfg)
+    assert "No module named 'torchao" in str(e.value) and "install" in str(e.value)
+    assert all(torch.equal(p, before[n]) and p.numel() > 0 for n, p in model.named_parameters())
+    assert not list(tmp_path.iterdir())  # no swap file was written

@@ -43,7 +43,7 @@ QMIN, QMAX = -128, 127
 ROW_BLOCK_ELEMENTS = 1 << 22  # rows quantized together: bounds the fp32 temporaries of one step (~16 B / element)
 
 
-def _primitives():
+def import_primitives():
     """torchao's affine quantization primitives, imported on first use (torchao is imported only by runs that
     quantize)."""
     try:
@@ -53,7 +53,7 @@ def _primitives():
             dequantize_affine,
             quantize_affine,
         )
-    except ImportError as error:  # pragma: no cover - depends on the environment
+    except ImportError as error:
         raise ImportError("zero_optimization.quantize_frozen: \"int8\" uses torchao's quantization primitives; "
                           "install it (pip install 'tiers[hf]' or pip install torchao), or set quantize_frozen "
                           "to \"none\"") from error
@@ -62,7 +62,7 @@ def _primitives():
 
 def row_scales(rows: torch.Tensor) -> torch.Tensor:
     """torchao's per-row symmetric int8 scales of a 2-D tensor, fp32, shape (rows, 1)."""
-    mapping, choose, _, _ = _primitives()
+    mapping, choose, _, _ = import_primitives()
     scale, _ = choose(rows, mapping.SYMMETRIC, (1, rows.shape[1]), torch.int8, QMIN, QMAX,
                       eps=torch.finfo(torch.float32).eps, scale_dtype=torch.float32, zero_point_dtype=torch.int8,
                       keepdim=True)
@@ -71,14 +71,14 @@ def row_scales(rows: torch.Tensor) -> torch.Tensor:
 
 def quantize_rows(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """int8 values of a 2-D tensor at the given per-row scales."""
-    _, _, quantize, _ = _primitives()
+    _, _, quantize, _ = import_primitives()
     zero = torch.zeros_like(scales, dtype=torch.int8)
     return quantize(rows, (1, rows.shape[1]), scales, zero, torch.int8, QMIN, QMAX)
 
 
 def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weights int8 rows stand for, in `dtype`."""
-    _, _, _, dequantize = _primitives()
+    _, _, _, dequantize = import_primitives()
     return dequantize(q, (1, q.shape[1]), scales, None, torch.int8, output_dtype=dtype)
 
 
