@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--config", required=True, help="JSON config (batch size, precision, optimizer, chunks)")
     est.add_argument("--tp", type=int, default=1, help="also estimate this tensor-parallel size (1 and the config's "
                      "always)")
-    est.add_argument("--nvme-space", default=None, help="NVMe bytes one rank may use")
+    est.add_argument("--nvme-space", default=None, help="disk bytes one rank's swap files may take at their peak")
     est.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                      help="the compute device (cpu: the device tier is host memory; default: cuda if present)")
     est.add_argument("--zero-init", action="store_true",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from engine.config_schema import ConfigError
 
@@ -273,19 +273,30 @@ def _check_pipeline_run(cfg: Config, topology: Topology, built_under_zero_init: 
                           "stages'; use \"parameters\" or \"uniform\", or name the stages' first blocks")
 
 
-def check_packages(cfg: Config) -> None:
-    """The optional packages `cfg` trains with, imported now: a missing one is named at initialize, before anything
-    is built, not inside the first step (where step_in_backward would already have updated some shards)."""
+def _optional_needs(cfg: Config) -> list[tuple[str, str, Callable[[], object]]]:
+    """(the key that needs it, the module, what imports it and names the install) per optional package `cfg` uses."""
     from engine.optimizers.blockwise_states import import_torchao
     from engine.optimizers.params import LOW_BIT_OPTIMIZERS
     from engine.zero.int8_frozen import import_primitives
 
     needs = []
     if cfg.optimizer is not None and cfg.optimizer.type in LOW_BIT_OPTIMIZERS:
-        needs.append((f"optimizer.type: {json.dumps(cfg.optimizer.type)}", import_torchao))
+        needs.append((f"optimizer.type: {json.dumps(cfg.optimizer.type)}", "torchao.optim", import_torchao))
     if cfg.zero_optimization.quantize_frozen == "int8":
-        needs.append(('zero_optimization.quantize_frozen: "int8"', import_primitives))
-    for key, load in needs:
+        needs.append(('zero_optimization.quantize_frozen: "int8"', "torchao.quantization.quant_primitives",
+                      import_primitives))
+    return needs
+
+
+def optional_packages(cfg: Config) -> tuple[str, ...]:
+    """The optional modules a run of `cfg` imports (the estimate's runtime probe imports them too)."""
+    return tuple(module for _, module, _ in _optional_needs(cfg))
+
+
+def check_packages(cfg: Config) -> None:
+    """The optional packages `cfg` trains with, imported now: a missing one is named at initialize, before anything
+    is built, not inside the first step (where step_in_backward would already have updated some shards)."""
+    for key, _, load in _optional_needs(cfg):
         try:
             load()
         except ImportError as e:

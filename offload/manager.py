@@ -344,6 +344,9 @@ class ChunkManager:
         s = self._stats
         s.resident_bytes = {loc.value: self.used_bytes(loc) for loc in _TIERS}
         s.trace_divergences = self.tracer.divergences
+        if self.store is not None:
+            disk = self.store.stats
+            s.disk_bytes, s.peak_disk_bytes = disk.disk_bytes, disk.peak_disk_bytes
         if self.tracer.trace is not None:
             s.peak_non_chunk_bytes = self.tracer.trace.peak_non_chunk_bytes
         return copy.deepcopy(s)

@@ -14,6 +14,15 @@ Files are padded to a multiple of `block_size` (zeros, or what lies past the ten
 Note [nvme direct io] in offload/direct_io.py, which also says which transfers copy through
 staging buffers); the true length is kept in memory with the checksum.
 
+Note [bytes on disk]
+`NvmeStats.disk_bytes` is the size of the store's files now: every key's file at its padded size, and
+while a write with keep_previous runs, its temporary file beside the key's old one (the disk holds both
+until the rename). It changes when a write starts (the file is created or grows), when a write ends
+(renamed over the old file, or truncated to its size), when a failed write's file is removed, and on
+remove/close; `peak_disk_bytes` is its maximum. It is what the filesystem is asked to hold, which a full
+disk refuses: not the payload bytes a tier holds (the manager's "nvme" resident bytes count a chunk's
+payload once, wherever its files are), nor the bytes moved.
+
 Note [nvme integrity]
 Every write records the payload's length and the XXH3-64 hash of the tensor's bytes (`checksum`, from
 the xxhash library), computed in the worker thread. XXH3-64 ran at ~13.5 GB/s here (9 ms per 128 MiB)
@@ -98,6 +107,8 @@ class NvmeStats:
     throttled_seconds: float = 0.0  # caller blocked in write()/read(): queue_depth requests in flight
     staged_transfers: int = 0  # transfers that copied through a staging buffer (Note [nvme direct io])
     staged_bytes: int = 0  # bytes those moved through staging (a whole read; an unaligned write's tail)
+    disk_bytes: int = 0  # Note [bytes on disk]: the store's files as they are now, temporary ones included
+    peak_disk_bytes: int = 0  # the most disk_bytes has been since the store opened
 
 
 @dataclass(frozen=True)
@@ -168,6 +179,7 @@ class NvmeStore:
         self._records: dict[str, _Record] = {}  # key -> its last complete write
         self._pending: dict[str, Future] = {}  # key -> its last operation issued
         self._failed: dict[str, str] = {}  # key -> why its last write failed (reads refuse the older file)
+        self._file_sizes: dict[str, int] = {}  # Note [bytes on disk]: each file the store made -> its size
         self._seq = itertools.count()
         self._stats = NvmeStats()
         self._closed = False
@@ -212,7 +224,9 @@ class NvmeStore:
         with self._lock:
             self._records.pop(key, None)
             self._pending.pop(key, None)
-            _unlink_quietly(self._names.pop(key))
+            path = self._names.pop(key)
+            _unlink_quietly(path)
+            self._sized(path, None)
 
     def keys(self) -> list[str]:
         """Keys with a complete swap file."""
@@ -237,6 +251,9 @@ class NvmeStore:
             self._closed = True
         self._executor.shutdown(wait=True)
         self._finalizer()
+        with self._lock:
+            for path in list(self._file_sizes):
+                self._sized(path, None)
 
     def __enter__(self) -> NvmeStore:
         return self
@@ -271,6 +288,14 @@ class NvmeStore:
         with self._lock:
             setattr(self._stats, field, getattr(self._stats, field) + value)
 
+    def _sized(self, path: str, size: int | None) -> None:
+        """Note [bytes on disk]: `path` now holds `size` bytes (None: it is gone); under the lock."""
+        stats = self._stats
+        stats.disk_bytes += (size or 0) - self._file_sizes.pop(path, 0)
+        if size is not None:
+            self._file_sizes[path] = size
+        stats.peak_disk_bytes = max(stats.peak_disk_bytes, stats.disk_bytes)
+
     def _check_open(self) -> None:
         if self._closed:
             raise SwapUsageError(f"the NVMe store at {self.path!r} is closed; create a new NvmeStore")
@@ -295,12 +320,19 @@ class NvmeStore:
                     pieces.append(as_buffer(tail))
                 digest = checksum(as_buffer(payload))
                 target = f"{path}.tmp{next(self._seq)}" if keep_previous else path
+                with self._lock:  # Note [bytes on disk]: an in-place write shrinks its file only at its end
+                    self._sized(target, max(padded, self._file_sizes.get(target, 0)))
                 try:
                     self._files.transfer(target, pieces, write=True)
                     if keep_previous:
                         os.replace(target, path)
+                    with self._lock:
+                        self._sized(target, None)
+                        self._sized(path, padded)
                 except OSError as e:
                     _unlink_quietly(target)  # a partial file: its space may be what the next write needs
+                    with self._lock:
+                        self._sized(target, None)
                     error = self._write_error(key, target if keep_previous else None, padded, e)
                     with self._lock:
                         self._failed[key] = str(error)

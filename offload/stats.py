@@ -19,6 +19,8 @@ class ManagerStats:
     prefetch_hits: accesses that found their chunk brought (or being brought) by a prefetch;
     prefetch_misses: accesses that had to start a transfer themselves.
     blocking_waits / io_wait_seconds: accesses that waited for a transfer still in flight, and how long.
+    disk_bytes / peak_disk_bytes: the size of the swap files now and at most (Note [bytes on disk]), which the
+    "nvme" resident bytes are not: those count payloads whose only copy is on disk, once.
     """
 
     resident_bytes: dict[str, int] = field(default_factory=dict)
@@ -37,12 +39,15 @@ class ManagerStats:
     trace_divergences: int = 0
     failed_transfers: int = 0  # rolled back in the background (their error reached a later demand, if any)
     peak_non_chunk_bytes: int = 0
+    disk_bytes: int = 0
+    peak_disk_bytes: int = 0
 
     def as_scalars(self, prefix: str = "Offload/") -> dict[str, float]:
         """Flat name → value pairs (TensorBoard scalars)."""
         out = {f"{prefix}resident_bytes/{k}": v for k, v in self.resident_bytes.items()}
         out.update({f"{prefix}moved_bytes/{k}": v for k, v in self.moved_bytes.items()})
         for name in ("evictions", "clean_drops", "prefetches", "prefetch_hits", "prefetch_misses", "blocking_waits",
-                     "io_wait_seconds", "trace_divergences", "failed_transfers", "peak_non_chunk_bytes"):
+                     "io_wait_seconds", "trace_divergences", "failed_transfers", "peak_non_chunk_bytes", "disk_bytes",
+                     "peak_disk_bytes"):
             out[f"{prefix}{name}"] = getattr(self, name)
         return out

@@ -15,6 +15,7 @@ import torch
 
 from engine import initialize
 from engine.config import ConfigError
+from offload.manager import BudgetError
 from tests.distributed import results_by_case, run_cases, run_distributed
 from tests.reference import micro_batches, tiny_gpt, token_batches, trained_params
 
@@ -136,14 +137,27 @@ def test_two_ranks_step_in_backward_as_after_it(two_ranks, case):
     assert all(torch.equal(early[0]["weights"][n], early[1]["weights"][n]) for n in early[0]["weights"])
 
 
+class NotInstalled:
+    """An import-system finder for which package `name` is not installed (ModuleNotFoundError, as pip leaves it)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.name or fullname.startswith(self.name + "."):
+            raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
+        return None
+
+
 @pytest.mark.parametrize("layout,quantize_frozen,named", [
     ("8-bit", "none", "optimizer.type: \"AdamW8bit\""), ("4-bit", "none", "optimizer.type: \"AdamW4bit\""),
     ("fp32 masters", "int8", "quantize_frozen: \"int8\"")])
 def test_a_missing_torchao_is_named_at_initialize(layout, quantize_frozen, named, monkeypatch, tmp_path):
-    """Without torchao (every torchao module unimportable) initialize refuses a config that needs it, before it
-    builds anything: no chunk is made, the model keeps its parameters."""
-    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")] + ["torchao"]:
-        monkeypatch.setitem(sys.modules, name, None)
+    """Without torchao (not installed: its modules unloaded, and the import system finds none) initialize refuses
+    a config that needs it, before it builds anything: no chunk is made, the model keeps its parameters."""
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [NotInstalled("torchao"), *sys.meta_path])
     cfg = layout_config(layout, "nvme", str(tmp_path), early=True)
     cfg["zero_optimization"]["quantize_frozen"] = quantize_frozen
     model = tiny_gpt()
@@ -153,3 +167,24 @@ def test_a_missing_torchao_is_named_at_initialize(layout, quantize_frozen, named
     assert "No module named 'torchao" in str(e.value) and "install" in str(e.value)
     assert all(torch.equal(p, before[n]) and p.numel() > 0 for n, p in model.named_parameters())
     assert not list(tmp_path.iterdir())  # no swap file was written
+
+
+@pytest.mark.parametrize("layout", ["fp32 masters", "8-bit, bf16 masters, rounded"])
+def test_a_cpu_budget_below_one_steps_chunks_is_refused_at_initialize(layout, tmp_path):
+    """A CPU budget that cannot hold one stepped tensor's chunks at once (states, master, gradient and parameter
+    shards) would stop backward after some shards were stepped (the model partly updated): initialize refuses it,
+    naming the bytes that suffice; at exactly those bytes, with NVMe homes, it trains."""
+    cfg = layout_config(layout, "nvme", str(tmp_path), early=True)
+    cfg["memory"] = {"cpu_budget": 100_000}
+    with pytest.raises(BudgetError, match="memory.cpu_budget: .* cannot hold the chunks one step") as refused:
+        initialize(tiny_gpt(), cfg)
+    need = int(re.search(r"set memory.cpu_budget to at least (\d+)", str(refused.value)).group(1))
+    cfg["memory"] = {"cpu_budget": need}
+    engine = initialize(tiny_gpt(), cfg)
+    early = EarlySteps(engine)
+    for batch in token_batches(2, GLOBAL_BATCH):
+        for x in micro_batches(batch, 0, 1, ACCUMULATION):
+            engine.backward(engine(x, x))
+            engine.step()
+    assert early.count > 0 and engine.optimizer.manager.stats.nvme_written_bytes["optim"] > 0  # it paged
+    engine.close()

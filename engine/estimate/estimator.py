@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.config import Config, load_config
-from engine.config_checks import check_quantize_frozen
+from engine.config_checks import check_quantize_frozen, optional_packages
 from engine.config_schema import ConfigError
 from engine.estimate.activations import ActivationTrace, default_seq_len, trace_activations
 from engine.estimate.model_spec import build_model
@@ -63,7 +63,7 @@ class StrategyEstimate:
     build: int  # device bytes while the model is built whole and chunked (0 with zero_init)
     device_peak: int
     host_peak: int
-    nvme: int
+    disk_peak: int  # the swap files at the step's peak (Note [bytes on disk]); its budget is RankBudgets.nvme
     misfits: tuple[str, ...] = ()  # why it does not fit the budgets (empty: fits)
     largest_factor: float | None = None  # how many times this model's parameters fit (None: no budget given)
     pipeline: PipelineEstimate | None = None  # pipelined strategies: the bubble, in flight, the stage split
@@ -109,7 +109,7 @@ def estimate(factory: Callable[[], nn.Module], config: dict, world: int, tp_size
     meta = build_model(factory, "meta")
     seq_len = seq_len or default_seq_len(meta)
     result = Estimate(sum(p.numel() for p in meta.parameters()), world, 0, seq_len, compute_on_cpu, budgets)
-    runtime = runtime_host_bytes()
+    runtime = runtime_host_bytes(optional_packages(load_config(config)))
     traces: dict[tuple, StrategyTrace] = {}
     for strategy in strategies:
         cfg_dict = strategy.config(config, nvme_path)
@@ -269,14 +269,16 @@ def _combine(strategy: Strategy, config: dict, states: ModelStates, activations:
              compute_on_cpu: bool) -> StrategyEstimate:
     """Note [peak memory estimate]."""
     backward = activations + states.gathered_peak + states.grad_in_flight
-    training = states.tiers.device + max(backward, states.update_extra)
+    # with step_in_backward the update's transients are alive while backward's are
+    update = states.update_extra
+    training = states.tiers.device + (backward + update if states.updates_in_backward else max(backward, update))
     build = built + sum(c.nbytes for c in states.chunks) * 2 if built else 0  # no CPU-tier states exist yet
     device_peak = max(training, build)
     # on an accelerator the model is still built whole in host memory first (without zero_init)
     host_peak = runtime + (max(states.tiers.cpu + training, build) if compute_on_cpu else
                            max(states.tiers.cpu, built))
     return StrategyEstimate(strategy, config, states, activations, runtime, build, device_peak, host_peak,
-                            states.tiers.nvme)
+                            states.disk)
 
 
 def _judge(row: StrategyEstimate, budgets: RankBudgets, compute_on_cpu: bool) -> StrategyEstimate:
@@ -285,7 +287,7 @@ def _judge(row: StrategyEstimate, budgets: RankBudgets, compute_on_cpu: bool) ->
     activations = row.activations if row.device_peak > row.build else 0  # the build peak has none
     checks = [("device", row.device_peak, budgets.device, activations),
               ("cpu", row.host_peak, budgets.cpu, row.runtime + (activations if compute_on_cpu else 0)),
-              ("nvme", row.nvme, budgets.nvme, 0)]
+              ("nvme", row.disk_peak, budgets.nvme, 0)]
     misfits, factors = [], []
     for tier, need, budget, fixed in checks:
         if budget is None:

@@ -21,6 +21,11 @@ chunks even without offload_param. Transient buffers (a stage-2 gradient chunk w
 stage-3 gathered chunks with the int8 buffers their all-gathers fill, bf16 fp32 gradients at the
 update: all of them, or with managed gradient shards the one being stepped) are reported apart, as
 they add to the peak but not to the state at rest.
+The disk's peak (`disk`, Note [bytes on disk]) is one swap file per chunk of each kind homed on NVMe,
+padded to aio.block_size: parameter shards, optimizer states, fp32 masters, and the gradient shards
+when they wait for the step (a step after backward, or micro-batches accumulated before it). With
+step_in_backward and one micro-batch per step each gradient shard is stepped as it is reduced, so
+none is written. Chunks the CPU window holds may never be written: the peak is at most this.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 
 from engine.config import Config
 from engine.config_checks import OFFLOADED
+from engine.config_schema import ConfigError
 from engine.initialization import chunk_layout, persistence_threshold
 from engine.optim import build_optimizer, state_blocks
 from engine.optimizers.tiled_adam import TILE
@@ -38,6 +44,7 @@ from engine.precision import PrecisionPolicy
 from engine.zero.offload_policy import OffloadPolicy, nvme_window
 from engine.zero.policy import ChunkKind, ShardingPolicy
 from offload.chunk import Location, plan_slots
+from offload.direct_io import padded_size
 
 FP32 = 4
 
@@ -85,6 +92,8 @@ class ModelStates:
     update_extra: int  # bf16/fp16: fp32 gradients of the masters, alive during the update (transient)
     chunks: tuple[ChunkSpec, ...]  # trainable, then frozen
     frozen: int = 0  # of `param`: the frozen chunks' bytes (Note [frozen chunks]), int8 scales included
+    disk: int = 0  # the swap files' bytes at the step's peak (Note [bytes on disk])
+    updates_in_backward: bool = False  # step_in_backward: update_extra lives during backward
 
     def by_kind(self) -> dict[str, int]:
         return {"param": self.param, "grad": self.grad, "optim": self.optim}
@@ -197,6 +206,10 @@ def model_states(params: list[TrainableParam], config: Config, dp: int,
     largest_stepped = max(stepped(c) * (FP32 if masters else c.dtype.itemsize) for c in chunks)
     tiers = _placement(config, chunks + frozen_chunks, param, grad, states, master_bytes, shard_params, shard_grads,
                        masters, largest_stepped, scales)
+    files = {ChunkKind.PARAM: [held(c) for c in chunks + frozen_chunks if not c.persistent],
+             ChunkKind.OPTIM: [state_bytes(c) for c in chunks] + [stepped(c) * FP32 for c in chunks if masters],
+             ChunkKind.GRAD: [stepped(c) * c.dtype.itemsize for c in chunks]}
+    disk = _disk_bytes(config, _policy(config, shard_params, shard_grads, masters), files, dp)
     gathered = 0
     if shard_params:  # Note [gathering around modules]: up to the prefetch window plus the chunk in use
         released = [c for c in chunks + frozen_chunks if not c.persistent]
@@ -210,15 +223,36 @@ def model_states(params: list[TrainableParam], config: Config, dp: int,
     # fp32 gradients staged for every master; managed 16-bit shards are widened one stepped tensor at a time
     streamed = zero.offload_optimizer.device in OFFLOADED and shard_grads
     update_extra = (largest_stepped if streamed else sum(stepped(c) * FP32 for c in chunks)) if masters else 0
-    if bf16_masters:  # one tile's fp32 weights, gradients, moments and Adam's temporaries
-        update_extra = min(TILE, max(stepped(c) for c in chunks)) * FP32 * 6
+    if bf16_masters or blocks is not None:  # Tiers' tiled Adam: one tile's fp32 weights, gradients, moments and
+        # Adam's temporaries (block-wise moments are dequantized a tile at a time)
+        update_extra = max(update_extra, min(TILE, max(stepped(c) for c in chunks)) * FP32 * 6)
     return ModelStates(param, grad, states + master_bytes, tiers, gathered, in_flight, update_extra,
-                       tuple(chunks + frozen_chunks), frozen_bytes)
+                       tuple(chunks + frozen_chunks), frozen_bytes, disk,
+                       zero.offload_optimizer.step_in_backward)
+
+
+def _disk_bytes(config: Config, policy: OffloadPolicy, files: dict[ChunkKind, list[int]], dp: int) -> int:
+    """Note [estimating model states]: the swap files of the kinds homed on NVMe, one per chunk, padded."""
+    try:
+        accumulation = config.batch_sizes(dp).gradient_accumulation_steps
+    except ConfigError:  # batch sizes this estimate does not fix: assume gradients wait
+        accumulation = 2
+    grads_wait = not config.zero_optimization.offload_optimizer.step_in_backward or accumulation > 1
+    kinds = [k for k in files if policy.home(k) is Location.NVME and (k is not ChunkKind.GRAD or grads_wait)]
+    return sum(padded_size(n, config.aio.block_size) for k in kinds for n in files[k] if n)
 
 
 def _prefetch_numel(config: Config) -> int:
     size = config.zero_optimization.stage3_prefetch_bucket_size
     return 50_000_000 if size == "auto" else size
+
+
+def _policy(config: Config, shard_params: bool, shard_grads: bool, masters: bool) -> OffloadPolicy:
+    """Where each kind lives: parameters are offloaded only as stage-3 shards (Note [offloaded parameter shards])."""
+    policy = OffloadPolicy.from_config(config, grads_sharded=shard_grads, masters=masters)
+    if not shard_params:
+        policy = OffloadPolicy({k: v for k, v in policy.homes.items() if k is not ChunkKind.PARAM})
+    return policy
 
 
 def _placement(config: Config, chunks: list[ChunkSpec], param: int, grad: int, states: int, master_bytes: int,
@@ -227,9 +261,7 @@ def _placement(config: Config, chunks: list[ChunkSpec], param: int, grad: int, s
     scales, on the device wherever their shards live. On a machine without an accelerator the device tier is CPU
     memory too, but it is still reported as the device tier."""
     configured = OffloadPolicy.from_config(config, grads_sharded=shard_grads, masters=masters)
-    policy = configured  # parameters are offloaded only as stage-3 shards (Note [offloaded parameter shards])
-    if not shard_params:
-        policy = OffloadPolicy({k: v for k, v in configured.homes.items() if k is not ChunkKind.PARAM})
+    policy = _policy(config, shard_params, shard_grads, masters)
     optimizer_home = policy.home(ChunkKind.OPTIM)
     if optimizer_home is None:
         return Tiers(device=param + grad + states + master_bytes)

@@ -63,14 +63,14 @@ def format_estimate(est: Estimate) -> str:
     """A markdown table of every strategy's per-rank bytes, then which strategies fit and the largest model."""
     device = "device (CPU)" if est.compute_on_cpu else "device"
     pipelined = any(r.pipeline is not None for r in est.rows)
-    headers = ["strategy", "param", "grad", "optim", f"{device} states", "cpu states", "nvme", "activations",
+    headers = ["strategy", "param", "grad", "optim", f"{device} states", "cpu states", "disk peak", "activations",
                f"{device} peak", "host peak", "fits", "largest model"] + (["bubble"] if pipelined else [])
     rows = []
     for r in est.rows:
         largest = est.largest_params(r)
         rows.append([r.strategy.name, human_bytes(r.states.param), human_bytes(r.states.grad),
                      human_bytes(r.states.optim), human_bytes(r.states.tiers.device), human_bytes(r.states.tiers.cpu),
-                     human_bytes(r.nvme), human_bytes(r.activations), human_bytes(r.device_peak),
+                     human_bytes(r.disk_peak), human_bytes(r.activations), human_bytes(r.device_peak),
                      human_bytes(r.host_peak), "yes" if r.fits else "no: " + "; ".join(r.misfits),
                      "—" if largest is None else human_count(largest)]
                     + ([bubble_cell(r.pipeline)] if pipelined else []))

@@ -35,6 +35,7 @@ class TrialResult:
     peak_rss: int  # max over ranks
     device_peak: int | None  # CUDA: max over ranks of max_memory_allocated; None on CPU
     managed_cpu_peak: int  # bytes the offload manager held in CPU memory at its peak (0 without offload)
+    disk_peak: int = 0  # max over ranks of the swap files' peak bytes (Note [bytes on disk]; 0 without NVMe)
 
 
 class TrialError(RuntimeError):
@@ -81,7 +82,8 @@ def run_trial(factory: Callable[[], nn.Module], config: dict, world: int, seq_le
     step_s = statistics.median(max(step) for step in zip(*(r["times"] for r in reports)))
     device = [r["device_peak"] for r in reports]
     return TrialResult(step_s, max(r["peak_rss"] for r in reports),
-                       None if device[0] is None else max(device), max(r["managed_cpu"] for r in reports))
+                       None if device[0] is None else max(device), max(r["managed_cpu"] for r in reports),
+                       max(r["disk_peak"] for r in reports))
 
 
 def _rank_main(rank, world, port, factory, config, seq_len, steps, warmup, results) -> None:
@@ -130,10 +132,12 @@ def _train(rank, world, port, factory, config, seq_len, steps, warmup) -> dict:
         if step >= warmup:
             times.append(time.perf_counter() - start)
     manager = getattr(engine.optimizer, "manager", None)
-    managed_cpu = manager.stats.peak_bytes.get("cpu", 0) if manager is not None else 0
+    stats = manager.stats if manager is not None else None
+    managed_cpu = stats.peak_bytes.get("cpu", 0) if stats is not None else 0
     device_peak = torch.cuda.max_memory_allocated() if engine.device.type == "cuda" else None
     engine.close()
-    return {"times": times, "peak_rss": peak_rss_bytes(), "device_peak": device_peak, "managed_cpu": managed_cpu}
+    return {"times": times, "peak_rss": peak_rss_bytes(), "device_peak": device_peak, "managed_cpu": managed_cpu,
+            "disk_peak": stats.peak_disk_bytes if stats is not None else 0}
 
 
 def _with_swap_directories(config: dict, world: int, cleanup: contextlib.ExitStack) -> list[dict]:

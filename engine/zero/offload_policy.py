@@ -28,7 +28,8 @@ NVMe, when parameter shards need the room. device_budget caps the bytes of chunk
 them, at every moment of the step, at the device's capacity less `memory.device_margin` (default 5%) less the
 non-chunk memory the traced step measured at that moment (Note [measured placement]), and under device_budget
 too when both are set. On a CPU-only machine either makes the device tier memory of its own, accounted apart
-(the CPU seam). A budget no chunk fits in is refused at start-up, naming the value to set.
+(the CPU seam). A budget no chunk fits in is refused at start-up, naming the value to set; so is a CPU budget,
+with NVMe homes, below the chunks one stepped tensor uses together.
 
 Note [offload ratio]
 DeepSpeed's `offload_optimizer.ratio` (stage 3 only, as there) is the share of the optimizer states offloaded
@@ -135,6 +136,8 @@ def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch
     optimizer = OffloadedOptimizer(lambda g: build_optimizer(cfg.optimizer, g, tiled=tiled), groups,
                                    manager, homes, param_chunks, chunked.stepped_grad_chunks(), round_into)
     _check_device_budget(manager, device_budget)
+    if user_budget is not None and on_nvme:
+        _check_cpu_budget(manager, user_budget)
     if user_budget is None and on_nvme and on_cpu:  # one kind homed on CPU, the other streamed from NVMe
         manager.budgets = Budgets(device=device_budget, cpu=manager.used_bytes(Location.CPU) + window)
     return optimizer
@@ -149,6 +152,21 @@ def _check_device_budget(manager: ChunkManager, budget: int | None) -> None:
                           f"tier (the smallest is {fmt_bytes(min(sizes))}), so every offloaded state would stay on the "
                           f"host; set memory.device_budget to at least {fmt_bytes(min(sizes))} (more keeps a larger "
                           "share on the device), or remove it")
+
+
+def _check_cpu_budget(manager: ChunkManager, budget: int) -> None:
+    """Note [offload policy]: a CPU budget below what one stepped tensor's chunks take together (its states, fp32
+    master, gradient shard and parameter shard, as the host pool allocates them) would stop the step part-way, and
+    with step_in_backward the backward, after some shards were updated: refused here, before anything is stepped."""
+    footprint = [max((manager.pool.footprint(manager.chunk(c).nbytes, torch.uint8) for c in manager.chunks_of(kind)),
+                     default=0) for kind in ("optim", "master", "grad", "param")]
+    need = sum(footprint)
+    if budget < need:
+        raise BudgetError(f"memory.cpu_budget: {fmt_bytes(budget)} cannot hold the chunks one step of the largest "
+                          f"stepped tensor uses together on the CPU ({fmt_bytes(need)}: its optimizer states, fp32 "
+                          "master, gradient shard and parameter shard), so the update would stop part-way; set "
+                          f"memory.cpu_budget to at least {need} ({fmt_bytes(need)}), or a smaller "
+                          "zero_optimization.chunk_size")
 
 
 def device_memory_for(cfg: Config, device: torch.device) -> DeviceMemory:
