@@ -70,7 +70,7 @@ BENCHMARKS = (
     Benchmark("zero_nvme", "bench_zero_nvme.py", "ZeRO stage 3 through NVMe",
               quick=("--model", "small", "--seq", "32", "--steps", "2", "--warmup", "1", "--raw-bytes", "67108864",
                      "--cpu-budget", "4MB"), seconds={None: 32}, takes_dir=True),
-    Benchmark("scale", "bench_scale.py", "Scale: the largest GPT through NVMe, bf16, one process and 2 ranks",
+    Benchmark("scale", "bench_scale.py", "Scale: the largest GPT through NVMe in one process, its step vs its floor",
               quick=("--layers", "2", "--embd", "256", "--heads", "4", "--steps", "3", "--raw-bytes", "67108864"),
               seconds={None: 1500}, takes_dir=True),
     Benchmark("tp", "bench_tp.py", "Tensor parallelism (1D and 2D) vs torch DTensor tensor parallel",

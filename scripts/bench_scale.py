@@ -1,18 +1,23 @@
-"""The largest GPT this machine trains: bf16, ZeRO stage 3, parameters, fp32 masters, optimizer states and
-gradients all homed on NVMe, in one process and over 2 ranks.
+"""The largest GPT this machine trains through NVMe in one process, and its step against the step's floor.
 
-    .venv/bin/python scripts/bench_scale.py --dir /path/on/nvme                  # ~4.2B parameters, ~68 GB
+    .venv/bin/python scripts/bench_scale.py --dir /path/on/nvme          # 64 x 4096 (12.9 B) where it fits
     .venv/bin/python scripts/bench_scale.py --dir /tmp --layers 2 --embd 256 --heads 4 --steps 3   # a smoke run
 
-The model is built under `engine.zero_init()` (no full model in any process) and trained with AdamW on one
-batch of byte-level text per process (the repository's corpus), the same every step, so that the loss must fall
-if the updates are right. Per parameter the training states are 16 bytes
-(Note [offloaded master weights]): 2 (bf16 parameter) + 2 (bf16 gradient) + 4 (fp32 master) + 8 (exp_avg,
-exp_avg_sq); all of them live on NVMe and stream through a CPU window of `buffer_count` chunks per kind. The
-chunk manager counts the bytes it moves; the raw sequential bandwidth of the same directory is measured with dd
-(O_DIRECT) before and after the runs, and the disk-bound time of a step is written ÷ raw write bandwidth + read
-÷ raw read bandwidth. The issue's targets: states ≥ 2.5× RAM (≥ 60 GB), peak RSS ≤ 25% of RAM, the loss falling
-over ≥ 3 steps, step ÷ disk time ≤ 1.3.
+By default (the issue's run): bf16 with `bf16_master_weights_and_grads`, `bf16_optimizer_states` and
+`stochastic_rounding`, AdamW8bit (its update compiled), ZeRO-3 with parameters and optimizer on NVMe and
+`offload_optimizer.step_in_backward`, micro batch 1 x 128 tokens, one process; `gradient_clipping` is off, as
+step_in_backward refuses it (`--step-after-backward` steps after backward, clipping at 1.0). The model is built
+under `engine.zero_init()` (no full model in any process) and trained on one batch of byte-level text, the same
+every step, so that the loss must fall if the updates are right.
+
+Before the run it measures the machine (scripts/scale_plan.py): a bf16 matmul of the model's MLP shape, one
+pass of the layout's update in memory, the raw disk with dd (O_DIRECT, also after the run) and the free disk.
+With `--layers auto` (default) it runs 64 blocks where a step is predicted to fit `--step-budget-s` (15 minutes)
+and the estimate's disk peak fits the free disk, else the largest size that does, and projects the 64-block
+figures from the run's own ratios (marked "projected"). Per run it reports: parameters; bytes on disk at rest
+and at the peak per parameter (the chunk manager's swap-file figures, Note [bytes on disk]) beside the estimate's;
+peak RSS beside the estimate's; the first and the steady step; each floor (disk traffic at dd's bandwidth,
+matmul FLOPs at the measured rate, one update pass) and the steady step over the largest; the losses.
 
 This is a benchmark script: it prints what it measured and never asserts on time.
 """
@@ -42,6 +47,14 @@ from bench_common import (  # noqa: E402
     write_results,
 )
 from disk_baseline import dd_bandwidth  # noqa: E402
+from scale_plan import (  # noqa: E402
+    choose_layers,
+    estimated,
+    gpt_params,
+    measure_machine,
+    predicted_step_s,
+    step_flops,
+)
 
 from engine.estimate.report import markdown_table  # noqa: E402
 from engine.estimate.runtime import peak_rss_bytes  # noqa: E402
@@ -60,20 +73,24 @@ LAYOUTS = {
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="swap directory, on the disk to measure")
-    ap.add_argument("--layers", type=int, default=21)
+    ap.add_argument("--layers", default="auto", help="blocks, or auto: --max-layers where it fits (default auto)")
+    ap.add_argument("--max-layers", type=int, default=64, help="the full size (default 64: 12.9 B at 4096 wide)")
     ap.add_argument("--embd", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=4, help="training steps; the first one is not timed (default 4)")
-    ap.add_argument("--worlds", default="1,2", help="process counts to run, in order (default 1,2)")
+    ap.add_argument("--steps", type=int, default=3, help="training steps; the first one is reported apart (default 3)")
+    ap.add_argument("--step-budget-s", type=float, default=900.0, help="the predicted step --layers auto allows")
+    ap.add_argument("--worlds", default="1", help="process counts to run, in order (default 1)")
     ap.add_argument("--buffer-count", type=int, default=2, help="chunks of each kind in the CPU window (default 2)")
     ap.add_argument("--aio-threads", type=int, default=2)
     ap.add_argument("--lr", type=float, default=2e-6)  # Adam moves every weight by ~lr at first: small at 4096 wide
     ap.add_argument("--raw-bytes", type=int, default=2 << 30, help="bytes per raw dd pass (default 2 GiB)")
-    ap.add_argument("--layout", default="fp32-masters", choices=sorted(LAYOUTS),
-                    help="training-state layout: fp32 masters (default); bf16 masters with bf16 moments; the same "
-                         "rounded stochastically; lowbit: that with AdamW8bit's moments, its update compiled")
+    ap.add_argument("--layout", default="lowbit", choices=sorted(LAYOUTS),
+                    help="training-state layout: fp32 masters; bf16 masters with bf16 moments; the same rounded "
+                         "stochastically; lowbit (default): that with AdamW8bit's moments, its update compiled")
+    ap.add_argument("--step-after-backward", action="store_true",
+                    help="step after backward (with gradient_clipping 1.0) instead of step_in_backward")
     ap.add_argument("--out", default=None, help="also write the markdown to this file")
     add_json_option(ap)
     return ap.parse_args(argv)
@@ -84,17 +101,19 @@ def engine_config(args, world: int) -> dict:
     largest = 4 * args.embd * args.embd  # an MLP weight: every large matrix is a chunk of its own or shares one
     bf16, optimizer, _ = LAYOUTS[args.layout]
     params = {"lr": args.lr, "weight_decay": 0.0, **({"compile": True} if optimizer == "AdamW8bit" else {})}
+    early = not args.step_after_backward
     return {"train_micro_batch_size_per_gpu": args.micro_batch, "seed": 1234,
             "optimizer": {"type": optimizer, "params": params},
             "bf16": bf16,
-            "gradient_clipping": 1.0,
+            "gradient_clipping": 0.0 if early else 1.0,  # step_in_backward refuses clipping by the global norm
             "zero_optimization": {"stage": 3, "chunk_size": largest - largest % world,
                                   "stage3_prefetch_bucket_size": largest,
-                                  "offload_optimizer": offload, "offload_param": offload},
+                                  "offload_optimizer": {**offload, "step_in_backward": early},
+                                  "offload_param": offload},
             "aio": {"thread_count": args.aio_threads}, "steps_per_print": 10**9}
 
 
-def rank_main(rank: int, world: int, port: int, args, results) -> None:
+def rank_main(rank: int, world: int, port: int, args, layers: int, results) -> None:
     from engine import initialize, zero_init
     from engine.models import load_corpus
     from engine.models.gpt import GPT, GPTConfig
@@ -103,8 +122,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
     if world > 1:
         init_gloo(rank, world, port)  # one process: no process group at all
     torch.manual_seed(1234)
-    config = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
-                       n_embd=args.embd)
+    config = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=layers, n_head=args.heads, n_embd=args.embd)
     t0 = time.perf_counter()
     with zero_init():
         model = GPT(config)
@@ -114,7 +132,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
     tokens = load_corpus()
     per_step = args.micro_batch * (args.seq + 1)
     manager = engine.optimizer.manager
-    times, losses, moved, held = [], [], [], []
+    times, losses, moved = [], [], []
     start = rank * per_step  # the same batch every step: the loss must fall as the model fits it
     window = tokens[start:start + per_step].view(args.micro_batch, args.seq + 1)
     for _ in range(args.steps):
@@ -122,7 +140,6 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
         t = time.perf_counter()
         loss = engine(window[:, :-1], labels=window[:, 1:])
         engine.backward(loss)
-        held.append(manager.stats.resident_bytes["nvme"] + manager.stats.resident_bytes["cpu"])  # every state
         engine.step()
         times.append(time.perf_counter() - t)
         losses.append(loss.item())
@@ -130,38 +147,76 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
         moved.append({k: after.get(k, 0) - before.get(k, 0) for k in ("cpu->nvme", "nvme->cpu")})
     stats = manager.stats
     results.put({"rank": rank, "psi": psi, "init_s": init_s, "times": times, "losses": losses, "moved": moved,
-                 "nvme_bytes": stats.resident_bytes["nvme"], "held_after_backward": max(held),
-                 "peak_rss": peak_rss_bytes(), "skipped": engine.skipped_steps})
+                 "disk_rest": stats.disk_bytes, "disk_peak": stats.peak_disk_bytes, "peak_rss": peak_rss_bytes(),
+                 "skipped": engine.skipped_steps})
     engine.close()
 
 
-def summarize(world: int, ranks: list[dict], write_bw: float, read_bw: float, ram: int, args) -> tuple[list, dict]:
-    timed = range(1, args.steps)  # the first step traces the access order the later ones prefetch by
-    step_s = statistics.median(max(r["times"][i] for r in ranks) for i in timed)
-    written = statistics.median(sum(r["moved"][i]["cpu->nvme"] for r in ranks) for i in timed)
-    read = statistics.median(sum(r["moved"][i]["nvme->cpu"] for r in ranks) for i in timed)
-    disk_s = written / write_bw + read / read_bw
-    ratio = step_s / disk_s if disk_s > 0 else float("nan")  # nan: the CPU window held every chunk
-    states = sum(r["held_after_backward"] for r in ranks)  # the manager's CPU window and NVMe: every state
-    on_disk = sum(r["nvme_bytes"] for r in ranks)  # at rest, after the last step (gradient shards freed)
+def floors(args, layers: int, psi: int, written: float, read: float, rates, write_bw: float,
+           read_bw: float) -> dict:
+    """Each floor of one step (scripts/scale_plan.py) in seconds."""
+    return {"disk": written / write_bw + read / read_bw,
+            "compute": rates.compute_s(step_flops(psi, layers, args.embd, args.seq, args.micro_batch)),
+            "update": rates.update_s(psi)}
+
+
+def summarize(world: int, layers: int, ranks: list[dict], rates, write_bw: float, read_bw: float, ram: int,
+              args) -> tuple[list, dict]:
+    steady = range(1, args.steps) if args.steps > 1 else range(args.steps)  # the first records the trace
+    step_s = statistics.median(max(r["times"][i] for r in ranks) for i in steady)
+    first_s = max(r["times"][0] for r in ranks)
+    written = statistics.median(sum(r["moved"][i]["cpu->nvme"] for r in ranks) for i in steady)
+    read = statistics.median(sum(r["moved"][i]["nvme->cpu"] for r in ranks) for i in steady)
     psi = ranks[0]["psi"]
+    floor = floors(args, layers, psi, written, read, rates, write_bw, read_bw)
+    limit = max(floor.values())
+    ratio = step_s / limit if limit > 0 else float("nan")
+    est = estimated(layers, args.embd, args.heads, args.seq, engine_config(args, 1)) if world == 1 else None
+    disk_rest = sum(r["disk_rest"] for r in ranks)
+    disk_peak = sum(r["disk_peak"] for r in ranks)
     peak_rss = max(r["peak_rss"] for r in ranks)
     losses = [statistics.fmean(r["losses"][i] for r in ranks) for i in range(args.steps)]
     falling = all(b < a for a, b in zip(losses, losses[1:]))
-    row = [f"{world}", f"{psi / 1e9:.2f} B", fmt_bytes(states), f"{states / ram:.2f}×", fmt_bytes(on_disk),
-           f"{fmt_bytes(peak_rss)} ({100 * peak_rss / ram:.1f}%)", f"{max(r['init_s'] for r in ranks):.0f}",
-           f"{step_s:.1f}", fmt_bytes(written), fmt_bytes(read), f"{disk_s:.1f}", f"{ratio:.2f}",
+    row = [f"{world}", f"{layers} × {args.embd}", f"{psi / 1e9:.2f} B",
+           f"{disk_rest / psi:.2f} / {disk_peak / psi:.2f}" + (f" (est. {est.disk_peak / psi:.2f})" if est else ""),
+           f"{fmt_bytes(peak_rss)} ({100 * peak_rss / ram:.1f}%)" + (f" (est. {fmt_bytes(est.host_peak)})"
+                                                                    if est else ""),
+           f"{max(r['init_s'] for r in ranks):.0f}", f"{first_s:.1f}", f"{step_s:.1f}",
+           f"{floor['disk']:.1f} / {floor['compute']:.1f} / {floor['update']:.1f}", f"{ratio:.2f}",
            " → ".join(f"{x:.3f}" for x in losses) + (" (falling)" if falling else " (not falling)")]
-    layout = "" if args.layout == "fp32-masters" else f" ({args.layout})"
+    layout = f" ({args.layout}{', step_in_backward' if not args.step_after_backward else ''})"
     record = result_record(
-        "scale", f"tiers ZeRO-3 bf16{layout}, everything on NVMe, {world} process(es)", world=world, layout=args.layout,
-        peer="raw disk (dd, O_DIRECT, same run)", strategy="ZeRO-3 NVMe bf16", metric="step ÷ disk time",
-        ratio=ratio, target=1.3, step_s=step_s, throughput=world * args.micro_batch * args.seq / step_s,
-        unit="tokens/s", peak_rss_per_rank_bytes=peak_rss, parameters=psi, states_bytes=states,
-        states_on_disk_at_rest_bytes=on_disk, states_over_ram=states / ram, peak_rss_over_ram=peak_rss / ram,
-        losses=losses, loss_falling=falling,
-        written_per_step=written, read_per_step=read, disk_s=disk_s)
+        "scale", f"tiers ZeRO-3 bf16{layout}, everything on NVMe, {world} process(es), {psi / 1e9:.2f} B",
+        world=world, layout=args.layout, peer="this machine's floor (disk, compute, update; same run)",
+        strategy="ZeRO-3 NVMe bf16", metric="step ÷ its floor", ratio=ratio, target=1.5, step_s=step_s,
+        first_step_s=first_s, throughput=world * args.micro_batch * args.seq / step_s, unit="tokens/s",
+        peak_rss_per_rank_bytes=peak_rss, parameters=psi, layers=layers, disk_rest_bytes=disk_rest,
+        disk_peak_bytes=disk_peak, estimated_disk_peak_bytes=est.disk_peak if est else None,
+        estimated_host_peak_bytes=est.host_peak if est else None, floors_s=floor, losses=losses,
+        loss_falling=falling, written_per_step=written, read_per_step=read)
     return row, record
+
+
+def projected_row(args, layers: int, record: dict, rates, write_bw: float, read_bw: float, ram: int) -> list:
+    """The --max-layers figures of one process, projected from the run of `layers` blocks: the disk bytes per
+    parameter and the step over its floor as measured, the floors and the estimate at the full size."""
+    full = args.max_layers
+    psi = gpt_params(full, args.embd, args.seq)
+    config = engine_config(args, 1)
+    est, run_est = (estimated(n, args.embd, args.heads, args.seq, config) for n in (full, layers))
+    scale = psi / record["parameters"]
+    floor = floors(args, full, psi, record["written_per_step"] * scale, record["read_per_step"] * scale, rates,
+                   write_bw, read_bw)
+    step_s = record["ratio"] * max(floor.values())
+    rss = est.host_peak * record["peak_rss_per_rank_bytes"] / run_est.host_peak  # the estimate, as far off as here
+    predicted, _ = predicted_step_s(full, args.embd, args.heads, args.seq, args.micro_batch, config, rates, read_bw,
+                                    write_bw)
+    return ["1 (projected)", f"{full} × {args.embd}", f"{psi / 1e9:.2f} B",
+            f"{record['disk_rest_bytes'] / record['parameters']:.2f} / "
+            f"{record['disk_peak_bytes'] / record['parameters']:.2f} (est. {est.disk_peak / psi:.2f})",
+            f"{fmt_bytes(rss)} ({100 * rss / ram:.1f}%) (est. {fmt_bytes(est.host_peak)})", "—", "—",
+            f"{step_s:.0f} (predicted {predicted:.0f})",
+            f"{floor['disk']:.0f} / {floor['compute']:.0f} / {floor['update']:.0f}", f"{record['ratio']:.2f}", "—"]
 
 
 def main(argv=None) -> None:
@@ -169,38 +224,51 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     ram = psutil.virtual_memory().total
     disk = DiskCounter(args.dir)
+    config = engine_config(args, 1)
+    rates = measure_machine(args.dir, args.embd, args.micro_batch * args.seq, config)
     before = dd_bandwidth(args.dir, args.raw_bytes, disk)
+    if args.layers == "auto":
+        plan = choose_layers(args.max_layers, args.embd, args.heads, args.seq, args.micro_batch, config, rates,
+                             before[1], before[0], args.step_budget_s)
+        layers, why = plan.layers, f"{plan.why} (predicted step {plan.predicted_step_s:.0f} s)"
+    else:
+        layers, why = int(args.layers), "--layers given"
     runs = {}
     for world in (int(w) for w in args.worlds.split(",")):
-        ranks = spawn_ranks(rank_main, world, args=(free_port(), args))
+        ranks = spawn_ranks(rank_main, world, args=(free_port(), args, layers))
         runs[world] = sorted(ranks, key=lambda r: r["rank"])
     after = dd_bandwidth(args.dir, args.raw_bytes, disk)
     write_bw, read_bw = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
     rows, records = [], []
     for world, ranks in runs.items():
-        row, record = summarize(world, ranks, write_bw, read_bw, ram, args)
+        row, record = summarize(world, layers, ranks, rates, write_bw, read_bw, ram, args)
         rows.append(row)
         records.append(record)
-    psi = next(iter(runs.values()))[0]["psi"]
-    bf16, optimizer, per_param = LAYOUTS[args.layout]
+    one = next((r for r in records if r["world"] == 1), None)
+    if layers < args.max_layers and one is not None:
+        rows.append(projected_row(args, layers, one, rates, write_bw, read_bw, ram))
+    bf16, optimizer, _ = LAYOUTS[args.layout]
+    clipping = ("gradient_clipping off (step_in_backward refuses it)" if not args.step_after_backward
+                else "stepped after backward, gradient_clipping 1.0")
     text = "\n".join([
         f"### Scale: the largest GPT through NVMe (bf16, ZeRO-3, everything offloaded; layout {args.layout})",
         "",
-        f"GPT {args.layers} layers × {args.embd} wide ({args.heads} heads), byte vocabulary, Ψ = {psi:,}: training "
-        f"states {per_param}Ψ = {fmt_bytes(per_param * psi)} against {fmt_bytes(ram)} of RAM (bf16 section "
-        f"{bf16}). Micro batch {args.micro_batch} × seq {args.seq} per process, {optimizer} lr {args.lr}, "
-        "clipping 1.0, "
-        f"buffer_count {args.buffer_count}, built under zero_init. Raw disk (dd, O_DIRECT, 8 MiB blocks, "
-        f"{fmt_bytes(args.raw_bytes)}; mean of before/after): write {write_bw / 1e6:,.0f} MB/s "
-        f"({before[0] / 1e6:,.0f} / {after[0] / 1e6:,.0f}), read {read_bw / 1e6:,.0f} MB/s "
-        f"({before[1] / 1e6:,.0f} / {after[1] / 1e6:,.0f}). Step figures: median of steps 2..{args.steps} (the "
-        "first records the trace); bytes summed over the processes; the loss is the mean over the processes (each "
-        "trains on one fixed batch).",
+        f"GPT {layers} layers × {args.embd} wide ({args.heads} heads), byte vocabulary; {why}. bf16 section {bf16}, "
+        f"{optimizer} lr {args.lr}, {clipping}; micro batch {args.micro_batch} × seq {args.seq} per process, "
+        f"buffer_count {args.buffer_count}, built under zero_init. This machine: bf16 matmul "
+        f"{rates.matmul_flops / 1e9:,.1f} GFLOP/s ({args.micro_batch * args.seq} × {args.embd} by {args.embd} × "
+        f"{4 * args.embd}); the update {rates.update_s_per_element * 1e9:.2f} ns per element in memory; free disk "
+        f"{rates.free_disk / 1e9:,.1f} GB; raw disk (dd, O_DIRECT, 8 MiB blocks, {fmt_bytes(args.raw_bytes)}; "
+        f"mean of before/after): write {write_bw / 1e6:,.0f} MB/s ({before[0] / 1e6:,.0f} / {after[0] / 1e6:,.0f}), "
+        f"read {read_bw / 1e6:,.0f} MB/s ({before[1] / 1e6:,.0f} / {after[1] / 1e6:,.0f}). The steady step is the "
+        f"median of steps 2..{args.steps} (the first records the trace the later ones prefetch by); its floors: "
+        "the disk traffic at dd's bandwidth, the matmul FLOPs at the measured rate, one update pass. A projected "
+        "row scales the run's traffic per parameter, and keeps its step ÷ floor and its RSS ÷ the estimate's.",
         "",
-        markdown_table(["processes", "parameters", "training states (after backward)", "÷ RAM",
-                        "on NVMe at rest", "peak RSS per process (of RAM)",
-                        "build + initialize (s)", "step (s)", "written/step", "read/step", "disk time/step (s)",
-                        "step ÷ disk time (target ≤ 1.3)", "loss by step"], rows),
+        markdown_table(["processes", "size", "parameters", "on disk at rest / at peak (B/param)",
+                        "peak RSS per process (of RAM)", "build + initialize (s)", "first step (s)",
+                        "steady step (s)", "floors: disk / compute / update (s)",
+                        "steady step ÷ largest floor (target ≤ 1.5)", "loss by step"], rows),
     ])
     publish_report(text, started, args.out)
     write_results(args.json, records)

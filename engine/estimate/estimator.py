@@ -109,7 +109,9 @@ def estimate(factory: Callable[[], nn.Module], config: dict, world: int, tp_size
     meta = build_model(factory, "meta")
     seq_len = seq_len or default_seq_len(meta)
     result = Estimate(sum(p.numel() for p in meta.parameters()), world, 0, seq_len, compute_on_cpu, budgets)
-    runtime = runtime_host_bytes(optional_packages(load_config(config)))
+    base = load_config(config)
+    compiles = base.optimizer is not None and bool(base.optimizer.params.get("compile"))
+    runtime = runtime_host_bytes(optional_packages(base), compiles)
     traces: dict[tuple, StrategyTrace] = {}
     for strategy in strategies:
         cfg_dict = strategy.config(config, nvme_path)

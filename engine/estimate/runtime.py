@@ -5,7 +5,8 @@ example GPT for two steps under the engine and reports its peak resident set, le
 own states. That covers torch's libraries, one-time allocations of the first step (kernels, thread
 pools, the fused optimizer) and the engine; it varies with the machine and torch build (~0.3 GB
 for torch 2.13 on CPU), so it is measured where the estimate runs. The optional packages a config
-trains with (torchao for the low-bit optimizers: ~85 MB here) are imported by the probe too.
+trains with (torchao for the low-bit optimizers: ~85 MB here) are imported by the probe too, and where
+the config compiles its optimizer's update the probe compiles a small function (~90 MB more here).
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from engine.estimate.runtime import peak_rss_bytes, reset_peak_rss
 from engine.models import gpt_tiny
 reset_peak_rss()
 for package in sys.argv[1:]:
-    importlib.import_module(package)
+    if package == "--compile":  # torch.compile's own libraries and one compiled graph
+        torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(8))
+    else:
+        importlib.import_module(package)
 torch.set_num_threads(1)
 engine = initialize(gpt_tiny(), {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
@@ -36,11 +40,12 @@ print(json.dumps({"peak": peak_rss_bytes(), "states": sum(engine.model_state_byt
 
 
 @functools.cache
-def runtime_host_bytes(packages: tuple[str, ...] = ()) -> int:
-    """Peak RSS of a process that imports `packages` and trains a tiny model, less that model's states (Linux,
-    macOS: ru_maxrss)."""
+def runtime_host_bytes(packages: tuple[str, ...] = (), compiles: bool = False) -> int:
+    """Peak RSS of a process that imports `packages` (compiles a small function, with `compiles`) and trains a tiny
+    model, less that model's states (Linux, macOS: ru_maxrss)."""
     try:
-        done = subprocess.run([sys.executable, "-c", _PROBE, *packages], capture_output=True, text=True, timeout=300,
+        done = subprocess.run([sys.executable, "-c", _PROBE, *packages, *(["--compile"] if compiles else [])],
+                              capture_output=True, text=True, timeout=300,
                               env=_probe_environment())
     except subprocess.TimeoutExpired as e:
         raise RuntimeError("measuring the runtime's memory (a tiny model trained in a fresh interpreter) took over "

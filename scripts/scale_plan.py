@@ -1,0 +1,164 @@
+"""What `bench_scale.py` measures of the machine before it picks a model size, and the floors a step is judged by.
+
+A step's floor is the slowest of three things it cannot beat on this machine, each measured here:
+- disk: its swap traffic at the raw sequential bandwidth dd gets from the same directory (O_DIRECT);
+- compute: its matmul FLOPs (6 per parameter per token, plus attention's 12 · layers · seq² · width per sequence)
+  at the rate of one bf16 matmul of the model's MLP shape;
+- update: one pass of the layout's optimizer update over every parameter, timed on a tensor of `UPDATE_SAMPLE`
+  elements in memory (the same optimizer class and layout the engine builds; compiled where the config compiles).
+The size is picked from predicted steps (the three added, as if nothing overlapped) and the estimate's disk peak
+(Note [estimating model states]); figures of the full size are projected from the run's own ratios and marked so.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+UPDATE_SAMPLE = 1 << 24  # elements the update is timed on
+MATMUL_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    matmul_flops: float  # bf16 FLOP/s of one MLP-shaped matmul
+    update_s_per_element: float  # one pass of the layout's update, in memory
+    free_disk: int  # bytes free in the swap directory
+
+    def compute_s(self, flops: float) -> float:
+        return flops / self.matmul_flops
+
+    def update_s(self, params: int) -> float:
+        return params * self.update_s_per_element
+
+
+def step_flops(params: int, layers: int, width: int, seq: int, micro_batch: int) -> float:
+    """Forward + backward matmul FLOPs of one micro-batch step: 6 per parameter per token, and attention's
+    scores and weighted sums (4 · seq² · width per layer forward, ×3 with backward)."""
+    return 6.0 * params * seq * micro_batch + 12.0 * layers * seq * seq * width * micro_batch
+
+
+def matmul_flops(width: int, tokens: int) -> float:
+    """bf16 FLOP/s of x[tokens, width] @ W[width, 4·width] (an MLP's first matmul), the median of a few runs."""
+    x = torch.randn(tokens, width, dtype=torch.bfloat16)
+    w = torch.randn(4 * width, width, dtype=torch.bfloat16)
+    torch.nn.functional.linear(x, w)  # warm-up: kernel selection
+    times = []
+    for _ in range(MATMUL_REPEATS):
+        start = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - start)
+    return 2.0 * tokens * width * 4 * width / statistics.median(times)
+
+
+def update_seconds_per_element(config: dict) -> float:
+    """One step of the optimizer the engine builds for `config` (its layout: bf16 masters, stochastic rounding,
+    block-wise states, compiled or not) over UPDATE_SAMPLE elements held in memory, after a warm-up step (which
+    compiles where the config compiles); seconds per element."""
+    from engine.config import load_config
+    from engine.optim import build_optimizer, state_blocks
+    from engine.optimizers.stochastic_rounding import KeyedBits, KeySpan
+    from engine.optimizers.tiled_adam import Arithmetic, TiledLayout
+
+    cfg = load_config(config)
+    masters = cfg.bf16.bf16_master_weights_and_grads
+    dtype = torch.bfloat16 if masters else torch.float32
+    weights = torch.randn(UPDATE_SAMPLE, dtype=dtype).requires_grad_()
+    weights.grad = torch.randn(UPDATE_SAMPLE, dtype=dtype) * 1e-3
+    blocks, tiled = state_blocks(cfg.optimizer), None
+    if masters or blocks is not None:  # as engine.optim.tiled_layout_of lays out a chunk of one parameter
+        rounds = masters and cfg.bf16.stochastic_rounding
+        moments = torch.bfloat16 if masters and cfg.bf16.bf16_optimizer_states else torch.float32
+        tiled = TiledLayout(Arithmetic.TORCHAO if blocks is not None else Arithmetic.TORCH, moments,
+                            KeyedBits(0) if rounds else None,
+                            {id(weights): [KeySpan(0, UPDATE_SAMPLE, 1, 0)]} if rounds else {}, blocks,
+                            frozenset([id(weights)]) if blocks is not None else frozenset())
+    optimizer = build_optimizer(cfg.optimizer, [{"params": [weights]}], tiled=tiled)
+    optimizer.step()  # warm-up: compiles, allocates the states
+    start = time.perf_counter()
+    optimizer.step()
+    return (time.perf_counter() - start) / UPDATE_SAMPLE
+
+
+def measure_machine(directory: str, width: int, tokens: int, config: dict) -> MachineRates:
+    return MachineRates(matmul_flops(width, tokens), update_seconds_per_element(config),
+                        shutil.disk_usage(directory).free)
+
+
+@dataclass(frozen=True)
+class SizePlan:
+    layers: int  # the size run
+    params: int
+    predicted_step_s: float
+    predicted_disk_peak: int
+    why: str  # why this size (the full one, or what ruled the larger ones out)
+
+
+@functools.cache
+def _estimate_row(layers: int, width: int, heads: int, seq: int, config_json: str):
+    """The estimate (one process, everything on NVMe, built under zero_init) of a GPT of `layers` blocks."""
+    import json
+
+    from engine.estimate import estimate
+    from engine.estimate.strategies import Strategy
+
+    config = json.loads(config_json)
+    factory = functools.partial(_gpt, layers, width, heads, seq)
+    return estimate(factory, config, 1, strategies=[Strategy(3, offload_optimizer="nvme", offload_param="nvme")],
+                    compute_on_cpu=True, seq_len=seq, zero_init=True,
+                    nvme_path=config["zero_optimization"]["offload_param"]["nvme_path"]).rows[0]
+
+
+def _gpt(layers: int, width: int, heads: int, seq: int):
+    from engine.models.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=256, block_size=seq, n_layer=layers, n_head=heads, n_embd=width))
+
+
+def gpt_params(layers: int, width: int, seq: int) -> int:
+    """Ψ of the byte-level GPT (tied embeddings, biases): its blocks and embeddings."""
+    per_block = 12 * width * width + 13 * width  # attention 4w² + 4w, MLP 8w² + 5w, two norms 4w
+    return layers * per_block + (256 + seq) * width + 2 * width
+
+
+def estimated(layers: int, width: int, heads: int, seq: int, config: dict):
+    import json
+
+    return _estimate_row(layers, width, heads, seq, json.dumps(config, sort_keys=True))
+
+
+def predicted_step_s(layers: int, width: int, heads: int, seq: int, micro_batch: int, config: dict,
+                     rates: MachineRates, read_bw: float, write_bw: float) -> tuple[float, int]:
+    """(seconds, disk peak) of one steady step of `layers` blocks: its swap traffic (every resting file read and
+    written once, the parameter shards read a second time in backward) at dd's bandwidth, plus its compute, plus
+    one update pass; and the estimate's disk peak."""
+    row = estimated(layers, width, heads, seq, config)
+    params = gpt_params(layers, width, seq)
+    traffic_read, traffic_written = row.disk_peak + row.states.param, row.disk_peak
+    seconds = (traffic_read / read_bw + traffic_written / write_bw
+               + rates.compute_s(step_flops(params, layers, width, seq, micro_batch)) + rates.update_s(params))
+    return seconds, row.disk_peak
+
+
+def choose_layers(max_layers: int, width: int, heads: int, seq: int, micro_batch: int, config: dict,
+                  rates: MachineRates, read_bw: float, write_bw: float, step_budget_s: float) -> SizePlan:
+    """The most blocks (at most `max_layers`) whose predicted step fits `step_budget_s` and whose disk peak fits
+    90% of the free disk; one block when none does (named in `why`)."""
+    room = 0.9 * rates.free_disk
+    why = f"the full size ({max_layers} blocks) fits: predicted step and disk peak within the limits"
+    for layers in range(max_layers, 0, -1):
+        step_s, disk = predicted_step_s(layers, width, heads, seq, micro_batch, config, rates, read_bw, write_bw)
+        if step_s <= step_budget_s and disk <= room:
+            return SizePlan(layers, gpt_params(layers, width, seq), step_s, disk, why)
+        if layers == max_layers:
+            limits = [f"predicted step {step_s:.0f} s > {step_budget_s:.0f} s"] if step_s > step_budget_s else []
+            limits += [f"disk peak {disk / 1e9:.1f} GB > 90% of {rates.free_disk / 1e9:.1f} GB free"] if disk > room \
+                else []
+            why = f"{max_layers} blocks do not fit this machine ({'; '.join(limits)}): the largest size that does"
+    step_s, disk = predicted_step_s(1, width, heads, seq, micro_batch, config, rates, read_bw, write_bw)
+    return SizePlan(1, gpt_params(1, width, seq), step_s, disk, why + "; not even one block fits: one block")
