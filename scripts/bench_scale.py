@@ -255,9 +255,10 @@ def main(argv=None) -> None:
         "",
         f"GPT {layers} layers × {args.embd} wide ({args.heads} heads), byte vocabulary; {why}. bf16 section {bf16}, "
         f"{optimizer} lr {args.lr}, {clipping}; micro batch {args.micro_batch} × seq {args.seq} per process, "
-        f"buffer_count {args.buffer_count}, built under zero_init. This machine: bf16 matmul "
-        f"{rates.matmul_flops / 1e9:,.1f} GFLOP/s ({args.micro_batch * args.seq} × {args.embd} by {args.embd} × "
-        f"{4 * args.embd}); the update {rates.update_s_per_element * 1e9:.2f} ns per element in memory; free disk "
+        f"buffer_count {args.buffer_count}, built under zero_init. This machine: bf16 matmuls of a "
+        f"{4 * args.embd} × {args.embd} weight over {args.micro_batch * args.seq} tokens at "
+        f"{' / '.join(f'{r / 1e9:,.1f}' for r in rates.matmul_flops)} GFLOP/s (forward / input gradient / weight "
+        f"gradient); the update {rates.update_s_per_element * 1e9:.2f} ns per element in memory; free disk "
         f"{rates.free_disk / 1e9:,.1f} GB; raw disk (dd, O_DIRECT, 8 MiB blocks, {fmt_bytes(args.raw_bytes)}; "
         f"mean of before/after): write {write_bw / 1e6:,.0f} MB/s ({before[0] / 1e6:,.0f} / {after[0] / 1e6:,.0f}), "
         f"read {read_bw / 1e6:,.0f} MB/s ({before[1] / 1e6:,.0f} / {after[1] / 1e6:,.0f}). The steady step is the "

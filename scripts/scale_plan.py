@@ -2,8 +2,9 @@
 
 A step's floor is the slowest of three things it cannot beat on this machine, each measured here:
 - disk: its swap traffic at the raw sequential bandwidth dd gets from the same directory (O_DIRECT);
-- compute: its matmul FLOPs (6 per parameter per token, plus attention's 12 · layers · seq² · width per sequence)
-  at the rate of one bf16 matmul of the model's MLP shape;
+- compute: its matmul FLOPs (6 per parameter per token, plus attention's 12 · layers · seq² · width per sequence),
+  a third each at the measured bf16 rate of the three matmuls of an MLP weight: the forward's x·Wᵀ, backward's
+  input gradient dy·W and weight gradient dyᵀ·x (a CPU without bf16 units runs them at very different rates);
 - update: one pass of the layout's optimizer update over every parameter, timed on a tensor of `UPDATE_SAMPLE`
   elements in memory (the same optimizer class and layout the engine builds; compiled where the config compiles).
 The size is picked from predicted steps (the three added, as if nothing overlapped) and the estimate's disk peak
@@ -26,12 +27,13 @@ MATMUL_REPEATS = 3
 
 @dataclass(frozen=True)
 class MachineRates:
-    matmul_flops: float  # bf16 FLOP/s of one MLP-shaped matmul
+    matmul_flops: tuple[float, float, float]  # bf16 FLOP/s of an MLP weight's forward, input and weight gradient
     update_s_per_element: float  # one pass of the layout's update, in memory
     free_disk: int  # bytes free in the swap directory
 
     def compute_s(self, flops: float) -> float:
-        return flops / self.matmul_flops
+        """A step's matmuls: a third of its FLOPs at each of the three rates."""
+        return sum(flops / 3 / rate for rate in self.matmul_flops)
 
     def update_s(self, params: int) -> float:
         return params * self.update_s_per_element
@@ -43,17 +45,25 @@ def step_flops(params: int, layers: int, width: int, seq: int, micro_batch: int)
     return 6.0 * params * seq * micro_batch + 12.0 * layers * seq * seq * width * micro_batch
 
 
-def matmul_flops(width: int, tokens: int) -> float:
-    """bf16 FLOP/s of x[tokens, width] @ W[width, 4·width] (an MLP's first matmul), the median of a few runs."""
+def matmul_flops(width: int, tokens: int) -> tuple[float, float, float]:
+    """bf16 FLOP/s of an MLP weight W[4·width, width]'s three matmuls over `tokens` rows, as autograd runs them:
+    x·Wᵀ (forward), dy·W (input gradient), dyᵀ·x (weight gradient); each the median of a few runs."""
     x = torch.randn(tokens, width, dtype=torch.bfloat16)
     w = torch.randn(4 * width, width, dtype=torch.bfloat16)
-    torch.nn.functional.linear(x, w)  # warm-up: kernel selection
+    dy = torch.randn(tokens, 4 * width, dtype=torch.bfloat16)
+    flops = 2.0 * tokens * width * 4 * width
+    return tuple(flops / _median_seconds(f) for f in (lambda: torch.nn.functional.linear(x, w), lambda: dy @ w,
+                                                      lambda: dy.t() @ x))
+
+
+def _median_seconds(run) -> float:
+    run()  # warm-up: kernel selection
     times = []
     for _ in range(MATMUL_REPEATS):
         start = time.perf_counter()
-        torch.nn.functional.linear(x, w)
+        run()
         times.append(time.perf_counter() - start)
-    return 2.0 * tokens * width * 4 * width / statistics.median(times)
+    return statistics.median(times)
 
 
 def update_seconds_per_element(config: dict) -> float:

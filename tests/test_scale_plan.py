@@ -32,20 +32,21 @@ def test_the_parameter_count_is_the_models(layers, width, seq):
     assert gpt_params(layers, width, seq) == _gpt(layers, width, 2, seq).num_parameters()
 
 
-def test_the_step_flops_are_six_per_parameter_per_token_plus_attention():
+def test_the_step_flops_are_six_per_parameter_per_token_plus_attention_a_third_at_each_rate():
     assert step_flops(1000, 2, 8, 4, 3) == 6 * 1000 * 4 * 3 + 12 * 2 * 4 * 4 * 8 * 3
+    assert MachineRates((1.0, 2.0, 4.0), 0.0, 0).compute_s(3.0) == 1.0 + 0.5 + 0.25
 
 
 def test_the_largest_size_whose_predicted_step_and_disk_peak_fit_is_picked(tmp_path):
     config = lowbit_config(str(tmp_path))
-    rates = MachineRates(matmul_flops=1e8, update_s_per_element=1e-8, free_disk=10**12)
+    rates = MachineRates(matmul_flops=(1e8, 1e8, 1e8), update_s_per_element=1e-8, free_disk=10**12)
     steps = {n: predicted_step_s(n, WIDTH, HEADS, SEQ, 1, config, rates, 1e9, 1e9) for n in range(1, 7)}
     assert all(steps[n][0] < steps[n + 1][0] and steps[n][1] < steps[n + 1][1] for n in range(1, 6))
     full = choose_layers(6, WIDTH, HEADS, SEQ, 1, config, rates, 1e9, 1e9, step_budget_s=steps[6][0])
     assert full.layers == 6 and "the full size" in full.why
     by_time = choose_layers(6, WIDTH, HEADS, SEQ, 1, config, rates, 1e9, 1e9, step_budget_s=steps[4][0])
     assert by_time.layers == 4 and "predicted step" in by_time.why and by_time.params == gpt_params(4, WIDTH, SEQ)
-    small_disk = MachineRates(1e8, 1e-8, free_disk=int(steps[3][1] / 0.9) + 1)
+    small_disk = MachineRates((1e8, 1e8, 1e8), 1e-8, free_disk=int(steps[3][1] / 0.9) + 1)
     by_disk = choose_layers(6, WIDTH, HEADS, SEQ, 1, config, small_disk, 1e9, 1e9, step_budget_s=1e9)
     assert by_disk.layers == 3 and "disk peak" in by_disk.why
     nothing = choose_layers(6, WIDTH, HEADS, SEQ, 1, config, rates, 1e9, 1e9, step_budget_s=0.0)
