@@ -53,6 +53,7 @@ from scale_plan import (  # noqa: E402
     gpt_params,
     measure_machine,
     predicted_step_s,
+    predicted_traffic,
     step_flops,
 )
 
@@ -198,22 +199,22 @@ def summarize(world: int, layers: int, ranks: list[dict], rates, write_bw: float
 
 
 def projected_row(args, layers: int, record: dict, rates, write_bw: float, read_bw: float, ram: int) -> list:
-    """The --max-layers figures of one process, projected from the run of `layers` blocks: the disk bytes per
-    parameter and the step over its floor as measured, the floors and the estimate at the full size."""
+    """The --max-layers figures of one process, projected from the run of `layers` blocks: its disk traffic and
+    peak as the estimate predicts them where the CPU window is a small part of the states, the compute and update
+    floors at the measured rates, the step at the run's step ÷ floor, the RSS at the run's RSS ÷ estimate."""
     full = args.max_layers
     psi = gpt_params(full, args.embd, args.seq)
     config = engine_config(args, 1)
     est, run_est = (estimated(n, args.embd, args.heads, args.seq, config) for n in (full, layers))
-    scale = psi / record["parameters"]
-    floor = floors(args, full, psi, record["written_per_step"] * scale, record["read_per_step"] * scale, rates,
-                   write_bw, read_bw)
+    read, written, disk = predicted_traffic(full, args.embd, args.heads, args.seq, config)
+    floor = floors(args, full, psi, written, read, rates, write_bw, read_bw)
     step_s = record["ratio"] * max(floor.values())
     rss = est.host_peak * record["peak_rss_per_rank_bytes"] / run_est.host_peak  # the estimate, as far off as here
     predicted, _ = predicted_step_s(full, args.embd, args.heads, args.seq, args.micro_batch, config, rates, read_bw,
                                     write_bw)
+    rest = est.disk_peak - (est.states.grad if args.step_after_backward else 0)  # gradient files wait for the step
     return ["1 (projected)", f"{full} × {args.embd}", f"{psi / 1e9:.2f} B",
-            f"{record['disk_rest_bytes'] / record['parameters']:.2f} / "
-            f"{record['disk_peak_bytes'] / record['parameters']:.2f} (est. {est.disk_peak / psi:.2f})",
+            f"est. {rest / psi:.2f} / {disk / psi:.2f}",
             f"{fmt_bytes(rss)} ({100 * rss / ram:.1f}%) (est. {fmt_bytes(est.host_peak)})", "—", "—",
             f"{step_s:.0f} (predicted {predicted:.0f})",
             f"{floor['disk']:.0f} / {floor['compute']:.0f} / {floor['update']:.0f}", f"{record['ratio']:.2f}", "—"]
@@ -263,8 +264,10 @@ def main(argv=None) -> None:
         f"mean of before/after): write {write_bw / 1e6:,.0f} MB/s ({before[0] / 1e6:,.0f} / {after[0] / 1e6:,.0f}), "
         f"read {read_bw / 1e6:,.0f} MB/s ({before[1] / 1e6:,.0f} / {after[1] / 1e6:,.0f}). The steady step is the "
         f"median of steps 2..{args.steps} (the first records the trace the later ones prefetch by); its floors: "
-        "the disk traffic at dd's bandwidth, the matmul FLOPs at the measured rate, one update pass. A projected "
-        "row scales the run's traffic per parameter, and keeps its step ÷ floor and its RSS ÷ the estimate's.",
+        "the disk traffic at dd's bandwidth, the matmul FLOPs at the measured rates, one update pass. A model the "
+        "CPU window holds whole never touches the disk (0 B/param). A projected row takes the disk traffic and peak "
+        "the estimate predicts at the full size, where the window is a small part of the states, and keeps the "
+        "run's step ÷ floor and its RSS ÷ the estimate's.",
         "",
         markdown_table(["processes", "size", "parameters", "on disk at rest / at peak (B/param)",
                         "peak RSS per process (of RAM)", "build + initialize (s)", "first step (s)",

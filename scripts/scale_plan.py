@@ -147,28 +147,46 @@ def predicted_step_s(layers: int, width: int, heads: int, seq: int, micro_batch:
     """(seconds, disk peak) of one steady step of `layers` blocks: its swap traffic (every resting file read and
     written once, the parameter shards read a second time in backward) at dd's bandwidth, plus its compute, plus
     one update pass; and the estimate's disk peak."""
-    row = estimated(layers, width, heads, seq, config)
     params = gpt_params(layers, width, seq)
-    traffic_read, traffic_written = row.disk_peak + row.states.param, row.disk_peak
-    seconds = (traffic_read / read_bw + traffic_written / write_bw
+    read, written, disk = predicted_traffic(layers, width, heads, seq, config)
+    seconds = (read / read_bw + written / write_bw
                + rates.compute_s(step_flops(params, layers, width, seq, micro_batch)) + rates.update_s(params))
-    return seconds, row.disk_peak
+    return seconds, disk
+
+
+def predicted_traffic(layers: int, width: int, heads: int, seq: int, config: dict) -> tuple[int, int, int]:
+    """(bytes read, bytes written, disk peak) of one steady step where the CPU window is a small part of the states:
+    every resting file read and written once, the parameter shards read a second time in backward."""
+    row = estimated(layers, width, heads, seq, config)
+    return row.disk_peak + row.states.param, row.disk_peak, row.disk_peak
 
 
 def choose_layers(max_layers: int, width: int, heads: int, seq: int, micro_batch: int, config: dict,
                   rates: MachineRates, read_bw: float, write_bw: float, step_budget_s: float) -> SizePlan:
     """The most blocks (at most `max_layers`) whose predicted step fits `step_budget_s` and whose disk peak fits
-    90% of the free disk; one block when none does (named in `why`)."""
+    90% of the free disk; one block when none does (named in `why`). Both grow with the blocks: a bisection."""
     room = 0.9 * rates.free_disk
-    why = f"the full size ({max_layers} blocks) fits: predicted step and disk peak within the limits"
-    for layers in range(max_layers, 0, -1):
-        step_s, disk = predicted_step_s(layers, width, heads, seq, micro_batch, config, rates, read_bw, write_bw)
-        if step_s <= step_budget_s and disk <= room:
-            return SizePlan(layers, gpt_params(layers, width, seq), step_s, disk, why)
-        if layers == max_layers:
-            limits = [f"predicted step {step_s:.0f} s > {step_budget_s:.0f} s"] if step_s > step_budget_s else []
-            limits += [f"disk peak {disk / 1e9:.1f} GB > 90% of {rates.free_disk / 1e9:.1f} GB free"] if disk > room \
-                else []
-            why = f"{max_layers} blocks do not fit this machine ({'; '.join(limits)}): the largest size that does"
-    step_s, disk = predicted_step_s(1, width, heads, seq, micro_batch, config, rates, read_bw, write_bw)
-    return SizePlan(1, gpt_params(1, width, seq), step_s, disk, why + "; not even one block fits: one block")
+
+    def predicted(layers: int) -> tuple[float, int]:
+        return predicted_step_s(layers, width, heads, seq, micro_batch, config, rates, read_bw, write_bw)
+
+    def fits(layers: int) -> bool:
+        step_s, disk = predicted(layers)
+        return step_s <= step_budget_s and disk <= room
+
+    if fits(max_layers):
+        step_s, disk = predicted(max_layers)
+        return SizePlan(max_layers, gpt_params(max_layers, width, seq), step_s, disk,
+                        f"the full size ({max_layers} blocks) fits: predicted step and disk peak within the limits")
+    step_s, disk = predicted(max_layers)
+    limits = [f"predicted step {step_s:.0f} s > {step_budget_s:.0f} s"] if step_s > step_budget_s else []
+    limits += [f"disk peak {disk / 1e9:.1f} GB > 90% of {rates.free_disk / 1e9:.1f} GB free"] if disk > room else []
+    why = f"{max_layers} blocks do not fit this machine ({'; '.join(limits)}): the largest size that does"
+    low, high = 0, max_layers  # fits(low) (0: nothing yet), not fits(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    if low == 0:
+        low, why = 1, why + "; not even one block fits: one block"
+    step_s, disk = predicted(low)
+    return SizePlan(low, gpt_params(low, width, seq), step_s, disk, why)
