@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -76,15 +78,20 @@ def state_blocks(config: OptimizerConfig | None) -> BlockwiseStates | None:
 def tiled_layout_of(cfg: Config, chunked) -> TiledLayout | None:
     """How TiledAdam steps the chunks of `chunked`: bf16 masters (Note [bf16 master weights]) and low-bit states
     (Note [block-wise optimizer states]); None: neither (torch's optimizers step them)."""
+    quantized = frozenset(id(s.stepped) for g in chunked.groups if g.blockwise for s in g.states)
+    return tiled_layout(cfg, quantized, chunked.key_spans)
+
+
+def tiled_layout(cfg: Config, quantized: frozenset[int], key_spans: Callable[[], dict]) -> TiledLayout | None:
+    """tiled_layout_of for stepped tensors given by id: `quantized` keep block-wise moments, `key_spans()` says
+    where each one's parameters lie (asked only when the weights are rounded stochastically)."""
     bf16, blocks = cfg.bf16, state_blocks(cfg.optimizer)
     if not bf16.bf16_master_weights_and_grads and blocks is None:
         return None
     rounds = bf16.bf16_master_weights_and_grads and bf16.stochastic_rounding
     moments = torch.bfloat16 if bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states else torch.float32
-    quantized = frozenset(id(s.stepped) for g in chunked.groups if g.blockwise for s in g.states)
     return TiledLayout(Arithmetic.TORCHAO if blocks is not None else Arithmetic.TORCH, moments,
-                       KeyedBits(cfg.seed or 0) if rounds else None, chunked.key_spans() if rounds else {},
-                       blocks, quantized)
+                       KeyedBits(cfg.seed or 0) if rounds else None, key_spans() if rounds else {}, blocks, quantized)
 
 
 

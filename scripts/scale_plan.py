@@ -71,23 +71,15 @@ def update_seconds_per_element(config: dict) -> float:
     block-wise states, compiled or not) over UPDATE_SAMPLE elements held in memory, after a warm-up step (which
     compiles where the config compiles); seconds per element."""
     from engine.config import load_config
-    from engine.optim import build_optimizer, state_blocks
-    from engine.optimizers.stochastic_rounding import KeyedBits, KeySpan
-    from engine.optimizers.tiled_adam import Arithmetic, TiledLayout
+    from engine.optim import build_optimizer, tiled_layout
+    from engine.optimizers.stochastic_rounding import KeySpan
 
     cfg = load_config(config)
-    masters = cfg.bf16.bf16_master_weights_and_grads
-    dtype = torch.bfloat16 if masters else torch.float32
+    dtype = torch.bfloat16 if cfg.bf16.bf16_master_weights_and_grads else torch.float32
     weights = torch.randn(UPDATE_SAMPLE, dtype=dtype).requires_grad_()
     weights.grad = torch.randn(UPDATE_SAMPLE, dtype=dtype) * 1e-3
-    blocks, tiled = state_blocks(cfg.optimizer), None
-    if masters or blocks is not None:  # as engine.optim.tiled_layout_of lays out a chunk of one parameter
-        rounds = masters and cfg.bf16.stochastic_rounding
-        moments = torch.bfloat16 if masters and cfg.bf16.bf16_optimizer_states else torch.float32
-        tiled = TiledLayout(Arithmetic.TORCHAO if blocks is not None else Arithmetic.TORCH, moments,
-                            KeyedBits(0) if rounds else None,
-                            {id(weights): [KeySpan(0, UPDATE_SAMPLE, 1, 0)]} if rounds else {}, blocks,
-                            frozenset([id(weights)]) if blocks is not None else frozenset())
+    # laid out as the engine lays out a chunk holding one parameter
+    tiled = tiled_layout(cfg, frozenset([id(weights)]), lambda: {id(weights): [KeySpan(0, UPDATE_SAMPLE, 1, 0)]})
     optimizer = build_optimizer(cfg.optimizer, [{"params": [weights]}], tiled=tiled)
     optimizer.step()  # warm-up: compiles, allocates the states
     start = time.perf_counter()

@@ -103,13 +103,12 @@ def estimate(factory: Callable[[], nn.Module], config: dict, world: int, tp_size
     few layers, the schedule needs other micro-batch counts) is left out and named in `skipped`."""
     if compute_on_cpu is None:
         compute_on_cpu = not torch.cuda.is_available()
-    load_config(config)  # the user's own config errors are raised; what a strategy changes the engine may refuse
+    base = load_config(config)  # the user's own config errors are raised; what a strategy changes the engine may refuse
     if strategies is None:
         strategies = default_strategies(config, world, tp_sizes, nvme=True, pp_sizes=pp_sizes)
     meta = build_model(factory, "meta")
     seq_len = seq_len or default_seq_len(meta)
     result = Estimate(sum(p.numel() for p in meta.parameters()), world, 0, seq_len, compute_on_cpu, budgets)
-    base = load_config(config)
     compiles = base.optimizer is not None and bool(base.optimizer.params.get("compile"))
     runtime = runtime_host_bytes(optional_packages(base), compiles)
     traces: dict[tuple, StrategyTrace] = {}

@@ -36,7 +36,6 @@ import torch
 
 from engine.config import Config
 from engine.config_checks import OFFLOADED
-from engine.config_schema import ConfigError
 from engine.initialization import chunk_layout, persistence_threshold
 from engine.optim import build_optimizer, state_blocks
 from engine.optimizers.tiled_adam import TILE
@@ -233,11 +232,8 @@ def model_states(params: list[TrainableParam], config: Config, dp: int,
 
 def _disk_bytes(config: Config, policy: OffloadPolicy, files: dict[ChunkKind, list[int]], dp: int) -> int:
     """Note [estimating model states]: the swap files of the kinds homed on NVMe, one per chunk, padded."""
-    try:
-        accumulation = config.batch_sizes(dp).gradient_accumulation_steps
-    except ConfigError:  # batch sizes this estimate does not fix: assume gradients wait
-        accumulation = 2
-    grads_wait = not config.zero_optimization.offload_optimizer.step_in_backward or accumulation > 1
+    grads_wait = (not config.zero_optimization.offload_optimizer.step_in_backward
+                  or config.batch_sizes(dp).gradient_accumulation_steps > 1)
     kinds = [k for k in files if policy.home(k) is Location.NVME and (k is not ChunkKind.GRAD or grads_wait)]
     return sum(padded_size(n, config.aio.block_size) for k in kinds for n in files[k] if n)
 
