@@ -61,11 +61,13 @@ class TiledAdam(torch.optim.Optimizer):
     def __init__(self, params, layout: TiledLayout, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = True, tile: int = TILE,
                  compiled: bool = False):
-        """compiled: torchao's update compiled (torch.compile, one shape: every tile `tile` elements, the last one
-        padded with zeros; Note [block-wise optimizer states])."""
+        """compiled: the update compiled (torch.compile, one shape: every tile `tile` elements, the last one padded
+        with zeros; Note [block-wise optimizer states]): 8-bit states by Tiers' fused kernel (Note [fused 8-bit
+        update]), others by torchao's function."""
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       decoupled=decoupled))
         self.layout, self.tile, self.compiled = layout, tile, compiled
+        self._fused = compiled and _fused(layout.blockwise)
         if layout.blockwise is not None and tile % layout.blockwise.block:
             raise ValueError(f"tile {tile} is not a whole number of blocks of {layout.blockwise.block}")
         # keyed by place, not identity: an offloaded optimizer steps a manager view in a tensor's place
@@ -125,7 +127,7 @@ class TiledAdam(torch.optim.Optimizer):
         # fp32 weights step in place; 16-bit ones through an fp32 copy, rounded back below
         wide = weights if weights.dtype == torch.float32 else weights.float()
         if self.compiled:
-            _compiled_update(wide, grad, state, group, blocks, start, numel, self.tile)
+            _compiled_update(wide, grad, state, group, blocks, start, numel, self.tile, self._fused)
         else:
             if blocks is not None:
                 moments = blocks.moments(state, start, numel)
@@ -175,11 +177,18 @@ def _compiled_adam():
     return torch.compile(single_param_adam, fullgraph=True, dynamic=False)
 
 
+def _fused(blockwise: BlockwiseStates | None) -> bool:
+    """Whether the fused 8-bit update steps these states (Note [fused 8-bit update])."""
+    from engine.optimizers.lowbit_kernel import tables
+
+    return blockwise is not None and blockwise.bits == 8 and tables(torch.device("cpu")) is not None
+
+
 def _compiled_update(wide: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, blocks: BlockwiseStates | None,
-                     start: int, numel: int, tile: int) -> None:
+                     start: int, numel: int, tile: int, fused: bool) -> None:
     """The compiled update of elements [start, start + numel) on `tile` elements always (one compiled shape): a
     shorter last tile is stepped in zero-padded copies (the padding is whole blocks of zeros, which quantize alone),
-    written back after."""
+    written back after. `fused`: quantized states step by the fused 8-bit update."""
     names = blocks.names() if blocks is not None else list(MOMENTS)
     ratio = {n: blocks.entries_per_element(n) if blocks is not None else 1 for n in names}
     views = {n: state[n].view(-1).narrow(0, int(start * ratio[n]), int(numel * ratio[n])) for n in names}
@@ -189,13 +198,30 @@ def _compiled_update(wide: torch.Tensor, grad: torch.Tensor, state: dict, group:
         weights, grad = _padded(wide, tile), _padded(grad, tile)
     else:
         weights = wide
-    moments = (blocks.moments(views, 0, tile) if blocks is not None else tuple(views[n] for n in MOMENTS))
-    _torchao_update(weights, grad, state["step"], moments, group, _compiled_adam())
+    if blocks is not None and fused:
+        _fused_update(weights, grad, state["step"], views, group)
+    else:
+        moments = blocks.moments(views, 0, tile) if blocks is not None else tuple(views[n] for n in MOMENTS)
+        _torchao_update(weights, grad, state["step"], moments, group, _compiled_adam())
     if padded:
         wide.copy_(weights[:numel])
         for n in names:
             state[n].view(-1).narrow(0, int(start * ratio[n]), int(numel * ratio[n])).copy_(
                 views[n][:int(numel * ratio[n])])
+
+
+def _fused_update(weights: torch.Tensor, grad: torch.Tensor, step: torch.Tensor, views: dict[str, torch.Tensor],
+                  group: dict) -> None:
+    """Tiers' fused 8-bit update on fp32 weights (gradients widened here: Note [fused 8-bit update])."""
+    from engine.optimizers.lowbit_kernel import compiled_adam8bit, tables
+
+    device = weights.device
+    beta1, beta2 = group["betas"]
+    lr = torch.tensor(group["lr"], dtype=torch.float32, device=device)
+    state = [views[f"{m}.{part}"] for m in MOMENTS for part in ("codes", "scale")]
+    state[1], state[3] = state[1].view(torch.float32), state[3].view(torch.float32)
+    compiled_adam8bit()(weights, grad.float(), step.to(device), *state, tables(device), lr, beta1,
+                        beta2, group["weight_decay"], group["eps"], group["decoupled"])
 
 
 def _padded(values: torch.Tensor, size: int) -> torch.Tensor:

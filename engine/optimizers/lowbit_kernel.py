@@ -1,0 +1,123 @@
+"""AdamW8bit's compiled update in one pass: dequantize, Adam, quantize by a 16-bit prefix table.
+
+Note [fused 8-bit update]
+With `optimizer.params.compile: true` the 8-bit states (Note [block-wise optimizer states]) are stepped by one
+compiled function of Tiers' own, `fused_adam8bit`: it reads a tile's weights, gradients, codes and scales and
+writes them back, with torchao's `single_param_adam` arithmetic op for op, so inductor compiles the same float
+operations as it does for torchao's function, and the two give the same weights, codes and scales bit for bit
+(tested on the same tiles). What differs is the quantization of a normalized moment x to its code: torchao finds
+it by an 8-step binary search over its 256-entry map and one comparison with the midpoint, eight gathers per
+element, which is most of its compiled update's time. That code is a monotone step function of x, so it changes at
+most 255 times along the fp32 line; and no two changes fall within one 16-bit prefix of x's bit pattern (the map's
+neighbours are more than 1% apart, a prefix spans less than 0.8%). So a table indexed by the top 16 bits of x
+holds, per prefix, the code below and at-or-above one threshold on the low 16 bits, and one gather and one
+comparison give torchao's code. The table is made from torchao's own `quantize_8bit_with_qmap`: the two codes at
+each prefix's ends, and, where they differ, the threshold found among its 65536 patterns, which must change once
+(else no table is made and torchao's compiled function steps instead). Across all 2^32 fp32 patterns the table
+gives torchao's codes for both maps (torchao 0.18; `scripts/check_qmap_table.py` reruns that check). The widening of
+bf16 weights and gradients stays outside the kernel: inductor's bf16 loads on CPUs without bf16 units cost more
+than the whole update.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+PREFIXES = 1 << 16  # tables are indexed by the top 16 bits of an fp32 pattern
+
+
+def _patterns(prefix: int, low: torch.Tensor) -> torch.Tensor:
+    """fp32 values whose bit patterns are `prefix` << 16 | low."""
+    signed = (prefix << 16) - (1 << 32 if prefix >= 1 << 15 else 0)
+    return (low.to(torch.int64) + signed).to(torch.int32).view(torch.float32)
+
+
+def prefix_table(qmap: tuple[float, ...]) -> torch.Tensor | None:
+    """int32 per 16-bit prefix: threshold on the low 16 bits (bits 0-15), code below it (16-23), code at or above
+    it (24-31), with torchao's 8-bit quantization to `qmap` (Note [fused 8-bit update]); None where a prefix holds
+    two changes of code."""
+    from torchao.optim.quant_utils import quantize_8bit_with_qmap
+
+    values = torch.tensor(qmap, dtype=torch.float32)
+    prefixes = torch.arange(PREFIXES, dtype=torch.int64)
+    signed = (prefixes << 16) - ((prefixes >= 1 << 15).long() << 32)
+    lowest = quantize_8bit_with_qmap(signed.to(torch.int32).view(torch.float32), values).long()
+    highest = quantize_8bit_with_qmap((signed + 0xFFFF).to(torch.int32).view(torch.float32), values).long()
+    threshold, above = torch.zeros(PREFIXES, dtype=torch.int64), lowest.clone()
+    low = torch.arange(PREFIXES, dtype=torch.int64)
+    for prefix in torch.nonzero(lowest != highest).flatten().tolist():
+        codes = quantize_8bit_with_qmap(_patterns(prefix, low), values).long()
+        changes = torch.nonzero(codes[1:] != codes[:-1]).flatten()
+        if changes.numel() != 1:
+            return None
+        threshold[prefix] = int(changes[0]) + 1
+        above[prefix] = codes[threshold[prefix]]
+    packed = threshold | (lowest << 16) | (above << 24)
+    return (packed - ((above >= 128).long() << 32)).to(torch.int32)  # bits 24-31 as int32's sign and high bits
+
+
+@functools.cache
+def tables(device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    """torchao's signed and unsigned 8-bit maps and their prefix tables on `device`, made once per process; None
+    when a table cannot be made."""
+    if device.type != "cpu":
+        on_host = tables(torch.device("cpu"))
+        return None if on_host is None else tuple(t.to(device) for t in on_host)
+    from engine.optimizers.blockwise_states import import_torchao
+
+    maps = (import_torchao()[0].get_qmap_signed(), import_torchao()[0].get_qmap_unsigned())
+    made = [prefix_table(qmap) for qmap in maps]
+    if any(table is None for table in made):
+        return None
+    return (*(torch.tensor(qmap, dtype=torch.float32) for qmap in maps), *made)
+
+
+def quantize_by_table(normalized: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """torchao's 8-bit code of each normalized fp32 value: one gather and one comparison."""
+    pattern = normalized.view(torch.int32)
+    entry = table[(pattern >> 16) & 0xFFFF]
+    return torch.where((pattern & 0xFFFF) >= (entry & 0xFFFF), (entry >> 24) & 0xFF, (entry >> 16) & 0xFF
+                       ).to(torch.uint8)
+
+
+def _dequantized(codes: torch.Tensor, qmap: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """torchao's dequant_with_qmap, flat."""
+    return (qmap[codes.int()].view(scale.shape[0], -1) * scale.view(-1, 1)).view(-1)
+
+
+def _quantize_into(values: torch.Tensor, table: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
+    """torchao's scale_tensor then quantize_8bit_with_qmap (by the table), written into codes and scale."""
+    blocks = values.view(scale.shape[0], -1)
+    absmax = blocks.abs().amax(-1).clip(1e-12)
+    codes.copy_(quantize_by_table((blocks / absmax.view(-1, 1)).view(-1), table))
+    scale.copy_(absmax)
+
+
+def fused_adam8bit(weights: torch.Tensor, grad: torch.Tensor, step: torch.Tensor, exp_avg_codes: torch.Tensor,
+                   exp_avg_scale: torch.Tensor, exp_avg_sq_codes: torch.Tensor, exp_avg_sq_scale: torch.Tensor,
+                   maps: tuple[torch.Tensor, ...], lr: torch.Tensor, beta1: float, beta2: float, weight_decay: float,
+                   eps: float, decoupled: bool) -> None:
+    """torchao's single_param_adam on fp32 `weights` and `grad` with 8-bit moments held as codes and fp32 scales,
+    in place (Note [fused 8-bit update])."""
+    signed_map, unsigned_map, signed_table, unsigned_table = maps
+    p_f32, grad_f32 = weights, grad
+    if decoupled:
+        p_f32 = p_f32 - lr * weight_decay * p_f32
+    else:
+        grad_f32 = grad_f32 + weight_decay * p_f32
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    exp_avg = _dequantized(exp_avg_codes, signed_map, exp_avg_scale).lerp(grad_f32, 1 - beta1)
+    exp_avg_sq = _dequantized(exp_avg_sq_codes, unsigned_map, exp_avg_sq_scale).lerp(grad_f32.square(), 1 - beta2)
+    _quantize_into(exp_avg, signed_table, exp_avg_codes, exp_avg_scale)
+    _quantize_into(exp_avg_sq, unsigned_table, exp_avg_sq_codes, exp_avg_sq_scale)
+    denom = (exp_avg_sq.sqrt() / bias_correction2.sqrt()) + eps
+    weights.copy_(p_f32 - lr * (exp_avg / bias_correction1) / denom)
+
+
+@functools.cache
+def compiled_adam8bit():
+    """fused_adam8bit compiled (one graph per shape and flags, as torchao compiles its own)."""
+    return torch.compile(fused_adam8bit, fullgraph=True, dynamic=False)

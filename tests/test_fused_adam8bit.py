@@ -1,0 +1,70 @@
+"""The fused 8-bit update (Note [fused 8-bit update]): its prefix tables give torchao's codes, and compiled it
+gives what torchao's compiled `single_param_adam` gives on the same tiles, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.optimizers.lowbit_kernel import PREFIXES, prefix_table, quantize_by_table, tables
+
+pytest.importorskip("torchao.optim")
+from torchao.optim.adam import single_param_adam  # noqa: E402
+from torchao.optim.quant_utils import quantize_8bit_with_qmap  # noqa: E402
+from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned  # noqa: E402
+
+MAPS = {"signed": get_qmap_signed, "unsigned": get_qmap_unsigned}
+
+
+@pytest.mark.parametrize("signed", MAPS)
+def test_the_table_gives_torchaos_codes(signed):
+    """Every fp32 pattern of each prefix where the code changes, and 2^22 random patterns (every class of value:
+    normalized moments, zeros, subnormals, beyond 1, infinities, NaNs), quantize as torchao quantizes them."""
+    qmap = MAPS[signed]()
+    values, table = torch.tensor(qmap), prefix_table(qmap)
+    assert table is not None and table.shape == (PREFIXES,)
+    changing = torch.nonzero((table & 0xFFFF) != 0).flatten()
+    assert 200 <= changing.numel() <= 255  # about one prefix per change of code
+    low = torch.arange(PREFIXES, dtype=torch.int64)
+    patterns = ((changing.long() << 16)[:, None] | low[None, :]).flatten()
+    random = torch.randint(0, 1 << 32, (1 << 22,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+    for sample in (patterns, random):
+        x = (sample - (sample >= 1 << 31).long() * (1 << 32)).to(torch.int32).view(torch.float32)
+        assert torch.equal(quantize_by_table(x, table), quantize_8bit_with_qmap(x, values))
+
+
+def test_no_table_where_a_prefix_holds_two_changes():
+    """A map whose neighbours lie within one prefix cannot be tabled: torchao's compiled function steps then."""
+    crowded = tuple(sorted([*get_qmap_signed()[:-2], 0.5 + 2 ** -20, 0.5 + 2 ** -19]))
+    assert prefix_table(crowded) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_it_is_torchaos_compiled_update_bit_for_bit(dtype):
+    """Three steps on one 4096-element tile with non-zero starting states, fp32 or bf16 weights and gradients
+    (the bf16 ones widened first, as TiledAdam widens them): the same weights, codes and scales as torchao's
+    single_param_adam compiled as torchao compiles it, over OptimState8bit."""
+    from engine.optimizers.lowbit_kernel import compiled_adam8bit
+
+    n, block = 4096, 256
+    g = torch.Generator().manual_seed(1)
+    weights = torch.randn(n, generator=g).to(dtype)
+    states = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8), torch.rand(n // block, generator=g) / 10,
+              torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8), torch.rand(n // block, generator=g) / 1e3]
+    ours, theirs = [weights.clone(), *(s.clone() for s in states)], [weights.clone(), *(s.clone() for s in states)]
+    torchaos = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+    lr, maps = torch.tensor(2e-3), tables(torch.device("cpu"))
+    for step in range(1, 4):
+        grad = (torch.randn(n, generator=g) / 100).to(dtype)
+        wide = ours[0].float()
+        compiled_adam8bit()(wide, grad.float(), torch.tensor(float(step)), *ours[1:], maps, lr, 0.9, 0.999, 0.01,
+                            1e-8, True)
+        ours[0].copy_(wide)
+        moments = (OptimState8bit(theirs[1], theirs[2], maps[0], True),
+                   OptimState8bit(theirs[3], theirs[4], maps[1], False))
+        wide = theirs[0].float()
+        torchaos(wide, grad, torch.tensor(float(step)), *moments, None, lr, 0.9, 0.999, 0.01, 1e-8, True, False)
+        theirs[0].copy_(wide)
+    assert ours[0].ne(weights).any()
+    for mine, reference in zip(ours, theirs):
+        assert torch.equal(mine, reference)
