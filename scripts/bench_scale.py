@@ -68,6 +68,7 @@ LAYOUTS = {
     "bf16-masters": (MASTERS, "AdamW", 8),  # bf16 param (the master) + grad + two bf16 moments (DeepSpeed's)
     "rounded": ({**MASTERS, "stochastic_rounding": True}, "AdamW", 8),
     "lowbit": ({**MASTERS, "stochastic_rounding": True}, "AdamW8bit", 6.03),  # two 8-bit block-wise moments
+    "fp32-lowbit": ({"enabled": False}, "AdamW8bit", 10.03),  # fp32 param (the master) + grad, 8-bit moments
 }
 
 
@@ -89,12 +90,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--raw-bytes", type=int, default=2 << 30, help="bytes per raw dd pass (default 2 GiB)")
     ap.add_argument("--layout", default="lowbit", choices=sorted(LAYOUTS),
                     help="training-state layout: fp32 masters; bf16 masters with bf16 moments; the same rounded "
-                         "stochastically; lowbit (default): that with AdamW8bit's moments, its update compiled")
+                         "stochastically; lowbit (default): that with AdamW8bit's moments, its update compiled; "
+                         "fp32-lowbit: fp32 training with AdamW8bit (a compute-light run where the disk and the "
+                         "update set the step)")
     ap.add_argument("--step-after-backward", action="store_true",
                     help="step after backward (with gradient_clipping 1.0) instead of step_in_backward")
     ap.add_argument("--out", default=None, help="also write the markdown to this file")
     add_json_option(ap)
     return ap.parse_args(argv)
+
+
+def precision(args) -> str:
+    return "bf16" if LAYOUTS[args.layout][0].get("enabled") else "fp32"
 
 
 def engine_config(args, world: int) -> dict:
@@ -187,9 +194,9 @@ def summarize(world: int, layers: int, ranks: list[dict], rates, write_bw: float
            " → ".join(f"{x:.3f}" for x in losses) + (" (falling)" if falling else " (not falling)")]
     layout = f" ({args.layout}{', step_in_backward' if not args.step_after_backward else ''})"
     record = result_record(
-        "scale", f"tiers ZeRO-3 bf16{layout}, everything on NVMe, {world} process(es), {psi / 1e9:.2f} B",
+        "scale", f"tiers ZeRO-3 {precision(args)}{layout}, everything on NVMe, {world} process(es), {psi / 1e9:.2f} B",
         world=world, layout=args.layout, peer="this machine's floor (disk, compute, update; same run)",
-        strategy="ZeRO-3 NVMe bf16", metric="step ÷ its floor", ratio=ratio, target=1.5, step_s=step_s,
+        strategy=f"ZeRO-3 NVMe {precision(args)}", metric="step ÷ its floor", ratio=ratio, target=1.5, step_s=step_s,
         first_step_s=first_s, throughput=world * args.micro_batch * args.seq / step_s, unit="tokens/s",
         peak_rss_per_rank_bytes=peak_rss, parameters=psi, layers=layers, disk_rest_bytes=disk_rest,
         disk_peak_bytes=disk_peak, estimated_disk_peak_bytes=est.disk_peak if est else None,
@@ -252,11 +259,12 @@ def main(argv=None) -> None:
     clipping = ("gradient_clipping off (step_in_backward refuses it)" if not args.step_after_backward
                 else "stepped after backward, gradient_clipping 1.0")
     text = "\n".join([
-        f"### Scale: the largest GPT through NVMe (bf16, ZeRO-3, everything offloaded; layout {args.layout})",
+        f"### Scale: the largest GPT through NVMe ({precision(args)}, ZeRO-3, everything offloaded; layout "
+        f"{args.layout})",
         "",
         f"GPT {layers} layers × {args.embd} wide ({args.heads} heads), byte vocabulary; {why}. bf16 section {bf16}, "
         f"{optimizer} lr {args.lr}, {clipping}; micro batch {args.micro_batch} × seq {args.seq} per process, "
-        f"buffer_count {args.buffer_count}, built under zero_init. This machine: bf16 matmuls of a "
+        f"buffer_count {args.buffer_count}, built under zero_init. This machine: {precision(args)} matmuls of a "
         f"{4 * args.embd} × {args.embd} weight over {args.micro_batch * args.seq} tokens at "
         f"{' / '.join(f'{r / 1e9:,.1f}' for r in rates.matmul_flops)} GFLOP/s (forward / input gradient / weight "
         f"gradient); the update {rates.update_s_per_element * 1e9:.2f} ns per element in memory; free disk "

@@ -27,7 +27,7 @@ MATMUL_REPEATS = 3
 
 @dataclass(frozen=True)
 class MachineRates:
-    matmul_flops: tuple[float, float, float]  # bf16 FLOP/s of an MLP weight's forward, input and weight gradient
+    matmul_flops: tuple[float, float, float]  # FLOP/s of an MLP weight's forward, input and weight gradient
     update_s_per_element: float  # one pass of the layout's update, in memory
     free_disk: int  # bytes free in the swap directory
 
@@ -45,12 +45,12 @@ def step_flops(params: int, layers: int, width: int, seq: int, micro_batch: int)
     return 6.0 * params * seq * micro_batch + 12.0 * layers * seq * seq * width * micro_batch
 
 
-def matmul_flops(width: int, tokens: int) -> tuple[float, float, float]:
-    """bf16 FLOP/s of an MLP weight W[4·width, width]'s three matmuls over `tokens` rows, as autograd runs them:
-    x·Wᵀ (forward), dy·W (input gradient), dyᵀ·x (weight gradient); each the median of a few runs."""
-    x = torch.randn(tokens, width, dtype=torch.bfloat16)
-    w = torch.randn(4 * width, width, dtype=torch.bfloat16)
-    dy = torch.randn(tokens, 4 * width, dtype=torch.bfloat16)
+def matmul_flops(width: int, tokens: int, dtype: torch.dtype = torch.bfloat16) -> tuple[float, float, float]:
+    """FLOP/s in `dtype` of an MLP weight W[4·width, width]'s three matmuls over `tokens` rows, as autograd runs
+    them: x·Wᵀ (forward), dy·W (input gradient), dyᵀ·x (weight gradient); each the median of a few runs."""
+    x = torch.randn(tokens, width, dtype=dtype)
+    w = torch.randn(4 * width, width, dtype=dtype)
+    dy = torch.randn(tokens, 4 * width, dtype=dtype)
     flops = 2.0 * tokens * width * 4 * width
     return tuple(flops / _median_seconds(f) for f in (lambda: torch.nn.functional.linear(x, w), lambda: dy @ w,
                                                       lambda: dy.t() @ x))
@@ -87,8 +87,13 @@ def update_seconds_per_element(config: dict) -> float:
     return (time.perf_counter() - start) / UPDATE_SAMPLE
 
 
+def compute_dtype(config: dict) -> torch.dtype:
+    """The dtype the config's matmuls run in: bf16 where its bf16 section is on, else fp32."""
+    return torch.bfloat16 if config.get("bf16", {}).get("enabled") else torch.float32
+
+
 def measure_machine(directory: str, width: int, tokens: int, config: dict) -> MachineRates:
-    return MachineRates(matmul_flops(width, tokens), update_seconds_per_element(config),
+    return MachineRates(matmul_flops(width, tokens, compute_dtype(config)), update_seconds_per_element(config),
                         shutil.disk_usage(directory).free)
 
 

@@ -39,12 +39,12 @@ def test_no_table_where_a_prefix_holds_two_changes():
     assert prefix_table(crowded) is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_it_is_torchaos_compiled_update_bit_for_bit(dtype):
+@pytest.mark.parametrize("dtype,decoupled", [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)])
+def test_compiled_it_is_torchaos_compiled_update_bit_for_bit(dtype, decoupled):
     """Three steps on one 4096-element tile with non-zero starting states, fp32 or bf16 weights and gradients
-    (the bf16 ones widened first, as TiledAdam widens them): the same weights, codes and scales as torchao's
-    single_param_adam compiled as torchao compiles it, over OptimState8bit."""
-    from engine.optimizers.lowbit_kernel import compiled_adam8bit
+    (the bf16 ones widened first, as TiledAdam widens them), AdamW or Adam's L2 decay: the same weights, codes and
+    scales as torchao's single_param_adam compiled as torchao compiles it, over OptimState8bit."""
+    from engine.optimizers.lowbit_kernel import adam8bit
 
     n, block = 4096, 256
     g = torch.Generator().manual_seed(1)
@@ -57,13 +57,13 @@ def test_compiled_it_is_torchaos_compiled_update_bit_for_bit(dtype):
     for step in range(1, 4):
         grad = (torch.randn(n, generator=g) / 100).to(dtype)
         wide = ours[0].float()
-        compiled_adam8bit()(wide, grad.float(), torch.tensor(float(step)), *ours[1:], maps, lr, 0.9, 0.999, 0.01,
-                            1e-8, True)
+        adam8bit(wide, grad.float(), torch.tensor(float(step)), tuple(ours[1:]), maps, lr, 0.9, 0.999, 0.01, 1e-8,
+                 decoupled)
         ours[0].copy_(wide)
         moments = (OptimState8bit(theirs[1], theirs[2], maps[0], True),
                    OptimState8bit(theirs[3], theirs[4], maps[1], False))
         wide = theirs[0].float()
-        torchaos(wide, grad, torch.tensor(float(step)), *moments, None, lr, 0.9, 0.999, 0.01, 1e-8, True, False)
+        torchaos(wide, grad, torch.tensor(float(step)), *moments, None, lr, 0.9, 0.999, 0.01, 1e-8, decoupled, False)
         theirs[0].copy_(wide)
     assert ours[0].ne(weights).any()
     for mine, reference in zip(ours, theirs):

@@ -21,8 +21,8 @@ parameter range like any state (Note [checkpoint layout]), so a resharded load i
 Eager torchao arithmetic costs ~500 ns per element on a 2-core CPU; `optimizer.params.compile: true` compiles the
 update (torch.compile, as torchao's optimizer does) on tiles of one shape, the last one padded with zero blocks
 (they quantize alone, to zero), so it compiles once per state format: 8-bit states by Tiers' fused kernel, bit for
-bit torchao's compiled function in a third of its time (Note [fused 8-bit update]: ~11 ns per element on 1 M-element
-tiles here, against ~21), 4-bit ones by torchao's function. A compiled kernel rounds a few values differently from
+bit torchao's compiled function in less than a third of its time (Note [fused 8-bit update]: ~6 ns per element on
+1 M-element tiles here, against ~21), 4-bit ones by torchao's function. A compiled kernel rounds a few values differently from
 the eager ops (fp32's last bits).
 """
 

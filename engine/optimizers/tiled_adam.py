@@ -213,15 +213,15 @@ def _compiled_update(wide: torch.Tensor, grad: torch.Tensor, state: dict, group:
 def _fused_update(weights: torch.Tensor, grad: torch.Tensor, step: torch.Tensor, views: dict[str, torch.Tensor],
                   group: dict) -> None:
     """Tiers' fused 8-bit update on fp32 weights (gradients widened here: Note [fused 8-bit update])."""
-    from engine.optimizers.lowbit_kernel import compiled_adam8bit, tables
+    from engine.optimizers.lowbit_kernel import adam8bit, tables
 
     device = weights.device
     beta1, beta2 = group["betas"]
     lr = torch.tensor(group["lr"], dtype=torch.float32, device=device)
-    state = [views[f"{m}.{part}"] for m in MOMENTS for part in ("codes", "scale")]
-    state[1], state[3] = state[1].view(torch.float32), state[3].view(torch.float32)
-    compiled_adam8bit()(weights, grad.float(), step.to(device), *state, tables(device), lr, beta1,
-                        beta2, group["weight_decay"], group["eps"], group["decoupled"])
+    states = [views[f"{m}.{part}"] for m in MOMENTS for part in ("codes", "scale")]
+    states[1], states[3] = states[1].view(torch.float32), states[3].view(torch.float32)
+    adam8bit(weights, grad.float(), step.to(device), tuple(states), tables(device), lr, beta1, beta2,
+             group["weight_decay"], group["eps"], group["decoupled"])
 
 
 def _padded(values: torch.Tensor, size: int) -> torch.Tensor:
