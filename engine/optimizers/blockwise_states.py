@@ -22,8 +22,8 @@ Eager torchao arithmetic costs ~500 ns per element on a 2-core CPU; `optimizer.p
 update (torch.compile, as torchao's optimizer does) on tiles of one shape, the last one padded with zero blocks
 (they quantize alone, to zero), so it compiles once per state format: 8-bit states by Tiers' fused kernel, bit for
 bit torchao's compiled function in less than a third of its time (Note [fused 8-bit update]: ~6 ns per element on
-1 M-element tiles here, against ~21), 4-bit ones by torchao's function. A compiled kernel rounds a few values differently from
-the eager ops (fp32's last bits).
+1 M-element tiles here, against ~21), 4-bit ones by torchao's function. A compiled kernel rounds a few values
+differently from the eager ops (fp32's last bits).
 """
 
 from __future__ import annotations
