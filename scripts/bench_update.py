@@ -35,14 +35,18 @@ LR, WEIGHT_DECAY = 1e-3, 0.01
 MASTERS = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 # name -> (optimizer type, bf16 section or None for fp32, the peer: (kind, bits, bf16 weights, rounded))
 LAYOUTS = {
-    "8-bit, fp32 weights": ("AdamW8bit", None, ("torchao", 8, False, False)),
-    "8-bit, bf16 masters": ("AdamW8bit", MASTERS, ("torchao", 8, True, False)),
-    "8-bit, bf16 masters, stochastic rounding": ("AdamW8bit", {**MASTERS, "stochastic_rounding": True},
-                                                 ("torchao", 8, True, True)),
-    "4-bit, fp32 weights": ("AdamW4bit", None, ("torchao", 4, False, False)),
-    "bf16 masters, bf16 states": ("AdamW", MASTERS, ("torch", 0, True, False)),
-    "bf16 masters, bf16 states, stochastic rounding": ("AdamW", {**MASTERS, "stochastic_rounding": True},
-                                                       ("torch", 0, True, False)),
+    "8bit-fp32": ("AdamW8bit", None, ("torchao", 8, False, False)),
+    "8bit-bf16-masters": ("AdamW8bit", MASTERS, ("torchao", 8, True, False)),
+    "8bit-bf16-masters-sr": ("AdamW8bit", {**MASTERS, "stochastic_rounding": True}, ("torchao", 8, True, True)),
+    "4bit-fp32": ("AdamW4bit", None, ("torchao", 4, False, False)),
+    "bf16-masters": ("AdamW", MASTERS, ("torch", 0, True, False)),
+    "bf16-masters-sr": ("AdamW", {**MASTERS, "stochastic_rounding": True}, ("torch", 0, True, False)),
+}
+DESCRIPTIONS = {
+    "8bit-fp32": "AdamW8bit, fp32 weights", "8bit-bf16-masters": "AdamW8bit, bf16 masters",
+    "8bit-bf16-masters-sr": "AdamW8bit, bf16 masters rounded stochastically", "4bit-fp32": "AdamW4bit, fp32 weights",
+    "bf16-masters": "AdamW, bf16 masters and states",
+    "bf16-masters-sr": "AdamW, bf16 masters and states, rounded stochastically",
 }
 
 
@@ -65,6 +69,7 @@ def ours(name: str, elements: int):
     optimizer_type, bf16, _ = LAYOUTS[name]
     params = {"lr": LR, "weight_decay": WEIGHT_DECAY, **({"compile": True} if "bit" in optimizer_type else {})}
     cfg = load_config({"train_batch_size": 1, "optimizer": {"type": optimizer_type, "params": params},
+                       "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
                        **({"bf16": bf16} if bf16 else {})})
     weights = _tensor(elements, torch.bfloat16 if bf16 else torch.float32)
     tiled = tiled_layout(cfg, frozenset([id(weights)]), lambda: {id(weights): [KeySpan(0, elements, 1, 0)]})
@@ -122,15 +127,15 @@ def main(argv=None) -> None:
         seconds = timed_in_turn({"ours": ours(name, n), "peer": peer_step, "floor": floor(n)}, args.steps)
         ratio = seconds["ours"] / seconds["peer"]
         ns = {key: value / n * 1e9 for key, value in seconds.items()}
-        rows.append([name, f"{ns['ours']:.2f}", peer_name, f"{ns['peer']:.2f}", f"{ratio:.2f}",
+        rows.append([DESCRIPTIONS[name], f"{ns['ours']:.2f}", peer_name, f"{ns['peer']:.2f}", f"{ratio:.2f}",
                      f"{ns['floor']:.2f}", f"{seconds['ours'] / seconds['floor']:.1f}"])
         records.append(result_record(
-            "update", f"tiers {name}", world=1, peer=peer_name, strategy=name, metric="update time", ratio=ratio,
-            target=1.0, step_s=seconds["ours"], throughput=n / seconds["ours"], unit="elements/s",
+            "update", f"tiers {DESCRIPTIONS[name]}", world=1, peer=peer_name, strategy=name, metric="update time",
+            ratio=ratio, target=1.0, step_s=seconds["ours"], throughput=n / seconds["ours"], unit="elements/s",
             ns_per_element=ns["ours"], peer_ns_per_element=ns["peer"], floor_ns_per_element=ns["floor"]))
-        records.append(result_record("update", peer_name + f" ({name})", world=1, role="peer", strategy=name,
-                                     metric="update time", step_s=seconds["peer"], throughput=n / seconds["peer"],
-                                     unit="elements/s"))
+        records.append(result_record(
+            "update", f"{peer_name} (beside {DESCRIPTIONS[name]})", world=1, role="peer", strategy=name,
+            metric="update time", step_s=seconds["peer"], throughput=n / seconds["peer"], unit="elements/s"))
     text = "\n".join([
         "### The optimizer update of each state layout, in memory, one process",
         "",
