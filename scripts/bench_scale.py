@@ -19,6 +19,9 @@ and at the peak per parameter (the chunk manager's swap-file figures, Note [byte
 peak RSS beside the estimate's; the first and the steady step; each floor (disk traffic at dd's bandwidth,
 matmul FLOPs at the measured rate, one update pass) and the steady step over the largest; the losses.
 
+`--layout fp32-lowbit` trains in fp32 with AdamW8bit instead: on a CPU without fast bf16 matmuls, a run where the
+disk, the matmuls and the update weigh alike.
+
 This is a benchmark script: it prints what it measured and never asserts on time.
 """
 
