@@ -13,7 +13,14 @@ from torch import nn
 
 from engine import initialize
 from engine.config import ConfigError, load_config
-from engine.optimizers.stochastic_rounding import BLOCK, KeyedBits, KeySpan, parameter_key, round_stochastically
+from engine.optimizers.stochastic_rounding import (
+    BLOCK,
+    KeyedBits,
+    KeySpan,
+    parameter_key,
+    round_stochastically,
+    round_stochastically_into,
+)
 from engine.optimizers.tiled_adam import Arithmetic, TiledAdam, TiledLayout
 from tests.distributed import results_by_case, run_cases, run_distributed
 from tests.reference import tiny_gpt, token_batches, train_engine, trained_params
@@ -42,6 +49,25 @@ def test_rounding_is_torchaos_on_the_same_bits_and_keeps_nan():
     assert torch.equal(round_stochastically(values, bits).view(torch.int16),
                        torchao_rounding(values, bits).view(torch.int16))
     assert round_stochastically(torch.tensor([float("nan")]), torch.tensor([65535], dtype=torch.int32)).isnan().all()
+
+
+@pytest.mark.parametrize("with_nan", [False, True])
+def test_rounding_in_place_is_the_same_rounding(with_nan):
+    """round_stochastically_into (the optimizer's, in its fp32 scratch tile) gives round_stochastically's bits: on
+    values of every magnitude, the largest finite ones (which round up to infinity), and NaNs whose patterns the
+    carry would wrap."""
+    g = torch.Generator().manual_seed(1)
+    values = torch.cat([torch.randn(10_000, generator=g) * 10.0 ** torch.randint(-30, 30, (10_000,), generator=g),
+                        torch.tensor([0.0, -0.0, 3.4028235e38, -3.4028235e38, float("inf"), -float("inf")])])
+    if with_nan:
+        nans = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, 0x7FC00000], dtype=torch.int32).view(torch.float32)
+        values = torch.cat([values, nans])
+    bits = torch.randint(0, 1 << 16, values.shape, generator=g, dtype=torch.int32)
+    expected = round_stochastically(values, bits)
+    out = torch.empty(values.shape, dtype=torch.bfloat16)
+    round_stochastically_into(out, values.clone(), bits)
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    assert out.isnan().sum() == (4 if with_nan else 0)
 
 
 def test_rounding_is_unbiased():

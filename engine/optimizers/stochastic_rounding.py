@@ -68,7 +68,9 @@ class KeyedBits:
     def bits(self, step: int, spans: list[KeySpan], start: int, numel: int, device: torch.device) -> torch.Tensor:
         """Random 16-bit values (int32 in [0, 65536)) for elements [start, start + numel) of a stepped tensor whose
         parameters lie as `spans` say; elements no span covers get 0."""
-        out = torch.zeros(numel, dtype=torch.int32)
+        covered = sum(max(0, min(span.offset + span.numel, start + numel) - max(span.offset, start)) for span in spans)
+        # every element gets its draw where the spans cover the range (they never overlap), else 0 first
+        out = torch.empty(numel, dtype=torch.int32) if covered == numel else torch.zeros(numel, dtype=torch.int32)
         generator = torch.Generator()
         for span in spans:
             lo, hi = max(span.offset, start), min(span.offset + span.numel, start + numel)
@@ -98,3 +100,15 @@ def round_stochastically(values: torch.Tensor, bits: torch.Tensor) -> torch.Tens
     pattern.bitwise_and_(-65536)  # 0xFFFF0000: what bf16 keeps
     rounded = pattern.view(torch.float32).to(torch.bfloat16)
     return torch.where(values.isnan(), values.to(torch.bfloat16), rounded)
+
+
+def round_stochastically_into(out: torch.Tensor, values: torch.Tensor, bits: torch.Tensor) -> None:
+    """out.copy_(round_stochastically(values, bits)) with fewer passes: the rounding happens in the storage of
+    `values` (an fp32 scratch tile: it is overwritten), and the NaN guard only runs where a NaN is present."""
+    if bool(values.isnan().any()):
+        out.copy_(round_stochastically(values, bits))
+        return
+    pattern = values.view(torch.int32)
+    pattern.add_(0xFFFF).sub_(bits).bitwise_and_(-65536)
+    out.copy_(values)  # exact: the 16 low bits are zero
+

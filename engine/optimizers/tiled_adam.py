@@ -31,7 +31,7 @@ import torch
 import torch.optim.adam as torch_adam
 
 from engine.optimizers.blockwise_states import MOMENTS, BlockwiseStates
-from engine.optimizers.stochastic_rounding import KeyedBits, KeySpan, round_stochastically
+from engine.optimizers.stochastic_rounding import KeyedBits, KeySpan, round_stochastically_into
 
 TILE = 1 << 20  # elements widened to fp32 at a time
 
@@ -141,7 +141,7 @@ class TiledAdam(torch.optim.Optimizer):
             weights.copy_(wide)
         else:
             step = int(state["step"].item())
-            weights.copy_(round_stochastically(wide, self.layout.rounding.bits(step, spans, start, numel, wide.device)))
+            round_stochastically_into(weights, wide, self.layout.rounding.bits(step, spans, start, numel, wide.device))
 
 
 def _torch_update(wide: torch.Tensor, grad: torch.Tensor, step: torch.Tensor, moments: tuple, group: dict) -> None:
