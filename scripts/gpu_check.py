@@ -18,6 +18,8 @@ installs: the GPU images carry torch 2.11 and allow nothing else). Sections:
   offload       the ~1.28 B GPT per phase: plain PyTorch, Tiers ZeRO-3 fully offloaded and ZeRO-2 with
                 offload_optimizer, FSDP2 with CPUOffloadPolicy, the host floor (fused AdamW on the CPU over as many
                 elements) and the bus, with the ratios the offload targets are taken on
+  lowbit        the fused 8-bit update on the device against torchao's compiled update on one tile: bit equality
+                and ns per element (skipped where torchao is not installed)
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 # each section's time limit in seconds (on an H100; the whole check is meant to take under 8 minutes)
-SECTIONS = {"env": 20, "device_tier": 90, "manager": 40, "ring": 20, "gpt": 100, "zero_init": 60, "offload": 150}
+SECTIONS = {"env": 20, "device_tier": 90, "manager": 40, "ring": 20, "gpt": 100, "zero_init": 60, "offload": 150,
+            "lowbit": 90}
 
 
 def main() -> int:

@@ -68,3 +68,18 @@ def test_compiled_it_is_torchaos_compiled_update_bit_for_bit(dtype, decoupled):
     assert ours[0].ne(weights).any()
     for mine, reference in zip(ours, theirs):
         assert torch.equal(mine, reference)
+
+
+def test_gpu_checks_lowbit_section_runs_on_the_cpu_seam(tmp_path):
+    """scripts/gpu_check.py's `lowbit` section (--simulate): it runs to the end and finds the two updates equal."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--simulate", "--only", "lowbit"], cwd=root,
+                          env={**os.environ, "OUT": str(tmp_path)}, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    section = json.loads((tmp_path / "gpu_check.json").read_text())["lowbit"]
+    assert section["bit_equal_weights_codes_scales"] == [True] * 5 and section["ns_per_element"]["ours"] > 0
