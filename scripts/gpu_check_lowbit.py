@@ -36,8 +36,8 @@ def section_lowbit(simulate: bool) -> dict:
         adam8bit(ours[0], grads[step - 1], count, tuple(ours[1:]), maps, lr, 0.9, 0.999, 0.01, 1e-8, True)
         _sync(device)
         seconds["ours"].append(time.perf_counter() - began)
-        moments = (OptimState8bit(theirs[1], theirs[2], maps[0], True),
-                   OptimState8bit(theirs[3], theirs[4], maps[1], False))
+        moments = (OptimState8bit(theirs[1], theirs[2], maps.signed, True),
+                   OptimState8bit(theirs[3], theirs[4], maps.unsigned, False))
         began = time.perf_counter()
         torchaos(theirs[0], grads[step - 1], count, *moments, None, lr, 0.9, 0.999, 0.01, 1e-8, True, False)
         _sync(device)

@@ -58,7 +58,8 @@ def test_rounding_in_place_is_the_same_rounding(with_nan):
     carry would wrap."""
     g = torch.Generator().manual_seed(1)
     values = torch.cat([torch.randn(10_000, generator=g) * 10.0 ** torch.randint(-30, 30, (10_000,), generator=g),
-                        torch.tensor([0.0, -0.0, 3.4028235e38, -3.4028235e38, float("inf"), -float("inf")])])
+                        torch.tensor([0.0, -0.0, 3.4028235e38, -3.4028235e38, float("inf"), -float("inf"), 1e-40,
+                                      -3e-42, 1.1754942e-38])])  # the last three subnormal
     if with_nan:
         nans = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, 0x7FC00000], dtype=torch.int32).view(torch.float32)
         values = torch.cat([values, nans])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.optimizers.lowbit_kernel import PREFIXES, prefix_table, quantize_by_table, tables
+from engine.optimizers.lowbit_kernel import PREFIXES, Maps, matches_torchao, prefix_table, quantize_by_table, tables
 
 pytest.importorskip("torchao.optim")
 from torchao.optim.adam import single_param_adam  # noqa: E402
@@ -42,8 +42,9 @@ def test_no_table_where_a_prefix_holds_two_changes():
 @pytest.mark.parametrize("dtype,decoupled", [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)])
 def test_compiled_it_is_torchaos_compiled_update_bit_for_bit(dtype, decoupled):
     """Three steps on one 4096-element tile with non-zero starting states, fp32 or bf16 weights and gradients
-    (the bf16 ones widened first, as TiledAdam widens them), AdamW or Adam's L2 decay: the same weights, codes and
-    scales as torchao's single_param_adam compiled as torchao compiles it, over OptimState8bit."""
+    (the bf16 ones widened first, as TiledAdam widens them), AdamW or Adam's L2 decay: the same fp32 weights (before
+    any rounding to bf16), codes and scales as torchao's single_param_adam compiled as torchao compiles it, over
+    OptimState8bit."""
     from engine.optimizers.lowbit_kernel import adam8bit
 
     n, block = 4096, 256
@@ -59,15 +60,50 @@ def test_compiled_it_is_torchaos_compiled_update_bit_for_bit(dtype, decoupled):
         wide = ours[0].float()
         adam8bit(wide, grad.float(), torch.tensor(float(step)), tuple(ours[1:]), maps, lr, 0.9, 0.999, 0.01, 1e-8,
                  decoupled)
+        moments = (OptimState8bit(theirs[1], theirs[2], maps.signed, True),
+                   OptimState8bit(theirs[3], theirs[4], maps.unsigned, False))
+        their_wide = theirs[0].float()
+        torchaos(their_wide, grad, torch.tensor(float(step)), *moments, None, lr, 0.9, 0.999, 0.01, 1e-8, decoupled,
+                 False)
+        assert torch.equal(wide, their_wide), step
         ours[0].copy_(wide)
-        moments = (OptimState8bit(theirs[1], theirs[2], maps[0], True),
-                   OptimState8bit(theirs[3], theirs[4], maps[1], False))
-        wide = theirs[0].float()
-        torchaos(wide, grad, torch.tensor(float(step)), *moments, None, lr, 0.9, 0.999, 0.01, 1e-8, decoupled, False)
-        theirs[0].copy_(wide)
+        theirs[0].copy_(their_wide)
     assert ours[0].ne(weights).any()
     for mine, reference in zip(ours, theirs):
         assert torch.equal(mine, reference)
+
+
+def test_tiled_adam_steps_by_it_as_by_torchaos_compiled_update():
+    """TiledAdam with `compiled`: the fused path and torchao's compiled function on the same optimizer (10 blocks in
+    tiles of 4, 4 and 2 + 2 padding blocks, the scales read through their byte tensors) give the same weights and
+    state bytes after three steps."""
+    from engine.optimizers.blockwise_states import BlockwiseStates
+    from engine.optimizers.tiled_adam import Arithmetic, TiledAdam, TiledLayout
+
+    start = torch.randn(10 * 256, generator=torch.Generator().manual_seed(0))
+    runs = []
+    for fused in (True, False):
+        weights = start.clone().requires_grad_()
+        layout = TiledLayout(Arithmetic.TORCHAO, torch.float32, blockwise=BlockwiseStates(8, 256),
+                             quantized=frozenset({id(weights)}))
+        optimizer = TiledAdam([weights], layout, lr=2e-3, weight_decay=0.01, tile=1024, compiled=True)
+        assert optimizer._fused  # this torchao's maps table and its arithmetic matches
+        optimizer._fused = fused
+        for step in range(3):
+            weights.grad = torch.randn(start.shape, generator=torch.Generator().manual_seed(step))
+            optimizer.step()
+        runs.append([weights.detach(), *(optimizer.state[weights][n] for n in layout.blockwise.names())])
+    assert runs[0][0].ne(start).any()
+    for ours, theirs in zip(*runs):
+        assert torch.equal(ours, theirs)
+
+
+def test_the_self_check_finds_an_update_that_is_not_torchaos():
+    """matches_torchao (run when the tables are made) tells torchao's arithmetic from another: the same update with
+    the two maps exchanged is refused, so its tables would not be used."""
+    maps = tables(torch.device("cpu"))
+    assert matches_torchao(maps)
+    assert not matches_torchao(Maps(maps.unsigned, maps.signed, maps.unsigned_table, maps.signed_table))
 
 
 def test_gpu_checks_lowbit_section_runs_on_the_cpu_seam(tmp_path):

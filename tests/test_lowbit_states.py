@@ -280,8 +280,9 @@ def test_deepspeeds_state_getter_dequantizes_block_wise_moments():
 
 
 def test_the_compiled_update_pads_its_last_tile_and_agrees_with_the_eager_one():
-    """optimizer.params.compile: torchao's update compiled for one tile shape, the last tile padded with zero blocks;
-    it agrees with the eager update to fp32's last bits (inductor rounds a few values differently)."""
+    """optimizer.params.compile: the update compiled for one tile shape (8-bit: the fused kernel, Note [fused 8-bit
+    update]), the last tile padded with zero blocks; it agrees with the eager update to fp32's last bits (inductor
+    rounds a few values differently)."""
     from engine.optimizers.blockwise_states import BlockwiseStates
     from engine.optimizers.tiled_adam import Arithmetic, TiledAdam, TiledLayout
 

@@ -14,25 +14,30 @@ one 16-bit prefix of x's bit pattern (the map's neighbours are more than 1% apar
 So a table indexed by the top 16 bits of x holds, per prefix, the code below and at or above one threshold on the
 low 16 bits: one gather and one comparison give torchao's code. The table is made from torchao's own
 `quantize_8bit_with_qmap`: the codes at each prefix's two ends and, where they differ, the threshold found among
-its 65536 patterns, where the code must change exactly once (else no table is made and torchao's compiled function
-steps instead). Across all 2^32 fp32 patterns the table gives torchao's codes for both maps (torchao 0.18;
-`scripts/check_qmap_table.py` reruns that check). bf16 weights and gradients are widened outside the kernel:
-inductor's bf16 loads on CPUs without bf16 units cost more than the whole update.
+its 65536 patterns, where the code must change exactly once. At initialize the two halves, run eagerly on one
+tile, must also give torchao's eager `single_param_adam` bits (AdamW and Adam's L2 decay), so that a torchao whose
+arithmetic has changed is not stepped by a copy of the old one. If either check fails, a warning says so and
+torchao's compiled function steps instead. Across all 2^32 fp32 patterns the table gives torchao's codes for
+both maps (torchao 0.18; `scripts/check_qmap_table.py` reruns that check). bf16 weights and gradients are
+widened outside the kernel: inductor's bf16 loads on CPUs without bf16 units cost more than the whole update.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+from typing import NamedTuple
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 PREFIXES = 1 << 16  # tables are indexed by the top 16 bits of an fp32 pattern
 
 
-def _patterns(prefix: int, low: torch.Tensor) -> torch.Tensor:
-    """fp32 values whose bit patterns are `prefix` << 16 | low."""
-    signed = (prefix << 16) - (1 << 32 if prefix >= 1 << 15 else 0)
-    return (low.to(torch.int64) + signed).to(torch.int32).view(torch.float32)
+def _as_fp32(patterns: torch.Tensor) -> torch.Tensor:
+    """fp32 values with the given bit patterns (int64 in [0, 2^32))."""
+    return (patterns - ((patterns >= 1 << 31).long() << 32)).to(torch.int32).view(torch.float32)
 
 
 def prefix_table(qmap: tuple[float, ...]) -> torch.Tensor | None:
@@ -42,14 +47,13 @@ def prefix_table(qmap: tuple[float, ...]) -> torch.Tensor | None:
     from torchao.optim.quant_utils import quantize_8bit_with_qmap
 
     values = torch.tensor(qmap, dtype=torch.float32)
-    prefixes = torch.arange(PREFIXES, dtype=torch.int64)
-    signed = (prefixes << 16) - ((prefixes >= 1 << 15).long() << 32)
-    lowest = quantize_8bit_with_qmap(signed.to(torch.int32).view(torch.float32), values).long()
-    highest = quantize_8bit_with_qmap((signed + 0xFFFF).to(torch.int32).view(torch.float32), values).long()
+    prefixes = torch.arange(PREFIXES, dtype=torch.int64) << 16
+    lowest = quantize_8bit_with_qmap(_as_fp32(prefixes), values).long()
+    highest = quantize_8bit_with_qmap(_as_fp32(prefixes + 0xFFFF), values).long()
     threshold, above = torch.zeros(PREFIXES, dtype=torch.int64), lowest.clone()
     low = torch.arange(PREFIXES, dtype=torch.int64)
     for prefix in torch.nonzero(lowest != highest).flatten().tolist():
-        codes = quantize_8bit_with_qmap(_patterns(prefix, low), values).long()
+        codes = quantize_8bit_with_qmap(_as_fp32((prefix << 16) + low), values).long()
         changes = torch.nonzero(codes[1:] != codes[:-1]).flatten()
         if changes.numel() != 1:
             return None
@@ -59,20 +63,59 @@ def prefix_table(qmap: tuple[float, ...]) -> torch.Tensor | None:
     return (packed - ((above >= 128).long() << 32)).to(torch.int32)  # bits 24-31 as int32's sign and high bits
 
 
+class Maps(NamedTuple):
+    """torchao's 8-bit maps (fp32) and their prefix tables, on one device."""
+
+    signed: torch.Tensor
+    unsigned: torch.Tensor
+    signed_table: torch.Tensor
+    unsigned_table: torch.Tensor
+
+
 @functools.cache
-def tables(device: torch.device) -> tuple[torch.Tensor, ...] | None:
+def tables(device: torch.device) -> Maps | None:
     """torchao's signed and unsigned 8-bit maps and their prefix tables on `device`, made once per process; None
-    when a table cannot be made."""
+    when a table cannot be made, or when the fused update does not give torchao's bits (`matches_torchao`)."""
     if device.type != "cpu":
         on_host = tables(torch.device("cpu"))
-        return None if on_host is None else tuple(t.to(device) for t in on_host)
+        return None if on_host is None else Maps(*(t.to(device) for t in on_host))
     from engine.optimizers.blockwise_states import import_torchao
 
-    maps = (import_torchao()[0].get_qmap_signed(), import_torchao()[0].get_qmap_unsigned())
+    subclass_8bit, _ = import_torchao()
+    maps = (subclass_8bit.get_qmap_signed(), subclass_8bit.get_qmap_unsigned())
     made = [prefix_table(qmap) for qmap in maps]
     if any(table is None for table in made):
+        logger.warning("AdamW8bit: a torchao map has two changes of code within one 16-bit prefix, so the "
+                       "compiled update runs torchao's function instead of Tiers' fused one")
         return None
-    return (*(torch.tensor(qmap, dtype=torch.float32) for qmap in maps), *made)
+    found = Maps(*(torch.tensor(qmap, dtype=torch.float32) for qmap in maps), *made)
+    if not matches_torchao(found):
+        logger.warning("AdamW8bit: the fused update's eager arithmetic differs from this torchao's "
+                       "single_param_adam, so the compiled update runs torchao's function instead")
+        return None
+    return found
+
+
+def matches_torchao(maps: Maps, numel: int = 4096) -> bool:
+    """Whether the two halves, eagerly, give torchao's eager `single_param_adam` bits on one tile (AdamW and
+    Adam's L2 decay), so that a torchao whose arithmetic changed is never stepped by a copy of the old one."""
+    from torchao.optim.adam import single_param_adam
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    g = torch.Generator().manual_seed(0)
+    weights, grad = torch.randn(numel, generator=g), torch.randn(numel, generator=g) / 100
+    states = (torch.randint(0, 256, (numel,), generator=g, dtype=torch.uint8), torch.rand(numel // 256, generator=g),
+              torch.randint(0, 256, (numel,), generator=g, dtype=torch.uint8), torch.rand(numel // 256, generator=g))
+    step, lr = torch.tensor(3.0), torch.tensor(1e-3)
+    for decoupled in (True, False):
+        ours, theirs = [weights.clone(), *(t.clone() for t in states)], [weights.clone(), *(t.clone() for t in states)]
+        adam8bit(ours[0], grad, step, tuple(ours[1:]), maps, lr, 0.9, 0.999, 0.01, 1e-8, decoupled, compiled=False)
+        moments = (OptimState8bit(theirs[1], theirs[2], maps.signed, True),
+                   OptimState8bit(theirs[3], theirs[4], maps.unsigned, False))
+        single_param_adam(theirs[0], grad, step, *moments, None, lr, 0.9, 0.999, 0.01, 1e-8, decoupled, False)
+        if not all(torch.equal(a, b) for a, b in zip(ours, theirs)):
+            return False
+    return True
 
 
 def quantize_by_table(normalized: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -125,22 +168,24 @@ def quantize_and_step(weights: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: 
 
 
 def adam8bit(weights: torch.Tensor, grad: torch.Tensor, step: torch.Tensor, states: tuple[torch.Tensor, ...],
-             maps: tuple[torch.Tensor, ...], lr: torch.Tensor, beta1: float, beta2: float, weight_decay: float,
-             eps: float, decoupled: bool, compiled: bool = True) -> None:
+             maps: Maps, lr: torch.Tensor, beta1: float, beta2: float, weight_decay: float, eps: float,
+             decoupled: bool, compiled: bool = True) -> None:
     """torchao's single_param_adam on fp32 `weights` and `grad` with 8-bit moments held as `states` (exp_avg's
-    codes and fp32 scales, then exp_avg_sq's), in place, in its op order (Note [fused 8-bit update])."""
-    signed_map, unsigned_map, signed_table, unsigned_table = maps
+    codes and fp32 scales, then exp_avg_sq's), in place, in its op order (Note [fused 8-bit update]); eagerly
+    with compiled=False (what `matches_torchao` checks)."""
     first, second = _compiled_halves() if compiled else (new_moments, quantize_and_step)
-    exp_avg, exp_avg_sq = first(weights, grad, *states, signed_map, unsigned_map, beta1, beta2, weight_decay,
-                                decoupled)
-    second(weights, exp_avg, exp_avg_sq, step, *states, signed_table, unsigned_table, lr, beta1, beta2, weight_decay,
-           eps, decoupled)
+    # one graph per shape and flags, as torchao's optimizer compiles its own: never fall back to eager ops (other
+    # last bits) when a model has more flag combinations than dynamo's default limit
+    with torch._dynamo.utils.disable_cache_limit():
+        exp_avg, exp_avg_sq = first(weights, grad, *states, maps.signed, maps.unsigned, beta1, beta2, weight_decay,
+                                    decoupled)
+        second(weights, exp_avg, exp_avg_sq, step, *states, maps.signed_table, maps.unsigned_table, lr, beta1,
+               beta2, weight_decay, eps, decoupled)
 
 
 @functools.cache
 def _compiled_halves():
-    """Both halves compiled (one graph per shape and flags, as torchao compiles its own function). Two graphs, not
-    one: in one, inductor recomputes the dequantized moments in each of its loops over the tile, which costs more
-    than writing them once (6.3 against 10.4 ns per element here, the same bits)."""
+    """Both halves compiled. Two graphs, not one: in one, inductor recomputes the dequantized moments in each of
+    its loops over the tile, which costs more than writing them once."""
     return (torch.compile(new_moments, fullgraph=True, dynamic=False),
             torch.compile(quantize_and_step, fullgraph=True, dynamic=False))

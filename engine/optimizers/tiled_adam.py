@@ -67,7 +67,7 @@ class TiledAdam(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       decoupled=decoupled))
         self.layout, self.tile, self.compiled = layout, tile, compiled
-        self._fused = compiled and _fused(layout.blockwise)
+        self._fused = compiled and _fused_8bit_available(layout.blockwise)
         if layout.blockwise is not None and tile % layout.blockwise.block:
             raise ValueError(f"tile {tile} is not a whole number of blocks of {layout.blockwise.block}")
         # keyed by place, not identity: an offloaded optimizer steps a manager view in a tensor's place
@@ -177,7 +177,7 @@ def _compiled_adam():
     return torch.compile(single_param_adam, fullgraph=True, dynamic=False)
 
 
-def _fused(blockwise: BlockwiseStates | None) -> bool:
+def _fused_8bit_available(blockwise: BlockwiseStates | None) -> bool:
     """Whether the fused 8-bit update steps these states (Note [fused 8-bit update])."""
     from engine.optimizers.lowbit_kernel import tables
 
@@ -202,7 +202,8 @@ def _compiled_update(wide: torch.Tensor, grad: torch.Tensor, state: dict, group:
         _fused_update(weights, grad, state["step"], views, group)
     else:
         moments = blocks.moments(views, 0, tile) if blocks is not None else tuple(views[n] for n in MOMENTS)
-        _torchao_update(weights, grad, state["step"], moments, group, _compiled_adam())
+        with torch._dynamo.utils.disable_cache_limit():  # as torchao's optimizer calls it: never eager ops
+            _torchao_update(weights, grad, state["step"], moments, group, _compiled_adam())
     if padded:
         wide.copy_(weights[:numel])
         for n in names:
@@ -218,9 +219,9 @@ def _fused_update(weights: torch.Tensor, grad: torch.Tensor, step: torch.Tensor,
     device = weights.device
     beta1, beta2 = group["betas"]
     lr = torch.tensor(group["lr"], dtype=torch.float32, device=device)
-    states = [views[f"{m}.{part}"] for m in MOMENTS for part in ("codes", "scale")]
-    states[1], states[3] = states[1].view(torch.float32), states[3].view(torch.float32)
-    adam8bit(weights, grad.float(), step.to(device), tuple(states), tables(device), lr, beta1, beta2,
+    states = tuple(views[f"{m}.codes"] if part == "codes" else views[f"{m}.scale"].view(torch.float32)
+                   for m in MOMENTS for part in ("codes", "scale"))  # the scales' bytes are fp32 values
+    adam8bit(weights, grad.float(), step.to(device), states, tables(device), lr, beta1, beta2,
              group["weight_decay"], group["eps"], group["decoupled"])
 
 
