@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_common import add_json_option, machine_line, publish_report, result_record, write_results  # noqa: E402
+from scale_plan import engine_update  # noqa: E402
 
 from engine.estimate.report import markdown_table  # noqa: E402
 
@@ -61,19 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def ours(name: str, elements: int):
-    """The optimizer initialize builds for layout `name`, over one tensor laid out as one chunk; its step."""
-    from engine.config import load_config
-    from engine.optim import build_optimizer, tiled_layout
-    from engine.optimizers.stochastic_rounding import KeySpan
-
+    """The step of the optimizer initialize builds for layout `name`, over one tensor laid out as one chunk."""
     optimizer_type, bf16, _ = LAYOUTS[name]
     params = {"lr": LR, "weight_decay": WEIGHT_DECAY, **({"compile": True} if "bit" in optimizer_type else {})}
-    cfg = load_config({"train_batch_size": 1, "optimizer": {"type": optimizer_type, "params": params},
-                       "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-                       **({"bf16": bf16} if bf16 else {})})
-    weights = _tensor(elements, torch.bfloat16 if bf16 else torch.float32)
-    tiled = tiled_layout(cfg, frozenset([id(weights)]), lambda: {id(weights): [KeySpan(0, elements, 1, 0)]})
-    return build_optimizer(cfg.optimizer, [{"params": [weights]}], tiled=tiled).step
+    return engine_update({"train_batch_size": 1, "optimizer": {"type": optimizer_type, "params": params},
+                          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                          **({"bf16": bf16} if bf16 else {})}, elements)
 
 
 def peer(name: str, elements: int) -> tuple[str, object]:

@@ -66,24 +66,30 @@ def _median_seconds(run) -> float:
     return statistics.median(times)
 
 
-def update_seconds_per_element(config: dict) -> float:
-    """One step of the optimizer the engine builds for `config` (its layout: bf16 masters, stochastic rounding,
-    block-wise states, compiled or not) over UPDATE_SAMPLE elements held in memory, after a warm-up step (which
-    compiles where the config compiles); seconds per element."""
+def engine_update(config: dict, elements: int):
+    """The step of the optimizer the engine builds for `config` (its layout: bf16 masters, stochastic rounding,
+    block-wise states, compiled or not) over one tensor of `elements` parameters with a gradient, laid out as the
+    engine lays out a chunk holding one parameter."""
     from engine.config import load_config
     from engine.optim import build_optimizer, tiled_layout
     from engine.optimizers.stochastic_rounding import KeySpan
 
     cfg = load_config(config)
     dtype = torch.bfloat16 if cfg.bf16.bf16_master_weights_and_grads else torch.float32
-    weights = torch.randn(UPDATE_SAMPLE, dtype=dtype).requires_grad_()
-    weights.grad = torch.randn(UPDATE_SAMPLE, dtype=dtype) * 1e-3
-    # laid out as the engine lays out a chunk holding one parameter
-    tiled = tiled_layout(cfg, frozenset([id(weights)]), lambda: {id(weights): [KeySpan(0, UPDATE_SAMPLE, 1, 0)]})
-    optimizer = build_optimizer(cfg.optimizer, [{"params": [weights]}], tiled=tiled)
-    optimizer.step()  # warm-up: compiles, allocates the states
+    g = torch.Generator().manual_seed(0)
+    weights = torch.randn(elements, generator=g).to(dtype).requires_grad_()
+    weights.grad = (torch.randn(elements, generator=g) * 1e-3).to(dtype)
+    tiled = tiled_layout(cfg, frozenset([id(weights)]), lambda: {id(weights): [KeySpan(0, elements, 1, 0)]})
+    return build_optimizer(cfg.optimizer, [{"params": [weights]}], tiled=tiled).step
+
+
+def update_seconds_per_element(config: dict) -> float:
+    """One step of engine_update over UPDATE_SAMPLE elements held in memory, after a warm-up step (which compiles
+    where the config compiles); seconds per element."""
+    step = engine_update(config, UPDATE_SAMPLE)
+    step()  # warm-up: compiles, allocates the states
     start = time.perf_counter()
-    optimizer.step()
+    step()
     return (time.perf_counter() - start) / UPDATE_SAMPLE
 
 

@@ -92,13 +92,16 @@ def _draws(generator: torch.Generator, count: int) -> torch.Tensor:
     return words.view(torch.uint16)[:count]
 
 
+def _carry_and_truncate_(pattern: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """fp32 bit patterns, in place: + 0xFFFF - bits, then the 16 low bits cleared (what bf16 keeps). The carry
+    reaches bf16's last place exactly when bits < the low 16 bits: torchao's rule on the same draws."""
+    return pattern.add_(0xFFFF).sub_(bits).bitwise_and_(-65536)
+
+
 def round_stochastically(values: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """bf16 of fp32 `values`, each rounded away from zero when its 16 low bits plus `bits` carry (Note [keyed
     stochastic rounding]); NaN stays NaN (the carry could otherwise wrap a NaN's pattern into a number)."""
-    pattern = values.view(torch.int32) + 0xFFFF
-    pattern.sub_(bits)  # a carry exactly when bits < the low 16 bits: torchao's rule on the same draws
-    pattern.bitwise_and_(-65536)  # 0xFFFF0000: what bf16 keeps
-    rounded = pattern.view(torch.float32).to(torch.bfloat16)
+    rounded = _carry_and_truncate_(values.view(torch.int32).clone(), bits).view(torch.float32).to(torch.bfloat16)
     return torch.where(values.isnan(), values.to(torch.bfloat16), rounded)
 
 
@@ -108,7 +111,6 @@ def round_stochastically_into(out: torch.Tensor, values: torch.Tensor, bits: tor
     if bool(values.isnan().any()):
         out.copy_(round_stochastically(values, bits))
         return
-    pattern = values.view(torch.int32)
-    pattern.add_(0xFFFF).sub_(bits).bitwise_and_(-65536)
+    _carry_and_truncate_(values.view(torch.int32), bits)
     out.copy_(values)  # exact: the 16 low bits are zero
 
