@@ -89,7 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--worlds", default="1", help="process counts to run, in order (default 1)")
     ap.add_argument("--buffer-count", type=int, default=2, help="chunks of each kind in the CPU window (default 2)")
     ap.add_argument("--aio-threads", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=2e-6)  # Adam moves every weight by ~lr at first: small at 4096 wide
+    # Adam's first step moves every weight by about lr along the sign of its gradient; 64 blocks of 4096 add up
+    # what that does to the last hidden state, and at 2e-6 the loss rises (docs/benchmark_notes/scale.md)
+    ap.add_argument("--lr", type=float, default=5e-7)
     ap.add_argument("--raw-bytes", type=int, default=2 << 30, help="bytes per raw dd pass (default 2 GiB)")
     ap.add_argument("--layout", default="lowbit", choices=sorted(LAYOUTS),
                     help="training-state layout: fp32 masters; bf16 masters with bf16 moments; the same rounded "
@@ -234,6 +236,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     started = time.perf_counter()
     ram = psutil.virtual_memory().total
+    os.makedirs(args.dir, exist_ok=True)
     disk = DiskCounter(args.dir)
     config = engine_config(args, 1)
     rates = measure_machine(args.dir, args.embd, args.micro_batch * args.seq, config)
