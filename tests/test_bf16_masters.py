@@ -71,6 +71,20 @@ def test_rounding_in_place_is_the_same_rounding(with_nan):
     assert out.isnan().sum() == (4 if with_nan else 0)
 
 
+@pytest.mark.parametrize("length", [1, 7, 16, 33, 257])
+def test_rounding_in_place_finds_a_lone_nan_anywhere(length):
+    """The in-place rounding's NaN check sees one NaN at any position (vector lanes and tails alike), beside
+    infinities of both signs, and keeps it NaN."""
+    nan = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32)  # the carry would wrap it into -0.0
+    for at in range(length):
+        values = torch.full((length,), 1.5)
+        values[0], values[-1] = float("inf"), -float("inf")
+        values[at] = nan
+        out = torch.empty(length, dtype=torch.bfloat16)
+        round_stochastically_into(out, values, torch.zeros(length, dtype=torch.int32))
+        assert out[at].isnan() and out.isnan().sum() == 1
+
+
 def test_rounding_is_unbiased():
     """An update a tenth of bf16's last place moves the weight by that much on average over many keyed draws."""
     keyed, n = KeyedBits(3), 200_000
