@@ -108,7 +108,7 @@ def round_stochastically(values: torch.Tensor, bits: torch.Tensor) -> torch.Tens
 def round_stochastically_into(out: torch.Tensor, values: torch.Tensor, bits: torch.Tensor) -> None:
     """out.copy_(round_stochastically(values, bits)) with fewer passes: the rounding happens in the storage of
     `values` (an fp32 scratch tile: it is overwritten), and the NaN guard only runs where a NaN is present (found
-    by one max reduction, which propagates NaN: a tenth of the time of isnan().any())."""
+    by one max reduction, which propagates NaN, with no mask written)."""
     if bool(values.amax().isnan()):
         out.copy_(round_stochastically(values, bits))
         return
