@@ -118,10 +118,13 @@ def assert_close_relative(actual: list[float], expected: list[float], rtol: floa
 
 
 def assert_params_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                        rtol: float = FP32_RTOL) -> None:
+                        rtol: float = FP32_RTOL, atol: float | None = None) -> None:
+    """Each parameter within rtol of the reference, elementwise, with an absolute floor (default rtol / 10) for
+    the elements near zero."""
     assert actual.keys() == expected.keys()
+    atol = rtol * 0.1 if atol is None else atol
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=rtol * 0.1,
+        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol,
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 

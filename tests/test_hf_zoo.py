@@ -21,6 +21,11 @@ from tests.zoo_grid import REASONS, REFUSED
 pytest.importorskip("transformers")
 
 CELLS = zoo_cells.cells(2) + zoo_cells.cells(1)
+# The absolute floor of the parameter comparison, per unit of rtol. Plain PyTorch summing each batch's gradient
+# as two halves instead of one moves OLMo-2's weights by up to 8.8e-7 from the one-batch reference after the 4
+# AdamW steps (eps 1e-6) on an AVX-512 CPU, where its ZeRO-3, offload, pipeline and layer-major cells all land
+# 1.09e-6 beyond rtol: fp32 reordering alone reaches the small models' floor of rtol / 10 there.
+ATOL_PER_RTOL = 0.2
 
 
 def _worker(rank: int, world: int, cells: list[tuple[str, str]]) -> dict:
@@ -61,7 +66,7 @@ def test_cell_trains_like_one_process_or_is_refused_for_its_reason(request, name
     for _, losses, params in per_rank:
         assert_close_relative(losses, ref_losses, rtol=rtol)
         held.update(params)  # under a pipeline each rank holds its stages' parameters
-    assert_params_close(held, ref_params, rtol=rtol)
+    assert_params_close(held, ref_params, rtol=rtol, atol=rtol * ATOL_PER_RTOL)
 
 
 def test_the_grid_lists_only_cells_that_exist_and_reasons_it_defines():
