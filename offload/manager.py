@@ -504,7 +504,8 @@ class ChunkManager:
 
     def _prefetch_ahead(self, now: int) -> None:
         """Starts the prefetches the policy asks for after trace position `now`, until one finds no room."""
-        for position, chunk, location in self._policy.to_prefetch(now, self.prefetch_depth, self._chunk_at):
+        for position, chunk, location in self._policy.to_prefetch(now, self.prefetch_depth, self._chunk_at,
+                                                                         self._budget):
             try:
                 if not self._start_prefetch(self._chunks.entries[chunk], location, position):
                     break  # no room for this one: later ones are needed even later

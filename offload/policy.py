@@ -9,6 +9,15 @@ repeat; a chunk the trace never uses again goes first. Ties (several never used 
 the least recently used. Without a trace (warm-up, or after a divergence: Note [trace and
 divergence]) the victim is the least recently used chunk. A prefetch may only evict a chunk
 whose next use comes after the prefetched chunk's own: otherwise it would make things worse.
+
+Note [prefetch reach]
+A manager's `prefetch_depth` is how many chunks it keeps on their way ahead of use, not how many trace positions
+it looks at: the chunks already where the trace wants them are passed over. Between two reads from NVMe a trace
+holds accesses to chunks in memory (a stepped tensor's gradient, made in backward, sits between its states and
+its values), and a look-ahead of a few positions would start each read only when it is already due. The scan
+goes on until `depth` chunks are on their way, one fails to find room (later ones are needed even later), or the
+chunks wanted on a tier before the next one already fill its budget (room for it would mean evicting a chunk
+needed sooner), and never past one trace length.
 """
 
 from __future__ import annotations
@@ -60,16 +69,14 @@ def choose_victim(candidates: Iterable[int], last_used: dict[int, int], trace: T
     return best
 
 
-def upcoming(trace: Trace, now: int, depth: int) -> list[tuple[int, Access]]:
-    """The next `depth` accesses after position `now` (cyclically), first occurrence of each chunk only."""
+def first_uses(trace: Trace, now: int) -> Iterator[tuple[int, Access]]:
+    """The accesses after position `now` over one trace length (cyclically), the first of each chunk only."""
     seen: set[int] = set()
-    out = []
-    for position in range(now + 1, now + 1 + min(depth, len(trace))):
+    for position in range(now + 1, now + 1 + len(trace)):
         access = trace[position]
         if access.chunk not in seen:
             seen.add(access.chunk)
-            out.append((position, access))
-    return out
+            yield position, access
 
 
 class PlacementPolicy:
@@ -100,12 +107,19 @@ class PlacementPolicy:
                              self.tracer.position - 1,
                              float("-inf") if only_if_used_after is None else only_if_used_after)
 
-    def to_prefetch(self, now: int, depth: int,
-                    chunk_of: Callable[[int], Chunk]) -> Iterator[tuple[int, int, Location]]:
-        """The chunks worth prefetching among the next `depth` accesses of the trace after position `now`,
-        soonest first, as (trace position, chunk id, tier it is wanted on). Lazy: each chunk is judged when
-        reached, after the prefetches before it (which may have evicted it) were started."""
-        for position, access in upcoming(self.tracer.trace, now, depth):
+    def to_prefetch(self, now: int, depth: int, chunk_of: Callable[[int], Chunk],
+                    budget: Callable[[Location], float]) -> Iterator[tuple[int, int, Location]]:
+        """Up to `depth` chunks worth prefetching, in the order the trace uses them after position `now`, as (trace
+        position, chunk id, tier it is wanted on) (Note [prefetch reach]). Lazy: each chunk is judged when reached,
+        after the prefetches before it (which may have evicted it) were started."""
+        wanted: dict[Location, int] = {}  # bytes of the chunks met so far, by the tier they are wanted on
+        for position, access in first_uses(self.tracer.trace, now):
+            if depth <= 0:
+                return
             chunk = chunk_of(access.chunk)
+            wanted[access.location] = wanted.get(access.location, 0) + chunk.nbytes
+            if wanted[access.location] > budget(access.location):
+                return  # room for it means evicting a chunk needed sooner
             if not chunk.pinned and worth_prefetching(chunk.location, access.location):
+                depth -= 1
                 yield position, access.chunk, access.location

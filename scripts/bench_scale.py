@@ -63,6 +63,9 @@ from scale_plan import (  # noqa: E402
 from engine.estimate.report import markdown_table  # noqa: E402
 from engine.estimate.runtime import peak_rss_bytes  # noqa: E402
 
+# the first step records the order the parameters are gathered in; the second gathers ahead by it, so the
+# chunk manager's trace is recorded anew (Note [trace and divergence]); later steps follow both
+WARM_UP_STEPS = 2
 MASTERS = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 # --layout -> (bf16 section, optimizer type, training-state bytes per parameter after backward: Note [bf16 master
 # weights], [block-wise optimizer states])
@@ -84,7 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=3, help="training steps; the first one is reported apart (default 3)")
+    ap.add_argument("--steps", type=int, default=4,
+                    help="training steps; the first is reported apart, the steady step is the median of those "
+                         "after the first two (default 4)")
     ap.add_argument("--step-budget-s", type=float, default=900.0, help="the predicted step --layers auto allows")
     ap.add_argument("--worlds", default="1", help="process counts to run, in order (default 1)")
     ap.add_argument("--buffer-count", type=int, default=2, help="chunks of each kind in the CPU window (default 2)")
@@ -175,7 +180,7 @@ def floors(args, layers: int, psi: int, written: float, read: float, rates, writ
 
 def summarize(world: int, layers: int, ranks: list[dict], rates, write_bw: float, read_bw: float, ram: int,
               args) -> tuple[list, dict]:
-    steady = range(1, args.steps) if args.steps > 1 else range(args.steps)  # the first records the trace
+    steady = range(min(WARM_UP_STEPS, args.steps - 1), args.steps)
     step_s = statistics.median(max(r["times"][i] for r in ranks) for i in steady)
     first_s = max(r["times"][0] for r in ranks)
     written = statistics.median(sum(r["moved"][i]["cpu->nvme"] for r in ranks) for i in steady)
@@ -277,7 +282,9 @@ def main(argv=None) -> None:
         f"{rates.free_disk / 1e9:,.1f} GB; raw disk (dd, O_DIRECT, 8 MiB blocks, {fmt_bytes(args.raw_bytes)}; "
         f"mean of before/after): write {write_bw / 1e6:,.0f} MB/s ({before[0] / 1e6:,.0f} / {after[0] / 1e6:,.0f}), "
         f"read {read_bw / 1e6:,.0f} MB/s ({before[1] / 1e6:,.0f} / {after[1] / 1e6:,.0f}). The steady step is the "
-        f"median of steps 2..{args.steps} (the first records the trace the later ones prefetch by); its floors: "
+        f"median of steps {min(WARM_UP_STEPS, args.steps - 1) + 1}..{args.steps} (the first records the order the "
+        "parameters are gathered in, the second the chunk trace under that order, which the later ones prefetch "
+        "by); its floors: "
         "the disk traffic at dd's bandwidth, the matmul FLOPs at the measured rates, one update pass. A model the "
         "CPU window holds whole never touches the disk (0 B/param). A projected row takes the disk traffic and peak "
         "the estimate predicts at the full size, where the window is a small part of the states, and keeps the "

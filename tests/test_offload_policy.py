@@ -3,6 +3,7 @@ and a departure from the trace falls back to on-demand, re-traces, and never giv
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from offload.chunk import Location
 from offload.device_memory import DeviceMemory
 from offload.manager import Budgets, ChunkManager
-from offload.policy import choose_victim, upcoming
+from offload.policy import choose_victim, first_uses
 from offload.tracer import Access, Trace, TracePhase, Tracer
 
 KIB = 1024
@@ -36,8 +37,10 @@ def test_victim_is_the_farthest_next_use_then_the_least_recently_used():
     assert choose_victim([0, 1, 7, 8], {7: 5, 8: 4}, trace, 2) == 8  # never used again: LRU among them
     assert choose_victim([0, 1], {0: 1, 1: 2}, None, 2) == 0  # no trace: least recently used
     assert choose_victim([0, 1], {}, trace, 2, only_if_used_after=4) is None  # a prefetch for position 4
-    assert upcoming(trace, 4, 4) == [(5, trace[5]), (6, trace[0]), (7, trace[1]), (8, trace[2])]
-    assert upcoming(trace, 0, 4) == [(1, trace[1]), (2, trace[2]), (3, trace[3])]  # 1 again at 4: once only
+    assert list(itertools.islice(first_uses(trace, 4), 4)) == [(5, trace[5]), (6, trace[0]), (7, trace[1]),
+                                                               (8, trace[2])]
+    # one trace length, each chunk at its first use only (1 again at 4, 0 again at 6)
+    assert list(first_uses(trace, 0)) == [(1, trace[1]), (2, trace[2]), (3, trace[3]), (5, trace[5])]
 
 
 def test_tracer_follows_then_detects_a_divergence_and_retraces():
@@ -110,6 +113,59 @@ def test_prefetch_hides_nvme_reads_when_the_distance_allows(tmp_path):
     assert after.moved_bytes["nvme->cpu"] > before.moved_bytes["nvme->cpu"]  # really read from disk each time
     assert m.used_bytes(Location.DEVICE) <= 3 * 256 * KIB and m.used_bytes(Location.CPU) <= 3 * 256 * KIB
     m.close()
+
+
+def test_prefetch_depth_counts_chunks_to_bring_not_trace_positions(tmp_path):
+    """Note [prefetch reach]: resident chunks between now and the next one on NVMe do not use up the depth (a
+    stepped tensor's gradient, already in memory, sits between its states' reads in the trace)."""
+    tensors = [torch.randn(1024) for _ in range(4)]  # 4 KiB chunks: one O_DIRECT block each
+    m = ChunkManager("cpu", Budgets(cpu=64 * KIB), nvme_dir=str(tmp_path), nvme_block_size=4096, prefetch_depth=1,
+                     keep_free_bytes=0)
+    m.register("param", tensors, capacity=1024, location=Location.NVME)
+
+    def use(c):
+        assert torch.equal(m.access(c, Location.CPU)[0], tensors[c])
+        m.release(c)
+
+    for _ in range(2):
+        for c in range(4):
+            use(c)
+        m.end_iteration()
+    for chunk, tier in ((3, Location.NVME), (1, Location.CPU), (2, Location.CPU)):
+        m.move(chunk, tier)
+    hits = m.stats.prefetch_hits
+    m.access(0, Location.CPU)  # next: 1 and 2 (in memory), then 3 (on NVMe): the one chunk to bring
+    assert m.chunk(3).location is not Location.NVME, "chunk 3 was not prefetched"
+    m.release(0)
+    for c in (1, 2, 3):
+        use(c)
+    assert m.stats.prefetch_hits == hits + 1
+    m.close()
+
+
+def test_prefetch_looks_no_farther_than_the_tier_holds():
+    """The scan stops where the chunks wanted on a tier before the next one already fill its budget: bringing that
+    one would mean evicting a chunk needed sooner, so nothing past it is even looked at."""
+    from offload.chunk import Chunk
+    from offload.policy import PlacementPolicy
+
+    tracer = Tracer(lambda: 0)
+    for c in range(8):
+        tracer.on_access(c, Location.CPU)
+    tracer.end_iteration()
+    chunks = {c: Chunk(256, torch.float32, None) for c in range(8)}  # 1 KiB each
+    for chunk in chunks.values():
+        chunk.location = Location.NVME
+    looked = []
+
+    def chunk_of(c):
+        looked.append(c)
+        return chunks[c]
+
+    policy = PlacementPolicy(tracer)
+    wanted = list(policy.to_prefetch(0, 100, chunk_of, lambda tier: 3 * KIB))
+    assert [c for _, c, _ in wanted] == [1, 2, 3] and looked == [1, 2, 3, 4]
+    assert [c for _, c, _ in policy.to_prefetch(0, 2, chunk_of, lambda tier: float("inf"))] == [1, 2]
 
 
 def test_without_prefetch_every_nvme_read_blocks(tmp_path):

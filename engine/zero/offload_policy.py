@@ -117,7 +117,7 @@ def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch
                            if on_nvme else None,
                            nvme_threads=aio.intra_op_parallelism or aio.thread_count or 2,
                            nvme_queue_depth=aio.queue_depth, nvme_block_size=aio.block_size,
-                           pin_memory=pinned, prefetch_depth=max(offload.buffer_count - 2, 1), memory=memory)
+                           pin_memory=pinned, prefetch_depth=prefetch_depth(cfg, policy), memory=memory)
     optim_home = policy.home(ChunkKind.OPTIM)
     homes = offload_homes([p.numel() for g in groups for p in g["params"]], optim_home, offload.ratio,
                           memory.separate)
@@ -187,6 +187,16 @@ def offload_homes(numels: list[int], home: Location, ratio: float, separate: boo
         kept += n if on_device else 0
         homes.append(Location.DEVICE if on_device else home)
     return homes
+
+
+def prefetch_depth(cfg: Config, policy: OffloadPolicy) -> int:
+    """Chunks the manager keeps on their way ahead of use (Note [prefetch reach]): each kind streamed from NVMe
+    reads up to its `buffer_count` ahead, as DeepSpeed's swappers do; without NVMe, the device tier's look-ahead."""
+    zero = cfg.zero_optimization
+    streamed = [section.buffer_count for kind, section in ((ChunkKind.OPTIM, zero.offload_optimizer),
+                                                            (ChunkKind.PARAM, zero.offload_param))
+                if policy.home(kind) is Location.NVME]
+    return sum(streamed) if streamed else max(zero.offload_optimizer.buffer_count - 2, 1)
 
 
 def nvme_window(cfg: Config, policy: OffloadPolicy, largest: int) -> int:
