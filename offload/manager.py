@@ -378,9 +378,11 @@ class ChunkManager:
     # ---- moves (caller's thread)
 
     def _move(self, entry: ChunkEntry, target: Location, protect: set[int], on_demand: bool = False,
-              only_if_used_after: float | None = None, zeroed: bool = True) -> bool:
+              only_if_used_after: float | None = None, zeroed: bool = True,
+              reserve: dict[Location, int] | None = None) -> bool:
         """Steps the chunk tier by tier toward `target`. A prefetch (only_if_used_after given) issues one
-        asynchronous step at most and gives up (False) rather than evict anything needed sooner."""
+        asynchronous step at most and gives up (False) rather than evict anything needed sooner, or take the room
+        `reserve` keeps on a tier for chunks made there sooner (Note [prefetch reach])."""
         prefetch = only_if_used_after is not None
         while entry.chunk.location is not target:
             here = entry.chunk.location
@@ -401,7 +403,8 @@ class ChunkManager:
             step = next_tier(here, target)
             if prefetch and not up:
                 return False
-            if step is not Location.NVME and not self._make_room(step, entry.chunk, protect, only_if_used_after):
+            if step is not Location.NVME and not self._make_room(step, entry.chunk, protect, only_if_used_after,
+                                                                 (reserve or {}).get(step, 0)):
                 return False
             self._transfers.start(entry, step)
             if prefetch:
@@ -438,11 +441,11 @@ class ChunkManager:
         return float("inf") if self.budgets.cpu is None else self.budgets.cpu
 
     def _make_room(self, location: Location, chunk: Chunk | None, protect: set[int],
-                   only_if_used_after: float | None = None) -> bool:
+                   only_if_used_after: float | None = None, reserve: int = 0) -> bool:
         """Frees room on a tier for a buffer of `chunk` (None: no new buffer, only the budget must hold) (Note
         [chunk manager]); False (prefetch) or BudgetError if impossible. A kept host buffer the allocation
-        will reuse needs no room, and is trimmed last."""
-        budget = self._budget(location)
+        will reuse needs no room, and is trimmed last. A prefetch also leaves `reserve` bytes free."""
+        budget = self._budget(location) - reserve
         prefetch = only_if_used_after is not None
         spare, nbytes = self._chunks.demand(location, chunk)
         while self.used_bytes(location) + nbytes > budget:
@@ -504,20 +507,21 @@ class ChunkManager:
 
     def _prefetch_ahead(self, now: int) -> None:
         """Starts the prefetches the policy asks for after trace position `now`, until one finds no room."""
-        for position, chunk, location in self._policy.to_prefetch(now, self.prefetch_depth, self._chunk_at,
-                                                                         self._budget):
+        for position, chunk, location, reserve in self._policy.to_prefetch(now, self.prefetch_depth, self._chunk_at,
+                                                                                  self._budget):
             try:
-                if not self._start_prefetch(self._chunks.entries[chunk], location, position):
+                if not self._start_prefetch(self._chunks.entries[chunk], location, position, reserve):
                     break  # no room for this one: later ones are needed even later
             except OffloadError:
                 self._stats.failed_transfers += 1  # rolled back; a demand access will meet the error
                 break
 
-    def _start_prefetch(self, entry: ChunkEntry, location: Location, position: float) -> bool:
+    def _start_prefetch(self, entry: ChunkEntry, location: Location, position: float,
+                        reserve: dict[Location, int] | None = None) -> bool:
         if not worth_prefetching(entry.chunk.location, location):
             return True  # nothing to bring: allocated on access, or already there (or above)
         started = entry.transfer is None
-        if not self._move(entry, location, protect={entry.id}, only_if_used_after=position):
+        if not self._move(entry, location, protect={entry.id}, only_if_used_after=position, reserve=reserve):
             return False
         if started:
             entry.prefetched = True

@@ -17,7 +17,9 @@ holds accesses to chunks in memory (a stepped tensor's gradient, made in backwar
 its values), and a look-ahead of a few positions would start each read only when it is already due. The scan
 goes on until `depth` chunks are on their way, one fails to find room (later ones are needed even later), or the
 chunks wanted on a tier before the next one already fill its budget (room for it would mean evicting a chunk
-needed sooner), and never past one trace length.
+needed sooner), and never past one trace length. A prefetch leaves free the room of the chunks that hold nothing
+and are used on its tier before it (a gradient made in backward): it would otherwise fill the room they are
+made in on access, which then waits for a write to NVMe to drain.
 """
 
 from __future__ import annotations
@@ -108,11 +110,13 @@ class PlacementPolicy:
                              float("-inf") if only_if_used_after is None else only_if_used_after)
 
     def to_prefetch(self, now: int, depth: int, chunk_of: Callable[[int], Chunk],
-                    budget: Callable[[Location], float]) -> Iterator[tuple[int, int, Location]]:
+                    budget: Callable[[Location], float]) -> Iterator[tuple[int, int, Location, dict[Location, int]]]:
         """Up to `depth` chunks worth prefetching, in the order the trace uses them after position `now`, as (trace
-        position, chunk id, tier it is wanted on) (Note [prefetch reach]). Lazy: each chunk is judged when reached,
-        after the prefetches before it (which may have evicted it) were started."""
+        position, chunk id, tier it is wanted on, bytes to leave free per tier for the chunks made there before
+        it) (Note [prefetch reach]). Lazy: each chunk is judged when reached, after the prefetches before it
+        (which may have evicted it) were started."""
         wanted: dict[Location, int] = {}  # bytes of the chunks met so far, by the tier they are wanted on
+        made: dict[Location, int] = {}  # of those, the ones holding nothing, made on access
         for position, access in first_uses(self.tracer.trace, now):
             if depth <= 0:
                 return
@@ -120,6 +124,8 @@ class PlacementPolicy:
             wanted[access.location] = wanted.get(access.location, 0) + chunk.nbytes
             if wanted[access.location] > budget(access.location):
                 return  # room for it means evicting a chunk needed sooner
-            if not chunk.pinned and worth_prefetching(chunk.location, access.location):
+            if chunk.location is Location.RELEASED:
+                made[access.location] = made.get(access.location, 0) + chunk.nbytes
+            elif not chunk.pinned and worth_prefetching(chunk.location, access.location):
                 depth -= 1
-                yield position, access.chunk, access.location
+                yield position, access.chunk, access.location, dict(made)

@@ -13,6 +13,7 @@ from offload.chunk import Location
 from offload.device_memory import DeviceMemory
 from offload.manager import Budgets, ChunkManager
 from offload.policy import choose_victim, first_uses
+from offload.states import TensorState
 from offload.tracer import Access, Trace, TracePhase, Tracer
 
 KIB = 1024
@@ -143,6 +144,36 @@ def test_prefetch_depth_counts_chunks_to_bring_not_trace_positions(tmp_path):
     m.close()
 
 
+@pytest.mark.parametrize("slots, prefetched", [(2, False), (3, True)])
+def test_a_prefetch_leaves_room_for_a_chunk_made_before_it_is_needed(tmp_path, slots, prefetched):
+    """Note [prefetch reach]: chunk 1 holds nothing between iterations (a gradient, freed once stepped) and is made
+    on access before chunk 2 is read. With room for two chunks and chunk 0 in use, a prefetch of 2 would take the
+    room 1 is made in; with room for three it fits beside it."""
+    tensors = [torch.randn(1024) for _ in range(3)]
+    slot = 8 * KIB  # a 4 KiB chunk's host buffer, with room for O_DIRECT alignment
+    m = ChunkManager("cpu", Budgets(cpu=slots * slot), nvme_dir=str(tmp_path), nvme_block_size=4096,
+                     prefetch_depth=2, keep_free_bytes=0)
+    m.register("param", tensors, capacity=1024, location=Location.NVME)
+
+    def iteration():
+        for c in range(3):
+            views = m.access(c, Location.CPU, overwrites=c == 1)
+            if c == 1:
+                views[0].copy_(tensors[1])
+            assert torch.equal(views[0], tensors[c])
+            m.release(c, TensorState.FREE if c == 1 else TensorState.HOLD)
+        m.end_iteration()
+
+    for _ in range(2):
+        iteration()
+    m.move(2, Location.NVME)
+    m.access(0, Location.CPU)  # next: 1 (made on access), then 2 (on NVMe)
+    assert (m.chunk(2).location is not Location.NVME) == prefetched
+    m.release(0)
+    iteration()
+    m.close()
+
+
 def test_prefetch_looks_no_farther_than_the_tier_holds():
     """The scan stops where the chunks wanted on a tier before the next one already fill its budget: bringing that
     one would mean evicting a chunk needed sooner, so nothing past it is even looked at."""
@@ -164,8 +195,8 @@ def test_prefetch_looks_no_farther_than_the_tier_holds():
 
     policy = PlacementPolicy(tracer)
     wanted = list(policy.to_prefetch(0, 100, chunk_of, lambda tier: 3 * KIB))
-    assert [c for _, c, _ in wanted] == [1, 2, 3] and looked == [1, 2, 3, 4]
-    assert [c for _, c, _ in policy.to_prefetch(0, 2, chunk_of, lambda tier: float("inf"))] == [1, 2]
+    assert [c for _, c, _, _ in wanted] == [1, 2, 3] and looked == [1, 2, 3, 4]
+    assert [c for _, c, _, _ in policy.to_prefetch(0, 2, chunk_of, lambda tier: float("inf"))] == [1, 2]
 
 
 def test_without_prefetch_every_nvme_read_blocks(tmp_path):
