@@ -66,6 +66,13 @@ from engine.estimate.runtime import peak_rss_bytes  # noqa: E402
 # the first step records the order the parameters are gathered in; the second gathers ahead by it, so the
 # chunk manager's trace is recorded anew (Note [trace and divergence]); later steps follow both
 WARM_UP_STEPS = 2
+
+
+def steady_steps(args) -> range:
+    """The steps the steady step is the median of: those after the warm-up, else the last."""
+    return range(min(WARM_UP_STEPS, args.steps - 1), args.steps)
+
+
 MASTERS = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 # --layout -> (bf16 section, optimizer type, training-state bytes per parameter after backward: Note [bf16 master
 # weights], [block-wise optimizer states])
@@ -180,7 +187,7 @@ def floors(args, layers: int, psi: int, written: float, read: float, rates, writ
 
 def summarize(world: int, layers: int, ranks: list[dict], rates, write_bw: float, read_bw: float, ram: int,
               args) -> tuple[list, dict]:
-    steady = range(min(WARM_UP_STEPS, args.steps - 1), args.steps)
+    steady = steady_steps(args)
     step_s = statistics.median(max(r["times"][i] for r in ranks) for i in steady)
     first_s = max(r["times"][0] for r in ranks)
     written = statistics.median(sum(r["moved"][i]["cpu->nvme"] for r in ranks) for i in steady)
@@ -282,7 +289,7 @@ def main(argv=None) -> None:
         f"{rates.free_disk / 1e9:,.1f} GB; raw disk (dd, O_DIRECT, 8 MiB blocks, {fmt_bytes(args.raw_bytes)}; "
         f"mean of before/after): write {write_bw / 1e6:,.0f} MB/s ({before[0] / 1e6:,.0f} / {after[0] / 1e6:,.0f}), "
         f"read {read_bw / 1e6:,.0f} MB/s ({before[1] / 1e6:,.0f} / {after[1] / 1e6:,.0f}). The steady step is the "
-        f"median of steps {min(WARM_UP_STEPS, args.steps - 1) + 1}..{args.steps} (the first records the order the "
+        f"median of steps {steady_steps(args).start + 1}..{args.steps} (the first records the order the "
         "parameters are gathered in, the second the chunk trace under that order, which the later ones prefetch "
         "by); its floors: "
         "the disk traffic at dd's bandwidth, the matmul FLOPs at the measured rates, one update pass. A model the "
