@@ -32,6 +32,13 @@ matches its swap file: evicting it to NVMe drops the payload instead of writing 
 halves the disk traffic of parameters that forward and backward only read. `disk_current`
 records that: set when a swap-out is issued (a chunk read back from its file keeps it), cleared by
 an access that may write and by a failed swap-out. Registration and materialization leave it False.
+
+Note [prefetch retry]
+A prefetch whose room is still being written (an eviction's swap-out in flight) stops the scan rather than
+wait. In a pass over states on NVMe each chunk is read, updated and written back, so with a window of a few
+chunks the room for the next read is nearly always such a write, and if the scan waited for the next access the
+read would start only when it is needed. So the position where the scan stopped is kept, and a `release` that
+settles a finished transfer goes on scanning from there: the read starts as soon as its room is free.
 """
 
 from __future__ import annotations
@@ -98,6 +105,7 @@ class ChunkManager:
         self.device = torch.device(device)
         self.memory = memory if memory is not None else DeviceMemory(self.device)
         self.prefetch_depth = prefetch_depth
+        self._prefetch_cut_at: int | None = None  # where the last prefetch scan found no room (Note [prefetch retry])
         self.budget_keys = budget_keys or {}
         for name, value in (("device", budgets.device), ("cpu", budgets.cpu)):
             if value is not None and value < 0:
@@ -196,6 +204,7 @@ class ChunkManager:
             raise OffloadError(f"chunk {entry.describe()} is in use on the {entry.chunk.location.value} tier (a tensor "
                                f"is in COMPUTE): release it before accessing it on the {location.value} tier")
         phase = self.tracer.on_access(chunk, location)
+        self._prefetch_cut_at = None  # a scan from this access's position replaces it
         self.device_tier.on_access()  # Note [measured placement]
         self._policy.used(chunk)
         self._transfers.settle_finished()
@@ -260,6 +269,8 @@ class ChunkManager:
         self._set_states(entry, state, tensors)
         if entry.chunk.state is TensorState.FREE:
             self._drop(entry)
+        if self._prefetch_cut_at is not None and self._transfers.settle_finished():
+            self._prefetch_ahead(self._prefetch_cut_at)  # room came free since: go on where the scan stopped
 
     def move(self, chunk: int, location: Location, *, wait: bool = True) -> None:
         """Moves a chunk that is not in COMPUTE to `location` (waits for the transfer unless wait=False)."""
@@ -297,6 +308,7 @@ class ChunkManager:
 
     def end_iteration(self) -> None:
         """Marks the end of a training iteration for the tracer (Note [trace and divergence])."""
+        self._prefetch_cut_at = None
         recorded = self.tracer.phase is TracePhase.RECORDING
         self.tracer.end_iteration()
         self.device_tier.end_iteration(recorded)  # Note [measured placement]
@@ -507,10 +519,12 @@ class ChunkManager:
 
     def _prefetch_ahead(self, now: int) -> None:
         """Starts the prefetches the policy asks for after trace position `now`, until one finds no room."""
+        self._prefetch_cut_at = None
         for position, chunk, location, reserve in self._policy.to_prefetch(now, self.prefetch_depth, self._chunk_at,
                                                                                   self._budget):
             try:
                 if not self._start_prefetch(self._chunks.entries[chunk], location, position, reserve):
+                    self._prefetch_cut_at = now
                     break  # no room for this one: later ones are needed even later
             except OffloadError:
                 self._stats.failed_transfers += 1  # rolled back; a demand access will meet the error

@@ -131,15 +131,18 @@ class Transfers:
         if transfer.frees is not None:
             self.residency.give_back(*transfer.frees)
 
-    def settle_finished(self) -> None:
-        """Settles the transfers that finished. One that failed is rolled back (the chunk is where it was, with
-        its data) and counted, not raised: its error reaches whoever needs that chunk or that room."""
+    def settle_finished(self) -> int:
+        """Settles the transfers that finished; returns how many. One that failed is rolled back (the chunk is where
+        it was, with its data) and counted, not raised: its error reaches whoever needs that chunk or that room."""
+        settled = 0
         for entry in list(self.residency.in_flight.values()):
             if entry.transfer.done():
+                settled += 1
                 try:
                     self.settle(entry, block=False)
                 except OffloadError:
                     self.stats.failed_transfers += 1
+        return settled
 
     def _wait(self, transfer: Transfer, count_wait: bool) -> None:
         """Blocks until a transfer finished (its error, if any, is raised by the caller's second wait)."""

@@ -174,6 +174,47 @@ def test_a_prefetch_leaves_room_for_a_chunk_made_before_it_is_needed(tmp_path, s
     m.close()
 
 
+def test_a_prefetch_that_waited_for_room_being_written_starts_when_the_write_lands(tmp_path):
+    """Note [prefetch retry]: with room for two chunks, the prefetch of 1 started by the access of 0 evicts 3 (used
+    after it) and finds its room still being written (held back here by a job ahead of it on the one NVMe thread);
+    once the write lands, the release of 0 starts it."""
+    import threading
+
+    tensors = [torch.randn(1024) for _ in range(4)]
+    m = ChunkManager("cpu", Budgets(cpu=2 * 8 * KIB), nvme_dir=str(tmp_path), nvme_block_size=4096, nvme_threads=1,
+                     prefetch_depth=1, keep_free_bytes=0)
+    m.register("param", tensors, capacity=1024, location=Location.NVME)
+
+    def drain():
+        m.store._executor.submit(lambda: None).result()  # one thread: every job queued before this one has run
+
+    def use(c):
+        assert torch.equal(m.access(c, Location.CPU)[0], tensors[c])
+        drain()
+        m.release(c)
+
+    for _ in range(3):
+        for c in range(4):
+            use(c)
+        m.end_iteration()
+    assert [m.chunk(c).location for c in range(4)] == [Location.CPU, Location.NVME, Location.NVME, Location.CPU]
+    gate = threading.Event()
+    m.store._executor.submit(gate.wait)  # the write of 3 queues behind it
+    prefetches = m.stats.prefetches
+    m.access(0, Location.CPU)
+    assert m.chunk(1).location is Location.NVME and m.stats.prefetches == prefetches
+    gate.set()
+    drain()
+    m.release(0)
+    assert m.stats.prefetches == prefetches + 1 and m.chunk(1).location is not Location.NVME
+    hits = m.stats.prefetch_hits
+    for c in range(1, 4):
+        use(c)
+    assert m.stats.prefetch_hits > hits
+    m.end_iteration()
+    m.close()
+
+
 def test_prefetch_looks_no_farther_than_the_tier_holds():
     """The scan stops where the chunks wanted on a tier before the next one already fill its budget: bringing that
     one would mean evicting a chunk needed sooner, so nothing past it is even looked at."""

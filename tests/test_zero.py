@@ -416,12 +416,15 @@ def test_offload_matches_single_process(reference, tmp_path, stage, device, para
         held = stats.resident_bytes["cpu"] + stats.resident_bytes["nvme"]
         assert in_manager * psi / world <= held
         if "nvme" in (device, param_device):
-            assert stats.moved_bytes["nvme->cpu"] > 0 and stats.prefetches > 0
+            assert stats.moved_bytes["nvme->cpu"] > 0
         if device == "nvme" == (param_device or "nvme"):
             assert stats.resident_bytes["nvme"] > 0
             streamed = in_manager + (4 if stage >= 2 else 0)  # bytes per owned element that pass through the manager
             assert stats.peak_bytes["cpu"] < streamed * psi / world  # only a window of chunks in memory at once
-            assert stats.prefetches > 0  # later steps read ahead from the first step's trace
+    if "nvme" in (device, param_device):
+        # later steps read ahead from the first step's trace; a prefetch never waits for its room to be written, so
+        # one rank starved of CPU by the machine's load can start none (Note [prefetch retry]): count all ranks'
+        assert sum(r[3].prefetches for r in results) > 0
     assert os.listdir(tmp_path) == []  # the swap files went with the engine
 
 
