@@ -9,7 +9,8 @@ import json
 import os
 import sys
 
-from engine.config import ConfigError, load_config, parse_byte_size
+from engine.config import ConfigError, load_config
+from engine.config_sections import parse_byte_size
 
 
 def _config_command(args: argparse.Namespace) -> int:

@@ -15,8 +15,8 @@ from engine.config_schema import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from engine.config import Config
-    from engine.topology import Topology
+    from engine.config_sections import Config
+    from engine.mesh import Mesh
 
 OFFLOADED = ("cpu", "nvme")  # offload devices that offload ("none" and null are both off)
 
@@ -240,30 +240,30 @@ def _is_mesh_or_one(size: int) -> bool:
     return size == 1 or (size >= 4 and math.isqrt(size) ** 2 == size)
 
 
-def check_run(cfg: Config, topology: Topology, *, optimizer=None, lr_scheduler=None, model_parameters=None,
+def check_run(cfg: Config, mesh: Mesh, *, optimizer=None, lr_scheduler=None, model_parameters=None,
               built_under_zero_init: bool = False) -> None:
     """What `cfg` rules out for this run (after check_client_objects, which needs no process group): the batch
     sizes over these ranks, the layout, offloading, a client optimizer rebuilt over shards."""
-    cfg.batch_sizes(topology.data_parallel_size)  # raises when the batch sizes do not add up over these ranks
+    cfg.batch_sizes(mesh.dp.size)  # raises when the batch sizes do not add up over these ranks
     if cfg.pipeline.enabled:
-        _check_pipeline_run(cfg, topology, built_under_zero_init)
-    if topology.tp_size > 1:
+        _check_pipeline_run(cfg, mesh, built_under_zero_init)
+    if mesh.tp.size > 1:
         _check_tensor_parallel(optimizer, model_parameters, built_under_zero_init)
-    _check_step_in_backward(cfg, topology)
-    check_quantize_frozen(cfg, topology)
+    _check_step_in_backward(cfg, mesh)
+    check_quantize_frozen(cfg, mesh)
     if cfg.moe.enabled and built_under_zero_init:
         raise ConfigError("moe.expert_parallel_size: building the model under zero_init() is not supported yet with "
                           "expert parallelism; build it normally (each rank keeps only its experts after initialize)")
-    check_offload(cfg, topology.dp_world_size, optimizer)
-    sharded = cfg.zero_optimization.stage >= 1 and topology.dp_world_size > 1
+    check_offload(cfg, mesh.zero.size, optimizer)
+    sharded = cfg.zero_optimization.stage >= 1 and mesh.zero.size > 1
     rebuilt = sharded or cfg.bf16.enabled or cfg.fp16.enabled or built_under_zero_init or cfg.pipeline.enabled
     if optimizer is not None and rebuilt:
         _check_client_optimizer_rebuild(optimizer, lr_scheduler, cfg.pipeline.enabled)
 
 
-def _check_pipeline_run(cfg: Config, topology: Topology, built_under_zero_init: bool) -> None:
+def _check_pipeline_run(cfg: Config, mesh: Mesh, built_under_zero_init: bool) -> None:
     pp = cfg.pipeline
-    accumulation = cfg.batch_sizes(topology.data_parallel_size).gradient_accumulation_steps
+    accumulation = cfg.batch_sizes(mesh.dp.size).gradient_accumulation_steps
     if pp.schedule == "interleaved" and accumulation % pp.stages:
         raise ConfigError(f"gradient_accumulation_steps: {accumulation} — schedule \"interleaved\" runs the "
                           f"micro-batches in rounds of pipeline.stages ({pp.stages}); use a multiple of {pp.stages}")
@@ -370,7 +370,7 @@ def check_offload(cfg: Config, dp_world_size: int, optimizer=None) -> None:
                           "states in one swap directory; give both the same nvme_path")
 
 
-def check_quantize_frozen(cfg: Config, topology: Topology) -> None:
+def check_quantize_frozen(cfg: Config, mesh: Mesh) -> None:
     """Note [int8 frozen chunks]: int8 chunks are gathered around their use, so stage 3; on one mesh axis."""
     zero = cfg.zero_optimization
     if zero.quantize_frozen == "none":
@@ -379,14 +379,14 @@ def check_quantize_frozen(cfg: Config, topology: Topology) -> None:
     if zero.stage != 3:
         raise ConfigError(f"{key} keeps frozen weights as int8 and dequantizes them when gathered, which needs "
                           f"ZeRO stage 3 (this run: stage {zero.stage}); set stage 3, or remove quantize_frozen")
-    parallel = [name for name, size in (("tensor", topology.tp_size), ("pipeline", topology.pp_size),
-                                        ("expert", topology.ep_size)) if size > 1]
+    parallel = [name for name, size in (("tensor", mesh.tp.size), ("pipeline", mesh.pp.size),
+                                        ("expert", mesh.ep.size)) if size > 1]
     if parallel:
         raise ConfigError(f"{key} is not built yet with {' or '.join(parallel)} parallelism; train with data "
                           "parallelism (and sequence parallelism), or remove quantize_frozen")
 
 
-def _check_step_in_backward(cfg: Config, topology: Topology) -> None:
+def _check_step_in_backward(cfg: Config, mesh: Mesh) -> None:
     """Note [stepping in backward]: what updating each gradient shard as soon as it is reduced needs."""
     zero = cfg.zero_optimization
     if not zero.offload_optimizer.step_in_backward:

@@ -27,9 +27,11 @@ from torch import nn
 from engine import whole_weights
 from engine.activation_checkpointing import ActivationCheckpointing
 from engine.checkpoint import Saver, load_checkpoint, write_state_dict
+from engine.compat.deepspeed_names import DeepSpeedNames
 from engine.config import BatchSizes, Config
 from engine.coordinates import ParallelCoordinates
 from engine.features import Features
+from engine.mesh import Mesh
 from engine.moe.plan import ExpertParallel
 from engine.monitor import Monitor
 from engine.outputs import find_loss
@@ -40,7 +42,6 @@ from engine.sequence_parallel.runtime import SequenceSplit
 from engine.step_metrics import UpdateSummary
 from engine.tensor_backward import TensorBackward
 from engine.tensor_parallel import TensorParallel
-from engine.topology import Topology
 from engine.zero.device_bytes import device_state_bytes
 from engine.zero.runtime import ZeroRuntime
 
@@ -49,7 +50,7 @@ from engine.zero.runtime import ZeroRuntime
 class EngineParts:
     """What initialize() builds around the ZeRO runtime for an Engine to drive."""
 
-    topology: Topology
+    mesh: Mesh
     lr_scheduler: object
     loss_scaler: LossScaler
     monitor: Monitor
@@ -59,15 +60,15 @@ class EngineParts:
     saver: Saver  # Note [checkpoint commit]
 
 
-class Engine(ParallelCoordinates):
+class Engine(ParallelCoordinates, DeepSpeedNames):
     """Wraps a model and optimizer; built by `engine.initialize`. The data-parallel work of each call runs in
     the ZeRO runtime's phases (Note [step phases]); what each parallelism adds, in its feature object (Note
     [feature objects]); dp_rank and the other coordinates come from ParallelCoordinates (Note [data-parallel
     coordinates])."""
 
     def __init__(self, module: nn.Module, config: Config, runtime: ZeroRuntime, parts: EngineParts):
-        self.module, self.config, self.topology = module, config, parts.topology
-        self.batch: BatchSizes = config.batch_sizes(parts.topology.data_parallel_size)
+        self.module, self.config, self.mesh = module, config, parts.mesh
+        self.batch: BatchSizes = config.batch_sizes(parts.mesh.dp.size)
         self.runtime, self.optimizer, self.lr_scheduler = runtime, runtime.optimizer, parts.lr_scheduler
         self.loss_scaler, self.monitor, self.features = parts.loss_scaler, parts.monitor, parts.features
         self.precision = PrecisionPolicy.from_config(config)
@@ -123,7 +124,7 @@ class Engine(ParallelCoordinates):
 
     @property
     def device(self) -> torch.device:
-        return self.topology.device
+        return self.mesh.device
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -213,7 +214,7 @@ class Engine(ParallelCoordinates):
         """What a micro-batch's loss is multiplied by (besides the loss scale): the accumulation and
         data-parallel mean (gradients are summed over the ZeRO group, sequence ranks included), and under
         sequence parallelism this rank's share of the sample's tokens (Note [sequence parallelism])."""
-        return self.features.loss_weight() / (self.gradient_accumulation_steps * self.topology.dp_world_size)
+        return self.features.loss_weight() / (self.gradient_accumulation_steps * self.mesh.zero.size)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss as engine.backward scales it (the fp16 loss scale, the accumulation and data-parallel mean),
@@ -292,9 +293,9 @@ class Engine(ParallelCoordinates):
         if trainable_only and self.features.joins_state_dict:
             raise ValueError("full_state_dict(trainable_only=True) under tensor, expert or pipeline parallelism: take "
                              "full_state_dict() and keep the trainable entries")
-        keep = not rank0_only or self.topology.rank == 0
+        keep = not rank0_only or self.mesh.world.rank == 0
         # each rank gathers its part; the features join the parts (Note [feature objects])
-        whole = whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.topology.shard_group,
+        whole = whole_weights.full_state_dict(self.module, self.chunked, self.gatherer, self.mesh.shard.group,
                                               self.comm, keep or self.features.joins_state_dict, trainable_only)
         whole = self.features.join_state_dict(whole, keep)
         return whole if keep else None
@@ -335,7 +336,7 @@ class Engine(ParallelCoordinates):
                                "zero_optimization.stage3_gather_16bit_weights_on_model_save to true (DeepSpeed saves "
                                "nothing without it), or save a checkpoint and run `tiers convert` on it")
         state = self.full_state_dict(rank0_only=True)
-        chunked = whole_weights.chunked_keys(self.module, self.chunked, self.topology)  # (a collective) every stage's
+        chunked = whole_weights.chunked_keys(self.module, self.chunked, self.mesh)  # (a collective) every stage's
         if state is None:
             return None
         chunked |= self.features.chunked_keys(state)  # e.g. every ep rank's experts
@@ -349,8 +350,8 @@ class Engine(ParallelCoordinates):
         changes made inside are not kept under stage 3. Every rank must enter with the same parameters.
         Stages 0-2 keep parameters whole, so entering gathers nothing."""
         params = list(self.module.parameters()) if params is None else list(params)
-        return whole_weights.gathered_parameters(params, self.chunked, self.gatherer, self.topology.dp_group, self.comm,
-                                                 modifier_rank, self.topology.is_distributed)
+        return whole_weights.gathered_parameters(params, self.chunked, self.gatherer, self.mesh.zero.group, self.comm,
+                                                 modifier_rank, self.mesh.zero.size > 1)
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds: parameter chunks, gradient chunks (and stage-2 shards),

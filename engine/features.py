@@ -20,6 +20,8 @@ import torch
 
 from engine import whole_weights
 from engine.comm import CommCounter
+from engine.feature_base import Feature
+from engine.mesh import Mesh
 from engine.moe.plan import ExpertParallel
 from engine.pipeline.driver import PipelineDriver
 from engine.pipeline.layer_major import REFUSED_FORWARD, LayerMajorDriver
@@ -27,74 +29,6 @@ from engine.placement import Placement
 from engine.sequence_parallel.runtime import SequenceSplit
 from engine.tensor_backward import ScheduledBackward, TensorBackward
 from engine.tensor_parallel import TensorParallel
-from engine.topology import Topology
-
-
-class Feature:
-    """One parallelism's part in the engine's calls; every default leaves the call as it is."""
-
-    name = ""
-    joins_state_dict = False  # whether a gathered state dict is only this rank's part of the whole model's
-
-    def split_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return args, kwargs
-
-    def around_forward(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def output(self, output):
-        return output
-
-    def loss_weight(self) -> float:
-        return 1.0
-
-    def scheduled_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's loss as a pipeline's last stage backpropagates it (Note [a pipelined step]): valued as
-        output() values it, with the gradient loss_weight() gives engine.backward's."""
-        return loss
-
-    def take_aux_loss(self) -> torch.Tensor | None:
-        return None
-
-    def join_state_dict(self, whole: dict, keep: bool) -> dict:
-        return whole
-
-    def close(self) -> None:
-        """Removes what the feature installed on the model (Engine.close)."""
-
-    def chunked_keys(self, state: dict) -> set[str]:
-        """Keys of `state` that other ranks' chunks hold (saved in the compute dtype like this rank's)."""
-        return set()
-
-    def metrics(self) -> dict[str, float]:
-        return {}
-
-    def check_micro_batch_call(self, call: str) -> None:
-        """Raises when engine.`call` (forward, backward, step, scale) cannot run one micro-batch alone."""
-
-    def place(self, placed: dict[str, Placement], tensors: dict[str, torch.Tensor]) -> dict[str, Placement]:
-        """Each tensor's placement (Note [placements]) with this parallelism's part added."""
-        return placed
-
-    def held_elsewhere(self, name: str) -> bool:
-        """Whether `name`, a tensor of the whole model that this rank lacks, is one another rank holds."""
-        return False
-
-    def model_keys(self, keys: list[str]) -> list[str]:
-        """The whole model's state-dict keys, given this rank's model's."""
-        return keys
-
-    def stage(self) -> tuple[int, int]:
-        """(this rank's part, the parts) of a model whose parts keep optimizer options and schedules apart."""
-        return 0, 1
-
-    def layout(self) -> dict:
-        """What a checkpoint's manifest records of this parallelism's layout, besides the placements."""
-        return {}
-
-    def generators(self) -> list:
-        """The random streams (engine.tensor_parallel.rng.RNGStreams) this parallelism draws from."""
-        return []
 
 
 class TensorParallelFeature(Feature):
@@ -125,8 +59,8 @@ class ExpertFeature(Feature):
 
     name = "experts"
 
-    def __init__(self, experts: ExpertParallel, topology: Topology, comm: CommCounter, logged: bool):
-        self.parallel, self.topology, self.comm, self.logged = experts, topology, comm, logged
+    def __init__(self, experts: ExpertParallel, mesh: Mesh, comm: CommCounter, logged: bool):
+        self.parallel, self.mesh, self.comm, self.logged = experts, mesh, comm, logged
         self.joins_state_dict = experts.ep_size > 1
 
     def around_forward(self):
@@ -138,7 +72,7 @@ class ExpertFeature(Feature):
     def join_state_dict(self, whole: dict, keep: bool) -> dict:
         if self.parallel.ep_size == 1:
             return whole
-        return self.parallel.join_state_dict(whole, self.topology.ep_group, self.comm, self.topology.device)
+        return self.parallel.join_state_dict(whole, self.mesh.ep.group, self.comm, self.mesh.device)
 
     def chunked_keys(self, state: dict) -> set[str]:
         return {k for k in state if self.parallel.names_an_expert(k)}
@@ -157,8 +91,8 @@ class ExpertFeature(Feature):
         pipeline stages (each counted only its own layers' tokens)."""
         if not self.logged:
             return {}
-        groups = [self.topology.dp_group] + ([self.topology.pp_group] if self.topology.pp_size > 1 else [])
-        return self.parallel.metrics(groups, CommCounter(), self.topology.device)
+        groups = [self.mesh.zero.group] + ([self.mesh.pp.group] if self.mesh.pp.size > 1 else [])
+        return self.parallel.metrics(groups, CommCounter(), self.mesh.device)
 
 
 class SequenceFeature(Feature):
@@ -195,12 +129,12 @@ class PipelineFeature(Feature):
 
     name, joins_state_dict = "pipeline", True
 
-    def __init__(self, driver: PipelineDriver, topology: Topology, comm: CommCounter):
-        self.parallel, self.topology, self.comm = driver, topology, comm
+    def __init__(self, driver: PipelineDriver, mesh: Mesh, comm: CommCounter):
+        self.parallel, self.mesh, self.comm = driver, mesh, comm
         self.whole_keys = frozenset(driver.split.keys)  # every stage's
 
     def join_state_dict(self, whole: dict, keep: bool) -> dict:
-        return whole_weights.join_stages(whole, self.parallel.split.keys, self.topology, self.comm, keep)
+        return whole_weights.join_stages(whole, self.parallel.split.keys, self.mesh, self.comm, keep)
 
     def metrics(self) -> dict[str, float]:
         if self.parallel.last_bubble is None:
@@ -209,7 +143,7 @@ class PipelineFeature(Feature):
                 "Pipeline/bubble_fraction_formula": self.parallel.formula_bubble}
 
     def place(self, placed, tensors):
-        return {name: p.on_stage(self.topology.pp_rank) for name, p in placed.items()}
+        return {name: p.on_stage(self.mesh.pp.rank) for name, p in placed.items()}
 
     def held_elsewhere(self, name: str) -> bool:
         return name in self.whole_keys
@@ -218,7 +152,7 @@ class PipelineFeature(Feature):
         return list(self.parallel.split.keys)
 
     def stage(self) -> tuple[int, int]:
-        return self.topology.pp_rank, self.topology.pp_size
+        return self.mesh.pp.rank, self.mesh.pp.size
 
     def check_micro_batch_call(self, call: str) -> None:
         raise RuntimeError(f"engine.{call} runs one micro-batch, and under a pipeline config a micro-batch runs "

@@ -39,6 +39,7 @@ from engine.features import (
     TensorParallelFeature,
 )
 from engine.lr_schedules import build_lr_scheduler
+from engine.mesh import Mesh
 from engine.moe.plan import ExpertParallel, apply_expert_parallel
 from engine.monitor import Monitor
 from engine.optim import build_optimizer, check_compressed_run, chunk_segments, state_blocks, tiled_layout_of
@@ -54,7 +55,7 @@ from engine.sequence_parallel.runtime import SequenceSplit, choose_mode
 from engine.step_metrics import StepMetrics
 from engine.tensor_parallel import Mesh2D, TensorParallel, TPGroup, apply_tensor_parallel
 from engine.tensor_parallel.rng import RNGStreams
-from engine.topology import Topology
+from engine.topology import start_mesh
 from engine.zero.chunk_state import ShardPlace
 from engine.zero.chunked_params import ChunkedParams, ExpertChunks
 from engine.zero.fused_tiles import stepped_from_sources
@@ -127,109 +128,108 @@ def initialize(
         raise ValueError("initialize(loss_fn=...) is the loss train_batch uses under a pipeline config (or "
                          "offload_param.layer_major), and this config has neither; compute the loss yourself and call "
                          "engine.backward(loss)")
-    topology = Topology.from_environment(tp_size=cfg.tensor_parallel.size, tp_mode=cfg.tensor_parallel.mode,
-                                         pp_size=cfg.pipeline.stages, sp_size=cfg.sequence_parallel.size,
-                                         ep_size=cfg.moe.expert_parallel_size,
-                                         shard_size=max(cfg.zero_optimization.mics_shard_size, 0))
-    check_run(cfg, topology, optimizer=optimizer, lr_scheduler=lr_scheduler, model_parameters=model_parameters,
+    mesh = start_mesh(tp_size=cfg.tensor_parallel.size, tp_mode=cfg.tensor_parallel.mode,
+                      pp_size=cfg.pipeline.stages, sp_size=cfg.sequence_parallel.size,
+                      ep_size=cfg.moe.expert_parallel_size, shard_size=max(cfg.zero_optimization.mics_shard_size, 0))
+    check_run(cfg, mesh, optimizer=optimizer, lr_scheduler=lr_scheduler, model_parameters=model_parameters,
               built_under_zero_init=zero_init_recording(model) is not None)
-    check_compressed_run(cfg, topology)
+    check_compressed_run(cfg, mesh)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     if weights is not None:
         assign_weight_files(model, weights, zero_init_recording(model))
-    recording, meta_of = zero_init_placeholders(model, topology.device)  # Note [zero_init]
-    _to_device(model, topology.device, _homed_on_host(model, cfg, topology))  # Note [a bounded start]
+    recording, meta_of = zero_init_placeholders(model, mesh.device)  # Note [zero_init]
+    _to_device(model, mesh.device, _homed_on_host(model, cfg, mesh))  # Note [a bounded start]
     layer_major = cfg.zero_optimization.offload_param.layer_major
     outside = outside_modules(model, LAYER_MAJOR if layer_major and not cfg.pipeline.enabled else "pipeline") \
         if cfg.pipeline.enabled or layer_major else None  # before the features change the model
     comm = CommCounter(collectives=collectives) if collectives is not None else CommCounter()
-    tensor_parallel = parallelize_tensors(model, cfg, topology, comm.collectives)
-    experts = place_experts(model, cfg, topology, comm, tensor_parallel)
-    sequence = split_sequences(model, cfg, topology, comm)
-    checkpointing = apply_activation_checkpointing(model, cfg, topology, tensor_parallel, sequence)
+    tensor_parallel = parallelize_tensors(model, cfg, mesh, comm.collectives)
+    experts = place_experts(model, cfg, mesh, comm, tensor_parallel)
+    sequence = split_sequences(model, cfg, mesh, comm)
+    checkpointing = apply_activation_checkpointing(model, cfg, mesh, tensor_parallel, sequence)
     groups = _param_groups(model, optimizer, model_parameters, meta_of, experts.dropped if experts else frozenset())
-    split, shared_groups = split_pipeline(model, cfg, topology, comm, pending=set(meta_of), outside=outside)
+    split, shared_groups = split_pipeline(model, cfg, mesh, comm, pending=set(meta_of), outside=outside)
     if split is not None:  # this rank's parameters, named as in the whole model
         groups = [dict(g, params=[p for p in g["params"] if split.holds(p)]) for g in groups]
         groups = [g for g in groups if g["params"]]
-    chunked = chunk_parameters(model, cfg, topology, groups, pending=set(meta_of), tensor_parallel=tensor_parallel,
+    chunked = chunk_parameters(model, cfg, mesh, groups, pending=set(meta_of), tensor_parallel=tensor_parallel,
                                split=split, experts=experts)
-    model.to(topology.device)  # buffers and parameters this rank holds in no chunk join the model there
-    data_parallel = DataParallelGroup(topology.dp_group, topology.dp_rank, topology.dp_world_size, comm)
-    optimizer = build_chunk_optimizer(cfg, chunked, topology.device, optimizer, rebuild=split is not None,
+    model.to(mesh.device)  # buffers and parameters this rank holds in no chunk join the model there
+    data_parallel = DataParallelGroup(mesh.zero.group, mesh.zero.rank, mesh.zero.size, comm)
+    optimizer = build_chunk_optimizer(cfg, chunked, mesh.device, optimizer, rebuild=split is not None,
                                       data_parallel=data_parallel)
     if recording is not None:  # after offloading: shards may load straight into the chunk manager
-        chunked.load_loose(topology.dp_group, comm)  # parameters made after the block with values (PEFT's adapters)
-        materialize_parameters(model, chunked, recording, meta_of, topology.device,
-                               topology.dp_group if split is None else None, comm, split.names if split else None)
+        chunked.load_loose(mesh.zero.group, comm)  # parameters made after the block with values (PEFT's adapters)
+        materialize_parameters(model, chunked, recording, meta_of, mesh.device,
+                               mesh.zero.group if split is None else None, comm, split.names if split else None)
     loss_scaler = build_loss_scaler(cfg)
-    runtime = zero_runtime(model, cfg, chunked, optimizer, topology, loss_scaler, comm)
-    features = feature_objects(cfg, topology, comm, tensor_parallel, experts, sequence)
+    runtime = zero_runtime(model, cfg, chunked, optimizer, mesh, loss_scaler, comm)
+    features = feature_objects(cfg, mesh, comm, tensor_parallel, experts, sequence)
     if split is not None:  # each stage's forward makes the calls of the features applied before the pipeline
-        pipeline = build_pipeline(split, shared_groups, cfg, topology, runtime, comm, loss_fn, features)
-        features = Features(features.items + [PipelineFeature(pipeline, topology, comm)])
+        pipeline = build_pipeline(split, shared_groups, cfg, mesh, runtime, comm, loss_fn, features)
+        features = Features(features.items + [PipelineFeature(pipeline, mesh, comm)])
     if layer_major:  # Note [layer-major accumulation]
         split = split_model(model, plan_block_stages(model, LAYER_MAJOR, outside), 0, LAYER_MAJOR)
-        layer_major = LayerMajorDriver(split, runtime, PrecisionPolicy.from_config(cfg), topology, features, comm,
+        layer_major = LayerMajorDriver(split, runtime, PrecisionPolicy.from_config(cfg), mesh, features, comm,
                                        loss_fn)
         features = Features(features.items + [LayerMajorFeature(layer_major)])
     scheduler = _scheduler(cfg, optimizer, lr_scheduler)
-    progress = TrainingProgress(cfg.batch_sizes(topology.data_parallel_size).gradient_accumulation_steps)
+    progress = TrainingProgress(cfg.batch_sizes(mesh.dp.size).gradient_accumulation_steps)
     saver = Saver(TrainingState(  # Note [checkpoint commit]
-        model, chunked, optimizer, scheduler, loss_scaler, progress, topology, features, cfg.zero_optimization.stage,
+        model, chunked, optimizer, scheduler, loss_scaler, progress, mesh, features, cfg.zero_optimization.stage,
         PrecisionPolicy.from_config(cfg).compute_dtype, runtime.gather_updated_params, runtime.gatherer.gathered),
         cfg.checkpoint)
-    engine = Engine(model, cfg, runtime, EngineParts(topology, scheduler, loss_scaler,
-                                                     build_monitor(cfg, topology, runtime, checkpointing),
+    engine = Engine(model, cfg, runtime, EngineParts(mesh, scheduler, loss_scaler,
+                                                     build_monitor(cfg, mesh, runtime, checkpointing),
                                                      checkpointing, features, progress, saver))
     close_at_exit(engine.close)  # Note [shutting down at exit]
     return engine
 
 
-def feature_objects(cfg: Config, topology: Topology, comm: CommCounter, tensor_parallel: TensorParallel | None,
+def feature_objects(cfg: Config, mesh: Mesh, comm: CommCounter, tensor_parallel: TensorParallel | None,
                     experts: ExpertParallel | None, sequence: SequenceSplit | None) -> Features:
     """Note [feature objects]: what each parallelism applied above adds to the engine's calls, in this order (the
     pipeline's comes last, after its driver is built over these)."""
-    features = [TensorParallelFeature(tensor_parallel, topology.device) if tensor_parallel else None,
-                ExpertFeature(experts, topology, comm, cfg.tensorboard.enabled) if experts else None,
+    features = [TensorParallelFeature(tensor_parallel, mesh.device) if tensor_parallel else None,
+                ExpertFeature(experts, mesh, comm, cfg.tensorboard.enabled) if experts else None,
                 SequenceFeature(sequence) if sequence else None]
     return Features([f for f in features if f is not None])
 
 
-def parallelize_tensors(model: nn.Module, cfg: Config, topology: Topology,
+def parallelize_tensors(model: nn.Module, cfg: Config, mesh: Mesh,
                         collectives: Collectives | None = None) -> TensorParallel | None:
     """Note [tensor-parallel plans]: the config's plan applied to the model, before its parameters are chunked;
     None without tensor parallelism. collectives: as initialize's."""
-    if topology.tp_size == 1:
+    if mesh.tp.size == 1:
         return None
     counter = CommCounter(collectives=collectives) if collectives is not None else CommCounter()
-    tp = TPGroup(topology.tp_group, topology.tp_size, topology.tp_rank, counter)
+    tp = TPGroup(mesh.tp.group, mesh.tp.size, mesh.tp.rank, counter)
     with torch.no_grad():  # the plan slices whole weights: every tp rank starts from its group's first rank's
         for t in list(model.parameters()) + list(model.buffers()):
             broadcast_from(t.data, 0, tp.group, tp.counter)
-    mesh = Mesh2D.of(tp, topology.tp_row_group, topology.tp_col_group) if cfg.tensor_parallel.mode == "2d" else None
-    return apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp, RNGStreams(tp, topology.device), mesh,
+    grid = Mesh2D.of(tp, mesh.tp_row.group, mesh.tp_col.group) if cfg.tensor_parallel.mode == "2d" else None
+    return apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp, RNGStreams(tp, mesh.device), grid,
                                  cfg.tensor_parallel.sequence_parallel)
 
 
-def place_experts(model: nn.Module, cfg: Config, topology: Topology, comm: CommCounter,
+def place_experts(model: nn.Module, cfg: Config, mesh: Mesh, comm: CommCounter,
                   tensor_parallel: TensorParallel | None = None) -> ExpertParallel | None:
     """Note [expert parallelism]: the model's MoE layers (engine.moe.MoE, and a Hugging Face model's experts when
     the config has a `moe` section) keep this rank's experts and dispatch tokens to every rank's; None without any.
     Under tensor parallelism they stay whole on every tp rank."""
-    return apply_expert_parallel(model, cfg.moe, topology.ep_group, topology.ep_size, topology.ep_rank,
-                                 topology.dp_group, comm, frozenset(tensor_parallel.specs) if tensor_parallel else
+    return apply_expert_parallel(model, cfg.moe, mesh.ep.group, mesh.ep.size, mesh.ep.rank,
+                                 mesh.zero.group, comm, frozenset(tensor_parallel.specs) if tensor_parallel else
                                  frozenset(), cfg.pipeline.enabled)
 
 
-def apply_activation_checkpointing(model: nn.Module, cfg: Config, topology: Topology,
+def apply_activation_checkpointing(model: nn.Module, cfg: Config, mesh: Mesh,
                                    tensor_parallel: TensorParallel | None = None,
                                    sequence: SequenceSplit | None = None) -> ActivationCheckpointing:
     """Note [activation checkpointing]: the config's options; when enabled, the model's blocks (or the modules
     the config names) wrapped so that they keep only their inputs (and, under sequence parallelism, recompute
     their attention over the split sequence too)."""
-    checkpointing = ActivationCheckpointing(cfg.activation_checkpointing, topology.device,
+    checkpointing = ActivationCheckpointing(cfg.activation_checkpointing, mesh.device,
                                             tensor_parallel.streams if tensor_parallel else None,
                                             tensor_parallel.tp if tensor_parallel else None,
                                             sequence.attention if sequence else None)
@@ -238,7 +238,7 @@ def apply_activation_checkpointing(model: nn.Module, cfg: Config, topology: Topo
     return checkpointing
 
 
-def split_pipeline(model: nn.Module, cfg: Config, topology: Topology, comm: CommCounter,
+def split_pipeline(model: nn.Module, cfg: Config, mesh: Mesh, comm: CommCounter,
                    pending: set[int] = frozenset(),
                    outside: list | None = None) -> tuple[PipelineModel | None, dict]:
     """Note [pipeline stages of an unmodified model]: `model` keeps what this rank's pipeline stages hold, and
@@ -247,29 +247,29 @@ def split_pipeline(model: nn.Module, cfg: Config, topology: Topology, comm: Comm
     rank: Note [zero_init]); (None, {}) without a pipeline config."""
     if not cfg.pipeline.enabled:
         return None, {}
-    micro_batch = cfg.batch_sizes(topology.data_parallel_size).micro_batch_size
-    measure = functools.partial(measured_costs, model, micro_batch=micro_batch, device=topology.device)
-    split = split_model(model, plan_stages(model, cfg.pipeline, measure, outside), topology.pp_rank)
-    groups = shared_parameter_groups(split, topology)
+    micro_batch = cfg.batch_sizes(mesh.dp.size).micro_batch_size
+    measure = functools.partial(measured_costs, model, micro_batch=micro_batch, device=mesh.device)
+    split = split_model(model, plan_stages(model, cfg.pipeline, measure, outside), mesh.pp.rank)
+    groups = shared_parameter_groups(split, mesh)
     sync_shared_values(split, groups, comm, pending)
     return split, groups
 
 
-def split_sequences(model: nn.Module, cfg: Config, topology: Topology,
+def split_sequences(model: nn.Module, cfg: Config, mesh: Mesh,
                     comm: CommCounter | None = None) -> SequenceSplit | None:
     """Note [sequence parallelism]: how this rank's part of each sequence is taken and its attention run; None
     without sequence parallelism. "auto" says which mode it chose."""
     sp = cfg.sequence_parallel
     if not sp.enabled:
         return None
-    mode = choose_mode(sp.mode, model, sp.size, topology.tp_size)
-    if sp.mode == "auto" and topology.rank == 0:
+    mode = choose_mode(sp.mode, model, sp.size, mesh.tp.size)
+    if sp.mode == "auto" and mesh.world.rank == 0:
         print(f"[tiers] sequence_parallel.mode auto: {mode} over {sp.size} ranks (Ulysses when the model's attention "
               "heads per tensor-parallel rank divide by the size, else ring)", flush=True)
-    return SequenceSplit(topology.sp_group, sp.size, topology.sp_rank, mode, model, comm)
+    return SequenceSplit(mesh.sp.group, sp.size, mesh.sp.rank, mode, model, comm)
 
 
-def build_pipeline(split: PipelineModel, shared_groups: dict, cfg: Config, topology: Topology, runtime: ZeroRuntime,
+def build_pipeline(split: PipelineModel, shared_groups: dict, cfg: Config, mesh: Mesh, runtime: ZeroRuntime,
                    comm: CommCounter, loss_fn: Callable | None, features: Features) -> PipelineDriver:
     """Note [a pipelined step]: the driver of train_batch / eval_batch over this rank's stages, each action in
     the runtime's phases, each stage's forward inside the calls of `features` (those applied before)."""
@@ -277,12 +277,12 @@ def build_pipeline(split: PipelineModel, shared_groups: dict, cfg: Config, topol
         raise ValueError("initialize(loss_fn=...) under sequence_parallel would take this rank's part of each "
                          "sequence's output with the whole sequence's labels; pass the labels in the micro-batch "
                          "(e.g. {\"input_ids\": x, \"labels\": y}) so that the model's own loss is split with it")
-    microbatches = cfg.batch_sizes(topology.data_parallel_size).gradient_accumulation_steps
-    return PipelineDriver(split, cfg.pipeline.schedule, microbatches, topology, PrecisionPolicy.from_config(cfg),
+    microbatches = cfg.batch_sizes(mesh.dp.size).gradient_accumulation_steps
+    return PipelineDriver(split, cfg.pipeline.schedule, microbatches, mesh, PrecisionPolicy.from_config(cfg),
                           comm, shared_groups, runtime, features, loss_fn, cfg.pipeline.timeout_s)
 
 
-def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: list[dict],
+def chunk_parameters(model: nn.Module, cfg: Config, mesh: Mesh, groups: list[dict],
                      pending: set[int] = frozenset(), tensor_parallel: TensorParallel | None = None,
                      split: PipelineModel | None = None, experts: ExpertParallel | None = None) -> ChunkedParams:
     """The trainable parameters of `groups`, and the model's frozen ones (Note [frozen chunks]), packed into chunks
@@ -292,7 +292,7 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
     other pipeline ranks also hold count once in the global norm); `experts`: their parameters' chunks are reduced
     and sharded over the expert-data-parallel group."""
     policy = ShardingPolicy(cfg.zero_optimization.stage)
-    shards = topology.shard_size if policy.shards(ChunkKind.OPTIM) else 1
+    shards = mesh.shard.size if policy.shards(ChunkKind.OPTIM) else 1
     capacity, first_capacity = chunk_layout(cfg, shards)
     names = split.names if split is not None else {id(p): n for n, p in model.named_parameters()}
     dropped = experts.dropped if experts is not None else frozenset()
@@ -303,14 +303,14 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
         warnings.warn("zero_optimization.quantize_frozen \"int8\": the model has no frozen nn.Linear weight, so "
                       "nothing is quantized (weights of other layers, e.g. GPT-2's Conv1D, stay in the compute "
                       "dtype); freeze the base before initialize(), or remove quantize_frozen", stacklevel=3)
-    chunked = ChunkedParams(groups, capacity, topology.device, first_capacity, names,
-                            shard_count=shards, shard_rank=topology.shard_rank if shards > 1 else 0,
+    chunked = ChunkedParams(groups, capacity, mesh.device, first_capacity, names,
+                            shard_count=shards, shard_rank=mesh.shard.rank if shards > 1 else 0,
                             shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
                             persistence_threshold=persistence_threshold(cfg), pending=pending,
                             compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype,
                             page_params=cfg.zero_optimization.offload_param.device in OFFLOADED or bool(int8),
                             page_grads=_pages_grads(cfg), offloaded=_offloaded_kinds(cfg),
-                            experts=_expert_chunks(experts, topology, shards > 1), frozen=frozen, int8=int8,
+                            experts=_expert_chunks(experts, mesh, shards > 1), frozen=frozen, int8=int8,
                             fp32_masters=not cfg.bf16.bf16_master_weights_and_grads,
                             state_blocks=state_blocks(cfg.optimizer))
     if tensor_parallel is not None:
@@ -319,10 +319,10 @@ def chunk_parameters(model: nn.Module, cfg: Config, topology: Topology, groups: 
         chunk_of = chunked.chunk_index()
         for p in chunked.params:
             expert = chunked.states[chunk_of[id(p)]].place.group is not None
-            share = 1.0 / (topology.expert_dp_size if expert else topology.dp_world_size)
+            share = 1.0 / (mesh.edp.size if expert else mesh.zero.size)
             chunked.norm_weights[id(p)] = chunked.norm_weights.get(id(p), 1.0) * share  # (times tp's weight)
     for pid, ranks in (split.shared_here() if split is not None else {}).items():
-        if topology.pp_rank != ranks[0]:  # the lowest pipeline rank holding it counts it
+        if mesh.pp.rank != ranks[0]:  # the lowest pipeline rank holding it counts it
             chunked.norm_weights[pid] = 0.0
     return chunked
 
@@ -342,14 +342,14 @@ def _offloaded_kinds(cfg: Config) -> frozenset[str]:
     return frozenset(kinds | ({"param"} if zero.offload_param.device in OFFLOADED else set()))
 
 
-def _homed_on_host(model: nn.Module, cfg: Config, topology: Topology) -> set[int]:
+def _homed_on_host(model: nn.Module, cfg: Config, mesh: Mesh) -> set[int]:
     """Note [a bounded start]: ids of the parameters whose shards offload_param keeps on the host — the sharded
     (non-persistent) ones, trainable or frozen (Note [frozen chunks]) — which need not visit the device on their
     way into their chunks. Only where
     nothing rebuilds layers before chunking (no tensor, pipeline or expert parallelism)."""
     zero = cfg.zero_optimization
     if zero.stage != 3 or zero.offload_param.device not in OFFLOADED or max(
-            topology.tp_size, topology.pp_size, topology.ep_size) > 1:
+            mesh.tp.size, mesh.pp.size, mesh.ep.size) > 1:
         return set()
     threshold = persistence_threshold(cfg)
     return {id(p) for p in model.parameters() if p.is_floating_point() and p.numel() >= threshold}
@@ -385,13 +385,13 @@ def _pages_grads(cfg: Config) -> bool:
     return zero.offload_optimizer.device in OFFLOADED and zero.stage >= 2
 
 
-def _expert_chunks(experts: ExpertParallel | None, topology: Topology, sharded: bool) -> ExpertChunks | None:
+def _expert_chunks(experts: ExpertParallel | None, mesh: Mesh, sharded: bool) -> ExpertChunks | None:
     """Note [expert parallelism]: with 2 or more ep ranks, expert chunks are reduced over (and with ZeRO
     sharded across) the ranks holding the same experts."""
-    if experts is None or topology.ep_size == 1:
+    if experts is None or mesh.ep.size == 1:
         return None
-    place = ShardPlace(topology.expert_dp_rank if sharded else 0, topology.expert_dp_size if sharded else 1,
-                       topology.expert_dp_group)
+    place = ShardPlace(mesh.edp.rank if sharded else 0, mesh.edp.size if sharded else 1,
+                       mesh.edp.group)
     return ExpertChunks(frozenset(id(p) for p in experts.expert_params()), place)
 
 
@@ -424,7 +424,7 @@ def build_chunk_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.dev
 
 
 def zero_runtime(model: nn.Module, cfg: Config, chunked: ChunkedParams, optimizer: torch.optim.Optimizer,
-                 topology: Topology, loss_scaler, comm: CommCounter | None = None) -> ZeroRuntime:
+                 mesh: Mesh, loss_scaler, comm: CommCounter | None = None) -> ZeroRuntime:
     """The phases of a training step over `chunked` (Note [step phases]): stage 3 gathers parameters around
     the modules that use them (Note [gathering around modules]); with 2 or more data-parallel ranks gradient
     chunks are reduced as backward fills them (Note [reduction order]). comm: the counter of the collectives so
@@ -433,27 +433,27 @@ def zero_runtime(model: nn.Module, cfg: Config, chunked: ChunkedParams, optimize
     hooks = ZeroHooks()
     prefetch = zero.stage3_prefetch_bucket_size if zero.stage3_prefetch_bucket_size != "auto" else 50_000_000
     # Note [stage predicates]: under stages 0-2 every chunk is WHOLE, so the gatherer hooks no module
-    gatherer = ParamGatherer(model, chunked.sharded_params, chunked.param_chunk_index(), topology.shard_group, comm,
+    gatherer = ParamGatherer(model, chunked.sharded_params, chunked.param_chunk_index(), mesh.shard.group, comm,
                              prefetch, zero.stage3_max_live_parameters, hooks)
     overlap = zero.overlap_comm is not False  # stage 0 overlaps unless told not to
-    reducer = (GradReducer(chunked, topology.shard_group, comm, hooks, overlap, zero.reduce_scatter,
+    reducer = (GradReducer(chunked, mesh.shard.group, comm, hooks, overlap, zero.reduce_scatter,
                            gatherer.on_grads_complete if chunked.gathers_params else None,
-                           peers=topology.is_distributed, replicas=topology.replica_group)
-               if topology.is_distributed or chunked.shards_grads else None)
-    clipper = GradientClipper(chunked, topology, comm, cfg.gradient_clipping, loss_scaler.checks_overflow,
+                           peers=mesh.zero.size > 1, replicas=mesh.replicate.group)
+               if mesh.zero.size > 1 or chunked.shards_grads else None)
+    clipper = GradientClipper(chunked, mesh, comm, cfg.gradient_clipping, loss_scaler.checks_overflow,
                               norm_logged=cfg.tensorboard.enabled)
-    return ZeroRuntime(chunked, optimizer, topology, comm, clipper, gatherer, reducer,
+    return ZeroRuntime(chunked, optimizer, mesh, comm, clipper, gatherer, reducer,
                        steps_in_backward=zero.offload_optimizer.step_in_backward, hooks=hooks)
 
 
-def build_monitor(cfg: Config, topology: Topology, runtime: ZeroRuntime,
+def build_monitor(cfg: Config, mesh: Mesh, runtime: ZeroRuntime,
                   checkpointing: ActivationCheckpointing) -> Monitor:
     """TensorBoard and printed metrics (rank 0), counted per update over the runtime's traffic."""
     manager = getattr(runtime.optimizer, "manager", None)
-    metrics = StepMetrics(runtime.comm, topology.device, cfg.wall_clock_breakdown,
+    metrics = StepMetrics(runtime.comm, mesh.device, cfg.wall_clock_breakdown,
                           (lambda: checkpointing.recompute_seconds) if cfg.activation_checkpointing.profile else None,
                           (lambda: manager.stats) if manager is not None else None)
-    return Monitor(cfg.tensorboard, cfg.steps_per_print, is_writer_rank=topology.rank == 0, device=topology.device,
+    return Monitor(cfg.tensorboard, cfg.steps_per_print, is_writer_rank=mesh.world.rank == 0, device=mesh.device,
                    step_metrics=metrics)
 
 

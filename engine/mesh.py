@@ -4,7 +4,7 @@ Note [one mesh]
 world = pp × dp × sp × tp, pipeline outermost and tensor parallelism innermost (as Megatron and torchtitan
 lay them out: a tp group is one node's fast links), so global rank = ((p·dp + d)·sp + s)·tp + t.
 
-    pp ─┬─ dp ─┬─ sp ─┬─ tp           (2D tp: tp_row × tp_col, row-major: tp rank = row·q + col)
+    pp ─┬─ dp ─┬─ sp ─┬─ tp           (2D tp: tp_r × tp_c, row-major: tp rank = r·q + c)
         │      │      └─ ep ⊂ dp × sp (consecutive dp × sp positions: Note [expert parallelism])
         │      └─ ZeRO group = dp × sp (the ranks holding the same weights: gradients and shards span them)
         └─ samples differ across dp only (Note [data-parallel coordinates])
@@ -13,7 +13,8 @@ The mesh is built from *atomic* dimensions, one per factor that some group needs
 dimension or a flattened run of adjacent ones (DeviceMesh `_flatten`). Expert parallelism splits dp × sp into
 edp × ep with ep innermost: when sp divides ep, dp splits into (edp, ep / sp) and ep = (ep / sp, sp); when ep
 divides sp, sp splits into (sp / ep, ep) and edp = (dp, sp / ep). Under 2D tensor parallelism the tp ranks form
-a q×q grid: a row group holds one row (the q ranks of one batch block), a column group one column.
+a q×q grid of atoms tp_r × tp_c (the row and column coordinates): the axis tp_row holds one row (the q ranks of
+one batch block, along tp_c), tp_col one column.
 Every dimension is built even at size 1, so that each group exists (a size-1 group, never the world group).
 Hybrid sharding (`zero_optimization.mics_shard_size`, Note [hybrid sharding]) splits dp into dp_replicate ×
 dp_shard, shard innermost: a shard group (dp_shard × sp, consecutive ZeRO ranks) holds one copy of the sharded
@@ -23,8 +24,9 @@ states, and the replicate group joins the ranks holding the same shard in the ot
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -109,7 +111,7 @@ class ParallelDims:
 
     def atoms(self) -> list[tuple[str, int]]:
         """The mesh's dimensions, outermost first (Note [one mesh])."""
-        tp = [("tp_row", math.isqrt(self.tp)), ("tp_col", math.isqrt(self.tp))] if self.tp_2d else [("tp", self.tp)]
+        tp = [("tp_r", math.isqrt(self.tp)), ("tp_c", math.isqrt(self.tp))] if self.tp_2d else [("tp", self.tp)]
         if self.replicas > 1:
             middle = [("dp_replicate", self.replicas), ("dp_shard", self.dp // self.replicas), ("sp", self.sp)]
         elif self.ep == 1:
@@ -123,7 +125,7 @@ class ParallelDims:
     def views(self) -> dict[str, tuple[str, ...]]:
         """Each group of the run as the run of adjacent atoms it spans."""
         names = [n for n, _ in self.atoms()]
-        tp = ("tp_row", "tp_col") if self.tp_2d else ("tp",)
+        tp = ("tp_r", "tp_c") if self.tp_2d else ("tp",)
         zero = tuple(n for n in names if n not in ("pp", *tp))
         if self.replicas > 1:
             views = {"dp": ("dp_replicate", "dp_shard"), "sp": ("sp",), "shard": ("dp_shard", "sp"),
@@ -137,37 +139,93 @@ class ParallelDims:
         return {"pp": ("pp",), "tp": tp, "zero": zero, **views}
 
 
+@dataclass(frozen=True)
+class Axis:
+    """One named sub-mesh as this rank sees it: its process group, this rank's place in it and its size. The group
+    is None where no collective runs over it: one process, or a parallelism that is off (size 1); the ZeRO group
+    and the views that fall back to it (dp without sequence parallelism, edp without experts, shard without
+    hybrid sharding) are the exception, a group of their own in every multi-process run."""
+
+    group: dist.ProcessGroup | None = None
+    rank: int = 0
+    size: int = 1
+
+
+@dataclass(frozen=True, eq=False)
 class Mesh:
-    """The run's DeviceMesh and its named groups (Note [one mesh]); every parallel process group comes from it."""
+    """The run's DeviceMesh and its named sub-meshes (Note [one mesh]); every parallel process group comes from it.
+    Built by `build` (process groups), `single` (one process) or `layout` (sizes only)."""
 
-    def __init__(self, dims: ParallelDims, device_type: str):
-        self.dims = dims
+    dims: ParallelDims | None  # None: a layout of sizes only
+    device: torch.device
+    world: Axis  # every rank (group None: the default group)
+    zero: Axis  # dp × sp: the ranks holding the same dense weights (gradients averaged, states sharded over them)
+    dp: Axis  # the ranks that see different samples (Note [data-parallel coordinates])
+    shard: Axis  # the ranks ZeRO shards the states over: zero, or one copy of it under hybrid sharding
+    replicate: Axis  # the ranks holding this rank's shard in the other copies (size 1 without hybrid sharding)
+    edp: Axis  # the ranks holding this rank's experts (zero without expert parallelism)
+    pp: Axis
+    tp: Axis
+    sp: Axis
+    ep: Axis
+    tp_row: Axis  # 2D tensor parallelism: this rank's row (the ranks that differ in column, ordered by it)
+    tp_col: Axis  # and its column
+    device_mesh: DeviceMesh | None = None
+    control_group: dist.ProcessGroup | None = None  # every rank, gloo, checkpoint control (Note [checkpoint commit])
+    views: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+
+    AXES = ("world", "zero", "dp", "shard", "replicate", "edp", "pp", "tp", "sp", "ep", "tp_row", "tp_col")
+
+    @classmethod
+    def build(cls, dims: ParallelDims, device: torch.device | str, *, control: bool = False) -> "Mesh":
+        """Every group of `dims` over the running process group (control: also the checkpoint control group)."""
+        device = torch.device(device)
         atoms = dims.atoms()
-        self.device_mesh = init_device_mesh(device_type, tuple(s for _, s in atoms),
-                                            mesh_dim_names=tuple(n for n, _ in atoms))
-        self._views: dict[str, DeviceMesh] = {}
+        device_mesh = init_device_mesh(device.type, tuple(s for _, s in atoms),
+                                       mesh_dim_names=tuple(n for n, _ in atoms))
+        views: dict[str, DeviceMesh] = {}
         for name, span in dims.views().items():  # every rank flattens every view, in the same order
-            self._views[name] = (self.device_mesh[span[0]] if len(span) == 1
-                                 else self.device_mesh[span]._flatten(f"{name}_view"))
+            views[name] = device_mesh[span[0]] if len(span) == 1 else device_mesh[span]._flatten(f"{name}_view")
+        control_group = dist.new_group(list(range(dims.world)), backend="gloo") if control else None
+        return cls(dims, device, **_axes_of(dims, views, device_mesh), device_mesh=device_mesh,
+                   control_group=control_group, views=views)
 
-    def control_group(self) -> dist.ProcessGroup:
-        """Every rank, over gloo, for checkpoint control messages only (Note [checkpoint commit]): a group of its
-        own, so that a background save never interleaves its collectives with training's."""
-        return dist.new_group(list(range(self.dims.world)), backend="gloo")
+    @classmethod
+    def single(cls, device: torch.device | str) -> "Mesh":
+        """One process: every axis of size 1, no group."""
+        return cls(ParallelDims(1), torch.device(device), **{name: Axis() for name in cls.AXES})
+
+    @classmethod
+    def layout(cls, device: torch.device | str = "cpu", *, zero: int = 1, tp: int = 1, pp: int = 1, sp: int = 1,
+               ep: int = 1) -> "Mesh":
+        """Sizes only, for this rank at place 0 of each (estimates, tables): no groups and no checks."""
+        world = zero * tp * pp
+        edp = zero // ep if ep > 1 else zero
+        sizes = {"world": world, "zero": zero, "dp": zero // sp, "shard": zero, "replicate": 1, "edp": edp,
+                 "pp": pp, "tp": tp, "sp": sp, "ep": ep, "tp_row": 1, "tp_col": 1}
+        return cls(None, torch.device(device), **{name: Axis(None, 0, size) for name, size in sizes.items()})
+
+    @property
+    def in_first_copy(self) -> bool:
+        """This rank's ZeRO shards are the first copy's (every rank's, without hybrid sharding): the copy a
+        checkpoint records (Note [hybrid sharding])."""
+        return self.replicate.rank == 0
 
     def group(self, name: str) -> dist.ProcessGroup:
-        """This rank's group along view `name` (pp, dp, sp, tp, zero, ep, edp; tp_row, tp_col under 2D; shard,
-        replicate under hybrid sharding)."""
-        mesh = self._views[name] if name in self._views else self.device_mesh[name]
-        return mesh.get_group()
+        """This rank's group along view `name` (pp, dp, sp, tp, zero, ep, edp; shard, replicate under hybrid
+        sharding) or atom of the DeviceMesh (Note [one mesh])."""
+        return self._device_mesh_of(name).get_group()
 
     def rank(self, name: str) -> int:
-        mesh = self._views[name] if name in self._views else self.device_mesh[name]
-        return mesh.get_local_rank()
+        return self._device_mesh_of(name).get_local_rank()
 
     def size(self, name: str) -> int:
-        mesh = self._views[name] if name in self._views else self.device_mesh[name]
-        return mesh.size()
+        return self._device_mesh_of(name).size()
+
+    def _device_mesh_of(self, name: str) -> DeviceMesh:
+        if self.device_mesh is None:
+            raise ValueError("this mesh has no process groups (one process, or sizes only): read its axes")
+        return self.views[name] if name in self.views else self.device_mesh[name]
 
     def subgroup(self, name: str, members: tuple[int, ...]) -> dist.ProcessGroup:
         """The group of positions `members` along atomic dimension `name` at this rank's place in the others (e.g.
@@ -181,3 +239,28 @@ class Mesh:
             if me in row:
                 mine = group
         return mine
+
+
+def _axes_of(dims: ParallelDims, views: dict[str, DeviceMesh], device_mesh: DeviceMesh) -> dict[str, Axis]:
+    """Each axis of a built mesh, with the None and fallback rules of `Axis`."""
+    def view(name: str, size: int, on: bool | None = None) -> Axis:
+        if not (size > 1 if on is None else on):
+            return Axis(None, 0, size)
+        mesh = views[name] if name in views else device_mesh[name]
+        return Axis(mesh.get_group(), mesh.get_local_rank(), size)
+
+    zero = view("zero", dims.dp * dims.sp, on=True)
+    shard_size = zero.size // dims.replicas
+    axes = {"world": Axis(None, dist.get_rank(), dims.world), "zero": zero,
+            "dp": view("dp", dims.dp, on=True) if dims.sp > 1 else zero,
+            "shard": view("shard", shard_size, on=True) if dims.replicas > 1 else zero,
+            "replicate": Axis(views["replicate"].get_group() if dims.replicas > 1 else None,
+                              zero.rank // shard_size, dims.replicas),
+            "edp": view("edp", dims.edp, on=True) if dims.ep > 1 else zero}
+    for name in ("pp", "tp", "sp", "ep"):
+        axes[name] = view(name, getattr(dims, name))
+    q = math.isqrt(dims.tp) if dims.tp_2d else 1
+    # the atoms are coordinates (row r, column c): a row is the ranks that differ in c
+    axes["tp_row"] = view("tp_c", q, on=dims.tp_2d)
+    axes["tp_col"] = view("tp_r", q, on=dims.tp_2d)
+    return axes

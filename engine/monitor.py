@@ -22,7 +22,7 @@ import os
 import psutil
 import torch
 
-from engine.config import TensorBoardConfig
+from engine.config_sections import TensorBoardConfig
 from engine.step_metrics import StepMetrics, UpdateSummary
 
 

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from engine.comm import CommCounter
-from engine.config import Config, OptimizerConfig
 from engine.config_schema import ConfigError
+from engine.config_sections import Config, OptimizerConfig
 from engine.optimizers.adam import UncorrectedAdam
 from engine.optimizers.blockwise_states import BlockwiseStates
 from engine.optimizers.compressed import DataParallelGroup
@@ -116,7 +116,7 @@ def _build_compressed(config: OptimizerConfig, param_groups: list[dict], segment
     return OneBitAdam(param_groups, data_parallel, freeze_step=p["freeze_step"], **common)
 
 
-def check_compressed_run(config, topology) -> None:
+def check_compressed_run(config, mesh) -> None:
     """The compressed family's limits (Note [optimizers that communicate]): DeepSpeed's, ZeRO stage 0 and plain
     data parallelism, and fp16, whose overflow check would decide skipped steps rank by rank on their own
     gradients."""
@@ -126,7 +126,7 @@ def check_compressed_run(config, topology) -> None:
     refusals = [
         (config.zero_optimization.stage != 0, "zero_optimization.stage",
          f"{name} runs at ZeRO stage 0 only (as in DeepSpeed); set zero_optimization.stage to 0"),
-        (max(topology.tp_size, topology.pp_size, topology.sp_size, topology.ep_size) > 1, "optimizer.type",
+        (max(mesh.tp.size, mesh.pp.size, mesh.sp.size, mesh.ep.size) > 1, "optimizer.type",
          f"{name} runs with data parallelism only; remove the tensor, pipeline, sequence or expert parallel sizes"),
         (config.fp16.enabled, "fp16.enabled",
          f"{name} after its warmup leaves each rank its own gradients, and fp16's overflow check would decide the "

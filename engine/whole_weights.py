@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import CommCounter, all_gather_into, broadcast_from
-from engine.topology import Topology
+from engine.mesh import Mesh
 from engine.zero.chunked_params import ChunkedParams
 from engine.zero.param_gather import ParamGatherer
 
@@ -40,18 +40,18 @@ def full_state_dict(module: nn.Module, chunked: ChunkedParams, gatherer: ParamGa
     return {key: out[key] for key in entries} if keep else None
 
 
-def join_stages(local: dict[str, torch.Tensor], keys: tuple[str, ...], topology: Topology, counter: CommCounter,
+def join_stages(local: dict[str, torch.Tensor], keys: tuple[str, ...], mesh: Mesh, counter: CommCounter,
                 keep: bool) -> dict[str, torch.Tensor] | None:
     """Under a pipeline: the whole model's state dict, keyed and ordered as the unsplit model's (`keys`), from each
     pipeline rank's `local` one (its holder's keys: a tied weight comes from each stage under its own key). Each
     pipeline rank broadcasts its entries over its pipeline group in turn; with `keep` False on every rank of that
     group (rank0_only elsewhere than rank 0's group) nothing is sent."""
-    group, device = topology.pp_group, topology.device
-    if not keep and (topology.dp_rank, topology.tp_rank) != (0, 0):
+    group, device = mesh.pp.group, mesh.device
+    if not keep and (mesh.zero.rank, mesh.tp.rank) != (0, 0):
         return None  # global rank 0's pipeline group is the one at dp rank 0, tp rank 0
     out = dict(local)
-    for src in range(topology.pp_size):
-        mine = src == topology.pp_rank
+    for src in range(mesh.pp.size):
+        mine = src == mesh.pp.rank
         header = [[(k, tuple(t.shape), t.dtype) for k, t in local.items()] if mine else None]
         dist.broadcast_object_list(header, group=group, group_src=src, device=device)
         for key, shape, dtype in header[0]:
@@ -63,14 +63,14 @@ def join_stages(local: dict[str, torch.Tensor], keys: tuple[str, ...], topology:
     return {**{key: out[key] for key in keys}, **out} if keep else None
 
 
-def chunked_keys(module: nn.Module, chunked: ChunkedParams, topology: Topology) -> set[str]:
+def chunked_keys(module: nn.Module, chunked: ChunkedParams, mesh: Mesh) -> set[str]:
     """The state-dict keys of parameters held in chunks (trainable), of every pipeline stage's model."""
     index = chunked.chunk_index()
     keys = {key for key, t in module.state_dict(keep_vars=True).items() if id(t) in index}
-    if topology.pp_size == 1:
+    if mesh.pp.size == 1:
         return keys
-    every: list = [None] * topology.pp_size
-    dist.all_gather_object(every, keys, group=topology.pp_group)
+    every: list = [None] * mesh.pp.size
+    dist.all_gather_object(every, keys, group=mesh.pp.group)
     return set().union(*every)
 
 

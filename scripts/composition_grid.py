@@ -2,7 +2,7 @@
 config checks and from TESTS below, never typed.
 
 A pair's cell: its two config fragments merged over BASE and run through load_config (check_config) and check_run
-against a Topology of the world the degrees need (no process group). A refusal prints "✗" and the error; an accepted
+against a mesh layout of the world the degrees need (no process group). A refusal prints "✗" and the error; an accepted
 pair prints "✓" and the tests in TESTS that train it against one process. An accepted pair without a test, a test
 id whose file does not define the function, and a refused pair with a test all fail the script.
 
@@ -26,12 +26,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: the engine package is the repo root's
     sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402 (after the path above)
 
 from engine.config import load_config  # noqa: E402
 from engine.config_checks import check_run  # noqa: E402
-from engine.mesh import ParallelDims  # noqa: E402
-from engine.topology import Topology  # noqa: E402
+from engine.mesh import Mesh, ParallelDims  # noqa: E402
 
 # pair of feature names (either order) → the pytest node ids that train the pair against one process
 PAIRS = "tests/test_composition_pairs.py::test_pair_trains_like_one_process"
@@ -159,9 +157,8 @@ def refusal(a: Feature, b: Feature) -> str | None:
                    if d * sp % ep == 0 and (not shard or d * sp % shard == 0 and d * sp > shard)), 1)
         dims = ParallelDims(pp * dp * sp * tp, pp=pp, sp=sp, tp=tp, ep=ep,
                             tp_2d=cfg.tensor_parallel.mode == "2d" and tp > 1, shard=shard)
-        topology = Topology(dims.world, 0, None, dims.dp * dims.sp, 0, torch.device("cpu"), tp_size=tp, pp_size=pp,
-                            sp_size=sp, ep_size=ep, edp_size=dims.edp if ep > 1 else 0)
-        check_run(cfg, topology, built_under_zero_init=a.zero_init or b.zero_init)
+        mesh = Mesh.layout(zero=dims.dp * dims.sp, tp=tp, pp=pp, sp=sp, ep=ep)
+        check_run(cfg, mesh, built_under_zero_init=a.zero_init or b.zero_init)
     except ValueError as e:  # ConfigError is one
         return str(e)
     return None

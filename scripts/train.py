@@ -68,7 +68,7 @@ if "total_num_steps" in schedule:
 torch.manual_seed(seed)
 model = gpt_from_preset(args.model, **({"block_size": args.block_size} if args.block_size else {}))
 model_engine = initialize(model, config)  # starts torch.distributed itself under torchrun
-master = model_engine.topology.rank == 0  # one printer, also when tp ranks share a dp rank
+master = model_engine.mesh.world.rank == 0  # one printer, also when tp ranks share a dp rank
 device = model_engine.device
 pipelined = model_engine.pipeline is not None
 block_size = model.config.block_size

@@ -164,7 +164,7 @@ def test_defaults_match_config_md():
 
 def test_stage3_overlap_default_follows_deepspeed():
     # overlap_comm unset: true for stage 3 (the property, independent of the stage gate).
-    from engine.config import ZeroConfig
+    from engine.config_sections import ZeroConfig
 
     assert ZeroConfig(stage=3).overlap is True
     assert ZeroConfig(stage=3, overlap_comm=False).overlap is False

@@ -1,8 +1,9 @@
 """engine/'s and offload/'s imports point one way: no module imports, directly or through others, one that imports
 it back, and no import sits inside a function to dodge such a cycle.
 
-The graph is read from the source (no import runs): a module depends on what it imports at module level (a
-TYPE_CHECKING block aside). `from pkg import name` reads pkg's namespace, so it depends on pkg even where name is a
+The graph is read from the source (no import runs): a module depends on what it imports at module level, a
+TYPE_CHECKING block's imports included (a cycle only type checkers see is still two modules that need each other).
+`from pkg import name` reads pkg's namespace, so it depends on pkg even where name is a
 submodule; importing pkg.mod runs the __init__ of every package above mod, so it depends on those too, except the
 packages the importer itself sits in (they are mid-import already: the usual package re-exporting its modules).
 """
@@ -51,6 +52,11 @@ def _module_level(tree: ast.Module) -> list[ast.stmt]:
     return found
 
 
+def _type_checking_imports(tree: ast.Module) -> list[ast.stmt]:
+    return [inner for node in ast.walk(tree) if _type_checking_block(node) for inner in ast.walk(node)
+            if isinstance(inner, (ast.Import, ast.ImportFrom))]
+
+
 def _in_type_checking(tree: ast.Module) -> set[int]:
     return {id(inner) for node in ast.walk(tree) if _type_checking_block(node) for inner in ast.walk(node)}
 
@@ -61,7 +67,7 @@ class ImportGraph:
         self.trees = {name: ast.parse(path.read_text(), str(path)) for name, path in self.files.items()}
         self.edges = {name: set() for name in self.files}
         for name, tree in self.trees.items():
-            for node in _module_level(tree):
+            for node in _module_level(tree) + _type_checking_imports(tree):
                 self.edges[name] |= self.targets(name, node)
             self.edges[name].discard(name)
 
@@ -156,8 +162,18 @@ def test_the_graph_sees_a_cycle_through_a_package_init(graph):
     assert graph.path("engine.estimate", "engine.pipeline.block_timing") is not None
 
 
+def test_the_graph_counts_an_import_only_type_checkers_run(graph):
+    """A TYPE_CHECKING import is an edge: the pipeline driver annotating its features with engine.features' class
+    (as it once did) closes features -> driver -> features."""
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.features import Features")
+    (node,) = _type_checking_imports(tree)
+    assert "engine.features" in graph.targets("engine.pipeline.driver", node)
+    assert graph.path("engine.features", "engine.pipeline.driver") is not None
+
+
 FORMER_CYCLE_MEMBERS = ["engine.pipeline.block_timing", "engine.estimate.activations",
-                        "engine.tensor_parallel.derive.propagate", "engine.compat.deepspeed.runtime.engine"]
+                        "engine.tensor_parallel.derive.propagate", "engine.compat.deepspeed.runtime.engine",
+                        "engine.pipeline.driver", "engine.config_checks"]
 
 
 def test_modules_once_in_cycles_import_first_in_a_fresh_interpreter():

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.mesh import ParallelDims
-from engine.topology import Topology
+from engine.mesh import Axis, Mesh, ParallelDims
+from engine.topology import start_mesh
 from tests.distributed import results_by_case, run_cases, run_distributed
 
 WORLD = 8
@@ -22,18 +22,17 @@ LAYOUTS = [  # (pp, sp, tp, ep, 2d)
 ]
 
 
-def _groups(topology: Topology) -> dict[str, list[int] | None]:
-    named = {"zero": topology.dp_group, "tp": topology.tp_group, "pp": topology.pp_group, "sp": topology.sp_group,
-             "dp": topology.data_parallel_group, "ep": topology.ep_group, "edp": topology.expert_dp_group,
-             "row": topology.tp_row_group, "col": topology.tp_col_group, "shard": topology.shard_group,
-             "replicate": topology.replica_group}
-    return {name: None if g is None else dist.get_process_group_ranks(g) for name, g in named.items()}
+AXES = {"zero": "zero", "tp": "tp", "pp": "pp", "sp": "sp", "dp": "dp", "ep": "ep", "edp": "edp", "row": "tp_row",
+        "col": "tp_col", "shard": "shard", "replicate": "replicate"}  # the expected groups' names -> the mesh's axes
 
 
-def _build(pp: int, sp: int, tp: int, ep: int, two_d: bool, shard: int = 0) -> dict:
-    topology = Topology.from_environment(torch.device("cpu"), tp_size=tp, tp_mode="2d" if two_d else "1d",
-                                         pp_size=pp, sp_size=sp, ep_size=ep, shard_size=shard)
-    return _groups(topology)
+def _build(pp: int, sp: int, tp: int, ep: int, two_d: bool, shard: int = 0) -> tuple[dict, dict]:
+    """Each axis's group members, and its (rank, size)."""
+    mesh = start_mesh(torch.device("cpu"), tp_size=tp, tp_mode="2d" if two_d else "1d", pp_size=pp, sp_size=sp,
+                      ep_size=ep, shard_size=shard)
+    axes = {name: getattr(mesh, axis) for name, axis in AXES.items()}
+    groups = {name: None if a.group is None else dist.get_process_group_ranks(a.group) for name, a in axes.items()}
+    return groups, {name: (a.rank, a.size) for name, a in axes.items()} | {"world": (mesh.world.rank, mesh.world.size)}
 
 
 def _worker(rank: int, world: int, cases: list[tuple]) -> dict:
@@ -80,8 +79,29 @@ def built() -> dict:
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda c: "pp{}-sp{}-tp{}-ep{}{}{}".format(
     *c[:4], "-2d" * c[4], f"-shard{c[5]}" if len(c) > 5 else ""))
 def test_every_group_of_a_layout_comes_from_the_mesh_as_the_layout_says(built, layout):
-    for rank, groups in enumerate(built[layout]):
+    for rank, (groups, _) in enumerate(built[layout]):
         assert groups == expected_groups(rank, *layout), rank
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda c: "pp{}-sp{}-tp{}-ep{}{}{}".format(
+    *c[:4], "-2d" * c[4], f"-shard{c[5]}" if len(c) > 5 else ""))
+def test_each_axis_knows_this_ranks_place_and_size(built, layout):
+    """An axis's rank is this rank's place in its group's ranks and its size their count; an axis with no group (a
+    parallelism that is off) has size 1 and rank 0."""
+    for rank, (groups, facts) in enumerate(built[layout]):
+        assert facts["world"] == (rank, WORLD)
+        for name, members in groups.items():
+            expected = (0, 1) if members is None else (members.index(rank), len(members))
+            assert facts[name] == expected, (rank, name)
+
+
+def test_one_process_and_a_layout_of_sizes_have_every_axis():
+    one = Mesh.single("cpu")
+    assert all(getattr(one, name) == Axis(None, 0, 1) for name in Mesh.AXES) and one.in_first_copy
+    sizes = Mesh.layout("cpu", zero=4, tp=2, pp=2, sp=2, ep=2)
+    assert (sizes.world.size, sizes.zero.size, sizes.dp.size, sizes.edp.size, sizes.tp.size) == (16, 4, 2, 2, 2)
+    with pytest.raises(ValueError, match="no process groups"):
+        sizes.group("tp")
 
 
 @pytest.mark.parametrize("dims, message", [

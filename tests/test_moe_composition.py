@@ -265,7 +265,7 @@ def four_ranks(four_ranks_dir) -> dict[tuple, list]:
 def test_a_hugging_face_router_loss_is_refused_by_the_pipeline_split_without_a_moe_section():
     """Without a `moe` section Tiers does not route the model's experts, and the split refuses the loss itself."""
     pytest.importorskip("transformers")
-    from engine.config import PipelineConfig
+    from engine.config_sections import PipelineConfig
     from engine.pipeline.model_split import plan_stages, split_model
     from tests.moe_models import mixtral
 

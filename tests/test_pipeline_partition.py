@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import PipelineConfig
+from engine.config_sections import PipelineConfig
 from engine.pipeline.block_timing import measured_costs
 from engine.pipeline.model_split import plan_stages, split_model
 from engine.pipeline.partition import balanced_starts, starts_from_names

@@ -10,7 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 from engine import initialize
 from engine.config import load_config
 from engine.initialization import build_chunk_optimizer, chunk_parameters
-from engine.topology import Topology
+from engine.mesh import Mesh
 from engine.zero.chunk_state import ChunkPhase
 from engine.zero.offload_policy import OffloadPolicy
 from engine.zero.policy import ChunkKind
@@ -108,8 +108,7 @@ def test_offload_policy_homes_each_kind_as_the_table_says(tmp_path):
         if param:
             zero["offload_param"] = {"device": param, "nvme_path": str(tmp_path)}
         cfg = load_config({**CONFIG, "bf16": {"enabled": bf16}, "zero_optimization": zero})
-        topology = _single_rank_view(dp)
-        chunked = chunk_parameters(tiny_gpt(), cfg, topology, [{"params": list(tiny_gpt().parameters())}])
+        chunked = chunk_parameters(tiny_gpt(), cfg, _single_rank_view(dp), [{"params": list(tiny_gpt().parameters())}])
         return OffloadPolicy.from_config(cfg, grads_sharded=chunked.shards_grads, masters=chunked.has_masters).homes
 
     assert homes(1) == {ChunkKind.OPTIM: Location.NVME}
@@ -127,18 +126,18 @@ def test_offload_policy_homes_each_kind_as_the_table_says(tmp_path):
     assert homes(3) == {ChunkKind.OPTIM: Location.NVME, ChunkKind.GRAD: Location.NVME}
 
 
-def _single_rank_view(dp: int) -> Topology:
+def _single_rank_view(dp: int) -> Mesh:
     """Rank 0 of a data-parallel world of `dp`, as far as chunking needs it (no process group is used)."""
-    return Topology(world_size=dp, rank=0, dp_group=None, dp_world_size=dp, dp_rank=0, device=torch.device("cpu"))
+    return Mesh.layout("cpu", zero=dp)
 
 
 def test_the_public_steps_compose_into_what_initialize_builds():
     """chunk_parameters and build_chunk_optimizer, called by hand on a plain model, train it like PyTorch."""
     cfg = load_config({**CONFIG, "zero_optimization": {"stage": 1}})
     model = tiny_gpt()
-    topology = _single_rank_view(1)
-    chunked = chunk_parameters(model, cfg, topology, [{"params": list(model.parameters())}])
-    optimizer = build_chunk_optimizer(cfg, chunked, topology.device)
+    mesh = _single_rank_view(1)
+    chunked = chunk_parameters(model, cfg, mesh, [{"params": list(model.parameters())}])
+    optimizer = build_chunk_optimizer(cfg, chunked, mesh.device)
     batches = token_batches(3, 4)
     losses = []
     for x in batches:

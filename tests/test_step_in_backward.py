@@ -11,7 +11,7 @@ import torch
 from engine import initialize
 from engine.config import ConfigError, load_config
 from engine.config_checks import check_run
-from engine.topology import Topology
+from engine.mesh import Mesh
 from tests.distributed import run_distributed
 from tests.reference import (
     assert_close_relative,
@@ -251,6 +251,5 @@ def test_refused_under_a_pipeline_whose_schedule_accumulates_before_the_step():
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "step_in_backward": True}
     cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     cfg["pipeline"] = {"stages": 2}
-    topology = Topology(4, 0, None, 2, 0, torch.device("cpu"), pp_size=2)
     with pytest.raises(ConfigError, match="step_in_backward: a pipeline schedule accumulates"):
-        check_run(load_config(cfg), topology)
+        check_run(load_config(cfg), Mesh.layout("cpu", zero=2, pp=2))

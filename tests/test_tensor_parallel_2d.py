@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import initialize
+from engine.mesh import Mesh
 from engine.tensor_parallel import Mesh2D, TPGroup, apply_tensor_parallel, cross_entropy_2d
 from engine.tensor_parallel.layers_2d import Classifier2D, Embedding2D, Linear2D, Norm2D
-from engine.topology import Topology
+from engine.topology import start_mesh
 from tests.distributed import run_distributed
 from tests.reference import (
     assert_close_relative,
@@ -30,9 +31,9 @@ from tests.tp_models import user_gpt
 Q = 2
 
 
-def mesh_of(topology: Topology) -> Mesh2D:
-    whole = TPGroup(topology.tp_group, topology.tp_size, topology.tp_rank)
-    return Mesh2D.of(whole, topology.tp_row_group, topology.tp_col_group)
+def mesh_of(mesh: Mesh) -> Mesh2D:
+    whole = TPGroup(mesh.tp.group, mesh.tp.size, mesh.tp.rank)
+    return Mesh2D.of(whole, mesh.tp_row.group, mesh.tp_col.group)
 
 
 def block(t: torch.Tensor, r: int, c: int) -> torch.Tensor:
@@ -119,8 +120,7 @@ def mesh_results() -> dict[str, list]:
 
 
 def _layers_worker(rank, world):
-    topology = Topology.from_environment(torch.device("cpu"), tp_size=world, tp_mode="2d")
-    mesh = mesh_of(topology)
+    mesh = mesh_of(start_mesh(torch.device("cpu"), tp_size=world, tp_mode="2d"))
     out = {}
     for kind, whole in whole_layers().items():
         layer = layer_2d(kind, whole, mesh)
@@ -160,8 +160,7 @@ def test_each_2d_layer_computes_the_whole_layer_and_its_gradients(mesh_results):
 
 def _autocast_worker(rank, world):
     """fp32 weights and inputs under bf16 autocast, as the engine runs bf16: SUMMA casts both as F.linear does."""
-    topology = Topology.from_environment(torch.device("cpu"), tp_size=world, tp_mode="2d")
-    mesh = mesh_of(topology)
+    mesh = mesh_of(start_mesh(torch.device("cpu"), tp_size=world, tp_mode="2d"))
     out = {}
     for kind in ("linear", "qkv"):
         whole = whole_layers()[kind]
@@ -272,8 +271,7 @@ def test_a_derived_2d_plan_trains_a_model_without_a_built_in_plan_like_one_proce
 
 
 def _cross_entropy_worker(rank, world):
-    topology = Topology.from_environment(torch.device("cpu"), tp_size=world, tp_mode="2d")
-    mesh = mesh_of(topology)
+    mesh = mesh_of(start_mesh(torch.device("cpu"), tp_size=world, tp_mode="2d"))
     logits, target = ce_inputs()
     mine = logits.chunk(Q, dim=0)[mesh.r].clone().requires_grad_()  # whole vocabulary, batch block r
     loss = cross_entropy_2d(mine, target, mesh)

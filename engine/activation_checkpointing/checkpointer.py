@@ -43,7 +43,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from engine.activation_checkpointing.saved_inputs import InputStore
 from engine.activation_checkpointing.selection import select_modules
-from engine.config import ActivationCheckpointingConfig
+from engine.config_sections import ActivationCheckpointingConfig
 from engine.tensor_parallel.mappings import TPGroup
 from engine.tensor_parallel.rng import RNGStreams
 

@@ -279,7 +279,7 @@ def load_checkpoint(run: TrainingState, control: Control, load_dir: str, tag: st
         stage = _stage_entries(run, checkpoint, not load_module_only and load_optimizer_states,
                                not load_module_only and load_lr_scheduler_states)
         reader = PieceReader(checkpoint)
-        own = checkpoint.rank_file(run.topology.rank) if _same_world(run, checkpoint) else None
+        own = checkpoint.rank_file(run.mesh.world.rank) if _same_world(run, checkpoint) else None
         reader.verify(plan.files | ({own} if own and not load_module_only else set()) | _client_files(checkpoint))
     except (CheckpointError, OSError) as e:
         error = (type(e).__name__, f"rank {control.rank}: {e}" if control.world > 1 else str(e))
@@ -311,8 +311,8 @@ def _agree(control: Control, error: tuple[str, str] | None) -> None:
 
 def _same_world(run: TrainingState, checkpoint: Checkpoint) -> bool:
     """The same ranks on the same kind of device: each rank can take its own generators back."""
-    topo = run.topology
-    return checkpoint.same_world(topo.world_size, topo.tp_size, topo.pp_size, topo.device.type)
+    mesh = run.mesh
+    return checkpoint.same_world(mesh.world.size, mesh.tp.size, mesh.pp.size, mesh.device.type)
 
 
 def _client_files(checkpoint: Checkpoint) -> set[str]:
@@ -379,7 +379,7 @@ def _restore_training_state(run: TrainingState, checkpoint: Checkpoint, reader: 
     if stage["lr_scheduler"] is not None and run.lr_scheduler is not None:
         run.lr_scheduler.load_state_dict(stage["lr_scheduler"])
     if own is not None:  # the same world: each rank's own generators (another world starts its streams afresh)
-        record = manifest["ranks"][run.topology.rank]
+        record = manifest["ranks"][run.mesh.world.rank]
         restore_rng(run, lambda key: reader.tensor(Piece(own, key, 0, 0, 0)), record)
 
 

@@ -2,7 +2,7 @@
 
 Note [checkpoint commit]
 A save is collective, and a checkpoint is either complete or invisible:
-1. every rank arrives (a monitored barrier on the control group, Topology.control_group, with the
+1. every rank arrives (a monitored barrier on the control group, Mesh.control_group, with the
    config's checkpoint.timeout_s): a rank that calls save_checkpoint alone — under
    `if rank == 0:` — gets an error naming the ranks that did not come, not a hang; the ranks agree
    on rank 0's tag (checkpoint.tag_validation says whether a different one warns or fails);
@@ -51,7 +51,7 @@ from engine.checkpoint.files import (
 from engine.checkpoint.reader import FORMAT, LATEST, MANIFEST, PIPELINE_VERSION, TAG, VERSION, rank_file
 from engine.checkpoint.snapshot import RankSnapshot, take_snapshot
 from engine.checkpoint.training_state import TrainingState
-from engine.config import CheckpointConfig
+from engine.config_sections import CheckpointConfig
 
 
 class Control:
@@ -84,8 +84,8 @@ class Saver:
 
     def __init__(self, state: TrainingState, config: CheckpointConfig):
         self.state = state
-        topo = state.topology
-        self.control = Control(topo.control_group, topo.rank, topo.world_size)
+        mesh = state.mesh
+        self.control = Control(mesh.control_group, mesh.world.rank, mesh.world.size)
         self.config = config
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -232,11 +232,11 @@ class Saver:
         states = next((info["optimizer_states"] for _, _, info in reports if info["optimizer_states"]["tensor_states"]
                        or info["optimizer_states"]["scalar_states"]), reports[0][2]["optimizer_states"])
         state = self.state
-        topo = state.topology
+        mesh = state.mesh
         head = {(info["pp_rank"], info["tp_rank"]): info for _, _, info in reports if info["dp_rank"] == 0}
         experts = {(info["pp_rank"], info["tp_rank"], info["ep_rank"]): info for _, _, info in reports
                    if info["edp_rank"] == 0}  # each ep rank's expert chunks' members (Note [expert parallelism])
-        stages = range(topo.pp_size)
+        stages = range(mesh.pp.size)
         sections = len(stages) > 1  # Note [checkpoint layout]: per-stage sections are lists by stage (version 2)
 
         def per_stage(value):
@@ -246,10 +246,10 @@ class Saver:
         manifest = {
             "format": FORMAT, "version": PIPELINE_VERSION if sections else VERSION, "tag": tag,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "layout": {"world_size": topo.world_size, "pp": topo.pp_size, "dp": topo.dp_world_size,
-                       "tp": topo.tp_size, "ep": topo.ep_size, "tp_mode": "1d", **state.features.layout(),
+            "layout": {"world_size": mesh.world.size, "pp": mesh.pp.size, "dp": mesh.zero.size,
+                       "tp": mesh.tp.size, "ep": mesh.ep.size, "tp_mode": "1d", **state.features.layout(),
                        "stage": state.stage,
-                       "shard_count": state.chunked.shard_count, "device": topo.device.type,
+                       "shard_count": state.chunked.shard_count, "device": mesh.device.type,
                        "compute_dtype": str(state.compute_dtype).removeprefix("torch."),
                        "optimizer": _optimizer_name(state.optimizer)},
             **{k: v for k, v in common.items() if k != "tag"},
@@ -257,13 +257,13 @@ class Saver:
             "param_groups": per_stage(lambda p: head[(p, 0)]["param_groups"]),
             "optimizer": states,
             "chunks": per_stage(lambda p: {str(t): _with_experts(head[(p, t)]["chunks"],
-                                                                 [experts[(p, t, e)] for e in range(topo.ep_size)])
-                                           for t in range(topo.tp_size)}),
-            "extras": per_stage(lambda p: {str(t): head[(p, t)]["extras"] for t in range(topo.tp_size)}),
+                                                                 [experts[(p, t, e)] for e in range(mesh.ep.size)])
+                                           for t in range(mesh.tp.size)}),
+            "extras": per_stage(lambda p: {str(t): head[(p, t)]["extras"] for t in range(mesh.tp.size)}),
             "excluded_frozen": sorted({k for p in stages for k in head[(p, 0)]["excluded_frozen"]}),
             # the whole model's: every stage's aliases, the unsplit model's keys (Note [checkpoint layout])
             "aliases": {k: v for p in stages for k, v in head[(p, 0)]["aliases"].items()},
-            "state_dict_keys": _every_key([experts[(p, 0, e)]["keys"] for p in stages for e in range(topo.ep_size)]),
+            "state_dict_keys": _every_key([experts[(p, 0, e)]["keys"] for p in stages for e in range(mesh.ep.size)]),
             "tp_specs": {k: v for p in stages for k, v in head[(p, 0)]["tp_specs"].items()},  # every stage's
             "ranks": [{"rank": r, "rng": info["rng"]} for r, (_, _, info) in enumerate(reports)],
             "files": files,

@@ -27,16 +27,16 @@ def take_snapshot(run: TrainingState, placements: dict[str, Placement], copy: bo
     (a synchronous save writes them before training goes on); anything read from a chunk manager, a stage-3 shard
     view or the device is copied to CPU memory either way. exclude_frozen: frozen parameters are left out (their
     keys recorded as excluded; a load keeps the live values: Note [frozen chunks])."""
-    topo, chunked, states = run.topology, run.chunked, run.live_states(placements)
+    mesh, chunked, states = run.mesh, run.chunked, run.live_states(placements)
     snap = RankSnapshot()
-    snap.record = {"rank": topo.rank, "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "tp_rank": topo.tp_rank,
-                   "ep_rank": topo.ep_rank, "edp_rank": topo.expert_dp_rank}
+    snap.record = {"rank": mesh.world.rank, "pp_rank": mesh.pp.rank, "dp_rank": mesh.zero.rank, "tp_rank": mesh.tp.rank,
+                   "ep_rank": mesh.ep.rank, "edp_rank": mesh.edp.rank}
 
     def owns(index: int) -> bool:  # unsharded: one copy, its group's first rank's (an expert chunk: each ep rank's);
         # sharded: the first copy's shards (Note [hybrid sharding]: the other copies hold the same)
         if states.shard_count(index) > 1:
-            return topo.in_first_copy
-        return (topo.expert_dp_rank if states.is_expert(index) else topo.dp_rank) == 0
+            return mesh.in_first_copy
+        return (mesh.edp.rank if states.is_expert(index) else mesh.zero.rank) == 0
 
     def keep(t: torch.Tensor, transient: bool) -> torch.Tensor:
         t = t.detach()
@@ -60,13 +60,13 @@ def take_snapshot(run: TrainingState, placements: dict[str, Placement], copy: bo
                for name, (ratio, _) in (states.state_entries(i) or {}).items() if ratio != 1}
     snap.record["optimizer_states"] = {"tensor_states": tensor_states, "scalar_states": scalar_states,
                                        **({"entries": entries} if entries else {})}
-    if topo.expert_dp_rank == 0:  # each ep rank's first rank: its experts' names (Note [checkpoint layout])
+    if mesh.edp.rank == 0:  # each ep rank's first rank: its experts' names (Note [checkpoint layout])
         snap.record["chunks"] = [{"numel": states.chunk_numel(i), "members": [m.record() for m in states.members(i)],
                                   **({"expert": True, "shards": states.shard_count(i)} if states.is_expert(i) else {})}
                                  for i in range(len(states))]
         snap.record["keys"] = run.features.model_keys(list(run.module.state_dict(keep_vars=True)))  # the whole model's
-    frozen = {} if exclude_frozen else run.frozen_values(keep=topo.dp_rank == 0)  # (gathered on every rank: stage 3)
-    if topo.dp_rank == 0:
+    frozen = {} if exclude_frozen else run.frozen_values(keep=mesh.zero.rank == 0)  # (gathered on every rank: stage 3)
+    if mesh.zero.rank == 0:
         extras, aliases = extra_entries(run.module, chunked)
         frozen_ids = {id(p) for s in chunked.frozen_states for p in s.params} if exclude_frozen else set()
         snap.record["excluded_frozen"] = sorted(k for k, t in extras.items() if id(t) in frozen_ids)
@@ -91,7 +91,7 @@ def _rng(run: TrainingState, snap: RankSnapshot) -> None:
     per-rank stream (Note [tensor-parallel RNG]), Python's and NumPy's (a user's data pipeline may use them). The
     tensors are fresh (get_rng_state copies; the streams swap states, never mutate them): no copy is needed."""
     snap.tensors["rng.cpu"] = torch.get_rng_state()
-    device = run.topology.device
+    device = run.mesh.device
     if device.type == "cuda":
         snap.tensors["rng.cuda"] = torch.cuda.get_rng_state(device)
     for streams in run.features.generators():  # (one set: its keys are "rng.tp_sharded.<k>")
@@ -110,7 +110,7 @@ def _rng(run: TrainingState, snap: RankSnapshot) -> None:
 def restore_rng(run: TrainingState, tensor_of, record: dict) -> None:
     """The inverse of _rng, from this rank's own file of a checkpoint saved by the same world."""
     torch.set_rng_state(tensor_of("rng.cpu"))
-    device = run.topology.device
+    device = run.mesh.device
     if device.type == "cuda":
         torch.cuda.set_rng_state(tensor_of("rng.cuda"), device)
     for streams in run.features.generators():

@@ -10,10 +10,10 @@ from torch import nn
 
 from engine.checkpoint.live_states import LiveStates, chunked_tensors, extra_entries
 from engine.features import Features
+from engine.mesh import Mesh
 from engine.placement import Placement
 from engine.precision import LossScaler
 from engine.progress import TrainingProgress
-from engine.topology import Topology
 from engine.zero.chunked_params import ChunkedParams
 
 
@@ -29,7 +29,7 @@ class TrainingState:
     lr_scheduler: object | None
     loss_scaler: LossScaler
     progress: TrainingProgress
-    topology: Topology
+    mesh: Mesh
     features: Features
     stage: int  # zero_optimization.stage
     compute_dtype: torch.dtype

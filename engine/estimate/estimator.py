@@ -39,8 +39,8 @@ from engine.estimate.pipeline_stages import PipelineEstimate, PipelineSpec, Unit
 from engine.estimate.runtime import runtime_host_bytes
 from engine.estimate.strategies import Strategy, candidate_strategies
 from engine.initialization import int8_frozen_weights
+from engine.mesh import Mesh
 from engine.precision import PrecisionPolicy
-from engine.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -216,9 +216,8 @@ def _quantize_refusal(cfg: Config, world: int, dp: int, tp: int, pp: int) -> str
     """Why the engine refuses this strategy's quantize_frozen (Note [int8 frozen chunks]: stage 3, data
     parallelism only), or None."""
     moe = cfg.moe.expert_parallel_size if cfg.moe.enabled else 1
-    topology = Topology(world, 0, None, dp, 0, torch.device("cpu"), tp_size=tp, pp_size=pp, ep_size=moe)
     try:
-        check_quantize_frozen(cfg, topology)
+        check_quantize_frozen(cfg, Mesh.layout(zero=dp, tp=tp, pp=pp, ep=moe))
     except ConfigError as error:
         return str(error)
     return None
@@ -235,7 +234,7 @@ def _tensor_parallel(model: nn.Module, cfg: Config):
         return
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from engine.mesh import Mesh, ParallelDims
+    from engine.mesh import ParallelDims
     from engine.tensor_parallel import Mesh2D, TPGroup, apply_tensor_parallel
 
     if dist.is_initialized():
@@ -243,11 +242,11 @@ def _tensor_parallel(model: nn.Module, cfg: Config):
                            "that has not initialized torch.distributed")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
     try:
-        whole = Mesh(ParallelDims(size, tp=size, tp_2d=cfg.tensor_parallel.mode == "2d"), "cpu")
-        tp = TPGroup(whole.group("tp"), size, 0)
+        whole = Mesh.build(ParallelDims(size, tp=size, tp_2d=cfg.tensor_parallel.mode == "2d"), "cpu")
+        tp = TPGroup(whole.tp.group, size, 0)
         mesh = None
-        if cfg.tensor_parallel.mode == "2d":  # a row group spans the columns of one row (Note [one mesh])
-            mesh = Mesh2D.of(tp, whole.group("tp_col"), whole.group("tp_row"))
+        if cfg.tensor_parallel.mode == "2d":
+            mesh = Mesh2D.of(tp, whole.tp_row.group, whole.tp_col.group)
         apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp, None, mesh)
         yield mesh.q if mesh else 1
     finally:

@@ -36,22 +36,20 @@ gradient of this rank's loss times its token weight (Note [sequence parallelism]
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from engine.comm import CommCounter, all_reduce_sum, broadcast_from
+from engine.feature_base import ForwardHooks
+from engine.mesh import Mesh
 from engine.pipeline.executor import PipelineRunner, StepResult
 from engine.pipeline.model_split import PipelineModel
 from engine.pipeline.schedules import Action, ActionKind, build_schedule
 from engine.pipeline.simulate import simulate
 from engine.pipeline.stage_modules import run_stage_view
 from engine.precision import PrecisionPolicy
-from engine.topology import Topology
-
-if TYPE_CHECKING:
-    from engine.features import Features
 
 LossFunction = Callable[[object, object], torch.Tensor]
 
@@ -59,13 +57,13 @@ LossFunction = Callable[[object, object], torch.Tensor]
 class PipelineDriver:
     """Runs a step's micro-batches through this rank's stages of `split` (Note [a pipelined step])."""
 
-    def __init__(self, split: PipelineModel, schedule_name: str, microbatches: int, topology: Topology,
+    def __init__(self, split: PipelineModel, schedule_name: str, microbatches: int, mesh: Mesh,
                  precision: PrecisionPolicy, comm: CommCounter, shared_groups: dict[tuple[int, ...], object],
-                 runtime, features: Features, loss_fn: LossFunction | None = None, timeout_s: float = 600.0):
+                 runtime, features: ForwardHooks, loss_fn: LossFunction | None = None, timeout_s: float = 600.0):
         """shared_groups: from shared_parameter_groups, one per set of pipeline ranks sharing parameters; runtime:
         the engine's ZeRO runtime, whose phases every action runs in; features: those applied before the pipeline,
         whose calls around a micro-batch every stage's forward makes (Note [a pipelined step])."""
-        self.split, self.topology, self.precision, self.comm = split, topology, precision, comm
+        self.split, self.mesh, self.precision, self.comm = split, mesh, precision, comm
         self.loss_fn, self.features = loss_fn, features
         plan = split.plan
         self.schedule = build_schedule(schedule_name, plan.ranks, microbatches, plan.stages // plan.ranks)
@@ -73,8 +71,8 @@ class PipelineDriver:
         self.runtime = runtime
         stages = {s: self._stage_function(s) for s in split.views}
         params = {s: list(view.parameters()) for s, view in split.views.items()}
-        self.runner = PipelineRunner(self.schedule, topology.pp_rank, stages, params, topology.pp_group, timeout_s,
-                                     topology.device, around=self._phase, counter=comm)
+        self.runner = PipelineRunner(self.schedule, mesh.pp.rank, stages, params, mesh.pp.group, timeout_s,
+                                     mesh.device, around=self._phase, counter=comm)
         self.shared_groups = shared_groups
         self._loss_scale = 1.0
         self.last_bubble: float | None = None
@@ -86,7 +84,7 @@ class PipelineDriver:
         self._loss_scale = loss_scale
         self._set_mode(True)
         with self.runtime.accumulate_locally():
-            result = self.runner.run(microbatches, loss_factor=loss_scale / self.topology.dp_world_size)
+            result = self.runner.run(microbatches, loss_factor=loss_scale / self.mesh.zero.size)
         self._sum_shared_gradients()
         self.last_bubble = self._mean_over_pipeline(result.bubble)
         return self._step_loss(result)
@@ -110,7 +108,7 @@ class PipelineDriver:
         """The engine's phase for `action`; under stage 3 each (stage, kind) follows a gather trace of its own."""
         key = (action.stage, action.kind)
         if action.kind is ActionKind.FORWARD:
-            return _forward_phase(self.runtime, self.precision, self.topology.device, key)
+            return _forward_phase(self.runtime, self.precision, self.mesh.device, key)
         return self.runtime.backward(False, self._loss_scale, key)
 
     # ---- a stage's forward -----------------------------------------------------------------------
@@ -140,7 +138,7 @@ class PipelineDriver:
         if aux is None or not torch.is_grad_enabled():
             return out
         weight = self.features.loss_weight()
-        scale = None if last else self._loss_scale / (self.schedule.microbatches * self.topology.dp_world_size)
+        scale = None if last else self._loss_scale / (self.schedule.microbatches * self.mesh.zero.size)
         return RouterLossCarrier.apply(out, aux.to(out.device), weight, scale)
 
     def _loss(self, out, microbatch) -> torch.Tensor:
@@ -156,18 +154,18 @@ class PipelineDriver:
             all_reduce_sum(p.grad, self.shared_groups[ranks], self.comm, async_op=False)
 
     def _mean_over_pipeline(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self.topology.device)
-        all_reduce_sum(t, self.topology.pp_group, self.comm, async_op=False)
-        return t.item() / self.topology.pp_size
+        t = torch.tensor([value], dtype=torch.float64, device=self.mesh.device)
+        all_reduce_sum(t, self.mesh.pp.group, self.comm, async_op=False)
+        return t.item() / self.mesh.pp.size
 
     def _step_loss(self, result: StepResult) -> float:
         """The mean micro-batch loss, from the last stage to every pipeline rank, averaged over data parallel."""
         t = torch.tensor([sum(result.losses) / max(len(result.losses), 1)], dtype=torch.float64,
-                         device=self.topology.device)
-        broadcast_from(t, self.topology.pp_size - 1, self.topology.pp_group, self.comm)
-        if self.topology.dp_world_size > 1:
-            all_reduce_sum(t, self.topology.dp_group, self.comm, async_op=False)
-        return t.item() / self.topology.dp_world_size
+                         device=self.mesh.device)
+        broadcast_from(t, self.mesh.pp.size - 1, self.mesh.pp.group, self.comm)
+        if self.mesh.zero.size > 1:
+            all_reduce_sum(t, self.mesh.zero.group, self.comm, async_op=False)
+        return t.item() / self.mesh.zero.size
 
 
 class RouterLossCarrier(torch.autograd.Function):
@@ -245,7 +243,7 @@ def sync_shared_values(split: PipelineModel, groups: dict[tuple[int, ...], dist.
                 broadcast_from(params[pid].data, 0, groups[ranks], comm)
 
 
-def shared_parameter_groups(split: PipelineModel, topology: Topology) -> dict[tuple[int, ...], dist.ProcessGroup]:
+def shared_parameter_groups(split: PipelineModel, mesh: Mesh) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """One group per set of pipeline ranks sharing a parameter, within this rank's place in the other dimensions of
     the mesh (Note [one mesh])."""
-    return {ranks: topology.mesh.subgroup("pp", ranks) for ranks in sorted(set(split.shared.values()))}
+    return {ranks: mesh.subgroup("pp", ranks) for ranks in sorted(set(split.shared.values()))}

@@ -42,20 +42,15 @@ backward]).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from engine.comm import CommCounter, all_reduce_sum
+from engine.feature_base import ForwardHooks
+from engine.mesh import Mesh
 from engine.pipeline.driver import LossFunction, loss_of, microbatch_arguments
 from engine.pipeline.model_split import PipelineModel
 from engine.pipeline.stage_modules import run_stage_view
 from engine.precision import PrecisionPolicy
-from engine.topology import Topology
-
-if TYPE_CHECKING:
-    from engine.features import Features
-
 
 CUT_RTOL = 1e-5  # the same operators on the same values: equal but for a kernel's nondeterminism
 REFUSED_FORWARD = ("under zero_optimization.offload_param.layer_major the model trains only inside "
@@ -68,9 +63,9 @@ class LayerMajorDriver:
     """Runs a step's micro-batches through the one-stage-per-block split of the model (Note [layer-major
     accumulation]), inside the runtime's forward and backward phases."""
 
-    def __init__(self, split: PipelineModel, runtime, precision: PrecisionPolicy, topology: Topology,
-                 features: Features, comm: CommCounter, loss_fn: LossFunction | None = None):
-        self.split, self.runtime, self.precision, self.topology = split, runtime, precision, topology
+    def __init__(self, split: PipelineModel, runtime, precision: PrecisionPolicy, mesh: Mesh,
+                 features: ForwardHooks, comm: CommCounter, loss_fn: LossFunction | None = None):
+        self.split, self.runtime, self.precision, self.mesh = split, runtime, precision, mesh
         self.features, self.comm, self.loss_fn = features, comm, loss_fn
         stages = split.plan.stages
         used = [runtime.gatherer.chunks_of(split.views[s].modules()) for s in range(stages)]
@@ -102,7 +97,7 @@ class LayerMajorDriver:
         self._check_the_cut(microbatches[0])
         self._set_mode(True)
         losses, aux = self._forward_sweep(microbatches)
-        factor = loss_scale * self.features.loss_weight() / (len(microbatches) * self.topology.dp_world_size)
+        factor = loss_scale * self.features.loss_weight() / (len(microbatches) * self.mesh.zero.size)
         totals = [loss if extra is None else loss + extra.to(loss.device) for loss, extra in zip(losses, aux)]
         scaled = [t.float() * factor if factor != 1.0 else t for t in totals]
         with self.runtime.backward(True, loss_scale):
@@ -129,7 +124,7 @@ class LayerMajorDriver:
             return
         was_training = self.split.holder.training
         self._set_mode(False)
-        devices = [self.topology.device] if self.topology.device.type == "cuda" else []
+        devices = [self.mesh.device] if self.mesh.device.type == "cuda" else []
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 whole = self._whole_loss(microbatch)
@@ -152,7 +147,7 @@ class LayerMajorDriver:
 
     def _whole_loss(self, microbatch) -> torch.Tensor:
         args, kwargs = self._arguments(microbatch)
-        with self.runtime.forward(), self.precision.autocast(self.topology.device), self.features.around_forward():
+        with self.runtime.forward(), self.precision.autocast(self.mesh.device), self.features.around_forward():
             out = self.split.holder(*args, **kwargs)
         self.features.take_aux_loss()
         return self.features.scheduled_loss(loss_of(out, microbatch, self.loss_fn))
@@ -164,7 +159,7 @@ class LayerMajorDriver:
         aux: list[torch.Tensor | None] = [None] * len(microbatches)
         held: set[int] = set()
         self._sweeping = True
-        with self.runtime.forward(), self.precision.autocast(self.topology.device):
+        with self.runtime.forward(), self.precision.autocast(self.mesh.device):
             try:
                 for stage in range(last + 1):
                     for c in self.holds_from[stage]:
@@ -207,7 +202,7 @@ class LayerMajorDriver:
 
     def _step_loss(self, losses: list[torch.Tensor]) -> float:
         """The mean micro-batch loss, averaged over the data-parallel ranks."""
-        t = torch.stack([loss.detach().double() for loss in losses]).mean().reshape(1).to(self.topology.device)
-        if self.topology.dp_world_size > 1:
-            all_reduce_sum(t, self.topology.dp_group, self.comm, async_op=False)
-        return t.item() / self.topology.dp_world_size
+        t = torch.stack([loss.detach().double() for loss in losses]).mean().reshape(1).to(self.mesh.device)
+        if self.mesh.zero.size > 1:
+            all_reduce_sum(t, self.mesh.zero.group, self.comm, async_op=False)
+        return t.item() / self.mesh.zero.size

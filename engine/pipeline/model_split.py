@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from engine.block_list import find_block_list
-from engine.config import PipelineConfig
+from engine.config_sections import PipelineConfig
 from engine.pipeline.call_order import traced_places
 from engine.pipeline.partition import balanced_starts, starts_from_names
 from engine.pipeline.stage_modules import Place, StageBoundary, StageState, VacantModule

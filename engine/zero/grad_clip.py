@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.comm import CommCounter, all_reduce_sum
-from engine.topology import Topology
+from engine.mesh import Mesh
 from engine.zero.chunk_norms import piece_norms, square_sum_of_norms
 from engine.zero.chunked_params import ChunkedParams
 
@@ -40,9 +40,9 @@ class GradStats:
 class GradientClipper:
     """Unscales, measures and clips the gradients the optimizer steps (Note [global norm, unscaling and clipping])."""
 
-    def __init__(self, chunked: ChunkedParams, topology: Topology, comm: CommCounter, clip: float,
+    def __init__(self, chunked: ChunkedParams, mesh: Mesh, comm: CommCounter, clip: float,
                  checks_overflow: bool, norm_logged: bool):
-        self.chunked, self.topology, self.comm = chunked, topology, comm
+        self.chunked, self.mesh, self.comm = chunked, mesh, comm
         self.clip = clip
         self.checks_overflow = checks_overflow
         self.needs_norm = clip > 0 or checks_overflow or norm_logged
@@ -75,8 +75,8 @@ class GradientClipper:
 
     def _total(self, norms: torch.Tensor, weights: torch.Tensor) -> float:
         """The global norm from this rank's per-piece norms and their weights."""
-        if not self.chunked.sharded and not self.chunked.has_experts and self.topology.tp_size == 1 \
-                and self.topology.pp_size == 1:
+        if not self.chunked.sharded and not self.chunked.has_experts and self.mesh.tp.size == 1 \
+                and self.mesh.pp.size == 1:
             return torch.linalg.vector_norm(norms, 2.0).item()
         # each rank holds a shard of the gradient: sum the squares over the groups
         return math.sqrt(self.summed_over_ranks(square_sum_of_norms(norms, weights)))
@@ -97,16 +97,16 @@ class GradientClipper:
         """A rank's (weighted) sum of squared gradient pieces, summed over the data-parallel shards and the
         tensor-parallel ranks (Note [global norm under tensor parallelism]) and the pipeline stages (Note [a
         pipelined step])."""
-        square = square.to(self.topology.device)
+        square = square.to(self.mesh.device)
         if self.chunked.sharded or self.chunked.has_experts:  # experts: other ranks hold other experts
             # every copy of hybrid sharding's shards adds its share: one sum, the same on every copy (Note [hybrid
             # sharding]); without copies the share is the whole
-            all_reduce_sum(square.div_(self.topology.replica_size), self.topology.dp_group, self.comm,
+            all_reduce_sum(square.div_(self.mesh.replicate.size), self.mesh.zero.group, self.comm,
                            async_op=False)
-        if self.topology.tp_size > 1:
-            all_reduce_sum(square, self.topology.tp_group, self.comm, async_op=False)
-        if self.topology.pp_size > 1:
-            all_reduce_sum(square, self.topology.pp_group, self.comm, async_op=False)
+        if self.mesh.tp.size > 1:
+            all_reduce_sum(square, self.mesh.tp.group, self.comm, async_op=False)
+        if self.mesh.pp.size > 1:
+            all_reduce_sum(square, self.mesh.pp.group, self.comm, async_op=False)
         return square.item()
 
     def _clipped(self, total: float) -> tuple[GradStats, float]:

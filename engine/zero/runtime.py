@@ -30,8 +30,8 @@ from torch import nn
 from torch.profiler import record_function
 
 from engine.comm import CommCounter, all_gather_in_place, broadcast_from
+from engine.mesh import Mesh
 from engine.optimizers.compressed import CompressedOptimizer
-from engine.topology import Topology
 from engine.zero.chunk_norms import square_sum_of_norms
 from engine.zero.chunked_params import ChunkedParams
 from engine.zero.device_bytes import device_state_bytes
@@ -62,10 +62,10 @@ class GradientsHeld(enum.Enum):
 class ZeroRuntime:
     """Runs the phases of Note [step phases] over the chunks: gathering (stage 3), reduction, the update."""
 
-    def __init__(self, chunked: ChunkedParams, optimizer: torch.optim.Optimizer, topology: Topology,
+    def __init__(self, chunked: ChunkedParams, optimizer: torch.optim.Optimizer, mesh: Mesh,
                  comm: CommCounter, clipper: GradientClipper, gatherer: ParamGatherer,
                  reducer: GradReducer | None = None, steps_in_backward: bool = False, hooks: ZeroHooks | None = None):
-        self.chunked, self.optimizer, self.topology, self.comm = chunked, optimizer, topology, comm
+        self.chunked, self.optimizer, self.mesh, self.comm = chunked, optimizer, mesh, comm
         self.clipper, self.gatherer, self.reducer = clipper, gatherer, reducer
         self.hooks = hooks if hooks is not None else ZeroHooks()  # every hook the gatherer and reducer installed
         self.steps_in_backward = steps_in_backward  # Note [stepping in backward]
@@ -79,13 +79,13 @@ class ZeroRuntime:
         """Every rank starts from rank 0's parameters (trainable and frozen) and buffers, as DDP does; then,
         stage 3, each rank keeps its shards only, and bf16/fp16 masters take the starting weights."""
         chunked = self.chunked
-        distributed = self.topology.is_distributed
+        distributed = self.mesh.zero.size > 1
         with torch.no_grad():
             # zero_init gave every rank rank 0's values, shard by shard (Note [zero_init])
             for state in chunked.all_states if not chunked.values_pending else []:  # frozen chunks too
                 filled = chunked.fill_from_sources(state.index)  # stage 3: one chunk at a time (Note [a bounded start])
                 if distributed:  # experts: over their group
-                    broadcast_from(state.param_chunk.payload, 0, state.place.group_or(self.topology.dp_group),
+                    broadcast_from(state.param_chunk.payload, 0, state.place.group_or(self.mesh.zero.group),
                                    self.comm)
                 if filled:
                     self.sample_device_bytes()  # the moment of a bounded start's peak: one full chunk is live
@@ -94,7 +94,7 @@ class ZeroRuntime:
             if distributed:
                 in_chunks = set(chunked.param_chunk_index())
                 for t in [p for p in module.parameters() if id(p) not in in_chunks] + list(module.buffers()):
-                    broadcast_from(t.data, 0, self.topology.dp_group, self.comm)
+                    broadcast_from(t.data, 0, self.mesh.zero.group, self.comm)
         if chunked.has_masters and not chunked.values_pending:
             chunked.masters.sync_from_params()  # the starting weights are rank 0's (Note [master weights])
         self.sample_device_bytes()
@@ -336,7 +336,7 @@ class ZeroRuntime:
                 chunked.masters.stage_grads()  # Note [master weights] (managed or tiled 16-bit ones: as stepped)
             staged_factor = 1.0
             if self.reduces_grads and not self._engine_reduces():  # Note [optimizers that communicate]
-                staged_factor = float(self.topology.dp_world_size)
+                staged_factor = float(self.mesh.zero.size)
                 torch._foreach_mul_(chunked.grad_shards(), staged_factor)
             stepped_early = chunked.grads_managed and self.optimizer.stepped_early  # Note [stepping in backward]
             # where the optimizer applies the factors as it steps, what measures the norms (GradientClipper.prepare)
@@ -366,7 +366,7 @@ class ZeroRuntime:
         chunked = self.chunked
         if not chunked.sharded:
             return
-        works = [all_gather_in_place(state.param_chunk.payload, state.place.group_or(self.topology.shard_group),
+        works = [all_gather_in_place(state.param_chunk.payload, state.place.group_or(self.mesh.shard.group),
                                      state.place.rank, state.place.count, self.comm, async_op=True)
                  for state in chunked.states_gathered_after_step()]
         for work in works:

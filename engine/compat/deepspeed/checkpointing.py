@@ -11,7 +11,8 @@ import torch
 from engine.activation_checkpointing import ActivationCheckpointing
 from engine.compat.deepspeed.rng_tracker import get_cuda_rng_tracker, model_parallel_cuda_manual_seed  # noqa: F401
 from engine.compat.deepspeed.unsupported import refuse
-from engine.config import ActivationCheckpointingConfig, load_config
+from engine.config import load_config
+from engine.config_sections import ActivationCheckpointingConfig
 
 
 class _Configured:

@@ -61,11 +61,11 @@ class DeepSpeedEngine(nn.Module):
 
     @property
     def global_rank(self) -> int:
-        return self.engine.topology.rank
+        return self.engine.mesh.world.rank
 
     @property
     def world_size(self) -> int:
-        return self.engine.topology.world_size
+        return self.engine.mesh.world.size
 
     @property
     def device(self) -> torch.device:

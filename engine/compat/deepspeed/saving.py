@@ -19,7 +19,7 @@ def sixteen_bit_state_dict(engine: Engine, exclude_frozen_parameters: bool = Fal
     """The whole model's state dict, parameters in the compute dtype, on rank 0 (None elsewhere); every rank must
     call it (stage 3 gathers)."""
     state = engine.full_state_dict(rank0_only=True)
-    chunked = whole_weights.chunked_keys(engine.module, engine.chunked, engine.topology)  # every stage's
+    chunked = whole_weights.chunked_keys(engine.module, engine.chunked, engine.mesh)  # every stage's
     if engine.experts is not None:  # and every ep rank's experts
         chunked |= {k for k in state or {} if engine.experts.names_an_expert(k)}
     if state is None:

@@ -61,7 +61,7 @@ def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
     if not chunked.has_masters and not chunked.gathers_params:
         return param.detach().float().clone()
     index = chunked.chunk_index()[id(param)]
-    with whole_weights._chunk_values(chunked, engine.gatherer, index, engine.topology.shard_group,
+    with whole_weights._chunk_values(chunked, engine.gatherer, index, engine.mesh.shard.group,
                                      engine.comm) as values:
         return values(param).float().clone()
 
@@ -114,7 +114,7 @@ def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     if chunked.shards_grads:  # this rank's reduced shard (logically zero while fresh), gathered
         shard = torch.zeros_like(state.grad_shard) if state.grad_fresh else state.grad_shard
         return chunked.master_values(param, _whole(shard, state.place, engine)).float().clone()
-    runtime, group = engine.runtime, state.place.group_or(engine.topology.dp_group)
+    runtime, group = engine.runtime, state.place.group_or(engine.mesh.zero.group)
     if runtime.reduces_grads and runtime.synchronized and runtime.reducer.scatter:  # each rank's shard reduced
         payload = state.grad_chunk.payload
         return chunked.master_values(param, _whole(shard_of(payload, state.place.rank, state.place.count),
@@ -135,7 +135,7 @@ def _whole(value: torch.Tensor, place, engine) -> torch.Tensor:
     if place.count == 1:
         return value
     full = torch.empty(value.numel() * place.count, dtype=value.dtype, device=value.device)
-    all_gather_into(full, value.detach().contiguous(), place.group_or(engine.topology.shard_group), engine.comm,
+    all_gather_into(full, value.detach().contiguous(), place.group_or(engine.mesh.shard.group), engine.comm,
                     async_op=False)
     return full
 

@@ -103,10 +103,10 @@ class PipelineEngine(DeepSpeedEngine):
         return torch.tensor(self.engine.eval_batch(data_iter), dtype=torch.float32)
 
     def is_first_stage(self) -> bool:
-        return self.engine.topology.pp_rank == 0
+        return self.engine.mesh.pp.rank == 0
 
     def is_last_stage(self) -> bool:
-        return self.engine.topology.pp_rank == self.engine.topology.pp_size - 1
+        return self.engine.mesh.pp.rank == self.engine.mesh.pp.size - 1
 
     def _training_iterator(self):
         if self._data_iterator is None:

@@ -188,7 +188,7 @@ class PipelineModule(nn.Module):
         return [f"{LIST_NAME}.{start}" for start in self.parts[:-1]]
 
     def topology(self):
-        refuse("PipelineModule.topology()", "engine.topology (Tiers' ranks: pp_rank, dp_rank, ...)")
+        refuse("PipelineModule.topology()", "engine.mesh (Tiers' ranks: mesh.pp.rank, mesh.dp.rank, ...)")
 
 
 def _index_of(block: nn.Module) -> int:

@@ -1,0 +1,93 @@
+"""The hooks a parallelism adds to the engine's calls (`Feature`, Note [feature objects]), and what a driver that
+schedules the forwards itself (a pipeline, layer-major accumulation) calls on the features applied before it
+(`ForwardHooks`): defined apart from engine/features.py, which holds the features and the drivers' own."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Protocol
+
+import torch
+
+from engine.placement import Placement
+
+
+class ForwardHooks(Protocol):
+    """The calls a scheduling driver makes around each micro-batch's forward, in the features' order."""
+
+    def split_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]: ...
+
+    def around_forward(self) -> contextlib.AbstractContextManager: ...
+
+    def loss_weight(self) -> float: ...
+
+    def scheduled_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def take_aux_loss(self) -> torch.Tensor | None: ...
+
+
+class Feature:
+    """One parallelism's part in the engine's calls; every default leaves the call as it is."""
+
+    name = ""
+    joins_state_dict = False  # whether a gathered state dict is only this rank's part of the whole model's
+
+    def split_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, kwargs
+
+    def around_forward(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def output(self, output):
+        return output
+
+    def loss_weight(self) -> float:
+        return 1.0
+
+    def scheduled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss as a pipeline's last stage backpropagates it (Note [a pipelined step]): valued as
+        output() values it, with the gradient loss_weight() gives engine.backward's."""
+        return loss
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        return None
+
+    def join_state_dict(self, whole: dict, keep: bool) -> dict:
+        return whole
+
+    def close(self) -> None:
+        """Removes what the feature installed on the model (Engine.close)."""
+
+    def chunked_keys(self, state: dict) -> set[str]:
+        """Keys of `state` that other ranks' chunks hold (saved in the compute dtype like this rank's)."""
+        return set()
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def check_micro_batch_call(self, call: str) -> None:
+        """Raises when engine.`call` (forward, backward, step, scale) cannot run one micro-batch alone."""
+
+    def place(self, placed: dict[str, Placement], tensors: dict[str, torch.Tensor]) -> dict[str, Placement]:
+        """Each tensor's placement (Note [placements]) with this parallelism's part added."""
+        return placed
+
+    def held_elsewhere(self, name: str) -> bool:
+        """Whether `name`, a tensor of the whole model that this rank lacks, is one another rank holds."""
+        return False
+
+    def model_keys(self, keys: list[str]) -> list[str]:
+        """The whole model's state-dict keys, given this rank's model's."""
+        return keys
+
+    def stage(self) -> tuple[int, int]:
+        """(this rank's part, the parts) of a model whose parts keep optimizer options and schedules apart."""
+        return 0, 1
+
+    def layout(self) -> dict:
+        """What a checkpoint's manifest records of this parallelism's layout, besides the placements."""
+        return {}
+
+    def generators(self) -> list:
+        """The random streams (engine.tensor_parallel.rng.RNGStreams) this parallelism draws from."""
+        return []
