@@ -56,8 +56,10 @@ from engine.step_metrics import StepMetrics
 from engine.tensor_parallel import Mesh2D, TensorParallel, TPGroup, apply_tensor_parallel
 from engine.tensor_parallel.rng import RNGStreams
 from engine.topology import start_mesh
+from engine.zero.chunk_layout import ChunkLayout
+from engine.zero.chunk_packing import ExpertChunks
 from engine.zero.chunk_state import ShardPlace
-from engine.zero.chunked_params import ChunkedParams, ExpertChunks
+from engine.zero.chunked_params import ChunkedParams
 from engine.zero.fused_tiles import stepped_from_sources
 from engine.zero.grad_clip import GradientClipper
 from engine.zero.grad_sync import GradReducer
@@ -303,16 +305,16 @@ def chunk_parameters(model: nn.Module, cfg: Config, mesh: Mesh, groups: list[dic
         warnings.warn("zero_optimization.quantize_frozen \"int8\": the model has no frozen nn.Linear weight, so "
                       "nothing is quantized (weights of other layers, e.g. GPT-2's Conv1D, stay in the compute "
                       "dtype); freeze the base before initialize(), or remove quantize_frozen", stacklevel=3)
-    chunked = ChunkedParams(groups, capacity, mesh.device, first_capacity, names,
-                            shard_count=shards, shard_rank=mesh.shard.rank if shards > 1 else 0,
-                            shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
-                            persistence_threshold=persistence_threshold(cfg), pending=pending,
-                            compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype,
-                            page_params=cfg.zero_optimization.offload_param.device in OFFLOADED or bool(int8),
-                            page_grads=_pages_grads(cfg), offloaded=_offloaded_kinds(cfg),
-                            experts=_expert_chunks(experts, mesh, shards > 1), frozen=frozen, int8=int8,
-                            fp32_masters=not cfg.bf16.bf16_master_weights_and_grads,
-                            state_blocks=state_blocks(cfg.optimizer))
+    layout = ChunkLayout(capacity, first_capacity, shard_count=shards, shard_rank=mesh.shard.rank if shards > 1 else 0,
+                         shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
+                         persistence_threshold=persistence_threshold(cfg),
+                         compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype,
+                         page_params=cfg.zero_optimization.offload_param.device in OFFLOADED or bool(int8),
+                         page_grads=_pages_grads(cfg), offloaded=_offloaded_kinds(cfg),
+                         fp32_masters=not cfg.bf16.bf16_master_weights_and_grads,
+                         state_blocks=state_blocks(cfg.optimizer))
+    chunked = ChunkedParams(groups, layout, mesh.device, names, pending=pending,
+                            experts=_expert_chunks(experts, mesh, shards > 1), frozen=frozen, int8=int8)
     if tensor_parallel is not None:
         chunked.norm_weights = tensor_parallel.norm_weights(model)
     if chunked.has_experts and not chunked.sharded:  # each rank holds the whole gradient: count it once over dp

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from engine import initialize
+from engine.zero.chunk_layout import ChunkLayout
 from engine.zero.chunk_state import ChunkPhase, ChunkState, IllegalPhaseTransition
 from engine.zero.chunked_params import ChunkedParams
 from tests.distributed import run_distributed
@@ -21,8 +22,8 @@ LEGAL = {(P.SHARDED, P.GATHERING), (P.GATHERING, P.GATHERED), (P.GATHERED, P.SHA
 
 
 def _state(phase: ChunkPhase, index: int = 7) -> ChunkState:
-    chunked = ChunkedParams([{"params": [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2, 2))]}], 16,
-                            torch.device("cpu"))
+    chunked = ChunkedParams([{"params": [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2, 2))]}],
+                            ChunkLayout(16), torch.device("cpu"))
     state = chunked.states[0]
     state.index, state.phase = index, phase
     return state
@@ -45,7 +46,7 @@ def test_only_the_listed_phase_transitions_are_legal(old, new):
 
 def test_an_unsharded_chunk_is_whole_and_answers_what_state_it_is_in():
     params = [nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(20))]
-    chunked = ChunkedParams([{"params": params}], 20, torch.device("cpu"),
+    chunked = ChunkedParams([{"params": params}], ChunkLayout(20), torch.device("cpu"),
                             names={id(p): f"w{i}" for i, p in enumerate(params)})
     assert [s.index for s in chunked.states] == list(range(chunked.chunk_count()))
     assert all(s.phase is ChunkPhase.WHOLE for s in chunked.states)

@@ -246,12 +246,13 @@ def test_quantized_parameters_pack_into_whole_blocks_of_every_shard():
     """A parameter of 17 blocks beside others: the quantized ones share chunks sized to whole blocks per shard (at
     4 shards), each starting on a block; the others (too small, or not whole blocks) are packed apart."""
     from engine.optimizers.blockwise_states import BlockwiseStates
+    from engine.zero.chunk_layout import ChunkLayout
     from engine.zero.chunked_params import ChunkedParams
 
     sizes = [17 * 256, 100, 8192, 4096 + 8, 4096]
     params = [nn.Parameter(torch.zeros(n)) for n in sizes]
-    chunked = ChunkedParams([{"params": params}], 40_000, torch.device("cpu"), shard_count=4,
-                            state_blocks=BlockwiseStates(8, 256))
+    layout = ChunkLayout(40_000, shard_count=4, state_blocks=BlockwiseStates(8, 256))
+    chunked = ChunkedParams([{"params": params}], layout, torch.device("cpu"))
     quantized = {id(p) for g in chunked.groups if g.blockwise for p in g.params}
     assert quantized == {id(params[0]), id(params[2]), id(params[4])}
     for group in chunked.groups:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from engine.comm import CommCounter
+from engine.zero.chunk_layout import ChunkLayout
 from engine.zero.chunk_state import ChunkPhase
 from engine.zero.chunked_params import ChunkedParams
 from engine.zero.shard_store import MemoryStore, manage
@@ -59,7 +60,7 @@ def test_a_managed_shard_answers_as_the_same_shard_in_memory(home, tmp_path):
 
 def test_a_whole_chunk_has_nothing_to_gather_or_release():
     params = [nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(4, 3))]
-    chunked = ChunkedParams([{"params": params}], 20, torch.device("cpu"))
+    chunked = ChunkedParams([{"params": params}], ChunkLayout(20), torch.device("cpu"))
     state = chunked.states[0]
     values = state.param_chunk.payload.clone()
     assert state.phase is ChunkPhase.WHOLE

@@ -84,15 +84,14 @@ masters (staging, rounding back, offload, checkpoints) to tell a copy from an al
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
 from engine.comm import shard_of, shard_range
-from engine.optimizers.blockwise_states import BlockwiseStates
+from engine.zero.chunk_layout import ChunkLayout
 from engine.zero.chunk_loading import ChunkLoading
 from engine.zero.chunk_norms import ChunkNorms
+from engine.zero.chunk_packing import ChunkGroup, ChunkPacker, ExpertChunks
 from engine.zero.chunk_queries import ChunkQueries
 from engine.zero.chunk_state import ChunkPhase, ChunkState, ShardPlace
 from engine.zero.grad_shards import ShardedGrads
@@ -100,37 +99,12 @@ from engine.zero.int8_frozen import Int8Rows
 from engine.zero.master_weights import MasterWeights
 from engine.zero.optimizer_binding import OptimizerBinding
 from engine.zero.param_shards import ShardedParams
-from offload.chunk import ChunkList, Slot
+from offload.chunk import Slot
 
 # how to change what trains: a checkpoint holds each parameter as it trained, so it loads into the same split only
 REBUILD_TO_CHANGE_WHAT_TRAINS = (
     "state = engine.full_state_dict(), then a new model with model.load_state_dict(state), requires_grad set as "
     "wanted, and initialize(); the optimizer states start afresh")
-
-
-@dataclass(frozen=True)
-class ExpertChunks:
-    """Note [expert parallelism]: the parameters (by id) of this rank's experts, packed into chunks of their own that
-    are reduced over, and sharded across, `place`'s expert-data-parallel group."""
-
-    params: frozenset[int]
-    place: ShardPlace
-
-
-@dataclass
-class ChunkGroup:
-    """One optimizer param group's parameters of one dtype: param chunks and grad chunks."""
-
-    params: list[nn.Parameter]
-    options: dict  # the param group's own options (lr, weight_decay, ...), without "params"
-    param_chunks: ChunkList
-    grad_chunks: ChunkList | None  # None: frozen parameters (Note [frozen chunks])
-    persistent: bool = False  # stage 3: below the persistence threshold, never released (Note [sharded parameters])
-    place: ShardPlace = ShardPlace()  # its chunks' reduction group and shards (Note [expert parallelism])
-    int8: bool = False  # frozen weights kept as int8 (Note [int8 frozen chunks])
-    blockwise: bool = False  # their optimizer states are quantized block-wise (Note [block-wise optimizer states])
-    states: list[ChunkState] = field(default_factory=list)  # its chunks' states (Note [chunk phases])
-    origin: int = -1  # the index of the param group it was packed from (-1: the frozen parameters)
 
 
 class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
@@ -139,79 +113,39 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
     them; loading values (ChunkLoading), gradient norms (ChunkNorms), queries (ChunkQueries) and the optimizer's
     binding (OptimizerBinding) are its parts in files of their own."""
 
-    def __init__(self, param_groups: list[dict], capacity: int, device: torch.device, first_capacity: int | None = None,
-                 names: dict[int, str] | None = None, shard_count: int = 1, shard_rank: int = 0,
-                 shard_grads: bool = False, shard_params: bool = False, persistence_threshold: int = 0,
-                 pending: set[int] | None = None, compute_dtype: torch.dtype = torch.float32,
-                 page_params: bool = False, page_grads: bool = False, experts: ExpertChunks | None = None,
-                 offloaded: frozenset[str] = frozenset(), frozen: list[nn.Parameter] | None = None,
-                 int8: frozenset[int] = frozenset(), fp32_masters: bool = True,
-                 state_blocks: BlockwiseStates | None = None):
-        """pending: ids of parameters whose values `load` brings later (zero_init); memory that would only
-        hold values transiently is then left untouched (uninitialized payloads). compute_dtype bf16/fp16:
-        16-bit chunks with fp32 masters (Note [master weights]), or none (fp32_masters False: the bf16 stepped tensors
-        are their own masters, Note [bf16 master weights]). page_params: stage 3's shards (and stage 2's
-        gradient shards) even with one shard, so that offload_param can page chunks in around their use
-        (Note [paging in one process]). page_grads: gradient shards even with one shard, for an offloaded
-        optimizer to take them to the host (Note [device tier]). experts: parameters whose chunks have a place of
-        their own. offloaded: the kinds ("param", "grad", "optim") a chunk manager will hold: their shards and
-        masters start as placeholders (Note [a bounded start]). frozen: the model's parameters that do not train
+    def __init__(self, param_groups: list[dict], layout: ChunkLayout, device: torch.device,
+                 names: dict[int, str] | None = None, pending: set[int] | None = None,
+                 experts: ExpertChunks | None = None, frozen: list[nn.Parameter] | None = None,
+                 int8: frozenset[int] = frozenset()):
+        """layout: how to pack and shard (ChunkLayout). pending: ids of parameters whose values `load` brings later
+        (zero_init); memory that would only hold values transiently is then left untouched (uninitialized payloads).
+        experts: parameters whose chunks have a place of their own. frozen: the model's parameters that do not train
         (in model order), packed into frozen chunks with those the param groups list (Note [frozen chunks]). int8:
-        ids of frozen parameters kept in int8 chunks (Note [int8 frozen chunks]). state_blocks: the parameters whose
-        optimizer states it quantizes go into chunks of their own, aligned to its blocks (Note [block-wise optimizer
-        states])."""
-        for what, value in (("capacity", capacity), ("first chunk capacity", first_capacity or shard_count)):
-            if value % shard_count:
-                raise ValueError(f"chunk {what} {value} is not a multiple of the shard count {shard_count}")
-        self.shard_count, self.shard_rank = shard_count, shard_rank
-        dense = ShardPlace(shard_rank, shard_count)
-        self.has_experts = experts is not None
-        if experts is not None and shard_count % experts.place.count:
+        ids of frozen parameters kept in int8 chunks (Note [int8 frozen chunks])."""
+        if experts is not None and layout.shard_count % experts.place.count:
             raise ValueError(f"expert chunks sharded {experts.place.count} ways must divide the shard count "
-                             f"{shard_count}")
+                             f"{layout.shard_count}")
+        self.layout = layout
+        self.shard_count, self.shard_rank = layout.shard_count, layout.shard_rank
+        self.has_experts = experts is not None
         pending = pending or set()
-        self.values_pending = values_pending = bool(pending)
-        sharding = shard_count > 1 or page_params  # per-rank shards exist (of the whole chunk, with one rank)
-        grad_sharding = sharding or page_grads
-        packed: list[ChunkGroup] = []  # trainable groups first, then frozen ones (Note [frozen chunks])
-        self._sources: dict[tuple[int, int], list[tuple[Slot, torch.Tensor]]] = {}  # (group, chunk) -> its values
-        self._loose: list[tuple[nn.Parameter, torch.Tensor]] = []  # real values next to zero_init's (load_loose)
+        self.values_pending = bool(pending)
         self._names = names or {}
-        layout = dict(capacity=capacity, device=device, first_capacity=first_capacity, align=shard_count)
+        packer = ChunkPacker(layout, device, pending, experts, int8)
+        trainable_groups = self._pack(param_groups, frozen or [], packer)
+        self._loose = packer.loose  # real values next to zero_init's (load_loose)
+        self.groups: list[ChunkGroup] = packer.groups[:trainable_groups]
+        self.frozen_groups: list[ChunkGroup] = packer.groups[trainable_groups:]
+        self._index_states(packer, device)
+        self._shard(layout)
+        # names come in model order; without them, registration order stands in
+        self._position = {pid: i for i, pid in enumerate(self._names)}
+        for p in self.params:
+            self._position.setdefault(id(p), len(self._position))
 
-        def pack(params: list[nn.Parameter], options: dict, trains: bool, origin: int = -1) -> None:
-            by_kind: dict[tuple[torch.dtype, bool, ShardPlace, bool, bool], list[nn.Parameter]] = {}
-            for p in params:
-                quantized = not trains and id(p) in int8  # gathered around every use: never persistent
-                persistent = shard_params and p.numel() < persistence_threshold and not quantized
-                dtype = compute_dtype if compute_dtype != torch.float32 else p.dtype
-                place = experts.place if experts is not None and id(p) in experts.params else dense
-                blockwise = trains and state_blocks is not None and state_blocks.quantizes(p.numel())
-                by_kind.setdefault((dtype, persistent, place, quantized, blockwise), []).append(p)
-            for (dtype, persistent, place, quantized, blockwise), members in by_kind.items():
-                # Note [block-wise optimizer states]: every shard a whole number of blocks
-                layout["align"] = shard_count * (state_blocks.block if blockwise else 1)
-                # stage 3: a sharded chunk's full payload exists only while gathered, so it starts released and its
-                # values wait where they are until `start` fills it, one chunk at a time (Note [a bounded start])
-                lazy = shard_params and sharding and not persistent
-                with torch.no_grad():
-                    # a pending parameter's values are garbage: a meta stand-in gives the shape and is not copied
-                    sources = [torch.empty_like(p, device="meta") if id(p) in pending else p.data for p in members]
-                    param_chunks = ChunkList(sources, released=lazy, dtype=dtype, **layout)
-                    grad_chunks = ChunkList([p.data for p in members], copy_values=False, dtype=dtype,
-                                            released=grad_sharding and shard_grads, **layout) if trains else None
-                if lazy and not values_pending:
-                    for slot, source in zip(param_chunks.slots, sources):
-                        self._sources.setdefault((len(packed), slot.chunk), []).append((slot, source))
-                elif values_pending:  # zero_init loads the others; these (PEFT's adapters) come with their values
-                    self._loose += [(p, p.data) for p in members if id(p) not in pending]
-                for p, pv in zip(members, param_chunks.views):
-                    p.data = pv
-                for p, gv in zip(members, grad_chunks.views if trains else []):
-                    p.grad = gv
-                packed.append(ChunkGroup(members, options, param_chunks, grad_chunks, persistent, place, quantized,
-                                         blockwise, origin=origin))
-
+    def _pack(self, param_groups: list[dict], frozen: list[nn.Parameter], packer: ChunkPacker) -> int:
+        """Packs the trainable parameters group by group, then the frozen ones (Note [frozen chunks]); returns how
+        many groups train."""
         seen: set[int] = set()
         listed_frozen: list[nn.Parameter] = []
         for origin, group in enumerate(param_groups):
@@ -228,46 +162,29 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
                     raise TypeError(f"parameter '{self.name_of(p)}' of dtype {p.dtype} requires grad but only floating "
                                     "dtypes train; set requires_grad=False on it")
                 trainable.append(p)
-            pack(trainable, {k: v for k, v in group.items() if k != "params"}, trains=True, origin=origin)
-        if not packed:
+            packer.pack(trainable, {k: v for k, v in group.items() if k != "params"}, trains=True, origin=origin)
+        if not packer.groups:
             raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
         frozen_once: dict[int, nn.Parameter] = {}  # each once (tied), in model order, then those only the groups list
-        for p in [*(frozen or []), *listed_frozen]:
+        for p in [*frozen, *listed_frozen]:
             if not p.requires_grad and p.is_floating_point():  # integer ones stay module parameters, as buffers do
                 frozen_once.setdefault(id(p), p)
-        trainable_groups = len(packed)
-        pack(list(frozen_once.values()), {}, trains=False)
-        self.groups: list[ChunkGroup] = packed[:trainable_groups]
-        self.frozen_groups: list[ChunkGroup] = packed[trainable_groups:]
-        # Note [chunk phases]: one state per chunk index (param and grad chunk alike), in group order; frozen chunks
-        # after the trainable ones (Note [frozen chunks])
+        trainable_groups = len(packer.groups)
+        packer.pack(list(frozen_once.values()), {}, trains=False)
+        return trainable_groups
+
+    def _index_states(self, packer: ChunkPacker, device: torch.device) -> None:
+        """Note [chunk phases]: one state per chunk index (param and grad chunk alike), in group order; frozen chunks
+        after the trainable ones (Note [frozen chunks])."""
         self.all_states: list[ChunkState] = []
         self._slot_of: dict[int, tuple[int, Slot]] = {}  # id(parameter) -> (its chunk's index, its slot)
-        stage3 = shard_params and sharding
-        sources_by_group, self._sources = self._sources, {}
-        for gi, g in enumerate(packed):
+        self._sources: dict[int, list[tuple[Slot, torch.Tensor]]] = {}  # chunk index -> the values it starts from
+        for gi, g in enumerate(packer.groups):
             base = len(self.all_states)
-            for (group, chunk), values in sources_by_group.items():
+            for (group, chunk), values in packer.sources.items():
                 if group == gi:
-                    self._sources[base + chunk] = values  # keyed by chunk index from here on
-            members: list[list[tuple[nn.Parameter, Slot]]] = [[] for _ in g.param_chunks.chunks]
-            for p, slot in zip(g.params, g.param_chunks.slots):
-                self._slot_of[id(p)] = (base + slot.chunk, slot)
-                members[slot.chunk].append((p, slot))
-            grad_chunks = g.grad_chunks.chunks if g.grad_chunks is not None else [None] * len(members)
-            grad_views = g.grad_chunks.views if g.grad_chunks is not None else []
-            grad_view_of = {id(p): v for p, v in zip(g.params, grad_views)}
-            for i, (pc, gc, m) in enumerate(zip(g.param_chunks.chunks, grad_chunks, members)):
-                phase = ChunkPhase.GATHERED if stage3 and not g.persistent else ChunkPhase.WHOLE
-                # what the optimizer steps: whole payloads, or this rank's shards of them (made once: the
-                # optimizer keys its state by these tensor objects); stage 3 / 2 / masters replace them below
-                self.all_states.append(ChunkState(
-                    index=base + i, params=[p for p, _ in m], slots=[s for _, s in m], param_chunk=pc,
-                    grad_chunk=gc, grad_views=[grad_view_of[id(p)] for p, _ in m if id(p) in grad_view_of],
-                    phase=phase, persistent=g.persistent, place=g.place,
-                    int8=Int8Rows([s for _, s in m], device, pc.dtype, pc.numel) if g.int8 else None,
-                    stepped=None if gc is None else self._owned(pc.payload, g.place),
-                    stepped_grad=None if gc is None else self._owned(gc.payload, g.place)))
+                    self._sources[base + chunk] = values
+            self._add_states(g, base, device)
             g.states = self.all_states[base:]
         trainable_chunks = sum(len(g.param_chunks.chunks) for g in self.groups)
         self.states: list[ChunkState] = self.all_states[:trainable_chunks]  # the trainable chunks
@@ -280,33 +197,53 @@ class ChunkedParams(ChunkLoading, ChunkNorms, ChunkQueries, OptimizerBinding):
         self._param_views = [pv for g in self.groups for pv in g.param_chunks.views]
         self.frozen_params = [p for g in self.frozen_groups for p in g.params]
         self._frozen_views = [pv for g in self.frozen_groups for pv in g.param_chunks.views]
+
+    def _add_states(self, g: ChunkGroup, base: int, device: torch.device) -> None:
+        members: list[list[tuple[nn.Parameter, Slot]]] = [[] for _ in g.param_chunks.chunks]
+        for p, slot in zip(g.params, g.param_chunks.slots):
+            self._slot_of[id(p)] = (base + slot.chunk, slot)
+            members[slot.chunk].append((p, slot))
+        grad_chunks = g.grad_chunks.chunks if g.grad_chunks is not None else [None] * len(members)
+        grad_views = g.grad_chunks.views if g.grad_chunks is not None else []
+        grad_view_of = {id(p): v for p, v in zip(g.params, grad_views)}
+        for i, (pc, gc, m) in enumerate(zip(g.param_chunks.chunks, grad_chunks, members)):
+            phase = ChunkPhase.GATHERED if self.layout.gathers_params and not g.persistent else ChunkPhase.WHOLE
+            # what the optimizer steps: whole payloads, or this rank's shards of them (made once: the
+            # optimizer keys its state by these tensor objects); stage 3 / 2 / masters replace them in _shard
+            self.all_states.append(ChunkState(
+                index=base + i, params=[p for p, _ in m], slots=[s for _, s in m], param_chunk=pc,
+                grad_chunk=gc, grad_views=[grad_view_of[id(p)] for p, _ in m if id(p) in grad_view_of],
+                phase=phase, persistent=g.persistent, place=g.place,
+                int8=Int8Rows([s for _, s in m], device, pc.dtype, pc.numel) if g.int8 else None,
+                stepped=None if gc is None else self._owned(pc.payload, g.place),
+                stepped_grad=None if gc is None else self._owned(gc.payload, g.place)))
+
+    def _shard(self, layout: ChunkLayout) -> None:
+        """What the optimizer steps: this rank's shards (stages 2 and 3) and fp32 masters of them (bf16 / fp16)."""
         # stage 3: persistent parameter shards; full chunks only while gathered (Note [sharded parameters]);
         # stages 0-2: the degenerate layout, each chunk its own one shard (Note [stage predicates]); frozen chunks too
-        self.sharded_params = ShardedParams(self.all_states, placeholders="param" in offloaded, gathers=stage3)
-        if stage3:
+        self.sharded_params = ShardedParams(self.all_states, placeholders="param" in layout.offloaded,
+                                            gathers=layout.gathers_params)
+        if layout.gathers_params:
             for state in self.states:
                 state.stepped = state.param_shard
         # stage 2: persistent gradient shards; full gradient chunks only during backward (Note [sharded gradients]);
         # stages 0-1: the degenerate layout, likewise
-        self.sharded_grads = ShardedGrads(self.states, placeholders="grad" in offloaded,
-                                          sharded=shard_grads and grad_sharding)
+        self.sharded_grads = ShardedGrads(self.states, placeholders="grad" in layout.offloaded,
+                                          sharded=layout.shard_grads and layout.grad_sharding)
         if self.shards_grads:
             for state in self.states:
                 state.stepped_grad = state.grad_shard
         # bf16 / fp16: the optimizer steps fp32 masters of the stepped tensors (Note [master weights])
         self.masters: MasterWeights | None = None
         self._retired_norms = {}  # Note [the norm where the gradient is reduced]
-        if compute_dtype != torch.float32 and fp32_masters:
+        if layout.compute_dtype != torch.float32 and layout.fp32_masters:
             self.masters = MasterWeights([s.stepped for s in self.states], [s.stepped_grad for s in self.states],
-                                         placeholders="optim" in offloaded)
+                                         placeholders="optim" in layout.offloaded)
             for state, master, grad in zip(self.states, self.masters.masters, self.masters.grads):
                 state.stepped, state.stepped_grad = master, grad
-            if not values_pending and not stage3 and "optim" not in offloaded:
+            if not self.values_pending and not layout.gathers_params and "optim" not in layout.offloaded:
                 self.masters.sync_from_params()  # again once every rank holds rank 0's values (the runtime's start)
-        # names come in model order; without them, registration order stands in
-        self._position = {pid: i for i, pid in enumerate(self._names)}
-        for p in self.params:
-            self._position.setdefault(id(p), len(self._position))
 
     def _owned_range(self, index: int, slot: Slot) -> tuple[int, int, int] | None:
         """(start of this rank's elements in chunk `index`, lo, hi): the part [lo, hi) of the slot's elements

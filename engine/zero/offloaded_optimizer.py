@@ -170,27 +170,38 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             _take_options(inner, info["group"])
             with scaled_by(opt, factors):
                 opt.step()
-            with torch.no_grad():
-                if values is None and target is not p:  # the updated tensor goes back up (Note [staged copies])
-                    self.manager.staging.send_all_up(p, target)
-                if self._round_into is not None:  # Note [offloaded master weights]
-                    with self._round_into(index) as (low, low_tier):
-                        if memory.separate and low_tier is Location.DEVICE and where is Location.CPU:
-                            self.manager.staging.send_all_up(low, target)  # Note [staged copies]
-                        else:
-                            memory.copy(low, low_tier, target, where)
+            self._write_back(index, p, target, values is None, where)
         finally:
-            state = opt.state.get(target, {})
-            for name in info["names"]:
-                state.pop(name, None)  # the views go stale when the chunk moves
-            if target is not p:
-                opt.state[p] = opt.state.pop(target, state)
-                inner["params"] = [p]
-                target.grad = None
-            p.grad = bound_grad
+            self._unbind(opt, p, target, bound_grad, info["names"])
             for c in accessed:
                 # a consumed gradient is dropped at once (no write-back): its room serves the next reads
                 self.manager.release(c, TensorState.FREE if c == grad_chunk else TensorState.HOLD)
+
+    @torch.no_grad()
+    def _write_back(self, index: int, p: torch.Tensor, target: torch.Tensor, in_place: bool, where: Location) -> None:
+        """The stepped tensor's values where they are used: the device's tensor (when stepped on the host in its
+        place, `in_place`) and the rounded low-precision copy."""
+        memory = self.manager.memory
+        if in_place and target is not p:  # the updated tensor goes back up (Note [staged copies])
+            self.manager.staging.send_all_up(p, target)
+        if self._round_into is not None:  # Note [offloaded master weights]
+            with self._round_into(index) as (low, low_tier):
+                if memory.separate and low_tier is Location.DEVICE and where is Location.CPU:
+                    self.manager.staging.send_all_up(low, target)  # Note [staged copies]
+                else:
+                    memory.copy(low, low_tier, target, where)
+
+    @staticmethod
+    def _unbind(opt: torch.optim.Optimizer, p: torch.Tensor, target: torch.Tensor, bound_grad, names) -> None:
+        """The optimizer keyed by `p` again, without the chunk views (they go stale when the chunk moves)."""
+        state = opt.state.get(target, {})
+        for name in names:
+            state.pop(name, None)
+        if target is not p:
+            opt.state[p] = opt.state.pop(target, state)
+            opt.param_groups[0]["params"] = [p]
+            target.grad = None
+        p.grad = bound_grad
 
     def _step_tiled(self, index: int, opt: torch.optim.Optimizer, p: torch.Tensor, chunk: int, values: int | None,
                     grad_chunk: int, info: dict, grad_scale: float | tuple[float, ...]) -> None:
