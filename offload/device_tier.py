@@ -1,16 +1,16 @@
 """The chunk manager's device tier: where chunks are used, and its budget at each moment of the step.
 
 Note [measured placement]
-With a `device_capacity` (placement "auto") the device tier's budget at each moment of the step is the
-capacity, less `device_margin`, less the non-chunk memory the trace recorded around that moment (the
-allocator's bytes that are not the device tier, sampled at each access), less what no sample saw: once a
-traced (recorded) iteration ends, the allocator's peak during it (`DeviceMemory.peak_allocated`; the peak is
-reset at each iteration's start, and once at construction) minus the most bytes allocated that any access of
-it saw — the activation peaks between accesses. During warm-up, with no trace yet, the non-chunk memory is
-what the allocator holds besides the device tier at that moment. What this cannot see: memory other
-processes or libraries take outside torch's allocator (the CUDA context, NCCL's buffers, cuBLAS workspaces
-made outside it), and the allocator's cached but unused segments; the margin covers them. Where no allocator
-can be asked (the CPU), non-chunk memory is the process RSS less the chunks, and nothing is added.
+With a measured placement (`MeasuredPlacement`: placement "auto") the device tier's budget at each moment of the
+step is the capacity, less the margin (the config's memory.device_margin), less the non-chunk memory the trace
+recorded around that moment (the allocator's bytes that are not the device tier, sampled at each access), less what
+no sample saw: once a traced (recorded) iteration ends, the allocator's peak during it
+(`DeviceMemory.peak_allocated`; the peak is reset at each iteration's start, and once at construction) minus the
+most bytes allocated that any access of it saw — the activation peaks between accesses. During warm-up, with no
+trace yet, the non-chunk memory is what the allocator holds besides the device tier at that moment. What this cannot
+see: memory other processes or libraries take outside torch's allocator (the CUDA context, NCCL's buffers, cuBLAS
+workspaces made outside it), and the allocator's cached but unused segments; the margin covers them. Where no
+allocator can be asked (the CPU), non-chunk memory is the process RSS less the chunks, and nothing is added.
 
 Note [where a chunk is used]
 `use_tier(*chunks)` says where a user of chunks it will hold together should access them, so that the device
@@ -25,6 +25,7 @@ and a budget that shrank (placement "auto") sends chunks down rather than failin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from offload.chunk import Location
@@ -35,6 +36,15 @@ from offload.tracer import Tracer
 if TYPE_CHECKING:
     from offload.policy import PlacementPolicy
     from offload.residency import ChunkEntry, Residency
+
+
+@dataclass(frozen=True)
+class MeasuredPlacement:
+    """Note [measured placement]: the device's memory the step's chunks and everything else share, and the bytes of
+    it kept free."""
+
+    capacity: int
+    margin: int = 0
 
 
 class DeviceTier:

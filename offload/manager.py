@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -54,10 +54,10 @@ import torch
 from offload.chunk import DEFAULT_CHUNK_CAPACITY, Chunk, Location, plan_slots
 from offload.copy_engine import CopyDone, CopyEngine
 from offload.device_memory import DeviceMemory
-from offload.device_tier import DeviceTier
+from offload.device_tier import DeviceTier, MeasuredPlacement
 from offload.errors import OffloadError
 from offload.host_pool import HostBufferPool, pinning
-from offload.nvme import NvmeStore
+from offload.nvme import NvmeSettings
 from offload.policy import PlacementPolicy, is_above, next_tier, worth_prefetching
 from offload.residency import ChunkEntry, Residency, Transfer, budget_message, held_bytes
 from offload.staging_ring import StagingRing
@@ -76,10 +76,12 @@ class BudgetError(OffloadError):
 
 @dataclass(frozen=True)
 class Budgets:
-    """Byte budgets of the device and CPU tiers (None: unbounded); NVMe is bounded by its disk."""
+    """Byte budgets of the device and CPU tiers (None: unbounded); NVMe is bounded by its disk. keys: the setting
+    that sets each tier's budget (e.g. a config key), named in BudgetError."""
 
     device: int | None = None
     cpu: int | None = None
+    keys: dict[Location, str] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -94,19 +96,16 @@ class ChunkManager:
     """Chunks of registered tensors on device / CPU / NVMe under byte budgets (Note [chunk manager])."""
 
     def __init__(self, device: torch.device | str = "cpu", budgets: Budgets = Budgets(), *,
-                 nvme_dir: str | None = None, nvme_threads: int = 2, nvme_queue_depth: int = 8,
-                 nvme_block_size: int = 1 << 20,
-                 pin_memory: bool | None = None, prefetch_depth: int = 4, keep_free_bytes: int = 1 << 28,
-                 device_capacity: int | None = None, budget_keys: dict[Location, str] | None = None,
-                 memory: DeviceMemory | None = None, device_margin: int = 0):
-        """budget_keys: the setting that sets each tier's budget (e.g. a config key), named in BudgetError;
-        memory: the compute device's memory (Note [separate device memory]; default: as the device says);
-        device_margin: with a device_capacity, bytes of it kept free (Note [measured placement])."""
+                 nvme: NvmeSettings | None = None, pin_memory: bool | None = None, prefetch_depth: int = 4,
+                 keep_free_bytes: int = 1 << 28, measured: MeasuredPlacement | None = None,
+                 memory: DeviceMemory | None = None):
+        """nvme: the tier below the CPU (None: none, and the CPU budget cannot evict); measured: the device budget
+        follows the device's free memory (Note [measured placement]); memory: the compute device's memory (Note
+        [separate device memory]; default: as the device says)."""
         self.device = torch.device(device)
         self.memory = memory if memory is not None else DeviceMemory(self.device)
         self.prefetch_depth = prefetch_depth
         self._prefetch_cut_at: int | None = None  # where the last prefetch scan found no room (Note [prefetch retry])
-        self.budget_keys = budget_keys or {}
         for name, value in (("device", budgets.device), ("cpu", budgets.cpu)):
             if value is not None and value < 0:
                 raise ValueError(f"the {name} budget must be >= 0 bytes or None (unbounded), got {value}")
@@ -115,8 +114,7 @@ class ChunkManager:
         self.pins_host = self.memory.separate if pin_memory is None else pin_memory
         self.staging = StagingRing(self.memory)  # pinned tiles for what crosses the bus beside the chunks
         pinned = pinning(self.device.type == "cuda" if pin_memory is None else pin_memory)
-        self.store = (NvmeStore(nvme_dir, threads=nvme_threads, queue_depth=nvme_queue_depth,
-                                block_size=nvme_block_size) if nvme_dir else None)
+        self.store = nvme.store() if nvme is not None else None
         self.pool = HostBufferPool(pinned=pinned, block_size=self.store.block_size if self.store else 1 << 20,
                                    keep_bytes=keep_free_bytes)
         # the callbacks below reach the manager weakly: a cycle would keep a dropped manager until gc runs
@@ -129,7 +127,7 @@ class ChunkManager:
         self._transfers = Transfers(self._chunks, CopyEngine(self.device), self.store, self._stats)
         self.device_tier = DeviceTier(self.memory, self._chunks, self.tracer, self._policy,
                                       lambda entry, protect: manager()._evict(entry, protect, None), budgets.device,
-                                      device_capacity, device_margin)
+                                      *((measured.capacity, measured.margin) if measured is not None else ()))
         self._budgets = budgets
         self._closed = False
 
@@ -150,7 +148,8 @@ class ChunkManager:
         if location is Location.RELEASED:
             raise ValueError("register onto a tier (DEVICE, CPU or NVME); RELEASED chunks hold nothing")
         if location is Location.NVME and self.store is None:
-            raise OffloadError(f"cannot register {kind!r} onto NVMe: no nvme_dir was given to the ChunkManager")
+            raise OffloadError(f"cannot register {kind!r} onto NVMe: no nvme_dir was given to the ChunkManager "
+                               "(nvme=NvmeSettings(nvme_dir))")
         dtype = dtype or tensors[0].dtype
         shapes = [t.shape for t in tensors]
         slots, sizes = plan_slots(shapes, capacity or DEFAULT_CHUNK_CAPACITY)
@@ -283,7 +282,7 @@ class ChunkManager:
                                "release it before moving it")
         if location is Location.NVME and self.store is None:
             raise OffloadError(f"cannot move chunk {entry.describe()} to NVMe: "
-                               "no nvme_dir was given to the ChunkManager")
+                               "no nvme_dir was given to the ChunkManager (nvme=NvmeSettings(nvme_dir))")
         self._transfers.settle_finished()
         self._move(entry, location, protect={chunk})
         if wait:
@@ -496,13 +495,13 @@ class ChunkManager:
                         f"{fmt_bytes(self.device_capacity - budget)} of non-chunk memory the trace recorded here")
             raise BudgetError(budget_message(self._chunks, location, nbytes, budget, protect,
                                              evictable=location is Location.DEVICE or self.store is not None,
-                                             note=note, key=self.budget_keys.get(location)))
+                                             note=note, key=self._budgets.keys.get(location)))
         self._stats.peak_bytes[location.value] = max(self._stats.peak_bytes.get(location.value, 0),
                                                      self.used_bytes(location) + nbytes)
         return True
 
     def _can_evict(self, location: Location) -> bool:
-        """Whether a chunk on this tier has a tier below to go to (CPU: only with an nvme_dir)."""
+        """Whether a chunk on this tier has a tier below to go to (CPU: only with an NVMe tier)."""
         return location is not Location.CPU or self.store is not None
 
     def _evict(self, entry: ChunkEntry, protect: set[int], only_if_used_after: float | None) -> bool:

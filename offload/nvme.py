@@ -151,6 +151,21 @@ class SwapHandle:
         self._future.result()
 
 
+@dataclass(frozen=True)
+class NvmeSettings:
+    """Where and how chunks swap to NVMe: the swap directory (a private one is made under it), the I/O threads, the
+    requests in flight at most and the block size (Note [nvme concurrency])."""
+
+    directory: str
+    threads: int = 2
+    queue_depth: int = 8
+    block_size: int = 1 << 20
+
+    def store(self) -> "NvmeStore":
+        return NvmeStore(self.directory, block_size=self.block_size, queue_depth=self.queue_depth,
+                         threads=self.threads)
+
+
 class NvmeStore:
     """Asynchronous swap of CPU tensors to files under `directory` (Note [nvme swap files]).
 

@@ -152,7 +152,7 @@ def budget_message(chunks: Residency, location: Location, nbytes: int, budget: f
     lines = [f"cannot place {what}: its budget is {fmt_bytes(budget)} and {fmt_bytes(chunks.used(location))} "
              f"are in use", f"pinned in COMPUTE: {_listing(pinned)}", f"being moved: {_listing(moving)}"]
     if not evictable:
-        lines.append(f"chunks on the {location.value} tier cannot be evicted: no nvme_dir was given")
+        lines.append(f"chunks on the {location.value} tier cannot be evicted: no NVMe tier was given")
     if key:
         needed = sum(e.held for e in pinned) + nbytes
         lines.append(f"the chunks this step uses together need {fmt_bytes(needed)}: set {key} to at least that")

@@ -62,7 +62,7 @@ from bench_common import (  # noqa: E402
 from disk_baseline import Meter, Phase, filesystem_line, page_aligned, page_cache_bytes, raw_buffers, raw_round  # noqa: E402
 
 from engine.estimate.report import markdown_table  # noqa: E402
-from offload import Budgets, ChunkManager, Location  # noqa: E402
+from offload import Budgets, ChunkManager, Location, NvmeSettings  # noqa: E402
 from offload.direct_io import aligned_empty  # noqa: E402
 from offload.nvme import NvmeStore, checksum  # noqa: E402
 
@@ -180,12 +180,13 @@ class ManagerPager:
 
     def __init__(self, work: str, args, src: list[torch.Tensor], prefetch_depth: int, resident: int):
         self.location = Location.CPU
-        probe = ChunkManager("cpu", nvme_dir=work, nvme_block_size=args.block_size)
+        probe = ChunkManager("cpu", nvme=NvmeSettings(work, block_size=args.block_size))
         footprint = probe.pool.footprint(src[0].numel(), src[0].dtype)
         probe.close()
-        self.manager = ChunkManager("cpu", Budgets(cpu=resident * footprint), nvme_dir=work,
-                                    nvme_threads=args.threads, nvme_queue_depth=args.queue_depth,
-                                    nvme_block_size=args.block_size, prefetch_depth=prefetch_depth)
+        self.manager = ChunkManager("cpu", Budgets(cpu=resident * footprint),
+                                    nvme=NvmeSettings(work, block_size=args.block_size, threads=args.threads,
+                                                      queue_depth=args.queue_depth),
+                                    prefetch_depth=prefetch_depth)
         self.refs = [self.manager.register("chunk", [t], capacity=t.numel(), location=Location.NVME)[0] for t in src]
         self.steps = len(src)
 

@@ -229,13 +229,14 @@ def _manager_stress(simulate: bool, ops: int) -> dict:
     from offload.chunk import Location
     from offload.device_memory import DeviceMemory
     from offload.manager import Budgets, ChunkManager
+    from offload.nvme import NvmeSettings
     device = _device(simulate)
     g = torch.Generator().manual_seed(0)
     sizes = [int(torch.randint(1000, 50_000, (1,), generator=g)) for _ in range(24)]
     shadow = [torch.randn(n, generator=g) for n in sizes]
     budget = sum(sizes) * 4 // 4  # a quarter of the chunks fit on the device at once
     with tempfile.TemporaryDirectory() as nvme, ChunkManager(device, Budgets(device=budget, cpu=sum(sizes) * 4 // 2),
-                                                             nvme_dir=nvme, memory=DeviceMemory(device, True),
+                                                             nvme=NvmeSettings(nvme), memory=DeviceMemory(device, True),
                                                              pin_memory=device.type == "cuda") as manager:
         refs = [manager.register("stress", [t])[0].chunk for t in shadow]
         for i in range(ops):

@@ -11,6 +11,7 @@ import torch
 from offload.chunk import Location
 from offload.errors import OffloadError, SwapDirectoryError, SwapIntegrityError, SwapWriteError
 from offload.manager import BudgetError, Budgets, ChunkManager
+from offload.nvme import NvmeSettings
 from offload.states import IllegalTransition, TensorState
 
 KIB = 1024
@@ -22,9 +23,9 @@ def _tensors(n: int, numel: int = 256, seed: int = 0) -> list[torch.Tensor]:
 
 
 def _manager(tmp_path=None, device=None, cpu=None, **kw) -> ChunkManager:
-    nvme = dict(nvme_dir=str(tmp_path), nvme_block_size=4096) if tmp_path is not None else {}
+    nvme = NvmeSettings(str(tmp_path), block_size=4096) if tmp_path is not None else None
     return ChunkManager("cpu", Budgets(device=device, cpu=cpu), prefetch_depth=kw.pop("prefetch_depth", 0),
-                        **nvme, **kw)
+                        nvme=nvme, **kw)
 
 
 def _locations(m: ChunkManager, n: int) -> list[str]:
@@ -174,7 +175,7 @@ def test_full_disk_on_a_real_small_filesystem(tmp_path):
     from tests.nvme_helpers import mounted_tmpfs
 
     with mounted_tmpfs(tmp_path / "small", "size=48k") as small:
-        m = ChunkManager("cpu", nvme_dir=small, nvme_block_size=4096, prefetch_depth=0)
+        m = ChunkManager("cpu", nvme=NvmeSettings(small, block_size=4096), prefetch_depth=0)
         tensors = _tensors(3, numel=8 * KIB)  # 32 KiB each: the second swap-out fills the filesystem
         m.register("param", tensors, capacity=8 * KIB)
         m.move(0, Location.NVME)

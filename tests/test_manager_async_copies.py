@@ -18,6 +18,7 @@ from offload.chunk import Location
 from offload.copy_engine import CopyDone
 from offload.errors import OffloadError, SwapIntegrityError
 from offload.manager import BudgetError, Budgets, ChunkManager
+from offload.nvme import NvmeSettings
 from offload.states import TensorState
 from tests.offload_checks import held_bytes, random_bits, same_bytes
 
@@ -74,7 +75,7 @@ def test_random_async_copies_prefetch_and_faults(tmp_path, seed, monkeypatch):
     g = torch.Generator().manual_seed(seed)
     # at most 3 chunks of <= 4 KiB pinned at once; a 4 KiB host buffer padded for O_DIRECT holds 8 KiB
     budgets = Budgets(device=3 * 4096, cpu=4 * 8192)
-    m = ChunkManager("cpu", budgets, nvme_dir=str(tmp_path), nvme_block_size=4096, prefetch_depth=3,
+    m = ChunkManager("cpu", budgets, nvme=NvmeSettings(str(tmp_path), block_size=4096), prefetch_depth=3,
                      keep_free_bytes=8192)
     m.copies = _LazyCopyEngine(random.Random(seed + 100))
     shadow: dict[tuple[int, int], torch.Tensor] = {}

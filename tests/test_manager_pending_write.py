@@ -12,6 +12,7 @@ import torch
 from offload.chunk import Location
 from offload.errors import OffloadError
 from offload.manager import Budgets, ChunkManager
+from offload.nvme import NvmeSettings
 from tests.test_manager_async_copies import _LazyCopy
 
 N = 4096
@@ -33,7 +34,7 @@ def _copied_in(manager: ChunkManager, chunk: int, source: torch.Tensor) -> _Neve
 
 @pytest.mark.parametrize("use", ["access", "move to NVMe and back", "free"])
 def test_a_pending_copy_is_waited_for_by_every_later_use(tmp_path, use):
-    manager = ChunkManager("cpu", nvme_dir=str(tmp_path))
+    manager = ChunkManager("cpu", nvme=NvmeSettings(str(tmp_path)))
     (ref,) = manager.register("grad", [torch.zeros(N)], zeros=True)
     source = torch.randn(N)
     lazy = _copied_in(manager, ref.chunk, source)
@@ -52,7 +53,7 @@ def test_a_pending_copy_is_waited_for_by_every_later_use(tmp_path, use):
 
 def test_a_pending_copy_is_waited_for_before_its_chunk_is_evicted_to_make_room(tmp_path):
     nbytes = N * 4
-    manager = ChunkManager("cpu", Budgets(cpu=nbytes + nbytes // 2), nvme_dir=str(tmp_path))
+    manager = ChunkManager("cpu", Budgets(cpu=nbytes + nbytes // 2), nvme=NvmeSettings(str(tmp_path)))
     first, second = manager.register("grad", [torch.zeros(N), torch.zeros(N)], capacity=N, zeros=True)
     source = torch.randn(N)
     lazy = _copied_in(manager, first.chunk, source)
@@ -65,7 +66,7 @@ def test_a_pending_copy_is_waited_for_before_its_chunk_is_evicted_to_make_room(t
 
 
 def test_a_second_pending_copy_is_refused_once_it_has_finished(tmp_path):
-    manager = ChunkManager("cpu", nvme_dir=str(tmp_path))
+    manager = ChunkManager("cpu", nvme=NvmeSettings(str(tmp_path)))
     (ref,) = manager.register("grad", [torch.zeros(N)], zeros=True)
     lazy = _copied_in(manager, ref.chunk, torch.randn(N))
     refused = _NeverPolled(torch.empty(N), torch.randn(N), random.Random(1))

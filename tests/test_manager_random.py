@@ -11,6 +11,7 @@ import torch
 
 from offload.chunk import Location, plan_slots
 from offload.manager import Budgets, ChunkManager
+from offload.nvme import NvmeSettings
 from offload.states import TensorState
 from tests.offload_checks import held_bytes, random_bits, same_bytes
 
@@ -31,7 +32,7 @@ def test_random_operations_keep_budgets_and_bytes(tmp_path, seed):
     largest = max(max(plan_slots([t.shape for t in tensors], chunk_numel)[1]) * dtype.itemsize
                   for dtype, tensors, _ in registrations)
     budgets = Budgets(device=3 * largest, cpu=4 * 2 * largest)
-    m = ChunkManager("cpu", budgets, nvme_dir=str(tmp_path), nvme_block_size=4096, prefetch_depth=2,
+    m = ChunkManager("cpu", budgets, nvme=NvmeSettings(str(tmp_path), block_size=4096), prefetch_depth=2,
                      keep_free_bytes=4096)
     shadow: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, index) -> expected contents
     for dtype, tensors, location in registrations:

@@ -14,6 +14,7 @@ import torch
 from offload.chunk import Location
 from offload.errors import OffloadError, SwapWriteError
 from offload.manager import Budgets, ChunkManager
+from offload.nvme import NvmeSettings
 from offload.states import TensorState
 from tests.test_manager_async_copies import _LazyCopyEngine
 
@@ -27,7 +28,7 @@ def _tensors(n: int, numel: int = 256) -> list[torch.Tensor]:
 
 def _nvme_manager(tmp_path, **kw) -> ChunkManager:
     budgets = Budgets(device=kw.pop("device", None), cpu=kw.pop("cpu", None))
-    return ChunkManager("cpu", budgets, nvme_dir=str(tmp_path), nvme_block_size=4096,
+    return ChunkManager("cpu", budgets, nvme=NvmeSettings(str(tmp_path), block_size=4096),
                         keep_free_bytes=kw.pop("keep_free_bytes", 0), **kw)
 
 

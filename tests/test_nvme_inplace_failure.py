@@ -9,7 +9,7 @@ import torch
 from offload.chunk import Location
 from offload.errors import SwapWriteError
 from offload.manager import ChunkManager
-from offload.nvme import NvmeStore
+from offload.nvme import NvmeSettings, NvmeStore
 from tests.nvme_helpers import mounted_tmpfs
 
 KIB = 1024
@@ -31,7 +31,7 @@ def test_a_failed_in_place_write_frees_the_space_it_took(tmp_path):  # keep_prev
 
 def test_manager_a_failed_swap_out_does_not_make_the_next_one_fail(tmp_path):
     with mounted_tmpfs(tmp_path / "small", "size=64k") as small:
-        m = ChunkManager("cpu", nvme_dir=small, nvme_block_size=4096, prefetch_depth=0)
+        m = ChunkManager("cpu", nvme=NvmeSettings(small, block_size=4096), prefetch_depth=0)
         try:
             big, little = torch.randn(32 * KIB), torch.randn(8 * KIB)  # 128 KiB, 32 KiB
             m.register("big", [big], capacity=32 * KIB)

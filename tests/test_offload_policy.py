@@ -11,7 +11,9 @@ import torch
 
 from offload.chunk import Location
 from offload.device_memory import DeviceMemory
+from offload.device_tier import MeasuredPlacement
 from offload.manager import Budgets, ChunkManager
+from offload.nvme import NvmeSettings
 from offload.policy import choose_victim, first_uses
 from offload.states import TensorState
 from offload.tracer import Access, Trace, TracePhase, Tracer
@@ -97,7 +99,7 @@ def test_after_warm_up_eviction_is_opt_not_lru():
 def test_prefetch_hides_nvme_reads_when_the_distance_allows(tmp_path):
     n = 8
     tensors = [torch.randn(64 * KIB) for _ in range(n)]  # 256 KiB chunks
-    m = ChunkManager("cpu", Budgets(device=3 * 256 * KIB, cpu=3 * 256 * KIB), nvme_dir=str(tmp_path),
+    m = ChunkManager("cpu", Budgets(device=3 * 256 * KIB, cpu=3 * 256 * KIB), nvme=NvmeSettings(str(tmp_path)),
                      prefetch_depth=2, keep_free_bytes=0)
     m.register("param", tensors, capacity=64 * KIB, location=Location.NVME)
     order = list(range(n))
@@ -120,7 +122,7 @@ def test_prefetch_depth_counts_chunks_to_bring_not_trace_positions(tmp_path):
     """Note [prefetch reach]: resident chunks between now and the next one on NVMe do not use up the depth (a
     stepped tensor's gradient, already in memory, sits between its states' reads in the trace)."""
     tensors = [torch.randn(1024) for _ in range(4)]  # 4 KiB chunks: one O_DIRECT block each
-    m = ChunkManager("cpu", Budgets(cpu=64 * KIB), nvme_dir=str(tmp_path), nvme_block_size=4096, prefetch_depth=1,
+    m = ChunkManager("cpu", Budgets(cpu=64 * KIB), nvme=NvmeSettings(str(tmp_path), block_size=4096), prefetch_depth=1,
                      keep_free_bytes=0)
     m.register("param", tensors, capacity=1024, location=Location.NVME)
 
@@ -151,7 +153,7 @@ def test_a_prefetch_leaves_room_for_a_chunk_made_before_it_is_needed(tmp_path, s
     room 1 is made in; with room for three it fits beside it."""
     tensors = [torch.randn(1024) for _ in range(3)]
     slot = 8 * KIB  # a 4 KiB chunk's host buffer, with room for O_DIRECT alignment
-    m = ChunkManager("cpu", Budgets(cpu=slots * slot), nvme_dir=str(tmp_path), nvme_block_size=4096,
+    m = ChunkManager("cpu", Budgets(cpu=slots * slot), nvme=NvmeSettings(str(tmp_path), block_size=4096),
                      prefetch_depth=2, keep_free_bytes=0)
     m.register("param", tensors, capacity=1024, location=Location.NVME)
 
@@ -181,7 +183,7 @@ def test_a_prefetch_that_waited_for_room_being_written_starts_when_the_write_lan
     import threading
 
     tensors = [torch.randn(1024) for _ in range(4)]
-    m = ChunkManager("cpu", Budgets(cpu=2 * 8 * KIB), nvme_dir=str(tmp_path), nvme_block_size=4096, nvme_threads=1,
+    m = ChunkManager("cpu", Budgets(cpu=2 * 8 * KIB), nvme=NvmeSettings(str(tmp_path), block_size=4096, threads=1),
                      prefetch_depth=1, keep_free_bytes=0)
     m.register("param", tensors, capacity=1024, location=Location.NVME)
 
@@ -243,7 +245,7 @@ def test_prefetch_looks_no_farther_than_the_tier_holds():
 def test_without_prefetch_every_nvme_read_blocks(tmp_path):
     n = 6
     tensors = [torch.randn(64 * KIB) for _ in range(n)]
-    m = ChunkManager("cpu", Budgets(device=2 * 256 * KIB, cpu=2 * 256 * KIB), nvme_dir=str(tmp_path),
+    m = ChunkManager("cpu", Budgets(device=2 * 256 * KIB, cpu=2 * 256 * KIB), nvme=NvmeSettings(str(tmp_path)),
                      prefetch_depth=0, keep_free_bytes=0)
     m.register("param", tensors, capacity=64 * KIB, location=Location.NVME)
     for _ in range(3):
@@ -258,7 +260,7 @@ def test_without_prefetch_every_nvme_read_blocks(tmp_path):
 def test_a_departure_from_the_trace_falls_back_and_retraces(tmp_path):
     n = 6
     tensors = [torch.randn(64 * KIB) for _ in range(n)]
-    m = ChunkManager("cpu", Budgets(device=2 * 256 * KIB, cpu=3 * 256 * KIB), nvme_dir=str(tmp_path),
+    m = ChunkManager("cpu", Budgets(device=2 * 256 * KIB, cpu=3 * 256 * KIB), nvme=NvmeSettings(str(tmp_path)),
                      prefetch_depth=2)
     m.register("param", tensors, capacity=64 * KIB, location=Location.NVME)
     _run_iteration(m, [0, 1, 2, 3, 4, 5], tensors)
@@ -323,7 +325,7 @@ def test_measured_placement_keeps_the_margin_and_the_peak_no_access_saw_free(spi
     base = 8 * chunk_bytes
     memory = _AllocatorReadings(base, spike=spike * chunk_bytes)
     m = ChunkManager("cpu", Budgets(), prefetch_depth=0, keep_free_bytes=0, memory=memory,
-                     device_capacity=base + 6 * chunk_bytes, device_margin=chunk_bytes)
+                     measured=MeasuredPlacement(base + 6 * chunk_bytes, chunk_bytes))
     memory.manager = m
     m.register("param", tensors, capacity=chunk_bytes // 4)
     for iteration in range(3):  # warm-up: 6 chunks of room less the margin; then less the unseen peak too

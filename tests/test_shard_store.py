@@ -14,6 +14,7 @@ from engine.zero.chunked_params import ChunkedParams
 from engine.zero.shard_store import MemoryStore, manage
 from offload.chunk import Location
 from offload.manager import ChunkManager
+from offload.nvme import NvmeSettings
 
 
 def _run_operations(store) -> list[torch.Tensor]:
@@ -39,7 +40,7 @@ def _run_operations(store) -> list[torch.Tensor]:
 @pytest.mark.parametrize("home", [Location.CPU, Location.NVME])
 def test_a_managed_shard_answers_as_the_same_shard_in_memory(home, tmp_path):
     expected = _run_operations(MemoryStore(torch.empty(8)))
-    manager = ChunkManager("cpu", nvme_dir=str(tmp_path), nvme_block_size=4096, prefetch_depth=0)
+    manager = ChunkManager("cpu", nvme=NvmeSettings(str(tmp_path), block_size=4096), prefetch_depth=0)
     try:
         tensor = torch.empty(8)
         store = manage(MemoryStore(tensor), manager, "grad", home)

@@ -40,6 +40,7 @@ in whole stepped tensors (chunk shards). Where the device is the host it changes
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,9 @@ from engine.zero.offloaded_optimizer import OffloadedOptimizer
 from engine.zero.policy import ChunkKind
 from offload.chunk import Location
 from offload.device_memory import DeviceMemory
+from offload.device_tier import MeasuredPlacement
 from offload.manager import BudgetError, Budgets, ChunkManager
+from offload.nvme import NvmeSettings
 from offload.units import fmt_bytes
 
 _TIERS = {"cpu": Location.CPU, "nvme": Location.NVME}
@@ -110,14 +113,13 @@ def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch
         offload.pin_memory or offload_param.pin_memory)  # None: pinned where CUDA is
     capacity = memory.capacity() if auto else None
     margin = cfg.memory.budget_bytes("device_margin")
-    manager = ChunkManager(device, Budgets(device=device_budget, cpu=budget), device_capacity=capacity,
-                           device_margin=(capacity // 20 if margin is None else margin) if auto else 0,
-                           budget_keys={Location.DEVICE: "memory.device_budget", Location.CPU: "memory.cpu_budget"},
-                           nvme_dir=(offload.nvme_path if offload.device == "nvme" else offload_param.nvme_path)
-                           if on_nvme else None,
-                           nvme_threads=aio.intra_op_parallelism or aio.thread_count or 2,
-                           nvme_queue_depth=aio.queue_depth, nvme_block_size=aio.block_size,
-                           pin_memory=pinned, prefetch_depth=prefetch_depth(cfg, policy), memory=memory)
+    keys = {Location.DEVICE: "memory.device_budget", Location.CPU: "memory.cpu_budget"}
+    nvme = NvmeSettings(offload.nvme_path if offload.device == "nvme" else offload_param.nvme_path,
+                        threads=aio.intra_op_parallelism or aio.thread_count or 2, queue_depth=aio.queue_depth,
+                        block_size=aio.block_size) if on_nvme else None
+    measured = MeasuredPlacement(capacity, capacity // 20 if margin is None else margin) if auto else None
+    manager = ChunkManager(device, Budgets(device=device_budget, cpu=budget, keys=keys), nvme=nvme, pin_memory=pinned,
+                           prefetch_depth=prefetch_depth(cfg, policy), measured=measured, memory=memory)
     optim_home = policy.home(ChunkKind.OPTIM)
     homes = offload_homes([p.numel() for g in groups for p in g["params"]], optim_home, offload.ratio,
                           memory.separate)
@@ -139,7 +141,7 @@ def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch
     if user_budget is not None and on_nvme:
         _check_cpu_budget(manager, user_budget)
     if user_budget is None and on_nvme and on_cpu:  # one kind homed on CPU, the other streamed from NVMe
-        manager.budgets = Budgets(device=device_budget, cpu=manager.used_bytes(Location.CPU) + window)
+        manager.budgets = dataclasses.replace(manager.budgets, cpu=manager.used_bytes(Location.CPU) + window)
     return optimizer
 
 
