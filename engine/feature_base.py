@@ -1,6 +1,7 @@
-"""The hooks a parallelism adds to the engine's calls (`Feature`, Note [feature objects]), and what a driver that
-schedules the forwards itself (a pipeline, layer-major accumulation) calls on the features applied before it
-(`ForwardHooks`): defined apart from engine/features.py, which holds the features and the drivers' own."""
+"""The hooks a parallelism adds to the engine's calls (`Feature`, Note [feature objects]); what a driver that
+schedules a step's micro-batches itself (a pipeline, layer-major accumulation) offers the engine (`ScheduleDriver`)
+and calls on the features applied before it (`ForwardHooks`). Defined apart from engine/features.py, which holds
+the features, the drivers' among them."""
 
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ class ForwardHooks(Protocol):
     def scheduled_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
 
     def take_aux_loss(self) -> torch.Tensor | None: ...
+
+
+class ScheduleDriver(Protocol):
+    """Runs a step's micro-batches through a schedule: engine.train_batch and eval_batch call it."""
+
+    def train(self, microbatches: list, loss_scale: float) -> float: ...
+
+    def evaluate(self, microbatches: list) -> float: ...
 
 
 class Feature:
@@ -91,3 +100,7 @@ class Feature:
     def generators(self) -> list:
         """The random streams (engine.tensor_parallel.rng.RNGStreams) this parallelism draws from."""
         return []
+
+    def driver(self) -> ScheduleDriver | None:
+        """The driver that runs a step's micro-batches when this feature schedules them (Note [a pipelined step])."""
+        return None

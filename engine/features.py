@@ -1,14 +1,15 @@
 """What each parallelism adds to the engine's calls, as feature objects the engine iterates over.
 
 Note [feature objects]
-initialize() applies each parallelism to the model in one order (engine/initialization.py) and wraps what it
-returns in a Feature: what it does to a forward's inputs, around the forward and to its output; how it weights
-the loss and what it adds to it; how it joins a state dict gathered on this rank into the whole model's; what it
-logs; where it places each tensor a rank holds and what else a checkpoint keeps of it (Note [placements]);
-whether it replaces the per-micro-batch calls with a schedule (whose stages then make the calls of the
-features applied before it, the loss weight inside the last stage's loss: Note [a pipelined step]). Engine calls
-the `Features` collection, which folds each call over the features in order (tensor, expert, sequence, pipeline
-parallelism), so Engine never asks which parallelism is on, and a new one adds a Feature rather than branches.
+initialize() applies each parallelism to the model in one order (engine/initialization.py) and wraps what it returns
+in a Feature: what it does to a forward's inputs, around the forward and to its output; how it weights the loss and
+what it adds to it; how it joins a state dict gathered on this rank into the whole model's; what it logs; where it
+places each tensor a rank holds and what else a checkpoint keeps of it (Note [placements]); whether it replaces the
+per-micro-batch calls with a schedule (its `driver()`, whose stages then make the calls of the features applied
+before it, the loss weight inside the last stage's loss: Note [a pipelined step]). The hooks and the drivers'
+protocols live in engine/feature_base.py. Engine calls the `Features` collection, which folds each call over the
+features in order (tensor, expert, sequence, pipeline parallelism), so Engine never asks which parallelism is on,
+and a new one adds a Feature rather than branches.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from engine import whole_weights
 from engine.comm import CommCounter
-from engine.feature_base import Feature
+from engine.feature_base import Feature, ScheduleDriver
 from engine.mesh import Mesh
 from engine.moe.plan import ExpertParallel
 from engine.pipeline.driver import PipelineDriver
@@ -154,6 +155,9 @@ class PipelineFeature(Feature):
     def stage(self) -> tuple[int, int]:
         return self.mesh.pp.rank, self.mesh.pp.size
 
+    def driver(self) -> PipelineDriver:
+        return self.parallel
+
     def check_micro_batch_call(self, call: str) -> None:
         raise RuntimeError(f"engine.{call} runs one micro-batch, and under a pipeline config a micro-batch runs "
                            "across every stage of the schedule; call engine.train_batch(data_iter) (or eval_batch) "
@@ -168,6 +172,9 @@ class LayerMajorFeature(Feature):
 
     def __init__(self, driver: LayerMajorDriver):
         self.parallel = driver
+
+    def driver(self) -> LayerMajorDriver:
+        return self.parallel
 
     def check_micro_batch_call(self, call: str) -> None:
         if call == "forward" and not torch.is_grad_enabled():
@@ -271,7 +278,7 @@ class Features:
     def generators(self) -> list:
         return [g for f in self.items for g in f.generators()]
 
-    def schedule(self, call: str) -> PipelineDriver | LayerMajorDriver:
+    def schedule(self, call: str) -> ScheduleDriver:
         """The driver engine.`call` (train_batch, eval_batch) runs: a pipeline's, or layer-major accumulation's
         (Note [layer-major accumulation]); raises without either."""
         driver = self._scheduling_driver()
@@ -285,5 +292,5 @@ class Features:
         """build() (Note [tensor backward]), unless a schedule runs the micro-batches' backward passes itself."""
         return ScheduledBackward() if self._scheduling_driver() is not None else build()
 
-    def _scheduling_driver(self) -> PipelineDriver | LayerMajorDriver | None:
-        return self.parallel("pipeline") or self.parallel("layer_major")
+    def _scheduling_driver(self) -> ScheduleDriver | None:
+        return next((d for d in (f.driver() for f in self.items) if d is not None), None)
