@@ -67,7 +67,7 @@ from engine.zero.hooks import ZeroHooks
 from engine.zero.offload_policy import OffloadPolicy, build_offloaded_optimizer
 from engine.zero.param_gather import ParamGatherer
 from engine.zero.policy import ChunkKind, ShardingPolicy
-from engine.zero.runtime import ZeroRuntime
+from engine.zero.runtime import StepParts, ZeroRuntime
 from engine.zero.weight_files import assign_weight_files
 from engine.zero.zero_init import materialize_parameters, zero_init_placeholders, zero_init_recording
 from offload.chunk import DEFAULT_CHUNK_CAPACITY
@@ -438,14 +438,13 @@ def zero_runtime(model: nn.Module, cfg: Config, chunked: ChunkedParams, optimize
     gatherer = ParamGatherer(model, chunked.sharded_params, chunked.param_chunk_index(), mesh.shard.group, comm,
                              prefetch, zero.stage3_max_live_parameters, hooks)
     overlap = zero.overlap_comm is not False  # stage 0 overlaps unless told not to
-    reducer = (GradReducer(chunked, mesh.shard.group, comm, hooks, overlap, zero.reduce_scatter,
-                           gatherer.on_grads_complete if chunked.gathers_params else None,
-                           peers=mesh.zero.size > 1, replicas=mesh.replicate.group)
+    reducer = (GradReducer(chunked, mesh, comm, hooks, overlap, zero.reduce_scatter,
+                           gatherer.on_grads_complete if chunked.gathers_params else None)
                if mesh.zero.size > 1 or chunked.shards_grads else None)
     clipper = GradientClipper(chunked, mesh, comm, cfg.gradient_clipping, loss_scaler.checks_overflow,
                               norm_logged=cfg.tensorboard.enabled)
-    return ZeroRuntime(chunked, optimizer, mesh, comm, clipper, gatherer, reducer,
-                       steps_in_backward=zero.offload_optimizer.step_in_backward, hooks=hooks)
+    return ZeroRuntime(chunked, optimizer, mesh, comm, StepParts(gatherer, reducer, clipper, hooks),
+                       steps_in_backward=zero.offload_optimizer.step_in_backward)
 
 
 def build_monitor(cfg: Config, mesh: Mesh, runtime: ZeroRuntime,

@@ -109,7 +109,7 @@ OVER_THE_LIMITS = {
     "engine/sequence_parallel/hf_attention.py:__call__", "engine/sequence_parallel/ring_attention.py:_meet",
     "engine/sequence_parallel/ring_attention.py:block_gradients", "engine/sequence_parallel/ring_attention.py:forward",
     "engine/sequence_parallel/ulysses.py:ulysses_attention", "engine/tensor_parallel/derive/__init__.py:adjustments",
-    "engine/zero/fused_tiles.py:step", "engine/zero/grad_sync.py:__init__", "engine/zero/runtime.py:__init__",
+    "engine/zero/fused_tiles.py:step",
     "offload/chunk.py:__init__",
 }
 

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.comm import CommCounter, all_reduce_sum, reduce_scatter_sum_in_place, shard_of
+from engine.mesh import Mesh
 from engine.zero.chunked_params import ChunkedParams
 from engine.zero.hooks import ZeroHooks
 
@@ -67,12 +68,13 @@ class GradReducer:
     false`) all-reduces sharded chunks too (DeepSpeed's option: more traffic, same result).
     """
 
-    def __init__(self, chunked: ChunkedParams, group: dist.ProcessGroup | None, counter: CommCounter,
-                 hooks: ZeroHooks, overlap: bool = True, reduce_scatter: bool = True, on_chunk_complete=None,
-                 peers: bool = True, replicas: dist.ProcessGroup | None = None):
-        """peers=False: one rank paging its gradient shards (Note [paging in one process]); nothing to sum, the
-        chunks' shards are retired as they complete. replicas: under hybrid sharding, the ranks holding the same
-        shards in the other copies (Note [hybrid sharding]): `group` is then this rank's shard group."""
+    def __init__(self, chunked: ChunkedParams, mesh: Mesh, counter: CommCounter, hooks: ZeroHooks,
+                 overlap: bool = True, reduce_scatter: bool = True, on_chunk_complete=None):
+        """Reduces over the mesh's shard group; under hybrid sharding also across its replicate group, the ranks
+        holding the same shards in the other copies (Note [hybrid sharding]). One rank (a ZeRO group of 1) pages its
+        gradient shards (Note [paging in one process]): nothing to sum, the chunks' shards are retired as they
+        complete."""
+        group, peers, replicas = mesh.shard.group, mesh.zero.size > 1, mesh.replicate.group
         self.chunked = chunked
         # stage 3: a chunk whose gradients are all in (Note [gathering around modules])
         self.on_chunk_complete = on_chunk_complete

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -59,15 +60,25 @@ class GradientsHeld(enum.Enum):
     PARTLY_REDUCED = "partly reduced"  # a synchronized backward failed after some of its chunks were reduced
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """What a step's communication runs through: the parameter gatherer, the gradient reducer (None: one rank with
+    nothing to reduce), the gradient clipper, and the hooks the gatherer and reducer installed."""
+
+    gatherer: ParamGatherer
+    reducer: GradReducer | None
+    clipper: GradientClipper
+    hooks: ZeroHooks
+
+
 class ZeroRuntime:
     """Runs the phases of Note [step phases] over the chunks: gathering (stage 3), reduction, the update."""
 
     def __init__(self, chunked: ChunkedParams, optimizer: torch.optim.Optimizer, mesh: Mesh,
-                 comm: CommCounter, clipper: GradientClipper, gatherer: ParamGatherer,
-                 reducer: GradReducer | None = None, steps_in_backward: bool = False, hooks: ZeroHooks | None = None):
+                 comm: CommCounter, parts: StepParts, steps_in_backward: bool = False):
         self.chunked, self.optimizer, self.mesh, self.comm = chunked, optimizer, mesh, comm
-        self.clipper, self.gatherer, self.reducer = clipper, gatherer, reducer
-        self.hooks = hooks if hooks is not None else ZeroHooks()  # every hook the gatherer and reducer installed
+        self.clipper, self.gatherer, self.reducer = parts.clipper, parts.gatherer, parts.reducer
+        self.hooks = parts.hooks  # every hook the gatherer and reducer installed
         self.steps_in_backward = steps_in_backward  # Note [stepping in backward]
         self.phase = TrainingPhase.IDLE
         self.inside_no_sync = False
