@@ -151,8 +151,8 @@ class ChunkList:
     """All chunks of one kind and dtype, built from a list of tensors in registration order.
 
     The tensors' values are copied in (meta tensors have none: their views are left as allocated);
-    `views[i]` is tensor i's view into its chunk. zeroed=False allocates the payloads uninitialized;
-    released=True frees each payload's storage as soon as it is made (nothing is copied: see Chunk).
+    `views[i]` is tensor i's view into its chunk; the payloads start zeroed, or with released=True each payload's
+    storage is freed as soon as it is made (nothing is copied: see Chunk).
     """
 
     def __init__(
@@ -164,7 +164,6 @@ class ChunkList:
         align: int = 1,
         copy_values: bool = True,
         first_capacity: int | None = None,
-        zeroed: bool = True,
         released: bool = False,
     ):
         if not tensors:
@@ -181,7 +180,7 @@ class ChunkList:
             while slot.chunk >= len(self.chunks):  # made one by one: a released one holds no memory past its views
                 if released and self.chunks:
                     self.chunks[-1].payload.untyped_storage().resize_(0)
-                self.chunks.append(Chunk(sizes[len(self.chunks)], dtype, device, zeroed=zeroed, released=released))
+                self.chunks.append(Chunk(sizes[len(self.chunks)], dtype, device, released=released))
             chunk = self.chunks[slot.chunk]
             chunk.add(slot)
             view = chunk.view(slot)
