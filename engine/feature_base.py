@@ -6,10 +6,12 @@ the features, the drivers' among them."""
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 
+from engine.mesh import Mesh
 from engine.placement import Placement
 
 
@@ -25,6 +27,20 @@ class ForwardHooks(Protocol):
     def scheduled_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
 
     def take_aux_loss(self) -> torch.Tensor | None: ...
+
+
+@dataclass(frozen=True)
+class DriverContext:
+    """What a scheduling driver runs each micro-batch with: the mesh, the engine's ZeRO runtime (whose phases every
+    action runs in), the precision policy, the collectives' counter, the features applied before the driver (whose
+    calls every forward makes: Note [a pipelined step]) and the loss function (None: the model's own loss)."""
+
+    mesh: Mesh
+    runtime: object
+    precision: object
+    comm: object
+    features: ForwardHooks
+    loss_fn: Callable | None = None
 
 
 class ScheduleDriver(Protocol):

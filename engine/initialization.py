@@ -30,6 +30,7 @@ from engine.comm import Collectives, CommCounter, broadcast_from
 from engine.config import Config, load_config
 from engine.config_checks import OFFLOADED, check_client_objects, check_offload, check_packages, check_run
 from engine.engine import Engine, EngineParts
+from engine.feature_base import DriverContext
 from engine.features import (
     ExpertFeature,
     Features,
@@ -173,8 +174,8 @@ def initialize(
         features = Features(features.items + [PipelineFeature(pipeline, mesh, comm)])
     if layer_major:  # Note [layer-major accumulation]
         split = split_model(model, plan_block_stages(model, LAYER_MAJOR, outside), 0, LAYER_MAJOR)
-        layer_major = LayerMajorDriver(split, runtime, PrecisionPolicy.from_config(cfg), mesh, features, comm,
-                                       loss_fn)
+        layer_major = LayerMajorDriver(split, DriverContext(mesh, runtime, PrecisionPolicy.from_config(cfg), comm,
+                                                            features, loss_fn))
         features = Features(features.items + [LayerMajorFeature(layer_major)])
     scheduler = _scheduler(cfg, optimizer, lr_scheduler)
     progress = TrainingProgress(cfg.batch_sizes(mesh.dp.size).gradient_accumulation_steps)
@@ -280,8 +281,8 @@ def build_pipeline(split: PipelineModel, shared_groups: dict, cfg: Config, mesh:
                          "sequence's output with the whole sequence's labels; pass the labels in the micro-batch "
                          "(e.g. {\"input_ids\": x, \"labels\": y}) so that the model's own loss is split with it")
     microbatches = cfg.batch_sizes(mesh.dp.size).gradient_accumulation_steps
-    return PipelineDriver(split, cfg.pipeline.schedule, microbatches, mesh, PrecisionPolicy.from_config(cfg),
-                          comm, shared_groups, runtime, features, loss_fn, cfg.pipeline.timeout_s)
+    return PipelineDriver(split, cfg.pipeline, microbatches, shared_groups,
+                          DriverContext(mesh, runtime, PrecisionPolicy.from_config(cfg), comm, features, loss_fn))
 
 
 def chunk_parameters(model: nn.Module, cfg: Config, mesh: Mesh, groups: list[dict],

@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 
 from engine.comm import CommCounter, all_reduce_sum, broadcast_from
-from engine.feature_base import ForwardHooks
+from engine.config_sections import PipelineConfig
+from engine.feature_base import DriverContext
 from engine.mesh import Mesh
 from engine.pipeline.executor import PipelineRunner, StepResult
 from engine.pipeline.model_split import PipelineModel
@@ -57,22 +58,21 @@ LossFunction = Callable[[object, object], torch.Tensor]
 class PipelineDriver:
     """Runs a step's micro-batches through this rank's stages of `split` (Note [a pipelined step])."""
 
-    def __init__(self, split: PipelineModel, schedule_name: str, microbatches: int, mesh: Mesh,
-                 precision: PrecisionPolicy, comm: CommCounter, shared_groups: dict[tuple[int, ...], object],
-                 runtime, features: ForwardHooks, loss_fn: LossFunction | None = None, timeout_s: float = 600.0):
-        """shared_groups: from shared_parameter_groups, one per set of pipeline ranks sharing parameters; runtime:
-        the engine's ZeRO runtime, whose phases every action runs in; features: those applied before the pipeline,
-        whose calls around a micro-batch every stage's forward makes (Note [a pipelined step])."""
-        self.split, self.mesh, self.precision, self.comm = split, mesh, precision, comm
-        self.loss_fn, self.features = loss_fn, features
-        plan = split.plan
+    def __init__(self, split: PipelineModel, pipeline: PipelineConfig, microbatches: int,
+                 shared_groups: dict[tuple[int, ...], object], context: DriverContext):
+        """pipeline: the schedule's name and the receives' timeout; shared_groups: from shared_parameter_groups, one
+        per set of pipeline ranks sharing parameters."""
+        mesh = context.mesh
+        self.split, self.mesh, self.precision, self.comm = split, mesh, context.precision, context.comm
+        self.loss_fn, self.features, runtime = context.loss_fn, context.features, context.runtime
+        schedule_name, timeout_s, plan = pipeline.schedule, pipeline.timeout_s, split.plan
         self.schedule = build_schedule(schedule_name, plan.ranks, microbatches, plan.stages // plan.ranks)
         self.formula_bubble = simulate(self.schedule).bubble
         self.runtime = runtime
         stages = {s: self._stage_function(s) for s in split.views}
         params = {s: list(view.parameters()) for s, view in split.views.items()}
         self.runner = PipelineRunner(self.schedule, mesh.pp.rank, stages, params, mesh.pp.group, timeout_s,
-                                     mesh.device, around=self._phase, counter=comm)
+                                     mesh.device, around=self._phase, counter=context.comm)
         self.shared_groups = shared_groups
         self._loss_scale = 1.0
         self.last_bubble: float | None = None

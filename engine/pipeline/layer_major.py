@@ -44,13 +44,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.comm import CommCounter, all_reduce_sum
-from engine.feature_base import ForwardHooks
-from engine.mesh import Mesh
-from engine.pipeline.driver import LossFunction, loss_of, microbatch_arguments
+from engine.comm import all_reduce_sum
+from engine.feature_base import DriverContext
+from engine.pipeline.driver import loss_of, microbatch_arguments
 from engine.pipeline.model_split import PipelineModel
 from engine.pipeline.stage_modules import run_stage_view
-from engine.precision import PrecisionPolicy
 
 CUT_RTOL = 1e-5  # the same operators on the same values: equal but for a kernel's nondeterminism
 REFUSED_FORWARD = ("under zero_optimization.offload_param.layer_major the model trains only inside "
@@ -63,11 +61,10 @@ class LayerMajorDriver:
     """Runs a step's micro-batches through the one-stage-per-block split of the model (Note [layer-major
     accumulation]), inside the runtime's forward and backward phases."""
 
-    def __init__(self, split: PipelineModel, runtime, precision: PrecisionPolicy, mesh: Mesh,
-                 features: ForwardHooks, comm: CommCounter, loss_fn: LossFunction | None = None):
-        self.split, self.runtime, self.precision, self.mesh = split, runtime, precision, mesh
-        self.features, self.comm, self.loss_fn = features, comm, loss_fn
-        stages = split.plan.stages
+    def __init__(self, split: PipelineModel, context: DriverContext):
+        self.split, self.runtime, self.precision, self.mesh = split, context.runtime, context.precision, context.mesh
+        self.features, self.comm, self.loss_fn = context.features, context.comm, context.loss_fn
+        runtime, stages = context.runtime, split.plan.stages
         used = [runtime.gatherer.chunks_of(split.views[s].modules()) for s in range(stages)]
         first, last = {}, {}
         for s, chunks in enumerate(used):
