@@ -221,8 +221,7 @@ def place_experts(model: nn.Module, cfg: Config, mesh: Mesh, comm: CommCounter,
     """Note [expert parallelism]: the model's MoE layers (engine.moe.MoE, and a Hugging Face model's experts when
     the config has a `moe` section) keep this rank's experts and dispatch tokens to every rank's; None without any.
     Under tensor parallelism they stay whole on every tp rank."""
-    return apply_expert_parallel(model, cfg.moe, mesh.ep.group, mesh.ep.size, mesh.ep.rank,
-                                 mesh.zero.group, comm, frozenset(tensor_parallel.specs) if tensor_parallel else
+    return apply_expert_parallel(model, cfg.moe, mesh, comm, frozenset(tensor_parallel.specs) if tensor_parallel else
                                  frozenset(), cfg.pipeline.enabled)
 
 

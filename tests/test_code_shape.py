@@ -104,7 +104,7 @@ MIRRORED_APIS = ("engine/compat/", "engine/optimizers/", "engine/lr_schedules.py
 OVER_THE_LIMITS = {
     "engine/activation_checkpointing/checkpointer.py:checkpoint", "engine/estimate/estimator.py:estimate",
     "engine/estimate/estimator.py:_pipelined", "engine/estimate/model_states.py:_placement",
-    "engine/estimate/trials.py:_rank_main", "engine/estimate/tune.py:tune", "engine/moe/plan.py:apply_expert_parallel",
+    "engine/estimate/trials.py:_rank_main", "engine/estimate/tune.py:tune",
     "engine/pipeline/executor.py:__init__",
     "engine/sequence_parallel/hf_attention.py:__call__", "engine/sequence_parallel/ring_attention.py:_meet",
     "engine/sequence_parallel/ring_attention.py:block_gradients", "engine/sequence_parallel/ring_attention.py:forward",

@@ -228,14 +228,15 @@ def test_a_hugging_face_router_loss_inside_a_pipeline_is_refused():
     pytest.importorskip("transformers")
     from engine.comm import CommCounter
     from engine.config import load_config
+    from engine.mesh import Mesh
     from engine.moe.plan import apply_expert_parallel
     from tests.moe_models import mixtral
 
     cfg = load_config({**config(1), "moe": {"capacity_factor": 4.0}})  # routed by Tiers at ep 1 too
     with pytest.raises(ValueError, match="output_router_logits=False"):
-        apply_expert_parallel(mixtral(output_router_logits=True), cfg.moe, None, 1, 0, None, CommCounter(),
+        apply_expert_parallel(mixtral(output_router_logits=True), cfg.moe, Mesh.single("cpu"), CommCounter(),
                               pipelined=True)
-    assert apply_expert_parallel(mixtral(), cfg.moe, None, 1, 0, None, CommCounter(), pipelined=True) is not None
+    assert apply_expert_parallel(mixtral(), cfg.moe, Mesh.single("cpu"), CommCounter(), pipelined=True) is not None
 
 
 # --- every case above in one spawned group: start-up, not the cases, dominates their time -----------------------

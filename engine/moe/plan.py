@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from engine.comm import CommCounter, all_gather_into, all_reduce_sum, broadcast_from
+from engine.mesh import Mesh
 from engine.moe.aux_losses import AuxLossSink
 from engine.moe.dispatch import ExpertPlacement, ExpertTraffic
 from engine.moe.expert_list import RoutedExpertList, is_expert_list_block, routed_block_class
@@ -161,13 +162,13 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def apply_expert_parallel(model: nn.Module, cfg, ep_group, ep_size: int, ep_rank: int, dp_group,
-                          comm: CommCounter, tp_split: frozenset[str] = frozenset(),
+def apply_expert_parallel(model: nn.Module, cfg, mesh: Mesh, comm: CommCounter, tp_split: frozenset[str] = frozenset(),
                           pipelined: bool = False) -> ExpertParallel | None:
-    """Note [expert parallelism]: every MoE layer of `model` keeps this rank's experts (rank `ep_rank` of `ep_size`),
-    whose values start as dp rank 0's; None when the model has no MoE layer Tiers routes. `cfg`: the moe section;
-    `tp_split`: names of the parameters a tensor-parallel plan split (none may be inside an MoE layer); `pipelined`:
-    the model will be cut into pipeline stages."""
+    """Note [expert parallelism]: every MoE layer of `model` keeps this rank's experts (its place on the mesh's ep
+    axis), whose values start as the ZeRO group's first rank's; None when the model has no MoE layer Tiers routes.
+    `cfg`: the moe section; `tp_split`: names of the parameters a tensor-parallel plan split (none may be inside an
+    MoE layer); `pipelined`: the model will be cut into pipeline stages."""
+    ep_group, ep_size, ep_rank, dp_group = mesh.ep.group, mesh.ep.size, mesh.ep.rank, mesh.zero.group
     sink = AuxLossSink()
     layers: dict[str, nn.Module] = {}
     dropped: set[int] = set()
