@@ -43,6 +43,16 @@ class DriverContext:
     loss_fn: Callable | None = None
 
 
+@dataclass(frozen=True)
+class StepContext:
+    """What a feature's `attach` gets once the engine's ZeRO runtime exists: the runtime, the precision policy and
+    initialize's loss function (None: the model's own loss)."""
+
+    runtime: object
+    precision: object
+    loss_fn: Callable | None = None
+
+
 class ScheduleDriver(Protocol):
     """Runs a step's micro-batches through a schedule: engine.train_batch and eval_batch call it."""
 
@@ -116,6 +126,10 @@ class Feature:
     def generators(self) -> list:
         """The random streams (engine.tensor_parallel.rng.RNGStreams) this parallelism draws from."""
         return []
+
+    def attach(self, step: StepContext, before: ForwardHooks) -> None:
+        """Builds what needs the runtime, once it exists (a scheduling driver, over `before`: the features applied
+        before this one)."""
 
     def driver(self) -> ScheduleDriver | None:
         """The driver that runs a step's micro-batches when this feature schedules them (Note [a pipelined step])."""

@@ -18,14 +18,17 @@ import contextlib
 from typing import Callable
 
 import torch
+from torch import nn
 
 from engine import whole_weights
 from engine.comm import CommCounter
-from engine.feature_base import Feature, ScheduleDriver
+from engine.config_sections import PipelineConfig
+from engine.feature_base import DriverContext, Feature, ForwardHooks, ScheduleDriver, StepContext
 from engine.mesh import Mesh
 from engine.moe.plan import ExpertParallel
 from engine.pipeline.driver import PipelineDriver
-from engine.pipeline.layer_major import REFUSED_FORWARD, LayerMajorDriver
+from engine.pipeline.layer_major import LAYER_MAJOR, REFUSED_FORWARD, LayerMajorDriver
+from engine.pipeline.model_split import PipelineModel, plan_block_stages, split_model
 from engine.placement import Placement
 from engine.sequence_parallel.runtime import SequenceSplit
 from engine.tensor_backward import ScheduledBackward, TensorBackward
@@ -126,19 +129,28 @@ class SequenceFeature(Feature):
 
 class PipelineFeature(Feature):
     """Note [a pipelined step]: train_batch runs the schedule in place of the per-micro-batch calls; every stage's
-    parameters join the state dict; the schedule's bubble is logged."""
+    parameters join the state dict; the schedule's bubble is logged. Its driver is built on `attach`."""
 
     name, joins_state_dict = "pipeline", True
 
-    def __init__(self, driver: PipelineDriver, mesh: Mesh, comm: CommCounter):
-        self.parallel, self.mesh, self.comm = driver, mesh, comm
-        self.whole_keys = frozenset(driver.split.keys)  # every stage's
+    def __init__(self, split: PipelineModel, shared_groups: dict, pipeline: PipelineConfig, microbatches: int,
+                 mesh: Mesh, comm: CommCounter):
+        """shared_groups: from shared_parameter_groups, one per set of pipeline ranks sharing parameters."""
+        self.split, self.shared_groups, self.pipeline, self.microbatches = split, shared_groups, pipeline, microbatches
+        self.mesh, self.comm = mesh, comm
+        self.parallel: PipelineDriver | None = None
+        self.whole_keys = frozenset(split.keys)  # every stage's
+
+    def attach(self, step: StepContext, before: ForwardHooks) -> None:
+        self.parallel = PipelineDriver(self.split, self.pipeline, self.microbatches, self.shared_groups,
+                                       DriverContext(self.mesh, step.runtime, step.precision, self.comm, before,
+                                                     step.loss_fn))
 
     def join_state_dict(self, whole: dict, keep: bool) -> dict:
-        return whole_weights.join_stages(whole, self.parallel.split.keys, self.mesh, self.comm, keep)
+        return whole_weights.join_stages(whole, self.split.keys, self.mesh, self.comm, keep)
 
     def metrics(self) -> dict[str, float]:
-        if self.parallel.last_bubble is None:
+        if self.parallel is None or self.parallel.last_bubble is None:
             return {}
         return {"Pipeline/bubble_fraction": self.parallel.last_bubble,
                 "Pipeline/bubble_fraction_formula": self.parallel.formula_bubble}
@@ -150,12 +162,12 @@ class PipelineFeature(Feature):
         return name in self.whole_keys
 
     def model_keys(self, keys: list[str]) -> list[str]:
-        return list(self.parallel.split.keys)
+        return list(self.split.keys)
 
     def stage(self) -> tuple[int, int]:
         return self.mesh.pp.rank, self.mesh.pp.size
 
-    def driver(self) -> PipelineDriver:
+    def driver(self) -> PipelineDriver | None:
         return self.parallel
 
     def check_micro_batch_call(self, call: str) -> None:
@@ -166,14 +178,22 @@ class PipelineFeature(Feature):
 
 class LayerMajorFeature(Feature):
     """Note [layer-major accumulation]: train_batch runs a step's micro-batches block by block in place of the
-    per-micro-batch calls; a forward without gradients still runs as usual."""
+    per-micro-batch calls; a forward without gradients still runs as usual. The blocks are split and the driver
+    built on `attach`."""
 
     name = "layer_major"
 
-    def __init__(self, driver: LayerMajorDriver):
-        self.parallel = driver
+    def __init__(self, model: nn.Module, outside: list | None, mesh: Mesh, comm: CommCounter):
+        """outside: the modules outside the blocks (outside_modules, taken before the features changed the model)."""
+        self.model, self.outside, self.mesh, self.comm = model, outside, mesh, comm
+        self.parallel: LayerMajorDriver | None = None
 
-    def driver(self) -> LayerMajorDriver:
+    def attach(self, step: StepContext, before: ForwardHooks) -> None:
+        split = split_model(self.model, plan_block_stages(self.model, LAYER_MAJOR, self.outside), 0, LAYER_MAJOR)
+        self.parallel = LayerMajorDriver(split, DriverContext(self.mesh, step.runtime, step.precision, self.comm,
+                                                              before, step.loss_fn))
+
+    def driver(self) -> LayerMajorDriver | None:
         return self.parallel
 
     def check_micro_batch_call(self, call: str) -> None:
@@ -182,7 +202,8 @@ class LayerMajorFeature(Feature):
         raise RuntimeError(f"engine.{call}: {REFUSED_FORWARD}")
 
     def close(self) -> None:
-        self.parallel.close()
+        if self.parallel is not None:
+            self.parallel.close()
 
 
 class Features:
@@ -190,6 +211,11 @@ class Features:
 
     def __init__(self, features: list[Feature]):
         self.items = list(features)
+
+    def attach(self, step: StepContext) -> None:
+        """Each feature's `attach`, in order, over the features before it."""
+        for i, f in enumerate(self.items):
+            f.attach(step, Features(self.items[:i]))
 
     def parallel(self, name: str):
         """The object a feature wraps (TensorParallel, ExpertParallel, SequenceSplit, PipelineDriver), or None."""

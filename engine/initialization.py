@@ -18,6 +18,7 @@ import functools
 import inspect
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
@@ -30,7 +31,7 @@ from engine.comm import Collectives, CommCounter, broadcast_from
 from engine.config import Config, load_config
 from engine.config_checks import OFFLOADED, check_client_objects, check_offload, check_packages, check_run
 from engine.engine import Engine, EngineParts
-from engine.feature_base import DriverContext
+from engine.feature_base import StepContext
 from engine.features import (
     ExpertFeature,
     Features,
@@ -46,9 +47,9 @@ from engine.monitor import Monitor
 from engine.optim import build_optimizer, check_compressed_run, chunk_segments, state_blocks, tiled_layout_of
 from engine.optimizers.compressed import DataParallelGroup
 from engine.pipeline.block_timing import measured_costs
-from engine.pipeline.driver import PipelineDriver, shared_parameter_groups, sync_shared_values
-from engine.pipeline.layer_major import LayerMajorDriver
-from engine.pipeline.model_split import PipelineModel, outside_modules, plan_block_stages, plan_stages, split_model
+from engine.pipeline.driver import shared_parameter_groups, sync_shared_values
+from engine.pipeline.layer_major import LAYER_MAJOR
+from engine.pipeline.model_split import PipelineModel, outside_modules, plan_stages, split_model
 from engine.precision import PrecisionPolicy, build_loss_scaler
 from engine.process_exit import close_at_exit
 from engine.progress import TrainingProgress
@@ -98,9 +99,6 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-LAYER_MAJOR = "zero_optimization.offload_param.layer_major"
-
-
 def initialize(
     model: nn.Module,
     config: str | os.PathLike | dict | Config,
@@ -131,6 +129,10 @@ def initialize(
         raise ValueError("initialize(loss_fn=...) is the loss train_batch uses under a pipeline config (or "
                          "offload_param.layer_major), and this config has neither; compute the loss yourself and call "
                          "engine.backward(loss)")
+    if loss_fn is not None and cfg.pipeline.enabled and cfg.sequence_parallel.enabled:
+        raise ValueError("initialize(loss_fn=...) under sequence_parallel would take this rank's part of each "
+                         "sequence's output with the whole sequence's labels; pass the labels in the micro-batch "
+                         "(e.g. {\"input_ids\": x, \"labels\": y}) so that the model's own loss is split with it")
     mesh = start_mesh(tp_size=cfg.tensor_parallel.size, tp_mode=cfg.tensor_parallel.mode,
                       pp_size=cfg.pipeline.stages, sp_size=cfg.sequence_parallel.size,
                       ep_size=cfg.moe.expert_parallel_size, shard_size=max(cfg.zero_optimization.mics_shard_size, 0))
@@ -168,15 +170,9 @@ def initialize(
                                mesh.zero.group if split is None else None, comm, split.names if split else None)
     loss_scaler = build_loss_scaler(cfg)
     runtime = zero_runtime(model, cfg, chunked, optimizer, mesh, loss_scaler, comm)
-    features = feature_objects(cfg, mesh, comm, tensor_parallel, experts, sequence)
-    if split is not None:  # each stage's forward makes the calls of the features applied before the pipeline
-        pipeline = build_pipeline(split, shared_groups, cfg, mesh, runtime, comm, loss_fn, features)
-        features = Features(features.items + [PipelineFeature(pipeline, mesh, comm)])
-    if layer_major:  # Note [layer-major accumulation]
-        split = split_model(model, plan_block_stages(model, LAYER_MAJOR, outside), 0, LAYER_MAJOR)
-        layer_major = LayerMajorDriver(split, DriverContext(mesh, runtime, PrecisionPolicy.from_config(cfg), comm,
-                                                            features, loss_fn))
-        features = Features(features.items + [LayerMajorFeature(layer_major)])
+    features = feature_objects(cfg, mesh, comm, Applied(model, tensor_parallel, experts, sequence, split, shared_groups,
+                                                        outside))
+    features.attach(StepContext(runtime, PrecisionPolicy.from_config(cfg), loss_fn))  # Note [feature objects]
     scheduler = _scheduler(cfg, optimizer, lr_scheduler)
     progress = TrainingProgress(cfg.batch_sizes(mesh.dp.size).gradient_accumulation_steps)
     saver = Saver(TrainingState(  # Note [checkpoint commit]
@@ -190,13 +186,32 @@ def initialize(
     return engine
 
 
-def feature_objects(cfg: Config, mesh: Mesh, comm: CommCounter, tensor_parallel: TensorParallel | None,
-                    experts: ExpertParallel | None, sequence: SequenceSplit | None) -> Features:
-    """Note [feature objects]: what each parallelism applied above adds to the engine's calls, in this order (the
-    pipeline's comes last, after its driver is built over these)."""
-    features = [TensorParallelFeature(tensor_parallel, mesh.device) if tensor_parallel else None,
-                ExpertFeature(experts, mesh, comm, cfg.tensorboard.enabled) if experts else None,
-                SequenceFeature(sequence) if sequence else None]
+@dataclass(frozen=True)
+class Applied:
+    """What initialize applied to the model before chunking it: each parallelism's object (None: off), and the
+    modules outside the blocks (for layer-major accumulation)."""
+
+    model: nn.Module
+    tensor_parallel: TensorParallel | None
+    experts: ExpertParallel | None
+    sequence: SequenceSplit | None
+    split: PipelineModel | None
+    shared_groups: dict
+    outside: list | None
+
+
+def feature_objects(cfg: Config, mesh: Mesh, comm: CommCounter, applied: Applied) -> Features:
+    """Note [feature objects]: what each parallelism applied above adds to the engine's calls, in this order; a
+    scheduling driver (pipeline, layer-major) is built over those before it when the runtime exists (attach)."""
+    a = applied
+    features = [TensorParallelFeature(a.tensor_parallel, mesh.device) if a.tensor_parallel else None,
+                ExpertFeature(a.experts, mesh, comm, cfg.tensorboard.enabled) if a.experts else None,
+                SequenceFeature(a.sequence) if a.sequence else None,
+                PipelineFeature(a.split, a.shared_groups, cfg.pipeline,
+                                cfg.batch_sizes(mesh.dp.size).gradient_accumulation_steps, mesh, comm)
+                if a.split is not None else None,
+                LayerMajorFeature(a.model, a.outside, mesh, comm)  # Note [layer-major accumulation]
+                if cfg.zero_optimization.offload_param.layer_major else None]
     return Features([f for f in features if f is not None])
 
 
@@ -269,19 +284,6 @@ def split_sequences(model: nn.Module, cfg: Config, mesh: Mesh,
         print(f"[tiers] sequence_parallel.mode auto: {mode} over {sp.size} ranks (Ulysses when the model's attention "
               "heads per tensor-parallel rank divide by the size, else ring)", flush=True)
     return SequenceSplit(mesh.sp.group, sp.size, mesh.sp.rank, mode, model, comm)
-
-
-def build_pipeline(split: PipelineModel, shared_groups: dict, cfg: Config, mesh: Mesh, runtime: ZeroRuntime,
-                   comm: CommCounter, loss_fn: Callable | None, features: Features) -> PipelineDriver:
-    """Note [a pipelined step]: the driver of train_batch / eval_batch over this rank's stages, each action in
-    the runtime's phases, each stage's forward inside the calls of `features` (those applied before)."""
-    if loss_fn is not None and features.parallel("sequence") is not None:
-        raise ValueError("initialize(loss_fn=...) under sequence_parallel would take this rank's part of each "
-                         "sequence's output with the whole sequence's labels; pass the labels in the micro-batch "
-                         "(e.g. {\"input_ids\": x, \"labels\": y}) so that the model's own loss is split with it")
-    microbatches = cfg.batch_sizes(mesh.dp.size).gradient_accumulation_steps
-    return PipelineDriver(split, cfg.pipeline, microbatches, shared_groups,
-                          DriverContext(mesh, runtime, PrecisionPolicy.from_config(cfg), comm, features, loss_fn))
 
 
 def chunk_parameters(model: nn.Module, cfg: Config, mesh: Mesh, groups: list[dict],

@@ -50,6 +50,7 @@ from engine.pipeline.driver import loss_of, microbatch_arguments
 from engine.pipeline.model_split import PipelineModel
 from engine.pipeline.stage_modules import run_stage_view
 
+LAYER_MAJOR = "zero_optimization.offload_param.layer_major"  # the setting, named in errors
 CUT_RTOL = 1e-5  # the same operators on the same values: equal but for a kernel's nondeterminism
 REFUSED_FORWARD = ("under zero_optimization.offload_param.layer_major the model trains only inside "
                    "engine.train_batch(data_iter), which runs a step's micro-batches block by block; run other "
