@@ -196,6 +196,9 @@ def test_config_errors_name_the_fix():
                    loss_fn=F.cross_entropy)
     with pytest.raises(ValueError, match="pipeline.stages 2 needs 2 processes"):
         initialize(example_gpt(), pipeline_config(2, "1f1b", 1, M))
+    with pytest.raises(ValueError, match="loss_fn=...\\) under sequence_parallel would take this rank's part"):
+        initialize(example_gpt(), {**pipeline_config(2, "1f1b", 1, M), "sequence_parallel": {"size": 2}},
+                   loss_fn=F.cross_entropy)  # refused before any process group is needed
     engine = initialize(example_gpt(), {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}})
     with pytest.raises(RuntimeError, match="engine.train_batch runs a step.s micro-batches through a schedule"):
         engine.train_batch(iter([]))
