@@ -17,7 +17,7 @@ from typing import Any
 from engine.config_checks import check_config
 from engine.config_deepspeed import from_deepspeed
 from engine.config_schema import ConfigError, closest, parse_section, unknown_key_error
-from engine.config_sections import BatchSizes, Config, OptimizerConfig, SchedulerConfig, _given, resolve_batch_sizes
+from engine.config_sections import BatchSizes, Config, OptimizerConfig, SchedulerConfig, resolve_batch_sizes
 from engine.optimizers import params as optimizer_params
 
 _OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
@@ -143,17 +143,11 @@ def load_config(source: str | os.PathLike | dict | Config) -> Config:
                           "(DeepSpeed renamed it); give one.")
     raw = _with_autotp_size(_with_sequence_parallel_size(raw))
     cfg = parse_section(Config, from_deepspeed(raw, {f.name for f in dataclasses.fields(Config)}))
-    if cfg.fp16.enabled and cfg.bf16.enabled:
-        raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one.")
     if cfg.optimizer is not None:
         cfg = _replace(cfg, optimizer=_validate_optimizer(cfg.optimizer))
     if cfg.scheduler is not None:
         cfg = _replace(cfg, scheduler=_validate_scheduler(cfg.scheduler))
-    check_config(cfg)
-    if (_given(cfg.gradient_accumulation_steps) is not None and _given(cfg.train_batch_size) is None
-            and _given(cfg.train_micro_batch_size_per_gpu) is None):
-        raise ConfigError("batch size: gradient_accumulation_steps alone is not enough; "
-                          "also set train_batch_size or train_micro_batch_size_per_gpu.")
+    check_config(cfg)  # every combination (engine/config_checks.py)
     return cfg
 
 

@@ -24,6 +24,13 @@ OFFLOADED = ("cpu", "nvme")  # offload devices that offload ("none" and null are
 def check_config(cfg: Config) -> None:
     """Combinations a config alone rules out, and features of later releases: their keys parse, but only their
     off values are accepted."""
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one.")
+    given = [value not in (None, "auto") for value in (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                                                          cfg.gradient_accumulation_steps)]
+    if given == [False, False, True]:
+        raise ConfigError("batch size: gradient_accumulation_steps alone is not enough; "
+                          "also set train_batch_size or train_micro_batch_size_per_gpu.")
     zero = cfg.zero_optimization
     checks = [
         (cfg.fp16.auto_cast and not cfg.fp16.enabled, "fp16.auto_cast", True, "casts the forward's inputs to fp16, "
