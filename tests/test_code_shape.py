@@ -100,13 +100,17 @@ def test_every_process_group_comes_from_the_mesh():
 MAX_PARAMETERS, MAX_FUNCTION_STATEMENTS = 8, 60
 # signatures that mirror another framework's public API keep its parameters
 MIRRORED_APIS = ("engine/compat/", "engine/optimizers/", "engine/lr_schedules.py", "engine/moe/layer.py")
+MIRRORED_FUNCTIONS = {
+    "engine/activation_checkpointing/checkpointer.py:checkpoint",  # torch.utils.checkpoint.checkpoint's
+    "engine/sequence_parallel/hf_attention.py:__call__",  # transformers' attention functions'
+}
 # functions still over the limits, each to be given a settings object (issue 53); none may join them
 OVER_THE_LIMITS = {
-    "engine/activation_checkpointing/checkpointer.py:checkpoint", "engine/estimate/estimator.py:estimate",
+    "engine/estimate/estimator.py:estimate",
     "engine/estimate/estimator.py:_pipelined", "engine/estimate/model_states.py:_placement",
     "engine/estimate/trials.py:_rank_main", "engine/estimate/tune.py:tune",
     "engine/pipeline/executor.py:__init__",
-    "engine/sequence_parallel/hf_attention.py:__call__", "engine/sequence_parallel/ring_attention.py:_meet",
+    "engine/sequence_parallel/ring_attention.py:_meet",
     "engine/sequence_parallel/ring_attention.py:block_gradients", "engine/sequence_parallel/ring_attention.py:forward",
     "engine/sequence_parallel/ulysses.py:ulysses_attention", "engine/tensor_parallel/derive/__init__.py:adjustments",
     "engine/zero/fused_tiles.py:step",
@@ -130,5 +134,6 @@ def test_no_function_takes_more_than_8_parameters_or_runs_more_than_60_statement
                 if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
                         _parameters(fn) > MAX_PARAMETERS or _statements(fn) > MAX_FUNCTION_STATEMENTS):
                     over.add(f"{name}:{fn.name}")
+    over -= MIRRORED_FUNCTIONS
     assert over <= OVER_THE_LIMITS, f"group settings into an object, or split the function: {over - OVER_THE_LIMITS}"
     assert not OVER_THE_LIMITS - over, f"back within the limits: drop from OVER_THE_LIMITS {OVER_THE_LIMITS - over}"
