@@ -25,6 +25,8 @@ on vector boundaries, so the tiles give the values one call over the whole tenso
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from engine.optimizers.tiled_adam import TILE
@@ -38,6 +40,14 @@ def steps_in_tiles(opt: torch.optim.Optimizer, values_dtype: torch.dtype, state_
     """Whether `opt` (over one tensor) is what the tiles compute: torch's fused Adam / AdamW, plain options, fp32
     values and moments."""
     return plain_fused_adam(opt) and values_dtype == torch.float32 and state_dtypes == [torch.float32] * 2
+
+
+class AdamMoments(NamedTuple):
+    """A stepped tensor's Adam state on the host: the step count and the two moments."""
+
+    step: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
 
 
 class TileStepper:
@@ -57,13 +67,14 @@ class TileStepper:
         return self._wide[:numel]
 
     @torch.no_grad()
-    def step(self, group: dict, step: torch.Tensor, values: torch.Tensor, values_tier: Location, grad: torch.Tensor,
-             factors: tuple[float, ...] | list[float], exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+    def step(self, group: dict, moments: AdamMoments, values: torch.Tensor, values_tier: Location,
+             grad: torch.Tensor, factors: tuple[float, ...] | list[float],
              rounded: tuple[torch.Tensor, Location] | None) -> None:
         """One update on the host of `values` (fp32, on `values_tier`: the host, or the device, whose tiles go down
         and back up) from `grad` (on the host, any float dtype) times `factors` (an fp32 `grad` is left holding
-        that product, as a multiplication in place leaves it), with the host moments; `rounded`: the 16-bit tensor
-        the model uses and its tier, which takes the new values."""
+        that product, as a multiplication in place leaves it), with the host `moments`; `rounded`: the 16-bit
+        tensor the model uses and its tier, which takes the new values."""
+        step, exp_avg, exp_avg_sq = moments
         grad_scale = kernel_grad_scale(factors)
         kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
         beta1, beta2 = group["betas"]
@@ -129,8 +140,8 @@ class MastersFromSources(torch.optim.Adam):
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                self._tiles.step(group, state["step"], p, Location.CPU, source, factors, state["exp_avg"],
-                                 state["exp_avg_sq"], (target, Location.CPU))
+                moments = AdamMoments(state["step"], state["exp_avg"], state["exp_avg_sq"])
+                self._tiles.step(group, moments, p, Location.CPU, source, factors, (target, Location.CPU))
         return None
 
 

@@ -42,7 +42,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from engine.zero.fused_tiles import TileStepper, steps_in_tiles
+from engine.zero.fused_tiles import AdamMoments, TileStepper, steps_in_tiles
 from engine.zero.gradient_factor import folds_factors, scaled_by
 from offload.chunk import Location
 from offload.manager import ChunkManager
@@ -228,8 +228,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 target, tier = p.detach(), Location.DEVICE
             rounding = self._round_into(index) if self._round_into is not None else contextlib.nullcontext()
             with rounding as rounded:
-                self._tiles.step(group, state["step"], target, tier, grad, _factors(grad_scale), exp_avg, exp_avg_sq,
-                                 rounded)
+                self._tiles.step(group, AdamMoments(state["step"], exp_avg, exp_avg_sq), target, tier, grad,
+                                 _factors(grad_scale), rounded)
         finally:
             for c in accessed:
                 self.manager.release(c, TensorState.FREE if c == grad_chunk else TensorState.HOLD)
