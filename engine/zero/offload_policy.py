@@ -114,9 +114,9 @@ def build_offloaded_optimizer(cfg: Config, chunked: ChunkedParams, device: torch
     capacity = memory.capacity() if auto else None
     margin = cfg.memory.budget_bytes("device_margin")
     keys = {Location.DEVICE: "memory.device_budget", Location.CPU: "memory.cpu_budget"}
-    nvme = NvmeSettings(offload.nvme_path if offload.device == "nvme" else offload_param.nvme_path,
-                        threads=aio.intra_op_parallelism or aio.thread_count or 2, queue_depth=aio.queue_depth,
-                        block_size=aio.block_size) if on_nvme else None
+    nvme_path = (offload.nvme_path if offload.device == "nvme" else offload_param.nvme_path) if on_nvme else None
+    nvme = NvmeSettings(nvme_path, threads=aio.intra_op_parallelism or aio.thread_count or 2,
+                        queue_depth=aio.queue_depth, block_size=aio.block_size) if nvme_path else None
     measured = MeasuredPlacement(capacity, capacity // 20 if margin is None else margin) if auto else None
     manager = ChunkManager(device, Budgets(device=device_budget, cpu=budget, keys=keys), nvme=nvme, pin_memory=pinned,
                            prefetch_depth=prefetch_depth(cfg, policy), measured=measured, memory=memory)
