@@ -36,7 +36,8 @@ from engine.moe.plan import ExpertParallel
 from engine.monitor import Monitor
 from engine.outputs import find_loss
 from engine.pipeline.driver import PipelineDriver, pull_microbatches
-from engine.precision import LossScaler, PrecisionPolicy
+from engine.plan import RunPlan
+from engine.precision import LossScaler
 from engine.progress import TrainingProgress
 from engine.sequence_parallel.runtime import SequenceSplit
 from engine.step_metrics import UpdateSummary
@@ -58,6 +59,7 @@ class EngineParts:
     features: Features  # Note [feature objects]: each parallelism's part in the calls below
     progress: TrainingProgress
     saver: Saver  # Note [checkpoint commit]
+    plan: RunPlan  # the batch sizes and the precision, resolved once
 
 
 class Engine(ParallelCoordinates, DeepSpeedNames):
@@ -68,10 +70,10 @@ class Engine(ParallelCoordinates, DeepSpeedNames):
 
     def __init__(self, module: nn.Module, config: Config, runtime: ZeroRuntime, parts: EngineParts):
         self.module, self.config, self.mesh = module, config, parts.mesh
-        self.batch: BatchSizes = config.batch_sizes(parts.mesh.dp.size)
+        self.batch: BatchSizes = parts.plan.batch
         self.runtime, self.optimizer, self.lr_scheduler = runtime, runtime.optimizer, parts.lr_scheduler
         self.loss_scaler, self.monitor, self.features = parts.loss_scaler, parts.monitor, parts.features
-        self.precision = PrecisionPolicy.from_config(config)
+        self.precision = parts.plan.precision
         # Note [activation checkpointing]: the config's options, for the wrapped modules and activation_checkpoint
         self.activation_checkpointing = parts.checkpointing
         self.progress, self._saver = parts.progress, parts.saver

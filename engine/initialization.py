@@ -50,6 +50,7 @@ from engine.pipeline.block_timing import measured_costs
 from engine.pipeline.driver import shared_parameter_groups, sync_shared_values
 from engine.pipeline.layer_major import LAYER_MAJOR
 from engine.pipeline.model_split import PipelineModel, outside_modules, plan_stages, split_model
+from engine.plan import RunPlan
 from engine.precision import PrecisionPolicy, build_loss_scaler
 from engine.process_exit import close_at_exit
 from engine.progress import TrainingProgress
@@ -139,6 +140,7 @@ def initialize(
     check_run(cfg, mesh, optimizer=optimizer, lr_scheduler=lr_scheduler, model_parameters=model_parameters,
               built_under_zero_init=zero_init_recording(model) is not None)
     check_compressed_run(cfg, mesh)
+    plan = RunPlan.of(cfg, mesh)  # after check_run: the batch sizes add up over these ranks
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     if weights is not None:
@@ -170,18 +172,18 @@ def initialize(
                                mesh.zero.group if split is None else None, comm, split.names if split else None)
     loss_scaler = build_loss_scaler(cfg)
     runtime = zero_runtime(model, cfg, chunked, optimizer, mesh, loss_scaler, comm)
-    features = feature_objects(cfg, mesh, comm, Applied(model, tensor_parallel, experts, sequence, split, shared_groups,
-                                                        outside))
-    features.attach(StepContext(runtime, PrecisionPolicy.from_config(cfg), loss_fn))  # Note [feature objects]
+    features = feature_objects(cfg, plan, mesh, comm, Applied(model, tensor_parallel, experts, sequence, split,
+                                                              shared_groups, outside))
+    features.attach(StepContext(runtime, plan.precision, loss_fn))  # Note [feature objects]
     scheduler = _scheduler(cfg, optimizer, lr_scheduler)
-    progress = TrainingProgress(cfg.batch_sizes(mesh.dp.size).gradient_accumulation_steps)
+    progress = TrainingProgress(plan.batch.gradient_accumulation_steps)
     saver = Saver(TrainingState(  # Note [checkpoint commit]
         model, chunked, optimizer, scheduler, loss_scaler, progress, mesh, features, cfg.zero_optimization.stage,
-        PrecisionPolicy.from_config(cfg).compute_dtype, runtime.gather_updated_params, runtime.gatherer.gathered),
+        plan.precision.compute_dtype, runtime.gather_updated_params, runtime.gatherer.gathered),
         cfg.checkpoint)
     engine = Engine(model, cfg, runtime, EngineParts(mesh, scheduler, loss_scaler,
                                                      build_monitor(cfg, mesh, runtime, checkpointing),
-                                                     checkpointing, features, progress, saver))
+                                                     checkpointing, features, progress, saver, plan))
     close_at_exit(engine.close)  # Note [shutting down at exit]
     return engine
 
@@ -200,7 +202,7 @@ class Applied:
     outside: list | None
 
 
-def feature_objects(cfg: Config, mesh: Mesh, comm: CommCounter, applied: Applied) -> Features:
+def feature_objects(cfg: Config, plan: RunPlan, mesh: Mesh, comm: CommCounter, applied: Applied) -> Features:
     """Note [feature objects]: what each parallelism applied above adds to the engine's calls, in this order; a
     scheduling driver (pipeline, layer-major) is built over those before it when the runtime exists (attach)."""
     a = applied
@@ -208,7 +210,7 @@ def feature_objects(cfg: Config, mesh: Mesh, comm: CommCounter, applied: Applied
                 ExpertFeature(a.experts, mesh, comm, cfg.tensorboard.enabled) if a.experts else None,
                 SequenceFeature(a.sequence) if a.sequence else None,
                 PipelineFeature(a.split, a.shared_groups, cfg.pipeline,
-                                cfg.batch_sizes(mesh.dp.size).gradient_accumulation_steps, mesh, comm)
+                                plan.batch.gradient_accumulation_steps, mesh, comm)
                 if a.split is not None else None,
                 LayerMajorFeature(a.model, a.outside, mesh, comm)  # Note [layer-major accumulation]
                 if cfg.zero_optimization.offload_param.layer_major else None]
