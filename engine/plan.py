@@ -1,5 +1,5 @@
 """What initialize resolves once from the config over the mesh, for the engine and its parts to read instead of
-deriving it again from the config (issue: a config read many times)."""
+deriving it again from the config."""
 
 from __future__ import annotations
 
