@@ -104,7 +104,7 @@ MIRRORED_FUNCTIONS = {
     "engine/activation_checkpointing/checkpointer.py:checkpoint",  # torch.utils.checkpoint.checkpoint's
     "engine/sequence_parallel/hf_attention.py:__call__",  # transformers' attention functions'
 }
-# functions still over the limits, each to be given a settings object (issue 53); none may join them
+# functions still over the limits, each to get a settings object or be split; none may join them
 OVER_THE_LIMITS = {
     "engine/estimate/estimator.py:estimate",
     "engine/estimate/estimator.py:_pipelined", "engine/estimate/model_states.py:_placement",
