@@ -24,7 +24,7 @@ states, and the replicate group joins the ranks holding the same shard in the ot
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -172,7 +172,6 @@ class Mesh:
     tp_col: Axis  # and its column
     device_mesh: DeviceMesh | None = None
     control_group: dist.ProcessGroup | None = None  # every rank, gloo, checkpoint control (Note [checkpoint commit])
-    views: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     AXES = ("world", "zero", "dp", "shard", "replicate", "edp", "pp", "tp", "sp", "ep", "tp_row", "tp_col")
 
@@ -188,7 +187,7 @@ class Mesh:
             views[name] = device_mesh[span[0]] if len(span) == 1 else device_mesh[span]._flatten(f"{name}_view")
         control_group = dist.new_group(list(range(dims.world)), backend="gloo") if control else None
         return cls(dims, device, **_axes_of(dims, views, device_mesh), device_mesh=device_mesh,
-                   control_group=control_group, views=views)
+                   control_group=control_group)
 
     @classmethod
     def single(cls, device: torch.device | str) -> "Mesh":
@@ -210,22 +209,6 @@ class Mesh:
         """This rank's ZeRO shards are the first copy's (every rank's, without hybrid sharding): the copy a
         checkpoint records (Note [hybrid sharding])."""
         return self.replicate.rank == 0
-
-    def group(self, name: str) -> dist.ProcessGroup:
-        """This rank's group along view `name` (pp, dp, sp, tp, zero, ep, edp; shard, replicate under hybrid
-        sharding) or atom of the DeviceMesh (Note [one mesh])."""
-        return self._device_mesh_of(name).get_group()
-
-    def rank(self, name: str) -> int:
-        return self._device_mesh_of(name).get_local_rank()
-
-    def size(self, name: str) -> int:
-        return self._device_mesh_of(name).size()
-
-    def _device_mesh_of(self, name: str) -> DeviceMesh:
-        if self.device_mesh is None:
-            raise ValueError("this mesh has no process groups (one process, or sizes only): read its axes")
-        return self.views[name] if name in self.views else self.device_mesh[name]
 
     def subgroup(self, name: str, members: tuple[int, ...]) -> dist.ProcessGroup:
         """The group of positions `members` along atomic dimension `name` at this rank's place in the others (e.g.
