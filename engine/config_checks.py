@@ -334,6 +334,18 @@ def check_client_objects(cfg: Config, optimizer=None, lr_scheduler=None, model_p
                          "a passed optimizer already names its parameters")
 
 
+def check_loss_fn(cfg: Config, loss_fn) -> None:
+    """initialize(loss_fn=...): the loss train_batch takes where a schedule runs the micro-batches."""
+    if loss_fn is not None and not (cfg.pipeline.enabled or cfg.zero_optimization.offload_param.layer_major):
+        raise ValueError("initialize(loss_fn=...) is the loss train_batch uses under a pipeline config (or "
+                         "offload_param.layer_major), and this config has neither; compute the loss yourself and call "
+                         "engine.backward(loss)")
+    if loss_fn is not None and cfg.pipeline.enabled and cfg.sequence_parallel.enabled:
+        raise ValueError("initialize(loss_fn=...) under sequence_parallel would take this rank's part of each "
+                         "sequence's output with the whole sequence's labels; pass the labels in the micro-batch "
+                         "(e.g. {\"input_ids\": x, \"labels\": y}) so that the model's own loss is split with it")
+
+
 def _check_client_optimizer_rebuild(client: torch.optim.Optimizer, lr_scheduler, pipelined: bool) -> None:
     """ZeRO stage >= 1, bf16/fp16 and zero_init point a client optimizer at the shards or masters (a scheduler
     built on it still drives it); pipeline stages rebuild it over the stage's parameters."""

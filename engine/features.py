@@ -1,209 +1,238 @@
-"""What each parallelism adds to the engine's calls, as feature objects the engine iterates over.
+"""A parallelism's part in building the engine and in its calls, as feature objects (Note [feature objects]).
 
 Note [feature objects]
-initialize() applies each parallelism to the model in one order (engine/initialization.py) and wraps what it returns
-in a Feature: what it does to a forward's inputs, around the forward and to its output; how it weights the loss and
+Each parallelism, and activation checkpointing, is a Feature registered by one line in engine/feature_registry.py,
+in the order initialize() applies them (tensor, expert, sequence parallelism, activation checkpointing, pipeline,
+layer-major accumulation). The build hooks: `configured` (the feature when the config turns it on), `survey` (what
+it needs of the model as the user built it), `build` (it changes the model, after the features before it, whose
+`cut_names` and `recompute` it reads), and the hooks chunking reads (`other_ranks_params`, `holds`,
+`whole_names`: which parameters are this rank's and their names in the whole model; `separate_chunks`: parameters
+reduced and sharded over another group; `norm_weights`: each parameter's share in the global gradient norm). The
+step hooks: what it does to a forward's inputs, around the forward and to its output; how it weights the loss and
 what it adds to it; how it joins a state dict gathered on this rank into the whole model's; what it logs; where it
 places each tensor a rank holds and what else a checkpoint keeps of it (Note [placements]); whether it replaces the
-per-micro-batch calls with a schedule (its `driver()`, whose stages then make the calls of the features applied
-before it, the loss weight inside the last stage's loss: Note [a pipelined step]). The hooks and the drivers'
-protocols live in engine/feature_base.py. Engine calls the `Features` collection, which folds each call over the
-features in order (tensor, expert, sequence, pipeline parallelism), so Engine never asks which parallelism is on,
-and a new one adds a Feature rather than branches.
+per-micro-batch calls with a schedule (its `driver()`, built on `attach` once the runtime exists, whose stages make
+the calls of the features applied before it, the loss weight inside the last stage's loss: Note [a pipelined
+step]). `Features` folds each hook over the features in order, so neither initialize() nor Engine asks which
+parallelism is on, and a new one adds its package's Feature and a registry line rather than branches.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
 
-from engine import whole_weights
 from engine.comm import CommCounter
-from engine.config_sections import PipelineConfig
-from engine.feature_base import DriverContext, Feature, ForwardHooks, ScheduleDriver, StepContext
+from engine.config_sections import Config
 from engine.mesh import Mesh
-from engine.moe.plan import ExpertParallel
-from engine.pipeline.driver import PipelineDriver
-from engine.pipeline.layer_major import LAYER_MAJOR, REFUSED_FORWARD, LayerMajorDriver
-from engine.pipeline.model_split import PipelineModel, plan_block_stages, split_model
 from engine.placement import Placement
-from engine.sequence_parallel.runtime import SequenceSplit
+from engine.plan import RunPlan
 from engine.tensor_backward import ScheduledBackward, TensorBackward
-from engine.tensor_parallel import TensorParallel
+from engine.zero.chunk_packing import ExpertChunks
 
 
-class TensorParallelFeature(Feature):
-    """Note [tensor-parallel plans]: every tp rank's shards join into whole weights."""
+@dataclass(frozen=True)
+class BuildContext:
+    """What every feature is configured and built with: the checked config, the run's plan, the mesh, the
+    collectives' counter (zero_init's so far; its collectives are initialize's), and the ids of the parameters
+    whose values zero_init brings later (the same on every rank: Note [zero_init])."""
 
-    name, joins_state_dict = "tensor_parallel", True
-
-    def __init__(self, tensor_parallel: TensorParallel, device: torch.device):
-        self.parallel, self.device = tensor_parallel, device
-
-    def join_state_dict(self, whole: dict, keep: bool) -> dict:
-        return self.parallel.join_state_dict(whole, self.device)
-
-    def place(self, placed, tensors):
-        tp, specs = self.parallel.tp, self.parallel.specs
-        return {name: p.with_cut(specs.get(name), tp.rank, tp.size) for name, p in placed.items()}
-
-    def layout(self) -> dict:
-        return {"tp_mode": "2d" if self.parallel.mesh is not None else "1d"}
-
-    def generators(self) -> list:
-        return [self.parallel.streams] if self.parallel.streams is not None else []
+    cfg: Config
+    plan: RunPlan
+    mesh: Mesh
+    comm: CommCounter
+    pending: frozenset[int] = frozenset()
 
 
-class ExpertFeature(Feature):
-    """Note [expert parallelism]: router losses join the loss, every ep rank's experts the state dict, and the
-    experts' token counts the metrics."""
+@dataclass(frozen=True)
+class RecomputeParts:
+    """What a checkpointed block's recompute takes from the features applied before activation checkpointing: the
+    random streams it replays (engine.tensor_parallel.rng.RNGStreams), the group partition_activations splits saved
+    inputs over (a TPGroup), and a context every recompute runs in besides the user's (sequence parallelism's split
+    attention)."""
 
-    name = "experts"
+    streams: object = None
+    partition_group: object = None
+    context: Callable | None = None
 
-    def __init__(self, experts: ExpertParallel, mesh: Mesh, comm: CommCounter, logged: bool):
-        self.parallel, self.mesh, self.comm, self.logged = experts, mesh, comm, logged
-        self.joins_state_dict = experts.ep_size > 1
-
-    def around_forward(self):
-        return self.parallel.collecting()
-
-    def take_aux_loss(self):
-        return self.parallel.take_aux_loss()
-
-    def join_state_dict(self, whole: dict, keep: bool) -> dict:
-        if self.parallel.ep_size == 1:
-            return whole
-        return self.parallel.join_state_dict(whole, self.mesh.ep.group, self.comm, self.mesh.device)
-
-    def chunked_keys(self, state: dict) -> set[str]:
-        return {k for k in state if self.parallel.names_an_expert(k)}
-
-    def place(self, placed, tensors):
-        extents = self.parallel.extents()  # fused expert tensors: this rank's experts' range of the whole
-        return {name: p.with_extent(*extents[id(tensors[name])]) if id(tensors[name]) in extents else p
-                for name, p in placed.items()}
-
-    def held_elsewhere(self, name: str) -> bool:
-        return self.parallel.names_an_expert(name)
-
-    def metrics(self) -> dict[str, float]:  # (a collective: every rank's counts; not a step's traffic)
-        """Every layer's counts over the whole batch, as one process counts them: summed over the ranks routing
-        other tokens (the dp group, which holds the sp ranks; tp ranks route the same ones), then over the
-        pipeline stages (each counted only its own layers' tokens)."""
-        if not self.logged:
-            return {}
-        groups = [self.mesh.zero.group] + ([self.mesh.pp.group] if self.mesh.pp.size > 1 else [])
-        return self.parallel.metrics(groups, CommCounter(), self.mesh.device)
+    def replace(self, **changes) -> RecomputeParts:
+        return dataclasses.replace(self, **changes)
 
 
-class SequenceFeature(Feature):
-    """Note [sequence parallelism]: the forward takes this rank's part of each sequence, runs its attention over
-    the whole one, and returns the whole sequence's loss; the rank's gradient is weighted by its share of tokens."""
+class ForwardHooks(Protocol):
+    """The calls a scheduling driver makes around each micro-batch's forward, in the features' order."""
 
-    name = "sequence"
+    def split_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]: ...
 
-    def __init__(self, split: SequenceSplit):
-        self.parallel = split
+    def around_forward(self) -> contextlib.AbstractContextManager: ...
 
-    def split_inputs(self, args, kwargs):
-        return self.parallel.split(args, kwargs)
+    def loss_weight(self) -> float: ...
 
-    def around_forward(self):
-        return self.parallel.forward_context()
+    def scheduled_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def take_aux_loss(self) -> torch.Tensor | None: ...
+
+
+@dataclass(frozen=True)
+class DriverContext:
+    """What a scheduling driver runs each micro-batch with: the mesh, the engine's ZeRO runtime (whose phases every
+    action runs in), the precision policy, the collectives' counter, the features applied before the driver (whose
+    calls every forward makes: Note [a pipelined step]) and the loss function (None: the model's own loss)."""
+
+    mesh: Mesh
+    runtime: object
+    precision: object
+    comm: object
+    features: ForwardHooks
+    loss_fn: Callable | None = None
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a feature's `attach` gets once the engine's ZeRO runtime exists: the runtime, the precision policy and
+    initialize's loss function (None: the model's own loss)."""
+
+    runtime: object
+    precision: object
+    loss_fn: Callable | None = None
+
+
+class ScheduleDriver(Protocol):
+    """Runs a step's micro-batches through a schedule: engine.train_batch and eval_batch call it."""
+
+    def train(self, microbatches: list, loss_scale: float) -> float: ...
+
+    def evaluate(self, microbatches: list) -> float: ...
+
+
+class Feature:
+    """One parallelism's part in the engine's calls; every default leaves the call as it is."""
+
+    name = ""
+    joins_state_dict = False  # whether a gathered state dict is only this rank's part of the whole model's
+
+    # ---- building (initialize, in the registry's order) -----------------------------------------------------
+
+    @classmethod
+    def configured(cls, ctx: BuildContext) -> Feature | None:
+        """This feature when the config turns it on; None: off."""
+        return None
+
+    rebuilds_parameters = False  # whether build() replaces the model's parameters (Note [a bounded start])
+
+    def survey(self, model: nn.Module) -> None:
+        """Takes what the build needs of the model as the user built it, before any feature changes it."""
+
+    def build(self, model: nn.Module, before: Features) -> bool:
+        """Applies this feature to the model, after the features `before` it; False: the model has nothing for it,
+        and the feature drops out."""
+        return True
+
+    def cut_names(self) -> frozenset[str]:
+        """Names of the parameters this feature split across ranks (which expert parallelism keeps whole)."""
+        return frozenset()
+
+    def recompute(self, parts: RecomputeParts) -> RecomputeParts:
+        """What a checkpointed block's recompute needs from this feature, added to `parts`."""
+        return parts
+
+    def other_ranks_params(self) -> frozenset[int]:
+        """Ids of the model's parameters this feature took out of it because other ranks hold them (a client's
+        param groups may name them)."""
+        return frozenset()
+
+    def holds(self, param: nn.Parameter) -> bool:
+        """Whether this rank's part of the model holds `param`."""
+        return True
+
+    def whole_names(self) -> dict[int, str] | None:
+        """id(parameter) -> its name in the whole model, for every parameter of it, when this rank's model holds
+        only a part of it (None: the model is whole, its own names are the whole model's)."""
+        return None
+
+    def separate_chunks(self, sharded: bool) -> ExpertChunks | None:
+        """Parameters whose chunks are reduced (and, when `sharded`, sharded) over a group of their own."""
+        return None
+
+    def norm_weights(self, weights: dict[int, float], model: nn.Module, chunked) -> dict[int, float]:
+        """Each parameter's weight in the global gradient norm (default 1), with this feature's share: a
+        parameter other ranks also hold counts once. chunked: the ChunkedParams the weights are for."""
+        return weights
+
+    # ---- the engine's calls ---------------------------------------------------------------------------------
+
+    def split_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, kwargs
+
+    def around_forward(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def output(self, output):
-        return self.parallel.whole_loss(output)
-
-    def close(self) -> None:
-        self.parallel.close()
+        return output
 
     def loss_weight(self) -> float:
-        return self.parallel.token_weight
+        return 1.0
 
-    def scheduled_loss(self, loss):
-        return self.parallel.scheduled_loss(loss)
+    def scheduled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss as a pipeline's last stage backpropagates it (Note [a pipelined step]): valued as
+        output() values it, with the gradient loss_weight() gives engine.backward's."""
+        return loss
 
-
-class PipelineFeature(Feature):
-    """Note [a pipelined step]: train_batch runs the schedule in place of the per-micro-batch calls; every stage's
-    parameters join the state dict; the schedule's bubble is logged. Its driver is built on `attach`."""
-
-    name, joins_state_dict = "pipeline", True
-
-    def __init__(self, split: PipelineModel, shared_groups: dict, pipeline: PipelineConfig, microbatches: int,
-                 mesh: Mesh, comm: CommCounter):
-        """shared_groups: from shared_parameter_groups, one per set of pipeline ranks sharing parameters."""
-        self.split, self.shared_groups, self.pipeline, self.microbatches = split, shared_groups, pipeline, microbatches
-        self.mesh, self.comm = mesh, comm
-        self.parallel: PipelineDriver | None = None
-        self.whole_keys = frozenset(split.keys)  # every stage's
-
-    def attach(self, step: StepContext, before: ForwardHooks) -> None:
-        self.parallel = PipelineDriver(self.split, self.pipeline, self.microbatches, self.shared_groups,
-                                       DriverContext(self.mesh, step.runtime, step.precision, self.comm, before,
-                                                     step.loss_fn))
+    def take_aux_loss(self) -> torch.Tensor | None:
+        return None
 
     def join_state_dict(self, whole: dict, keep: bool) -> dict:
-        return whole_weights.join_stages(whole, self.split.keys, self.mesh, self.comm, keep)
-
-    def metrics(self) -> dict[str, float]:
-        if self.parallel is None or self.parallel.last_bubble is None:
-            return {}
-        return {"Pipeline/bubble_fraction": self.parallel.last_bubble,
-                "Pipeline/bubble_fraction_formula": self.parallel.formula_bubble}
-
-    def place(self, placed, tensors):
-        return {name: p.on_stage(self.mesh.pp.rank) for name, p in placed.items()}
-
-    def held_elsewhere(self, name: str) -> bool:
-        return name in self.whole_keys
-
-    def model_keys(self, keys: list[str]) -> list[str]:
-        return list(self.split.keys)
-
-    def stage(self) -> tuple[int, int]:
-        return self.mesh.pp.rank, self.mesh.pp.size
-
-    def driver(self) -> PipelineDriver | None:
-        return self.parallel
-
-    def check_micro_batch_call(self, call: str) -> None:
-        raise RuntimeError(f"engine.{call} runs one micro-batch, and under a pipeline config a micro-batch runs "
-                           "across every stage of the schedule; call engine.train_batch(data_iter) (or eval_batch) "
-                           "once per step instead of forward, backward and step")
-
-
-class LayerMajorFeature(Feature):
-    """Note [layer-major accumulation]: train_batch runs a step's micro-batches block by block in place of the
-    per-micro-batch calls; a forward without gradients still runs as usual. The blocks are split and the driver
-    built on `attach`."""
-
-    name = "layer_major"
-
-    def __init__(self, model: nn.Module, outside: list | None, mesh: Mesh, comm: CommCounter):
-        """outside: the modules outside the blocks (outside_modules, taken before the features changed the model)."""
-        self.model, self.outside, self.mesh, self.comm = model, outside, mesh, comm
-        self.parallel: LayerMajorDriver | None = None
-
-    def attach(self, step: StepContext, before: ForwardHooks) -> None:
-        split = split_model(self.model, plan_block_stages(self.model, LAYER_MAJOR, self.outside), 0, LAYER_MAJOR)
-        self.parallel = LayerMajorDriver(split, DriverContext(self.mesh, step.runtime, step.precision, self.comm,
-                                                              before, step.loss_fn))
-
-    def driver(self) -> LayerMajorDriver | None:
-        return self.parallel
-
-    def check_micro_batch_call(self, call: str) -> None:
-        if call == "forward" and not torch.is_grad_enabled():
-            return
-        raise RuntimeError(f"engine.{call}: {REFUSED_FORWARD}")
+        return whole
 
     def close(self) -> None:
-        if self.parallel is not None:
-            self.parallel.close()
+        """Removes what the feature installed on the model (Engine.close)."""
+
+    def chunked_keys(self, state: dict) -> set[str]:
+        """Keys of `state` that other ranks' chunks hold (saved in the compute dtype like this rank's)."""
+        return set()
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def check_micro_batch_call(self, call: str) -> None:
+        """Raises when engine.`call` (forward, backward, step, scale) cannot run one micro-batch alone."""
+
+    def place(self, placed: dict[str, Placement], tensors: dict[str, torch.Tensor]) -> dict[str, Placement]:
+        """Each tensor's placement (Note [placements]) with this parallelism's part added."""
+        return placed
+
+    def held_elsewhere(self, name: str) -> bool:
+        """Whether `name`, a tensor of the whole model that this rank lacks, is one another rank holds."""
+        return False
+
+    def model_keys(self, keys: list[str]) -> list[str]:
+        """The whole model's state-dict keys, given this rank's model's."""
+        return keys
+
+    def stage(self) -> tuple[int, int]:
+        """(this rank's part, the parts) of a model whose parts keep optimizer options and schedules apart."""
+        return 0, 1
+
+    def layout(self) -> dict:
+        """What a checkpoint's manifest records of this parallelism's layout, besides the placements."""
+        return {}
+
+    def generators(self) -> list:
+        """The random streams (engine.tensor_parallel.rng.RNGStreams) this parallelism draws from."""
+        return []
+
+    def attach(self, step: StepContext, before: ForwardHooks) -> None:
+        """Builds what needs the runtime, once it exists (a scheduling driver, over `before`: the features applied
+        before this one)."""
+
+    def driver(self) -> ScheduleDriver | None:
+        """The driver that runs a step's micro-batches when this feature schedules them (Note [a pipelined step])."""
+        return None
 
 
 class Features:
@@ -216,6 +245,37 @@ class Features:
         """Each feature's `attach`, in order, over the features before it."""
         for i, f in enumerate(self.items):
             f.attach(step, Features(self.items[:i]))
+
+    # ---- building -------------------------------------------------------------------------------------------
+
+    def cut_names(self) -> frozenset[str]:
+        return frozenset().union(*(f.cut_names() for f in self.items))
+
+    def recompute(self) -> RecomputeParts:
+        parts = RecomputeParts()
+        for f in self.items:
+            parts = f.recompute(parts)
+        return parts
+
+    def other_ranks_params(self) -> frozenset[int]:
+        return frozenset().union(*(f.other_ranks_params() for f in self.items))
+
+    def holds(self, param: nn.Parameter) -> bool:
+        return all(f.holds(param) for f in self.items)
+
+    def whole_names(self) -> dict[int, str] | None:
+        return next((n for n in (f.whole_names() for f in self.items) if n is not None), None)
+
+    def separate_chunks(self, sharded: bool) -> ExpertChunks | None:
+        return next((c for c in (f.separate_chunks(sharded) for f in self.items) if c is not None), None)
+
+    def norm_weights(self, model: nn.Module, chunked) -> dict[int, float]:
+        weights: dict[int, float] = {}
+        for f in self.items:
+            weights = f.norm_weights(weights, model, chunked)
+        return weights
+
+    # ---- the engine's calls ---------------------------------------------------------------------------------
 
     def parallel(self, name: str):
         """The object a feature wraps (TensorParallel, ExpertParallel, SequenceSplit, PipelineDriver), or None."""

@@ -1,10 +1,10 @@
 """initialize(model, config) → Engine: public steps applied in order to an unmodified model.
 
     load_config            → Config (every key and combination checked: engine.config_checks)
-    parallelize_tensors    the tensor-parallel plan replaces layers (Note [tensor-parallel plans])
-    place_experts          each MoE layer keeps this rank's experts (Note [expert parallelism])
-    apply_activation_checkpointing
-    split_pipeline         this rank keeps its pipeline stages' blocks (Note [pipeline stages of an unmodified model])
+    configured_features    the registered features the config turns on (engine/feature_registry.py)
+    build_features         each surveys the model as the user built it, then changes it in the registry's order:
+                           tensor, expert, sequence parallelism, activation checkpointing, pipeline stages
+                           (Note [feature objects])
     chunk_parameters       parameters packed into chunks, sharded by the ZeRO stage's ShardingPolicy
     build_chunk_optimizer  the optimizer over the chunks; states placed by the OffloadPolicy
     zero_runtime           the phases of a training step (Note [step phases])
@@ -14,11 +14,9 @@ Each is usable on its own; initialize() is their composition.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import warnings
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
@@ -27,41 +25,31 @@ from torch import nn
 from engine.activation_checkpointing import ActivationCheckpointing
 from engine.checkpoint import Saver
 from engine.checkpoint.training_state import TrainingState
-from engine.comm import Collectives, CommCounter, broadcast_from
+from engine.comm import Collectives, CommCounter
 from engine.config import Config, load_config
-from engine.config_checks import OFFLOADED, check_client_objects, check_offload, check_packages, check_run
-from engine.engine import Engine, EngineParts
-from engine.feature_base import StepContext
-from engine.features import (
-    ExpertFeature,
-    Features,
-    LayerMajorFeature,
-    PipelineFeature,
-    SequenceFeature,
-    TensorParallelFeature,
+from engine.config_checks import (
+    OFFLOADED,
+    check_client_objects,
+    check_loss_fn,
+    check_offload,
+    check_packages,
+    check_run,
 )
+from engine.engine import Engine, EngineParts
+from engine.feature_registry import FEATURES
+from engine.features import BuildContext, Feature, Features, StepContext
 from engine.lr_schedules import build_lr_scheduler
 from engine.mesh import Mesh
-from engine.moe.plan import ExpertParallel, apply_expert_parallel
 from engine.monitor import Monitor
 from engine.optim import build_optimizer, check_compressed_run, chunk_segments, state_blocks, tiled_layout_of
 from engine.optimizers.compressed import DataParallelGroup
-from engine.pipeline.block_timing import measured_costs
-from engine.pipeline.driver import shared_parameter_groups, sync_shared_values
-from engine.pipeline.layer_major import LAYER_MAJOR
-from engine.pipeline.model_split import PipelineModel, outside_modules, plan_stages, split_model
 from engine.plan import RunPlan
 from engine.precision import PrecisionPolicy, build_loss_scaler
 from engine.process_exit import close_at_exit
 from engine.progress import TrainingProgress
-from engine.sequence_parallel.runtime import SequenceSplit, choose_mode
 from engine.step_metrics import StepMetrics
-from engine.tensor_parallel import Mesh2D, TensorParallel, TPGroup, apply_tensor_parallel
-from engine.tensor_parallel.rng import RNGStreams
 from engine.topology import start_mesh
 from engine.zero.chunk_layout import ChunkLayout
-from engine.zero.chunk_packing import ExpertChunks
-from engine.zero.chunk_state import ShardPlace
 from engine.zero.chunked_params import ChunkedParams
 from engine.zero.fused_tiles import stepped_from_sources
 from engine.zero.grad_clip import GradientClipper
@@ -126,14 +114,7 @@ def initialize(
     cfg = load_config(config)
     check_client_objects(cfg, optimizer, lr_scheduler, model_parameters)
     check_packages(cfg)
-    if loss_fn is not None and not (cfg.pipeline.enabled or cfg.zero_optimization.offload_param.layer_major):
-        raise ValueError("initialize(loss_fn=...) is the loss train_batch uses under a pipeline config (or "
-                         "offload_param.layer_major), and this config has neither; compute the loss yourself and call "
-                         "engine.backward(loss)")
-    if loss_fn is not None and cfg.pipeline.enabled and cfg.sequence_parallel.enabled:
-        raise ValueError("initialize(loss_fn=...) under sequence_parallel would take this rank's part of each "
-                         "sequence's output with the whole sequence's labels; pass the labels in the micro-batch "
-                         "(e.g. {\"input_ids\": x, \"labels\": y}) so that the model's own loss is split with it")
+    check_loss_fn(cfg, loss_fn)
     mesh = start_mesh(tp_size=cfg.tensor_parallel.size, tp_mode=cfg.tensor_parallel.mode,
                       pp_size=cfg.pipeline.stages, sp_size=cfg.sequence_parallel.size,
                       ep_size=cfg.moe.expert_parallel_size, shard_size=max(cfg.zero_optimization.mics_shard_size, 0))
@@ -146,35 +127,25 @@ def initialize(
     if weights is not None:
         assign_weight_files(model, weights, zero_init_recording(model))
     recording, meta_of = zero_init_placeholders(model, mesh.device)  # Note [zero_init]
-    _to_device(model, mesh.device, _homed_on_host(model, cfg, mesh))  # Note [a bounded start]
-    layer_major = cfg.zero_optimization.offload_param.layer_major
-    outside = outside_modules(model, LAYER_MAJOR if layer_major and not cfg.pipeline.enabled else "pipeline") \
-        if cfg.pipeline.enabled or layer_major else None  # before the features change the model
     comm = CommCounter(collectives=collectives) if collectives is not None else CommCounter()
-    tensor_parallel = parallelize_tensors(model, cfg, mesh, comm.collectives)
-    experts = place_experts(model, cfg, mesh, comm, tensor_parallel)
-    sequence = split_sequences(model, cfg, mesh, comm)
-    checkpointing = apply_activation_checkpointing(model, cfg, mesh, tensor_parallel, sequence)
-    groups = _param_groups(model, optimizer, model_parameters, meta_of, experts.dropped if experts else frozenset())
-    split, shared_groups = split_pipeline(model, cfg, mesh, comm, pending=set(meta_of), outside=outside)
-    if split is not None:  # this rank's parameters, named as in the whole model
-        groups = [dict(g, params=[p for p in g["params"] if split.holds(p)]) for g in groups]
-        groups = [g for g in groups if g["params"]]
-    chunked = chunk_parameters(model, cfg, mesh, groups, pending=set(meta_of), tensor_parallel=tensor_parallel,
-                               split=split, experts=experts)
+    configured = configured_features(BuildContext(cfg, plan, mesh, comm, frozenset(meta_of)))
+    _to_device(model, mesh.device, _homed_on_host(model, cfg, any(f.rebuilds_parameters for f in configured)))
+    features = build_features(model, configured)  # Note [feature objects]
+    groups = _param_groups(model, optimizer, model_parameters, meta_of, features)
+    chunked = chunk_parameters(model, cfg, mesh, groups, pending=set(meta_of), features=features)
     model.to(mesh.device)  # buffers and parameters this rank holds in no chunk join the model there
     data_parallel = DataParallelGroup(mesh.zero.group, mesh.zero.rank, mesh.zero.size, comm)
-    optimizer = build_chunk_optimizer(cfg, chunked, mesh.device, optimizer, rebuild=split is not None,
+    whole_names = features.whole_names()  # None: this rank's model is the whole model
+    optimizer = build_chunk_optimizer(cfg, chunked, mesh.device, optimizer, rebuild=whole_names is not None,
                                       data_parallel=data_parallel)
     if recording is not None:  # after offloading: shards may load straight into the chunk manager
         chunked.load_loose(mesh.zero.group, comm)  # parameters made after the block with values (PEFT's adapters)
         materialize_parameters(model, chunked, recording, meta_of, mesh.device,
-                               mesh.zero.group if split is None else None, comm, split.names if split else None)
+                               mesh.zero.group if whole_names is None else None, comm, whole_names)
     loss_scaler = build_loss_scaler(cfg)
     runtime = zero_runtime(model, cfg, chunked, optimizer, mesh, loss_scaler, comm)
-    features = feature_objects(cfg, plan, mesh, comm, Applied(model, tensor_parallel, experts, sequence, split,
-                                                              shared_groups, outside))
-    features.attach(StepContext(runtime, plan.precision, loss_fn))  # Note [feature objects]
+    features.attach(StepContext(runtime, plan.precision, loss_fn))
+    checkpointing = features.parallel("activation_checkpointing")
     scheduler = _scheduler(cfg, optimizer, lr_scheduler)
     progress = TrainingProgress(plan.batch.gradient_accumulation_steps)
     saver = Saver(TrainingState(  # Note [checkpoint commit]
@@ -188,122 +159,36 @@ def initialize(
     return engine
 
 
-@dataclass(frozen=True)
-class Applied:
-    """What initialize applied to the model before chunking it: each parallelism's object (None: off), and the
-    modules outside the blocks (for layer-major accumulation)."""
-
-    model: nn.Module
-    tensor_parallel: TensorParallel | None
-    experts: ExpertParallel | None
-    sequence: SequenceSplit | None
-    split: PipelineModel | None
-    shared_groups: dict
-    outside: list | None
+def configured_features(ctx: BuildContext) -> list[Feature]:
+    """Note [feature objects]: the registered features the config turns on, in the registry's order."""
+    return [f for f in (cls.configured(ctx) for cls in FEATURES) if f is not None]
 
 
-def feature_objects(cfg: Config, plan: RunPlan, mesh: Mesh, comm: CommCounter, applied: Applied) -> Features:
-    """Note [feature objects]: what each parallelism applied above adds to the engine's calls, in this order; a
-    scheduling driver (pipeline, layer-major) is built over those before it when the runtime exists (attach)."""
-    a = applied
-    features = [TensorParallelFeature(a.tensor_parallel, mesh.device) if a.tensor_parallel else None,
-                ExpertFeature(a.experts, mesh, comm, cfg.tensorboard.enabled) if a.experts else None,
-                SequenceFeature(a.sequence) if a.sequence else None,
-                PipelineFeature(a.split, a.shared_groups, cfg.pipeline,
-                                plan.batch.gradient_accumulation_steps, mesh, comm)
-                if a.split is not None else None,
-                LayerMajorFeature(a.model, a.outside, mesh, comm)  # Note [layer-major accumulation]
-                if cfg.zero_optimization.offload_param.layer_major else None]
-    return Features([f for f in features if f is not None])
-
-
-def parallelize_tensors(model: nn.Module, cfg: Config, mesh: Mesh,
-                        collectives: Collectives | None = None) -> TensorParallel | None:
-    """Note [tensor-parallel plans]: the config's plan applied to the model, before its parameters are chunked;
-    None without tensor parallelism. collectives: as initialize's."""
-    if mesh.tp.size == 1:
-        return None
-    counter = CommCounter(collectives=collectives) if collectives is not None else CommCounter()
-    tp = TPGroup(mesh.tp.group, mesh.tp.size, mesh.tp.rank, counter)
-    with torch.no_grad():  # the plan slices whole weights: every tp rank starts from its group's first rank's
-        for t in list(model.parameters()) + list(model.buffers()):
-            broadcast_from(t.data, 0, tp.group, tp.counter)
-    grid = Mesh2D.of(tp, mesh.tp_row.group, mesh.tp_col.group) if cfg.tensor_parallel.mode == "2d" else None
-    return apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp, RNGStreams(tp, mesh.device), grid,
-                                 cfg.tensor_parallel.sequence_parallel)
-
-
-def place_experts(model: nn.Module, cfg: Config, mesh: Mesh, comm: CommCounter,
-                  tensor_parallel: TensorParallel | None = None) -> ExpertParallel | None:
-    """Note [expert parallelism]: the model's MoE layers (engine.moe.MoE, and a Hugging Face model's experts when
-    the config has a `moe` section) keep this rank's experts and dispatch tokens to every rank's; None without any.
-    Under tensor parallelism they stay whole on every tp rank."""
-    return apply_expert_parallel(model, cfg.moe, mesh, comm, frozenset(tensor_parallel.specs) if tensor_parallel else
-                                 frozenset(), cfg.pipeline.enabled)
-
-
-def apply_activation_checkpointing(model: nn.Module, cfg: Config, mesh: Mesh,
-                                   tensor_parallel: TensorParallel | None = None,
-                                   sequence: SequenceSplit | None = None) -> ActivationCheckpointing:
-    """Note [activation checkpointing]: the config's options; when enabled, the model's blocks (or the modules
-    the config names) wrapped so that they keep only their inputs (and, under sequence parallelism, recompute
-    their attention over the split sequence too)."""
-    checkpointing = ActivationCheckpointing(cfg.activation_checkpointing, mesh.device,
-                                            tensor_parallel.streams if tensor_parallel else None,
-                                            tensor_parallel.tp if tensor_parallel else None,
-                                            sequence.attention if sequence else None)
-    if cfg.activation_checkpointing.enabled:
-        checkpointing.wrap_modules(model)
-    return checkpointing
-
-
-def split_pipeline(model: nn.Module, cfg: Config, mesh: Mesh, comm: CommCounter,
-                   pending: set[int] = frozenset(),
-                   outside: list | None = None) -> tuple[PipelineModel | None, dict]:
-    """Note [pipeline stages of an unmodified model]: `model` keeps what this rank's pipeline stages hold, and
-    the views those stages run, with the groups of the pipeline ranks sharing parameters, which start from the
-    lowest one's values (`pending`: ids of parameters whose values zero_init brings later, the same on every
-    rank: Note [zero_init]); (None, {}) without a pipeline config."""
-    if not cfg.pipeline.enabled:
-        return None, {}
-    micro_batch = cfg.batch_sizes(mesh.dp.size).micro_batch_size
-    measure = functools.partial(measured_costs, model, micro_batch=micro_batch, device=mesh.device)
-    split = split_model(model, plan_stages(model, cfg.pipeline, measure, outside), mesh.pp.rank)
-    groups = shared_parameter_groups(split, mesh)
-    sync_shared_values(split, groups, comm, pending)
-    return split, groups
-
-
-def split_sequences(model: nn.Module, cfg: Config, mesh: Mesh,
-                    comm: CommCounter | None = None) -> SequenceSplit | None:
-    """Note [sequence parallelism]: how this rank's part of each sequence is taken and its attention run; None
-    without sequence parallelism. "auto" says which mode it chose."""
-    sp = cfg.sequence_parallel
-    if not sp.enabled:
-        return None
-    mode = choose_mode(sp.mode, model, sp.size, mesh.tp.size)
-    if sp.mode == "auto" and mesh.world.rank == 0:
-        print(f"[tiers] sequence_parallel.mode auto: {mode} over {sp.size} ranks (Ulysses when the model's attention "
-              "heads per tensor-parallel rank divide by the size, else ring)", flush=True)
-    return SequenceSplit(mesh.sp.group, sp.size, mesh.sp.rank, mode, model, comm)
+def build_features(model: nn.Module, configured: list[Feature]) -> Features:
+    """Each feature surveys the model as the user built it, then each changes it in order, after the ones before
+    it; one with nothing to do in this model drops out."""
+    for f in configured:
+        f.survey(model)
+    built: list[Feature] = []
+    for f in configured:
+        if f.build(model, Features(built)):
+            built.append(f)
+    return Features(built)
 
 
 def chunk_parameters(model: nn.Module, cfg: Config, mesh: Mesh, groups: list[dict],
-                     pending: set[int] = frozenset(), tensor_parallel: TensorParallel | None = None,
-                     split: PipelineModel | None = None, experts: ExpertParallel | None = None) -> ChunkedParams:
+                     pending: set[int] = frozenset(), features: Features | None = None) -> ChunkedParams:
     """The trainable parameters of `groups`, and the model's frozen ones (Note [frozen chunks]), packed into chunks
     and sharded over the data-parallel ranks as the ZeRO stage's ShardingPolicy says (Note [sharding policy]);
-    `pending`: ids of parameters whose values
-    zero_init brings later; `split`: this rank's pipeline stages (which name the parameters, and whose parameters
-    other pipeline ranks also hold count once in the global norm); `experts`: their parameters' chunks are reduced
-    and sharded over the expert-data-parallel group."""
+    `pending`: ids of parameters whose values zero_init brings later; `features`: the features built on the model,
+    which say which parameters this rank holds and their names in the whole model, which chunks reduce over a group
+    of their own (experts'), and each parameter's weight in the global norm (Note [feature objects])."""
+    features = features if features is not None else Features([])
     policy = ShardingPolicy(cfg.zero_optimization.stage)
     shards = mesh.shard.size if policy.shards(ChunkKind.OPTIM) else 1
     capacity, first_capacity = chunk_layout(cfg, shards)
-    names = split.names if split is not None else {id(p): n for n, p in model.named_parameters()}
-    dropped = experts.dropped if experts is not None else frozenset()
-    frozen = [p for p in model.parameters() if not p.requires_grad and id(p) not in dropped
-              and (split is None or split.holds(p))]  # Note [frozen chunks]
+    names = features.whole_names() or {id(p): n for n, p in model.named_parameters()}
+    frozen = [p for p in model.parameters() if not p.requires_grad and features.holds(p)]  # Note [frozen chunks]
     int8 = int8_frozen_weights(model, frozen) if cfg.zero_optimization.quantize_frozen == "int8" else frozenset()
     if cfg.zero_optimization.quantize_frozen == "int8" and not int8:
         warnings.warn("zero_optimization.quantize_frozen \"int8\": the model has no frozen nn.Linear weight, so "
@@ -318,18 +203,8 @@ def chunk_parameters(model: nn.Module, cfg: Config, mesh: Mesh, groups: list[dic
                          fp32_masters=not cfg.bf16.bf16_master_weights_and_grads,
                          state_blocks=state_blocks(cfg.optimizer))
     chunked = ChunkedParams(groups, layout, mesh.device, names, pending=pending,
-                            experts=_expert_chunks(experts, mesh, shards > 1), frozen=frozen, int8=int8)
-    if tensor_parallel is not None:
-        chunked.norm_weights = tensor_parallel.norm_weights(model)
-    if chunked.has_experts and not chunked.sharded:  # each rank holds the whole gradient: count it once over dp
-        chunk_of = chunked.chunk_index()
-        for p in chunked.params:
-            expert = chunked.states[chunk_of[id(p)]].place.group is not None
-            share = 1.0 / (mesh.edp.size if expert else mesh.zero.size)
-            chunked.norm_weights[id(p)] = chunked.norm_weights.get(id(p), 1.0) * share  # (times tp's weight)
-    for pid, ranks in (split.shared_here() if split is not None else {}).items():
-        if mesh.pp.rank != ranks[0]:  # the lowest pipeline rank holding it counts it
-            chunked.norm_weights[pid] = 0.0
+                            experts=features.separate_chunks(shards > 1), frozen=frozen, int8=int8)
+    chunked.norm_weights = features.norm_weights(model, chunked)
     return chunked
 
 
@@ -348,14 +223,12 @@ def _offloaded_kinds(cfg: Config) -> frozenset[str]:
     return frozenset(kinds | ({"param"} if zero.offload_param.device in OFFLOADED else set()))
 
 
-def _homed_on_host(model: nn.Module, cfg: Config, mesh: Mesh) -> set[int]:
+def _homed_on_host(model: nn.Module, cfg: Config, rebuilt: bool) -> set[int]:
     """Note [a bounded start]: ids of the parameters whose shards offload_param keeps on the host — the sharded
     (non-persistent) ones, trainable or frozen (Note [frozen chunks]) — which need not visit the device on their
-    way into their chunks. Only where
-    nothing rebuilds layers before chunking (no tensor, pipeline or expert parallelism)."""
+    way into their chunks. Only where no feature rebuilds the parameters before chunking (`rebuilt`)."""
     zero = cfg.zero_optimization
-    if zero.stage != 3 or zero.offload_param.device not in OFFLOADED or max(
-            mesh.tp.size, mesh.pp.size, mesh.ep.size) > 1:
+    if zero.stage != 3 or zero.offload_param.device not in OFFLOADED or rebuilt:
         return set()
     threshold = persistence_threshold(cfg)
     return {id(p) for p in model.parameters() if p.is_floating_point() and p.numel() >= threshold}
@@ -389,16 +262,6 @@ def _pages_grads(cfg: Config) -> bool:
     the gradients go to the host with them (Note [paging in one process])."""
     zero = cfg.zero_optimization
     return zero.offload_optimizer.device in OFFLOADED and zero.stage >= 2
-
-
-def _expert_chunks(experts: ExpertParallel | None, mesh: Mesh, sharded: bool) -> ExpertChunks | None:
-    """Note [expert parallelism]: with 2 or more ep ranks, expert chunks are reduced over (and with ZeRO
-    sharded across) the ranks holding the same experts."""
-    if experts is None or mesh.ep.size == 1:
-        return None
-    place = ShardPlace(mesh.edp.rank if sharded else 0, mesh.edp.size if sharded else 1,
-                       mesh.edp.group)
-    return ExpertChunks(frozenset(id(p) for p in experts.expert_params()), place)
 
 
 def build_chunk_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.device,
@@ -469,21 +332,25 @@ def persistence_threshold(cfg: Config) -> int:
 
 
 def _param_groups(model: nn.Module, optimizer, model_parameters, meta_of: dict[int, torch.Tensor],
-                  dropped: frozenset[int] = frozenset()) -> list[dict]:
-    """The param groups to chunk. zero_init: groups built before initialize() name the meta parameters their
-    placeholders replaced. dropped: ids of parameters of experts other ranks hold (Note [expert parallelism])."""
+                  features: Features) -> list[dict]:
+    """The param groups to chunk: those given, without the parameters other ranks hold (Note [feature objects]).
+    zero_init: groups built before initialize() name the meta parameters their placeholders replaced."""
     replaced = {id(meta_of[id(p)]): p for p in model.parameters() if id(p) in meta_of}
-    groups = _given_param_groups(model, optimizer, model_parameters, replaced, dropped)
+    others = features.other_ranks_params()
+    gone = others | {id(meta_of[pid]) for pid in others if pid in meta_of}  # with the meta ones they replaced
+    groups = _given_param_groups(model, optimizer, model_parameters, {id(p) for p in model.parameters()}
+                                 | set(replaced) | gone)
+    held = ([replaced.get(id(p), p) for p in g["params"] if id(p) not in gone] for g in groups)
     # a group left empty stays: chunk groups remember the index of the group they came from (a client optimizer's)
-    return [dict(g, params=[replaced.get(id(p), p) for p in g["params"] if id(p) not in dropped]) for g in groups]
+    return [dict(g, params=[p for p in params if features.holds(p)]) for g, params in zip(groups, held)]
 
 
-def _given_param_groups(model: nn.Module, optimizer, model_parameters, replaced: dict,
-                        dropped: frozenset[int]) -> list[dict]:
+def _given_param_groups(model: nn.Module, optimizer, model_parameters, known: set[int]) -> list[dict]:
+    """known: ids of the model's parameters, of the ones other ranks hold, and of the meta parameters zero_init's
+    placeholders replaced."""
     if optimizer is not None:
-        model_ids = {id(p) for p in model.parameters()} | set(replaced) | dropped
         groups = [dict(g) for g in optimizer.param_groups]
-        stray = [p for g in groups for p in g["params"] if id(p) not in model_ids]
+        stray = [p for g in groups for p in g["params"] if id(p) not in known]
         if stray:
             shapes = ", ".join(str(tuple(p.shape)) for p in stray[:5])
             raise ValueError(f"the optimizer holds {len(stray)} tensor(s) that are not parameters of the model "

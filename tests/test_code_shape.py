@@ -52,8 +52,9 @@ PARALLELISM_NAMES = {"tensor_parallel", "pipeline", "sequence", "experts", "spli
                      "seq_parallel_world_size", "ep_world_size", "tp_world_size",
                      "tp", "sp", "tp_row", "tp_col"}  # the mesh's axes (Note [one mesh]); pp, ep, edp: still read by
 # the checkpoint reader's locations and expert records
-# Engine, and the checkpoint code, which reads and writes tensors by their placements (Note [placements])
-FEATURE_BLIND_FILES = ["engine/engine.py",
+# Engine and initialize, which fold over the features, and the checkpoint code, which reads and writes tensors by
+# their placements (Note [placements])
+FEATURE_BLIND_FILES = ["engine/engine.py", "engine/initialization.py",
                        *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "engine/checkpoint").rglob("*.py"))]
 
 

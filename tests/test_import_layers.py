@@ -163,12 +163,13 @@ def test_the_graph_sees_a_cycle_through_a_package_init(graph):
 
 
 def test_the_graph_counts_an_import_only_type_checkers_run(graph):
-    """A TYPE_CHECKING import is an edge: the pipeline driver annotating its features with engine.features' class
-    (as it once did) closes features -> driver -> features."""
-    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.features import Features")
+    """A TYPE_CHECKING import is an edge: the pipeline driver annotating something with the registry's features
+    would close feature_registry -> pipeline.feature -> driver -> feature_registry."""
+    tree = ast.parse("from typing import TYPE_CHECKING\n"
+                     "if TYPE_CHECKING:\n    from engine.feature_registry import FEATURES")
     (node,) = _type_checking_imports(tree)
-    assert "engine.features" in graph.targets("engine.pipeline.driver", node)
-    assert graph.path("engine.features", "engine.pipeline.driver") is not None
+    assert "engine.feature_registry" in graph.targets("engine.pipeline.driver", node)
+    assert graph.path("engine.feature_registry", "engine.pipeline.driver") is not None
 
 
 FORMER_CYCLE_MEMBERS = ["engine.pipeline.block_timing", "engine.estimate.activations",

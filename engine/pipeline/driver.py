@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from engine.comm import CommCounter, all_reduce_sum, broadcast_from
 from engine.config_sections import PipelineConfig
-from engine.feature_base import DriverContext
+from engine.features import DriverContext
 from engine.mesh import Mesh
 from engine.pipeline.executor import PipelineRunner, StepResult
 from engine.pipeline.model_split import PipelineModel

@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 
 from engine.comm import all_reduce_sum
-from engine.feature_base import DriverContext
+from engine.features import DriverContext
 from engine.pipeline.driver import loss_of, microbatch_arguments
 from engine.pipeline.model_split import PipelineModel
 from engine.pipeline.stage_modules import run_stage_view
