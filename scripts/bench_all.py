@@ -35,6 +35,8 @@ from datetime import datetime, timezone
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import command_line, machine_line, read_results, write_text  # noqa: E402
 from bench_report import Run, render  # noqa: E402
+from readme_benchmarks import SUMMARY  # noqa: E402
+from readme_benchmarks import main as write_readme_benchmarks  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK_TRAINING = ("--model", "tiny", "--micro-batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1",
@@ -277,6 +279,8 @@ def write_report(runs: list[Run], meta: dict, out: str, notes: str) -> None:
                   plots=plots, plots_skipped=skipped, notes_dir=notes, total_s=meta["total_s"])
     write_text(out, text)
     print(f"bench_all: report written to {out}" + (f", plots to {plots_dir}" if plots else ""))
+    if os.path.abspath(out) == str(SUMMARY):  # the README's table follows the summary
+        write_readme_benchmarks(["--write", os.path.join(REPO, "README.md")])
 
 
 def main(argv=None) -> int:
