@@ -1,7 +1,8 @@
 """Point-to-point as NCCL runs it, for pipeline ranks that are threads of one test process.
 
     network = RendezvousNetwork(ranks)
-    runner = PipelineRunner(..., transport=network.endpoint(rank))   # in rank's thread; network.leave(rank) at the end
+    runner = PipelineRunner.over_modules(..., transport=network.endpoint(rank))  # in rank's thread
+    ...                                                                           # network.leave(rank) at the end
 
 What it keeps from NCCL, and gloo does not: tags are ignored, a rank's n-th send to a peer pairs with the peer's
 n-th receive from it; a rank's batches run one at a time, in the order posted (one stream), and an operation

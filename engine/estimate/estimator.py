@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.config import Config, load_config
+from engine.config import BatchSizes, Config, load_config
 from engine.config_checks import check_quantize_frozen, optional_packages
 from engine.config_schema import ConfigError
 from engine.estimate.activations import ActivationTrace, default_seq_len, trace_activations
@@ -134,15 +134,13 @@ def estimate(factory: Callable[[], nn.Module], config: dict, world: int, tp_size
         if key not in traces:
             traces[key] = trace_strategy(factory, cfg, seq_len)
         trace = traces[key]
-        built = 0 if zero_init else trace.built
+        row_of = RowContext(strategy, cfg_dict, runtime, 0 if zero_init else trace.built, compute_on_cpu)
         if spec.stages == 1:
             states = model_states(trace.params, cfg, dp, trace.frozen)
-            row = _combine(strategy, cfg_dict, states, _unpipelined_activations(trace.activations, cfg, batch),
-                           runtime, built, compute_on_cpu)
+            row = _combine(row_of, states, _unpipelined_activations(trace.activations, cfg, batch))
         else:
             try:
-                row = _pipelined(strategy, cfg_dict, cfg, spec, trace, dp, batch.gradient_accumulation_steps,
-                                 batch.micro_batch_size, runtime, built, compute_on_cpu)
+                row = _pipelined(row_of, cfg, spec, trace, dp, batch)
             except ValueError as e:  # too few layers for the stages, a schedule that needs other micro-batches
                 result.skipped.append(f"{strategy.name}: {e}")
                 continue
@@ -253,21 +251,33 @@ def _tensor_parallel(model: nn.Module, cfg: Config):
         dist.destroy_process_group()
 
 
-def _pipelined(strategy: Strategy, config: dict, cfg: Config, spec: PipelineSpec, trace: StrategyTrace, dp: int,
-               microbatches: int, micro_batch: int, runtime: int, built: int, compute_on_cpu: bool) -> StrategyEstimate:
+@dataclass(frozen=True)
+class RowContext:
+    """What every row of one strategy is estimated with: the strategy, its config dict, the runtime's host bytes,
+    the bytes of the model built whole before chunking (0 under zero_init), and whether compute runs on the CPU."""
+
+    strategy: Strategy
+    config: dict
+    runtime: int
+    built: int
+    compute_on_cpu: bool
+
+
+def _pipelined(row_of: RowContext, cfg: Config, spec: PipelineSpec, trace: StrategyTrace, dp: int,
+               batch: BatchSizes) -> StrategyEstimate:
     """Note [estimating a pipeline]: every pipeline rank's peaks; the row is the rank with the highest device
     peak."""
     plan, shares = plan_pipeline(spec, trace.units, [p.shape.numel() for p in trace.params], trace.activations,
-                                 microbatches, micro_batch)
-    rows = [_combine(strategy, config, model_states([trace.params[i] for i in share.params], cfg, dp),
-                     share.activations, runtime, built, compute_on_cpu) for share in shares]
+                                 batch.gradient_accumulation_steps, batch.micro_batch_size)
+    rows = [_combine(row_of, model_states([trace.params[i] for i in share.params], cfg, dp), share.activations)
+            for share in shares]
     rank = max(range(len(rows)), key=lambda r: (rows[r].device_peak, rows[r].host_peak))
     return dataclasses.replace(rows[rank], pipeline=dataclasses.replace(plan, rank=rank))
 
 
-def _combine(strategy: Strategy, config: dict, states: ModelStates, activations: int, runtime: int, built: int,
-             compute_on_cpu: bool) -> StrategyEstimate:
+def _combine(row_of: RowContext, states: ModelStates, activations: int) -> StrategyEstimate:
     """Note [peak memory estimate]."""
+    runtime, built, compute_on_cpu = row_of.runtime, row_of.built, row_of.compute_on_cpu
     backward = activations + states.gathered_peak + states.grad_in_flight
     # with step_in_backward the update's transients are alive while backward's are
     update = states.update_extra
@@ -277,8 +287,8 @@ def _combine(strategy: Strategy, config: dict, states: ModelStates, activations:
     # on an accelerator the model is still built whole in host memory first (without zero_init)
     host_peak = runtime + (max(states.tiers.cpu + training, build) if compute_on_cpu else
                            max(states.tiers.cpu, built))
-    return StrategyEstimate(strategy, config, states, activations, runtime, build, device_peak, host_peak,
-                            states.disk)
+    return StrategyEstimate(row_of.strategy, row_of.config, states, activations, runtime, build, device_peak,
+                            host_peak, states.disk)
 
 
 def _judge(row: StrategyEstimate, budgets: RankBudgets, compute_on_cpu: bool) -> StrategyEstimate:

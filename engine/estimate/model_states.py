@@ -203,12 +203,13 @@ def model_states(params: list[TrainableParam], config: Config, dp: int,
     master_bytes = sum(stepped(c) * FP32 for c in chunks) if masters else 0
 
     largest_stepped = max(stepped(c) * (FP32 if masters else c.dtype.itemsize) for c in chunks)
-    tiers = _placement(config, chunks + frozen_chunks, param, grad, states, master_bytes, shard_params, shard_grads,
-                       masters, largest_stepped, scales)
+    held_as = HeldAs(shard_params, shard_grads, masters)
+    tiers = _placement(config, chunks + frozen_chunks, KindBytes(param, grad, states, master_bytes, scales), held_as,
+                       largest_stepped)
     files = {ChunkKind.PARAM: [held(c) for c in chunks + frozen_chunks if not c.persistent],
              ChunkKind.OPTIM: [state_bytes(c) for c in chunks] + [stepped(c) * FP32 for c in chunks if masters],
              ChunkKind.GRAD: [stepped(c) * c.dtype.itemsize for c in chunks]}
-    disk = _disk_bytes(config, _policy(config, shard_params, shard_grads, masters), files, dp)
+    disk = _disk_bytes(config, _policy(config, held_as), files, dp)
     gathered = 0
     if shard_params:  # Note [gathering around modules]: up to the prefetch window plus the chunk in use
         released = [c for c in chunks + frozen_chunks if not c.persistent]
@@ -243,21 +244,41 @@ def _prefetch_numel(config: Config) -> int:
     return 50_000_000 if size == "auto" else size
 
 
-def _policy(config: Config, shard_params: bool, shard_grads: bool, masters: bool) -> OffloadPolicy:
+@dataclass(frozen=True)
+class HeldAs:
+    """How one rank holds the kinds: parameters and gradients as shards, and whether fp32 masters exist."""
+
+    shard_params: bool
+    shard_grads: bool
+    masters: bool
+
+
+@dataclass(frozen=True)
+class KindBytes:
+    """One rank's bytes of each kind; `scales`: the part of `param` that is int8 chunks' scales, on the device
+    wherever their shards live."""
+
+    param: int
+    grad: int
+    states: int
+    masters: int
+    scales: int = 0
+
+
+def _policy(config: Config, held_as: HeldAs) -> OffloadPolicy:
     """Where each kind lives: parameters are offloaded only as stage-3 shards (Note [offloaded parameter shards])."""
-    policy = OffloadPolicy.from_config(config, grads_sharded=shard_grads, masters=masters)
-    if not shard_params:
+    policy = OffloadPolicy.from_config(config, grads_sharded=held_as.shard_grads, masters=held_as.masters)
+    if not held_as.shard_params:
         policy = OffloadPolicy({k: v for k, v in policy.homes.items() if k is not ChunkKind.PARAM})
     return policy
 
 
-def _placement(config: Config, chunks: list[ChunkSpec], param: int, grad: int, states: int, master_bytes: int,
-               shard_params: bool, shard_grads: bool, masters: bool, largest: int, scales: int = 0) -> Tiers:
-    """Which tier each kind lives on (Note [offloaded optimizer states]); `scales` of `param`: the int8 chunks'
-    scales, on the device wherever their shards live. On a machine without an accelerator the device tier is CPU
-    memory too, but it is still reported as the device tier."""
-    configured = OffloadPolicy.from_config(config, grads_sharded=shard_grads, masters=masters)
-    policy = _policy(config, shard_params, shard_grads, masters)
+def _placement(config: Config, chunks: list[ChunkSpec], kinds: KindBytes, held_as: HeldAs, largest: int) -> Tiers:
+    """Which tier each kind lives on (Note [offloaded optimizer states]). On a machine without an accelerator the
+    device tier is CPU memory too, but it is still reported as the device tier."""
+    param, grad, states, master_bytes, scales = kinds.param, kinds.grad, kinds.states, kinds.masters, kinds.scales
+    configured = OffloadPolicy.from_config(config, grads_sharded=held_as.shard_grads, masters=held_as.masters)
+    policy = _policy(config, held_as)
     optimizer_home = policy.home(ChunkKind.OPTIM)
     if optimizer_home is None:
         return Tiers(device=param + grad + states + master_bytes)

@@ -38,6 +38,19 @@ class TrialResult:
     disk_peak: int = 0  # max over ranks of the swap files' peak bytes (Note [bytes on disk]; 0 without NVMe)
 
 
+@dataclass(frozen=True)
+class TrialRun:
+    """What each rank of a trial trains: the model's factory, every rank's config, the sequence length, the timed
+    steps after the warm-up ones, and the rendezvous port."""
+
+    factory: Callable[[], nn.Module]
+    configs: list[dict]
+    seq_len: int
+    steps: int
+    warmup: int
+    port: int
+
+
 class TrialError(RuntimeError):
     """A trial that did not finish: a rank raised, died (e.g. killed for memory) or ran out of time."""
 
@@ -50,8 +63,8 @@ def run_trial(factory: Callable[[], nn.Module], config: dict, world: int, seq_le
     port = free_port()
     with contextlib.ExitStack() as cleanup:
         config = _with_swap_directories(config, world, cleanup)
-        ranks = [context.Process(target=_rank_main, daemon=True,
-                                 args=(rank, world, port, factory, config, seq_len, steps, warmup, results))
+        run = TrialRun(factory, config, seq_len, steps, warmup, port)
+        ranks = [context.Process(target=_rank_main, daemon=True, args=(rank, world, run, results))
                  for rank in range(world)]
         for p in ranks:
             p.start()
@@ -86,9 +99,9 @@ def run_trial(factory: Callable[[], nn.Module], config: dict, world: int, seq_le
                        max(r["disk_peak"] for r in reports))
 
 
-def _rank_main(rank, world, port, factory, config, seq_len, steps, warmup, results) -> None:
+def _rank_main(rank: int, world: int, run: TrialRun, results) -> None:
     try:
-        results.put(_train(rank, world, port, factory, config[rank], seq_len, steps, warmup))
+        results.put(_train(rank, world, run))
     except BaseException:  # noqa: B902 - the parent reports it, with the traceback
         results.put(f"rank {rank}: {traceback.format_exc(limit=8)}")
     finally:
@@ -97,9 +110,10 @@ def _rank_main(rank, world, port, factory, config, seq_len, steps, warmup, resul
             dist.destroy_process_group()
 
 
-def _train(rank, world, port, factory, config, seq_len, steps, warmup) -> dict:
+def _train(rank: int, world: int, run: TrialRun) -> dict:
+    seq_len, steps, warmup = run.seq_len, run.steps, run.warmup
     reset_peak_rss()  # the peak this process reaches itself, not its parent's (runtime.py)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(run.port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     # CPU compute: one thread per rank, as torchrun sets OMP_NUM_THREADS=1; on CUDA the CPU threads serve the
     # offloaded optimizer, so the ranks share the cores
@@ -109,7 +123,7 @@ def _train(rank, world, port, factory, config, seq_len, steps, warmup) -> dict:
     from engine import initialize
 
     torch.manual_seed(0)
-    engine = initialize(factory(), config)
+    engine = initialize(run.factory(), run.configs[rank])
     model = engine.module
     micro = engine.train_micro_batch_size_per_gpu
     generator = torch.Generator().manual_seed(1 + engine.dp_rank)

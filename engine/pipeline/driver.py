@@ -45,7 +45,7 @@ from engine.comm import CommCounter, all_reduce_sum, broadcast_from
 from engine.config_sections import PipelineConfig
 from engine.features import DriverContext
 from engine.mesh import Mesh
-from engine.pipeline.executor import PipelineRunner, StepResult
+from engine.pipeline.executor import PipelineRunner, RunnerLinks, StepResult
 from engine.pipeline.model_split import PipelineModel
 from engine.pipeline.schedules import Action, ActionKind, build_schedule
 from engine.pipeline.simulate import simulate
@@ -71,8 +71,8 @@ class PipelineDriver:
         self.runtime = runtime
         stages = {s: self._stage_function(s) for s in split.views}
         params = {s: list(view.parameters()) for s, view in split.views.items()}
-        self.runner = PipelineRunner(self.schedule, mesh.pp.rank, stages, params, mesh.pp.group, timeout_s,
-                                     mesh.device, around=self._phase, counter=context.comm)
+        self.runner = PipelineRunner(self.schedule, mesh.pp.rank, stages, params,
+                                     RunnerLinks(mesh.pp.group, timeout_s, mesh.device, context.comm), self._phase)
         self.shared_groups = shared_groups
         self._loss_scale = 1.0
         self.last_bubble: float | None = None

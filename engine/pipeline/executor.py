@@ -99,37 +99,47 @@ def _no_phase(action: Action):
     return contextlib.nullcontext()
 
 
+@dataclass(frozen=True)
+class RunnerLinks:
+    """How a runner exchanges tensors with the other pipeline ranks. group: the pipeline ranks in order (None: the
+    default group); timeout_s: how long a receive waits before PipelineTimeout names the action and what it waits
+    for; device: where received tensors go (default: the first parameter's device, else the CPU); counter: where
+    the bytes sent are counted (p2p_bytes); transport: what posts the batches (default: batch_isend_irecv over
+    `group`)."""
+
+    group: dist.ProcessGroup | None = None
+    timeout_s: float = 600.0
+    device: torch.device | None = None
+    counter: CommCounter | None = None
+    transport: PointToPoint | None = None
+
+
 class PipelineRunner:
     """Runs `schedule`'s actions for `rank` over `stages` (stage index -> function of (the received tensor, or
-    None on stage 0; the micro-batch) giving the stage's output, or on the last stage its loss) in `group`
-    (pipeline ranks in order; None: the default group). `params`: each stage's parameters, which W passes
-    accumulate into; `around`: the context each action runs in (the engine's phases)."""
+    None on stage 0; the micro-batch) giving the stage's output, or on the last stage its loss), exchanging
+    tensors over `links`. `params`: each stage's parameters, which W passes accumulate into; `around`: the context
+    each action runs in (the engine's phases)."""
 
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, StageFunction],
-                 params: dict[int, list[nn.Parameter]], group: dist.ProcessGroup | None = None,
-                 timeout_s: float = 600.0, device: torch.device | None = None,
-                 around: Callable[[Action], contextlib.AbstractContextManager] = _no_phase,
-                 counter: CommCounter | None = None, transport: PointToPoint | None = None):
-        """timeout_s: how long a receive waits before PipelineTimeout names the action and what it waits for;
-        device: where received tensors go (default: the first parameter's device, else the CPU); counter: where
-        the bytes sent are counted (p2p_bytes); transport: what posts the batches (default: batch_isend_irecv over
-        `group`)."""
+                 params: dict[int, list[nn.Parameter]], links: RunnerLinks | None = None,
+                 around: Callable[[Action], contextlib.AbstractContextManager] = _no_phase):
+        links = links if links is not None else RunnerLinks()
         simulate(schedule)  # refuses an incomplete or deadlocking schedule before anything runs
         held = [s for s in range(schedule.stages) if schedule.rank_of(s) == rank]
         if sorted(stages) != held:
             raise ValueError(f"rank {rank} holds pipeline stage(s) {held} but was given modules for {sorted(stages)}; "
                              f"stage s lives on rank s mod {schedule.ranks}")
         self.schedule, self.rank, self.stages, self.params = schedule, rank, stages, params
-        self.around, self.counter = around, counter
-        self.transport = transport or TorchPointToPoint(group)
+        self.around, self.counter = around, links.counter
+        self.transport = links.transport or TorchPointToPoint(links.group)
         self.plans = {}  # train -> this rank's actions and exchanges (Note [ordered point-to-point])
         for train in (True, False):
             every_rank = plans(schedule, forward_only=not train)
             check_pairing(schedule, every_rank)
             self.plans[train] = every_rank[rank]
         self.last = schedule.stages - 1
-        self.timeout = timedelta(seconds=timeout_s)
-        self.device = device or next((p.device for ps in params.values() for p in ps), torch.device("cpu"))
+        self.timeout = timedelta(seconds=links.timeout_s)
+        self.device = links.device or next((p.device for ps in params.values() for p in ps), torch.device("cpu"))
         self._action: Action | None = None  # the one running, for a timeout's report
 
     @classmethod
@@ -147,7 +157,8 @@ class PipelineRunner:
             return run
 
         return cls(schedule, rank, {s: stage_function(s, m) for s, m in modules.items()},
-                   {s: list(m.parameters()) for s, m in modules.items()}, group, timeout_s, transport=transport)
+                   {s: list(m.parameters()) for s, m in modules.items()},
+                   RunnerLinks(group, timeout_s, transport=transport))
 
     def run(self, microbatches: list, loss_factor: float = 1.0, train: bool = True) -> StepResult:
         """One step over `microbatches` (every stage reads micro-batch j's object; stage 0 and the last use it);
