@@ -151,6 +151,26 @@ def load_config(source: str | os.PathLike | dict | Config) -> Config:
     return cfg
 
 
+# what a framework integration reads before its own arguments fill the config's other "auto" values: the parallel
+# sections, and the ZeRO stage and parameter offload (with DeepSpeed's older spellings of them)
+LAYOUT_SECTIONS = ("tensor_parallel", "pipeline", "sequence_parallel", "sequence_parallel_size")
+LAYOUT_ZERO_KEYS = ("stage", "offload_param", "cpu_offload_param")
+
+
+def load_layout_sections(raw: dict) -> Config:
+    """The config's parallel sections and its ZeRO stage and parameter offload, typed as load_config reads them
+    (DeepSpeed's keys and aliases included), everything else at its default: what an integration must know before
+    the framework's arguments fill the rest (the batch sizes, the optimizer's "auto" values). The other keys are
+    left to initialize, which checks them and every combination."""
+    picked = {k: raw[k] for k in LAYOUT_SECTIONS if k in raw}
+    zero = raw.get("zero_optimization")
+    if zero is not None:
+        picked["zero_optimization"] = {k: zero[k] for k in LAYOUT_ZERO_KEYS if k in zero} if isinstance(
+            zero, dict) else zero
+    picked = _with_autotp_size(_with_sequence_parallel_size(picked))
+    return parse_section(Config, from_deepspeed(picked, {f.name for f in dataclasses.fields(Config)}))
+
+
 def _with_sequence_parallel_size(raw: dict) -> dict:
     """DeepSpeed's top-level `sequence_parallel_size` is `sequence_parallel.size`."""
     if "sequence_parallel_size" not in raw:
@@ -198,4 +218,4 @@ def _replace(cfg: Config, **changes: Any) -> Config:
 
 
 
-__all__ = ["Config", "ConfigError", "BatchSizes", "load_config", "resolve_batch_sizes"]
+__all__ = ["Config", "ConfigError", "BatchSizes", "load_config", "load_layout_sections", "resolve_batch_sizes"]

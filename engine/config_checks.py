@@ -346,6 +346,17 @@ def check_loss_fn(cfg: Config, loss_fn) -> None:
                          "(e.g. {\"input_ids\": x, \"labels\": y}) so that the model's own loss is split with it")
 
 
+def check_framework_run(cfg: Config, runner: str, sampler: str, calls: str) -> None:
+    """A framework's trainer driving the engine (runner: its name): `sampler` gives every process other samples,
+    and `calls` the engine one micro-batch at a time; what neither allows is refused."""
+    if cfg.tensor_parallel.size * cfg.pipeline.stages * cfg.sequence_parallel.size > 1:
+        raise ValueError(f"{runner} with tensor, pipeline or sequence parallelism is not built yet ({sampler} gives "
+                         "every process other samples); train with data parallelism and ZeRO")
+    if cfg.zero_optimization.offload_param.layer_major:
+        raise ValueError("zero_optimization.offload_param.layer_major needs every micro-batch of a step at once "
+                         f"(engine.train_batch), and {calls} one micro-batch at a time; remove it")
+
+
 def _check_client_optimizer_rebuild(client: torch.optim.Optimizer, lr_scheduler, pipelined: bool) -> None:
     """ZeRO stage >= 1, bf16/fp16 and zero_init point a client optimizer at the shards or masters (a scheduler
     built on it still drives it); pipeline stages rebuild it over the stage's parameters."""

@@ -7,6 +7,8 @@ import copy
 import json
 import os
 
+from engine.config import load_layout_sections
+
 
 def read_config(config: str | os.PathLike | dict) -> dict:
     """A deep copy of `config` (a dict, or a JSON file's path)."""
@@ -17,5 +19,5 @@ def read_config(config: str | os.PathLike | dict) -> dict:
 
 
 def zero_stage(config: dict) -> int:
-    """The config's ZeRO stage (0 when it names none)."""
-    return (config.get("zero_optimization") or {}).get("stage", 0)
+    """The config's ZeRO stage (0 when it names none), read as load_config reads it."""
+    return load_layout_sections(config).zero_optimization.stage

@@ -4,6 +4,8 @@ loaded, as a framework's data loader must know them."""
 
 from __future__ import annotations
 
+from engine.config import load_layout_sections
+
 
 def data_parallel_size(config: dict, world_size: int) -> int:
     """The processes that see different samples: the world over model_parallel_size."""
@@ -15,11 +17,7 @@ def data_parallel_size(config: dict, world_size: int) -> int:
 
 
 def model_parallel_size(config: dict) -> int:
-    """The processes that share each sample: the tensor, pipeline and sequence-parallel sizes, under Tiers' keys or
-    DeepSpeed's (tensor_parallel.autotp_size, sequence_parallel_size)."""
-    tp, pp, sp = (config.get(name) or {} for name in ("tensor_parallel", "pipeline", "sequence_parallel"))
-    parts = 1
-    for value in (tp.get("size") or tp.get("autotp_size"), pp.get("stages"),
-                  sp.get("size") or config.get("sequence_parallel_size")):
-        parts *= value if isinstance(value, int) and value > 0 else 1
-    return parts
+    """The processes that share each sample: the tensor, pipeline and sequence-parallel sizes, read as load_config
+    reads them (Tiers' keys or DeepSpeed's: tensor_parallel.autotp_size, sequence_parallel_size)."""
+    cfg = load_layout_sections(config)
+    return cfg.tensor_parallel.size * cfg.pipeline.stages * cfg.sequence_parallel.size

@@ -40,10 +40,11 @@ import dataclasses
 
 from transformers import Trainer, TrainingArguments, get_scheduler
 
+from engine.config import load_layout_sections
+from engine.config_checks import check_framework_run
 from engine.initialization import initialize
 from engine.integrations.config_dict import read_config, zero_stage
 from engine.integrations.hf.auto_config import resolve_config
-from engine.integrations.parallel_sizes import model_parallel_size
 from engine.integrations.stand_ins import EngineModule, EngineOptimizer
 from engine.zero.zero_init import zero_init
 
@@ -140,13 +141,8 @@ class TiersTrainerMixin:
         for name in ("auto_find_batch_size", "load_best_model_at_end"):
             if getattr(args, name, False):
                 raise ValueError(f"{name} under TiersTrainer is not built yet; set it to False")
-        if model_parallel_size(config) > 1:
-            raise ValueError("TiersTrainer with tensor, pipeline or sequence parallelism is not built yet (the "
-                             "Trainer's data loader gives every process other samples); train with data parallelism "
-                             "and ZeRO")
-        if (config.get("zero_optimization") or {}).get("offload_param", {}).get("layer_major"):
-            raise ValueError("zero_optimization.offload_param.layer_major needs every micro-batch of a step at once "
-                             "(engine.train_batch), and the Trainer calls one micro-batch at a time; remove it")
+        check_framework_run(load_layout_sections(config), "TiersTrainer", "the Trainer's data loader",
+                            "the Trainer calls")
         length = len(train_dataloader) if hasattr(train_dataloader, "__len__") else None
         if length is not None and length % accumulation:
             raise ValueError(f"an epoch of {length} micro-batches ends with a partial accumulation of "

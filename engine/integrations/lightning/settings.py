@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 
+from engine.config import load_layout_sections
+from engine.config_checks import check_framework_run
 from engine.integrations.config_dict import read_config
-from engine.integrations.parallel_sizes import model_parallel_size
 
 AUTO = "auto"
 # Lightning's precision flag -> the config section an "auto" enabled value follows
@@ -50,12 +51,7 @@ def lightning_config(config: str | os.PathLike | dict, *, precision: str, accumu
     _settle_precision(config, precision, problems)
     if problems:
         raise ValueError("TiersStrategy: the config contradicts Lightning's arguments: " + "; ".join(problems))
-    if model_parallel_size(config) > 1:
-        raise ValueError("TiersStrategy with tensor, pipeline or sequence parallelism is not built yet (Lightning's "
-                         "sampler gives every process other samples); train with data parallelism and ZeRO")
-    if ((config.get("zero_optimization") or {}).get("offload_param") or {}).get("layer_major"):
-        raise ValueError("zero_optimization.offload_param.layer_major needs every micro-batch of a step at once "
-                         "(engine.train_batch), and Lightning runs one micro-batch at a time; remove it")
+    check_framework_run(load_layout_sections(config), "TiersStrategy", "Lightning's sampler", "Lightning runs")
     return config
 
 
