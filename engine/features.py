@@ -278,7 +278,8 @@ class Features:
     # ---- the engine's calls ---------------------------------------------------------------------------------
 
     def parallel(self, name: str):
-        """The object a feature wraps (TensorParallel, ExpertParallel, SequenceSplit, PipelineDriver), or None."""
+        """The object a feature wraps (TensorParallel, ExpertParallel, SequenceSplit, ActivationCheckpointing,
+        PipelineDriver), or None."""
         return next((f.parallel for f in self.items if f.name == name), None)
 
     def split_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

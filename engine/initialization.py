@@ -14,6 +14,7 @@ Each is usable on its own; initialize() is their composition.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import warnings
@@ -41,10 +42,10 @@ from engine.features import BuildContext, Feature, Features, StepContext
 from engine.lr_schedules import build_lr_scheduler
 from engine.mesh import Mesh
 from engine.monitor import Monitor
-from engine.optim import build_optimizer, check_compressed_run, chunk_segments, state_blocks, tiled_layout_of
+from engine.optim import build_optimizer, check_compressed_run, chunk_segments, tiled_layout_of
 from engine.optimizers.compressed import DataParallelGroup
-from engine.plan import RunPlan
-from engine.precision import PrecisionPolicy, build_loss_scaler
+from engine.plan import RunPlan, chunk_layout_of
+from engine.precision import build_loss_scaler
 from engine.process_exit import close_at_exit
 from engine.progress import TrainingProgress
 from engine.step_metrics import StepMetrics
@@ -57,35 +58,9 @@ from engine.zero.grad_sync import GradReducer
 from engine.zero.hooks import ZeroHooks
 from engine.zero.offload_policy import OffloadPolicy, build_offloaded_optimizer
 from engine.zero.param_gather import ParamGatherer
-from engine.zero.policy import ChunkKind, ShardingPolicy
 from engine.zero.runtime import StepParts, ZeroRuntime
 from engine.zero.weight_files import assign_weight_files
 from engine.zero.zero_init import materialize_parameters, zero_init_placeholders, zero_init_recording
-from offload.chunk import DEFAULT_CHUNK_CAPACITY
-
-# reduce_bucket_size defaults to 5e8 elements (DeepSpeed); a chunk that large would leave nothing
-# to overlap with backward, so the default chunk is capped (16 MiB of fp32, DDP's bucket scale).
-# The first-registered parameters (embeddings) get their gradients last in backward, so the first
-# chunk's all-reduce cannot overlap with compute: it is kept at 1/8 of the others.
-FIRST_CHUNK_FRACTION = 8
-
-
-def chunk_layout(config: Config, shards: int = 1) -> tuple[int, int | None]:
-    """(capacity, first chunk's capacity): `zero_optimization.chunk_size` for every chunk when given;
-    else a small first chunk and the default cap. Both are rounded up to a multiple of `shards`
-    (Note [sharding policy]); chunks are trimmed to what they hold (Note [chunk packing])."""
-    zero = config.zero_optimization
-    if zero.chunk_size is not None:
-        return _round_up(zero.chunk_size, shards), None
-    target = DEFAULT_CHUNK_CAPACITY
-    if zero.reduce_bucket_size != "auto":
-        target = min(zero.reduce_bucket_size, target)
-    first = _round_up(max(target // FIRST_CHUNK_FRACTION, 1), shards)
-    return _round_up(target, shards), first
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def initialize(
@@ -129,10 +104,11 @@ def initialize(
     recording, meta_of = zero_init_placeholders(model, mesh.device)  # Note [zero_init]
     comm = CommCounter(collectives=collectives) if collectives is not None else CommCounter()
     configured = configured_features(BuildContext(cfg, plan, mesh, comm, frozenset(meta_of)))
-    _to_device(model, mesh.device, _homed_on_host(model, cfg, any(f.rebuilds_parameters for f in configured)))
+    _to_device(model, mesh.device, _homed_on_host(model, cfg, plan.chunks, any(f.rebuilds_parameters
+                                                                                 for f in configured)))
     features = build_features(model, configured)  # Note [feature objects]
     groups = _param_groups(model, optimizer, model_parameters, meta_of, features)
-    chunked = chunk_parameters(model, cfg, mesh, groups, pending=set(meta_of), features=features)
+    chunked = chunk_parameters(model, cfg, mesh, groups, pending=set(meta_of), features=features, layout=plan.chunks)
     model.to(mesh.device)  # buffers and parameters this rank holds in no chunk join the model there
     data_parallel = DataParallelGroup(mesh.zero.group, mesh.zero.rank, mesh.zero.size, comm)
     whole_names = features.whole_names()  # None: this rank's model is the whole model
@@ -177,16 +153,16 @@ def build_features(model: nn.Module, configured: list[Feature]) -> Features:
 
 
 def chunk_parameters(model: nn.Module, cfg: Config, mesh: Mesh, groups: list[dict],
-                     pending: set[int] = frozenset(), features: Features | None = None) -> ChunkedParams:
+                     pending: set[int] = frozenset(), features: Features | None = None,
+                     layout: ChunkLayout | None = None) -> ChunkedParams:
     """The trainable parameters of `groups`, and the model's frozen ones (Note [frozen chunks]), packed into chunks
     and sharded over the data-parallel ranks as the ZeRO stage's ShardingPolicy says (Note [sharding policy]);
     `pending`: ids of parameters whose values zero_init brings later; `features`: the features built on the model,
     which say which parameters this rank holds and their names in the whole model, which chunks reduce over a group
-    of their own (experts'), and each parameter's weight in the global norm (Note [feature objects])."""
+    of their own (experts'), and each parameter's weight in the global norm (Note [feature objects]); `layout`: the
+    plan's (default: resolved from `cfg` here)."""
     features = features if features is not None else Features([])
-    policy = ShardingPolicy(cfg.zero_optimization.stage)
-    shards = mesh.shard.size if policy.shards(ChunkKind.OPTIM) else 1
-    capacity, first_capacity = chunk_layout(cfg, shards)
+    layout = layout if layout is not None else chunk_layout_of(cfg, mesh)
     names = features.whole_names() or {id(p): n for n, p in model.named_parameters()}
     frozen = [p for p in model.parameters() if not p.requires_grad and features.holds(p)]  # Note [frozen chunks]
     int8 = int8_frozen_weights(model, frozen) if cfg.zero_optimization.quantize_frozen == "int8" else frozenset()
@@ -194,16 +170,10 @@ def chunk_parameters(model: nn.Module, cfg: Config, mesh: Mesh, groups: list[dic
         warnings.warn("zero_optimization.quantize_frozen \"int8\": the model has no frozen nn.Linear weight, so "
                       "nothing is quantized (weights of other layers, e.g. GPT-2's Conv1D, stay in the compute "
                       "dtype); freeze the base before initialize(), or remove quantize_frozen", stacklevel=3)
-    layout = ChunkLayout(capacity, first_capacity, shard_count=shards, shard_rank=mesh.shard.rank if shards > 1 else 0,
-                         shard_grads=policy.shards(ChunkKind.GRAD), shard_params=policy.shards(ChunkKind.PARAM),
-                         persistence_threshold=persistence_threshold(cfg),
-                         compute_dtype=PrecisionPolicy.from_config(cfg).compute_dtype,
-                         page_params=cfg.zero_optimization.offload_param.device in OFFLOADED or bool(int8),
-                         page_grads=_pages_grads(cfg), offloaded=_offloaded_kinds(cfg),
-                         fp32_masters=not cfg.bf16.bf16_master_weights_and_grads,
-                         state_blocks=state_blocks(cfg.optimizer))
+    if int8:  # Note [int8 frozen chunks]: paged in around their use, like offloaded parameters
+        layout = dataclasses.replace(layout, page_params=True)
     chunked = ChunkedParams(groups, layout, mesh.device, names, pending=pending,
-                            experts=features.separate_chunks(shards > 1), frozen=frozen, int8=int8)
+                            experts=features.separate_chunks(layout.shard_count > 1), frozen=frozen, int8=int8)
     chunked.norm_weights = features.norm_weights(model, chunked)
     return chunked
 
@@ -216,22 +186,14 @@ def int8_frozen_weights(model: nn.Module, frozen: list[nn.Parameter]) -> frozens
                      if isinstance(m, nn.Linear) and id(m.weight) in frozen_ids and m.weight.dim() == 2)
 
 
-def _offloaded_kinds(cfg: Config) -> frozenset[str]:
-    """The chunk kinds a chunk manager will hold (Note [offload policy]): their shards start as placeholders."""
-    zero = cfg.zero_optimization
-    kinds = {"optim", "grad"} if zero.offload_optimizer.device in OFFLOADED else set()
-    return frozenset(kinds | ({"param"} if zero.offload_param.device in OFFLOADED else set()))
-
-
-def _homed_on_host(model: nn.Module, cfg: Config, rebuilt: bool) -> set[int]:
+def _homed_on_host(model: nn.Module, cfg: Config, layout: ChunkLayout, rebuilt: bool) -> set[int]:
     """Note [a bounded start]: ids of the parameters whose shards offload_param keeps on the host — the sharded
     (non-persistent) ones, trainable or frozen (Note [frozen chunks]) — which need not visit the device on their
     way into their chunks. Only where no feature rebuilds the parameters before chunking (`rebuilt`)."""
     zero = cfg.zero_optimization
     if zero.stage != 3 or zero.offload_param.device not in OFFLOADED or rebuilt:
         return set()
-    threshold = persistence_threshold(cfg)
-    return {id(p) for p in model.parameters() if p.is_floating_point() and p.numel() >= threshold}
+    return {id(p) for p in model.parameters() if p.is_floating_point() and p.numel() >= layout.persistence_threshold}
 
 
 def _to_device(model: nn.Module, device: torch.device, keep: set[int]) -> None:
@@ -255,13 +217,6 @@ def _to_device(model: nn.Module, device: torch.device, keep: set[int]) -> None:
         for name, b in module.named_buffers(recurse=False):
             if b is not None and b.device != device:
                 module._buffers[name] = b.to(device)
-
-
-def _pages_grads(cfg: Config) -> bool:
-    """Note [device tier]: offloaded optimizer states at stage 2-3 keep gradient shards with one rank too, so that
-    the gradients go to the host with them (Note [paging in one process])."""
-    zero = cfg.zero_optimization
-    return zero.offload_optimizer.device in OFFLOADED and zero.stage >= 2
 
 
 def build_chunk_optimizer(cfg: Config, chunked: ChunkedParams, device: torch.device,
@@ -323,12 +278,6 @@ def build_monitor(cfg: Config, mesh: Mesh, runtime: ZeroRuntime,
                           (lambda: manager.stats) if manager is not None else None)
     return Monitor(cfg.tensorboard, cfg.steps_per_print, is_writer_rank=mesh.world.rank == 0, device=mesh.device,
                    step_metrics=metrics)
-
-
-def persistence_threshold(cfg: Config) -> int:
-    """Stage 3: parameters with fewer elements stay gathered (`auto`: 100,000, DeepSpeed's default)."""
-    threshold = cfg.zero_optimization.stage3_param_persistence_threshold
-    return 100_000 if threshold == "auto" else threshold
 
 
 def _param_groups(model: nn.Module, optimizer, model_parameters, meta_of: dict[int, torch.Tensor],

@@ -36,9 +36,9 @@ import torch
 
 from engine.config import Config
 from engine.config_checks import OFFLOADED
-from engine.initialization import chunk_layout, persistence_threshold
 from engine.optim import build_optimizer, state_blocks
 from engine.optimizers.tiled_adam import TILE
+from engine.plan import chunk_layout, persistence_threshold
 from engine.precision import PrecisionPolicy
 from engine.zero.offload_policy import OffloadPolicy, nvme_window
 from engine.zero.policy import ChunkKind, ShardingPolicy
