@@ -81,7 +81,8 @@ class _Mismatch:
 def derive_plan(model: nn.Module, tp: int) -> DerivedPlan:
     """A 1D plan for `model` at tensor-parallel size `tp` (Note [derived tensor-parallel plans])."""
     cls = type(model).__name__
-    copy, mode, args, kwargs, whole = traced(model)
+    model_copy = traced(model)
+    copy, mode, whole = model_copy.copy, model_copy.mode, model_copy.whole
     layers = layers_of(copy)
     settled, decisions, first = propagate(whole, layers, tp, frozenset(id(p) for p in copy.parameters()))
     styles = styles_of(settled, decisions, layers)
@@ -90,21 +91,32 @@ def derive_plan(model: nn.Module, tp: int) -> DerivedPlan:
                          f"{_why_none(first, whole, layers)}{_subclassed_linears(model)}; give tensor_parallel.plan "
                          f"as {{module-name glob: style}}, or use tensor_parallel.size 1")
     _install_per_rank_layers(copy, styles, tp, mode)
-    changes = adjustments(copy, whole, settled, tp, mode, args, kwargs, cls)
+    changes = adjustments(model_copy, settled, tp, cls)
     names = {id(p): n for n, p in copy.named_parameters()}
     partial = sorted(names[pid] for pid in settled.partial if pid in names)  # (a replaced layer's: split, not whole)
     return DerivedPlan(styles, changes, _streams(settled, cls), tuple(partial))
 
 
-def traced(model: nn.Module, kind=module_kind, batch: int = BATCH) -> tuple[nn.Module, FakeTensorMode, tuple, dict,
-                                                                          Trace]:
-    """(a fake copy of the model, its fake mode, the example input's args and kwargs, the copy's traced forward)."""
+@dataclass(frozen=True)
+class TracedCopy:
+    """A fake copy of the model, its fake mode, the example input's args and kwargs, and the copy's traced forward
+    (the whole model's shapes, which the per-rank copy is checked against)."""
+
+    copy: nn.Module
+    mode: FakeTensorMode
+    args: tuple
+    kwargs: dict
+    whole: Trace
+
+
+def traced(model: nn.Module, kind=module_kind, batch: int = BATCH) -> TracedCopy:
+    """The model copied onto fake tensors and its forward traced on an example input."""
     mode = FakeTensorMode()
     described = "an example input"
     try:
         copy = fake_copy(model, mode)
         args, kwargs, described = example_input(copy, mode, batch)
-        return copy, mode, args, kwargs, trace(copy, args, kwargs, mode, kind)
+        return TracedCopy(copy, mode, args, kwargs, trace(copy, args, kwargs, mode, kind))
     except Exception as error:  # the user's model and forward: whatever fails is reported, with the fix
         where = f" in module {error.module!r}" if isinstance(error, TraceFailed) else ""
         raise ValueError(f"tensor_parallel.plan \"auto\": {type(model).__name__} has no built-in plan, and deriving "
@@ -171,12 +183,11 @@ def _install_per_rank_layers(copy: nn.Module, styles: dict[str, str], tp: int, m
         setattr(copy.get_submodule(parent) if parent else copy, attr, local)
 
 
-def _check(copy: nn.Module, whole: Trace, settled: Pass, tp: int, mode, args, kwargs,
-           kind=module_kind) -> _Mismatch | None:
+def _check(model_copy: TracedCopy, settled: Pass, tp: int, kind=module_kind) -> _Mismatch | None:
     """The per-rank copy's forward against the whole one's shapes, every split dim divided by tp."""
-    failure = None
+    failure, whole = None, model_copy.whole
     try:
-        local = trace(copy, args, kwargs, mode, kind)
+        local = trace(model_copy.copy, model_copy.args, model_copy.kwargs, model_copy.mode, kind)
     except TraceFailed as error:
         local, failure = error.partial, error
     for i, (w, lo) in enumerate(zip(whole.ops, local.ops)):
@@ -249,10 +260,12 @@ def _attribute_groups(copy: nn.Module, whole: Trace, settled: Pass, tp: int) -> 
     return groups
 
 
-def adjustments(copy, whole, settled, tp, mode, args, kwargs, cls, kind=module_kind) -> list[tuple[str, str, int]]:
+def adjustments(model_copy: TracedCopy, settled: Pass, tp: int, cls: str,
+                kind=module_kind) -> list[tuple[str, str, int]]:
     """The smallest set of attribute groups at their per-rank values under which the check passes (an attribute
     that only happens to equal a split size, GPT-NeoX's rotary_ndims, must not change)."""
-    groups = _attribute_groups(copy, whole, settled, tp)
+    copy = model_copy.copy
+    groups = _attribute_groups(copy, model_copy.whole, settled, tp)
     subsets = [[]] if len(groups) > MAX_ATTRIBUTE_GROUPS else \
         [list(s) for k in range(len(groups) + 1) for s in itertools.combinations(groups, k)]
     furthest = None
@@ -262,7 +275,7 @@ def adjustments(copy, whole, settled, tp, mode, args, kwargs, cls, kind=module_k
         saved = [(name, attr, getattr(copy.get_submodule(name), attr)) for name, attr, _ in changes]
         for name, attr, value in changes:
             setattr(copy.get_submodule(name), attr, value)
-        mismatch = _check(copy, whole, settled, tp, mode, args, kwargs, kind)
+        mismatch = _check(model_copy, settled, tp, kind)
         for name, attr, value in saved:
             setattr(copy.get_submodule(name), attr, value)
         if mismatch is None:

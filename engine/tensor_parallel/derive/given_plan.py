@@ -65,7 +65,8 @@ def partial_gradients_of(model: nn.Module, styles: dict[str, str], tp: int) -> t
     """The names of the whole parameters whose gradient each tp rank computes a part of under the 1D plan
     `styles` ({glob: style}); raises where no sum makes the gradient right."""
     try:
-        copy, _mode, _args, _kwargs, whole = traced(model, replaceable_kind)
+        model_copy = traced(model, replaceable_kind)
+        copy, whole = model_copy.copy, model_copy.whole
     except ValueError as error:
         warnings.warn(f"tensor_parallel.plan: {type(model).__name__}'s forward does not run on fake tensors "
                       f"({error.__cause__}), so whether whole parameters meet the plan's splits is not checked "

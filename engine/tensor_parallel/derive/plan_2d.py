@@ -135,12 +135,13 @@ def derive_plan_2d(model: nn.Module, q: int) -> DerivedPlan:
     """A 2D plan for `model` on a q×q mesh (Note [derived 2D plans])."""
     cls = type(model).__name__
     _check_modules(model, cls)
-    copy, mode, args, kwargs, whole = traced(model, kind_2d, BATCH_PER_BLOCK * q)
+    model_copy = traced(model, kind_2d, BATCH_PER_BLOCK * q)
+    copy, mode, whole = model_copy.copy, model_copy.mode, model_copy.whole
     layers = {name: Layer(kind, 0, False, tuple(id(p) for p in m.parameters(recurse=False)))
               for name, m in copy.named_modules() if (kind := kind_2d(m)) is not None}
     result, decisions = _propagate(whole, layers, q, cls)
     held = {id(t) for t in copy.parameters()} | {id(t) for t in copy.buffers()}
-    batch = BatchPropagation(whole, layers, q, decisions, _cut_inputs(copy, args), held).run()
+    batch = BatchPropagation(whole, layers, q, decisions, _cut_inputs(copy, model_copy.args), held).run()
     for blocked, module in batch.blocked.values():
         where = repr(module) if module else "the model's own forward"
         raise _refuse(cls, f"the forward mixes the samples of its batch, which 2D cuts into {q} blocks before it "
@@ -156,7 +157,7 @@ def derive_plan_2d(model: nn.Module, q: int) -> DerivedPlan:
         else:
             styles[name] = "linear_2d_qkv" if result.parts.get(name) == {3} else "linear_2d"
     _install_per_rank_layers(copy, styles, q, mode, cls)
-    return DerivedPlan(styles, adjustments(copy, whole, result, q, mode, args, kwargs, cls, kind_2d))
+    return DerivedPlan(styles, adjustments(model_copy, result, q, cls, kind_2d))
 
 
 def _cut_inputs(model: nn.Module, args: tuple) -> set[int]:
