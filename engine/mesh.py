@@ -204,6 +204,10 @@ class Mesh:
                  "pp": pp, "tp": tp, "sp": sp, "ep": ep, "tp_row": 1, "tp_col": 1}
         return cls(None, torch.device(device), **{name: Axis(None, 0, size) for name, size in sizes.items()})
 
+    def sizes(self) -> dict[str, int]:
+        """Every axis's size by name."""
+        return {name: getattr(self, name).size for name in self.AXES}
+
     @property
     def in_first_copy(self) -> bool:
         """This rank's ZeRO shards are the first copy's (every rank's, without hybrid sharding): the copy a

@@ -50,8 +50,8 @@ def test_no_source_file_is_over_600_lines():
 PARALLELISM_NAMES = {"tensor_parallel", "pipeline", "sequence", "experts", "split", "tp_size", "pp_size", "sp_size",
                      "ep_size", "tp_mode", "ep_group", "pp_group", "sp_group", "tp_group", "num_stages",
                      "seq_parallel_world_size", "ep_world_size", "tp_world_size",
-                     "tp", "sp", "tp_row", "tp_col"}  # the mesh's axes (Note [one mesh]); pp, ep, edp: still read by
-# the checkpoint reader's locations and expert records
+                     "tp", "sp", "tp_row", "tp_col", "pp", "ep", "edp",  # the mesh's axes (Note [one mesh])
+                     "ep_rank", "edp_rank", "pp_rank", "is_expert", "ep_members", "expert"}  # per-rank records
 # Engine and initialize, which fold over the features, and the checkpoint code, which reads and writes tensors by
 # their placements (Note [placements])
 FEATURE_BLIND_FILES = ["engine/engine.py", "engine/initialization.py",
@@ -72,6 +72,32 @@ def test_the_engine_never_branches_on_a_parallelism():
             tests = [node.test] if isinstance(node, (ast.If, ast.IfExp, ast.While)) else []
             tests += node.ifs if isinstance(node, ast.comprehension) else []
             found += [f"{name}:{t.lineno}: {ast.unparse(t)}" for t in tests if _names_in(t) & PARALLELISM_NAMES]
+    assert not found, found
+
+
+CHECKPOINT_FILES = sorted((ROOT / "engine/checkpoint").rglob("*.py"))
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+
+
+def test_the_checkpoint_code_names_no_parallelism():
+    """Note [reading a checkpoint anywhere]: saving and reading work from placements only, so no name, attribute,
+    argument or string of engine/checkpoint/ (docstrings aside) is a mesh axis or a parallelism's per-rank record;
+    checkpoints of earlier versions, which had them, are translated in engine/compat/checkpoint_formats.py."""
+    found = []
+    for path in CHECKPOINT_FILES:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            words = _names_in(node) if isinstance(node, (ast.Name, ast.Attribute)) else set()
+            words |= {node.arg} if isinstance(node, ast.arg) else set()
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                words.add(node.value)
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: {w}" for w in sorted(words & PARALLELISM_NAMES)]
     assert not found, found
 
 

@@ -236,7 +236,8 @@ def test_pp2_matches_one_process_and_gives_the_whole_state_dict(legs, reference)
     assert exported.keys() == reference[1].keys()
     assert all(torch.equal(exported[k], v) for k, v in two[0]["full"].items())
     manifest = json.load(open(os.path.join(root, "pp2", f"global_step{SAVED}", "manifest.json")))
-    assert manifest["layout"]["pp"] == 2 and manifest["version"] == 2
+    assert manifest["layout"]["sizes"]["pp"] == 2 and manifest["version"] == 3  # one version for every layout
+    assert len(manifest["parts"]) == 2  # each stage's optimizer options
     assert manifest["aliases"] == {"lm_head.weight": "wte.weight"}
 
 

@@ -14,15 +14,16 @@ Gradients are not saved: a checkpoint is taken at an accumulation boundary, wher
 Frozen parameters (in frozen chunks: Note [frozen chunks], gathered for the save under stage 3),
 parameters outside chunks and buffers are saved whole by data-parallel rank 0 of each tensor-parallel
 rank ("extra" entries), and loaded into their chunks (this rank's shard of a frozen chunk).
-Under a pipeline (layout "pp" > 1, manifest version 2) each pipeline rank has chunk lists of its
-own, and so its own sections: "chunks", "extras", "param_groups" and "lr_scheduler" become lists by
-pipeline rank (its optimizer has the param groups of the parameters it holds). Chunk members carry
-their names in the whole model (Note [pipeline stages of an unmodified model]), so a name is found in
-whichever stage's files hold it; a tied weight two stages hold is saved by both and read from the
-first. "state_dict_keys" are the unsplit model's, "tp_specs" every stage's cuts, and "aliases" every
-stage's, including a stage's later key for a tied weight it holds (the last stage's lm_head.weight ->
-wte.weight). The saver writes all of it from the placements and the per-stage sections it is given,
-never asking which parallelism made them: several stage sections are written as lists (version 2).
+The manifest lists every saved chunk once (format version 3, for every layout): its key in the files, its size,
+the file holding each of its shards in shard order, and its members with their placements (name in the whole model,
+the tensor-parallel piece, the slice of a fused expert tensor). The ranks of one chunk are found by its home, the
+global rank holding its shard 0, so that a chunk a pipeline stage, an ep rank or a tensor-parallel rank saved is
+listed apart from the others' without the saver asking which parallelism made them. Chunk members carry their
+names in the whole model (Note [pipeline stages of an unmodified model]), so a name is found in whichever chunk
+holds it; a tied weight two stages hold is saved by both and read from the first. "parts" keeps each part of the
+model's param groups and lr-scheduler state (Feature.stage: a pipeline stage's optimizer has the groups of the
+parameters it holds); "state_dict_keys" are the unsplit model's, "tp_specs" every part's cuts, and "aliases" every
+part's, including a stage's later key for a tied weight it holds (the last stage's lm_head.weight -> wte.weight).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch import nn
 
 from engine.comm import shard_range
 from engine.placement import Placement
+from engine.zero.chunk_state import ShardPlace
 from engine.zero.chunked_params import ChunkedParams
 
 
@@ -93,12 +95,9 @@ class LiveStates:
         placed = [(self.placements.get(name, Placement(name)), slot) for name, slot in named]
         return [Member(at.name, slot.offset, tuple(slot.shape), at.base, at.whole) for at, slot in placed]
 
-    def is_expert(self, index: int) -> bool:
-        """Chunk `index` holds experts: reduced and sharded over its own group (Note [expert parallelism])."""
-        return self.chunked.states[index].place.group is not None
-
-    def shard_count(self, index: int) -> int:
-        return self.chunked.states[index].place.count
+    def place(self, index: int) -> ShardPlace:
+        """The ranks chunk `index` is reduced over and sharded across, and this rank's shard."""
+        return self.chunked.states[index].place
 
     def chunk_numel(self, index: int) -> int:
         return self.chunked.chunk_numel(index)

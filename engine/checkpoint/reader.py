@@ -4,22 +4,18 @@ Note [reading a checkpoint anywhere]
 Loading works from placements (Note [placements]): every tensor this rank holds has a live placement,
 and every saved tensor is a set of saved cut pieces, each with a placement of its own. A cut piece (the
 whole tensor when it was not cut) is addressed by its name, its cut rank and a range of its flattened
-elements; the manifest's chunk lists turn that into pieces of files (Note [checkpoint layout]): the
-pipeline rank and chunk holding it, its offset, and the data-parallel shards of the chunk the range
-crosses, so a range is read from whichever saved chunks cover it — a pipeline stage's names wherever
-they were saved, a fused expert tensor's range from the ep ranks that held it — under any layout.
+elements; the saved chunks (engine/checkpoint_tables.py) turn that into pieces of files: the chunk
+holding it, its offset, and the shards of the chunk the range crosses, each in the file the manifest names, so a
+range is read from whichever saved chunks cover it — a pipeline stage's names wherever they were saved, a fused
+expert tensor's ranges from the chunks of the ep ranks that held them — under any layout.
 For each live placement: when the saved piece of the same cut rank was cut the same way (equal cut
 keys; both uncut included), its elements are read directly; otherwise every saved cut piece is read,
 joined into the whole tensor (Spec.join) and cut as the live placement cuts it (Placement.take), one
-tensor at a time. The manifest's layout fields ("tp", "ep", version 2's per-stage sections, "tp_specs")
-are read in one place, Checkpoint's constructor, which turns them into the saved placements, so a
-checkpoint of either version loads the same way. A reader first *plans* — lists the pieces it will
-read, hence the files to verify — and only then reads, so every file is checked before any state is
-changed.
-Experts (Note [expert parallelism], layout "ep" > 1) are found by global expert id: an expert chunk lists each
-ep rank's members ("ep_members"), is sharded over its own group ("shards" ways; shard d of ep rank e is in the file
-of data-parallel rank d·ep + e), and a fused expert tensor's member covers elements [base, base + its numel) of the
-whole tensor (experts first), so a parameter may have one location per ep rank.
+tensor at a time. The manifest is read in one place, Checkpoint's constructor, which turns it into SavedTables:
+this version's lists as they are, versions 1 and 2's layout fields ("tp", "pp", "ep", per-stage sections,
+"ep_members") by engine/compat/checkpoint_formats.py, so a checkpoint of any version loads the same way. A reader
+first *plans* — lists the pieces it will read, hence the files to verify — and only then reads, so every file is
+checked before any state is changed.
 """
 
 from __future__ import annotations
@@ -36,12 +32,14 @@ import torch
 
 from engine.checkpoint.encoding import decode_spec
 from engine.checkpoint.files import CheckpointError, CheckpointIntegrityError, FileRecord, open_tensors, verify
+from engine.checkpoint_tables import SavedChunk, SavedTables
 from engine.comm import shard_range
+from engine.compat.checkpoint_formats import legacy_tables
 from engine.placement import Placement
 
 FORMAT = "tiers-checkpoint"
-VERSION = 1
-PIPELINE_VERSION = 2  # per-stage sections, lists by pipeline rank (Note [checkpoint layout]); pp 1 writes VERSION
+VERSION = 3  # every layout: saved chunks with their shards' files, members by placement (Note [checkpoint layout])
+READ_VERSIONS = (1, 2, VERSION)  # 1 and 2: engine/compat/checkpoint_formats.py
 MANIFEST = "manifest.json"
 LATEST = "latest"
 
@@ -61,26 +59,6 @@ class Piece:
     lo: int  # elements [lo, hi) of the stored tensor
     hi: int
     dst: int  # where they go in the requested range
-
-
-@dataclass(frozen=True)
-class Location:
-    chunk: int
-    offset: int
-    shape: tuple[int, ...]  # what this chunk holds of it
-    pp: int = 0  # the pipeline rank whose files hold it
-    ep: int = -1  # an expert chunk's ep rank; -1: a dense chunk, every ep rank's
-    shards: int = 1  # the data-parallel shards of its chunk
-    base: int = 0  # the element of the whole tensor it starts at (a fused expert tensor's slice)
-    whole: tuple[int, ...] | None = None  # the whole tensor's shape; None: `shape`
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def whole_shape(self) -> tuple[int, ...]:
-        return self.whole if self.whole is not None else self.shape
 
 
 def read_latest(directory: str) -> str | None:
@@ -119,64 +97,34 @@ class Checkpoint:
                                            "the manifest is damaged: load another tag") from None
         if manifest.get("format") != FORMAT:
             raise CheckpointError(f"{path} is not a Tiers checkpoint manifest")
-        if manifest.get("version") not in (VERSION, PIPELINE_VERSION):
+        if manifest.get("version") not in READ_VERSIONS:
             raise CheckpointError(f"{path} has format version {manifest.get('version')}; this Tiers reads versions "
-                                  f"{VERSION} and {PIPELINE_VERSION}")
+                                  f"{', '.join(map(str, READ_VERSIONS))}")
         self.manifest = manifest
         self.layout = manifest["layout"]
-        # the layout's fields, read here only, become the saved pieces' placements (Note [reading a checkpoint
-        # anywhere]): "tp" cut pieces of each tensor ("tp_specs"), sections by stage (version 2), expert groups
-        self.cut_size = self.layout["tp"]
-        self._sections = manifest["version"] == PIPELINE_VERSION
-        self.shard_count = self.layout["shard_count"]
-        self._expert_groups = self.layout.get("ep", 1)
-        self._world = (self.layout["world_size"], self.cut_size, self.layout.get("pp", 1), self.layout.get("device"))
         bad = [f["name"] for f in manifest["files"] if not _RANK_FILE.fullmatch(f["name"])]
         if bad:
             raise CheckpointIntegrityError(f"{path} lists the file {bad[0]!r}, which is not a rank file name; the "
                                            "manifest is damaged or not written by Tiers")
         self.files = {f["name"]: FileRecord(f["name"], f["bytes"], f["sha256"]) for f in manifest["files"]}
-        self._file_of = {(f.get("pp_rank", 0), f["dp_rank"], f["tp_rank"]): f["name"] for f in manifest["files"]}
         self._rank_file = {f["rank"]: f["name"] for f in manifest["files"]}
-        self.chunk_numels: dict[tuple[int, int], list[int]] = {}  # (pp rank, tp rank) -> its chunks' sizes
-        self.locations: dict[int, dict[str, list[Location]]] = {}  # tp rank -> name -> where (every stage's)
-        self.extras: dict[int, dict[str, int]] = {}  # tp rank -> key -> the pipeline rank holding it
+        # the saved pieces as placements, from this version's manifest or an earlier one's layout fields
+        tables = (_tables(manifest) if manifest["version"] == VERSION else legacy_tables(manifest)).cover_cut_ranks()
+        self.tables = tables
+        self.cut_size = tables.cut_size
+        self.locations = tables.locations  # cut rank -> name -> where (every part's)
+        self.extras = tables.extras  # cut rank -> key -> the file holding it
         self.excluded_frozen = set(manifest.get("excluded_frozen", []))  # saved with exclude_frozen_parameters
-        for pp, (chunks_of, extras_of) in enumerate(zip(self.stages("chunks"), self.stages("extras"))):
-            for tp, chunks in chunks_of.items():
-                tp = int(tp)
-                self.chunk_numels[(pp, tp)] = [c["numel"] for c in chunks]
-                found = self.locations.setdefault(tp, {})
-                for i, c in enumerate(chunks):
-                    for location, name in self._chunk_locations(i, c, pp):
-                        held = found.setdefault(name, [])
-                        if not held or held[0].pp == pp:  # two stages holding one (tied): the first's is read
-                            held.append(location)
-                for held in found.values():
-                    held.sort(key=lambda loc: loc.base)
-            for tp, entries in extras_of.items():
-                held = self.extras.setdefault(int(tp), {})
-                for key in entries:
-                    held.setdefault(key, pp)
         self.cuts = {name: decode_spec(spec) for name, spec in manifest["tp_specs"].items()}
         self.tensor_states: list[str] = manifest["optimizer"]["tensor_states"]
         self.scalar_states: list[str] = manifest["optimizer"]["scalar_states"]
         # entries per element of the states that are not one per element (Note [block-wise optimizer states])
         self.state_entries = {k: Fraction(v) for k, v in manifest["optimizer"].get("entries", {}).items()}
 
-    def _chunk_locations(self, index: int, chunk: dict, pp: int):
-        """(location, name) of each member of saved chunk `index`: every ep rank's, for an expert chunk."""
-        if not chunk.get("expert"):
-            for name, offset, shape, *extent in chunk["members"]:
-                yield Location(index, offset, tuple(shape), pp, -1, self.shard_count, *_extent(extent)), name
-            return
-        for ep, members in enumerate(chunk["ep_members"]):
-            for name, offset, shape, *extent in members:
-                yield Location(index, offset, tuple(shape), pp, ep, chunk["shards"], *_extent(extent)), name
-
     def stages(self, key: str) -> list:
-        """A per-stage manifest entry as a list by pipeline rank (one element when the model was not split)."""
-        return self.manifest[key] if self._sections else [self.manifest[key]]
+        """A per-part manifest entry ("param_groups", "lr_scheduler") as a list by part of the model (one element
+        when the model was not split)."""
+        return self.tables.parts[key]
 
     def placement(self, name: str, index: int) -> Placement:
         """Saved cut piece `index` of tensor `name`: how it was cut, whole after that (all experts, every stage's)."""
@@ -201,43 +149,41 @@ class Checkpoint:
         """The shape of saved cut piece `tp_rank` of parameter `name`."""
         return self.locations[tp_rank][name][0].whole_shape
 
-    def _file(self, loc: Location, shard: int, tp_rank: int) -> str:
-        """The file holding shard `shard` of the chunk at `loc` (a chunk of its own group: that group's)."""
-        dp = shard if loc.ep < 0 else shard * self._expert_groups + loc.ep
-        return self._file_of[(loc.pp, dp, tp_rank)]
-
     def pieces(self, name: str, kind: str, tp_rank: int, start: int, stop: int,
                ratio: Fraction = Fraction(1)) -> list[Piece]:
         """Where elements [start, stop) of saved cut piece `tp_rank` of parameter `name` are stored, from whichever
         saved chunks cover them; kind "param" (fp32 values) or a tensor state name (e.g. "exp_avg"), whose tensors
         hold `ratio` entries per element (the pieces are in entries; the elements lie on whole entries)."""
-        key = f"{'param' if kind == 'param' else 'optim.' + kind}"
+        suffix = "param" if kind == "param" else f"optim.{kind}"
         out = []
-        for loc in self.locations[tp_rank][name]:  # (one per ep rank holding part of a fused expert tensor)
+        for loc in self.locations[tp_rank][name]:  # (one per saved slice: a fused expert tensor's ranges)
             lo_el, hi_el = max(start, loc.base), min(stop, loc.base + loc.numel)
             if lo_el >= hi_el:
                 continue
-            numel = self.chunk_numels[(loc.pp, tp_rank)][loc.chunk]
-            _, n = shard_range(numel, 0, loc.shards)
+            chunk = self.tables.chunks[loc.chunk]
+            shards = len(chunk.files)
+            _, n = shard_range(chunk.numel, 0, shards)
             a, b = loc.offset + lo_el - loc.base, loc.offset + hi_el - loc.base
             for d in range(a // n, (b - 1) // n + 1):
-                first, _ = shard_range(numel, d, loc.shards)
+                first, _ = shard_range(chunk.numel, d, shards)
                 lo, hi = max(a, first), min(b, first + n)
-                out.append(Piece(self._file(loc, d, tp_rank), f"chunk.{loc.chunk}.{key}", int((lo - first) * ratio),
+                out.append(Piece(chunk.files[d], f"{chunk.key}.{suffix}", int((lo - first) * ratio),
                                  int((hi - first) * ratio), int((lo - a + lo_el - start) * ratio)))
         return out
 
     def scalar_piece(self, name: str, state: str, tp_rank: int) -> Piece:
         """Where the scalar optimizer state `state` (e.g. "step") of the chunk holding `name` is (shard 0's copy)."""
-        loc = self.locations[tp_rank][name][0]
-        return Piece(self._file(loc, 0, tp_rank), f"chunk.{loc.chunk}.optim.{state}", 0, 0, 0)
+        chunk = self.tables.chunks[self.locations[tp_rank][name][0].chunk]
+        return Piece(chunk.files[0], f"{chunk.key}.optim.{state}", 0, 0, 0)
 
     def extra_piece(self, key: str, tp_rank: int) -> Piece:
-        return Piece(self._file_of[(self.extras[tp_rank][key], 0, tp_rank)], f"extra.{key}", 0, 0, 0)
+        return Piece(self.extras[tp_rank][key], f"extra.{key}", 0, 0, 0)
 
-    def same_world(self, world_size: int, tp_size: int, pp_size: int, device: str) -> bool:
-        """Saved by the same ranks in the same grid on the same kind of device (each rank's generators are its own)."""
-        return self._world == (world_size, tp_size, pp_size, device)
+    def same_world(self, sizes: dict[str, int], device: str) -> bool:
+        """Saved by the same ranks doing the same jobs (every size the checkpoint recorded) on the same kind of
+        device: each rank's generators are its own."""
+        saved = self.tables.sizes
+        return device == self.layout.get("device") and all(sizes.get(k, 1) == v for k, v in saved.items())
 
     def rank_file(self, rank: int) -> str | None:
         return self._rank_file.get(rank)
@@ -297,9 +243,20 @@ class PieceReader:
         self._open.clear()
 
 
-def _extent(saved: list) -> tuple[int, tuple[int, ...] | None]:
-    """A member's optional [base, whole shape] (a fused expert tensor's slice) as Location fields."""
-    return (saved[0], tuple(saved[1])) if saved else (0, None)
+def _tables(manifest: dict) -> SavedTables:
+    """This version's manifest as SavedTables: its saved chunks, extras and parts are listed as they are."""
+    layout = manifest["layout"]
+    tables = SavedTables(parts={key: [part[key] for part in manifest["parts"]]
+                                for key in ("param_groups", "lr_scheduler")},
+                         cut_size=layout["cut_size"], sizes={"world": layout["world_size"], **layout["sizes"]})
+    for chunk in manifest["chunks"]:
+        tables.add_chunk(SavedChunk(chunk["key"], chunk["numel"], tuple(chunk["files"])), chunk["cut_rank"],
+                         chunk["members"])
+    for saved in manifest["extras"]:
+        for cut_rank in sorted({e["cut_rank"] for e in saved["entries"].values()}):
+            tables.add_extras(cut_rank, [k for k, e in saved["entries"].items() if e["cut_rank"] == cut_rank],
+                              saved["file"])
+    return tables
 
 
 def _joined(pieces: list[torch.Tensor], cut) -> torch.Tensor:

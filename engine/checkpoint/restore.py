@@ -312,7 +312,7 @@ def _agree(control: Control, error: tuple[str, str] | None) -> None:
 def _same_world(run: TrainingState, checkpoint: Checkpoint) -> bool:
     """The same ranks on the same kind of device: each rank can take its own generators back."""
     mesh = run.mesh
-    return checkpoint.same_world(mesh.world.size, mesh.tp.size, mesh.pp.size, mesh.device.type)
+    return checkpoint.same_world(mesh.sizes(), mesh.device.type)
 
 
 def _client_files(checkpoint: Checkpoint) -> set[str]:

@@ -48,7 +48,7 @@ from engine.checkpoint.files import (
     write_tensors,
     write_text,
 )
-from engine.checkpoint.reader import FORMAT, LATEST, MANIFEST, PIPELINE_VERSION, TAG, VERSION, rank_file
+from engine.checkpoint.reader import FORMAT, LATEST, MANIFEST, TAG, VERSION, rank_file
 from engine.checkpoint.snapshot import RankSnapshot, take_snapshot
 from engine.checkpoint.training_state import TrainingState
 from engine.config_sections import CheckpointConfig
@@ -221,51 +221,35 @@ class Saver:
                 save_latest: bool) -> str | None:
         """Rank 0: manifest, rename, `latest`. Returns an error message or None."""
         files = []
-        for rank, (_, record, info) in enumerate(reports):
+        for rank, (_, record, _info) in enumerate(reports):
             record = FileRecord(**record)
             if not os.path.isfile(os.path.join(partial, record.name)):
                 return (f"rank {rank} wrote {record.name}, but rank 0 does not see it in {partial}: every rank must "
                         "save into one directory on a filesystem they all share")
-            files.append({"name": record.name, "rank": rank, "pp_rank": info["pp_rank"], "dp_rank": info["dp_rank"],
-                          "tp_rank": info["tp_rank"], "ep_rank": info["ep_rank"], "bytes": record.nbytes,
-                          "sha256": record.sha256})
-        states = next((info["optimizer_states"] for _, _, info in reports if info["optimizer_states"]["tensor_states"]
-                       or info["optimizer_states"]["scalar_states"]), reports[0][2]["optimizer_states"])
-        state = self.state
-        mesh = state.mesh
-        head = {(info["pp_rank"], info["tp_rank"]): info for _, _, info in reports if info["dp_rank"] == 0}
-        experts = {(info["pp_rank"], info["tp_rank"], info["ep_rank"]): info for _, _, info in reports
-                   if info["edp_rank"] == 0}  # each ep rank's expert chunks' members (Note [expert parallelism])
-        stages = range(mesh.pp.size)
-        sections = len(stages) > 1  # Note [checkpoint layout]: per-stage sections are lists by stage (version 2)
-
-        def per_stage(value):
-            values = [value(p) for p in stages]
-            return values if sections else values[0]
-
+            files.append({"name": record.name, "rank": rank, "bytes": record.nbytes, "sha256": record.sha256})
+        infos = [info for _, _, info in reports]
+        states = next((info["optimizer_states"] for info in infos if info["optimizer_states"]["tensor_states"]
+                       or info["optimizer_states"]["scalar_states"]), infos[0]["optimizer_states"])
+        state, mesh = self.state, self.state.mesh
+        heads = [info for info in infos if "part" in info]  # the ranks that saved extras and options
         manifest = {
-            "format": FORMAT, "version": PIPELINE_VERSION if sections else VERSION, "tag": tag,
+            "format": FORMAT, "version": VERSION, "tag": tag,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "layout": {"world_size": mesh.world.size, "pp": mesh.pp.size, "dp": mesh.zero.size,
-                       "tp": mesh.tp.size, "ep": mesh.ep.size, "tp_mode": "1d", **state.features.layout(),
-                       "stage": state.stage,
-                       "shard_count": state.chunked.shard_count, "device": mesh.device.type,
-                       "compute_dtype": str(state.compute_dtype).removeprefix("torch."),
+            "layout": {"world_size": mesh.world.size, "sizes": mesh.sizes(), **state.features.layout(),
+                       "cut_size": max(info["cut_size"] for info in infos), "stage": state.stage,
+                       "device": mesh.device.type, "compute_dtype": str(state.compute_dtype).removeprefix("torch."),
                        "optimizer": _optimizer_name(state.optimizer)},
             **{k: v for k, v in common.items() if k != "tag"},
-            "lr_scheduler": per_stage(lambda p: head[(p, 0)]["lr_scheduler"]),
-            "param_groups": per_stage(lambda p: head[(p, 0)]["param_groups"]),
+            "parts": _parts([info["part"] for info in heads]),
             "optimizer": states,
-            "chunks": per_stage(lambda p: {str(t): _with_experts(head[(p, t)]["chunks"],
-                                                                 [experts[(p, t, e)] for e in range(mesh.ep.size)])
-                                           for t in range(mesh.tp.size)}),
-            "extras": per_stage(lambda p: {str(t): head[(p, t)]["extras"] for t in range(mesh.tp.size)}),
-            "excluded_frozen": sorted({k for p in stages for k in head[(p, 0)]["excluded_frozen"]}),
-            # the whole model's: every stage's aliases, the unsplit model's keys (Note [checkpoint layout])
-            "aliases": {k: v for p in stages for k, v in head[(p, 0)]["aliases"].items()},
-            "state_dict_keys": _every_key([experts[(p, 0, e)]["keys"] for p in stages for e in range(mesh.ep.size)]),
-            "tp_specs": {k: v for p in stages for k, v in head[(p, 0)]["tp_specs"].items()},  # every stage's
-            "ranks": [{"rank": r, "rng": info["rng"]} for r, (_, _, info) in enumerate(reports)],
+            "chunks": _saved_chunks(infos, [f["name"] for f in files]),
+            "extras": [{"file": files[info["rank"]]["name"], "entries": info["extras"]} for info in heads],
+            "excluded_frozen": sorted({k for info in heads for k in info["excluded_frozen"]}),
+            # the whole model's: every part's aliases, the unsplit model's keys (Note [checkpoint layout])
+            "aliases": {k: v for info in heads for k, v in info["aliases"].items()},
+            "state_dict_keys": _every_key([info["keys"] for info in infos]),
+            "tp_specs": {k: v for info in heads for k, v in info["tp_specs"].items()},  # every part's cuts
+            "ranks": [{"rank": r, "rng": info["rng"]} for r, info in enumerate(infos)],
             "files": files,
         }
         final = os.path.join(save_dir, tag)
@@ -288,14 +272,29 @@ class Saver:
         return None
 
 
-def _with_experts(chunks: list[dict], ep_heads: list[dict]) -> list[dict]:
-    """A chunk list with each expert chunk's members on every ep rank (Note [reading a checkpoint anywhere])."""
-    return [dict(c, ep_members=[h["chunks"][i]["members"] for h in ep_heads]) if c.get("expert") else c
-            for i, c in enumerate(chunks)]
+def _saved_chunks(infos: list[dict], file_of_rank: list[str]) -> list[dict]:
+    """Every saved chunk once, with the files of its shards in order (Note [checkpoint layout]): the ranks' records
+    of one chunk share its home (the rank holding shard 0) and its index in their chunk lists."""
+    chunks: dict[tuple[int, int], dict] = {}
+    for info in infos:
+        for c in info["chunks"]:
+            entry = chunks.setdefault((c["home"], c["index"]), {
+                "key": f"chunk.{c['index']}", "numel": c["numel"], "cut_rank": c["cut_rank"],
+                "members": c["members"], "files": {}})
+            entry["files"][c["shard"]] = file_of_rank[info["rank"]]
+    return [dict(c, files=[c["files"][d] for d in sorted(c["files"])]) for c in chunks.values()]
+
+
+def _parts(saved: list[dict]) -> list[dict]:
+    """The param groups' options and the scheduler's state of each part of the model (Feature.stage), by part."""
+    parts: dict[int, dict] = {}
+    for part in saved:
+        parts.setdefault(part["index"], {"param_groups": part["param_groups"], "lr_scheduler": part["lr_scheduler"]})
+    return [parts[i] for i in sorted(parts)]
 
 
 def _every_key(key_lists: list[list[str]]) -> list[str]:
-    """The state-dict keys of every ep rank's model (each holds its own experts), in order of first appearance."""
+    """The state-dict keys of every rank's model (each may hold other parts of it), in order of first appearance."""
     return list(dict.fromkeys(k for keys in key_lists for k in keys))
 
 

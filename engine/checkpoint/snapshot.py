@@ -7,12 +7,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from engine.checkpoint.encoding import encode_spec, json_options, json_state
 from engine.checkpoint.live_states import extra_entries
 from engine.checkpoint.training_state import TrainingState
 from engine.placement import Placement
 from engine.tensor_parallel.rng import Stream
+from engine.zero.chunk_state import ShardPlace
 
 
 @dataclass
@@ -29,14 +31,7 @@ def take_snapshot(run: TrainingState, placements: dict[str, Placement], copy: bo
     keys recorded as excluded; a load keeps the live values: Note [frozen chunks])."""
     mesh, chunked, states = run.mesh, run.chunked, run.live_states(placements)
     snap = RankSnapshot()
-    snap.record = {"rank": mesh.world.rank, "pp_rank": mesh.pp.rank, "dp_rank": mesh.zero.rank, "tp_rank": mesh.tp.rank,
-                   "ep_rank": mesh.ep.rank, "edp_rank": mesh.edp.rank}
-
-    def owns(index: int) -> bool:  # unsharded: one copy, its group's first rank's (an expert chunk: each ep rank's);
-        # sharded: the first copy's shards (Note [hybrid sharding]: the other copies hold the same)
-        if states.shard_count(index) > 1:
-            return mesh.in_first_copy
-        return (mesh.edp.rank if states.is_expert(index) else mesh.zero.rank) == 0
+    snap.record = {"rank": mesh.world.rank, "cut_size": max((p.cut_size for p in placements.values()), default=1)}
 
     def keep(t: torch.Tensor, transient: bool) -> torch.Tensor:
         t = t.detach()
@@ -44,27 +39,31 @@ def take_snapshot(run: TrainingState, placements: dict[str, Placement], copy: bo
 
     tensor_states: list[str] = []
     scalar_states: list[str] = []
+    saved_chunks: list[dict] = []
     offloaded_values = states.values_offloaded
     for i in range(len(states)):
-        if owns(i):
-            with states.values(i, writes=False) as values:
-                snap.tensors[f"chunk.{i}.param"] = keep(values, offloaded_values)
-            with states.optimizer_state(i, writes=False) as state:
-                for name, t in state.items():
-                    snap.tensors[f"chunk.{i}.optim.{name}"] = keep(t, states.offloaded)
-                    names = scalar_states if t.dim() == 0 else tensor_states
-                    if name not in names:
-                        names.append(name)
+        home = _saved_home(mesh, states.place(i))
+        if home is None:
+            continue
+        members = states.members(i)
+        saved_chunks.append({"index": i, "numel": states.chunk_numel(i), "home": home[0], "shard": home[1],
+                             "cut_rank": _cut_rank(placements, members),
+                             "members": [m.record() for m in members]})
+        with states.values(i, writes=False) as values:
+            snap.tensors[f"chunk.{i}.param"] = keep(values, offloaded_values)
+        with states.optimizer_state(i, writes=False) as state:
+            for name, t in state.items():
+                snap.tensors[f"chunk.{i}.optim.{name}"] = keep(t, states.offloaded)
+                names = scalar_states if t.dim() == 0 else tensor_states
+                if name not in names:
+                    names.append(name)
+    snap.record["chunks"] = saved_chunks
     # states of fewer or more entries than elements (Note [block-wise optimizer states]): how many per element
     entries = {name: str(ratio) for i in range(len(states))
                for name, (ratio, _) in (states.state_entries(i) or {}).items() if ratio != 1}
     snap.record["optimizer_states"] = {"tensor_states": tensor_states, "scalar_states": scalar_states,
                                        **({"entries": entries} if entries else {})}
-    if mesh.edp.rank == 0:  # each ep rank's first rank: its experts' names (Note [checkpoint layout])
-        snap.record["chunks"] = [{"numel": states.chunk_numel(i), "members": [m.record() for m in states.members(i)],
-                                  **({"expert": True, "shards": states.shard_count(i)} if states.is_expert(i) else {})}
-                                 for i in range(len(states))]
-        snap.record["keys"] = run.features.model_keys(list(run.module.state_dict(keep_vars=True)))  # the whole model's
+    snap.record["keys"] = run.features.model_keys(list(run.module.state_dict(keep_vars=True)))  # the whole model's
     frozen = {} if exclude_frozen else run.frozen_values(keep=mesh.zero.rank == 0)  # (gathered on every rank: stage 3)
     if mesh.zero.rank == 0:
         extras, aliases = extra_entries(run.module, chunked)
@@ -73,17 +72,46 @@ def take_snapshot(run: TrainingState, placements: dict[str, Placement], copy: bo
         extras = {k: t for k, t in extras.items() if id(t) not in frozen_ids}
         for key, t in extras.items():
             snap.tensors[f"extra.{key}"] = frozen[id(t)] if id(t) in frozen else keep(t, False)
-        snap.record["extras"] = {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        snap.record["extras"] = {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                                     "cut_rank": placements[k].cut_rank if k in placements else 0}
                                  for k, t in extras.items()}
         snap.record["aliases"] = aliases
         # how the tensor-parallel ranks cut each tensor this stage holds (Note [placements])
         snap.record["tp_specs"] = {name: encode_spec(p.cut) for name, p in placements.items() if p.cut is not None}
-        # per pipeline stage: each stage's optimizer has the param groups of the parameters it holds
-        snap.record["param_groups"] = [json_options(g) for g in run.optimizer.param_groups]
+        # per part of the model (Feature.stage): each part's optimizer has the param groups of the parameters it holds
         scheduler = run.lr_scheduler
-        snap.record["lr_scheduler"] = None if scheduler is None else json_state("lr_scheduler", scheduler.state_dict())
+        snap.record["part"] = {"index": run.features.stage()[0], "of": run.features.stage()[1],
+                               "param_groups": [json_options(g) for g in run.optimizer.param_groups],
+                               "lr_scheduler": None if scheduler is None else json_state("lr_scheduler",
+                                                                                         scheduler.state_dict())}
     _rng(run, snap)
     return snap
+
+
+def _saved_home(mesh, place: ShardPlace) -> tuple[int, int] | None:
+    """(the global rank holding shard 0 of the chunk placed at `place`, this rank's shard) when this rank saves
+    its part of that chunk; None when another rank saves the same values. A sharded chunk's shards are saved by the
+    first copy (Note [hybrid sharding]: the other copies hold the same); a whole one by the first rank of the group
+    it is reduced over (its own group, or the ZeRO group)."""
+    if place.count > 1:
+        group = place.group_or(mesh.shard.group)
+        return (_global_rank(group, 0), place.rank) if mesh.in_first_copy else None
+    group = place.group_or(mesh.zero.group)
+    return (mesh.world.rank, 0) if _group_rank(group) == 0 else None
+
+
+def _global_rank(group, rank: int) -> int:
+    return dist.get_global_rank(group if group is not None else dist.group.WORLD, rank) if dist.is_initialized() \
+        else rank
+
+
+def _group_rank(group) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def _cut_rank(placements: dict[str, Placement], members: list) -> int:
+    """The tensor-parallel piece a chunk's members are (every member of one rank's chunk is the same piece)."""
+    return next((placements[m.name].cut_rank for m in members if m.name in placements), 0)
 
 
 def _rng(run: TrainingState, snap: RankSnapshot) -> None:
