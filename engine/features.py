@@ -111,10 +111,12 @@ class ScheduleDriver(Protocol):
 
 
 class Feature:
-    """One parallelism's part in the engine's calls; every default leaves the call as it is."""
+    """One parallelism's (or activation checkpointing's) part in building the engine and in its calls; every default
+    leaves the build or the call as it is."""
 
     name = ""
     joins_state_dict = False  # whether a gathered state dict is only this rank's part of the whole model's
+    rebuilds_parameters = False  # whether build() replaces the model's parameters (Note [a bounded start])
 
     # ---- building (initialize, in the registry's order) -----------------------------------------------------
 
@@ -122,8 +124,6 @@ class Feature:
     def configured(cls, ctx: BuildContext) -> Feature | None:
         """This feature when the config turns it on; None: off."""
         return None
-
-    rebuilds_parameters = False  # whether build() replaces the model's parameters (Note [a bounded start])
 
     def survey(self, model: nn.Module) -> None:
         """Takes what the build needs of the model as the user built it, before any feature changes it."""

@@ -178,15 +178,17 @@ def test_offload_param_keeps_the_sharded_parameters_on_the_host_until_they_are_c
     from engine.config import load_config
     from engine.initialization import _homed_on_host, _to_device
     from engine.mesh import Mesh
+    from engine.plan import RunPlan
     mesh = Mesh.single("cpu")
     raw = _config(3, torch.bfloat16, "cpu", "cpu", "", 1)
     raw["zero_optimization"]["stage3_param_persistence_threshold"] = 100
     model = tiny_gpt()
-    keep = _homed_on_host(model, load_config(raw), mesh)
+    cfg = load_config(raw)
+    keep = _homed_on_host(model, cfg, RunPlan.of(cfg, mesh).chunks, rebuilt=False)
     big = {id(p) for p in model.parameters() if p.numel() >= 100}
     assert keep == big and 0 < len(big) < len(list(model.parameters()))
     _to_device(model, torch.device("meta"), keep)  # meta stands in for the device: the kept ones stay where they are
     for p in model.parameters():
         assert p.device.type == ("cpu" if id(p) in keep else "meta")
     without = load_config(_config(3, torch.bfloat16, "cpu", None, "", 1))
-    assert _homed_on_host(tiny_gpt(), without, mesh) == set()
+    assert _homed_on_host(tiny_gpt(), without, RunPlan.of(without, mesh).chunks, rebuilt=False) == set()

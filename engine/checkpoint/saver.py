@@ -278,10 +278,11 @@ def _saved_chunks(infos: list[dict], file_of_rank: list[str]) -> list[dict]:
     chunks: dict[tuple[int, int], dict] = {}
     for info in infos:
         for c in info["chunks"]:
-            entry = chunks.setdefault((c["home"], c["index"]), {
-                "key": f"chunk.{c['index']}", "numel": c["numel"], "cut_rank": c["cut_rank"],
-                "members": c["members"], "files": {}})
+            entry = chunks.setdefault((c["home"], c["index"]), {"key": f"chunk.{c['index']}", "numel": c["numel"],
+                                                                "files": {}})
             entry["files"][c["shard"]] = file_of_rank[info["rank"]]
+            if "members" in c:  # (recorded by shard 0's rank)
+                entry.update(cut_rank=c["cut_rank"], members=c["members"])
     return [dict(c, files=[c["files"][d] for d in sorted(c["files"])]) for c in chunks.values()]
 
 

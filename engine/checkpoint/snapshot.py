@@ -45,10 +45,11 @@ def take_snapshot(run: TrainingState, placements: dict[str, Placement], copy: bo
         home = _saved_home(mesh, states.place(i))
         if home is None:
             continue
-        members = states.members(i)
-        saved_chunks.append({"index": i, "numel": states.chunk_numel(i), "home": home[0], "shard": home[1],
-                             "cut_rank": _cut_rank(placements, members),
-                             "members": [m.record() for m in members]})
+        saved = {"index": i, "numel": states.chunk_numel(i), "home": home[0], "shard": home[1]}
+        if home[1] == 0:  # the chunk's members, once: by the rank saving its shard 0
+            members = states.members(i)
+            saved.update(cut_rank=_cut_rank(placements, members), members=[m.record() for m in members])
+        saved_chunks.append(saved)
         with states.values(i, writes=False) as values:
             snap.tensors[f"chunk.{i}.param"] = keep(values, offloaded_values)
         with states.optimizer_state(i, writes=False) as state:
