@@ -71,13 +71,15 @@ def _read_json(path: str | None) -> dict | None:
 
 
 def _estimate_command(args: argparse.Namespace) -> int:
-    from engine.estimate import estimate, format_estimate, model_factory
+    from engine.estimate import EstimateSettings, estimate, format_estimate, model_factory
+    from engine.estimate.estimator import default_strategies
 
     try:  # ModelSpecError and json's errors are ValueErrors
-        est = estimate(model_factory(args.model), _read_json(args.config), args.world, [args.tp], _byte_budgets(args),
-                       seq_len=args.seq_len,
-                       compute_on_cpu=None if args.device == "auto" else args.device == "cpu",
-                       zero_init=args.zero_init)
+        config = _read_json(args.config)
+        settings = EstimateSettings(_byte_budgets(args), args.seq_len,
+                                    None if args.device == "auto" else args.device == "cpu", args.zero_init)
+        est = estimate(model_factory(args.model), config, args.world,
+                       default_strategies(config, args.world, [args.tp], nvme=True), settings)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"tiers estimate: {e}", file=sys.stderr)
         return 2
@@ -87,14 +89,13 @@ def _estimate_command(args: argparse.Namespace) -> int:
 
 def _tune_command(args: argparse.Namespace) -> int:
     from engine.estimate import model_factory
-    from engine.estimate.tune import format_tune, tune, write_config
+    from engine.estimate.tune import TuneSettings, format_tune, tune, write_config
 
     try:  # ModelSpecError and json's errors are ValueErrors
         if args.nvme and not os.path.isdir(args.nvme):
             raise ValueError(f"--nvme {args.nvme}: no such directory")
         result = tune(model_factory(args.model), args.world, _byte_budgets(args), _read_json(args.config),
-                      nvme_path=args.nvme, time_budget_s=args.time_budget, steps=args.steps, seq_len=args.seq_len,
-                      tp_sizes=[args.tp])
+                      TuneSettings(args.nvme, args.time_budget, args.steps, seq_len=args.seq_len, tp_sizes=(args.tp,)))
     except (OSError, ValueError, RuntimeError) as e:
         print(f"tiers tune: {e}", file=sys.stderr)
         return 2

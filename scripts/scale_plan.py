@@ -117,14 +117,15 @@ def _estimate_row(layers: int, width: int, heads: int, seq: int, config_json: st
     """The estimate (one process, everything on NVMe, built under zero_init) of a GPT of `layers` blocks."""
     import json
 
-    from engine.estimate import estimate
+    from engine.estimate import EstimateSettings, estimate
     from engine.estimate.strategies import Strategy
 
     config = json.loads(config_json)
     factory = functools.partial(_gpt, layers, width, heads, seq)
     return estimate(factory, config, 1, strategies=[Strategy(3, offload_optimizer="nvme", offload_param="nvme")],
-                    compute_on_cpu=True, seq_len=seq, zero_init=True,
-                    nvme_path=config["zero_optimization"]["offload_param"]["nvme_path"]).rows[0]
+                    settings=EstimateSettings(seq_len=seq, compute_on_cpu=True, zero_init=True,
+                                              nvme_path=config["zero_optimization"]["offload_param"]["nvme_path"])
+                    ).rows[0]
 
 
 def _gpt(layers: int, width: int, heads: int, seq: int):

@@ -133,7 +133,6 @@ MIRRORED_FUNCTIONS = {
 }
 # functions still over the limits, each to get a settings object or be split; none may join them
 OVER_THE_LIMITS = {
-    "engine/estimate/estimator.py:estimate", "engine/estimate/tune.py:tune",
     "engine/sequence_parallel/ring_attention.py:_meet",
     "engine/sequence_parallel/ring_attention.py:block_gradients", "engine/sequence_parallel/ring_attention.py:forward",
     "engine/sequence_parallel/ulysses.py:ulysses_attention",

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import initialize
-from engine.estimate import estimate
+from engine.estimate import EstimateSettings, estimate
 from engine.estimate.strategies import Strategy
 from offload.errors import SwapWriteError
 from offload.nvme import NvmeStore
@@ -83,7 +83,7 @@ def test_the_step_peak_on_disk_is_the_estimate(optimizer, early, accumulation, t
     micro-batch no gradient shard is written: the peak is the resting files alone."""
     cfg = disk_config(optimizer, early, accumulation, str(tmp_path))
     row = estimate(tiny_gpt, cfg, 1, strategies=[Strategy(3, offload_optimizer="nvme", offload_param="nvme")],
-                   compute_on_cpu=True, nvme_path=str(tmp_path)).rows[0]
+                   settings=EstimateSettings(compute_on_cpu=True, nvme_path=str(tmp_path))).rows[0]
     engine = initialize(tiny_gpt(), cfg)
     manager = engine.optimizer.manager
     for batch in token_batches(3, 4):

@@ -8,7 +8,7 @@ import torch
 
 from engine import initialize
 from engine.config import load_config
-from engine.estimate import Strategy, estimate, model_states
+from engine.estimate import EstimateSettings, Strategy, estimate, model_states
 from engine.estimate.estimator import trace_strategy
 from engine.estimate.runtime import peak_rss_bytes as process_peak_rss
 from engine.estimate.runtime import reset_peak_rss
@@ -19,6 +19,8 @@ from tests.reference import tiny_gpt, token_batches, train_engine
 from tests.rss import MALLOC_ENV
 from tests.test_frozen_chunks import frozen_gpt, stage_config
 from tests.test_zero import GLOBAL_BATCH, model_state_bytes, zero_config
+
+ON_CPU = EstimateSettings(compute_on_cpu=True)  # the estimate for the CPU this runs on
 
 # (stage, chunk_size (None: the engine's default layout), extra config); tp > 1 is in the world-4 list
 CASES = [(0, None, {}), (1, None, {}), (2, None, {}), (3, None, {}), (1, 20_000, {}), (2, 20_000, {}),
@@ -138,7 +140,7 @@ def test_int8_frozen_chunks_are_estimated_as_the_engine_holds_them(world):
 def test_the_estimate_leaves_out_strategies_that_refuse_quantize_frozen():
     """quantize_frozen needs stage 3 and data parallelism only: other strategies are named as not estimated."""
     est = estimate(frozen_gpt, int8_config(2, None), 2, strategies=[Strategy(1), Strategy(3), Strategy(3, tp=2)],
-                   compute_on_cpu=True)
+                   settings=ON_CPU)
     (row,) = est.rows
     assert row.strategy == Strategy(3) and any(c.int8 for c in row.states.chunks)
     assert len(est.skipped) == 2 and "needs ZeRO stage 3 (this run: stage 1)" in est.skipped[0]
@@ -149,7 +151,7 @@ def test_the_estimate_names_the_strategies_a_low_precision_layout_rules_out():
     """bf16 master weights need stage 1-3 and block-wise states no tensor parallelism (Note [bf16 master weights],
     [block-wise optimizer states]): DDP and TP2 are named as not estimated, the others estimated."""
     cfg = case_config(3, None, {"bf16": "masters", "optimizer": "AdamW8bit"})
-    est = estimate(tiny_gpt, cfg, 2, strategies=[Strategy(0), Strategy(2), Strategy(3, tp=2)], compute_on_cpu=True)
+    est = estimate(tiny_gpt, cfg, 2, strategies=[Strategy(0), Strategy(2), Strategy(3, tp=2)], settings=ON_CPU)
     assert [row.strategy for row in est.rows] == [Strategy(2)]
     assert "needs ZeRO stage 1-3" in est.skipped[0] and "tensor-parallel" in est.skipped[1]
 
@@ -159,7 +161,7 @@ def test_layer_major_accumulation_keeps_every_micro_batchs_activations():
     cfg = zero_config(3, 2, 8, offload_param={"device": "cpu", "layer_major": True},
                       offload_optimizer={"device": "cpu"})
     offloaded = Strategy(3, offload_optimizer="cpu", offload_param="cpu")
-    est = estimate(tiny_gpt, cfg, 1, strategies=[offloaded, Strategy(3)], compute_on_cpu=True)
+    est = estimate(tiny_gpt, cfg, 1, strategies=[offloaded, Strategy(3)], settings=ON_CPU)
     layered, plain = est.rows
     trace = trace_strategy(tiny_gpt, load_config(cfg), est.seq_len).activations
     held = sum(trace.held_at(2))
@@ -189,8 +191,7 @@ def _peak_worker(rank, world, stage, micro):
 def test_peak_estimate_is_within_15_percent_of_measured_peak_rss(monkeypatch, stage, world, micro):
     monkeypatch.setenv(*MALLOC_ENV)  # freed memory goes back to the OS (tests/rss.py), here and in the probe
     measured = max(run_distributed(_peak_worker, world, args=(stage, micro)))
-    est = estimate(gpt_bench30m, peak_config(stage, micro), world, strategies=[Strategy(stage)],
-                   compute_on_cpu=True)
+    est = estimate(gpt_bench30m, peak_config(stage, micro), world, strategies=[Strategy(stage)], settings=ON_CPU)
     predicted = est.rows[0].host_peak
     assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
 
@@ -247,7 +248,7 @@ def test_a_pipeline_rank_holds_its_stages_parameters_and_the_heaviest_rank_is_re
     from engine.models import gpt_small
 
     est = estimate(gpt_small, pipeline_config(8), 4, strategies=[Strategy(0), Strategy(0, pp=2), Strategy(0, pp=4)],
-                   compute_on_cpu=True)
+                   settings=ON_CPU)
     whole, two, four = est.rows
     assert two.strategy.name == "PP2-1f1b DDP" and whole.pipeline is None
     assert 0.45 <= two.states.param / whole.states.param <= 0.56  # about half of the model per rank
@@ -266,7 +267,7 @@ def test_a_pipeline_rank_holds_its_stages_parameters_and_the_heaviest_rank_is_re
 def test_1f1b_holds_fewer_micro_batches_activations_than_gpipe():
     from engine.models import gpt_small
 
-    est = estimate(gpt_small, pipeline_config(8), 2, compute_on_cpu=True,
+    est = estimate(gpt_small, pipeline_config(8), 2, settings=ON_CPU,
                    strategies=[Strategy(0), Strategy(0, pp=2, schedule="gpipe"), Strategy(0, pp=2)])
     whole, gpipe, one_f_one_b = est.rows
     assert gpipe.pipeline.in_flight == (8, 8) and one_f_one_b.pipeline.in_flight == (2, 1)
@@ -282,7 +283,7 @@ def test_the_printed_bubble_is_1f1bs_formula(stages, microbatches):
     from engine.models import gpt_small
 
     est = estimate(gpt_small, pipeline_config(microbatches), 4, strategies=[Strategy(1, pp=stages)],
-                   compute_on_cpu=True)
+                   settings=ON_CPU)
     bubble = (stages - 1) / (microbatches + stages - 1)
     (row,) = est.rows
     assert row.pipeline.bubble == pytest.approx(bubble) and row.pipeline.microbatches == microbatches
@@ -301,7 +302,7 @@ def test_a_pipeline_split_follows_the_partition_and_one_that_cannot_be_made_is_n
 
     config = pipeline_config(4)
     config["pipeline"] = {"partition": ["blocks.1"]}  # stage 1 starts at the second layer
-    est = estimate(gpt_small, config, 2, compute_on_cpu=True,
+    est = estimate(gpt_small, config, 2, settings=ON_CPU,
                    strategies=[Strategy(0, pp=2), Strategy(0, pp=2, schedule="interleaved", virtual_stages=4)])
     (row,) = est.rows
     assert row.strategy.config({}, None)["pipeline"] == {"stages": 2, "schedule": "1f1b"}

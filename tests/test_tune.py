@@ -8,7 +8,7 @@ import json
 from engine.cli import main
 from engine.config import load_config
 from engine.estimate import RankBudgets
-from engine.estimate.tune import Verdict, format_tune, measured_misfits, tune, write_config
+from engine.estimate.tune import TuneSettings, Verdict, format_tune, measured_misfits, tune, write_config
 from engine.models import gpt_bench30m
 from tests.rss import MALLOC_ENV
 
@@ -18,7 +18,7 @@ BUDGETS = RankBudgets(cpu=860_000_000)
 
 def test_tune_picks_the_fastest_fitting_config_and_writes_it(tmp_path, monkeypatch):
     monkeypatch.setenv(*MALLOC_ENV)  # freed memory goes back to the OS, so peak RSS is memory in use (tests/rss.py)
-    result = tune(gpt_bench30m, 2, BUDGETS, steps=2, time_budget_s=30)
+    result = tune(gpt_bench30m, 2, BUDGETS, settings=TuneSettings(time_budget_s=30, steps=2))
     ddp = result.candidates[0]
     assert ddp.row.strategy.stage == 0 and ddp.verdict is Verdict.OVER_ESTIMATE and ddp.trial is None
     chosen = result.chosen
@@ -95,7 +95,7 @@ def test_tune_lists_pipelines_at_world_4_with_their_bubble_and_tries_them(monkey
         return TrialResult(step_s=1.0 + len(tried), peak_rss=0, device_peak=None, managed_cpu_peak=0)
 
     monkeypatch.setattr(tune_module, "run_trial", fake_trial)
-    result = tune(gpt_bench30m, 4, RankBudgets(), steps=1)
+    result = tune(gpt_bench30m, 4, RankBudgets(), settings=TuneSettings(steps=1))
     names = [c.row.strategy.name for c in result.candidates]
     pipelined = [c for c in result.candidates if c.row.pipeline is not None]
     assert {"PP2-1f1b DDP", "PP2-1f1b ZeRO-1", "PP4-1f1b DDP"} <= {c.row.strategy.name for c in pipelined}

@@ -8,7 +8,7 @@ import pytest
 from engine.config import ConfigError
 from engine.estimate import RankBudgets
 from engine.estimate.autotuning import Metric, micro_sizes, samples_per_second, tuning_plan
-from engine.estimate.tune import Verdict, format_tune, tune
+from engine.estimate.tune import TuneSettings, Verdict, format_tune, tune
 from engine.models import gpt_tiny
 
 BASE = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
@@ -58,7 +58,7 @@ def test_tune_tries_the_sections_micro_batches_within_its_trial_limit():
                                      "end_profile_step": 2, "min_train_micro_batch_size_per_gpu": 1,
                                      "max_train_micro_batch_size_per_gpu": 4, "num_tuning_micro_batch_sizes": 2,
                                      "tuner_num_trials": 1, "max_train_batch_size": 4}}
-    result = tune(gpt_tiny, 1, RankBudgets(), config, seq_len=16)
+    result = tune(gpt_tiny, 1, RankBudgets(), config, TuneSettings(seq_len=16))
     micros = {c.row.config["train_micro_batch_size_per_gpu"] for c in result.candidates}
     assert micros == {1, 4}
     tried = result.tried()

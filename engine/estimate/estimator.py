@@ -54,6 +54,19 @@ class RankBudgets:
 
 
 @dataclass(frozen=True)
+class EstimateSettings:
+    """How an estimate is taken: the budgets each rank's peaks are judged against; the sequence length (None: the
+    model's own); whether compute runs on the CPU (None: when no CUDA device is seen); whether the model is built
+    under zero_init (no whole copy before chunking); where strategies that offload to NVMe put their files."""
+
+    budgets: RankBudgets = RankBudgets()
+    seq_len: int | None = None
+    compute_on_cpu: bool | None = None
+    zero_init: bool = False
+    nvme_path: str | None = None
+
+
+@dataclass(frozen=True)
 class StrategyEstimate:
     strategy: Strategy
     config: dict
@@ -92,22 +105,22 @@ class Estimate:
         return None if row.largest_factor is None else int(row.largest_factor * self.params)
 
 
-def estimate(factory: Callable[[], nn.Module], config: dict, world: int, tp_sizes: list[int] | None = None,
-             budgets: RankBudgets = RankBudgets(), seq_len: int | None = None, compute_on_cpu: bool | None = None,
-             zero_init: bool = False, strategies: list[Strategy] | None = None,
-             nvme_path: str | None = None, pp_sizes: list[int] | None = None) -> Estimate:
-    """Note [peak memory estimate] for each strategy (default: every candidate at `world` ranks with
-    tensor-parallel sizes `tp_sizes`, default 1 and the config's, and pipeline sizes `pp_sizes`, default
-    default_strategies') of the model `factory` builds, trained with `config` (a config dict: its batch size,
+def estimate(factory: Callable[[], nn.Module], config: dict, world: int, strategies: list[Strategy] | None = None,
+             settings: EstimateSettings | None = None) -> Estimate:
+    """Note [peak memory estimate] for each strategy (default: default_strategies' candidates at `world` ranks, with
+    NVMe offload among them) of the model `factory` builds, trained with `config` (a config dict: its batch size,
     precision, optimizer and chunk settings are kept). A pipelined strategy that cannot run (the model has too
     few layers, the schedule needs other micro-batch counts) is left out and named in `skipped`."""
+    settings = settings if settings is not None else EstimateSettings()
+    budgets, nvme_path, zero_init = settings.budgets, settings.nvme_path, settings.zero_init
+    compute_on_cpu = settings.compute_on_cpu
     if compute_on_cpu is None:
         compute_on_cpu = not torch.cuda.is_available()
     base = load_config(config)  # the user's own config errors are raised; what a strategy changes the engine may refuse
     if strategies is None:
-        strategies = default_strategies(config, world, tp_sizes, nvme=True, pp_sizes=pp_sizes)
+        strategies = default_strategies(config, world, None, nvme=True)
     meta = build_model(factory, "meta")
-    seq_len = seq_len or default_seq_len(meta)
+    seq_len = settings.seq_len or default_seq_len(meta)
     result = Estimate(sum(p.numel() for p in meta.parameters()), world, 0, seq_len, compute_on_cpu, budgets)
     compiles = base.optimizer is not None and bool(base.optimizer.params.get("compile"))
     runtime = runtime_host_bytes(optional_packages(base), compiles)

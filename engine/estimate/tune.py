@@ -38,7 +38,14 @@ from engine.estimate.autotuning import (
     samples_per_second,
     tuning_plan,
 )
-from engine.estimate.estimator import Estimate, RankBudgets, StrategyEstimate, default_strategies, estimate
+from engine.estimate.estimator import (
+    Estimate,
+    EstimateSettings,
+    RankBudgets,
+    StrategyEstimate,
+    default_strategies,
+    estimate,
+)
 from engine.estimate.report import bubble_cell, human_bytes, markdown_table, starved_advice
 from engine.estimate.trials import TrialError, TrialResult, run_trial
 
@@ -79,21 +86,37 @@ class TuneResult:
         return [c for c in self.candidates if c.trial is not None]
 
 
+@dataclass(frozen=True)
+class TuneSettings:
+    """How a tuning run searches: where NVMe-offloading strategies put their files (None: none tried), the wall time
+    it may take (None: unbounded), each trial's timed steps after its warm-up steps, the sequence length (None: the
+    model's own), and tensor- and pipeline-parallel sizes tried besides the config's."""
+
+    nvme_path: str | None = None
+    time_budget_s: float | None = None
+    steps: int = 3
+    warmup: int = 1
+    seq_len: int | None = None
+    tp_sizes: tuple[int, ...] = ()
+    pp_sizes: tuple[int, ...] | None = None
+
+
 def tune(factory: Callable[[], nn.Module], world: int, budgets: RankBudgets, config: dict | None = None,
-         nvme_path: str | None = None, time_budget_s: float | None = None, steps: int = 3, warmup: int = 1,
-         seq_len: int | None = None, tp_sizes: list[int] | None = None,
-         pp_sizes: list[int] | None = None) -> TuneResult:
+         settings: TuneSettings | None = None) -> TuneResult:
     """Note [tuning]; with an `autotuning` section, Note [autotuning section]."""
+    settings = settings if settings is not None else TuneSettings()
+    nvme_path, time_budget_s, seq_len = settings.nvme_path, settings.time_budget_s, settings.seq_len
+    pp_sizes = list(settings.pp_sizes) if settings.pp_sizes is not None else None
     started, longest = time.monotonic(), 0.0
     config = config or DEFAULT_CONFIG
-    plan = tuning_plan(config, steps, warmup)
-    tp_sizes = [*(tp_sizes or []), *plan.tp_sizes]
+    plan = tuning_plan(config, settings.steps, settings.warmup)
+    tp_sizes = [*settings.tp_sizes, *plan.tp_sizes]
     rows, estimates = [], []
     for micro in plan.micro_sizes:
         at_micro = plan.config_at(config, micro)
         strategies = default_strategies(at_micro, world, tp_sizes, nvme=nvme_path is not None, pp_sizes=pp_sizes)
-        estimates.append(estimate(factory, at_micro, world, budgets=budgets, seq_len=seq_len, strategies=strategies,
-                                  nvme_path=nvme_path))
+        estimates.append(estimate(factory, at_micro, world, strategies,
+                                  EstimateSettings(budgets, seq_len, nvme_path=nvme_path)))
         rows += estimates[-1].rows
     if plan.shuffled:
         random.Random(0).shuffle(rows)
