@@ -5,6 +5,9 @@ per compared system, each side's median ratio to its torch peer over the rounds 
     .venv/bin/python scripts/bench_ab.py --old 3b704d7 --new HEAD --only zero1,zero2,zero3,tp,pipeline,checkpoint \
         --rounds 3 --out /tmp/ab.md
 
+--inner-rounds 1 runs each script once per side and round (one pair of ours and its peer), so that the median over
+--rounds is of independent runs and a long set fits one sitting.
+
 Each commit runs from a worktree of its own (git worktree, removed at the end) with this checkout's .venv, with
 PYTHONPATH set to the worktree so that its engine is the one imported. Options the benchmarks take are bench_all's
 (--world, --quick).
@@ -33,11 +36,11 @@ def worktree(commit: str, root: str, label: str) -> str:
     return path
 
 
-def run_side(p: Planned, tree: str, out_dir: str, label: str, round_: int) -> list[dict]:
+def run_side(p: Planned, tree: str, out_dir: str, label: str, round_: int, extra: tuple[str, ...] = ()) -> list[dict]:
     """One benchmark on one commit's tree; its compared records (role "ours" with a ratio), or [] when it failed."""
     stem = os.path.join(out_dir, f"{p.id}.{label}.{round_}")
     env = dict(os.environ, PYTHONPATH=tree)
-    argv = [sys.executable, os.path.join("scripts", p.bench.script), *p.args, "--out", f"{stem}.md",
+    argv = [sys.executable, os.path.join("scripts", p.bench.script), *p.args, *extra, "--out", f"{stem}.md",
             "--json", f"{stem}.json"]
     print(f"=== bench_ab: round {round_}, {label}: {p.id}", flush=True)
     code = subprocess.run(argv, cwd=tree, env=env).returncode
@@ -47,9 +50,14 @@ def run_side(p: Planned, tree: str, out_dir: str, label: str, round_: int) -> li
     return [r for r in read_results(f"{stem}.json") if r.get("role") == "ours" and r.get("ratio") is not None]
 
 
+def inner_note(inner: int | None) -> str:
+    return "" if inner is None else f" (each benchmark script run with --rounds {inner})"
+
+
 def report(ratios: dict[tuple[str, str, str], dict[str, list[float]]], meta: dict, threshold: float) -> str:
     lines = [f"# Benchmarks, {meta['old']} (old) vs {meta['new']} (new), alternating", "",
-             f"{meta['rounds']} rounds, {meta['minutes']:.0f} minutes; ratios are ours ÷ the torch peer in the same "
+             f"{meta['rounds']} rounds{inner_note(meta['inner'])}, {meta['minutes']:.0f} minutes; ratios are ours ÷ "
+             "the torch peer in the same "
              f"run; new ÷ old > {1 + threshold:.2f} (lower is better) or < {1 - threshold:.2f} (higher is better) is "
              "flagged.", "",
              "| benchmark | system | metric | old (median) | new (median) | new ÷ old | rounds | worse? |",
@@ -76,10 +84,14 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=lambda t: parse_list(t, int, "--world"), default=None)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="each script's smallest options (checks that it runs)")
+    ap.add_argument("--inner-rounds", type=int, default=None,
+                    help="--rounds passed to each benchmark script (its own alternating rounds of ours and the peer); "
+                         "default: the script's")
     ap.add_argument("--threshold", type=float, default=0.05, help="the change flagged as worse (default 0.05)")
     ap.add_argument("--out", default=None, help="the markdown report (default: printed)")
     args = ap.parse_args(argv)
     planned = plan(args.only, args.world, args.quick, None)
+    extra = () if args.inner_rounds is None else ("--rounds", str(args.inner_rounds))
     started = time.perf_counter()
     ratios: dict[tuple[str, str, str], dict] = {}
     with tempfile.TemporaryDirectory(prefix="tiers-ab-") as root:
@@ -91,13 +103,14 @@ def main(argv=None) -> int:
                 order = ("old", "new") if round_ % 2 == 0 else ("new", "old")
                 for p in planned:
                     for label in order:
-                        for r in run_side(p, trees[label], out_dir, label, round_):
+                        for r in run_side(p, trees[label], out_dir, label, round_, extra):
                             entry = ratios.setdefault((p.id, r["system"], r["metric"]), {"better": r["better"]})
                             entry.setdefault(label, []).append(r["ratio"])
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO)
-    meta = {"old": args.old, "new": args.new, "rounds": args.rounds, "minutes": (time.perf_counter() - started) / 60}
+    meta = {"old": args.old, "new": args.new, "rounds": args.rounds, "inner": args.inner_rounds,
+            "minutes": (time.perf_counter() - started) / 60}
     text = report(ratios, meta, args.threshold)
     if args.out:
         write_text(args.out, text)
