@@ -187,17 +187,19 @@ def layouts(length: int, size: int) -> dict[str, list[torch.Tensor]]:
 def rank_attention_s(q, k, v, positions: list[torch.Tensor], rank: int) -> float:
     """Seconds of rank `rank`'s attention compute for one layer, forward and backward, over every block (merged
     as the ring merges them)."""
-    from engine.sequence_parallel.ring_attention import attend_block, block_gradients, merge
+    from engine.sequence_parallel import Attending
+    from engine.sequence_parallel.ring_attention import KeyBlock, attend_block, block_gradients, merge
 
-    scale = q[rank].shape[-1] ** -0.5
+    how = Attending(q[rank].shape[-1] ** -0.5)
+    blocks = [KeyBlock(k[s], v[s], positions[s]) for s in range(len(positions))]
     t0 = time.perf_counter()
-    out, lse = attend_block(q[rank], k[rank], v[rank], positions[rank], positions[rank], scale)
+    final = attend_block(q[rank], positions[rank], blocks[rank], how)
     for s in range(len(positions)):
         if s != rank:
-            out, lse = merge(out, lse, *attend_block(q[rank], k[s], v[s], positions[rank], positions[s], scale))
-    grad = torch.ones_like(out)
-    for s in range(len(positions)):
-        block_gradients(q[rank], k[s], v[s], positions[rank], positions[s], scale, grad, out, lse)
+            final = merge(*final, *attend_block(q[rank], positions[rank], blocks[s], how))
+    grad = torch.ones_like(final.out)
+    for block in blocks:
+        block_gradients(q[rank], positions[rank], block, how, grad, final)
     return time.perf_counter() - t0
 
 

@@ -262,13 +262,14 @@ def _manager_stress(simulate: bool, ops: int) -> dict:
 
 # ---- ring attention ----------------------------------------------------------------------------------------------
 def section_ring(simulate: bool) -> dict:
-    from engine.sequence_parallel.ring_attention import attend_block
+    from engine.sequence_parallel import Attending
+    from engine.sequence_parallel.ring_attention import KeyBlock, attend_block
     device = _device(simulate)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 64, 32, generator=g).to(device, torch.bfloat16) for _ in range(3))
     pos = torch.arange(64, device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        out, _ = attend_block(q, k, v, pos, pos, 32 ** -0.5, fused=False)
+        out, _ = attend_block(q, pos, KeyBlock(k, v, pos), Attending(32 ** -0.5), fused=False)
     qd, kd, vd = (t.double() for t in (q, k, v))
     scores = (qd @ kd.transpose(-1, -2)) * 32 ** -0.5
     scores = scores.masked_fill(torch.ones(64, 64, dtype=torch.bool, device=device).triu(1), float("-inf"))

@@ -131,12 +131,6 @@ MIRRORED_FUNCTIONS = {
     "engine/activation_checkpointing/checkpointer.py:checkpoint",  # torch.utils.checkpoint.checkpoint's
     "engine/sequence_parallel/hf_attention.py:__call__",  # transformers' attention functions'
 }
-# functions still over the limits, each to get a settings object or be split; none may join them
-OVER_THE_LIMITS = {
-    "engine/sequence_parallel/ring_attention.py:_meet",
-    "engine/sequence_parallel/ring_attention.py:block_gradients", "engine/sequence_parallel/ring_attention.py:forward",
-    "engine/sequence_parallel/ulysses.py:ulysses_attention",
-}
 
 
 def _parameters(fn: ast.FunctionDef) -> int:
@@ -157,5 +151,4 @@ def test_no_function_takes_more_than_8_parameters_or_runs_more_than_60_statement
                         _parameters(fn) > MAX_PARAMETERS or _statements(fn) > MAX_FUNCTION_STATEMENTS):
                     over.add(f"{name}:{fn.name}")
     over -= MIRRORED_FUNCTIONS
-    assert over <= OVER_THE_LIMITS, f"group settings into an object, or split the function: {over - OVER_THE_LIMITS}"
-    assert not OVER_THE_LIMITS - over, f"back within the limits: drop from OVER_THE_LIMITS {OVER_THE_LIMITS - over}"
+    assert not over, f"group settings into an object, or split the function: {sorted(over)}"

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.sequence_parallel import ring_attention, ulysses_attention, zigzag_positions
+from engine.sequence_parallel import Attending, ring_attention, ulysses_attention, zigzag_positions
 from tests.distributed import run_distributed
 from tests.reference import FP32_RTOL
 
@@ -32,8 +32,8 @@ def _worker(rank, world, kv_heads, mode, window=None, softcap=None):
         pos = torch.arange(rank * T // world, (rank + 1) * T // world)
         mode = "ring" if mode == "ring_contiguous" else mode
     mine = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*mine, pos, None, window=window) if mode == "ring" else \
-        ulysses_attention(*mine, None, window=window, softcap=softcap)
+    how = Attending(window=window, softcap=softcap)
+    out = ring_attention(*mine, pos, None, how) if mode == "ring" else ulysses_attention(*mine, None, how)
     out.backward(grad[:, :, pos])
     return pos, out.detach(), [t.grad for t in mine]
 
@@ -108,20 +108,20 @@ def test_ulysses_names_the_fix_when_heads_do_not_divide():
 def test_the_explicit_fp32_blocks_equal_torchs_flash_kernel_on_every_meeting(layout):
     """Off CPU the ring computes its blocks in explicit fp32; on CPU it calls the flash kernel. Both, on every
     pair of parts of a 4-rank ring, give the same output, log-sum-exp and gradients."""
-    from engine.sequence_parallel.ring_attention import attend_block, block_gradients
+    from engine.sequence_parallel.ring_attention import KeyBlock, attend_block, block_gradients
 
-    size, part = 4, T // 4
+    size, part, how = 4, T // 4, Attending(D ** -0.5)
     parts = [zigzag_positions(T, r, size) if layout == "zigzag" else torch.arange(r * part, (r + 1) * part)
              for r in range(size)]
     q, k, v, grad = full_inputs(H)
     for r in range(size):
         for s in range(size):
-            args = (q[:, :, parts[r]], k[:, :, parts[s]], v[:, :, parts[s]], parts[r], parts[s], D ** -0.5)
+            args = (q[:, :, parts[r]], parts[r], KeyBlock(k[:, :, parts[s]], v[:, :, parts[s]], parts[s]), how)
             fused, explicit = attend_block(*args, fused=True), attend_block(*args, fused=False)
             torch.testing.assert_close(fused[0], explicit[0], rtol=FP32_RTOL, atol=1e-6)
             torch.testing.assert_close(fused[1], explicit[1], rtol=FP32_RTOL, atol=1e-6)
-            finite = fused[1].clamp_min(-1e30)  # rows that see no key of this block: any finite lse
-            grads = [block_gradients(*args, grad[:, :, parts[r]], fused[0], finite, fused=f) for f in (True, False)]
+            final = fused._replace(lse=fused.lse.clamp_min(-1e30))  # rows that see no key of this block: any finite lse
+            grads = [block_gradients(*args, grad[:, :, parts[r]], final, fused=f) for f in (True, False)]
             for a, b in zip(*grads):
                 torch.testing.assert_close(a, b, rtol=FP32_RTOL, atol=1e-6)
 
@@ -130,20 +130,20 @@ def _explicit_ring_in_one_process(q, k, v, grad, parts, backward_autocast):
     """Every rank's explicit blocks (fused=False) merged and differentiated as RingAttention does, in one process
     (the forward under the caller's autocast, the backward under autocast or not); returns the fp32 output and dQ,
     dK, dV over the whole sequence, before RingAttention rounds them to q's dtype."""
-    from engine.sequence_parallel.ring_attention import attend_block, block_gradients, merge
+    from engine.sequence_parallel.ring_attention import Attended, KeyBlock, attend_block, block_gradients, merge
 
+    how, blocks = Attending(D ** -0.5), [KeyBlock(k[:, :, p], v[:, :, p], p) for p in parts]
     out, dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32) for t in (q, q, k, v))
     for r, mine in enumerate(parts):
         o = torch.zeros(q[:, :, mine].shape)
         lse = torch.full(o.shape[:-1], float("-inf"))
         for s in [r] + [s for s in range(len(parts)) if s != r]:  # its own block first, as the ring
-            o, lse = merge(o, lse, *attend_block(q[:, :, mine], k[:, :, parts[s]], v[:, :, parts[s]], mine, parts[s],
-                                                 D ** -0.5, fused=False))
+            o, lse = merge(o, lse, *attend_block(q[:, :, mine], mine, blocks[s], how, fused=False))
         out[:, :, mine] = o
-        for theirs in parts:
+        for theirs, block in zip(parts, blocks):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=backward_autocast):
-                dq_b, dk_b, dv_b = block_gradients(q[:, :, mine], k[:, :, theirs], v[:, :, theirs], mine, theirs,
-                                                   D ** -0.5, grad[:, :, mine], o, lse, fused=False)
+                dq_b, dk_b, dv_b = block_gradients(q[:, :, mine], mine, block, how, grad[:, :, mine], Attended(o, lse),
+                                                   fused=False)
             dq[:, :, mine] += dq_b
             dk[:, :, theirs] += dk_b
             dv[:, :, theirs] += dv_b

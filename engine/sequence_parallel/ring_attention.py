@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import math
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from engine.comm import CommCounter
+from engine.sequence_parallel.attending import Attending
 
 
 def zigzag_positions(seq_len: int, rank: int, size: int, device=None) -> torch.Tensor:
@@ -47,6 +49,25 @@ def zigzag_positions(seq_len: int, rank: int, size: int, device=None) -> torch.T
     first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
     second = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk, device=device)
     return torch.cat([first, second])
+
+
+@dataclass(frozen=True)
+class KeyBlock:
+    """A block of keys and values ([B, H, T_b, D]) with the global position of each of its tokens."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+
+    def __getitem__(self, keys: slice) -> KeyBlock:
+        return KeyBlock(self.k[..., keys, :], self.v[..., keys, :], self.positions[keys])
+
+
+class Attended(NamedTuple):
+    """fp32 output of queries over some keys and its log-sum-exp (rows that saw no key: output 0, lse -inf)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
 
 
 class _Ring:
@@ -144,53 +165,52 @@ def _fused_kernel(q) -> bool:
     return q.device.type == "cpu"
 
 
-def _meet(q, k, v, q_pos, k_pos, kind, scale, fused: bool, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 output and log-sum-exp of queries against keys (rows that see no key: output 0, lse -inf)."""
+def _meet(q, q_pos, block: KeyBlock, kind: Meeting, how: Attending, fused: bool) -> Attended:
+    """Queries against a piece of keys they meet as `kind` says."""
     if kind is not Meeting.PARTIAL and fused:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, kind is Meeting.DIAGONAL, scale=scale)
-        return out.float(), lse.float()
-    scores = _block_scores(q, k, q_pos, k_pos, scale, window)
+            q, block.k, block.v, 0.0, kind is Meeting.DIAGONAL, scale=how.scale)
+        return Attended(out.float(), lse.float())
+    scores = _block_scores(q, block.k, q_pos, block.positions, how.scale, how.window)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-    return torch.matmul(probs, v.float()), lse
+    return Attended(torch.matmul(probs, block.v.float()), lse)
 
 
-def merge(out, lse, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
+def merge(out, lse, out_b, lse_b) -> Attended:
     """Two partial attentions of the same queries over disjoint keys, merged in fp32 by their log-sum-exps."""
     merged = torch.logaddexp(lse, lse_b)
     keep = torch.exp(lse - merged).nan_to_num(0.0).unsqueeze(-1)
     take = torch.exp(lse_b - merged).nan_to_num(0.0).unsqueeze(-1)
-    return out * keep + out_b * take, merged
+    return Attended(out * keep + out_b * take, merged)
 
 
-def attend_block(q, k_b, v_b, q_pos, k_pos, scale, fused: bool | None = None,
-                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 output and log-sum-exp of queries `q` against one block of keys and values, computed only where
-    pieces of queries and keys meet under the causal mask (and the sliding window); `fused`: by torch's kernel
-    (default: where it runs)."""
+def attend_block(q, q_pos, block: KeyBlock, how: Attending, fused: bool | None = None) -> Attended:
+    """Queries `q` (global positions `q_pos`) against one block of keys and values, computed only where pieces of
+    queries and keys meet under the causal mask (and `how`'s sliding window; `how.scale` set); `fused`: by torch's
+    kernel (default: where it runs)."""
     fused = _fused_kernel(q) if fused is None else fused
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     with _without_autocast(q.device):
-        for rows, keys, kind in _meetings(q_pos, k_pos, window):
-            out_m, lse_m = _meet(q[..., rows, :], k_b[..., keys, :], v_b[..., keys, :], q_pos[rows], k_pos[keys],
-                                 kind, scale, fused, window)
-            out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], out_m, lse_m)
-    return out, lse
+        for rows, keys, kind in _meetings(q_pos, block.positions, how.window):
+            met = _meet(q[..., rows, :], q_pos[rows], block[keys], kind, how, fused)
+            out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], *met)
+    return Attended(out, lse)
 
 
-def block_gradients(q, k_b, v_b, q_pos, k_pos, scale, grad_out, out, lse, fused: bool | None = None,
-                    window: int | None = None):
-    """This block's share of dQ and its dK, dV (fp32), from the final output `out` and log-sum-exp `lse` (as
+def block_gradients(q, q_pos, block: KeyBlock, how: Attending, grad_out, final: Attended, fused: bool | None = None):
+    """This block's share of dQ and its dK, dV (fp32), from the final output and log-sum-exp over every block (as
     flash attention's backward: P = exp(q·kᵀ·scale − lse)), over the same meetings as attend_block."""
     fused = _fused_kernel(q) if fused is None else fused
+    out, lse, scale = final.out, final.lse, how.scale
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k_b.shape, dtype=torch.float32, device=k_b.device)
-    dv = torch.zeros(v_b.shape, dtype=torch.float32, device=v_b.device)
+    dk = torch.zeros(block.k.shape, dtype=torch.float32, device=block.k.device)
+    dv = torch.zeros(block.v.shape, dtype=torch.float32, device=block.v.device)
     with _without_autocast(q.device):  # the same fp32 as the forward, inside autocast or not
-        for rows, keys, kind in _meetings(q_pos, k_pos, window):
-            q_r, k_r, v_r, go = q[..., rows, :], k_b[..., keys, :], v_b[..., keys, :], grad_out[..., rows, :]
+        for rows, keys, kind in _meetings(q_pos, block.positions, how.window):
+            q_r, piece, go = q[..., rows, :], block[keys], grad_out[..., rows, :]
+            k_r, v_r = piece.k, piece.v
             if kind is not Meeting.PARTIAL and fused:
                 grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     go.to(q.dtype), q_r, k_r, v_r, out[..., rows, :].to(q.dtype), lse[..., rows], 0.0,
@@ -198,7 +218,7 @@ def block_gradients(q, k_b, v_b, q_pos, k_pos, scale, grad_out, out, lse, fused:
                 dq_m, dk_m, dv_m = (g.float() for g in grads)
             else:
                 q_r, k_r, v_r, go = q_r.float(), k_r.float(), v_r.float(), go.float()
-                probs = torch.exp(_block_scores(q_r, k_r, q_pos[rows], k_pos[keys], scale, window)
+                probs = torch.exp(_block_scores(q_r, k_r, q_pos[rows], piece.positions, scale, how.window)
                                   - lse[..., rows].unsqueeze(-1)).nan_to_num(0.0)
                 dv_m = torch.matmul(probs.transpose(-1, -2), go)
                 delta = (go * out[..., rows, :]).sum(-1, keepdim=True)
@@ -214,53 +234,55 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's q over every rank's k, v (Note [ring attention]); [B, H, T_local, D]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, group, scale, counter, window):
+    def forward(ctx, q, k, v, positions, group, how: Attending, counter):
         ring = _Ring(group, counter)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         block = [k, v, positions]
         for step in range(ring.size):
-            k_b, v_b, pos_b = block
             if step + 1 < ring.size:  # the next block travels while this one is computed
                 following = ring.start(block)
-            out, lse = merge(out, lse, *attend_block(q, k_b, v_b, positions, pos_b, scale, window=window))
+            out, lse = merge(out, lse, *attend_block(q, positions, KeyBlock(*block), how))
             if step + 1 < ring.size:
                 block = following.wait()
         ctx.save_for_backward(q, k, v, positions, out, lse)
-        ctx.group, ctx.scale, ctx.counter, ctx.window = group, scale, counter, window
+        ctx.group, ctx.how, ctx.counter = group, how, counter
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, positions, out, lse = ctx.saved_tensors
-        ring, scale = _Ring(ctx.group, ctx.counter), ctx.scale
+        ring, final = _Ring(ctx.group, ctx.counter), Attended(out, lse)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk, dv = torch.zeros(k.shape, dtype=torch.float32, device=k.device), torch.zeros(
             v.shape, dtype=torch.float32, device=v.device)
         block = [k, v, positions, dk, dv]
         for step in range(ring.size):
             k_b, v_b, pos_b, dk_b, dv_b = block
-            dq_b, dk_own, dv_own = block_gradients(q, k_b, v_b, positions, pos_b, scale, grad_out, out, lse,
-                                                   window=ctx.window)
+            dq_b, dk_own, dv_own = block_gradients(q, positions, KeyBlock(k_b, v_b, pos_b), ctx.how, grad_out, final)
             dq += dq_b
             block = [k_b, v_b, pos_b, dk_b + dk_own, dv_b + dv_own]
             if step + 1 < ring.size:  # one exchange with the gradients (measured: sending the keys and values
                 block = ring.shift(block)  # ahead, in a second exchange, cost more than it hid on 2 cores)
         dk_home, dv_home = ring.shift([block[3], block[4]])  # one more hop: every block back to its owner
-        return dq.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                   group: dist.ProcessGroup | None, scale: float | None = None,
-                   counter: CommCounter | None = None, window: int | None = None) -> torch.Tensor:
+                   group: dist.ProcessGroup | None, how: Attending | None = None,
+                   counter: CommCounter | None = None) -> torch.Tensor:
     """Causal attention over the whole sequence for this rank's queries `q` ([B, H, T_local, D]), the keys and
     values of every rank of `group` passing around the ring; `positions`: the global position of each local
-    token (zigzag_positions). Keys and values with fewer heads (GQA) are repeated to q's heads. counter: where the
-    bytes sent are counted (p2p_bytes); window: a key this many positions or more before its query is hidden."""
+    token (zigzag_positions). Keys and values with fewer heads (GQA) are repeated to q's heads. how: the scale and
+    sliding window (causal, uncapped: the ring computes no other); counter: where the bytes sent are counted
+    (p2p_bytes)."""
+    how = Attending() if how is None else how
+    if not how.causal or how.softcap is not None:
+        raise ValueError(f"ring attention is causal with uncapped logits; {how} asks otherwise: use "
+                         "sequence_parallel.mode \"ulysses\"")
     if k.shape[1] != q.shape[1]:
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"{q.shape[1]} query heads do not divide into {k.shape[1]} key/value heads")
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return RingAttention.apply(q, k, v, positions, group, scale, counter, window)
+    return RingAttention.apply(q, k, v, positions, group, how.scaled_for(q.shape[-1]), counter)

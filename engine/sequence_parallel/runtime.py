@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 from engine.comm import CommCounter
 from engine.hf_model import transformers_model
 from engine.outputs import replace_loss
+from engine.sequence_parallel.attending import Attending
 from engine.sequence_parallel.hf_attention import InterfaceAttention, refuse_alibi
 from engine.sequence_parallel.ring_attention import ring_attention, zigzag_positions
 from engine.sequence_parallel.ulysses import ulysses_attention
@@ -163,11 +164,12 @@ class SequenceSplit:
                              "attention does not; use sequence_parallel.mode \"ulysses\"")
         self.attended += 1
         self.attending = True  # its own scaled_dot_product_attention calls pass the mode
+        how = Attending(scale, window, softcap)
         try:
             if self.mode == "ring":
-                return ring_attention(q, k, v, self.positions(q.shape[2] * self.size, q.device), self.group, scale,
-                                      self.counter, window)
-            return ulysses_attention(q, k, v, self.group, scale, counter=self.counter, window=window, softcap=softcap)
+                return ring_attention(q, k, v, self.positions(q.shape[2] * self.size, q.device), self.group, how,
+                                      self.counter)
+            return ulysses_attention(q, k, v, self.group, how, self.counter)
         finally:
             self.attending = False
 

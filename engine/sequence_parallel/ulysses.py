@@ -14,13 +14,12 @@ backward of an all-to-all is the opposite all-to-all.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from engine.comm import CommCounter
+from engine.sequence_parallel.attending import Attending
 
 
 def _all_to_all(x: torch.Tensor, group, counter: CommCounter | None) -> torch.Tensor:
@@ -71,12 +70,10 @@ def heads_to_sequence(xs: list[torch.Tensor], group, size: int,
     return [received[:, i].permute(1, 0, 2, 3, 4).reshape(b, size * h_part, t, d) for i in range(len(xs))]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
-    """Causal attention over whole sequences ([B, H, T, D], positions 0..T-1), a key `window` or more positions
-    before its query hidden (None: none), the logits capped at ±softcap (softcap·tanh(s/softcap)) before the mask,
-    as Hugging Face's eager attention does."""
-    length = q.shape[2]
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, how: Attending) -> torch.Tensor:
+    """Causal attention over whole sequences ([B, H, T, D], positions 0..T-1), with `how`'s window, softcap and
+    scale (set)."""
+    length, scale, window, softcap = q.shape[2], how.scale, how.window, how.softcap
     banded = window is not None and window < length
     if softcap is None and not banded:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
@@ -93,11 +90,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
-                      scale: float | None = None, is_causal: bool = True, counter: CommCounter | None = None,
-                      window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                      how: Attending | None = None, counter: CommCounter | None = None) -> torch.Tensor:
     """Attention over the whole sequence for this rank's contiguous slice of it ([B, H, T/S, D] each), heads split
-    over the ranks of `group` around it (Note [Ulysses attention]); counter: where all-to-all bytes are counted;
-    window, softcap: as `causal_attention`'s."""
+    over the ranks of `group` around it (Note [Ulysses attention]); how: causal or not, its window, softcap and
+    scale (default: causal, none, 1/sqrt of the head size); counter: where all-to-all bytes are counted."""
+    how = Attending() if how is None else how
     size = dist.get_world_size(group)
     heads = q.shape[1]
     if heads % size:
@@ -107,15 +104,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         if heads % k.shape[1]:
             raise ValueError(f"{heads} query heads do not divide into {k.shape[1]} key/value heads")
         k, v = (t.repeat_interleave(heads // k.shape[1], dim=1) for t in (k, v))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    how = how.scaled_for(q.shape[-1])
     if q.shape == k.shape == v.shape:  # one all-to-all for the three
         q, k, v = _Exchange.apply(group, size, counter, True, q, k, v)
     else:  # e.g. a value head size other than the query's
         q, k, v = (_Exchange.apply(group, size, counter, True, t)[0] for t in (q, k, v))
-    if is_causal:
-        out = causal_attention(q, k, v, scale, window, softcap)
-    elif window is None and softcap is None:
-        out = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    if how.causal:
+        out = causal_attention(q, k, v, how)
+    elif how.window is None and how.softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, scale=how.scale)
     else:
         raise ValueError("Ulysses attention with a sliding window or softcapping is causal only")
     return _Exchange.apply(group, size, counter, False, out)[0]
