@@ -1,10 +1,11 @@
 """The composition grid of the README's "What is supported": every pair of features, each cell computed from the
 config checks and from TESTS below, never typed.
 
-A pair's cell: its two config fragments merged over BASE and run through load_config (check_config) and check_run
-against a mesh layout of the world the degrees need (no process group). A refusal prints "✗" and the error; an accepted
-pair prints "✓" and the tests in TESTS that train it against one process. An accepted pair without a test, a test
-id whose file does not define the function, and a refused pair with a test all fail the script.
+A pair's cell: its two config fragments merged and asked of engine.refusals.refused (load_config's check_config and
+check_run against a mesh layout of the world the degrees need, no process group). A refusal prints "✗" and the
+error; an accepted pair prints "✓" and the tests in TESTS that train it against one process. An accepted pair
+without a test, a test id whose file does not define the function, and a refused pair with a test all fail the
+script.
 
     python scripts/composition_grid.py                  # the grid and its notes, to stdout
     python scripts/composition_grid.py --write README.md  # rewrites the grid in README.md, the notes in docs/
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import copy
 import functools
 import sys
 from dataclasses import dataclass
@@ -27,9 +27,8 @@ if str(REPO) not in sys.path:  # run as a script: the engine package is the repo
     sys.path.insert(0, str(REPO))
 
 
-from engine.config import load_config  # noqa: E402
-from engine.config_checks import check_run  # noqa: E402
-from engine.mesh import Mesh, ParallelDims  # noqa: E402
+from engine.refusals import merged, refused  # noqa: E402
+from scripts.readme_markers import MarkerError, replaced  # noqa: E402
 
 # pair of feature names (either order) → the pytest node ids that train the pair against one process
 PAIRS = "tests/test_composition_pairs.py::test_pair_trains_like_one_process"
@@ -88,9 +87,6 @@ TESTS: dict[tuple[str, str], list[str]] = {
                     "checkpointing")},
 }
 
-# what every cell's config has besides its two fragments
-BASE = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 README_MARKERS = ("<!-- composition grid -->", "<!-- end composition grid -->")
 NOTES_MARKERS = ("<!-- composition grid notes -->", "<!-- end composition grid notes -->")
 NOTES_FILE = "docs/parallelism.md"
@@ -137,31 +133,10 @@ class Cell:
         return not self.same_setting and self.refusal is None
 
 
-def merged(base: dict, fragment: dict) -> dict:
-    """`base` with `fragment`'s keys set, sections merged key by key."""
-    out = copy.deepcopy(base)
-    for key, value in fragment.items():
-        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def refusal(a: Feature, b: Feature) -> str | None:
     """The error initialize() would raise for the pair (a feature alone: a is b) before building anything, or
     None."""
-    try:
-        cfg = load_config(merged(merged(BASE, a.fragment), b.fragment))
-        tp, pp, sp, ep = (cfg.tensor_parallel.size, cfg.pipeline.stages, cfg.sequence_parallel.size,
-                          cfg.moe.expert_parallel_size)
-        shard = max(cfg.zero_optimization.mics_shard_size, 0)  # hybrid sharding: two copies at least
-        dp = next((d for d in range(1, 2 * ep * max(shard, 1) + 1)  # the fewest ranks the degrees need
-                   if d * sp % ep == 0 and (not shard or d * sp % shard == 0 and d * sp > shard)), 1)
-        dims = ParallelDims(pp * dp * sp * tp, pp=pp, sp=sp, tp=tp, ep=ep,
-                            tp_2d=cfg.tensor_parallel.mode == "2d" and tp > 1, shard=shard)
-        mesh = Mesh.layout(zero=dims.dp * dims.sp, tp=tp, pp=pp, sp=sp, ep=ep)
-        check_run(cfg, mesh, built_under_zero_init=a.zero_init or b.zero_init)
-    except ValueError as e:  # ConfigError is one
-        return str(e)
-    return None
+    return refused(merged(a.fragment, b.fragment), zero_init=a.zero_init or b.zero_init)
 
 
 def tests_of(a: Feature, b: Feature, tests: dict[tuple[str, str], list[str]]) -> list[str]:
@@ -241,16 +216,6 @@ def render(cells: dict[tuple[str, str], Cell]) -> tuple[str, str]:
     return "\n".join(rows), "\n".join(notes)
 
 
-def replaced(document: str, markers: tuple[str, str], body: str, path: Path) -> str:
-    """`document` with the text between `markers` replaced by `body`."""
-    start, end = markers
-    if document.count(start) != 1 or document.count(end) != 1 or document.index(start) > document.index(end):
-        raise GridError(f"{path}: needs one {start} and, after it, one {end}")
-    head, rest = document.split(start)
-    _, tail = rest.split(end)
-    return f"{head}{start}\n{body}\n{end}{tail}"
-
-
 def targets(readme: Path) -> list[tuple[Path, tuple[str, str], int]]:
     """(file, markers, index into render()'s result) for the README and the notes file beside it."""
     return [(readme, README_MARKERS, 0), (readme.parent / NOTES_FILE, NOTES_MARKERS, 1)]
@@ -287,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             grid, notes = render(compute_grid())
             print(f"{grid}\n\n{notes}")
-    except GridError as e:
+    except (GridError, MarkerError) as e:
         print(e, file=sys.stderr)
         return 1
     return 0

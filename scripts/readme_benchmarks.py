@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script, or imported by bench_all: scripts/ is a package of the repo root
+    sys.path.insert(0, str(REPO))
+
+from scripts.readme_markers import MarkerError, replaced  # noqa: E402
+
 SUMMARY = REPO / "docs" / "benchmarks.md"
 MARKERS = ("<!-- benchmark summary -->", "<!-- end benchmark summary -->")
 
@@ -107,19 +112,10 @@ def render(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
-def replaced(document: str, body: str, path: Path) -> str:
-    start, end = MARKERS
-    if document.count(start) != 1 or document.count(end) != 1 or document.index(start) > document.index(end):
-        raise SummaryError(f"{path}: needs one {start} and, after it, one {end}")
-    head, rest = document.split(start)
-    _, tail = rest.split(end)
-    return f"{head}{start}\n{body}\n{end}{tail}"
-
-
 def current(readme: Path, summary: Path = SUMMARY) -> tuple[str, str]:
     """(the README as it is, the README with the table rendered from `summary` now)."""
     text = readme.read_text(encoding="utf-8")
-    return text, replaced(text, render(summary_rows(summary.read_text(encoding="utf-8"))), readme)
+    return text, replaced(text, MARKERS, render(summary_rows(summary.read_text(encoding="utf-8"))), readme)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         else:
             print(render(summary_rows(SUMMARY.read_text(encoding="utf-8"))))
-    except SummaryError as e:
+    except (SummaryError, MarkerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
