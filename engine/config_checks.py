@@ -33,6 +33,9 @@ def check_config(cfg: Config) -> None:
                           "also set train_batch_size or train_micro_batch_size_per_gpu.")
     zero = cfg.zero_optimization
     checks = [
+        (0 < cfg.fp16.max_loss_scale < 2.0 ** cfg.fp16.initial_scale_power, "fp16.max_loss_scale",
+         cfg.fp16.max_loss_scale, f"caps the dynamic loss scale below its start, 2^{cfg.fp16.initial_scale_power}; "
+         "raise it, lower initial_scale_power, or use 0 (no cap)"),
         (cfg.fp16.auto_cast and not cfg.fp16.enabled, "fp16.auto_cast", True, "casts the forward's inputs to fp16, "
          "for a model trained in fp16, and fp16.enabled is false; set fp16.enabled to true, or remove auto_cast"),
         (cfg.torch_autocast.enabled and not cfg.torch_autocast.is_bf16, "torch_autocast.dtype",

@@ -39,6 +39,8 @@ class FP16Config:
     consecutive_hysteresis: bool = False
     auto_cast: bool = False
     min_loss_scale: float = bounded(1.0, gt=0)
+    # Tiers' key: the dynamic scale never grows past it (0: no cap), as ColossalAI's max_scale
+    max_loss_scale: float = bounded(0.0, min=0)
 
 
 @dataclass(frozen=True)

@@ -83,15 +83,16 @@ class DynamicLossScaler(LossScaler):
 
     On overflow the step is skipped; the scale halves (not below min_scale) once `hysteresis`
     overflows have been seen, otherwise one unit of hysteresis is spent. After `window` steps
-    without overflow the scale doubles (and, unless consecutive_hysteresis, the hysteresis is
-    refilled then; with it, every clean step refills it).
+    without overflow the scale doubles, up to max_scale when one is given (and, unless
+    consecutive_hysteresis, the hysteresis is refilled then; with it, every clean step refills it).
     """
 
     checks_overflow = True
 
     def __init__(self, initial_scale: float, window: int, hysteresis: int, min_scale: float,
-                 consecutive_hysteresis: bool = False, factor: float = 2.0) -> None:
+                 consecutive_hysteresis: bool = False, factor: float = 2.0, max_scale: float | None = None) -> None:
         self.scale = float(initial_scale)
+        self.max_scale = max_scale
         self.window = window
         self.hysteresis = hysteresis
         self.min_scale = float(min_scale)
@@ -119,6 +120,8 @@ class DynamicLossScaler(LossScaler):
                 if not self.consecutive_hysteresis:
                     self.hysteresis_left = self.hysteresis
                 self.scale *= self.factor
+                if self.max_scale:
+                    self.scale = min(self.scale, self.max_scale)
         self.iteration += 1
 
     def state_dict(self) -> dict:
@@ -141,4 +144,4 @@ def build_loss_scaler(config: Config) -> LossScaler:
     if fp16.loss_scale > 0:
         return StaticLossScaler(fp16.loss_scale)
     return DynamicLossScaler(2.0 ** fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis,
-                             fp16.min_loss_scale, fp16.consecutive_hysteresis)
+                             fp16.min_loss_scale, fp16.consecutive_hysteresis, max_scale=fp16.max_loss_scale or None)
