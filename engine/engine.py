@@ -302,6 +302,22 @@ class Engine(ParallelCoordinates, DeepSpeedNames):
         whole = self.features.join_state_dict(whole, keep)
         return whole if keep else None
 
+    def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """The model's whole state dict (keys as full_state_dict's, the same on every rank; every rank must call
+        this) into its parameters and buffers, the fp32 masters taking the values whole rather than the 16-bit
+        parameters' rounding of them. Key and shape errors are raised before anything is copied. Not under tensor,
+        expert or pipeline parallelism, whose parameters are parts of the whole ones."""
+        if self.features.joins_state_dict:
+            raise ValueError("load_full_state_dict under tensor, expert or pipeline parallelism (whole weights into "
+                             "split layers): load the weights before initialize (initialize(weights=...)), or use "
+                             "save_checkpoint / load_checkpoint")
+        params = list(self.module.parameters())
+        with self.gathered_parameters(params, modifier_rank=0):  # gathered: stage 3's released shapes are whole
+            whole_weights.check_loadable(state, self.module.state_dict(), strict)
+            self.module.load_state_dict(state, strict=strict)
+        named = dict(self.module.named_parameters())
+        self.chunked.load_masters([(p, state[n].float()) for n, p in named.items() if n in state])
+
     # ---- checkpoints (engine/checkpoint/) -------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:

@@ -14,6 +14,17 @@ from engine.zero.chunked_params import ChunkedParams
 from engine.zero.param_gather import ParamGatherer
 
 
+def check_loadable(given: dict, expected: dict, strict: bool) -> None:
+    """nn.Module.load_state_dict's key and shape errors, raised before it copies any tensor (it copies the matching
+    ones first, which would leave the parameters and their fp32 masters apart)."""
+    mismatched = [f"{k}: {tuple(v.shape)} given, {tuple(expected[k].shape)} in the model"
+                  for k, v in given.items() if k in expected and torch.is_tensor(v) and v.shape != expected[k].shape]
+    missing, unexpected = sorted(expected.keys() - given.keys()), sorted(given.keys() - expected.keys())
+    if mismatched or (strict and (missing or unexpected)):
+        raise RuntimeError(f"load_state_dict: nothing was loaded; size mismatch {mismatched}, missing keys "
+                           f"{missing if strict else []}, unexpected keys {unexpected if strict else []}")
+
+
 def full_state_dict(module: nn.Module, chunked: ChunkedParams, gatherer: ParamGatherer,
                     group: dist.ProcessGroup | None, counter: CommCounter,
                     keep: bool, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:

@@ -128,6 +128,21 @@ class ChunkLoading:
         _, slot = self._slot_of[id(p)]
         return full_master_chunk.narrow(0, slot.offset, slot.numel).view(slot.shape)
 
+    def load_masters(self, values: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """Whole fp32 values of parameters (the same on every rank) into the part of their masters this rank steps:
+        a whole-weights load keeps the fp32 values its 16-bit parameters round (Note [master weights])."""
+        if not self.has_masters:
+            return
+        with torch.no_grad():
+            for p, value in values:
+                index, slot = self._slot_of.get(id(p), (None, None)) if id(p) in self._chunk_of else (None, None)
+                part = self._owned_range(index, slot) if index is not None else None
+                if part is not None:
+                    start, lo, hi = part
+                    flat = value.reshape(-1)
+                    with self.masters.master(index, writes=True) as master:
+                        master.narrow(0, lo - start, hi - lo).copy_(flat.narrow(0, lo - slot.offset, hi - lo))
+
     def resync_masters(self, params: list[nn.Parameter]) -> None:
         """After user code changed these parameters (the same way on every rank): their masters' parts
         follow (Note [master weights]); other parameters' masters keep their fp32 values."""

@@ -22,6 +22,7 @@ from engine.compat.deepspeed.offload_names import OffloadDeviceEnum, OffloadStat
 from engine.compat.deepspeed.throughput import ThroughputTimer
 from engine.compat.deepspeed.unsupported import refuse
 from engine.engine import Engine
+from engine.whole_weights import check_loadable
 from engine.zero.state_offload import MovedStates, StateKind
 from offload.device_memory import DeviceMemory
 
@@ -183,7 +184,7 @@ class DeepSpeedEngine(nn.Module):
         if assign:
             refuse("engine.load_state_dict(assign=True)", "load_state_dict(state_dict) (the parameters live in "
                    "the engine's chunks and must stay there)")
-        _check_loadable(state_dict, self.state_dict(), strict)  # before anything is copied: nothing half-loaded
+        check_loadable(state_dict, self.state_dict(), strict)  # before anything is copied: nothing half-loaded
         with self.engine.gathered_parameters(modifier_rank=0):
             return super().load_state_dict(state_dict, strict=strict)
 
@@ -270,14 +271,3 @@ class DeepSpeedEngine(nn.Module):
         if module is not None and not name.startswith("_") and hasattr(module, name):
             return getattr(module, name)
         refuse(f"DeepSpeedEngine.{name}", "the engine API in docs/migrating-from-deepspeed.md")
-
-
-def _check_loadable(given: dict, expected: dict, strict: bool) -> None:
-    """nn.Module.load_state_dict's key and shape errors, raised before it copies any tensor (it copies the matching
-    ones first, which here would leave the 16-bit weights and the fp32 masters apart)."""
-    mismatched = [f"{k}: {tuple(v.shape)} in the state dict, {tuple(expected[k].shape)} in the model"
-                  for k, v in given.items() if k in expected and torch.is_tensor(v) and v.shape != expected[k].shape]
-    missing, unexpected = sorted(expected.keys() - given.keys()), sorted(given.keys() - expected.keys())
-    if mismatched or (strict and (missing or unexpected)):
-        raise RuntimeError(f"engine.load_state_dict: nothing was loaded; size mismatch {mismatched}, missing keys "
-                           f"{missing if strict else []}, unexpected keys {unexpected if strict else []}")
