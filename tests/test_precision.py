@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import initialize
-from engine.config import load_config
+from engine.config import ConfigError, load_config
 from engine.precision import DynamicLossScaler, build_loss_scaler
 from tests.reference import assert_close_relative, param_snapshot, tiny_gpt, token_batches, train_engine
 
@@ -36,6 +36,16 @@ def test_dynamic_scaler_follows_deepspeed_rules():
     assert s.scale == 128.0
     s.update(overflow=True)
     assert s.scale == 128.0  # growth refilled the hysteresis
+
+
+def test_max_loss_scale_caps_the_growth_as_colossalais_max_scale():
+    fp16 = {"enabled": True, "initial_scale_power": 4, "loss_scale_window": 2, "max_loss_scale": 32}
+    capped = build_loss_scaler(load_config(config(fp16=fp16)))
+    for _ in range(6):
+        capped.update(overflow=False)
+    assert capped.scale == 32.0  # 16 -> 32 after 2 clean steps, then held there
+    with pytest.raises(ConfigError, match="fp16.max_loss_scale: 8.0 — caps the dynamic loss scale below its start"):
+        load_config(config(fp16={"enabled": True, "initial_scale_power": 4, "max_loss_scale": 8}))
 
 
 def test_scaler_from_config():
