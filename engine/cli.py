@@ -37,19 +37,38 @@ def _convert_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch_command(args: argparse.Namespace) -> int:
-    from engine.launcher import LauncherKind, LaunchError, LaunchOptions, launch
+def _launch_options(args: argparse.Namespace):
+    """LaunchOptions from the arguments: `colossalai run`'s formats under --as-colossalai, else DeepSpeed's."""
+    import dataclasses
 
-    options = LaunchOptions(script=args.script, script_args=tuple(args.script_args), hostfile=args.hostfile,
-                            include=args.include, exclude=args.exclude, num_nodes=args.num_nodes,
-                            nproc_per_node=args.nproc_per_node, master_addr=args.master_addr,
-                            master_port=args.master_port,
-                            launcher=LauncherKind(args.launcher) if args.launcher else None,
-                            max_restarts=args.max_restarts, as_deepspeed=args.as_deepspeed,
-                            local_rank_arg=not args.no_local_rank, bind_cores=args.bind_cores,
-                            bind_core_list=args.bind_core_list)
+    from engine.launcher import LauncherKind, LaunchError, LaunchOptions
+    from engine.launcher.colossalai_args import ColossalAIRun, colossalai_options
+
+    if args.as_colossalai:
+        run = ColossalAIRun(args.script, tuple(args.script_args), args.host, args.hostfile, args.include,
+                            args.exclude, args.num_nodes, args.nproc_per_node, args.master_addr, args.master_port,
+                            args.extra_launch_args, args.ssh_port, args.module)
+        return dataclasses.replace(colossalai_options(run), max_restarts=args.max_restarts,
+                                   launcher=LauncherKind(args.launcher) if args.launcher else None,
+                                   bind_cores=args.bind_cores, bind_core_list=args.bind_core_list)
+    for flag, value in (("--host", args.host), ("--extra_launch_args", args.extra_launch_args)):
+        if value is not None:
+            raise LaunchError(f"{flag} is `colossalai run`'s; add --as-colossalai (or use --hostfile / --include)")
+    return LaunchOptions(script=args.script, script_args=tuple(args.script_args),
+                         hostfile=args.hostfile, include=args.include, exclude=args.exclude,
+                         num_nodes=args.num_nodes, nproc_per_node=args.nproc_per_node, master_addr=args.master_addr,
+                         master_port=args.master_port, launcher=LauncherKind(args.launcher) if args.launcher else None,
+                         max_restarts=args.max_restarts, as_deepspeed=args.as_deepspeed,
+                         local_rank_arg=not args.no_local_rank, bind_cores=args.bind_cores,
+                         bind_core_list=args.bind_core_list, module=args.module,
+                         ssh_port=args.ssh_port)
+
+
+def _launch_command(args: argparse.Namespace) -> int:
+    from engine.launcher import LaunchError, launch
+
     try:
-        return launch(options, dry_run=args.dry_run)
+        return launch(_launch_options(args), dry_run=args.dry_run)
     except LaunchError as e:
         print(f"tiers launch: {e}", file=sys.stderr)
         return 2
@@ -149,8 +168,18 @@ def add_launch_arguments(launch: argparse.ArgumentParser) -> None:
     launch.add_argument("--bind_core_list", "--bind-core-list", default=None,
                         help="with --bind-cores: the CPUs to share out, e.g. 0-7,16-23 (default: all this process "
                              "may use)")
+    launch.add_argument("--as-colossalai", "--as_colossalai", action="store_true",
+                        help="run a ColossalAI script unchanged (its `import colossalai` is engine.compat.colossalai), "
+                             "taking `colossalai run`'s arguments in its formats: --host / --include / --exclude "
+                             "comma lists, a hostfile of one host per line (docs/launcher.md)")
+    launch.add_argument("-H", "--host", default=None, help="with --as-colossalai: hosts, comma-separated")
+    launch.add_argument("--extra_launch_args", "--extra-launch-args", default=None,
+                        help="with --as-colossalai: torchrun flags as a=1,b (--a=1 --b)")
+    launch.add_argument("--ssh-port", "--ssh_port", type=int, default=None, help="the port ssh reaches the hosts on")
+    launch.add_argument("-m", dest="module", action="store_true",
+                        help="the script is a module (package.module), run as `python -m` runs it")
     launch.add_argument("--dry-run", "--dry_run", action="store_true", help="print every node's command and exit")
-    launch.add_argument("script", help="the training script each process runs")
+    launch.add_argument("script", help="the training script each process runs (with -m: the module)")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments, passed as they are")
 
 

@@ -57,7 +57,7 @@ def node_environment(plan: LaunchPlan, node: Node) -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, node.slots))
     if plan.bind_cores is not None:  # Note [binding cores to ranks]
         env[BIND_ENV] = plan.bind_cores
-    if plan.as_deepspeed:  # the shim first, for this job's processes only (never site-packages)
+    if plan.shimmed:  # the shim first, for this job's processes only (never site-packages)
         paths = [SHIM_DIR, ENGINE_ROOT, *plan.exported.get("PYTHONPATH", "").split(os.pathsep)]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
         if not plan.local_rank_arg:
@@ -73,7 +73,10 @@ def torchrun_argv(plan: LaunchPlan, node: Node) -> list[str]:
                  f"--rdzv_id={plan.rdzv_id}"]
     else:
         argv += [f"--node_rank={node.rank}", f"--master_addr={plan.master_addr}", f"--master_port={plan.master_port}"]
-    if plan.as_deepspeed:  # (Note [the deepspeed shim]; it binds cores too)
+    argv += list(plan.extra_torchrun_args)
+    if plan.module:
+        script = ["-m", plan.script]
+    elif plan.as_deepspeed:  # (Note [the deepspeed shim]; it binds cores too)
         script = [DEEPSPEED_SCRIPT, plan.script]
     else:
         script = [BOUND_SCRIPT, plan.script] if plan.bind_cores is not None else [plan.script]
@@ -99,15 +102,17 @@ def node_commands(plan: LaunchPlan) -> list[NodeCommand]:
         # -tt: a remote terminal, so that when this ssh ends (the job is stopped) sshd hangs up on torchrun, which
         # stops its workers; the price is that the node's stderr arrives merged into stdout, with CRLF line ends.
         # BatchMode: fail at once rather than wait for a password nobody will type.
-        return [NodeCommand(node_name(n), ("ssh", "-tt", "-o", "BatchMode=yes", n.host, remote_shell_line(plan, n)))
-                for n in plan.nodes]
+        port = ("-p", str(plan.ssh_port)) if plan.ssh_port is not None else ()
+        return [NodeCommand(node_name(n), ("ssh", "-tt", "-o", "BatchMode=yes", *port, n.host,
+                                           remote_shell_line(plan, n))) for n in plan.nodes]
     hosts = ",".join(n.host for n in plan.nodes)
     first = plan.nodes[0]  # every node has the same slots (make_plan checks), so one line serves them all
     if plan.launcher is LauncherKind.PDSH:
         # -S: exit with the largest remote exit code; -f: start all nodes at once, not 32 at a time.
         argv = ("pdsh", "-S", "-f", str(max(len(plan.nodes), 32)), "-w", hosts, remote_shell_line(plan, first))
         # pdsh's ssh gets -tt as well, for the same hang-up when pdsh is stopped.
-        ssh_args = " ".join(filter(None, [os.environ.get("PDSH_SSH_ARGS_APPEND"), "-tt"]))
+        port = f"-p {plan.ssh_port}" if plan.ssh_port is not None else None
+        ssh_args = " ".join(filter(None, [os.environ.get("PDSH_SSH_ARGS_APPEND"), "-tt", port]))
         return [NodeCommand(f"pdsh on {hosts}", argv, {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": ssh_args},
                             PDSH_FAILURE)]
     if plan.launcher is LauncherKind.SLURM:

@@ -16,6 +16,7 @@ from engine.launcher.errors import LaunchError
 from engine.launcher.hosts import expand_nodelist, read_hostfile, select_resources
 
 DEFAULT_MASTER_PORT = 29500
+LOCAL_HOSTS = ("localhost", "127.0.0.1")  # hosts a host list names for this machine: started here, not over ssh
 
 
 class LauncherKind(str, Enum):
@@ -42,6 +43,11 @@ class LaunchOptions:
     local_rank_arg: bool = True  # with as_deepspeed: `--local_rank=N` first among the script's arguments
     bind_cores: bool = False  # Note [binding cores to ranks]
     bind_core_list: str | None = None  # the CPUs to share out (default: each node's affinity)
+    as_colossalai: bool = False  # the script's `import colossalai` is engine.compat.colossalai
+    hosts: tuple[str, ...] | None = None  # a host list (ColossalAI's --host, or its hostfile): nproc_per_node slots
+    module: bool = False  # `script` names a module, run as `python -m` runs it
+    extra_torchrun_args: tuple[str, ...] = ()  # ColossalAI's --extra_launch_args, as torchrun flags
+    ssh_port: int | None = None  # the port ssh reaches every host on (default: ssh's)
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,15 @@ class LaunchPlan:
     as_deepspeed: bool = False
     local_rank_arg: bool = True
     bind_cores: str | None = None  # TIERS_BIND_CORES for every process: "1", or the core list (None: not bound)
+    as_colossalai: bool = False
+    module: bool = False
+    extra_torchrun_args: tuple[str, ...] = ()
+    ssh_port: int | None = None
+
+    @property
+    def shimmed(self) -> bool:
+        """The script's framework imports are answered by a compat layer (Note [the deepspeed shim])."""
+        return self.as_deepspeed or self.as_colossalai
 
     @property
     def uses_rendezvous(self) -> bool:
@@ -84,6 +99,8 @@ def _local_gpu_count() -> int:
 
 
 def _host_pool(options: LaunchOptions, environ: dict[str, str]) -> OrderedDict[str, int]:
+    if options.hosts is not None:
+        return OrderedDict((host, options.nproc_per_node or 1) for host in options.hosts)
     if options.hostfile is not None:
         return read_hostfile(options.hostfile)
     if options.launcher is LauncherKind.SLURM:
@@ -103,21 +120,9 @@ def make_plan(options: LaunchOptions, environ: dict[str, str] | None = None, cwd
     environ = dict(os.environ if environ is None else environ)
     cwd = os.path.abspath(cwd or os.getcwd())
     if options.launcher is None:  # a hostfile names other machines: reach them (DeepSpeed's default is pdsh)
-        options = dataclasses.replace(options, launcher=LauncherKind.SSH if options.hostfile else LauncherKind.LOCAL)
-    if not options.local_rank_arg and not options.as_deepspeed:
-        raise LaunchError("--no_local_rank belongs to --as-deepspeed (without it, no --local_rank is passed)")
-    if options.max_restarts < 0:
-        raise LaunchError(f"--max_restarts {options.max_restarts}: must be >= 0")
-    if not 0 < options.master_port < 65536:
-        raise LaunchError(f"--master_port {options.master_port}: not a TCP port (1..65535)")
-    if options.bind_core_list is not None and not options.bind_cores:
-        raise LaunchError("--bind_core_list names the cores --bind-cores (--bind_cores_to_rank) shares out; add "
-                          "--bind-cores")
-    if options.bind_core_list is not None:
-        try:
-            parse_core_list(options.bind_core_list)
-        except ValueError as e:
-            raise LaunchError(str(e)) from e
+        remote = options.hostfile is not None or any(h not in LOCAL_HOSTS for h in options.hosts or ())
+        options = dataclasses.replace(options, launcher=LauncherKind.SSH if remote else LauncherKind.LOCAL)
+    _check_options(options)
     pool = _host_pool(options, environ)
     resources = select_resources(pool, options.include, options.exclude, options.num_nodes, options.nproc_per_node)
     nodes = tuple(Node(host, rank, tuple(slots)) for rank, (host, slots) in enumerate(resources.items()))
@@ -134,4 +139,30 @@ def make_plan(options: LaunchOptions, environ: dict[str, str] | None = None, cwd
                       from_env_files=from_files, srun_cpus=environ.get("SLURM_CPUS_ON_NODE"),
                       rdzv_id=f"tiers-{uuid.uuid4().hex[:12]}", as_deepspeed=options.as_deepspeed,
                       local_rank_arg=options.local_rank_arg,
-                      bind_cores=(options.bind_core_list or "1") if options.bind_cores else None)
+                      bind_cores=(options.bind_core_list or "1") if options.bind_cores else None,
+                      as_colossalai=options.as_colossalai, module=options.module,
+                      extra_torchrun_args=options.extra_torchrun_args, ssh_port=options.ssh_port)
+
+
+def _check_options(options: LaunchOptions) -> None:
+    if not options.local_rank_arg and not options.as_deepspeed:
+        raise LaunchError("--no_local_rank belongs to --as-deepspeed (without it, no --local_rank is passed)")
+    if options.as_deepspeed and options.as_colossalai:
+        raise LaunchError("--as-deepspeed and --as-colossalai: a script is run as one framework's; choose one")
+    if options.max_restarts < 0:
+        raise LaunchError(f"--max_restarts {options.max_restarts}: must be >= 0")
+    if not 0 < options.master_port < 65536:
+        raise LaunchError(f"--master_port {options.master_port}: not a TCP port (1..65535)")
+    if options.ssh_port is not None and not 0 < options.ssh_port < 65536:
+        raise LaunchError(f"--ssh-port {options.ssh_port}: not a TCP port (1..65535)")
+    if options.module and (options.as_deepspeed or options.bind_cores):
+        raise LaunchError("-m runs a module as torchrun runs it, without the bootstrap --as-deepspeed and "
+                          "--bind-cores need; run a script file with them")
+    if options.bind_core_list is not None and not options.bind_cores:
+        raise LaunchError("--bind_core_list names the cores --bind-cores (--bind_cores_to_rank) shares out; add "
+                          "--bind-cores")
+    if options.bind_core_list is not None:
+        try:
+            parse_core_list(options.bind_core_list)
+        except ValueError as e:
+            raise LaunchError(str(e)) from e

@@ -1,0 +1,135 @@
+"""colossalai.booster.Booster on Tiers: boost() builds one engine from the plugin's config (engine.initialize), and
+the boosted model and optimizer drive it (engine.compat.colossalai.interface)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.compat.colossalai.booster.checkpoint_io import load_state_dict, save_state_dict
+from engine.compat.colossalai.booster.client_optimizer import as_config_optimizer
+from engine.compat.colossalai.booster.plugin.dp_plugin_base import DPPluginBase, precision_section
+from engine.compat.colossalai.booster.plugin.torch_ddp_plugin import TorchDDPPlugin
+from engine.compat.colossalai.interface import ModelWrapper, OptimizerWrapper
+from engine.compat.colossalai.unsupported import refuse
+from engine.compat.deepspeed.client_objects import scheduler_for_engine
+from engine.initialization import initialize
+
+
+def _batch_size(dataloader) -> int:
+    return getattr(dataloader, "batch_size", None) or 1
+
+
+def _engine_of(model) -> object:
+    if not isinstance(model, ModelWrapper):
+        raise TypeError(f"expected the model booster.boost returned, got {type(model).__name__}")
+    return model.engine
+
+
+class Booster:
+    """Booster(device=None, mixed_precision=None, plugin=None), as ColossalAI's (its first argument is `device`:
+    pass plugin= by name). mixed_precision is for TorchDDPPlugin, whose precision it sets ("bf16"); the other
+    plugins take their own `precision`."""
+
+    def __init__(self, device: str | None = None, mixed_precision=None, plugin: DPPluginBase | None = None):
+        if plugin is not None and not isinstance(plugin, DPPluginBase):
+            raise TypeError(f"Booster(plugin=...) takes a plugin, got {type(plugin).__name__}; "
+                            "note that Booster's first positional argument is `device`")
+        self.plugin = plugin if plugin is not None else TorchDDPPlugin()
+        if mixed_precision is not None and self.plugin.controls_precision():
+            raise ValueError(f"Booster(mixed_precision={mixed_precision!r}) with {type(self.plugin).__name__}, which "
+                             "sets its own precision: pass precision= to the plugin instead")
+        if mixed_precision is not None and not isinstance(mixed_precision, str):
+            refuse(f"Booster(mixed_precision={type(mixed_precision).__name__}(...))",
+                   "pass mixed_precision as a string (\"bf16\")")
+        self.precision = precision_section("Booster", mixed_precision) if mixed_precision else {}
+        self.device = device
+
+    def boost(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, criterion=None,
+              dataloader=None, lr_scheduler=None):
+        """(model, optimizer, criterion, dataloader, lr_scheduler), each boosted where it takes part in training."""
+        if isinstance(model, ModelWrapper):
+            raise ValueError("boost(model): this model was boosted already")
+        if optimizer is None:
+            refuse("boost(model) without an optimizer (an engine for inference only)",
+                   "pass the optimizer the model trains with, or run the unboosted model under torch.no_grad()")
+        config = {**self.plugin.tiers_config(), **self.precision,
+                  "train_micro_batch_size_per_gpu": _batch_size(dataloader), "gradient_accumulation_steps": 1}
+        section = as_config_optimizer(optimizer, model)
+        if section is not None:
+            config["optimizer"], groups = section
+            engine = initialize(model, config, model_parameters=groups)
+        else:
+            engine = initialize(model, config, optimizer=optimizer)
+        if lr_scheduler is not None:  # stepped by the script, so the engine is not given it
+            scheduler_for_engine(lr_scheduler)(engine.optimizer)
+        return (ModelWrapper(engine), OptimizerWrapper(engine, self.plugin.max_norm), criterion, dataloader,
+                lr_scheduler)
+
+    def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:
+        optimizer.backward(loss)
+
+    def no_sync(self, model: ModelWrapper | None = None, optimizer: OptimizerWrapper | None = None):
+        if not self.plugin.support_no_sync():
+            raise AssertionError(f"{type(self.plugin).__name__} does not support no_sync (as in ColossalAI)")
+        engine = _engine_of(model) if model is not None else optimizer.engine
+        return engine.no_sync()
+
+    def execute_pipeline(self, data_iter, model, criterion, optimizer=None, return_loss: bool = True,
+                         return_outputs: bool = False) -> dict:
+        refuse("booster.execute_pipeline", "train without pipeline stages through the Booster for now (pp_size=1), "
+               "or with a Tiers pipeline config and engine.train_batch")
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def save_model(self, model: ModelWrapper, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
+                   prefix: str | None = None, size_per_shard: int = 1024, use_safetensors: bool = False,
+                   use_async: bool = False) -> None:
+        """The whole model's state dict (its fp32 weights), written by rank 0 as ColossalAI writes it; every rank
+        must call it."""
+        state = _engine_of(model).full_state_dict(rank0_only=True)
+        if state is not None:
+            save_state_dict(state, checkpoint, shard, size_per_shard, use_safetensors or use_async,
+                                          prefix)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def load_model(self, model: ModelWrapper, checkpoint: str, strict: bool = True, low_cpu_mem_mode: bool = True,
+                   num_threads: int = 1) -> None:
+        """Every rank reads the state dict and loads it into the model, the engine's fp32 masters following."""
+        _engine_of(model).load_full_state_dict(load_state_dict(checkpoint), strict=strict)
+
+    def save_optimizer(self, optimizer, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
+                       prefix: str | None = None, size_per_shard: int = 1024, use_async: bool = False) -> None:
+        refuse("booster.save_optimizer in this release of engine.compat.colossalai",
+               "save the whole training state with model.engine.save_checkpoint(dir) and load it with "
+               "model.engine.load_checkpoint(dir)")
+
+    def load_optimizer(self, optimizer, checkpoint: str, low_cpu_mem_mode: bool = True, num_threads: int = 1) -> None:
+        self.save_optimizer(optimizer, checkpoint)
+
+    def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            torch.save(lr_scheduler.state_dict(), checkpoint)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
+        lr_scheduler.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=False))
+
+    def enable_lora(self, model: nn.Module, pretrained_dir: str | None = None, lora_config=None,
+                    bnb_quantization_config=None, quantize: bool = False) -> nn.Module:
+        """PEFT's LoRA on the model, before boost (as ColossalAI: get_peft_model, or the adapter in
+        pretrained_dir made trainable)."""
+        if quantize or bnb_quantization_config is not None:
+            refuse("enable_lora(quantize=True) (bitsandbytes 4-bit)", "train LoRA on an int8 base with a Tiers "
+                   "config (zero_optimization.quantize_frozen \"int8\"), or without quantize")
+        if isinstance(model, ModelWrapper):
+            raise ValueError("enable_lora: call it before booster.boost, on the model itself")
+        import peft
+
+        if pretrained_dir is not None:
+            return peft.PeftModel.from_pretrained(model, pretrained_dir, is_trainable=True)
+        if lora_config is None:
+            raise ValueError("enable_lora needs lora_config (a peft.LoraConfig) or pretrained_dir")
+        return peft.get_peft_model(model, lora_config)

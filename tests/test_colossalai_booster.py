@@ -1,0 +1,205 @@
+"""engine.compat.colossalai's Booster and plugins, driven as ColossalAI's examples drive them (launch_from_torch,
+DistCoordinator, HybridAdam, a scheduler the script steps, booster.backward, optimizer.step/zero_grad), equal plain
+single-process PyTorch on the whole batches: fp32 to 1e-5 (tensor parallel 1e-4), bf16 at the mixed-precision
+tolerances; a model saved sharded loads into a freshly boosted one; what has no counterpart is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.compat import colossalai
+from engine.compat.colossalai.booster import Booster
+from engine.compat.colossalai.booster.plugin import (
+    GeminiPlugin,
+    HybridParallelPlugin,
+    LowLevelZeroPlugin,
+    TorchDDPPlugin,
+)
+from engine.compat.colossalai.cluster import DistCoordinator
+from engine.compat.colossalai.nn.lr_scheduler import CosineAnnealingWarmupLR
+from engine.compat.colossalai.nn.optimizer import HybridAdam
+from engine.compat.colossalai.unsupported import NotInTiers
+from tests.distributed import run_distributed
+from tests.reference import (
+    FP32_RTOL,
+    assert_close_relative,
+    param_snapshot,
+    tiny_gpt,
+    token_batches,
+    train_reference,
+    train_reference_mixed,
+)
+from tests.test_mixed_precision import LOSS_RTOL, WEIGHT_RTOL
+
+STEPS, GLOBAL_BATCH, WORLD = 3, 8, 2
+OPTIMIZER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.1}
+SCHEDULE = {"total_steps": 10, "warmup_steps": 2}
+# 16-bit gradients summed over two ranks round apart from one process's: where a gradient is near zero, Adam's
+# normalized update can turn by up to 2·lr in one step
+SIXTEEN_BIT_ATOL = 2 * OPTIMIZER["lr"]
+
+# case -> (the plugin's arguments, its precision, the clipping norm, a scheduler stepped by the script)
+CASES = {
+    "torch_ddp": (TorchDDPPlugin, {}, torch.float32, 0.0, True),
+    "low_level_zero_1_cpu_offload": (LowLevelZeroPlugin, {"stage": 1, "precision": "fp32", "cpu_offload": True},
+                                     torch.float32, 0.0, True),
+    "low_level_zero_2": (LowLevelZeroPlugin, {"stage": 2, "precision": "fp32", "max_norm": 1.0}, torch.float32, 1.0,
+                         True),
+    "low_level_zero_2_fp16": (LowLevelZeroPlugin, {"stage": 2, "initial_scale": 2 ** 5}, torch.float16, 0.0, False),
+    "gemini_static_all_offloaded": (GeminiPlugin, {"precision": "bf16", "shard_param_frac": 1.0,
+                                                   "offload_optim_frac": 1.0, "offload_param_frac": 1.0},
+                                    torch.bfloat16, 0.0, False),
+    "gemini_auto": (GeminiPlugin, {"placement_policy": "auto", "precision": "bf16"}, torch.bfloat16, 0.0, False),
+    "hybrid_tp2": (HybridParallelPlugin, {"tp_size": 2, "pp_size": 1, "precision": "fp32"}, torch.float32, 0.0,
+                   True),
+}
+
+
+def _train(case: str):
+    plugin_cls, kwargs, _, _, scheduled = CASES[case]
+    coordinator = DistCoordinator()
+    booster = Booster(plugin=plugin_cls(**kwargs))
+    model = tiny_gpt()
+    optimizer = HybridAdam(model.parameters(), **OPTIMIZER)
+    scheduler = CosineAnnealingWarmupLR(optimizer, **SCHEDULE) if scheduled else None
+    model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
+    dp_size, dp_rank = booster.plugin.data_parallel()
+    losses = []
+    for batch in token_batches(STEPS, GLOBAL_BATCH):
+        rows = batch.shape[0] // dp_size
+        mine = batch[dp_rank * rows:(dp_rank + 1) * rows]
+        loss = model(mine, mine)
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        mean = loss.detach().float().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / coordinator.world_size)
+    whole = model.engine.full_state_dict()
+    params = {n: whole[n] for n, _ in model.unwrap().named_parameters()}
+    model.engine.close()
+    return losses, params
+
+
+def _cases_worker(rank, world, cases):
+    colossalai.launch_from_torch(seed=1024)  # the group is up: only the seed and the device are set
+    return {case: _train(case) for case in cases}
+
+
+def _save_worker(rank, world, save_dir):
+    colossalai.launch_from_torch()
+    booster = Booster(plugin=LowLevelZeroPlugin(stage=2, precision="fp32"))
+    model = tiny_gpt()
+    model, optimizer, *_ = booster.boost(model, HybridAdam(model.parameters(), **OPTIMIZER))
+    batch = token_batches(1, GLOBAL_BATCH)[0]
+    booster.backward(model(batch, batch), optimizer)
+    optimizer.step()
+    saved = {n: t.clone() for n, t in model.engine.full_state_dict().items()}
+    # a quarter MiB per shard: the 0.9 MB model spans several files
+    booster.save_model(model, save_dir, shard=True, size_per_shard=0.25, use_safetensors=True)
+    fresh = Booster(plugin=LowLevelZeroPlugin(stage=2, precision="fp32"))
+    other = tiny_gpt(seed=5)
+    other, other_optimizer, *_ = fresh.boost(other, HybridAdam(other.parameters(), **OPTIMIZER))
+    fresh.load_model(other, save_dir)
+    loaded = other.engine.full_state_dict()
+    fresh.backward(other(batch, batch), other_optimizer)  # a step from the loaded weights (its masters followed them)
+    other_optimizer.step()
+    return saved, loaded, other.engine.full_state_dict()
+
+
+def _reference(case: str):
+    _, kwargs, dtype, clip, scheduled = CASES[case]
+    batches = token_batches(STEPS, GLOBAL_BATCH)
+    model = tiny_gpt()
+    if dtype != torch.float32:  # fp16: the plugin's initial scale, which 3 clean steps do not move
+        losses, _, masters = train_reference_mixed(model, batches, dtype, lambda ps: torch.optim.AdamW(ps, **OPTIMIZER),
+                                                   clip=clip, loss_scale=kwargs.get("initial_scale", 1.0))
+        return losses, masters
+    optimizer = torch.optim.AdamW(model.parameters(), **OPTIMIZER)
+    scheduler = CosineAnnealingWarmupLR(optimizer, **SCHEDULE) if scheduled else None
+    losses = []
+    for x in batches:
+        loss = model(x, x)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses, param_snapshot(model)
+
+
+def test_each_plugin_trains_like_plain_pytorch_on_the_whole_batches():
+    results = run_distributed(_cases_worker, WORLD, args=(tuple(CASES),), timeout_s=420)
+    for case, (_, _, dtype, _, _) in CASES.items():
+        ref_losses, ref_params = _reference(case)
+        for losses, params in (r[case] for r in results):
+            tensor_parallel = case.startswith("hybrid_tp")
+            rtol = LOSS_RTOL[dtype] if dtype != torch.float32 else (1e-4 if tensor_parallel else FP32_RTOL)
+            assert_close_relative(losses, ref_losses, rtol=rtol)
+            for name, ref in ref_params.items():
+                torch.testing.assert_close(
+                    params[name].float(), ref.float(),
+                    rtol=WEIGHT_RTOL[dtype] if dtype != torch.float32 else rtol * 10,
+                    atol=SIXTEEN_BIT_ATOL if dtype != torch.float32 else 1e-6,
+                    msg=lambda m, n=name, c=case: f"{c} {n}: {m}")
+
+
+def test_a_model_saved_sharded_loads_into_a_freshly_boosted_one(tmp_path):
+    saved, loaded, stepped = run_distributed(_save_worker, WORLD, args=(str(tmp_path),), timeout_s=180)[0]
+    index = tmp_path / "model.safetensors.index.json"
+    assert index.exists() and len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    assert saved.keys() == loaded.keys()
+    for name in saved:
+        torch.testing.assert_close(loaded[name], saved[name], rtol=0, atol=0)
+    reference = tiny_gpt(seed=5)  # plain PyTorch from the saved weights, with a fresh AdamW, as the fresh boost
+    reference.load_state_dict(saved)
+    batch = token_batches(1, GLOBAL_BATCH)[0]
+    train_reference(reference, [batch], lambda ps: torch.optim.AdamW(ps, **OPTIMIZER))
+    for name, ref in param_snapshot(reference).items():
+        torch.testing.assert_close(stepped[name], ref, rtol=FP32_RTOL * 10, atol=1e-6, msg=name)
+
+
+def _refusal_worker(rank, world):
+    colossalai.launch_from_torch(config={})  # ColossalAI before 0.3.8
+    errors = []
+    for make in (lambda: LowLevelZeroPlugin(stage=2, initial_scale=3.0),
+                 lambda: GeminiPlugin(precision="bf16", shard_param_frac=0.5),
+                 lambda: GeminiPlugin(precision="bf16", offload_param_frac=1.0),
+                 lambda: HybridParallelPlugin(tp_size=1, pp_size=2, precision="bf16"),
+                 lambda: HybridParallelPlugin(tp_size=2, pp_size=1, precision="bf16",
+                                              enable_sequence_parallelism=True, sequence_parallelism_mode="ring"),
+                 lambda: TorchDDPPlugin(fp8_communication=True),
+                 lambda: Booster(plugin=LowLevelZeroPlugin(precision="bf16"), mixed_precision="bf16")):
+        try:
+            make()
+            errors.append(None)
+        except (NotInTiers, ValueError) as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_what_has_no_counterpart_is_refused_by_name():
+    errors = run_distributed(_refusal_worker, WORLD, timeout_s=120)[0]
+    expected = ["initial_scale=3.0", "shard_param_frac=0.5", "offload_param_frac=1.0", "pp_size=2",
+                "sequence_parallelism_mode=\"ring\"", "fp8_communication=True", "pass precision= to the plugin"]
+    for error, text in zip(errors, expected):
+        assert error is not None and text in error, (text, error)
+
+
+def test_the_warmup_cosine_schedule_is_colossalais():
+    """(k + 1) / W · η while k < W, then the cosine from η at k = W down to eta_min at total_steps."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    scheduler = CosineAnnealingWarmupLR(optimizer, total_steps=6, warmup_steps=2, eta_min=0.01)
+    rates = []
+    for _ in range(7):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates[:3] == pytest.approx([0.05, 0.1, 0.1])
+    assert rates[4] == pytest.approx(0.01 + 0.09 * 0.5) and rates[6] == pytest.approx(0.01)
