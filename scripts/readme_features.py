@@ -82,7 +82,8 @@ ROWS = (
     Row("hf_trainer", "Hugging Face Trainer: `TiersTrainer`, `TiersTrainerMixin` (TRL's trainers), `resolve_config` "
         "for `\"auto\"` values ([docs](docs/hf-trainer.md))", "done for data parallelism and ZeRO 0–3 with offload"),
     Row("lightning", "Lightning: `TiersStrategy` for the Trainer, `TiersFabricStrategy` for Fabric "
-        "([docs](docs/lightning.md)); Ray Train workers ([docs](docs/ray.md))", "done for data parallelism and ZeRO 0–3"),
+        "([docs](docs/lightning.md)); Ray Train workers ([docs](docs/ray.md))",
+        "done for data parallelism and ZeRO 0–3"),
     Row("deepspeed_api", "DeepSpeed's Python API: `from engine.compat import deepspeed`, or scripts unchanged under "
         "`tiers launch --as-deepspeed`", "done ([migrating](docs/migrating-from-deepspeed.md)), `PipelineModule` on "
         "Tiers' pipeline included"),
