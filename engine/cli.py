@@ -50,7 +50,8 @@ def _launch_options(args: argparse.Namespace):
                             args.extra_launch_args, args.ssh_port, args.module)
         return dataclasses.replace(colossalai_options(run), max_restarts=args.max_restarts,
                                    launcher=LauncherKind(args.launcher) if args.launcher else None,
-                                   bind_cores=args.bind_cores, bind_core_list=args.bind_core_list)
+                                   bind_cores=args.bind_cores, bind_core_list=args.bind_core_list,
+                                   as_deepspeed=args.as_deepspeed, local_rank_arg=not args.no_local_rank)
     for flag, value in (("--host", args.host), ("--extra_launch_args", args.extra_launch_args)):
         if value is not None:
             raise LaunchError(f"{flag} is `colossalai run`'s; add --as-colossalai (or use --hostfile / --include)")

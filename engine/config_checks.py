@@ -33,6 +33,8 @@ def check_config(cfg: Config) -> None:
                           "also set train_batch_size or train_micro_batch_size_per_gpu.")
     zero = cfg.zero_optimization
     checks = [
+        (cfg.fp16.max_loss_scale > 0 and cfg.fp16.loss_scale > 0, "fp16.max_loss_scale", cfg.fp16.max_loss_scale,
+         "caps a dynamic loss scale, and fp16.loss_scale sets a static one; remove one of them"),
         (0 < cfg.fp16.max_loss_scale < 2.0 ** cfg.fp16.initial_scale_power, "fp16.max_loss_scale",
          cfg.fp16.max_loss_scale, f"caps the dynamic loss scale below its start, 2^{cfg.fp16.initial_scale_power}; "
          "raise it, lower initial_scale_power, or use 0 (no cap)"),

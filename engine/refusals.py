@@ -9,7 +9,7 @@ import copy
 from dataclasses import dataclass
 
 from engine.config import load_config
-from engine.config_checks import check_framework_run, check_offload, check_run
+from engine.config_checks import check_framework_run, check_run
 from engine.mesh import Mesh, ParallelDims
 from engine.optim import check_compressed_run
 
@@ -33,14 +33,13 @@ def fewest_ranks(cfg) -> ParallelDims:
 def refused(config: dict, zero_init: bool = False, runner: str | None = None) -> str | None:
     """The error initialize() raises for `config` (over BASE's keys) before building anything, on the fewest ranks
     its degrees need; None when it is accepted. zero_init: the model is built under engine.zero_init(); runner: a
-    framework's trainer drives the engine (its name, as the integrations pass it)."""
+    framework's trainer drives the engine (its name): the error its integration raises then too."""
     try:
         cfg = load_config(merged(BASE, copy.deepcopy(config)))
         dims = fewest_ranks(cfg)
         mesh = Mesh.layout(zero=dims.dp * dims.sp, tp=dims.tp, pp=dims.pp, sp=dims.sp, ep=dims.ep)
         check_run(cfg, mesh, built_under_zero_init=zero_init)
         check_compressed_run(cfg, mesh)
-        check_offload(cfg, mesh.zero.size)
         if runner is not None:
             check_framework_run(cfg, runner, "its sampler", "it calls the engine")
     except ValueError as e:  # ConfigError is one

@@ -72,6 +72,14 @@ def test_what_colossalai_run_would_not_take_is_refused_by_name(tmp_path, given, 
         _plan(tmp_path, **given)
 
 
+def test_one_framework_at_a_time_on_the_command_line(tmp_path):
+    cmd = [sys.executable, "-m", "engine.cli", "launch", "--as-colossalai", "--as-deepspeed", "--nproc_per_node", "2",
+           "--dry-run", "train.py"]
+    run = subprocess.run(cmd, cwd=tmp_path, env={**_child_env(tmp_path), "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--as-deepspeed and --as-colossalai" in run.stderr
+
+
 def test_the_shim_is_colossalai_only_in_the_launched_processes():
     assert importlib.util.find_spec("colossalai") is None
     with pytest.raises(ImportError, match="import engine.compat.colossalai instead"):

@@ -4,7 +4,8 @@ A host list is `--host h1,h2` or a hostfile with one host name per line (blank l
 `--exclude` are comma-separated host names; every host runs --nproc_per_node processes (required, as in
 `colossalai run`); `--extra_launch_args a=1,b` are torchrun's `--a=1 --b` (master_addr and master_port there set
 the rendezvous, as in ColossalAI); `-m` runs the script as a module (`-m package.module ARGS`).
-A host list naming only this machine (127.0.0.1, localhost) starts it here; other hosts are reached by ssh.
+A host list naming only this machine (127.0.0.1, localhost, 0.0.0.0, its host name) starts it here; other hosts are
+reached by ssh.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def torchrun_flags(extra: str | None) -> tuple[tuple[str, ...], dict[str, str]]:
         if not FLAG.fullmatch(name) or name in OWN_FLAGS:
             raise LaunchError(f"--extra_launch_args: {item!r} is not a torchrun flag this launcher leaves to you "
                               f"(it sets {', '.join(sorted(n for n in OWN_FLAGS if '_' in n))} itself)")
-        if name in ("master_addr", "master_port"):
-            rendezvous[name] = value
+        if name.replace("-", "_") in ("master_addr", "master_port"):
+            rendezvous[name.replace("-", "_")] = value
         else:
             flags.append(f"--{name}={value}" if eq and value else f"--{name}")
     return tuple(flags), rendezvous

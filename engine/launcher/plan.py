@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import sys
 import uuid
 from collections import OrderedDict
@@ -16,7 +17,8 @@ from engine.launcher.errors import LaunchError
 from engine.launcher.hosts import expand_nodelist, read_hostfile, select_resources
 
 DEFAULT_MASTER_PORT = 29500
-LOCAL_HOSTS = ("localhost", "127.0.0.1")  # hosts a host list names for this machine: started here, not over ssh
+# hosts a host list names for this machine: started here, not over ssh (ColossalAI runs these locally too)
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "0.0.0.0", socket.gethostname())
 
 
 class LauncherKind(str, Enum):

@@ -64,11 +64,14 @@ class OptimizerWrapper:
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                           *args, **kwargs):
-        """The engine clips in step() by the plugin's max_norm; a call asking for that norm is what step does."""
+        """The engine clips in step() by the plugin's max_norm (Tiers' own argument on TorchDDPPlugin and
+        TorchFSDPPlugin); a call asking for that norm is what step does, and returns None (the norm is measured in
+        step(): get_grad_norm() after it)."""
         if norm_type != 2.0 or max_norm != self.max_norm:
             refuse(f"optimizer.clip_grad_by_norm({max_norm}, norm_type={norm_type}) with a plugin clipping at "
                    f"max_norm={self.max_norm}", f"give the plugin max_norm={max_norm} (it clips inside step(), over "
-                   "every rank's shards), and keep or drop this call")
+                   "every rank's shards; TorchDDPPlugin and TorchFSDPPlugin take it as Tiers' keyword), and keep "
+                   "or drop this call")
 
     def clip_grad_by_value(self, clip_value: float, *args, **kwargs) -> None:
         refuse("optimizer.clip_grad_by_value", "clip by norm with the plugin's max_norm")

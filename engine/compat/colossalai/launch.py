@@ -40,7 +40,10 @@ def launch(rank: int, world_size: int, host: str, port: int, backend: str = "ncc
 def launch_from_torch(config=None, backend: str = "nccl", seed: int = 1024, verbose: bool = True) -> None:
     """launch() from RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. `config` is the argument of
     ColossalAI before 0.3.8 (`launch_from_torch(config={})`): an empty one is accepted; the legacy parallel
-    settings a non-empty one holds are not read here and are refused."""
+    settings a non-empty one holds are not read here and are refused; a backend name in its place is 0.5's first
+    positional argument."""
+    if isinstance(config, str) and config in ("nccl", "gloo", "hccl", "mpi", "cpu:gloo,cuda:nccl"):
+        config, backend = None, config
     if config:
         refuse("launch_from_torch(config=...) with settings (ColossalAI's legacy parallel context)",
                "give the parallel sizes to a Booster plugin (e.g. HybridParallelPlugin(tp_size=2, pp_size=1))")

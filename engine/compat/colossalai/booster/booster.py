@@ -9,12 +9,25 @@ from torch import nn
 
 from engine.compat.colossalai.booster.checkpoint_io import load_state_dict, save_state_dict
 from engine.compat.colossalai.booster.client_optimizer import as_config_optimizer
-from engine.compat.colossalai.booster.plugin.dp_plugin_base import DPPluginBase, precision_section
+from engine.compat.colossalai.booster.plugin.dp_plugin_base import DPPluginBase
 from engine.compat.colossalai.booster.plugin.torch_ddp_plugin import TorchDDPPlugin
 from engine.compat.colossalai.interface import ModelWrapper, OptimizerWrapper
 from engine.compat.colossalai.unsupported import refuse
 from engine.compat.deepspeed.client_objects import scheduler_for_engine
 from engine.initialization import initialize
+
+
+def _amp_section(mixed_precision) -> dict:
+    if mixed_precision is None:
+        return {}
+    if mixed_precision == "bf16":
+        return {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+    if mixed_precision in ("fp16", "fp16_apex", "fp16_naive", "fp8") or not isinstance(mixed_precision, str):
+        refuse(f"Booster(mixed_precision={mixed_precision!r}) (torch AMP's fp16: autocast with fp32 weights and a "
+               "GradScaler)", "use mixed_precision=\"bf16\", or LowLevelZeroPlugin(precision=\"fp16\") (fp16 "
+               "weights with fp32 masters and ColossalAI's loss scaler)")
+    raise ValueError(f"Booster: mixed_precision {mixed_precision!r} is one of fp16, fp16_apex, fp16_naive, bf16, "
+                     "fp8 (as in ColossalAI)")
 
 
 def _batch_size(dataloader) -> int:
@@ -29,8 +42,9 @@ def _engine_of(model) -> object:
 
 class Booster:
     """Booster(device=None, mixed_precision=None, plugin=None), as ColossalAI's (its first argument is `device`:
-    pass plugin= by name). mixed_precision is for TorchDDPPlugin, whose precision it sets ("bf16"); the other
-    plugins take their own `precision`."""
+    pass plugin= by name). mixed_precision is for TorchDDPPlugin, as torch AMP: "bf16" runs the forward under
+    autocast with fp32 weights, gradients and optimizer (Tiers' torch_autocast); AMP's "fp16" (autocast with
+    torch's GradScaler) is not built and is refused. The other plugins take their own `precision`."""
 
     def __init__(self, device: str | None = None, mixed_precision=None, plugin: DPPluginBase | None = None):
         if plugin is not None and not isinstance(plugin, DPPluginBase):
@@ -40,10 +54,7 @@ class Booster:
         if mixed_precision is not None and self.plugin.controls_precision():
             raise ValueError(f"Booster(mixed_precision={mixed_precision!r}) with {type(self.plugin).__name__}, which "
                              "sets its own precision: pass precision= to the plugin instead")
-        if mixed_precision is not None and not isinstance(mixed_precision, str):
-            refuse(f"Booster(mixed_precision={type(mixed_precision).__name__}(...))",
-                   "pass mixed_precision as a string (\"bf16\")")
-        self.precision = precision_section("Booster", mixed_precision) if mixed_precision else {}
+        self.precision = _amp_section(mixed_precision)
         self.device = device
 
     def boost(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, criterion=None,
@@ -54,11 +65,16 @@ class Booster:
         if optimizer is None:
             refuse("boost(model) without an optimizer (an engine for inference only)",
                    "pass the optimizer the model trains with, or run the unboosted model under torch.no_grad()")
+        self.plugin.check_model(model)
         config = {**self.plugin.tiers_config(), **self.precision,
                   "train_micro_batch_size_per_gpu": _batch_size(dataloader), "gradient_accumulation_steps": 1}
         section = as_config_optimizer(optimizer, model)
         if section is not None:
             config["optimizer"], groups = section
+            if groups is not None and config.get("tensor_parallel", {}).get("size", 1) > 1:
+                refuse(f"tp_size > 1 with an optimizer of {len(groups)} param groups (tensor parallelism replaces "
+                       "the layers, and the groups would name the old parameters)",
+                       "build the optimizer over model.parameters() in one group")
             engine = initialize(model, config, model_parameters=groups)
         else:
             engine = initialize(model, config, optimizer=optimizer)

@@ -55,16 +55,25 @@ def save_state_dict(state: dict[str, torch.Tensor], checkpoint: str, shard: bool
         return
     os.makedirs(checkpoint, exist_ok=True)
     base = SAFE_WEIGHTS_NAME if use_safetensors else WEIGHTS_NAME
-    stem, suffix = base.rsplit(".", 1)
+    stem, suffix = _with_prefix(base, prefix).rsplit(".", 1)  # pytorch_model.<prefix>-00001.bin, as ColossalAI
     weight_map, total = {}, 0.0
     for i, part in enumerate(_shards(state, size_per_shard)):
-        file = _with_prefix(f"{stem}-{i + 1:05d}.{suffix}", prefix)
+        file = f"{stem}-{i + 1:05d}.{suffix}"
         _write(part, os.path.join(checkpoint, file), use_safetensors)
         weight_map.update(dict.fromkeys(part, file))
         total += sum(t.numel() * t.element_size() for t in part.values()) / MiB
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     with open(os.path.join(checkpoint, _with_prefix(f"{base}.index.json", prefix)), "w", encoding="utf-8") as f:
         f.write(json.dumps(index, indent=2) + "\n")
+    _remove_stale(checkpoint, stem, suffix, set(weight_map.values()))
+
+
+def _remove_stale(directory: str, stem: str, suffix: str, written: set[str]) -> None:
+    """Shards of an earlier, larger save into the same directory (ColossalAI's clean_folder does the same)."""
+    pattern = re.compile(re.escape(stem) + r"-\d{5}\." + re.escape(suffix))
+    for name in os.listdir(directory):
+        if pattern.fullmatch(name) and name not in written:
+            os.remove(os.path.join(directory, name))
 
 
 def _read(path: str) -> dict[str, torch.Tensor]:

@@ -31,10 +31,6 @@ class LossScaling:
     cast_inputs: bool = False
 
 
-# torch's GradScaler (ColossalAI's "fp16" mixed precision): no hysteresis, 2000 clean steps to grow, no cap
-TORCH_AMP = LossScaling(growth_interval=2000, hysteresis=1, min_scale=2.0 ** -24, max_scale=None)
-
-
 def _fp16_section(plugin: str, scaling: LossScaling) -> dict:
     power = math.log2(scaling.initial_scale) if scaling.initial_scale > 0 else -1.0
     if not power.is_integer() or not 0 <= power <= 127:
@@ -47,7 +43,7 @@ def _fp16_section(plugin: str, scaling: LossScaling) -> dict:
                      "max_loss_scale": scaling.max_scale or 0, "auto_cast": scaling.cast_inputs}}
 
 
-def precision_section(plugin: str, precision: str, scaling: LossScaling = TORCH_AMP) -> dict:
+def precision_section(plugin: str, precision: str, scaling: LossScaling) -> dict:
     """The Tiers config section of ColossalAI's precision name ("fp16" with the plugin's loss scaling)."""
     if precision == "fp16":
         return _fp16_section(plugin, scaling)
@@ -63,6 +59,16 @@ def clipping_section(max_norm: float) -> dict:
     if max_norm < 0:
         raise ValueError(f"max_norm {max_norm} must be 0 (no clipping) or more")
     return {"gradient_clipping": float(max_norm)} if max_norm > 0 else {}
+
+
+def refuse_batch_norm(plugin: str, model: torch.nn.Module, data_parallel: int) -> None:
+    """BatchNorm over more than one data-parallel rank: ColossalAI's DDP converts it to SyncBatchNorm (statistics
+    over the global batch, rank 0's buffers broadcast every forward); Tiers normalizes by each rank's batch."""
+    norms = [name for name, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if norms and data_parallel > 1:
+        refuse(f"{plugin} on a model with BatchNorm ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}) "
+               f"over {data_parallel} data-parallel ranks (SyncBatchNorm)", "use GroupNorm or LayerNorm, or "
+               "LowLevelZeroPlugin / GeminiPlugin, which normalize by each rank's batch in ColossalAI too")
 
 
 def refuse_changed(plugin: str, given: dict, defaults: dict) -> None:
@@ -103,6 +109,9 @@ class DPPluginBase:
 
     def tiers_config(self) -> dict:
         raise NotImplementedError
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """What the plugin cannot train as ColossalAI would, refused before the engine is built."""
 
     def data_parallel(self) -> tuple[int, int]:
         """(the ranks that see different samples, this rank's place among them)."""

@@ -28,6 +28,10 @@ def _static_zero(shard_param_frac: float, offload_optim_frac: float, offload_par
                "use 1.0 (every chunk sharded, ZeRO-3) or 0.0 (none, ZeRO-2)")
     if not 0.0 <= offload_optim_frac <= 1.0:
         raise ValueError(f"GeminiPlugin: offload_optim_frac {offload_optim_frac} is a fraction in [0, 1]")
+    if shard_param_frac == 0.0 and offload_optim_frac not in (0.0, 1.0):
+        refuse(f"GeminiPlugin(shard_param_frac=0.0, offload_optim_frac={offload_optim_frac}) (a share of the "
+               "states offloaded with the parameters kept gathered)", "use offload_optim_frac 0.0 or 1.0 with "
+               "shard_param_frac=0.0, or shard_param_frac=1.0 for a share")
     if offload_param_frac and (shard_param_frac, offload_optim_frac, offload_param_frac) != (1.0, 1.0, 1.0):
         refuse(f"GeminiPlugin(offload_param_frac={offload_param_frac}) with shard_param_frac={shard_param_frac}, "
                f"offload_optim_frac={offload_optim_frac} (ColossalAI ignores it then; Tiers offloads parameter "

@@ -14,6 +14,7 @@ from engine.compat.colossalai.booster.plugin.dp_plugin_base import (
     LossScaling,
     clipping_section,
     precision_section,
+    refuse_batch_norm,
     refuse_changed,
 )
 from engine.compat.colossalai.unsupported import refuse
@@ -62,7 +63,7 @@ class HybridParallelPlugin(DPPluginBase):
                  num_layers_per_stage=None, gradient_checkpoint_config=None, enable_metadata_cache: bool = True,
                  make_vocab_size_divisible_by: int = 64, dp_outside: bool = True, overlap_p2p: bool = True,
                  overlap_allgather: bool = False, fp8_communication: bool = False, use_fp8: bool = False,
-                 inner_ring_size: int | None = None, ep_size: int = 1):
+                 inner_ring_size: int | None = None):
         given = locals()
         if pp_size != 1:
             refuse(f"{type(self).__name__}(pp_size={pp_size}) (pipeline stages through Booster.execute_pipeline)",
@@ -78,7 +79,7 @@ class HybridParallelPlugin(DPPluginBase):
                              "zero_stage to 1 or 2")
         self.sections = _sequence_sections(enable_sequence_parallelism, sequence_parallelism_mode, tp_size, sp_size)
         super().__init__()
-        self.tp_size, self.ep_size, self.zero_stage, self.cpu_offload = tp_size, ep_size, zero_stage, cpu_offload
+        self.tp_size, self.ep_size, self.zero_stage, self.cpu_offload = tp_size, 1, zero_stage, cpu_offload
         self.sp_size = self.sections.get("sequence_parallel", {}).get("size", 1)
         if self.world_size % (tp_size * self.sp_size):
             raise ValueError(f"{type(self).__name__}: tp_size {tp_size} × sp_size {self.sp_size} must divide the "
@@ -90,6 +91,10 @@ class HybridParallelPlugin(DPPluginBase):
 
     def support_no_sync(self) -> bool:
         return self.zero_stage != 2
+
+    def check_model(self, model) -> None:
+        if self.zero_stage == 0:  # ColossalAI wraps the model in DDP, broadcasting rank 0's buffers every forward
+            refuse_batch_norm(type(self).__name__, model, self.data_parallel()[0])
 
     def data_parallel(self) -> tuple[int, int]:
         inner = self.tp_size * self.sp_size
@@ -115,4 +120,9 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
 
     def __init__(self, tp_size: int, pp_size: int, ep_size: int, sp_size: int | None = None,
                  moe_dp_outside: bool = True, **kwargs):
-        super().__init__(tp_size, pp_size, sp_size, ep_size=ep_size, **kwargs)
+        super().__init__(tp_size, pp_size, sp_size, **kwargs)
+        dp = self.data_parallel()[0]
+        if ep_size < 1 or dp % ep_size:
+            raise ValueError(f"MoeHybridParallelPlugin: ep_size {ep_size} must divide the data-parallel size {dp} "
+                             "(as in ColossalAI)")
+        self.ep_size = ep_size
