@@ -8,7 +8,6 @@ typed: one row per benchmark run, its ratios grouped by metric and target, and h
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script, or imported by bench_all: scripts/ is a package of the repo root
     sys.path.insert(0, str(REPO))
 
-from scripts.readme_markers import MarkerError, replaced  # noqa: E402
+from scripts.readme_markers import marked_main, replaced  # noqa: E402
 
 SUMMARY = REPO / "docs" / "benchmarks.md"
 MARKERS = ("<!-- benchmark summary -->", "<!-- end benchmark summary -->")
@@ -119,26 +118,10 @@ def current(readme: Path, summary: Path = SUMMARY) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    action = parser.add_mutually_exclusive_group()
-    action.add_argument("--write", type=Path, metavar="README", help="rewrite the table there")
-    action.add_argument("--check", type=Path, metavar="README", help="exit 1 when the table there is stale")
-    args = parser.parse_args(argv)
-    try:
-        if args.write:
-            _, fresh = current(args.write)
-            args.write.write_text(fresh, encoding="utf-8")
-        elif args.check:
-            text, fresh = current(args.check)
-            if text != fresh:
-                print(f"stale: run scripts/readme_benchmarks.py --write {args.check}", file=sys.stderr)
-                return 1
-        else:
-            print(render(summary_rows(SUMMARY.read_text(encoding="utf-8"))))
-    except (SummaryError, MarkerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    def table() -> str:
+        return render(summary_rows(SUMMARY.read_text(encoding="utf-8")))
+    return marked_main(argv, __doc__.split("\n\n")[0], "scripts/readme_benchmarks.py", table, current,
+                       (SummaryError,))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ config checks make. A refusal naming a row ROWS lacks fails the rendering.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ if str(REPO) not in sys.path:  # run as a script: the engine package is the repo
     sys.path.insert(0, str(REPO))
 
 from engine.refusals import REFUSALS, Refusal  # noqa: E402
-from scripts.readme_markers import MarkerError, replaced  # noqa: E402
+from scripts.readme_markers import marked_main, replaced  # noqa: E402
 
 MARKERS = ("<!-- feature table -->", "<!-- end feature table -->")
 
@@ -122,26 +121,8 @@ def current(readme: Path) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    action = parser.add_mutually_exclusive_group()
-    action.add_argument("--write", type=Path, metavar="README", help="rewrite the table there")
-    action.add_argument("--check", type=Path, metavar="README", help="exit 1 when the table there is stale")
-    args = parser.parse_args(argv)
-    try:
-        if args.write:
-            _, fresh = current(args.write)
-            args.write.write_text(fresh, encoding="utf-8")
-        elif args.check:
-            text, fresh = current(args.check)
-            if text != fresh:
-                print(f"stale: run scripts/readme_features.py --write {args.check}", file=sys.stderr)
-                return 1
-        else:
-            print(render())
-    except (FeatureTableError, MarkerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return marked_main(argv, __doc__.split("\n\n")[0], "scripts/readme_features.py", render, current,
+                       (FeatureTableError,))
 
 
 if __name__ == "__main__":
