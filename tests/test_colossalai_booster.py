@@ -180,7 +180,8 @@ def _refusal_worker(rank, world):
                  lambda: Booster(plugin=TorchDDPPlugin()).boost(
                      torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)),
                      torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)),
-                 lambda: GeminiPlugin(precision="fp32")):
+                 lambda: GeminiPlugin(precision="fp32"),
+                 lambda: Booster()):
         try:
             make()
             errors.append(None)
@@ -193,7 +194,8 @@ def test_what_has_no_counterpart_is_refused_by_name():
     errors = run_distributed(_refusal_worker, WORLD, timeout_s=120)[0]
     expected = ["initial_scale=3.0", "shard_param_frac=0.5", "offload_param_frac=1.0", "pp_size=2",
                 "sequence_parallelism_mode=\"ring\"", "fp8_communication=True", "pass precision= to the plugin",
-                "mixed_precision='fp16'", "BatchNorm (1)", "precision 'fp32' is fp16 or bf16"]
+                "mixed_precision='fp16'", "BatchNorm (1)", "precision 'fp32' is fp16 or bf16",
+                "Booster() without a plugin over several processes"]
     assert len(errors) == len(expected)
     for error, text in zip(errors, expected):
         assert error is not None and text in error, (text, error)

@@ -50,6 +50,9 @@ class Booster:
         if plugin is not None and not isinstance(plugin, DPPluginBase):
             raise TypeError(f"Booster(plugin=...) takes a plugin, got {type(plugin).__name__}; "
                             "note that Booster's first positional argument is `device`")
+        if plugin is None and dist.is_initialized() and dist.get_world_size() > 1:
+            refuse("Booster() without a plugin over several processes (ColossalAI then trains each rank on its own, "
+                   "with no gradient sync)", "pass plugin=TorchDDPPlugin() for data parallelism")
         self.plugin = plugin if plugin is not None else TorchDDPPlugin()
         if mixed_precision is not None and self.plugin.controls_precision():
             raise ValueError(f"Booster(mixed_precision={mixed_precision!r}) with {type(self.plugin).__name__}, which "
