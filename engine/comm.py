@@ -180,3 +180,19 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.Proce
     counter.all_gather_bytes += output.numel() * output.element_size()
     with record_function("tiers.comm.all_gather"):
         return counter.collectives.all_gather(output, shard, group=group, async_op=async_op)
+
+
+def exchange_with(tensor: torch.Tensor, peer_group_rank: int, group: dist.ProcessGroup | None,
+                  counter: CommCounter) -> torch.Tensor:
+    """The peer's tensor of `tensor`'s shape, for this rank's (each sends its own to the other; the peer calls it
+    with this rank). A rank that is its own peer keeps its tensor."""
+    if dist.get_group_rank(group, dist.get_rank()) == peer_group_rank:
+        return tensor
+    counter.p2p_bytes += tensor.numel() * tensor.element_size()
+    peer = dist.get_global_rank(group, peer_group_rank)
+    received = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    with record_function("tiers.comm.exchange"):
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor.contiguous(), peer, group),
+                                            dist.P2POp(dist.irecv, received, peer, group)]):
+            work.wait()
+    return received

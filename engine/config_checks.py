@@ -7,10 +7,10 @@ it builds anything. Each error names the key, the value and the fix."""
 from __future__ import annotations
 
 import json
-import math
 from typing import TYPE_CHECKING, Callable
 
 from engine.config_schema import ConfigError
+from engine.grid_shapes import tp_grid_problem
 
 if TYPE_CHECKING:
     import torch
@@ -85,9 +85,10 @@ def check_config(cfg: Config) -> None:
         (zero.placement == "auto" and zero.offload_optimizer.device not in OFFLOADED, "zero_optimization.placement",
          zero.placement, "places the chunks the chunk manager holds, and nothing is offloaded; set "
          "zero_optimization.offload_optimizer.device (and offload_param.device) to cpu or nvme, or use \"static\""),
-        (cfg.tensor_parallel.mode == "2d" and not _is_mesh_or_one(cfg.tensor_parallel.size), "tensor_parallel.size",
-         cfg.tensor_parallel.size, "mode \"2d\" runs on a q×q mesh, so the size must be a square q² with q ≥ 2 "
-         "(4, 9, 16, ...); use such a size, or mode \"1d\""),
+        (cfg.tensor_parallel.depth != 1 and cfg.tensor_parallel.mode != "2.5d", "tensor_parallel.depth",
+         cfg.tensor_parallel.depth, f"is the number of grids of mode \"2.5d\", and the mode is "
+         f"\"{cfg.tensor_parallel.mode}\"; remove it, or set mode \"2.5d\""),
+        (_grid_problem(cfg) is not None, "tensor_parallel.size", cfg.tensor_parallel.size, _grid_problem(cfg)),
         (cfg.memory.budget_bytes("device_margin") is not None and zero.placement != "auto", "memory.device_margin",
          cfg.memory.device_margin, "is the device memory placement \"auto\" keeps free, and placement is "
          "\"static\"; set zero_optimization.placement to \"auto\", or remove the key"),
@@ -114,9 +115,9 @@ def check_config(cfg: Config) -> None:
         (ac.partition_activations and tp.size == 1, "activation_checkpointing.partition_activations", True,
          "splits a checkpoint's saved inputs over the tensor-parallel ranks, and tensor_parallel.size is 1; set "
          "tensor_parallel.size to 2 or more, or set it to false"),
-        (ac.partition_activations and tp.mode == "2d" and tp.size > 1, "activation_checkpointing.partition_activations",
-         True, "splits inputs that every tensor-parallel rank holds whole; under mode \"2d\" each rank holds its own "
-         "block of the activations already; set it to false"),
+        (ac.partition_activations and tp.mode != "1d" and tp.size > 1, "activation_checkpointing.partition_activations",
+         True, f"splits inputs that every tensor-parallel rank holds whole; under mode \"{tp.mode}\" each rank holds "
+         "its own block of the activations already; set it to false"),
         (ac.partition_activations and tp.sequence_parallel and tp.size > 1,
          "activation_checkpointing.partition_activations", True, "splits inputs that every tensor-parallel rank holds "
          "whole; under tensor_parallel.sequence_parallel each rank holds its own part of the sequence already; set "
@@ -133,13 +134,16 @@ def check_config(cfg: Config) -> None:
          "splits the activations between the tensor-parallel layers over the tensor-parallel ranks, and "
          "tensor_parallel.size is 1; set the size to 2 or more, or use the top-level sequence_parallel (Ulysses, "
          "ring) without tensor parallelism"),
-        (tp.sequence_parallel and tp.mode == "2d", "tensor_parallel.sequence_parallel", True,
-         "is for mode \"1d\"; under mode \"2d\" every activation is split over the mesh already; set it to false"),
-        (sp.enabled and tp.size > 1 and tp.mode == "2d", "sequence_parallel.size", sp.size,
-         "sequence parallelism with 2D tensor parallelism is not built yet; use tensor_parallel.mode \"1d\" with it"),
-        (cfg.moe.expert_parallel_size > 1 and tp.size > 1 and tp.mode == "2d", "moe.expert_parallel_size",
-         cfg.moe.expert_parallel_size, "expert parallelism with 2D tensor parallelism is not built yet (each rank "
-         "holds a block of the activations, and the router needs whole tokens); use tensor_parallel.mode \"1d\""),
+        (tp.sequence_parallel and tp.mode != "1d", "tensor_parallel.sequence_parallel", True,
+         f"is for mode \"1d\"; under mode \"{tp.mode}\" every activation is split over the mesh already; set it to "
+         "false"),
+        (sp.enabled and tp.size > 1 and tp.mode != "1d", "sequence_parallel.size", sp.size,
+         f"sequence parallelism with {tp.mode.upper()} tensor parallelism is not built yet; use tensor_parallel.mode "
+         "\"1d\" with it"),
+        (cfg.moe.expert_parallel_size > 1 and tp.size > 1 and tp.mode != "1d", "moe.expert_parallel_size",
+         cfg.moe.expert_parallel_size, f"expert parallelism with {tp.mode.upper()} tensor parallelism is not built "
+         "yet (each rank holds a block of the activations, and the router needs whole tokens); use "
+         "tensor_parallel.mode \"1d\""),
         (cfg.moe.expert_parallel_size > 1 and tp.size > 1 and tp.sequence_parallel, "moe.expert_parallel_size",
          cfg.moe.expert_parallel_size, "expert parallelism with tensor_parallel.sequence_parallel is not built yet "
          "(each tp rank would route its own part of the sequence, and the experts' gradients would differ over the "
@@ -241,15 +245,16 @@ def _pipeline_checks(cfg: Config) -> list[tuple[bool, str, object, str]]:
          "schedule to \"interleaved\", or virtual_stages to 1"),
         (not partition_ok, "pipeline.partition", pp.partition,
          f"is one of {', '.join(PARTITIONS)}, or a list of the module names that start each stage"),
-        (pp.enabled and cfg.tensor_parallel.size > 1 and cfg.tensor_parallel.mode == "2d", "tensor_parallel.mode",
-         "2d", "2D tensor parallelism inside a pipeline stage is not built yet; use mode \"1d\" with "
-         "pipeline.stages > 1"),
+        (pp.enabled and cfg.tensor_parallel.size > 1 and cfg.tensor_parallel.mode != "1d", "tensor_parallel.mode",
+         cfg.tensor_parallel.mode, f"{cfg.tensor_parallel.mode.upper()} tensor parallelism inside a pipeline stage is "
+         "not built yet; use mode \"1d\" with pipeline.stages > 1"),
     ]
 
 
-def _is_mesh_or_one(size: int) -> bool:
-    """A q×q mesh with q ≥ 2, or size 1 (no tensor parallelism: the mode does not matter)."""
-    return size == 1 or (size >= 4 and math.isqrt(size) ** 2 == size)
+def _grid_problem(cfg: Config) -> str | None:
+    """Why tensor_parallel.size does not make its mode's grid (Note [tensor-parallel grids]); None: it does."""
+    tp = cfg.tensor_parallel
+    return tp_grid_problem(tp.size, tp.mode, tp.depth) if tp.depth == 1 or tp.mode == "2.5d" else None
 
 
 def check_run(cfg: Config, mesh: Mesh, *, optimizer=None, lr_scheduler=None, model_parameters=None,

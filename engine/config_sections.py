@@ -169,7 +169,8 @@ class TensorBoardConfig:
 @dataclass(frozen=True)
 class TensorParallelConfig:
     size: int = bounded(1, min=1)
-    mode: Literal["1d", "2d"] = "1d"
+    mode: Literal["1d", "2d", "2.5d", "3d"] = "1d"  # Note [tensor-parallel grids]
+    depth: int = bounded(1, min=1)  # 2.5d: the q×q grids side by side (size = depth × q²)
     plan: str | dict = "auto"
     sequence_parallel: bool = False  # Note [Megatron sequence parallelism]
 

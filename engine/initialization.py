@@ -92,7 +92,8 @@ def initialize(
     check_loss_fn(cfg, loss_fn)
     mesh = start_mesh(tp_size=cfg.tensor_parallel.size, tp_mode=cfg.tensor_parallel.mode,
                       pp_size=cfg.pipeline.stages, sp_size=cfg.sequence_parallel.size,
-                      ep_size=cfg.moe.expert_parallel_size, shard_size=max(cfg.zero_optimization.mics_shard_size, 0))
+                      ep_size=cfg.moe.expert_parallel_size, shard_size=max(cfg.zero_optimization.mics_shard_size, 0),
+                      tp_depth=cfg.tensor_parallel.depth)
     check_run(cfg, mesh, optimizer=optimizer, lr_scheduler=lr_scheduler, model_parameters=model_parameters,
               built_under_zero_init=zero_init_recording(model) is not None)
     check_compressed_run(cfg, mesh)

@@ -14,7 +14,9 @@ dimension or a flattened run of adjacent ones (DeviceMesh `_flatten`). Expert pa
 edp × ep with ep innermost: when sp divides ep, dp splits into (edp, ep / sp) and ep = (ep / sp, sp); when ep
 divides sp, sp splits into (sp / ep, ep) and edp = (dp, sp / ep). Under 2D tensor parallelism the tp ranks form
 a q×q grid of atoms tp_r × tp_c (the row and column coordinates): the axis tp_row holds one row (the q ranks of
-one batch block, along tp_c), tp_col one column.
+one batch block, along tp_c), tp_col one column. 2.5D puts `depth` such grids side by side (atoms tp_d × tp_r ×
+tp_c; tp_depth joins the ranks at one grid place); 3D is a q×q×q cube tp_i × tp_j × tp_k, whose tp_col is tp_i
+and whose tp_row is the plane tp_j × tp_k (Note [tensor-parallel grids]).
 Every dimension is built even at size 1, so that each group exists (a size-1 group, never the world group).
 Hybrid sharding (`zero_optimization.mics_shard_size`, Note [hybrid sharding]) splits dp into dp_replicate ×
 dp_shard, shard innermost: a shard group (dp_shard × sp, consecutive ZeRO ranks) holds one copy of the sharded
@@ -23,12 +25,13 @@ states, and the replicate group joins the ranks holding the same shard in the ot
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from engine.grid_shapes import grid_side, tp_grid_problem
 
 # the config key behind each degree, for errors
 DEGREE_KEYS = {"pp": "pipeline.stages", "sp": "sequence_parallel.size", "tp": "tensor_parallel.size",
@@ -44,7 +47,8 @@ class ParallelDims:
     sp: int = 1
     tp: int = 1
     ep: int = 1
-    tp_2d: bool = False
+    tp_mode: str = "1d"  # "1d", "2d", "2.5d" or "3d" (Note [tensor-parallel grids]); tp 1 is always 1d
+    tp_depth: int = 1  # 2.5d: the grids side by side
     shard: int = 0  # ranks of dp × sp one ZeRO shard group spans (Note [hybrid sharding]); 0: all of them
 
     def __post_init__(self):
@@ -70,9 +74,9 @@ class ParallelDims:
                              "divide the other (an expert group holds whole sequence groups, or part of one); use "
                              f"sizes such as {self.sp} or {2 * self.sp}")
         self._check_shard()
-        if self.tp_2d and (self.tp < 4 or math.isqrt(self.tp) ** 2 != self.tp):
-            raise ValueError(f"tensor_parallel.size {self.tp} with mode \"2d\" must be a square q² (4, 9, 16, ...), "
-                             "one rank per block of the q×q mesh; use a square size, or mode \"1d\"")
+        problem = tp_grid_problem(self.tp, self.tp_mode, self.tp_depth)
+        if problem:
+            raise ValueError(f"tensor_parallel.size {self.tp}: {problem}")
 
     def _check_shard(self) -> None:
         if not self.shard:
@@ -109,9 +113,29 @@ class ParallelDims:
         """Copies of the ZeRO-sharded states (Note [hybrid sharding]): dp × sp / shard; 1 without hybrid sharding."""
         return self.dp * self.sp // self.shard if self.shard else 1
 
+    @property
+    def tp_grid(self) -> str:
+        """The tensor-parallel mode in effect: "1d" whenever tp is 1."""
+        return self.tp_mode if self.tp > 1 else "1d"
+
+    @property
+    def tp_side(self) -> int:
+        """q: the side of the 2D grid (2D, 2.5D) or of the cube (3D); 1 in 1D."""
+        return grid_side(self.tp, self.tp_grid, self.tp_depth)
+
+    def tp_atoms(self) -> list[tuple[str, int]]:
+        q, grid = self.tp_side, self.tp_grid
+        if grid == "2d":
+            return [("tp_r", q), ("tp_c", q)]
+        if grid == "2.5d":
+            return [("tp_d", self.tp_depth), ("tp_r", q), ("tp_c", q)]
+        if grid == "3d":
+            return [("tp_i", q), ("tp_j", q), ("tp_k", q)]
+        return [("tp", self.tp)]
+
     def atoms(self) -> list[tuple[str, int]]:
         """The mesh's dimensions, outermost first (Note [one mesh])."""
-        tp = [("tp_r", math.isqrt(self.tp)), ("tp_c", math.isqrt(self.tp))] if self.tp_2d else [("tp", self.tp)]
+        tp = self.tp_atoms()
         if self.replicas > 1:
             middle = [("dp_replicate", self.replicas), ("dp_shard", self.dp // self.replicas), ("sp", self.sp)]
         elif self.ep == 1:
@@ -125,7 +149,7 @@ class ParallelDims:
     def views(self) -> dict[str, tuple[str, ...]]:
         """Each group of the run as the run of adjacent atoms it spans."""
         names = [n for n, _ in self.atoms()]
-        tp = ("tp_r", "tp_c") if self.tp_2d else ("tp",)
+        tp = tuple(n for n, _ in self.tp_atoms())
         zero = tuple(n for n in names if n not in ("pp", *tp))
         if self.replicas > 1:
             views = {"dp": ("dp_replicate", "dp_shard"), "sp": ("sp",), "shard": ("dp_shard", "sp"),
@@ -136,7 +160,8 @@ class ParallelDims:
             views = {"dp": ("edp", "ep_dp"), "sp": ("sp",), "ep": ("ep_dp", "sp"), "edp": ("edp",)}
         else:
             views = {"dp": ("dp",), "sp": ("sp_edp", "ep"), "ep": ("ep",), "edp": ("dp", "sp_edp")}
-        return {"pp": ("pp",), "tp": tp, "zero": zero, **views}
+        grids = {"tp_plane": ("tp_j", "tp_k")} if self.tp_grid == "3d" else {}
+        return {"pp": ("pp",), "tp": tp, "zero": zero, **views, **grids}
 
 
 @dataclass(frozen=True)
@@ -168,12 +193,16 @@ class Mesh:
     tp: Axis
     sp: Axis
     ep: Axis
-    tp_row: Axis  # 2D tensor parallelism: this rank's row (the ranks that differ in column, ordered by it)
-    tp_col: Axis  # and its column
+    tp_row: Axis  # 2D/2.5D tensor parallelism: this rank's row (the ranks that differ in column); 3D: its plane
+    tp_col: Axis  # 2D/2.5D: its column; 3D: the ranks that differ in i (Note [tensor-parallel grids])
+    tp_depth: Axis  # 2.5D: the ranks at this rank's place in the other grids
+    tp_j: Axis  # 3D: the ranks that differ in j
+    tp_k: Axis  # 3D: the ranks that differ in k
     device_mesh: DeviceMesh | None = None
     control_group: dist.ProcessGroup | None = None  # every rank, gloo, checkpoint control (Note [checkpoint commit])
 
-    AXES = ("world", "zero", "dp", "shard", "replicate", "edp", "pp", "tp", "sp", "ep", "tp_row", "tp_col")
+    AXES = ("world", "zero", "dp", "shard", "replicate", "edp", "pp", "tp", "sp", "ep", "tp_row", "tp_col", "tp_depth",
+            "tp_j", "tp_k")
 
     @classmethod
     def build(cls, dims: ParallelDims, device: torch.device | str, *, control: bool = False) -> "Mesh":
@@ -201,7 +230,7 @@ class Mesh:
         world = zero * tp * pp
         edp = zero // ep if ep > 1 else zero
         sizes = {"world": world, "zero": zero, "dp": zero // sp, "shard": zero, "replicate": 1, "edp": edp,
-                 "pp": pp, "tp": tp, "sp": sp, "ep": ep, "tp_row": 1, "tp_col": 1}
+                 "pp": pp, "tp": tp, "sp": sp, "ep": ep, **dict.fromkeys(cls.AXES[10:], 1)}
         return cls(None, torch.device(device), **{name: Axis(None, 0, size) for name, size in sizes.items()})
 
     def sizes(self) -> dict[str, int]:
@@ -246,8 +275,12 @@ def _axes_of(dims: ParallelDims, views: dict[str, DeviceMesh], device_mesh: Devi
             "edp": view("edp", dims.edp, on=True) if dims.ep > 1 else zero}
     for name in ("pp", "tp", "sp", "ep"):
         axes[name] = view(name, getattr(dims, name))
-    q = math.isqrt(dims.tp) if dims.tp_2d else 1
-    # the atoms are coordinates (row r, column c): a row is the ranks that differ in c
-    axes["tp_row"] = view("tp_c", q, on=dims.tp_2d)
-    axes["tp_col"] = view("tp_r", q, on=dims.tp_2d)
+    q, grid = dims.tp_side, dims.tp_grid
+    flat = grid in ("2d", "2.5d")  # the atoms are coordinates (row r, column c): a row is the ranks that differ in c
+    axes["tp_row"] = view("tp_c", q, on=True) if flat else view("tp_plane", q * q, on=True) if grid == "3d" else Axis()
+    axes["tp_col"] = view("tp_r", q, on=True) if flat else view("tp_i", q, on=True) if grid == "3d" else Axis()
+    axes["tp_depth"] = view("tp_d", dims.tp_depth, on=True) if grid == "2.5d" else Axis()
+    axes["tp_j"] = view("tp_j", q, on=True) if grid == "3d" else Axis()
+    axes["tp_k"] = view("tp_k", q, on=True) if grid == "3d" else Axis()
     return axes
+

@@ -27,7 +27,7 @@ def fewest_ranks(cfg) -> ParallelDims:
     dp = next((d for d in range(1, 2 * ep * max(shard, 1) + 1)
                if d * sp % ep == 0 and (not shard or d * sp % shard == 0 and d * sp > shard)), 1)
     return ParallelDims(pp * dp * sp * tp, pp=pp, sp=sp, tp=tp, ep=ep,
-                        tp_2d=cfg.tensor_parallel.mode == "2d" and tp > 1, shard=shard)
+                        tp_mode=cfg.tensor_parallel.mode, tp_depth=cfg.tensor_parallel.depth, shard=shard)
 
 
 def refused(config: dict, zero_init: bool = False, runner: str | None = None) -> str | None:

@@ -79,7 +79,7 @@ def mesh_position(tp_rank: int, tp_size: int) -> tuple[int, int, int]:
 
 
 def start_mesh(device: torch.device | None = None, tp_size: int = 1, tp_mode: str = "1d", pp_size: int = 1,
-               sp_size: int = 1, ep_size: int = 1, shard_size: int = 0) -> Mesh:
+               sp_size: int = 1, ep_size: int = 1, shard_size: int = 0, tp_depth: int = 1) -> Mesh:
     """This process's mesh: the device chosen and the process group started (from torchrun's environment) if they
     are not yet, the degrees checked against the world (Note [one mesh]). shard_size: ranks of dp × sp one ZeRO
     shard group spans (Note [hybrid sharding]); 0: all of them."""
@@ -88,6 +88,6 @@ def start_mesh(device: torch.device | None = None, tp_size: int = 1, tp_mode: st
         torch.cuda.set_device(device)  # also when the caller created the process group
     init_distributed(device)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    dims = ParallelDims(world, pp=pp_size, sp=sp_size, tp=tp_size, ep=ep_size, tp_2d=tp_mode == "2d" and tp_size > 1,
+    dims = ParallelDims(world, pp=pp_size, sp=sp_size, tp=tp_size, ep=ep_size, tp_mode=tp_mode, tp_depth=tp_depth,
                         shard=shard_size)  # checks every product
     return Mesh.single(device) if world == 1 else Mesh.build(dims, device, control=True)

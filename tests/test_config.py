@@ -337,7 +337,7 @@ def test_range_boundaries_are_inclusive():
 
 
 def test_literal_choices_are_listed():
-    msg = raises({"tensor_parallel": {"mode": "3d"}}, "tensor_parallel.mode", '"3d"', '"1d" or "2d"')
+    msg = raises({"tensor_parallel": {"mode": "4d"}}, "tensor_parallel.mode", '"4d"', '"1d" or "2d" or "2.5d" or "3d"')
     assert msg.startswith("tensor_parallel.mode:")
     raises({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
            "zero_optimization.offload_optimizer.device", '"gpu"', '"none" or "cpu" or "nvme"')

@@ -120,7 +120,9 @@ def test_2d_under_zero_3_over_two_data_parallel_groups():
     check_against_reference("gpt", results, 8, 4, "2d")
 
 
-def check_against_reference(model: str, results: list, world: int, tp: int, mode: str) -> None:
+def check_against_reference(model: str, results: list, world: int, tp: int, mode: str,
+                            share: int | None = None) -> None:
+    """share: the parts each sharded weight is cut into (tp, except under 2.5D, whose grids hold the same pieces)."""
     ref_losses, ref_norms, ref_params, ref_keys = reference(model)
     dp = world // tp
     mean_losses = [sum(r[0][i] for r in results) / world for i in range(STEPS)]  # each dp group's mean, averaged
@@ -133,7 +135,7 @@ def check_against_reference(model: str, results: list, world: int, tp: int, mode
         # parameter elements per rank: 1/tp (1D) or 1/q² (2D, tp = q²) of the sharded layers plus the
         # replicated small tensors; under 2D nothing is replicated
         replicated = sum(p.numel() for name, p in ref_params.items() if name not in sharded)
-        assert local_numel == (whole - replicated) / tp + replicated
+        assert local_numel == (whole - replicated) / (share or tp) + replicated
         assert replicated < 0.1 * whole, (replicated, whole)
         assert mode == "1d" or replicated == 0
     for i in range(len(results)):  # ranks of one tp group see the same loss

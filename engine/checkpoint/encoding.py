@@ -12,9 +12,9 @@ import math
 import torch
 
 from engine.checkpoint.files import CheckpointError
-from engine.tensor_parallel.shards import BlockSpec2D, PieceSpec2D, ShardSpec, Spec
+from engine.tensor_parallel.shards import BlockSpec2D, BlockSpec3D, PieceSpec2D, PieceSpec3D, ShardSpec, Spec
 
-_SPECS = {cls.__name__: cls for cls in (ShardSpec, BlockSpec2D, PieceSpec2D)}
+_SPECS = {cls.__name__: cls for cls in (ShardSpec, BlockSpec2D, PieceSpec2D, BlockSpec3D, PieceSpec3D)}
 TENSOR_REF = "__tensor__"
 
 

@@ -238,7 +238,7 @@ def _quantize_refusal(cfg: Config, world: int, dp: int, tp: int, pp: int) -> str
 def _tensor_parallel(model: nn.Module, cfg: Config):
     """The config's tensor-parallel plan applied to the meta model as rank 0 of its group sees it, over
     torch's "fake" process group (collectives do nothing: only shapes matter); yields the batch multiple
-    the trace needs (q in 2D, else 1)."""
+    the trace needs (the grid's batch blocks; 1 in 1D)."""
     size = cfg.tensor_parallel.size
     if size == 1:
         yield 1
@@ -246,20 +246,21 @@ def _tensor_parallel(model: nn.Module, cfg: Config):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from engine.mesh import ParallelDims
-    from engine.tensor_parallel import Mesh2D, TPGroup, apply_tensor_parallel
+    from engine.tensor_parallel import TPGroup, apply_tensor_parallel
+    from engine.tensor_parallel.feature import grid_of
+    from engine.tensor_parallel.mappings_2d import batch_parts
 
     if dist.is_initialized():
         raise RuntimeError("the tensor-parallel estimate builds its own (fake) process group; run it in a process "
                            "that has not initialized torch.distributed")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
     try:
-        whole = Mesh.build(ParallelDims(size, tp=size, tp_2d=cfg.tensor_parallel.mode == "2d"), "cpu")
+        tp_cfg = cfg.tensor_parallel
+        whole = Mesh.build(ParallelDims(size, tp=size, tp_mode=tp_cfg.mode, tp_depth=tp_cfg.depth), "cpu")
         tp = TPGroup(whole.tp.group, size, 0)
-        mesh = None
-        if cfg.tensor_parallel.mode == "2d":
-            mesh = Mesh2D.of(tp, whole.tp_row.group, whole.tp_col.group)
-        apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp, None, mesh)
-        yield mesh.q if mesh else 1
+        mesh = grid_of(tp, whole, tp_cfg.mode)
+        apply_tensor_parallel(model, tp_cfg.plan, tp, None, mesh)
+        yield batch_parts(mesh) if mesh else 1
     finally:
         dist.destroy_process_group()
 

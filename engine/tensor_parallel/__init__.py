@@ -15,16 +15,18 @@ import torch
 from torch import nn
 
 from engine.comm import all_gather_into
+from engine.tensor_parallel.layers_2d import Grid
 from engine.tensor_parallel.loss_2d import cross_entropy_2d
 from engine.tensor_parallel.mappings import TPGroup
-from engine.tensor_parallel.mappings_2d import Mesh2D
+from engine.tensor_parallel.mappings_2d import Mesh2D, batch_parts
+from engine.tensor_parallel.mappings_3d import Mesh3D
 from engine.tensor_parallel.plans import apply_plan, resolve_plan
 from engine.tensor_parallel.rng import RNGStreams
 from engine.tensor_parallel.sequence_1d import SequenceShards
 from engine.tensor_parallel.shards import Spec
 from engine.tensor_parallel.vocab_cross_entropy import vocab_parallel_cross_entropy
 
-__all__ = ["Mesh2D", "TensorParallel", "TPGroup", "apply_tensor_parallel", "cross_entropy_2d",
+__all__ = ["Mesh2D", "Mesh3D", "TensorParallel", "TPGroup", "apply_tensor_parallel", "cross_entropy_2d",
            "vocab_parallel_cross_entropy"]
 
 
@@ -36,13 +38,14 @@ class TensorParallel:
     specs: dict[str, Spec]
     streams: RNGStreams | None = None  # Note [tensor-parallel RNG]
     tied: dict[str, str] = field(default_factory=dict)  # name -> the first name of the same (tied) parameter
-    mesh: Mesh2D | None = None  # 2D only (Note [2D tensor parallelism])
+    mesh: Grid | None = None  # 2D, 2.5D, 3D (Note [2D tensor parallelism], [tensor-parallel grids])
     sequence: SequenceShards | None = None  # 1D with sequence_parallel (Note [Megatron sequence parallelism])
 
     def norm_weights(self, model: nn.Module) -> dict[int, float]:
         """id(parameter) -> its weight in the squared global norm (Note [global norm under tensor parallelism])."""
         sharded = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name in self.specs}
-        return {id(p): 1.0 if id(p) in sharded else 1.0 / self.tp.size for p in model.parameters()}
+        replicas = self.mesh.replicas.size if self.mesh is not None and self.mesh.replicas is not None else 1
+        return {id(p): 1.0 / replicas if id(p) in sharded else 1.0 / self.tp.size for p in model.parameters()}
 
     def join_state_dict(self, local: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
         """Every rank's shards joined into whole tensors, gathered through `device` (a collective over the tp
@@ -70,13 +73,16 @@ class TensorParallel:
 
 
 def apply_tensor_parallel(model: nn.Module, plan: str | dict, tp: TPGroup, streams: RNGStreams | None = None,
-                          mesh: Mesh2D | None = None, sequence_parallel: bool = False) -> TensorParallel:
+                          mesh: Grid | None = None, sequence_parallel: bool = False) -> TensorParallel:
     """Replaces the model's layers by the plan's parallel layers, in place (Note [tensor-parallel plans]); with
     `streams`, dropout in the plan's split regions draws per-rank masks (Note [tensor-parallel RNG]). With
-    `mesh` the plan is a 2D one (Note [2D tensor parallelism]); with `sequence_parallel` a 1D plan also splits
-    the activations between its regions along the sequence (Note [Megatron sequence parallelism])."""
+    `mesh` the plan is a 2D one, run on that grid (Note [2D tensor parallelism], [tensor-parallel grids]); with
+    `sequence_parallel` a 1D plan also splits the activations between its regions along the sequence (Note
+    [Megatron sequence parallelism])."""
     sequence = SequenceShards(tp) if sequence_parallel else None
-    specs = apply_plan(model, resolve_plan(model, plan, "2d" if mesh else "1d", tp.size), tp, streams, mesh, sequence)
+    resolved = resolve_plan(model, plan, "1d", tp.size) if mesh is None else \
+        resolve_plan(model, plan, "2d", mesh.width, batch_parts(mesh))
+    specs = apply_plan(model, resolved, tp, streams, mesh, sequence)
     first: dict[int, str] = {}
     tied = {}
     for name, p in model.named_parameters(remove_duplicate=False):  # in model order: the first name comes first

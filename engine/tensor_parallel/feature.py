@@ -11,6 +11,7 @@ from engine.config_sections import Config
 from engine.features import BuildContext, Feature, Features, RecomputeParts
 from engine.mesh import Mesh
 from engine.tensor_parallel import Mesh2D, TensorParallel, TPGroup, apply_tensor_parallel
+from engine.tensor_parallel.mappings_3d import Mesh3D
 from engine.tensor_parallel.rng import RNGStreams
 
 
@@ -25,9 +26,18 @@ def parallelize_tensors(model: nn.Module, cfg: Config, mesh: Mesh,
     with torch.no_grad():  # the plan slices whole weights: every tp rank starts from its group's first rank's
         for t in list(model.parameters()) + list(model.buffers()):
             broadcast_from(t.data, 0, tp.group, tp.counter)
-    grid = Mesh2D.of(tp, mesh.tp_row.group, mesh.tp_col.group) if cfg.tensor_parallel.mode == "2d" else None
-    return apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp, RNGStreams(tp, mesh.device), grid,
-                                 cfg.tensor_parallel.sequence_parallel)
+    return apply_tensor_parallel(model, cfg.tensor_parallel.plan, tp, RNGStreams(tp, mesh.device),
+                                 grid_of(tp, mesh, cfg.tensor_parallel.mode), cfg.tensor_parallel.sequence_parallel)
+
+
+def grid_of(tp: TPGroup, mesh: Mesh, mode: str) -> Mesh2D | Mesh3D | None:
+    """The tp group's grid in `mode` from the mesh's axes (Note [tensor-parallel grids]); None in 1D."""
+    if mode in ("2d", "2.5d"):
+        return Mesh2D.of(tp, mesh.tp_row.group, mesh.tp_col.group, mesh.tp_depth.group, mesh.tp_depth.size)
+    if mode == "3d":
+        return Mesh3D.of(tp, {"plane": mesh.tp_row.group, "i": mesh.tp_col.group, "j": mesh.tp_j.group,
+                              "k": mesh.tp_k.group})
+    return None
 
 
 class TensorParallelFeature(Feature):
@@ -66,7 +76,7 @@ class TensorParallelFeature(Feature):
         return {name: p.with_cut(specs.get(name), tp.rank, tp.size) for name, p in placed.items()}
 
     def layout(self) -> dict:
-        return {"tp_mode": "2d" if self.parallel.mesh is not None else "1d"}
+        return {"tp_mode": self.parallel.mesh.mode if self.parallel.mesh is not None else "1d"}
 
     def generators(self) -> list:
         return [self.parallel.streams] if self.parallel.streams is not None else []

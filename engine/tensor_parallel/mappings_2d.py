@@ -20,32 +20,41 @@ into it forward passes the gradient through unchanged backward.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engine.comm import broadcast_from, reduce_scatter_sum_in_place, reduce_sum_to
+from engine.comm import all_reduce_sum, broadcast_from, reduce_scatter_sum_in_place, reduce_sum_to
 from engine.tensor_parallel.mappings import TPGroup, gather_along
+from engine.tensor_parallel.shards import BlockSpec2D, PieceSpec2D
 from engine.topology import mesh_position
 
 
 @dataclass(frozen=True)
 class Mesh2D:
     """This rank's place in the q×q mesh: its row group (ranks (r, ·), ordered by column) and its column
-    group (ranks (·, c), ordered by row); `whole` is the q²-rank tp group. One byte counter for all three."""
+    group (ranks (·, c), ordered by row); `whole` is the tp group. One byte counter for all of them. Under 2.5D
+    (Note [tensor-parallel grids]) `depth` joins the ranks at this (r, c) in the other grids: every grid holds
+    the same pieces, takes its own part of the batch, and sums its weight gradients with the others'."""
 
     q: int
     row: TPGroup  # row.rank == c
     col: TPGroup  # col.rank == r
     whole: TPGroup
+    depth: TPGroup | None = None  # 2.5D only: depth.rank is this rank's grid
 
     @classmethod
-    def of(cls, whole: TPGroup, row_group: dist.ProcessGroup | None, col_group: dist.ProcessGroup | None) -> "Mesh2D":
-        """The mesh of the q²-rank tp group `whole`, row-major (engine/topology.py): rank t at (t // q, t % q)."""
-        q, r, c = mesh_position(whole.rank, whole.size)
-        return cls(q, TPGroup(row_group, q, c, whole.counter), TPGroup(col_group, q, r, whole.counter), whole)
+    def of(cls, whole: TPGroup, row_group: dist.ProcessGroup | None, col_group: dist.ProcessGroup | None,
+           depth_group: dist.ProcessGroup | None = None, depth: int = 1) -> "Mesh2D":
+        """The mesh of the tp group `whole` of depth·q² ranks, row-major in each grid (engine/mesh.py): rank t in
+        grid t // q² at (t % q² // q, t % q); `depth` > 1 (2.5D) with its group."""
+        grid, place = divmod(whole.rank, whole.size // depth)
+        q, r, c = mesh_position(place, whole.size // depth)
+        deep = TPGroup(depth_group, depth, grid, whole.counter) if depth > 1 else None
+        return cls(q, TPGroup(row_group, q, c, whole.counter), TPGroup(col_group, q, r, whole.counter), whole, deep)
 
     @property
     def r(self) -> int:
@@ -54,6 +63,38 @@ class Mesh2D:
     @property
     def c(self) -> int:
         return self.row.rank
+
+    @property
+    def mode(self) -> str:
+        return "2.5d" if self.depth is not None else "2d"
+
+    @property
+    def width(self) -> int:
+        """The parts the hidden dimension of an activation is split into."""
+        return self.q
+
+    @property
+    def batch_groups(self) -> tuple[TPGroup, ...]:
+        """The groups the batch is split over, inner first: the column, then (2.5D) the grids."""
+        return (self.col,) if self.depth is None else (self.col, self.depth)
+
+    @property
+    def replicas(self) -> TPGroup | None:
+        """The ranks holding the same pieces (2.5D: the grids); their gradients are summed over it."""
+        return self.depth
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, transposed: bool, parts: int = 1) -> torch.Tensor:
+        """Y = x W by SUMMA (a fused projection's blocks are laid out by its weight's cut: `parts` is not needed)."""
+        return summa_matmul(x, weight, self, transposed)
+
+    def weight_spec(self, in_dim: int, out_dim: int, parts: int = 1) -> BlockSpec2D:
+        return BlockSpec2D(in_dim, out_dim, parts, depth=self.depth.size if self.depth else 1)
+
+    def vector_spec(self, dim: int, parts: int = 1) -> PieceSpec2D:
+        return PieceSpec2D(dim, parts, depth=self.depth.size if self.depth else 1)
+
+    def describe(self) -> str:
+        return f"{self.q}x{self.q}" + (f" x{self.depth.size} deep" if self.depth else "")
 
 
 def _block_from(mine: torch.Tensor, k: int, group: TPGroup) -> torch.Tensor:
@@ -99,7 +140,15 @@ class _Summa(torch.autograd.Function):
             reduce_sum_to(part_w, k, mesh.col.group, mesh.col.counter)
             if mesh.r == k:
                 grad_w = part_w
+        sum_over_replicas(grad_w, mesh)
         return grad_x, grad_w, None, None
+
+
+def sum_over_replicas(grad: torch.Tensor, mesh) -> None:
+    """Sums a parameter piece's gradient, in place, over the ranks holding the same piece (2.5D's grids, each of
+    which saw its own part of the batch); nothing elsewhere."""
+    if mesh.replicas is not None:
+        all_reduce_sum(grad, mesh.replicas.group, mesh.replicas.counter, async_op=False)
 
 
 def summa_matmul(x: torch.Tensor, weight: torch.Tensor, mesh: Mesh2D, transposed: bool = False) -> torch.Tensor:
@@ -121,16 +170,18 @@ class _GatherDownColumn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        mesh = ctx.mesh
-        stacked = torch.stack(grad.chunk(mesh.q, dim=ctx.dim)).contiguous()  # [q, *piece]: piece r's gradient at r
-        reduce_scatter_sum_in_place(stacked.view(-1), mesh.col.group, mesh.r, mesh.q, mesh.col.counter,
-                                    async_op=False)
-        return stacked[mesh.r], None, None
+        col = ctx.mesh.col
+        stacked = torch.stack(grad.chunk(col.size, dim=ctx.dim)).contiguous()  # [q, *piece]: piece r's gradient at r
+        reduce_scatter_sum_in_place(stacked.view(-1), col.group, col.rank, col.size, col.counter, async_op=False)
+        mine = stacked[col.rank]
+        sum_over_replicas(mine, ctx.mesh)
+        return mine, None, None
 
 
-def gather_down_column(piece: torch.Tensor, mesh: Mesh2D, dim: int) -> torch.Tensor:
+def gather_down_column(piece: torch.Tensor, mesh, dim: int) -> torch.Tensor:
     """Forward: all-gather the column's pieces of a parameter along `dim` (hidden block c). Backward: reduce-scatter
-    its gradient down the column (each piece's gradient, summed over the q batch blocks)."""
+    its gradient down the column (each piece's gradient, summed over the q batch blocks), and sum it over the
+    replicas (2.5D). `mesh`: a Mesh2D or a Mesh3D (whose column is its i axis)."""
     return _GatherDownColumn.apply(piece, mesh, dim)
 
 
@@ -138,22 +189,38 @@ class _GatherBatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh):
         ctx.mesh = mesh
-        return gather_along(x, mesh.col, 0)
+        for group in mesh.batch_groups:
+            x = gather_along(x, group, 0)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.chunk(ctx.mesh.q, dim=0)[ctx.mesh.r], None
+        return grad.chunk(batch_parts(ctx.mesh), dim=0)[batch_index(ctx.mesh)], None
 
 
-def gather_batch(x: torch.Tensor, mesh: Mesh2D) -> torch.Tensor:
-    """Forward: all-gather the batch blocks down the column (a tensor the row holds whole, e.g. logits). Backward:
-    keep this rank's batch block of the gradient."""
+def gather_batch(x: torch.Tensor, mesh) -> torch.Tensor:
+    """Forward: all-gather the batch blocks (a tensor the row holds whole, e.g. logits). Backward: keep this rank's
+    batch block of the gradient."""
     return _GatherBatch.apply(x, mesh)
 
 
-def batch_block(x: torch.Tensor, mesh: Mesh2D, what: str) -> torch.Tensor:
-    """This rank's batch block r of x (split along dim 0)."""
-    if x.dim() == 0 or x.shape[0] % mesh.q:
-        raise ValueError(f"{what}: a batch of {x.shape[0] if x.dim() else 0} does not split into the {mesh.q} batch "
-                         f"blocks of 2D tensor parallelism (q = {mesh.q}); use a micro-batch divisible by {mesh.q}")
-    return x.chunk(mesh.q, dim=0)[mesh.r]
+def batch_parts(mesh) -> int:
+    """The blocks the batch is cut into: q in 2D and 3D, depth × q in 2.5D."""
+    return math.prod(group.size for group in mesh.batch_groups)
+
+
+def batch_index(mesh) -> int:
+    """This rank's batch block: the outer groups' ranks are the more significant digits."""
+    index = 0
+    for group in reversed(mesh.batch_groups):
+        index = index * group.size + group.rank
+    return index
+
+
+def batch_block(x: torch.Tensor, mesh, what: str) -> torch.Tensor:
+    """This rank's batch block of x (split along dim 0)."""
+    parts = batch_parts(mesh)
+    if x.dim() == 0 or x.shape[0] % parts:
+        raise ValueError(f"{what}: a batch of {x.shape[0] if x.dim() else 0} does not split into the {parts} batch "
+                         f"blocks of {mesh.mode.upper()} tensor parallelism; use a micro-batch divisible by {parts}")
+    return x.chunk(parts, dim=0)[batch_index(mesh)]

@@ -28,6 +28,8 @@ hidden/q], so every module holding parameters must get one, and no module is rep
   position_embedding_2d  position embedding (the same layer: ids [seq] or [1, seq] broadcast over the batch)
   classifier_2d          output layer, logits of this rank's batch block (engine.tensor_parallel.cross_entropy)
   classifier_2d_gather   the same, batch gathered back (a model that computes its own loss)
+The 2D styles and plans serve 2.5D and 3D as they are (Note [tensor-parallel grids]): the layers ask their grid
+for the matmul and the cuts, and a plan's widths are divided by the grid's hidden split (q, or q² in 3D).
 Under 2D every dropout draws from the per-rank stream: every activation between layers is split.
 (The logits a classifier_2d layer returns are whole along the row; a dropout on them would draw
 different masks on the row's ranks. No built-in model has one.) The model's per-sample inputs (token
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import math
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -49,9 +51,8 @@ from engine.tensor_parallel.derive.given_plan import partial_gradients_of
 from engine.tensor_parallel.derive.plan_2d import derive_plan_2d
 from engine.tensor_parallel.inputs_2d import BatchInputs2D
 from engine.tensor_parallel.layers_1d import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from engine.tensor_parallel.layers_2d import Classifier2D, Embedding2D, Linear2D, Norm2D
+from engine.tensor_parallel.layers_2d import Classifier2D, Embedding2D, Grid, Linear2D, Norm2D
 from engine.tensor_parallel.mappings import PartialGradientSum, TPGroup
-from engine.tensor_parallel.mappings_2d import Mesh2D
 from engine.tensor_parallel.rng import RNGStreams, Stream
 from engine.tensor_parallel.sequence_1d import SequenceRegions, SequenceShards
 
@@ -77,7 +78,8 @@ class Plan:
 def _divide(owner: str, attr: str, value: int, parts: int) -> int:
     if value % parts:
         raise ValueError(f"{owner}.{attr} = {value} does not split into {parts} tensor-parallel parts (the "
-                         f"tensor_parallel.size in 1D, its square root in 2D); choose a size that divides it")
+                         f"tensor_parallel.size in 1D, the grid side q in 2D and 2.5D, q² in 3D); choose a size "
+                         f"that divides it")
     return value // parts
 
 
@@ -145,9 +147,11 @@ BUILT_IN_2D = {
 }
 
 
-def resolve_plan(model: nn.Module, plan: str | dict, mode: str = "1d", tp_size: int = 1) -> Plan:
-    """The config's `tensor_parallel.plan` for `mode`: "auto" (the built-in plan for the model's class, else one
-    derived from its forward at `tp_size`, Note [derived tensor-parallel plans] / [derived 2D plans]), "derived"
+def resolve_plan(model: nn.Module, plan: str | dict, mode: str = "1d", tp_size: int = 1,
+                 batch_parts: int = 1) -> Plan:
+    """The config's `tensor_parallel.plan` for `mode` ("1d", or "2d" for every grid): "auto" (the built-in plan for
+    the model's class, else one derived from its forward at `tp_size`, Note [derived tensor-parallel plans] /
+    [derived 2D plans]; for a grid, `tp_size` is its hidden split and `batch_parts` its batch split), "derived"
     (derived always), a built-in plan's model class name, or {glob: style}."""
     styles, built_in = STYLES[mode], BUILT_IN if mode == "1d" else BUILT_IN_2D
     if isinstance(plan, dict):
@@ -158,7 +162,7 @@ def resolve_plan(model: nn.Module, plan: str | dict, mode: str = "1d", tp_size: 
                              f"{', '.join(styles)}")
         partial = partial_gradients_of(model, plan, tp_size) if mode == "1d" else ()
         return Plan("user plan", dict(plan), mode=mode, partial_gradients=partial)
-    derive = derived_plan if mode == "1d" else derived_plan_2d
+    derive = derived_plan if mode == "1d" else functools.partial(derived_plan_2d, batch_parts=batch_parts)
     if plan == "derived":  # derived even where a built-in plan exists (to compare them)
         return derive(model, tp_size)
     key = type(model).__name__ if plan == "auto" else plan
@@ -185,34 +189,34 @@ def derived_plan(model: nn.Module, tp_size: int) -> Plan:
                 partial_gradients=derived.partial_gradients)
 
 
-def derived_plan_2d(model: nn.Module, tp_size: int) -> Plan:
-    """Note [derived 2D plans]; `tp_size` is the mesh's q²."""
-    q = math.isqrt(tp_size)
-    derived = derive_plan_2d(model, q)
+def derived_plan_2d(model: nn.Module, width: int, batch_parts: int) -> Plan:
+    """Note [derived 2D plans], for a grid splitting the hidden dimension into `width` parts and the batch into
+    `batch_parts` (2D: both q)."""
+    derived = derive_plan_2d(model, width, batch_parts)
 
     def adjust(target: nn.Module, side: int) -> list[Change]:
-        if side != q:
-            raise ValueError(f"a 2D plan derived for a {q}×{q} mesh applied on a {side}×{side} one")
+        if side != width:
+            raise ValueError(f"a 2D plan derived for a hidden split of {width} applied with one of {side}")
         return [(target.get_submodule(name), attr, value) for name, attr, value in derived.adjustments]
     return Plan(f"2D plan derived for {type(model).__name__}", derived.styles, adjust, mode="2d")
 
 
 def apply_plan(model: nn.Module, plan: Plan, tp: TPGroup, streams: RNGStreams | None = None,
-               mesh: Mesh2D | None = None, sequence: SequenceShards | None = None) -> dict[str, object]:
+               mesh: Grid | None = None, sequence: SequenceShards | None = None) -> dict[str, object]:
     """Replaces the planned modules in place and puts the plan's modules on their dropout streams (under 2D or
     sequence parallelism, the whole model on the per-rank stream); returns {parameter name: spec} for the
     sharded parameters. `mesh` is required by a 2D plan; `sequence` splits the activations between the
     tensor-parallel regions along the sequence (Note [Megatron sequence parallelism]). Everything is checked
     before the first change."""
     if (plan.mode == "2d") != (mesh is not None):
-        raise ValueError(f"a {plan.mode} plan needs {'a' if plan.mode == '2d' else 'no'} 2D mesh")
+        raise ValueError(f"a {plan.mode} plan needs {'a' if plan.mode == '2d' else 'no'} 2D, 2.5D or 3D grid")
     if sequence is not None and plan.sequence is None:
         raise ValueError(f"tensor_parallel.sequence_parallel needs to know where {type(model).__name__}'s "
                          f"attention and MLP take their inputs, which the built-in 1D plans ({', '.join(BUILT_IN)}) "
                          f"say and the {plan.name} does not; use a built-in plan, or turn sequence_parallel off")
     if sequence is not None:
         plan.sequence.check(model)
-    changes = plan.adjust(model, mesh.q if mesh else tp.size) if plan.adjust is not None else []
+    changes = plan.adjust(model, mesh.width if mesh else tp.size) if plan.adjust is not None else []
     shared: dict = {}  # tied weights: sharded once (see shards.shared_or_sharded)
     replaced = {}
     for name, module in list(model.named_modules()):
@@ -291,7 +295,7 @@ def _check_all_placed(model: nn.Module, replaced: dict[str, nn.Module]) -> None:
                              f"give it one of {', '.join(STYLES['2d'])}")
 
 
-def _layer_2d(name: str, module: nn.Module, style: str, mesh: Mesh2D, shared: dict) -> nn.Module:
+def _layer_2d(name: str, module: nn.Module, style: str, mesh: Grid, shared: dict) -> nn.Module:
     if style in ("embedding_2d", "position_embedding_2d"):
         return Embedding2D.from_module(module, mesh, name, shared=shared)
     if style == "norm_2d":

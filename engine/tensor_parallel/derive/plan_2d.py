@@ -131,21 +131,23 @@ class BatchPropagation(Propagation):
         return [Split(state.dim, state.sources)]
 
 
-def derive_plan_2d(model: nn.Module, q: int) -> DerivedPlan:
-    """A 2D plan for `model` on a q×q mesh (Note [derived 2D plans])."""
+def derive_plan_2d(model: nn.Module, q: int, batch_parts: int | None = None) -> DerivedPlan:
+    """A 2D plan for `model` on a grid splitting the hidden dimension into q parts and the batch into `batch_parts`
+    (2D: both q; 2.5D: q and depth·q; 3D: q² and q; Note [derived 2D plans], [tensor-parallel grids])."""
     cls = type(model).__name__
+    batch_parts = batch_parts or q
     _check_modules(model, cls)
-    model_copy = traced(model, kind_2d, BATCH_PER_BLOCK * q)
+    model_copy = traced(model, kind_2d, BATCH_PER_BLOCK * batch_parts)
     copy, mode, whole = model_copy.copy, model_copy.mode, model_copy.whole
     layers = {name: Layer(kind, 0, False, tuple(id(p) for p in m.parameters(recurse=False)))
               for name, m in copy.named_modules() if (kind := kind_2d(m)) is not None}
     result, decisions = _propagate(whole, layers, q, cls)
     held = {id(t) for t in copy.parameters()} | {id(t) for t in copy.buffers()}
-    batch = BatchPropagation(whole, layers, q, decisions, _cut_inputs(copy, model_copy.args), held).run()
+    batch = BatchPropagation(whole, layers, batch_parts, decisions, _cut_inputs(copy, model_copy.args), held).run()
     for blocked, module in batch.blocked.values():
         where = repr(module) if module else "the model's own forward"
-        raise _refuse(cls, f"the forward mixes the samples of its batch, which 2D cuts into {q} blocks before it "
-                           f"runs: {blocked.reason} (in {where})")
+        raise _refuse(cls, f"the forward mixes the samples of its batch, which 2D cuts into {batch_parts} blocks "
+                           f"before it runs: {blocked.reason} (in {where})")
     styles = {}
     for name, layer in layers.items():
         if layer.kind == "embedding":
