@@ -99,6 +99,7 @@ def _offload(stage: int = 3, **offload_optimizer) -> dict:
 
 _TP, _PP, _SP, _EP = ({"tensor_parallel": {"size": 2}}, {"pipeline": {"stages": 2}}, {"sequence_parallel": {"size": 2}},
                       {"moe": {"expert_parallel_size": 2}})
+_GRIDS = ({"size": 8, "mode": "2.5d", "depth": 2}, {"size": 8, "mode": "3d"})
 _ONE_BIT = {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}}
 _LOW_BIT = {"optimizer": {"type": "AdamW8bit", "params": {"lr": 1e-3}}}
 _INT8_BASE = {"zero_optimization": {"stage": 3, "quantize_frozen": "int8"}}
@@ -128,6 +129,10 @@ REFUSALS = (
     Refusal("tp1d", "`zero_init` not yet with tensor parallelism", (
         Ask(_TP, {}, "tensor_parallel", zero_init=True),
     )),
+    Refusal("tp_grids", "not yet with pipeline, sequence or expert parallelism", tuple(
+        Ask({"tensor_parallel": grid}, other, key) for grid in _GRIDS
+        for other, key in ((_PP, "tensor_parallel.mode"), (_SP, "sequence_parallel.size"),
+                           (_EP, "moe.expert_parallel_size")))),
     Refusal("checkpoints", "one directory shared by all ranks (`use_node_local_storage` is refused)", (
         Ask({"checkpoint": {"use_node_local_storage": True}}, {}, "checkpoint.use_node_local_storage"),
     )),

@@ -21,8 +21,11 @@ function, and the last losses agree (printed). Also printed: parameter bytes per
 of the tensors the first forward saves for backward (torch.autograd.graph.saved_tensors_hooks, each
 storage counted once, the parameters' own storages left out).
 At world q² (4, 9, ...) a third system runs: ours with `mode: "2d"` on the q×q mesh (every weight a
-1/q² block, activations [batch/q, seq, hidden/q]; the micro batch must divide by q). Its ratio is
-against the same DTensor 1D peer (torch has no 2D tensor parallel to compare with).
+1/q² block, activations [batch/q, seq, hidden/q]; the micro batch must divide by q). At a world of
+4·dp that is not a square, 2D runs on a 2×2 mesh times dp, each dp group on its part of the batch (the
+same tokens per step). At world d·q² (d = 2) ours with `mode: "2.5d"` runs too, and at world q³ `mode:
+"3d"` (Note [tensor-parallel grids]): at 8 ranks, 1D, 2D, 2.5D and 3D side by side. Their ratios are
+against the same DTensor 1D peer (torch has no 2D, 2.5D or 3D tensor parallel to compare with).
 
 This is a benchmark script: it prints what it measured and never asserts on time.
 """
@@ -56,7 +59,8 @@ from bench_dp import Loop, alternate_rounds, make_batches, parse_args, summarize
 from engine.estimate.report import markdown_table  # noqa: E402
 
 LABELS = {"ours": "tiers 1D tensor parallel", "oursderived": "tiers 1D tensor parallel, derived plan",
-          "ours2d": "tiers 2D tensor parallel (SUMMA)", "peer": "torch DTensor TP (parallelize_module)"}
+          "ours2d": "tiers 2D tensor parallel (SUMMA)", "ours25d": "tiers 2.5D tensor parallel (2 grids)",
+          "ours3d": "tiers 3D tensor parallel (cube)", "peer": "torch DTensor TP (parallelize_module)"}
 
 
 def build_model(args):
@@ -92,20 +96,40 @@ def counting_saved_bytes(loop: Loop, system: str, params: list, args) -> Loop:
     return loop
 
 
-def ours_loop(args, mode: str = "1d", plan: str = "auto") -> Loop:
+def ours_loop(args, mode: str = "1d", plan: str = "auto", tp: int | None = None, depth: int = 1) -> Loop:
+    """Ours over `tp` ranks (all of them by default); with fewer, each dp group trains on its part of the batch."""
     from engine import initialize
 
-    cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-           "tensor_parallel": {"size": args.world, "mode": mode, "plan": plan}, "steps_per_print": 10**9}
+    tp = tp or args.world
+    micro = args.micro_batch * tp // args.world
+    cfg = {"train_micro_batch_size_per_gpu": micro, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "tensor_parallel": {"size": tp, "mode": mode, "plan": plan, "depth": depth}, "steps_per_print": 10**9}
     engine = initialize(build_model(args), cfg)
-    system = "ours2d" if mode == "2d" else "oursderived" if plan == "derived" else "ours"
+    system = GRID_SYSTEMS.get(mode, "oursderived" if plan == "derived" else "ours")
     args.param_bytes[system] = param_bytes(engine.module)
-    return counting_saved_bytes(Loop(lambda x, y: engine(x, labels=y), engine.backward, engine.step,
+    part = slice(engine.dp_rank * micro, (engine.dp_rank + 1) * micro)
+    return counting_saved_bytes(Loop(lambda x, y: engine(x[part], labels=y[part]), engine.backward, engine.step,
                                      close=engine.close), system, list(engine.module.parameters()), args)
+
+
+GRID_SYSTEMS = {"2d": "ours2d", "2.5d": "ours25d", "3d": "ours3d"}
 
 
 def is_square(world: int) -> bool:
     return world >= 4 and math.isqrt(world) ** 2 == world
+
+
+def grid_runs(world: int) -> dict[str, tuple[str, int, int]]:
+    """The grids that run at `world`: system -> (mode, tp size, depth)."""
+    runs = {}
+    if is_square(world) or world % 4 == 0:
+        runs["ours2d"] = ("2d", world if is_square(world) else 4, 1)
+    if world % 2 == 0 and is_square(world // 2):
+        runs["ours25d"] = ("2.5d", world, 2)
+    side = round(world ** (1 / 3))
+    if side >= 2 and side ** 3 == world:
+        runs["ours3d"] = ("3d", world, 1)
+    return runs
 
 
 def _heads_together(weight: torch.Tensor, tp: int) -> torch.Tensor:
@@ -145,8 +169,8 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
     args.param_bytes, args.saved_bytes = {}, {}
     batches = make_batches(args, 0)  # one tp group: every rank trains on the same batches
     systems = {"ours": ours_loop, "oursderived": lambda a: ours_loop(a, plan="derived"), "peer": dtensor_loop}
-    if is_square(world):
-        systems["ours2d"] = lambda a: ours_loop(a, "2d")
+    for system, (mode, tp, depth) in grid_runs(world).items():
+        systems[system] = lambda a, mode=mode, tp=tp, depth=depth: ours_loop(a, mode, tp=tp, depth=depth)
     runs = alternate_rounds(args, systems, batches, rank)
     dist.barrier()
     dist.destroy_process_group()
@@ -154,7 +178,8 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
         results.put((runs, args.param_bytes, args.saved_bytes))
 
 
-STRATEGIES = {"ours": "TP 1D", "oursderived": "TP 1D", "ours2d": "TP 2D", "peer": "TP 1D"}
+STRATEGIES = {"ours": "TP 1D", "oursderived": "TP 1D", "ours2d": "TP 2D", "ours25d": "TP 2.5D", "ours3d": "TP 3D",
+              "peer": "TP 1D"}
 
 
 def records(args, runs: dict, param_bytes: dict, saved_bytes: dict) -> list[dict]:
@@ -204,6 +229,9 @@ def report(args, psi: int, runs: dict, param_bytes: dict, saved_bytes: dict, ela
                         "÷ Ψ·4B", "saved activations/rank", "loopback bytes/rank/step", "peak RSS/rank",
                         "per-round s/step", "last loss"], rows),
         "",
+        *([f"2D at {args.world} ranks runs on a 2×2 mesh × dp {args.world // 4}, each dp group on its half of the "
+           "batch (the same tokens per step); 2.5D on 2 grids of q×q, 3D on a q×q×q cube.", ""]
+          if not is_square(args.world) and "ours2d" in rows_in else []),
         f"The derived plan (`plan: \"derived\"`, the one `\"auto\"` gives a model with no built-in plan) took "
         f"{derive_s:.2f} s to derive (one forward on fake tensors and the per-rank shape check), once per rank at "
         "initialize.",

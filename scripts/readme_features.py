@@ -67,6 +67,9 @@ ROWS = (
         "the forward for other models, DeepSpeed's `autotp_size`; dp × tp with ZeRO 0–3)", "done"),
     Row("tp2d", "tensor parallelism 2D (SUMMA on a q × q mesh; built-in plans for the same models, derived plans for "
         "others), with a padding `attention_mask`", "done"),
+    Row("tp_grids", "tensor parallelism 2.5D (`depth` q × q grids, the batch split across them, gradients summed "
+        "over them) and 3D (a q × q × q cube), ColossalAI's modes, on the 2D layers and plans, with ZeRO 0–3 "
+        "([docs](docs/parallelism.md#25d-and-3d))", "done"),
     Row("checkpointing", "activation checkpointing (`model_engine.activation_checkpoint`, `partition_activations`)",
         "done"),
     Row("pipeline", "pipeline parallelism: GPipe, 1F1B, interleaved, zero bubble on unmodified models "
@@ -89,7 +92,7 @@ ROWS = (
     Row("colossalai_api", "ColossalAI's Booster API: `from engine.compat import colossalai`, or scripts unchanged "
         "under `tiers launch --as-colossalai` (`colossalai run`'s arguments)", "TorchDDP, LowLevelZero, Gemini, "
         "HybridParallel (tp, sp), MoeHybrid and TorchFSDP plugins, sharded model files "
-        "([migrating](docs/migrating-from-colossalai.md)); not yet `save_optimizer`, `execute_pipeline`, 2.5D/3D"),
+        "([migrating](docs/migrating-from-colossalai.md)); not yet `save_optimizer`, `execute_pipeline`"),
     Row("launcher", "multi-node launcher `tiers launch` (ssh, pdsh, slurm, local)",
         "done; ssh, pdsh, srun tested up to their command"),
     Row("tensorboard", "TensorBoard logging", "done"),

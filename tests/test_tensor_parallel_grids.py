@@ -5,6 +5,7 @@ one process does; the configs that make no grid are refused by name."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from engine import initialize
 from engine.config import load_config
+from engine.estimate.estimator import trace_strategy
 from engine.topology import start_mesh
 from tests.distributed import run_distributed
 from tests.reference import (
@@ -134,6 +136,17 @@ def test_a_checkpoint_moves_between_1d_3d_25d_and_2d_and_training_goes_on(grid_r
         mean = [sum(losses[i] for losses in per_rank) / WORLD for i in range(2)]  # each dp group's, averaged
         assert_close_relative(mean, ref_losses[2 * leg:2 * leg + 2], rtol=TP_RTOL)
     assert_params_close(grid_results["chain"][0]["params"], ref_params, rtol=TP_RTOL)
+
+
+@pytest.mark.parametrize("tp,share", [({"size": 4, "mode": "2d"}, 4), ({"size": 8, "mode": "2.5d", "depth": 2}, 4),
+                                      ({"size": 8, "mode": "3d"}, 8)], ids=["2d", "2.5d", "3d"])
+def test_the_estimate_traces_a_grid_rank_with_its_share_of_the_weights(tp, share):
+    """The memory estimate applies the plan on the meta device (no autocast there) and traces the step."""
+    whole = sum(p.numel() for p in tiny_gpt(n_head=4).parameters())
+    traced = trace_strategy(lambda: tiny_gpt(n_head=4), load_config({"train_micro_batch_size_per_gpu": 8,
+                                                                       "tensor_parallel": tp}), 32)
+    assert sum(math.prod(p.shape) for p in traced.params) * share == whole
+    assert traced.activations.small_peak > 0
 
 
 @pytest.mark.parametrize("tp,extra,key", [

@@ -20,6 +20,7 @@ into it forward passes the gradient through unchanged backward.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -115,7 +116,7 @@ class _Summa(torch.autograd.Function):
         ctx.mesh, ctx.transposed = mesh, transposed
         ctx.save_for_backward(x, weight)
         y = None
-        with torch.autocast(x.device.type, enabled=False):  # summa_matmul cast both already
+        with autocast_off(x):  # summa_matmul cast both already
             for k in range(mesh.q):
                 part = _matmul(_block_from(x, k, mesh.row), _block_from(weight, k, mesh.col), transposed)
                 y = part if y is None else y.add_(part)
@@ -155,11 +156,23 @@ def summa_matmul(x: torch.Tensor, weight: torch.Tensor, mesh: Mesh2D, transposed
     """Forward: Y[r, c] = Σ_k X[r, k] W[k, c] (broadcasts along the row and down the column). Backward: dX and dW
     by the same broadcasts and reductions (Note [2D tensor parallelism]). Under autocast both are cast to its dtype
     first, as F.linear would be (and the blocks broadcast are then the narrow ones)."""
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        x, weight = x.to(dtype), weight.to(dtype)
+    x, weight = autocast_both(x, weight)
     return _Summa.apply(x, weight, mesh, transposed)
+
+
+def autocast_off(x: torch.Tensor):
+    """Autocast switched off for x's device (a meta tensor's: nothing to switch)."""
+    return torch.autocast(x.device.type, enabled=False) if x.device.type in ("cpu", "cuda") else \
+        contextlib.nullcontext()
+
+
+def autocast_both(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both in autocast's dtype where it is on for x's device (a meta tensor, traced by the estimate, has none)."""
+    device_type = x.device.type
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return x.to(dtype), weight.to(dtype)
+    return x, weight
 
 
 class _GatherDownColumn(torch.autograd.Function):

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from engine.comm import exchange_with, reduce_scatter_sum_in_place
 from engine.tensor_parallel.mappings import TPGroup, gather_along
+from engine.tensor_parallel.mappings_2d import autocast_both, autocast_off
 from engine.tensor_parallel.shards import BlockSpec3D, PieceSpec3D
 
 
@@ -74,10 +75,7 @@ class Mesh3D:
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, transposed: bool, parts: int = 1) -> torch.Tensor:
         """Y = x W over the cube; a fused projection's `parts` blocks are each cut alike."""
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):  # as F.linear under autocast; the pieces sent are the narrow ones
-            dtype = torch.get_autocast_dtype(device_type)
-            x, weight = x.to(dtype), weight.to(dtype)
+        x, weight = autocast_both(x, weight)  # as F.linear under autocast; the pieces sent are the narrow ones
         return _CubeMatmul.apply(x, weight, self, transposed, parts)
 
     def weight_spec(self, in_dim: int, out_dim: int, parts: int = 1) -> BlockSpec3D:
@@ -129,7 +127,7 @@ class _CubeMatmul(torch.autograd.Function):
     def forward(ctx, x, weight, mesh, transposed, parts):
         ctx.mesh, ctx.transposed, ctx.parts = mesh, transposed, parts
         ctx.save_for_backward(x, weight)
-        with torch.autocast(x.device.type, enabled=False):  # matmul cast both already
+        with autocast_off(x):  # matmul cast both already
             block_x = gather_along(x, mesh.k, x.dim() - 1)  # [.., input block j]
             block_w = gather_along(weight, mesh.col, 0 if transposed else 1)  # W[j, k]
             partial = _linear(block_x, block_w, transposed)  # Y's output block k, summed over j below

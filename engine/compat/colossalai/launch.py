@@ -46,7 +46,8 @@ def launch_from_torch(config=None, backend: str = "nccl", seed: int = 1024, verb
         config, backend = None, config
     if config:
         refuse("launch_from_torch(config=...) with settings (ColossalAI's legacy parallel context)",
-               "give the parallel sizes to a Booster plugin (e.g. HybridParallelPlugin(tp_size=2, pp_size=1))")
+               "give the parallel sizes to a Booster plugin (e.g. HybridParallelPlugin(tp_size=2, pp_size=1)), or "
+               "a legacy 2D / 2.5D / 3D tensor section to initialize's config as tensor_parallel {size, mode, depth}")
     try:
         rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
