@@ -27,6 +27,7 @@ from torch import nn
 from engine import whole_weights
 from engine.activation_checkpointing import ActivationCheckpointing
 from engine.checkpoint import Saver, load_checkpoint, write_state_dict
+from engine.checkpoint.whole_states import load_whole_states, load_whole_weights
 from engine.compat.deepspeed_names import DeepSpeedNames
 from engine.config import BatchSizes, Config
 from engine.coordinates import ParallelCoordinates
@@ -305,12 +306,13 @@ class Engine(ParallelCoordinates, DeepSpeedNames):
     def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """The model's whole state dict (keys as full_state_dict's, the same on every rank; every rank must call
         this) into its parameters and buffers, the fp32 masters taking the values whole rather than the 16-bit
-        parameters' rounding of them. Key and shape errors are raised before anything is copied. Not under tensor,
-        expert or pipeline parallelism, whose parameters are parts of the whole ones."""
+        parameters' rounding of them. Key and shape errors are raised before anything is copied. Under tensor,
+        expert or pipeline parallelism each rank takes its part of every whole tensor (Note [whole optimizer
+        states])."""
         if self.features.joins_state_dict:
-            raise ValueError("load_full_state_dict under tensor, expert or pipeline parallelism (whole weights into "
-                             "split layers): load the weights before initialize (initialize(weights=...)), or use "
-                             "save_checkpoint / load_checkpoint")
+            self._saver.wait()
+            load_whole_weights(self._saver.state, state, strict)
+            return
         params = list(self.module.parameters())
         with self.gathered_parameters(params, modifier_rank=0):  # gathered: stage 3's released shapes are whole
             whole_weights.check_loadable(state, self.module.state_dict(), strict)
@@ -337,6 +339,13 @@ class Engine(ParallelCoordinates, DeepSpeedNames):
         self._saver.wait()
         return load_checkpoint(self._saver.state, self._saver.control, load_dir, tag, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
+
+    def load_whole_optimizer_states(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Optimizer states given whole, by parameter name ({name: {"exp_avg": ..., "exp_avg_sq": ..., "step": ...}},
+        another framework's optimizer file) into this engine's chunks, each rank its piece (Note [whole optimizer
+        states]); `engine.checkpoint.whole_states.read_whole_states` reads them out of a checkpoint."""
+        self._saver.wait()
+        load_whole_states(self._saver.state, states)
 
     def wait_for_checkpoint(self) -> str | None:
         """Waits for a background save (checkpoint.async_save) to commit and raises its error, if any; returns the

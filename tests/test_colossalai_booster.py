@@ -10,6 +10,7 @@ import torch
 
 from engine.compat import colossalai
 from engine.compat.colossalai.booster import Booster
+from engine.compat.colossalai.booster.optimizer_io import load_optimizer_file
 from engine.compat.colossalai.booster.plugin import (
     GeminiPlugin,
     HybridParallelPlugin,
@@ -89,25 +90,41 @@ def _cases_worker(rank, world, cases):
     return {case: _train(case) for case in cases}
 
 
-def _save_worker(rank, world, save_dir):
-    colossalai.launch_from_torch()
-    booster = Booster(plugin=LowLevelZeroPlugin(stage=2, precision="fp32"))
-    model = tiny_gpt()
+def _boosted(plugin, seed: int = 0):
+    booster = Booster(plugin=plugin)
+    model = tiny_gpt(seed=seed)
     model, optimizer, *_ = booster.boost(model, HybridAdam(model.parameters(), **OPTIMIZER))
-    batch = token_batches(1, GLOBAL_BATCH)[0]
+    return booster, model, optimizer
+
+
+def _step(booster, model, optimizer, batch) -> None:
     booster.backward(model(batch, batch), optimizer)
     optimizer.step()
+    optimizer.zero_grad()
+
+
+def _save_worker(rank, world, save_dir):
+    colossalai.launch_from_torch()
+    booster, model, optimizer = _boosted(LowLevelZeroPlugin(stage=2, precision="fp32"))
+    batches = token_batches(3, GLOBAL_BATCH)
+    for batch in batches[:2]:
+        _step(booster, model, optimizer, batch)
     saved = {n: t.clone() for n, t in model.engine.full_state_dict().items()}
-    # a quarter MiB per shard: the 0.9 MB model spans several files
-    booster.save_model(model, save_dir, shard=True, size_per_shard=0.25, use_safetensors=True)
-    fresh = Booster(plugin=LowLevelZeroPlugin(stage=2, precision="fp32"))
-    other = tiny_gpt(seed=5)
-    other, other_optimizer, *_ = fresh.boost(other, HybridAdam(other.parameters(), **OPTIMIZER))
-    fresh.load_model(other, save_dir)
+    # a quarter MiB per shard: the 0.9 MB model spans several files, and its optimizer states more
+    booster.save_model(model, f"{save_dir}/model", shard=True, size_per_shard=0.25, use_safetensors=True)
+    booster.save_optimizer(optimizer, f"{save_dir}/optim", shard=True, size_per_shard=0.25)
+    fresh, other, other_optimizer = _boosted(LowLevelZeroPlugin(stage=2, precision="fp32"), seed=5)
+    fresh.load_model(other, f"{save_dir}/model")
     loaded = other.engine.full_state_dict()
-    fresh.backward(other(batch, batch), other_optimizer)  # a step from the loaded weights (its masters followed them)
-    other_optimizer.step()
-    return saved, loaded, other.engine.full_state_dict()
+    # the same step from the loaded weights and optimizer states, and under tensor parallelism (resharded)
+    fresh.load_optimizer(other_optimizer, f"{save_dir}/optim")
+    tp, tp_model, tp_optimizer = _boosted(HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32"), seed=7)
+    tp.load_model(tp_model, f"{save_dir}/model")
+    tp.load_optimizer(tp_optimizer, f"{save_dir}/optim")
+    for engine in (booster, model, optimizer), (fresh, other, other_optimizer), (tp, tp_model, tp_optimizer):
+        _step(*engine, batches[2])
+    return saved, loaded, {name: m.engine.full_state_dict() for name, m in
+                           (("original", model), ("loaded", other), ("tensor_parallel", tp_model))}
 
 
 def _reference(case: str):
@@ -150,19 +167,35 @@ def test_each_plugin_trains_like_plain_pytorch_on_the_whole_batches():
                     msg=lambda m, n=name, c=case: f"{c} {n}: {m}")
 
 
-def test_a_model_saved_sharded_loads_into_a_freshly_boosted_one(tmp_path):
-    saved, loaded, stepped = run_distributed(_save_worker, WORLD, args=(str(tmp_path),), timeout_s=180)[0]
-    index = tmp_path / "model.safetensors.index.json"
-    assert index.exists() and len(list(tmp_path.glob("model-*.safetensors"))) > 1
+def test_a_model_and_its_optimizer_saved_sharded_load_into_freshly_boosted_ones(tmp_path):
+    """The weights load exactly; the optimizer file holds plain PyTorch's AdamW states in its numbering; a step after
+    loading both equals the step the saving run takes (exactly in the same layout, 1e-4 under tensor parallelism)."""
+    saved, loaded, stepped = run_distributed(_save_worker, WORLD, args=(str(tmp_path),), timeout_s=240)[0]
+    assert (tmp_path / "model" / "model.safetensors.index.json").exists()
+    assert len(list((tmp_path / "model").glob("model-*.safetensors"))) > 1
+    assert (tmp_path / "optim" / "pytorch_optim.bin.index.json").exists()
+    assert (tmp_path / "optim" / "pytorch_optim_group.bin").exists()
+    assert len(list((tmp_path / "optim").glob("pytorch_optim-*.bin"))) > 1
+    assert not list(tmp_path.glob("*.tiers-staging"))
     assert saved.keys() == loaded.keys()
     for name in saved:
         torch.testing.assert_close(loaded[name], saved[name], rtol=0, atol=0)
-    reference = tiny_gpt(seed=5)  # plain PyTorch from the saved weights, with a fresh AdamW, as the fresh boost
-    reference.load_state_dict(saved)
-    batch = token_batches(1, GLOBAL_BATCH)[0]
-    train_reference(reference, [batch], lambda ps: torch.optim.AdamW(ps, **OPTIMIZER))
-    for name, ref in param_snapshot(reference).items():
-        torch.testing.assert_close(stepped[name], ref, rtol=FP32_RTOL * 10, atol=1e-6, msg=name)
+    reference = tiny_gpt()  # plain PyTorch's two steps: the states the file must hold, by torch's numbering
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), **OPTIMIZER)
+    train_reference(reference, token_batches(3, GLOBAL_BATCH)[:2], lambda ps: reference_optimizer)
+    expected = reference_optimizer.state_dict()
+    state, groups = load_optimizer_file(str(tmp_path / "optim"))
+    assert [g["params"] for g in groups] == [g["params"] for g in expected["param_groups"]]
+    assert groups[0]["lr"] == OPTIMIZER["lr"] and tuple(groups[0]["betas"]) == OPTIMIZER["betas"]
+    assert state.keys() == expected["state"].keys()
+    for pid, states in expected["state"].items():
+        assert float(state[pid]["step"]) == float(states["step"]) == 2.0
+        for kind in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[pid][kind], states[kind], rtol=FP32_RTOL * 10, atol=1e-9,
+                                       msg=f"{pid} {kind}")
+    for name, value in stepped["original"].items():
+        torch.testing.assert_close(stepped["loaded"][name], value, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(stepped["tensor_parallel"][name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def _refusal_worker(rank, world):

@@ -36,8 +36,11 @@ class OptimizerWrapper:
     """The boosted optimizer: the engine's backward, step and zero_grad; its param_groups are the engine
     optimizer's (a scheduler built on the optimizer the script passed drives them)."""
 
-    def __init__(self, engine, max_norm: float):
+    def __init__(self, engine, max_norm: float, client_groups: list[tuple[list[str], dict]] | None = None):
+        """client_groups: the script's optimizer's param groups as (parameter names, options), the numbering of
+        ColossalAI's optimizer files (booster.save_optimizer / load_optimizer)."""
         self.engine, self.optim, self.max_norm = engine, engine.optimizer, max_norm
+        self.client_groups = client_groups or []
 
     @property
     def param_groups(self):

@@ -3,12 +3,17 @@ the boosted model and optimizer drive it (engine.compat.colossalai.interface).""
 
 from __future__ import annotations
 
+import shutil
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.checkpoint.whole_states import read_whole_states
 from engine.compat.colossalai.booster.checkpoint_io import load_state_dict, save_state_dict
 from engine.compat.colossalai.booster.client_optimizer import as_config_optimizer
+from engine.compat.colossalai.booster.optimizer_io import load_optimizer_file, save_optimizer_file
+from engine.compat.colossalai.booster.optimizer_states import colossalai_states, tiers_states
 from engine.compat.colossalai.booster.plugin.dp_plugin_base import DPPluginBase
 from engine.compat.colossalai.booster.plugin.torch_ddp_plugin import TorchDDPPlugin
 from engine.compat.colossalai.interface import ModelWrapper, OptimizerWrapper
@@ -69,6 +74,9 @@ class Booster:
             refuse("boost(model) without an optimizer (an engine for inference only)",
                    "pass the optimizer the model trains with, or run the unboosted model under torch.no_grad()")
         self.plugin.check_model(model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        client_groups = [([names[id(p)] for p in g["params"] if id(p) in names],
+                          {k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
         config = {**self.plugin.tiers_config(), **self.precision,
                   "train_micro_batch_size_per_gpu": _batch_size(dataloader), "gradient_accumulation_steps": 1}
         section = as_config_optimizer(optimizer, model)
@@ -83,8 +91,8 @@ class Booster:
             engine = initialize(model, config, optimizer=optimizer)
         if lr_scheduler is not None:  # stepped by the script, so the engine is not given it
             scheduler_for_engine(lr_scheduler)(engine.optimizer)
-        return (ModelWrapper(engine), OptimizerWrapper(engine, self.plugin.max_norm), criterion, dataloader,
-                lr_scheduler)
+        return (ModelWrapper(engine), OptimizerWrapper(engine, self.plugin.max_norm, client_groups), criterion,
+                dataloader, lr_scheduler)
 
     def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:
         optimizer.backward(loss)
@@ -118,14 +126,34 @@ class Booster:
         """Every rank reads the state dict and loads it into the model, the engine's fp32 masters following."""
         _engine_of(model).load_full_state_dict(load_state_dict(checkpoint), strict=strict)
 
-    def save_optimizer(self, optimizer, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
-                       prefix: str | None = None, size_per_shard: int = 1024, use_async: bool = False) -> None:
-        refuse("booster.save_optimizer in this release of engine.compat.colossalai",
-               "save the whole training state with model.engine.save_checkpoint(dir) and load it with "
-               "model.engine.load_checkpoint(dir)")
+    def save_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str, shard: bool = False,
+                       gather_dtensor: bool = True, prefix: str | None = None, size_per_shard: int = 1024,
+                       use_async: bool = False) -> None:
+        """The optimizer's states whole, numbered as the script's optimizer numbers its parameters, written by rank 0
+        in ColossalAI's format (one file, or a sharded directory with its index); every rank must call it. The
+        states are gathered through a Tiers checkpoint written beside `checkpoint` and removed after (Note [whole
+        optimizer states])."""
+        if use_async:
+            refuse("booster.save_optimizer(use_async=True)", "save with use_async=False")
+        staging = checkpoint.rstrip("/") + ".tiers-staging"
+        path = optimizer.engine.save_checkpoint(staging, tag="optimizer", save_latest=False)
+        optimizer.engine.wait_for_checkpoint()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            state, groups = colossalai_states(read_whole_states(path), optimizer)
+            save_optimizer_file(state, groups, checkpoint, shard, size_per_shard, prefix)
+            shutil.rmtree(staging)
+        if dist.is_initialized():
+            dist.barrier()
 
-    def load_optimizer(self, optimizer, checkpoint: str, low_cpu_mem_mode: bool = True, num_threads: int = 1) -> None:
-        self.save_optimizer(optimizer, checkpoint)
+    def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str, low_cpu_mem_mode: bool = True,
+                       num_threads: int = 1) -> None:
+        """Every rank reads a ColossalAI optimizer file (or sharded directory) and loads its piece of each state;
+        the param groups' options (lr, betas, eps, weight_decay) follow."""
+        state, groups = load_optimizer_file(checkpoint)
+        whole, options = tiers_states(state, groups, optimizer)
+        optimizer.engine.load_whole_optimizer_states(whole)
+        for group, saved in zip(optimizer.param_groups, options):
+            group.update(saved)
 
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
         if not dist.is_initialized() or dist.get_rank() == 0:
