@@ -185,9 +185,11 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.Proce
 def exchange_with(tensor: torch.Tensor, peer_group_rank: int, group: dist.ProcessGroup | None,
                   counter: CommCounter) -> torch.Tensor:
     """The peer's tensor of `tensor`'s shape, for this rank's (each sends its own to the other; the peer calls it
-    with this rank). A rank that is its own peer keeps its tensor."""
+    with this rank): a new tensor, also on a rank that is its own peer (a copy). The group must have run a
+    collective before (NCCL builds a group's communicator at its first collective, in which every rank takes part;
+    a pair's exchange cannot be that first use)."""
     if dist.get_group_rank(group, dist.get_rank()) == peer_group_rank:
-        return tensor
+        return tensor.clone(memory_format=torch.contiguous_format)
     counter.p2p_bytes += tensor.numel() * tensor.element_size()
     peer = dist.get_global_rank(group, peer_group_rank)
     received = torch.empty_like(tensor, memory_format=torch.contiguous_format)

@@ -376,7 +376,8 @@ def test_2d_plans_refuse_a_layer_left_whole_and_1d_styles():
     with pytest.raises(ValueError,
                        match=r"plan\['lm_head'\]: style 'colwise' is not a 2d style; choose from linear_2d"):
         apply_tensor_parallel(model, {**GPT_2D_USER_PLAN, "lm_head": "colwise"}, MESH.whole, mesh=MESH)
-    with pytest.raises(ValueError, match=r"\(mode \"2d\"\): cannot split Sequential: '0' gets its input whole"):
+    with pytest.raises(ValueError,
+                       match=r"\(mode \"2d\", \"2.5d\" or \"3d\"\): cannot split Sequential: '0' gets its input whole"):
         apply_tensor_parallel(nn.Sequential(nn.Linear(4, 4)), "auto", MESH.whole, mesh=MESH)
     with pytest.raises(ValueError, match=r"style \"norm_2d\" is for nn.LayerNorm, nn.RMSNorm or a Hugging Face "
                                          r"\*RMSNorm, but 'wte' is a Embedding"):

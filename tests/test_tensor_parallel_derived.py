@@ -357,7 +357,8 @@ def test_a_derived_2d_plan_maps_every_layer_and_refuses_what_2d_cannot_split():
             ("batch_mean", r"the forward mixes the samples of its batch, which 2D cuts into 2 blocks before it runs: "
                            r"mean reduces over the split dim \(in the model's own forward\)")):
         model = _TinyLM(variant)
-        with pytest.raises(ValueError, match=r"plan \"auto\" \(mode \"2d\"\): cannot split _TinyLM: " + message):
+        grids = r"plan \"auto\" \(mode \"2d\", \"2.5d\" or \"3d\"\)"
+        with pytest.raises(ValueError, match=grids + r": cannot split _TinyLM: " + message):
             apply_tensor_parallel(model, "auto", MESH.whole, mesh=MESH)
         assert isinstance(model.fc, nn.Linear), variant  # nothing changed
 

@@ -11,6 +11,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from engine import initialize
 from engine.config import load_config
@@ -28,7 +30,7 @@ from tests.reference import (
     trained_params,
 )
 from tests.test_data_parallel import adamw
-from tests.test_tensor_parallel import TP_RTOL, check_against_reference, tp_config, train_tp
+from tests.test_tensor_parallel import GLOBAL_BATCH, STEPS, TP_RTOL, check_against_reference, tp_config, train_tp
 
 WORLD = 8
 GRIDS = {"2.5d": 2, "3d": 1}  # mode -> depth: 2 grids of 2×2, a 2×2×2 cube
@@ -36,6 +38,36 @@ GRIDS = {"2.5d": 2, "3d": 1}  # mode -> depth: 2 grids of 2×2, a 2×2×2 cube
 CASES = [("2.5d", "gpt2", "auto"), ("2.5d", "llama", "auto"), ("3d", "gpt2", "auto"), ("3d", "llama8", "auto"),
          ("2.5d", "gpt2", "derived"), ("3d", "gpt2", "derived")]
 CHAIN_STEPS, CHAIN_BATCH = 8, 8
+
+
+class InplaceLM(nn.Module):
+    """A bias-free linear layer right after the embedding, then an in-place ReLU on its output: under 3D the linear
+    layer's output is this rank's own tensor (not a view of a larger buffer), which an in-place op may change."""
+
+    def __init__(self, seed: int = 0, vocab: int = 64, width: int = 32):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, width)
+        self.up = nn.Linear(width, 4 * width, bias=False)
+        self.act = nn.ReLU(inplace=True)
+        self.down = nn.Linear(4 * width, width)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        return self.head(self.norm(h + self.down(self.act(self.up(h)))))
+
+
+def inplace_loss(model, x: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+
+
+def _inplace_worker(rank: int) -> tuple:
+    engine = initialize(InplaceLM(seed=rank), grid_config("3d"))  # ranks seeded apart: the plan makes them agree
+    losses, _ = train_engine(engine, token_batches(STEPS, GLOBAL_BATCH, vocab=64), 0, 1, 1, loss_fn=inplace_loss)
+    return losses, engine.full_state_dict()
 
 
 def grid_config(mode: str, plan: str = "auto", tp: int = WORLD, dp: int = 1) -> dict:
@@ -62,6 +94,11 @@ def _chain_worker(rank: int, root: str) -> dict:
         saved = engine.full_state_dict()
         if leg == len(legs) - 1:
             out["params"] = trained_params(engine)
+        if mode == "2.5d":  # the grids hold the same pieces (the joined weights read grid 0's only)
+            depth = engine.mesh.tp_depth
+            pieces = [p.detach().clone() for p in engine.module.parameters()]
+            out["grids_agree"] = all(torch.equal(*gathered) for gathered in
+                                     (_gathered(p, depth.group, depth.size) for p in pieces))
         engine.close()
     return out
 
@@ -76,6 +113,12 @@ def _axes_worker(rank: int) -> dict:
     return out
 
 
+def _gathered(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
 def _grids_worker(rank, world, root):
     """Every case of this file in one group of 8: start-up, not the cases, dominates their time."""
     results = {"axes": _axes_worker(rank)}
@@ -85,11 +128,13 @@ def _grids_worker(rank, world, root):
         except Exception as e:
             raise RuntimeError(f"case {mode} {model} {plan} failed on rank {rank}") from e
     results["chain"] = _chain_worker(rank, root)
+    results["inplace"] = _inplace_worker(rank)
     return results
 
 
 @pytest.fixture(scope="module")
 def grid_results(tmp_path_factory) -> dict:
+    pytest.importorskip("transformers")
     root = str(tmp_path_factory.mktemp("grids"))
     per_rank = run_distributed(_grids_worker, WORLD, args=(root,), timeout_s=420)
     return {name: [rank_results[name] for rank_results in per_rank] for name in per_rank[0]}
@@ -112,7 +157,6 @@ def test_the_grid_axes_are_the_rows_columns_depths_and_cube_lines_the_layout_say
 def test_grid_trains_like_one_process(grid_results, mode, model, plan):
     """Losses, gradient norms (clipped at 1.0: the norm counts every grid's piece once) and the joined weights,
     and every rank holds 1/q² (2.5D, the same pieces in both grids) or 1/q³ (3D) of the weights."""
-    pytest.importorskip("transformers")
     results = grid_results[(mode, model, plan)]
     check_against_reference(model, results, WORLD, WORLD, "2d", share=4 if mode == "2.5d" else 8)
 
@@ -131,6 +175,7 @@ def test_a_checkpoint_moves_between_1d_3d_25d_and_2d_and_training_goes_on(grid_r
     for rank, out in enumerate(grid_results["chain"]):
         for mode in ("3d", "2.5d", "2d"):
             assert out[f"{mode}_loaded_exactly"], f"rank {rank}: the weights loaded under {mode} differ"
+        assert out["grids_agree"], f"rank {rank}: the 2.5D grids hold different pieces after training"
     for leg, mode in enumerate(("1d", "3d", "2.5d", "2d")):
         per_rank = [out[mode] for out in grid_results["chain"]]
         mean = [sum(losses[i] for losses in per_rank) / WORLD for i in range(2)]  # each dp group's, averaged
@@ -162,3 +207,15 @@ def test_the_estimate_traces_a_grid_rank_with_its_share_of_the_weights(tp, share
 def test_configs_that_make_no_grid_or_compose_with_what_is_not_built_are_refused(tp, extra, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         load_config({"train_micro_batch_size_per_gpu": 8, "tensor_parallel": tp, **extra})
+
+
+def test_an_in_place_op_on_a_3d_linear_layers_output_trains_like_one_process(grid_results):
+    """A derived 3D plan on a model whose first layer after the embedding is a bias-free linear layer followed by
+    an in-place ReLU (ranks (i, j, j) keep their own piece of its output)."""
+    net = InplaceLM()
+    losses, _ = train_reference(net, token_batches(STEPS, GLOBAL_BATCH, vocab=64), adamw, clip=1.0,
+                                loss_fn=inplace_loss)
+    expected = param_snapshot(net)
+    for rank_losses, full in grid_results["inplace"]:
+        assert_close_relative(rank_losses, losses, rtol=TP_RTOL)
+        assert_params_close({k: full[k] for k in expected}, expected, rtol=TP_RTOL)

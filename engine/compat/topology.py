@@ -27,8 +27,8 @@ class Topology:
     tp_group: dist.ProcessGroup | None = None  # None: no tensor parallelism (tp_size 1)
     tp_size: int = 1
     tp_rank: int = 0
-    tp_row_group: dist.ProcessGroup | None = None  # 2D only: this rank's row of the q×q mesh
-    tp_col_group: dist.ProcessGroup | None = None  # 2D only: this rank's column
+    tp_row_group: dist.ProcessGroup | None = None  # 2D, 2.5D: this rank's row of its q×q mesh; 3D: its plane
+    tp_col_group: dist.ProcessGroup | None = None  # 2D, 2.5D: this rank's column; 3D: its i axis
     # every rank, gloo, for checkpoint control messages only (Note [checkpoint commit]): a group of its own,
     # so a background save never interleaves its collectives with training's; None in one process
     control_group: dist.ProcessGroup | None = None
@@ -109,8 +109,9 @@ class Topology:
 
     @classmethod
     def from_environment(cls, device: torch.device | None = None, tp_size: int = 1, tp_mode: str = "1d",
-                         pp_size: int = 1, sp_size: int = 1, ep_size: int = 1, shard_size: int = 0) -> "Topology":
-        return cls.of_mesh(start_mesh(device, tp_size, tp_mode, pp_size, sp_size, ep_size, shard_size))
+                         pp_size: int = 1, sp_size: int = 1, ep_size: int = 1, shard_size: int = 0,
+                         tp_depth: int = 1) -> "Topology":
+        return cls.of_mesh(start_mesh(device, tp_size, tp_mode, pp_size, sp_size, ep_size, shard_size, tp_depth))
 
     @classmethod
     def of_mesh(cls, mesh: Mesh) -> "Topology":

@@ -4,7 +4,8 @@ Note [global norm under tensor parallelism]
 The global gradient norm sums every parameter's squared gradient once. A tensor-parallel shard is
 a disjoint part of its parameter, so its squares are summed over the tp ranks; a replicated
 parameter (layer norms, biases after a row-parallel layer, position embeddings) has the same
-gradient on every tp rank, so each rank counts it with weight 1/tp before the same sum.
+gradient on every tp rank, so each rank counts it with weight 1/tp before the same sum. Under 2.5D
+every piece is held by each of the `depth` grids, with the same (summed) gradient: weight 1/depth.
 """
 
 from __future__ import annotations

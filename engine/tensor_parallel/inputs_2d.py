@@ -23,7 +23,7 @@ import inspect
 import torch
 from torch import nn
 
-from engine.tensor_parallel.mappings_2d import Mesh2D, batch_block
+from engine.tensor_parallel.mappings_2d import batch_block
 
 PER_SAMPLE = ("attention_mask", "position_ids", "token_type_ids")
 BROADCAST = ("position_ids", "token_type_ids")  # may come without a batch: [seq] or [1, seq]
@@ -33,7 +33,8 @@ NOT_SPLIT = ("inputs_embeds", "encoder_hidden_states", "encoder_attention_mask")
 class BatchInputs2D:
     """A forward pre-hook (with kwargs) cutting `model`'s per-sample inputs to batch block r of `mesh`."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh2D):
+    def __init__(self, model: nn.Module, mesh):
+        """mesh: the grid (a Mesh2D, 2.5D's included, or a Mesh3D): its batch blocks."""
         self.mesh = mesh
         params = inspect.signature(model.forward).parameters.values()
         self.positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -44,14 +45,15 @@ class BatchInputs2D:
         named.update(kwargs)
         given = [name for name in NOT_SPLIT if named.get(name) is not None]
         if given:
-            raise ValueError(f"2D tensor parallelism cuts the batch at the token ids, and {given[0]} is given: it "
-                             f"cannot be split into the 2D blocks; pass {self.ids_name} instead, or use "
+            mode = self.mesh.mode.upper()
+            raise ValueError(f"{mode} tensor parallelism cuts the batch at the token ids, and {given[0]} is given: it "
+                             f"cannot be split into the {mode} blocks; pass {self.ids_name} instead, or use "
                              f"tensor_parallel.mode \"1d\"")
         ids = named.get(self.ids_name)
         if not isinstance(ids, torch.Tensor) or ids.dim() == 0:
-            raise ValueError(f"2D tensor parallelism cuts the batch at the token ids, the forward's first argument "
-                             f"{self.ids_name!r}, which is {type(ids).__name__}; pass the token ids [batch, ...] "
-                             f"there")
+            raise ValueError(f"{self.mesh.mode.upper()} tensor parallelism cuts the batch at the token ids, the "
+                             f"forward's first argument {self.ids_name!r}, which is {type(ids).__name__}; pass the "
+                             f"token ids [batch, ...] there")
         batch = ids.shape[0]
         named[self.ids_name] = batch_block(ids, self.mesh, self.ids_name)
         for name in PER_SAMPLE:
@@ -62,8 +64,8 @@ class BatchInputs2D:
                 continue
             if value.dim() < 2 or value.shape[0] != batch:
                 raise ValueError(f"{name} of shape {list(value.shape)} does not have the batch of the token ids "
-                                 f"{self.ids_name} ({batch}), so 2D tensor parallelism cannot cut it to the same "
-                                 f"samples; pass it as [batch, ...] with the ids' batch")
+                                 f"{self.ids_name} ({batch}), so {self.mesh.mode.upper()} tensor parallelism cannot "
+                                 f"cut it to the same samples; pass it as [batch, ...] with the ids' batch")
             named[name] = batch_block(value, self.mesh, name)
         positional = tuple(named.pop(name) for name in self.positional[:len(args)]) + tuple(args[len(self.positional):])
         return positional, named

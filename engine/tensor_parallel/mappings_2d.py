@@ -135,13 +135,16 @@ class _Summa(torch.autograd.Function):
             reduce_sum_to(part_x, k, mesh.row.group, mesh.row.counter)
             if mesh.c == k:
                 grad_x = part_x
+            if not ctx.needs_input_grad[1]:  # a frozen weight: no gradient, and no collective for it
+                continue
             x_k = _block_from(x, k, mesh.row).to(grad_y.dtype)  # X[r, k]
             rows_x = x_k.reshape(-1, x_k.shape[-1])
             part_w = rows_x.t() @ rows_y if transposed else rows_y.t() @ rows_x  # X[r, k]ᵀ dY[r, c], down the column
             reduce_sum_to(part_w, k, mesh.col.group, mesh.col.counter)
             if mesh.r == k:
                 grad_w = part_w
-        sum_over_replicas(grad_w, mesh)
+        if grad_w is not None:
+            sum_over_replicas(grad_w, mesh)
         return grad_x, grad_w, None, None
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from engine.comm import exchange_with, reduce_scatter_sum_in_place
+from engine.grid_shapes import grid_side
 from engine.tensor_parallel.mappings import TPGroup, gather_along
 from engine.tensor_parallel.mappings_2d import autocast_both, autocast_off
 from engine.tensor_parallel.shards import BlockSpec3D, PieceSpec3D
@@ -49,14 +50,18 @@ class Mesh3D:
 
     @classmethod
     def of(cls, whole: TPGroup, groups: dict[str, dist.ProcessGroup | None]) -> "Mesh3D":
-        """The cube of the q³-rank tp group `whole` from its "plane", "i", "j" and "k" groups (engine/mesh.py)."""
-        q = round(whole.size ** (1 / 3))
+        """The cube of the q³-rank tp group `whole` from its "plane", "i", "j" and "k" groups (engine/mesh.py). Runs
+        one collective over the plane (every rank of the tp group calls it), which the exchange needs first."""
+        q = grid_side(whole.size, "3d")
         i, plane = divmod(whole.rank, q * q)
         j, k = divmod(plane, q)
 
         def group(name: str, size: int, rank: int) -> TPGroup:
             return TPGroup(groups[name], size, rank, whole.counter)
-        return cls(q, group("plane", q * q, plane), group("i", q, i), group("j", q, j), group("k", q, k), whole)
+        mesh = cls(q, group("plane", q * q, plane), group("i", q, i), group("j", q, j), group("k", q, k), whole)
+        if groups["plane"] is not None:
+            dist.barrier(group=groups["plane"])  # the plane's communicator, before a pair exchanges over it
+        return mesh
 
     mode = "3d"
     depth = None
@@ -140,11 +145,14 @@ class _CubeMatmul(torch.autograd.Function):
         mesh, transposed = ctx.mesh, ctx.transposed
         grad_y = exchange_with(grad_y.contiguous(), mesh.partner, mesh.row.group, mesh.row.counter)
         block_grad = _gather_last(grad_y, mesh.j, ctx.parts)  # dY's output block k
-        block_x = gather_along(x, mesh.k, x.dim() - 1).to(grad_y.dtype)
-        block_w = gather_along(weight, mesh.col, 0 if transposed else 1).to(grad_y.dtype)
-        partial_x = block_grad @ (block_w.t() if transposed else block_w)  # summed over k
-        grad_x = _reduce_scatter_along(partial_x, mesh.k, partial_x.dim() - 1)
-        rows_x, rows_grad = block_x.reshape(-1, block_x.shape[-1]), block_grad.reshape(-1, block_grad.shape[-1])
-        partial_w = rows_x.t() @ rows_grad if transposed else rows_grad.t() @ rows_x  # summed over i
-        grad_w = _reduce_scatter_along(partial_w, mesh.col, 0 if transposed else 1)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            block_w = gather_along(weight, mesh.col, 0 if transposed else 1).to(grad_y.dtype)
+            partial_x = block_grad @ (block_w.t() if transposed else block_w)  # summed over k
+            grad_x = _reduce_scatter_along(partial_x, mesh.k, partial_x.dim() - 1)
+        if ctx.needs_input_grad[1]:  # (a frozen weight: no gradient, and no collective for it)
+            block_x = gather_along(x, mesh.k, x.dim() - 1).to(grad_y.dtype)
+            rows_x, rows_grad = block_x.reshape(-1, block_x.shape[-1]), block_grad.reshape(-1, block_grad.shape[-1])
+            partial_w = rows_x.t() @ rows_grad if transposed else rows_grad.t() @ rows_x  # summed over i
+            grad_w = _reduce_scatter_along(partial_w, mesh.col, 0 if transposed else 1)
         return grad_x, grad_w, None, None, None

@@ -286,13 +286,13 @@ def _parallel_layer(name: str, module: nn.Module, style: str, tp: TPGroup, share
 
 
 def _check_all_placed(model: nn.Module, replaced: dict[str, nn.Module]) -> None:
-    """Under 2D a layer left whole would meet activations split [batch/q, seq, hidden/q]: refuse it."""
+    """Under 2D (2.5D, 3D) a layer left whole would meet activations split [batch/q, seq, hidden/q]: refuse it."""
     for name, module in model.named_modules():
         inside = any(name == r or name.startswith(r + ".") for r in replaced)
         if not inside and any(True for _ in module.parameters(recurse=False)):
-            raise ValueError(f"tensor_parallel.plan (2d): module {name!r} ({type(module).__name__}) holds parameters "
-                             f"but has no 2D style; under 2D every activation is split [batch/q, seq, hidden/q], so "
-                             f"give it one of {', '.join(STYLES['2d'])}")
+            raise ValueError(f"tensor_parallel.plan (2d, 2.5d, 3d): module {name!r} ({type(module).__name__}) holds "
+                             f"parameters but has no 2D style; on these grids every activation is split by batch and "
+                             f"hidden, so give it one of {', '.join(STYLES['2d'])}")
 
 
 def _layer_2d(name: str, module: nn.Module, style: str, mesh: Grid, shared: dict) -> nn.Module:

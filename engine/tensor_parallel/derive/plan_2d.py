@@ -60,9 +60,10 @@ def kind_2d(module: nn.Module) -> str | None:
 
 
 def _refuse(cls: str, what: str) -> ValueError:
-    return ValueError(f"tensor_parallel.plan \"auto\" (mode \"2d\"): cannot split {cls}: {what}; under 2D every "
-                      f"activation is split [batch/q, seq, hidden/q] and every layer with parameters too, so give "
-                      f"tensor_parallel.plan as {{module-name glob: style}}, or use tensor_parallel.mode \"1d\"")
+    return ValueError(f"tensor_parallel.plan \"auto\" (mode \"2d\", \"2.5d\" or \"3d\"): cannot split {cls}: {what}; "
+                      f"on these grids every activation is split by batch and hidden, and every layer with "
+                      f"parameters too, so give tensor_parallel.plan as {{module-name glob: style}}, or use "
+                      f"tensor_parallel.mode \"1d\"")
 
 
 class Propagation2D(Propagation):
