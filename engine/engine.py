@@ -307,12 +307,8 @@ class Engine(ParallelCoordinates, DeepSpeedNames):
         """The model's whole state dict (keys as full_state_dict's, the same on every rank; every rank must call
         this) into its parameters and buffers, the fp32 masters taking the values whole rather than the 16-bit
         parameters' rounding of them. Key and shape errors are raised before anything is copied. Under tensor
-        parallelism each rank takes its part of every whole tensor (Note [whole optimizer states]); not yet under
-        expert or pipeline parallelism."""
-        if self.mesh.pp.size > 1 or self.mesh.ep.size > 1:
-            raise ValueError("load_full_state_dict under pipeline or expert parallelism is not built yet: load the "
-                             "weights before initialize (initialize(weights=...)), or use save_checkpoint / "
-                             "load_checkpoint")
+        parallelism each rank takes its part of every whole tensor (Note [whole optimizer states]); not yet where a
+        rank holds only part of the model's tensors (pipeline stages, experts in a module list)."""
         if self.features.joins_state_dict:
             self._saver.wait()
             load_whole_weights(self._saver.state, state, strict)
@@ -347,11 +343,8 @@ class Engine(ParallelCoordinates, DeepSpeedNames):
     def load_whole_optimizer_states(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
         """Optimizer states given whole, by parameter name ({name: {"exp_avg": ..., "exp_avg_sq": ..., "step": ...}},
         another framework's optimizer file) into this engine's chunks, each rank its piece (Note [whole optimizer
-        states]); `engine.checkpoint.whole_states.read_whole_states` reads them out of a checkpoint. Not yet under
-        expert or pipeline parallelism."""
-        if self.mesh.pp.size > 1 or self.mesh.ep.size > 1:
-            raise ValueError("load_whole_optimizer_states under pipeline or expert parallelism is not built yet: use "
-                             "save_checkpoint / load_checkpoint")
+        states]); `engine.checkpoint.whole_states.read_whole_states` reads them out of a checkpoint. Not yet where a
+        rank holds only part of the model's tensors (pipeline stages, experts in a module list)."""
         self._saver.wait()
         load_whole_states(self._saver.state, states)
 

@@ -15,12 +15,15 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import MultiStepLR
 
+from engine.compat.colossalai.booster.checkpoint_io import load_state_dict
+from engine.compat.colossalai.booster.optimizer_io import load_optimizer_file
 from engine.launcher import LaunchError, make_plan, node_commands
 from engine.launcher.colossalai_args import ColossalAIRun, colossalai_options
 from engine.launcher.commands import SHIM_DIR
 from engine.topology import free_port
+from tests.colossalai_style_gpt_model import LR, STEPS, GPTLMLoss, gpt2_tiny, token_batch
 from tests.colossalai_style_model import LEARNING_RATE, Net, trainset
-from tests.reference import FP32_RTOL, assert_close_relative, step_masters
+from tests.reference import FP32_RTOL, assert_close_relative, assert_params_close, step_masters
 from tests.test_deepspeed_launch import _child_env
 from tests.test_mixed_precision import LOSS_RTOL, WEIGHT_RTOL
 
@@ -152,3 +155,58 @@ def test_a_colossalai_script_runs_unchanged_and_each_plugin_trains_like_plain_py
         for key in saved:
             torch.testing.assert_close(reloaded[key], saved[key], rtol=0, atol=0)
         assert seen["lr"] == seen["trained_lr"] == [LEARNING_RATE * 0.5]
+
+
+GPT_SCRIPT = REPO / "tests" / "colossalai_style_gpt.py"
+GPT_PLANS = {"CAI_TP2": 1e-4, "CAI_ZeRO2": FP32_RTOL}  # the demo's --distplan -> the tolerance against one process
+
+
+def _gpt_reference():
+    """Plain PyTorch: the demo's GPTLMModel, GPTLMLoss and AdamW with clipping at 1.0 on the same batches; the
+    losses, the weights and the AdamW states (torch's numbering) after the last step."""
+    model = gpt2_tiny()
+    criterion = GPTLMLoss()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses = []
+    for step in range(STEPS):
+        ids = token_batch(step)
+        loss = criterion(model(ids, torch.ones_like(ids)), ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.named_parameters()}, optimizer.state_dict()
+
+
+def test_a_train_gpt_demo_shaped_script_runs_unchanged_with_tensor_parallelism_and_zero(tmp_path):
+    """HybridParallelPlugin(tp_size=2) and LowLevelZeroPlugin(stage=2) on a LazyInitContext-built Hugging Face GPT-2:
+    losses and saved weights equal plain PyTorch; the sharded optimizer file holds torch's AdamW states; a freshly
+    boosted model loads both and holds the same weights and optimizer states."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "result.pt"
+    cmd = [sys.executable, "-m", "engine.cli", "launch", "--as-colossalai", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(GPT_SCRIPT), "--distplan", ",".join(GPT_PLANS), "--checkpoint",
+           str(tmp_path / "ckpt"), "--out", str(out)]
+    run = subprocess.run(cmd, cwd=tmp_path, env={**_child_env(tmp_path), "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = torch.load(out, weights_only=False)
+    ref_losses, ref_params, ref_optimizer = _gpt_reference()
+    for plan, rtol in GPT_PLANS.items():
+        assert_close_relative(results[plan]["losses"], ref_losses, rtol=rtol)
+        directory = tmp_path / "ckpt" / plan
+        saved = load_state_dict(str(directory / "model"))
+        # near-zero biases: Adam's step on a near-zero gradient turns the last bits of the clipping coefficient (the
+        # norm summed in another order) into up to ~2e-6 here, so an absolute floor of lr / 100
+        assert_params_close({k: saved[k] for k in ref_params}, ref_params, rtol=rtol, atol=LR / 100)
+        state, groups = load_optimizer_file(str(directory / "optimizer"))
+        assert [g["params"] for g in groups] == [g["params"] for g in ref_optimizer["param_groups"]]
+        for pid, expected in ref_optimizer["state"].items():
+            assert_params_close({k: state[pid][k] for k in ("exp_avg", "exp_avg_sq")},
+                                {k: expected[k] for k in ("exp_avg", "exp_avg_sq")}, rtol=rtol)
+        reloaded = torch.load(directory / "model_reloaded.bin", weights_only=True)
+        assert all(torch.equal(reloaded[k], saved[k]) for k in saved)
+        reloaded_state, _ = load_optimizer_file(str(directory / "optimizer_reloaded.bin"))
+        assert reloaded_state.keys() == state.keys()
+        assert all(torch.equal(reloaded_state[p][k], state[p][k]) for p in state for k in state[p])

@@ -44,6 +44,7 @@ def read_whole_states(directory: str) -> WholeStates:
 def load_whole_states(run: TrainingState, whole: WholeStates) -> None:
     """`whole` into the live optimizer: this rank's piece of each state, checked first (Note [whole optimizer
     states])."""
+    _refuse_parts(run, whole, "load_whole_optimizer_states")
     placements = run.placements()
     states = run.live_states(placements)
     tensors = _live_tensor_states(states)
@@ -69,6 +70,15 @@ def load_whole_states(run: TrainingState, whole: WholeStates) -> None:
                 loaded[j] = out
         if not states.offloaded:
             states.install_optimizer_states(loaded)
+
+
+def _refuse_parts(run: TrainingState, names, call: str) -> None:
+    """Where this rank holds only part of the model's tensors (another holds some of `names`): not built yet."""
+    elsewhere = sorted(n for n in names if run.features.held_elsewhere(n))
+    if elsewhere:
+        raise ValueError(f"{call}: this rank holds part of the model ({elsewhere[0]} is another rank's: pipeline "
+                         "stages, experts), which loading whole tensors does not build yet; use save_checkpoint / "
+                         "load_checkpoint")
 
 
 def _live_tensor_states(states) -> list[str]:
@@ -110,14 +120,15 @@ def _pieces(states, whole: WholeStates, tensors: list[str], placements) -> dict[
 
 def load_whole_weights(run: TrainingState, state: dict[str, torch.Tensor], strict: bool) -> None:
     """A whole model's state dict into the live chunks and extras of this rank, each its placement's piece; keys
-    another rank holds (another stage's, other experts) are skipped. strict: every key this rank holds is given."""
+    strict: every key this rank holds is given."""
+    _refuse_parts(run, state, "load_full_state_dict")
     placements = run.placements()
     states = run.live_states(placements)
     members = {m.name: m for j in range(len(states)) for m in states.members(j)}
     extras, aliases = extra_entries(run.module, run.chunked)  # aliases: a tied weight's other keys, loaded once
     held = set(members) | set(extras)
     missing = sorted(held - set(state) - {aliases.get(k, k) for k in state})
-    unexpected = sorted(k for k in set(state) - held - set(aliases) if not run.features.held_elsewhere(k))
+    unexpected = sorted(set(state) - held - set(aliases))
     if strict and (missing or unexpected):
         raise ValueError(f"load_model: the state dict does not fit the model: missing {missing[:5] or 'none'}, "
                          f"unexpected {unexpected[:5] or 'none'}; load the same model's weights, or strict=False")
