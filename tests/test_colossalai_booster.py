@@ -245,3 +245,48 @@ def test_the_warmup_cosine_schedule_is_colossalais():
         scheduler.step()
     assert rates[:3] == pytest.approx([0.05, 0.1, 0.1])
     assert rates[4] == pytest.approx(0.01 + 0.09 * 0.5) and rates[6] == pytest.approx(0.01)
+
+
+def _lora_model(seed: int = 0):
+    """Hugging Face GPT-2 with PEFT's LoRA on its attention projections (A drawn after the seed, B zero)."""
+    import peft
+
+    from tests.test_tensor_parallel import build
+    model = build("gpt2", seed=seed)
+    torch.manual_seed(seed + 1)
+    return model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0)
+
+
+def _lora_worker(rank, world):
+    colossalai.launch_from_torch()
+    booster = Booster(plugin=LowLevelZeroPlugin(stage=2, precision="fp32"))
+    model, config = _lora_model()
+    model = booster.enable_lora(model, lora_config=config)
+    optimizer = HybridAdam(model.parameters(), **OPTIMIZER)  # as ColossalAI's LoRA examples: every parameter
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    losses = []
+    for batch in token_batches(STEPS, GLOBAL_BATCH):
+        loss = model(input_ids=batch, labels=batch).loss  # every rank the whole batch
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    trained = {n for n, p in model.unwrap().named_parameters() if p.requires_grad}
+    return losses, model.engine.full_state_dict(), trained
+
+
+def test_enable_lora_trains_the_adapter_like_plain_peft():
+    pytest.importorskip("peft")
+    import peft
+
+    losses, full, trained = run_distributed(_lora_worker, WORLD, timeout_s=180)[0]
+    base, config = _lora_model()
+    reference = peft.get_peft_model(base, config)
+    expected = {n for n, p in reference.named_parameters() if p.requires_grad}
+    assert trained == expected and all("lora_" in n for n in trained)
+    ref_losses, _ = train_reference(reference, token_batches(STEPS, GLOBAL_BATCH),
+                                    lambda ps: torch.optim.AdamW([p for p in ps if p.requires_grad], **OPTIMIZER),
+                                    loss_fn=lambda m, x: m(input_ids=x, labels=x).loss)
+    assert_close_relative(losses, ref_losses)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=FP32_RTOL * 10, atol=1e-6, msg=name)
