@@ -91,8 +91,8 @@ ROWS = (
         "Tiers' pipeline included"),
     Row("colossalai_api", "ColossalAI's Booster API: `from engine.compat import colossalai`, or scripts unchanged "
         "under `tiers launch --as-colossalai` (`colossalai run`'s arguments)", "TorchDDP, LowLevelZero, Gemini, "
-        "HybridParallel (tp, sp), MoeHybrid and TorchFSDP plugins, sharded model and optimizer files "
-        "([migrating](docs/migrating-from-colossalai.md)); not yet `execute_pipeline`"),
+        "HybridParallel (tp, sp, pp), MoeHybrid and TorchFSDP plugins, sharded model and optimizer files "
+        "([migrating](docs/migrating-from-colossalai.md)); pipelines through `execute_pipeline`"),
     Row("launcher", "multi-node launcher `tiers launch` (ssh, pdsh, slurm, local)",
         "done; ssh, pdsh, srun tested up to their command"),
     Row("tensorboard", "TensorBoard logging", "done"),

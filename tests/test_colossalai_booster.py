@@ -290,3 +290,47 @@ def test_enable_lora_trains_the_adapter_like_plain_peft():
     assert_close_relative(losses, ref_losses)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(full[name], value, rtol=FP32_RTOL * 10, atol=1e-6, msg=name)
+
+
+def _pipeline_worker(rank, world, style):
+    from tests.test_tensor_parallel import build
+    colossalai.launch_from_torch()
+    plugin = HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=2, precision="fp32", max_norm=1.0,
+                                  pp_style=style)
+    booster = Booster(plugin=plugin)
+    model = build("gpt2")
+    model, optimizer, *_ = booster.boost(model, HybridAdam(model.parameters(), **OPTIMIZER))
+    losses = []
+    for batch in token_batches(STEPS, GLOBAL_BATCH):
+        data_iter = iter([{"input_ids": batch, "labels": batch}])  # the step's whole batch, as a loader gives it
+        out = booster.execute_pipeline(data_iter, model, lambda outputs, inputs: outputs.loss, optimizer,
+                                       return_loss=True)
+        optimizer.step()  # as ColossalAI's scripts do after execute_pipeline
+        optimizer.zero_grad()
+        losses.append(out["loss"].item())
+    with torch.no_grad():
+        evaluated = booster.execute_pipeline(iter([{"input_ids": batch, "labels": batch}]), model,
+                                             lambda outputs, inputs: outputs.loss)["loss"].item()
+    return losses, model.engine.full_state_dict(), evaluated
+
+
+@pytest.mark.parametrize("style", ["1f1b", "zbv"])
+def test_execute_pipeline_trains_pipeline_stages_like_plain_pytorch(style):
+    """HybridParallelPlugin(pp_size=2, num_microbatches=2) on an unmodified Hugging Face GPT-2: execute_pipeline then
+    optimizer.step() / zero_grad() each step equal one process on the whole batch (clipped at 1.0); a forward-only
+    call under torch.no_grad() gives the next loss."""
+    pytest.importorskip("transformers")
+    from tests.test_tensor_parallel import build
+    results = run_distributed(_pipeline_worker, WORLD, args=(style,), timeout_s=180)
+    reference = build("gpt2")
+    batches = token_batches(STEPS, GLOBAL_BATCH)
+    loss_fn = lambda m, x: m(input_ids=x, labels=x).loss  # noqa: E731
+    ref_losses, _ = train_reference(reference, batches, lambda ps: torch.optim.AdamW(ps, **OPTIMIZER), clip=1.0,
+                                    loss_fn=loss_fn)
+    with torch.no_grad():
+        ref_eval = loss_fn(reference, batches[-1]).item()
+    for losses, full, evaluated in results:
+        assert_close_relative(losses, ref_losses)
+        assert_close_relative([evaluated], [ref_eval])
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(full[name], value, rtol=FP32_RTOL * 10, atol=1e-6, msg=name)

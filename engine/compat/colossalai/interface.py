@@ -41,6 +41,7 @@ class OptimizerWrapper:
         ColossalAI's optimizer files (booster.save_optimizer / load_optimizer)."""
         self.engine, self.optim, self.max_norm = engine, engine.optimizer, max_norm
         self.client_groups = client_groups or []
+        self._pipeline_stepped = False
 
     @property
     def param_groups(self):
@@ -60,10 +61,17 @@ class OptimizerWrapper:
         self.engine.backward(loss)
 
     def step(self, *args, **kwargs) -> None:
+        if self._pipeline_stepped:  # execute_pipeline updated the model already (Tiers' train_batch)
+            self._pipeline_stepped = False
+            return
         self.engine.step()
 
     def zero_grad(self, *args, **kwargs) -> None:
         self.engine.zero_grad()
+
+    def stepped_by_pipeline(self) -> None:
+        """execute_pipeline ran the step's update: the script's step() after it has nothing left to do."""
+        self._pipeline_stepped = True
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                           *args, **kwargs):

@@ -35,8 +35,36 @@ def _amp_section(mixed_precision) -> dict:
                      "fp8 (as in ColossalAI)")
 
 
-def _batch_size(dataloader) -> int:
-    return getattr(dataloader, "batch_size", None) or 1
+def _batch_size(dataloader) -> int | None:
+    return getattr(dataloader, "batch_size", None)
+
+
+class _Criterion:
+    """The loss function a pipelined engine calls on the last stage (loss_fn(output, micro-batch)): the criterion
+    execute_pipeline was last given, as ColossalAI calls it (criterion(outputs, inputs))."""
+
+    def __init__(self, criterion=None):
+        self.criterion = criterion
+
+    def __call__(self, output, micro_batch):
+        if self.criterion is None:
+            raise ValueError("execute_pipeline: pass the criterion (criterion(outputs, inputs) -> loss)")
+        return self.criterion(output, micro_batch)
+
+
+def _split_batch(batch, count: int) -> list:
+    """A step's batch (a tensor, or a dict of them) as `count` micro-batches along dim 0, as ColossalAI's schedule
+    cuts it."""
+    def parts(t: torch.Tensor) -> list:
+        if t.shape[0] % count:
+            raise ValueError(f"execute_pipeline: a batch of {t.shape[0]} does not split into {count} micro-batches")
+        return list(t.chunk(count, dim=0))
+    if isinstance(batch, torch.Tensor):
+        return parts(batch)
+    if isinstance(batch, dict):
+        cut = {k: parts(v) if isinstance(v, torch.Tensor) else [v] * count for k, v in batch.items()}
+        return [{k: v[i] for k, v in cut.items()} for i in range(count)]
+    raise TypeError(f"execute_pipeline: the data iterator gives {type(batch).__name__}; give a tensor or a dict")
 
 
 def _engine_of(model) -> object:
@@ -77,8 +105,9 @@ class Booster:
         names = {id(p): n for n, p in model.named_parameters()}
         client_groups = [([names[id(p)] for p in g["params"] if id(p) in names],
                           {k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
-        config = {**self.plugin.tiers_config(), **self.precision,
-                  "train_micro_batch_size_per_gpu": _batch_size(dataloader), "gradient_accumulation_steps": 1}
+        config = {**self.plugin.tiers_config(), **self.precision, **self.plugin.batch_section(_batch_size(dataloader))}
+        self._criterion = _Criterion(criterion) if self.plugin.pipelined else None
+        extra = {"loss_fn": self._criterion} if self._criterion is not None else {}
         section = as_config_optimizer(optimizer, model)
         if section is not None:
             config["optimizer"], groups = section
@@ -86,9 +115,9 @@ class Booster:
                 refuse(f"tp_size > 1 with an optimizer of {len(groups)} param groups (tensor parallelism replaces "
                        "the layers, and the groups would name the old parameters)",
                        "build the optimizer over model.parameters() in one group")
-            engine = initialize(model, config, model_parameters=groups)
+            engine = initialize(model, config, model_parameters=groups, **extra)
         else:
-            engine = initialize(model, config, optimizer=optimizer)
+            engine = initialize(model, config, optimizer=optimizer, **extra)
         if lr_scheduler is not None:  # stepped by the script, so the engine is not given it
             scheduler_for_engine(lr_scheduler)(engine.optimizer)
         return (ModelWrapper(engine), OptimizerWrapper(engine, self.plugin.max_norm, client_groups), criterion,
@@ -103,10 +132,28 @@ class Booster:
         engine = _engine_of(model) if model is not None else optimizer.engine
         return engine.no_sync()
 
-    def execute_pipeline(self, data_iter, model, criterion, optimizer=None, return_loss: bool = True,
-                         return_outputs: bool = False) -> dict:
-        refuse("booster.execute_pipeline", "train without pipeline stages through the Booster for now (pp_size=1), "
-               "or with a Tiers pipeline config and engine.train_batch")
+    def execute_pipeline(self, data_iter, model: ModelWrapper, criterion, optimizer: OptimizerWrapper | None = None,
+                         return_loss: bool = True, return_outputs: bool = False) -> dict:
+        """One step's batch from `data_iter` through the pipeline stages, cut into the plugin's micro-batches, each
+        loss criterion(outputs, micro-batch) on the last stage; with an optimizer, its backward and Tiers' update (the
+        script's optimizer.step() and zero_grad() after it do nothing more), without one the forwards alone under
+        torch.no_grad(). Returns {"loss": the micro-batches' mean loss (every rank), "outputs": None}."""
+        if not self.plugin.pipelined:
+            raise AssertionError("execute_pipeline needs a plugin with pp_size > 1 (as in ColossalAI)")
+        if return_outputs:
+            refuse("execute_pipeline(return_outputs=True)", "compute what the outputs are for inside the criterion")
+        engine = _engine_of(model)
+        self._criterion.criterion = criterion
+        batches = iter(_split_batch(next(data_iter), engine.gradient_accumulation_steps))
+        if optimizer is None:
+            if torch.is_grad_enabled():
+                raise AssertionError("execute_pipeline without an optimizer runs the forwards only: call it under "
+                                     "torch.no_grad() (as ColossalAI asks)")
+            loss = engine.eval_batch(batches)
+        else:
+            loss = engine.train_batch(batches)
+            optimizer.stepped_by_pipeline()
+        return {"loss": torch.tensor(loss) if return_loss else None, "outputs": None}
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def save_model(self, model: ModelWrapper, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,

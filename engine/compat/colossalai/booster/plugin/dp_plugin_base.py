@@ -110,6 +110,15 @@ class DPPluginBase:
     def tiers_config(self) -> dict:
         raise NotImplementedError
 
+    def batch_section(self, batch_size: int | None) -> dict:
+        """The config's batch keys for a loader of `batch_size` (None: no loader given): one micro-batch a step."""
+        return {"train_micro_batch_size_per_gpu": batch_size or 1, "gradient_accumulation_steps": 1}
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the model trains through Booster.execute_pipeline (pipeline stages)."""
+        return False
+
     def check_model(self, model: torch.nn.Module) -> None:
         """What the plugin cannot train as ColossalAI would, refused before the engine is built."""
 

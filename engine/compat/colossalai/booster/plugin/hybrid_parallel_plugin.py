@@ -1,5 +1,8 @@
-"""HybridParallelPlugin and MoeHybridParallelPlugin: tensor, sequence and expert parallelism with ZeRO 0-2 on Tiers'
-mesh (pipeline stages through execute_pipeline are not built in this layer yet, and refused).
+"""HybridParallelPlugin and MoeHybridParallelPlugin: tensor, sequence, expert and pipeline parallelism with ZeRO 0-2
+on Tiers' mesh. pp_size > 1 is Tiers' pipeline on the unmodified model (pipeline.stages, Note [pipeline stages of an
+unmodified model]), driven by Booster.execute_pipeline: pp_style "1f1b" and "interleaved" (num_model_chunks virtual
+stages) are Tiers' schedules of those names, "zbv" its zero-bubble schedule (the same gradients, another order);
+num_microbatches (or the batch over microbatch_size) is the step's gradient_accumulation_steps.
 
 sequence_parallelism_mode: "split_gather" is Megatron's sequence parallelism inside tensor parallelism
 (tensor_parallel.sequence_parallel), "all_to_all" Ulysses and "ring_attn" ring attention over sp_size ranks
@@ -42,6 +45,25 @@ def _sequence_sections(enabled: bool, mode: str | None, tp_size: int, sp_size: i
     return {"sequence_parallel": {"size": sp_size or 1, "mode": "ulysses" if mode == "all_to_all" else "ring"}}
 
 
+_SCHEDULES = {"1f1b": "1f1b", "interleaved": "interleaved", "zbv": "zero_bubble"}
+
+
+def _pipeline(plugin: str, pp_size: int, style: str, chunks: int, count: int | None, size: int | None) -> dict | None:
+    """The pipeline section and the micro-batching of pp_size > 1; None without stages."""
+    if pp_size == 1:
+        return None
+    if style not in _SCHEDULES:
+        raise ValueError(f"{plugin}: pp_style {style!r} is one of {', '.join(_SCHEDULES)}")
+    if (count is None) == (size is None):
+        raise ValueError(f"{plugin}(pp_size={pp_size}): give one of num_microbatches and microbatch_size")
+    if style != "interleaved" and chunks != 1 and style != "zbv":
+        raise ValueError(f"{plugin}: num_model_chunks {chunks} is for pp_style \"interleaved\"")
+    section = {"stages": pp_size, "schedule": _SCHEDULES[style]}
+    if style == "interleaved":
+        section["virtual_stages"] = chunks
+    return {"section": section, "num_microbatches": count, "microbatch_size": size}
+
+
 class HybridParallelPlugin(DPPluginBase):
     """DDP's bucket options and the ShardFormer kernel switches tune what Tiers replaces (its chunk reduction, its
     own layers), so they are accepted and change nothing; arguments that change what is trained are mapped or
@@ -65,10 +87,8 @@ class HybridParallelPlugin(DPPluginBase):
                  overlap_allgather: bool = False, fp8_communication: bool = False, use_fp8: bool = False,
                  inner_ring_size: int | None = None):
         given = locals()
-        if pp_size != 1:
-            refuse(f"{type(self).__name__}(pp_size={pp_size}) (pipeline stages through Booster.execute_pipeline)",
-                   "leave pp_size at 1 with this layer for now, or train pipeline stages with a Tiers config "
-                   "(pipeline.stages) and engine.train_batch")
+        self.pipeline = _pipeline(type(self).__name__, pp_size, pp_style, num_model_chunks, num_microbatches,
+                                  microbatch_size)
         refuse_changed(type(self).__name__, given, {
             "custom_policy": None, "gradient_checkpoint_config": None, "communication_dtype": None,
             "fp8_communication": False, "use_fp8": False, "inner_ring_size": None, "broadcast_buffers": True})
@@ -80,10 +100,11 @@ class HybridParallelPlugin(DPPluginBase):
         self.sections = _sequence_sections(enable_sequence_parallelism, sequence_parallelism_mode, tp_size, sp_size)
         super().__init__()
         self.tp_size, self.ep_size, self.zero_stage, self.cpu_offload = tp_size, 1, zero_stage, cpu_offload
+        self.pp_size = pp_size
         self.sp_size = self.sections.get("sequence_parallel", {}).get("size", 1)
-        if self.world_size % (tp_size * self.sp_size):
-            raise ValueError(f"{type(self).__name__}: tp_size {tp_size} × sp_size {self.sp_size} must divide the "
-                             f"world size {self.world_size}")
+        if self.world_size % (tp_size * self.sp_size * pp_size):
+            raise ValueError(f"{type(self).__name__}: tp_size {tp_size} × sp_size {self.sp_size} × pp_size {pp_size} "
+                             f"must divide the world size {self.world_size}")
         self.max_norm = max_norm
         scaling = LossScaling(initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
                               max_scale)
@@ -97,8 +118,30 @@ class HybridParallelPlugin(DPPluginBase):
             refuse_batch_norm(type(self).__name__, model, self.data_parallel()[0])
 
     def data_parallel(self) -> tuple[int, int]:
+        """(dp size, this rank's dp place) on Tiers' mesh: pp outermost, then dp, sp, tp (Note [one mesh])."""
         inner = self.tp_size * self.sp_size
-        return self.world_size // inner, self.rank // inner
+        dp = self.world_size // (inner * self.pp_size)
+        return dp, self.rank // inner % dp
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pipeline is not None
+
+    def batch_section(self, batch_size: int | None) -> dict:
+        """The batch keys: one micro-batch a step, or the pipeline's micro-batches of the step's batch."""
+        if self.pipeline is None:
+            return super().batch_section(batch_size)
+        count, size = self.pipeline["num_microbatches"], self.pipeline["microbatch_size"]
+        if count is None:
+            if batch_size is None:
+                raise ValueError(f"{type(self).__name__}(microbatch_size={size}): pass the dataloader to boost (its "
+                                 "batch size sets the micro-batch count), or give num_microbatches")
+            if batch_size % size:
+                raise ValueError(f"{type(self).__name__}: the batch size {batch_size} does not split into "
+                                 f"micro-batches of {size}")
+            count = batch_size // size
+        return {"train_micro_batch_size_per_gpu": size or max((batch_size or count) // count, 1),
+                "gradient_accumulation_steps": count}
 
     def tiers_config(self) -> dict:
         zero = {"stage": self.zero_stage}
@@ -112,6 +155,8 @@ class HybridParallelPlugin(DPPluginBase):
             config["sequence_parallel"] = self.sections["sequence_parallel"]
         if self.ep_size > 1:
             config["moe"] = {"expert_parallel_size": self.ep_size}
+        if self.pipeline is not None:
+            config["pipeline"] = self.pipeline["section"]
         return config
 
 
