@@ -7,10 +7,11 @@ keeps them per chunk, cut by tensor parallelism and sharded by ZeRO. Out: a chec
 with its placement (Note [checkpoint layout]), so its reader joins each state whole (`read_whole_states`). In: each
 rank takes its placement's piece of every whole state and writes the elements of its stepped range of each chunk,
 as a checkpoint load does (Note [reading a checkpoint anywhere]); a chunk's scalar states come from its first
-member. Whole weights (a state dict) load the same way into a model whose layers tensor, expert or pipeline
-parallelism split (`load_whole_weights`): the parameters into the stepped ranges (the fp32 masters), the buffers and
-frozen parameters whole or cut as their placements say, then the chunks gathered as after an update. Every name and
-shape is checked before anything is written.
+member. Whole weights (a state dict) load the same way into a model whose layers tensor parallelism split
+(`load_whole_weights`): the parameters into the stepped ranges (the fp32 masters), the buffers and frozen parameters
+whole or cut as their placements say, then the chunks gathered as after an update. Every name and shape is checked
+before anything is written. Where a rank holds only part of the model's tensors (pipeline stages, experts in a module
+list) both are refused for now.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Note [tensor-parallel grids]
   where 2D's backward leaves it: the legacy ColossalAI code cut the batch over the column only and left out
   that sum. The loss, the batch gather and the norm of the gradients count every grid's part once.
 - 3D (mode "3d", size q³): rank (i, j, k), row-major. An activation [batch, seq, hidden] is held as batch block
-  i and hidden piece j·q + k of q² (1/q³ of it); every parameter is a 1/q³ piece. Y = X W runs in four steps:
+  i and hidden piece j·q + k of q² (1/q³ of it); every parameter is a 1/q³ piece. Y = X W runs in five steps:
   gather X's pieces along k into input block j; gather W's block [input block j, output block k] along i
   (piece i is stored at (i, j, k)); multiply, a partial sum over j of Y's output block k; reduce-scatter it
   along j, leaving piece k·q + j at (i, j, k); exchange that with the rank (i, k, j), so that every rank holds

@@ -19,6 +19,7 @@ class ModelWrapper(nn.Module):
         super().__init__()
         self.engine = engine
         self.module = engine.module
+        self.pipeline_criterion = None  # under pipeline stages: the loss function execute_pipeline's criterion fills
 
     def forward(self, *args, **kwargs):
         return self.engine(*args, **kwargs)

@@ -106,8 +106,8 @@ class Booster:
         client_groups = [([names[id(p)] for p in g["params"] if id(p) in names],
                           {k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
         config = {**self.plugin.tiers_config(), **self.precision, **self.plugin.batch_section(_batch_size(dataloader))}
-        self._criterion = _Criterion(criterion) if self.plugin.pipelined else None
-        extra = {"loss_fn": self._criterion} if self._criterion is not None else {}
+        pipeline_criterion = _Criterion(criterion) if self.plugin.pipelined else None
+        extra = {"loss_fn": pipeline_criterion} if pipeline_criterion is not None else {}
         section = as_config_optimizer(optimizer, model)
         if section is not None:
             config["optimizer"], groups = section
@@ -120,8 +120,10 @@ class Booster:
             engine = initialize(model, config, optimizer=optimizer, **extra)
         if lr_scheduler is not None:  # stepped by the script, so the engine is not given it
             scheduler_for_engine(lr_scheduler)(engine.optimizer)
-        return (ModelWrapper(engine), OptimizerWrapper(engine, self.plugin.max_norm, client_groups), criterion,
-                dataloader, lr_scheduler)
+        boosted = ModelWrapper(engine)
+        boosted.pipeline_criterion = pipeline_criterion  # execute_pipeline's criterion goes here
+        return (boosted, OptimizerWrapper(engine, self.plugin.max_norm, client_groups), criterion, dataloader,
+                lr_scheduler)
 
     def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:
         optimizer.backward(loss)
@@ -143,7 +145,7 @@ class Booster:
         if return_outputs:
             refuse("execute_pipeline(return_outputs=True)", "compute what the outputs are for inside the criterion")
         engine = _engine_of(model)
-        self._criterion.criterion = criterion
+        model.pipeline_criterion.criterion = criterion
         batches = iter(_split_batch(next(data_iter), engine.gradient_accumulation_steps))
         if optimizer is None:
             if torch.is_grad_enabled():
