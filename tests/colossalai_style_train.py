@@ -68,15 +68,18 @@ def run(name, args, coordinator):
         lr_scheduler.step()
     saved_dir = f"{args.checkpoint}/{name}"
     booster.save_model(model, saved_dir, shard=True, size_per_shard=1, use_safetensors=True)
+    booster.save_optimizer(optimizer, f"{saved_dir}_optimizer", shard=True, size_per_shard=1)
     booster.save_lr_scheduler(lr_scheduler, f"{args.checkpoint}/{name}_lr_scheduler.pth")
     fresh = Booster(plugin=PLUGINS[name]())
     other = Net(seed=5)
     other_optimizer = HybridAdam(other.parameters(), lr=LEARNING_RATE)
     other_scheduler = MultiStepLR(other_optimizer, milestones=[1], gamma=0.5)
-    other, _, _, _, other_scheduler = fresh.boost(other, other_optimizer, lr_scheduler=other_scheduler)
+    other, other_optimizer, _, _, other_scheduler = fresh.boost(other, other_optimizer, lr_scheduler=other_scheduler)
     fresh.load_model(other, saved_dir)
+    fresh.load_optimizer(other_optimizer, f"{saved_dir}_optimizer")
     fresh.load_lr_scheduler(other_scheduler, f"{args.checkpoint}/{name}_lr_scheduler.pth")
     fresh.save_model(other, f"{saved_dir}_reloaded.pt")  # what the freshly boosted model holds now, in one file
+    fresh.save_optimizer(other_optimizer, f"{saved_dir}_optimizer_reloaded.pt")  # and its optimizer states
     return {"losses": losses, "lr": other_scheduler.get_last_lr(), "trained_lr": lr_scheduler.get_last_lr()}
 
 

@@ -154,6 +154,14 @@ def test_a_colossalai_script_runs_unchanged_and_each_plugin_trains_like_plain_py
         assert reloaded.keys() == saved.keys()
         for key in saved:
             torch.testing.assert_close(reloaded[key], saved[key], rtol=0, atol=0)
+        states, groups = load_optimizer_file(str(tmp_path / "ckpt" / f"{name}_optimizer"))
+        assert [g["params"] for g in groups] == [list(range(len(params)))]  # torch's numbering: one group
+        assert {float(s["step"]) for s in states.values()} == {float(EPOCHS * 32 // GLOBAL_BATCH)}
+        reloaded_states, _ = load_optimizer_file(str(tmp_path / "ckpt" / f"{name}_optimizer_reloaded.pt"))
+        assert reloaded_states.keys() == states.keys() == set(range(len(params)))
+        for pid, state in states.items():  # what the freshly boosted optimizer holds after loading: the same
+            for kind, value in state.items():
+                torch.testing.assert_close(reloaded_states[pid][kind], value, rtol=0, atol=0, msg=f"{name} {pid}")
         assert seen["lr"] == seen["trained_lr"] == [LEARNING_RATE * 0.5]
 
 
