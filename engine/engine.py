@@ -306,9 +306,9 @@ class Engine(ParallelCoordinates, DeepSpeedNames):
     def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """The model's whole state dict (keys as full_state_dict's, the same on every rank; every rank must call
         this) into its parameters and buffers, the fp32 masters taking the values whole rather than the 16-bit
-        parameters' rounding of them. Key and shape errors are raised before anything is copied. Under tensor
-        parallelism each rank takes its part of every whole tensor (Note [whole optimizer states]); not yet where a
-        rank holds only part of the model's tensors (pipeline stages, experts in a module list)."""
+        parameters' rounding of them. Key and shape errors are raised before anything is copied. Under tensor,
+        pipeline or expert parallelism each rank takes its part of the tensors it holds (Note [whole optimizer
+        states])."""
         if self.features.joins_state_dict:
             self._saver.wait()
             load_whole_weights(self._saver.state, state, strict)
@@ -343,8 +343,7 @@ class Engine(ParallelCoordinates, DeepSpeedNames):
     def load_whole_optimizer_states(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
         """Optimizer states given whole, by parameter name ({name: {"exp_avg": ..., "exp_avg_sq": ..., "step": ...}},
         another framework's optimizer file) into this engine's chunks, each rank its piece (Note [whole optimizer
-        states]); `engine.checkpoint.whole_states.read_whole_states` reads them out of a checkpoint. Not yet where a
-        rank holds only part of the model's tensors (pipeline stages, experts in a module list)."""
+        states]); `engine.checkpoint.whole_states.read_whole_states` reads them out of a checkpoint."""
         self._saver.wait()
         load_whole_states(self._saver.state, states)
 

@@ -292,36 +292,53 @@ def test_enable_lora_trains_the_adapter_like_plain_peft():
         torch.testing.assert_close(full[name], value, rtol=FP32_RTOL * 10, atol=1e-6, msg=name)
 
 
-def _pipeline_worker(rank, world, style):
+def _pipelined(style: str, seed: int = 0):
     from tests.test_tensor_parallel import build
-    colossalai.launch_from_torch()
     plugin = HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=2, precision="fp32", max_norm=1.0,
                                   pp_style=style)
     booster = Booster(plugin=plugin)
-    model = build("gpt2")
+    model = build("gpt2", seed=seed)
     model, optimizer, *_ = booster.boost(model, HybridAdam(model.parameters(), **OPTIMIZER))
-    losses = []
-    for batch in token_batches(STEPS, GLOBAL_BATCH):
-        data_iter = iter([{"input_ids": batch, "labels": batch}])  # the step's whole batch, as a loader gives it
-        out = booster.execute_pipeline(data_iter, model, lambda outputs, inputs: outputs.loss, optimizer,
-                                       return_loss=True)
-        optimizer.step()  # as ColossalAI's scripts do after execute_pipeline
-        optimizer.zero_grad()
-        losses.append(out["loss"].item())
+    return booster, model, optimizer
+
+
+def _pipeline_step(booster, model, optimizer, batch) -> float:
+    data_iter = iter([{"input_ids": batch, "labels": batch}])  # the step's whole batch, as a loader gives it
+    out = booster.execute_pipeline(data_iter, model, lambda outputs, inputs: outputs.loss, optimizer,
+                                   return_loss=True)
+    optimizer.step()  # as ColossalAI's scripts do after execute_pipeline
+    optimizer.zero_grad()
+    return out["loss"].item()
+
+
+def _pipeline_worker(rank, world, style, save_dir):
+    colossalai.launch_from_torch()
+    booster, model, optimizer = _pipelined(style)
+    batches = token_batches(STEPS, GLOBAL_BATCH)
+    losses = [_pipeline_step(booster, model, optimizer, batch) for batch in batches[:-1]]
+    # saved and loaded into a fresh boost of the same stages (each stage its own tensors), then both step on
+    booster.save_model(model, f"{save_dir}/model", shard=True, size_per_shard=0.25)
+    booster.save_optimizer(optimizer, f"{save_dir}/optimizer", shard=True, size_per_shard=0.25)
+    fresh, other, other_optimizer = _pipelined(style, seed=5)
+    fresh.load_model(other, f"{save_dir}/model")
+    fresh.load_optimizer(other_optimizer, f"{save_dir}/optimizer")
+    losses.append(_pipeline_step(booster, model, optimizer, batches[-1]))
+    loaded_loss = _pipeline_step(fresh, other, other_optimizer, batches[-1])
     with torch.no_grad():
-        evaluated = booster.execute_pipeline(iter([{"input_ids": batch, "labels": batch}]), model,
+        evaluated = booster.execute_pipeline(iter([{"input_ids": batches[-1], "labels": batches[-1]}]), model,
                                              lambda outputs, inputs: outputs.loss)["loss"].item()
-    return losses, model.engine.full_state_dict(), evaluated
+    return losses, model.engine.full_state_dict(), evaluated, loaded_loss, other.engine.full_state_dict()
 
 
 @pytest.mark.parametrize("style", ["1f1b", "zbv"])
-def test_execute_pipeline_trains_pipeline_stages_like_plain_pytorch(style):
+def test_execute_pipeline_trains_pipeline_stages_like_plain_pytorch(style, tmp_path):
     """HybridParallelPlugin(pp_size=2, num_microbatches=2) on an unmodified Hugging Face GPT-2: execute_pipeline then
     optimizer.step() / zero_grad() each step equal one process on the whole batch (clipped at 1.0); a forward-only
-    call under torch.no_grad() gives the next loss."""
+    call under torch.no_grad() gives the next loss; the model and optimizer saved before the last step and loaded
+    into a fresh boost (each stage its own tensors) take that step exactly as the saving run."""
     pytest.importorskip("transformers")
     from tests.test_tensor_parallel import build
-    results = run_distributed(_pipeline_worker, WORLD, args=(style,), timeout_s=180)
+    results = run_distributed(_pipeline_worker, WORLD, args=(style, str(tmp_path)), timeout_s=240)
     reference = build("gpt2")
     batches = token_batches(STEPS, GLOBAL_BATCH)
     loss_fn = lambda m, x: m(input_ids=x, labels=x).loss  # noqa: E731
@@ -329,8 +346,10 @@ def test_execute_pipeline_trains_pipeline_stages_like_plain_pytorch(style):
                                     loss_fn=loss_fn)
     with torch.no_grad():
         ref_eval = loss_fn(reference, batches[-1]).item()
-    for losses, full, evaluated in results:
+    for losses, full, evaluated, loaded_loss, loaded_full in results:
         assert_close_relative(losses, ref_losses)
         assert_close_relative([evaluated], [ref_eval])
+        assert loaded_loss == losses[-1]
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(full[name], value, rtol=FP32_RTOL * 10, atol=1e-6, msg=name)
+            torch.testing.assert_close(loaded_full[name], full[name], rtol=0, atol=0, msg=name)

@@ -11,6 +11,7 @@ from engine import initialize
 from engine.checkpoint.export import consolidate
 from engine.checkpoint.files import open_tensors
 from engine.checkpoint.reader import Checkpoint, PieceReader
+from engine.checkpoint.whole_states import read_whole_states
 from tests.distributed import run_distributed
 from tests.moe_models import hf_loss
 from tests.reference import assert_params_close, micro_batches
@@ -48,6 +49,20 @@ def _resume_worker(rank, world, name, stage, ep, directory):
     return engine.full_state_dict()
 
 
+def _whole_worker(rank, world, name, stage, ep, directory, weights):
+    """The checkpoint's weights as one whole state dict and its optimizer states whole by name (another framework's
+    files), loaded into an expert-parallel engine (each rank its experts), then the third step."""
+    model = BUILDERS[name]()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    engine = initialize(model, config(stage, ep))
+    engine.load_full_state_dict(weights)
+    engine.load_whole_optimizer_states(read_whole_states(f"{directory}/saved"))
+    _train(engine, name, rank, world, batches()[2:])
+    return engine.full_state_dict()
+
+
 def _states(directory: str, tag: str) -> dict[tuple[str, str], torch.Tensor]:
     """Every parameter's values and Adam moments, whole, as a checkpoint holds them."""
     checkpoint = Checkpoint(f"{directory}/{tag}")
@@ -80,5 +95,9 @@ def test_checkpoint_across_expert_parallel_sizes(tmp_path, name, stage, resume):
         whole.update({k: tensors.get_tensor(k) for k in tensors.keys()})
     params = {name: value for (name, kind), value in saved.items() if kind == "param"}
     assert params.keys() <= whole.keys()
-    for name, value in params.items():
-        assert torch.equal(whole[name], value), name
+    for key, value in params.items():
+        assert torch.equal(whole[key], value), key
+    # whole weights and whole optimizer states by name (Note [whole optimizer states]) into ep 2: the third step
+    # equals the uninterrupted run's
+    resumed = run_distributed(_whole_worker, 2, args=(name, stage, 2, directory, whole), timeout_s=240)[0]
+    assert_params_close(resumed, uninterrupted)

@@ -7,11 +7,11 @@ keeps them per chunk, cut by tensor parallelism and sharded by ZeRO. Out: a chec
 with its placement (Note [checkpoint layout]), so its reader joins each state whole (`read_whole_states`). In: each
 rank takes its placement's piece of every whole state and writes the elements of its stepped range of each chunk,
 as a checkpoint load does (Note [reading a checkpoint anywhere]); a chunk's scalar states come from its first
-member. Whole weights (a state dict) load the same way into a model whose layers tensor parallelism split
+member. Whole weights (a state dict) load the same way into a model however its layers are split
 (`load_whole_weights`): the parameters into the stepped ranges (the fp32 masters), the buffers and frozen parameters
 whole or cut as their placements say, then the chunks gathered as after an update. Every name and shape is checked
-before anything is written. Where a rank holds only part of the model's tensors (pipeline stages, experts in a module
-list) both are refused for now.
+before anything is written. A rank holding part of the model (a pipeline stage, some experts) takes the tensors it
+holds and leaves the others' to them.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ def read_whole_states(directory: str) -> WholeStates:
 def load_whole_states(run: TrainingState, whole: WholeStates) -> None:
     """`whole` into the live optimizer: this rank's piece of each state, checked first (Note [whole optimizer
     states])."""
-    _refuse_parts(run, whole, "load_whole_optimizer_states")
     placements = run.placements()
     states = run.live_states(placements)
     tensors = _live_tensor_states(states)
@@ -71,15 +70,6 @@ def load_whole_states(run: TrainingState, whole: WholeStates) -> None:
                 loaded[j] = out
         if not states.offloaded:
             states.install_optimizer_states(loaded)
-
-
-def _refuse_parts(run: TrainingState, names, call: str) -> None:
-    """Where this rank holds only part of the model's tensors (another holds some of `names`): not built yet."""
-    elsewhere = sorted(n for n in names if run.features.held_elsewhere(n))
-    if elsewhere:
-        raise ValueError(f"{call}: this rank holds part of the model ({elsewhere[0]} is another rank's: pipeline "
-                         "stages, experts), which loading whole tensors does not build yet; use save_checkpoint / "
-                         "load_checkpoint")
 
 
 def _live_tensor_states(states) -> list[str]:
@@ -121,15 +111,15 @@ def _pieces(states, whole: WholeStates, tensors: list[str], placements) -> dict[
 
 def load_whole_weights(run: TrainingState, state: dict[str, torch.Tensor], strict: bool) -> None:
     """A whole model's state dict into the live chunks and extras of this rank, each its placement's piece; keys
-    strict: every key this rank holds is given."""
-    _refuse_parts(run, state, "load_full_state_dict")
+    another rank holds (another stage's, other experts) are left to it. strict: every key this rank holds is given,
+    and every key given is held by some rank."""
     placements = run.placements()
     states = run.live_states(placements)
     members = {m.name: m for j in range(len(states)) for m in states.members(j)}
     extras, aliases = extra_entries(run.module, run.chunked)  # aliases: a tied weight's other keys, loaded once
     held = set(members) | set(extras)
     missing = sorted(held - set(state) - {aliases.get(k, k) for k in state})
-    unexpected = sorted(set(state) - held - set(aliases))
+    unexpected = sorted(k for k in set(state) - held - set(aliases) if not run.features.held_elsewhere(k))
     if strict and (missing or unexpected):
         raise ValueError(f"load_model: the state dict does not fit the model: missing {missing[:5] or 'none'}, "
                          f"unexpected {unexpected[:5] or 'none'}; load the same model's weights, or strict=False")

@@ -173,8 +173,7 @@ class Booster:
     def load_model(self, model: ModelWrapper, checkpoint: str, strict: bool = True, low_cpu_mem_mode: bool = True,
                    num_threads: int = 1) -> None:
         """Every rank reads the state dict and loads it into the model, the engine's fp32 masters following (under
-        tensor parallelism each rank its pieces)."""
-        self._refuse_experts("booster.load_model")
+        tensor, pipeline or expert parallelism each rank its pieces of the tensors it holds)."""
         _engine_of(model).load_full_state_dict(load_state_dict(checkpoint), strict=strict)
 
     def save_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str, shard: bool = False,
@@ -200,17 +199,11 @@ class Booster:
                        num_threads: int = 1) -> None:
         """Every rank reads a ColossalAI optimizer file (or sharded directory) and loads its piece of each state;
         the param groups' options (lr, betas, eps, weight_decay) follow."""
-        self._refuse_experts("booster.load_optimizer")
         state, groups = load_optimizer_file(checkpoint)
         whole, options = tiers_states(state, groups, optimizer)
         optimizer.engine.load_whole_optimizer_states(whole)
         for group, saved in zip(optimizer.param_groups, options):
             group.update(saved)
-
-    def _refuse_experts(self, call: str) -> None:
-        if getattr(self.plugin, "ep_size", 1) > 1:
-            refuse(f"{call} under expert parallelism (ep_size > 1)", "save and load the whole training state with "
-                   "model.engine.save_checkpoint(dir) / load_checkpoint(dir)")
 
     def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
         if not dist.is_initialized() or dist.get_rank() == 0:
