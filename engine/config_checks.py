@@ -32,6 +32,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError("batch size: gradient_accumulation_steps alone is not enough; "
                           "also set train_batch_size or train_micro_batch_size_per_gpu.")
     zero = cfg.zero_optimization
+    grid_problem = _grid_problem(cfg)
     checks = [
         (cfg.fp16.max_loss_scale > 0 and cfg.fp16.loss_scale > 0, "fp16.max_loss_scale", cfg.fp16.max_loss_scale,
          "caps a dynamic loss scale, and fp16.loss_scale sets a static one; remove one of them"),
@@ -88,7 +89,7 @@ def check_config(cfg: Config) -> None:
         (cfg.tensor_parallel.depth != 1 and cfg.tensor_parallel.mode != "2.5d", "tensor_parallel.depth",
          cfg.tensor_parallel.depth, f"is the number of grids of mode \"2.5d\", and the mode is "
          f"\"{cfg.tensor_parallel.mode}\"; remove it, or set mode \"2.5d\""),
-        (_grid_problem(cfg) is not None, "tensor_parallel.size", cfg.tensor_parallel.size, _grid_problem(cfg)),
+        (grid_problem is not None, "tensor_parallel.size", cfg.tensor_parallel.size, grid_problem),
         (cfg.memory.budget_bytes("device_margin") is not None and zero.placement != "auto", "memory.device_margin",
          cfg.memory.device_margin, "is the device memory placement \"auto\" keeps free, and placement is "
          "\"static\"; set zero_optimization.placement to \"auto\", or remove the key"),

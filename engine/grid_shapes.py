@@ -14,7 +14,8 @@ def grid_side(tp: int, mode: str, depth: int = 1) -> int:
     if mode == "2.5d":
         return math.isqrt(tp // max(depth, 1))
     if mode == "3d":
-        return next(q for q in range(tp, 0, -1) if q ** 3 <= tp) if tp > 1 else 1
+        q = round(tp ** (1 / 3))
+        return q if q ** 3 <= tp else q - 1
     return 1
 
 

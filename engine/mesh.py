@@ -201,8 +201,8 @@ class Mesh:
     device_mesh: DeviceMesh | None = None
     control_group: dist.ProcessGroup | None = None  # every rank, gloo, checkpoint control (Note [checkpoint commit])
 
-    AXES = ("world", "zero", "dp", "shard", "replicate", "edp", "pp", "tp", "sp", "ep", "tp_row", "tp_col", "tp_depth",
-            "tp_j", "tp_k")
+    GRID_AXES = ("tp_row", "tp_col", "tp_depth", "tp_j", "tp_k")  # 2D, 2.5D, 3D tensor parallelism's own groups
+    AXES = ("world", "zero", "dp", "shard", "replicate", "edp", "pp", "tp", "sp", "ep", *GRID_AXES)
 
     @classmethod
     def build(cls, dims: ParallelDims, device: torch.device | str, *, control: bool = False) -> "Mesh":
@@ -230,7 +230,7 @@ class Mesh:
         world = zero * tp * pp
         edp = zero // ep if ep > 1 else zero
         sizes = {"world": world, "zero": zero, "dp": zero // sp, "shard": zero, "replicate": 1, "edp": edp,
-                 "pp": pp, "tp": tp, "sp": sp, "ep": ep, **dict.fromkeys(cls.AXES[10:], 1)}
+                 "pp": pp, "tp": tp, "sp": sp, "ep": ep, **dict.fromkeys(cls.GRID_AXES, 1)}
         return cls(None, torch.device(device), **{name: Axis(None, 0, size) for name, size in sizes.items()})
 
     def sizes(self) -> dict[str, int]:

@@ -95,6 +95,13 @@ class LiveStates:
         placed = [(self.placements.get(name, Placement(name)), slot) for name, slot in named]
         return [Member(at.name, slot.offset, tuple(slot.shape), at.base, at.whole) for at, slot in placed]
 
+    def stepped_members(self, index: int) -> list[tuple[Member, int, int]]:
+        """The members of chunk `index` with elements in this rank's stepped range: (member, lo, hi), the range
+        [lo, hi) of chunk elements they hold there."""
+        start, n = self.stepped_range(index)
+        spans = [(m, max(start, m.offset), min(start + n, m.offset + m.numel)) for m in self.members(index)]
+        return [(m, lo, hi) for m, lo, hi in spans if lo < hi]
+
     def place(self, index: int) -> ShardPlace:
         """The ranks chunk `index` is reduced over and sharded across, and this rank's shard."""
         return self.chunked.states[index].place

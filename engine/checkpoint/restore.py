@@ -45,15 +45,10 @@ class LoadPlan:
         self.members: list[list[tuple[Member, int, int]]] = []  # per chunk: (member, lo, hi) in chunk elements
         live_names = set()
         for j in range(len(self.states)):
-            start, n = self.states.stepped_range(j)
-            mine = []
             for m in self.states.members(j):
                 live_names.add(m.name)
-                lo, hi = max(start, m.offset), min(start + n, m.offset + m.numel)
-                if lo < hi:
-                    mine.append((m, lo, hi))
                 self._check_shape(m.name, m.whole_shape)
-            self.members.append(mine)
+            self.members.append(self.states.stepped_members(j))
         extras, _ = extra_entries(run.module, run.chunked)
         # left out of an adapter-only save (exclude_frozen_parameters): the live frozen values stay
         self.extras = extras = {k: t for k, t in extras.items() if k not in checkpoint.excluded_frozen}

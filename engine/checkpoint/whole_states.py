@@ -53,15 +53,13 @@ def load_whole_states(run: TrainingState, whole: WholeStates) -> None:
     with torch.no_grad():
         for j in range(len(states)):
             start, n = states.stepped_range(j)
-            members = states.members(j)
             out = {kind: torch.zeros(n) for kind in tensors}
-            for m in members:
-                lo, hi = max(start, m.offset), min(start + n, m.offset + m.numel)
-                if lo < hi:
-                    a, b = m.span(lo, hi)
-                    for kind in tensors:
-                        out[kind][lo - start:hi - start].copy_(pieces[m.name][kind][a:b])
-            out["step"] = torch.as_tensor(whole[members[0].name]["step"], dtype=torch.float32).clone()
+            for m, lo, hi in states.stepped_members(j):
+                a, b = m.span(lo, hi)
+                for kind in tensors:
+                    out[kind][lo - start:hi - start].copy_(pieces[m.name][kind][a:b])
+            first = states.members(j)[0].name  # also when this rank's range of the chunk is only padding
+            out["step"] = torch.as_tensor(whole[first]["step"], dtype=torch.float32).clone()
             if states.offloaded:  # written in place, wherever the chunk lives
                 with states.optimizer_state(j, writes=True) as live:
                     for kind, value in out.items():
@@ -137,11 +135,10 @@ def load_whole_weights(run: TrainingState, state: dict[str, torch.Tensor], stric
         pieces[name] = piece
     with torch.no_grad():
         for j in range(len(states)):
-            start, n = states.stepped_range(j)
+            start, _ = states.stepped_range(j)
             with states.values(j, writes=True) as values:
-                for m in states.members(j):
-                    lo, hi = max(start, m.offset), min(start + n, m.offset + m.numel)
-                    if lo < hi and m.name in pieces:
+                for m, lo, hi in states.stepped_members(j):
+                    if m.name in pieces:
                         a, b = m.span(lo, hi)
                         values.narrow(0, lo - start, hi - lo).copy_(pieces[m.name].reshape(-1)[a:b])
         for key, tensor in extras.items():
